@@ -1,0 +1,44 @@
+"""Shared test fixtures: the read-only references in ../shared and the default models in the cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from mtpserve.default_models import DEFAULT_MODELS, model_path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("MTPSERVE_SHARED", REPO.parent / "shared"))
+FIXTURES = SHARED / "fixtures"
+TINYQWEN_QUANTS = ("F16", "Q8_0", "Q6_K", "Q4_K_M")
+
+
+def shared_path(*parts: str) -> Path:
+    """A path under ../shared, or a skip with the reason when that folder is absent."""
+    path = SHARED.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"{path} is absent: tests against llama.cpp's references need the shared/ folder next to the repo")
+    return path
+
+
+def default_model(key: str) -> Path:
+    """A default model from the cache. `make test` fetches them first and sets MTPSERVE_REQUIRE_MODELS=1,
+    so there a missing model is a failure; a bare `pytest` run skips instead."""
+    path = model_path(DEFAULT_MODELS[key])
+    if not path.exists():
+        reason = f"{path} is missing: run `make models` (mtpserve fetch-defaults) first"
+        if os.environ.get("MTPSERVE_REQUIRE_MODELS") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return path
+
+
+def tinyqwen_path(quant: str) -> Path:
+    return shared_path("fixtures", f"tinyqwen35-mtp-{quant}.gguf")
+
+
+@pytest.fixture(params=TINYQWEN_QUANTS)
+def tinyqwen(request) -> Path:
+    return tinyqwen_path(request.param)
