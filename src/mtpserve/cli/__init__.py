@@ -1,0 +1,29 @@
+"""The `mtpserve` command line: one subcommand per job, llama.cpp's flag names where they exist."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import __version__
+from ..gguf import GGUFError
+from . import fetch_defaults, inspect_model
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mtpserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"mtpserve {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    inspect_model.add_parser(subparsers)
+    fetch_defaults.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (GGUFError, FileNotFoundError, ValueError) as e:
+        # User-facing failures (bad file, missing model, bad option): one line, no traceback.
+        print(f"mtpserve {args.command}: error: {e}", file=sys.stderr)
+        return 1
