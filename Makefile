@@ -28,6 +28,7 @@ models: install
 
 bench: install models
 	$(PY) bench/dequant.py
+	$(PY) bench/tokenizer.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis

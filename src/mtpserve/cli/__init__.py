@@ -7,7 +7,7 @@ import sys
 
 from .. import __version__
 from ..gguf import GGUFError
-from . import fetch_defaults, inspect_model
+from . import fetch_defaults, inspect_model, tokenize
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     inspect_model.add_parser(subparsers)
     fetch_defaults.add_parser(subparsers)
+    tokenize.add_parser(subparsers)
     return parser
 
 
