@@ -16,8 +16,13 @@ test: install models
 
 install: $(STAMP)
 
+# The CPU kernels are C, compiled on first use: a machine without a compiler gets gcc from apt.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "mtpserve needs Python 3.11+, found " + sys.version' 
+	@command -v cc >/dev/null || command -v gcc >/dev/null || { echo "installing gcc for the CPU kernels"; \
+		$(SUDO) apt-get update && $(SUDO) apt-get install -y gcc libgomp1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -e '.[test]'
 	touch $@
@@ -29,6 +34,7 @@ models: install
 bench: install models
 	$(PY) bench/dequant.py
 	$(PY) bench/tokenizer.py
+	$(PY) bench/decode_cpu.py $(if $(LLAMA_BENCH),--llama-bench $(LLAMA_BENCH))
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis

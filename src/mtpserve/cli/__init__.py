@@ -7,7 +7,7 @@ import sys
 
 from .. import __version__
 from ..gguf import GGUFError
-from . import fetch_defaults, inspect_model, tokenize
+from . import fetch_defaults, generate, inspect_model, perplexity, tokenize
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_model.add_parser(subparsers)
     fetch_defaults.add_parser(subparsers)
     tokenize.add_parser(subparsers)
+    generate.add_parser(subparsers)
+    perplexity.add_parser(subparsers)
     return parser
 
 

@@ -6,10 +6,21 @@ Semantics: ../shared/spec/qwen35-architecture.md §7 (read from llama.cpp's gemm
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
+import numpy as np
+import torch
+
+from ..cache import KVCache
 from ..gguf import GGUFError, Metadata
+from ..ops.activations import geglu
+from ..ops.embedding import embedding
+from ..ops.linear import linear, linear_many
+from ..ops.norm import rms_norm
+from ..ops.rope import RopeTable, apply_rope
+from .base import CausalLM, ModelState, WeightStore, new_kv_caches, padded_context
 from .config import AttentionCacheSpec, CacheLayout, TensorSpec, common_hparams, lm_tensor_specs
 
 ARCH = "gemma3"
@@ -101,3 +112,92 @@ class Gemma3Config:
             for i, swa in enumerate(self.is_swa)
         )
         return CacheLayout(attention, ())
+
+
+# --- blocks -------------------------------------------------------------------------------------------
+
+
+class Attention:
+    """GQA attention with per-head q/k RMSNorm and full-width NeoX RoPE; sliding-window layers see only
+    the last `sliding_window` positions."""
+
+    def __init__(self, w: WeightStore, b: str, c: Gemma3Config) -> None:
+        self.c = c
+        self.wq, self.wk, self.wv = (w.matrix(f"{b}.attn_{n}.weight") for n in "qkv")
+        self.wo = w.matrix(f"{b}.attn_output.weight")
+        self.q_norm = w.dense(f"{b}.attn_q_norm.weight")
+        self.k_norm = w.dense(f"{b}.attn_k_norm.weight")
+        self.query_scale = float(np.float32(1.0) / np.sqrt(np.float32(c.head_dim)))
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache) -> torch.Tensor:
+        c, T = self.c, x.shape[0]
+        q, k, v = linear_many(x, (self.wq, self.wk, self.wv))
+        q = rms_norm(q.view(T, c.n_head, c.head_dim), self.q_norm, c.rms_eps)
+        k = rms_norm(k.view(T, c.n_head_kv, c.head_dim), self.k_norm, c.rms_eps)
+        v = v.view(T, c.n_head_kv, c.head_dim)
+        q, k = apply_rope(q, cos, sin, neox=True), apply_rope(k, cos, sin, neox=True)
+        kv.append(k, v)
+        # Gemma scales the query before attention (1/sqrt(head_dim)); the softmax scale is then 1.
+        o = kv.attend(q * self.query_scale, positions, 1.0)
+        return linear(o.reshape(T, -1), self.wo)
+
+
+class DecoderLayer:
+    """Norms on both sides of attention and of the FFN: x + post(attn(pre(x))), then the same for GeGLU."""
+
+    def __init__(self, w: WeightStore, i: int, c: Gemma3Config) -> None:
+        b = f"blk.{i}"
+        self.index, self.eps, self.sliding = i, c.rms_eps, c.is_swa[i]
+        self.attn_norm = w.dense(f"{b}.attn_norm.weight")
+        self.attn = Attention(w, b, c)
+        self.attn_post_norm = w.dense(f"{b}.post_attention_norm.weight")
+        self.ffn_norm = w.dense(f"{b}.ffn_norm.weight")
+        self.gate, self.up, self.down = (w.matrix(f"{b}.ffn_{n}.weight") for n in ("gate", "up", "down"))
+        self.ffn_post_norm = w.dense(f"{b}.post_ffw_norm.weight")
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]], state: ModelState) -> torch.Tensor:
+        cos, sin = ropes[self.sliding]
+        a = self.attn(rms_norm(x, self.attn_norm, self.eps), positions, cos, sin, state.kv[self.index])
+        x = x + rms_norm(a, self.attn_post_norm, self.eps)
+        h = rms_norm(x, self.ffn_norm, self.eps)
+        f = linear(geglu(*linear_many(h, (self.gate, self.up))), self.down)
+        return x + rms_norm(f, self.ffn_post_norm, self.eps)
+
+
+# --- model --------------------------------------------------------------------------------------------
+
+
+class Gemma3ForCausalLM(CausalLM):
+    def __init__(self, w: WeightStore, config: Gemma3Config) -> None:
+        c = self.config = config
+        self.token_embd = w.matrix("token_embd.weight")
+        # sqrt(n_embd) rounded to float32, as llama.cpp scales (not HF's bf16 value).
+        self.embed_scale = float(np.float32(math.sqrt(c.n_embd)))
+        self.rope_tables = {  # sliding-window layers have their own base
+            True: RopeTable(c.head_dim, c.rope_base_swa),
+            False: RopeTable(c.head_dim, c.rope_base, 1.0 / c.rope_scale),
+        }
+        self.layers = [DecoderLayer(w, i, c) for i in range(c.n_layer)]
+        self.output_norm = w.dense("output_norm.weight")
+        self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")
+
+    def new_state(self, ctx_size: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16") -> ModelState:
+        ctx = padded_context(ctx_size, self.config)
+        return ModelState(new_kv_caches(self.config, ctx, cache_type_k, cache_type_v, self.ubatch), capacity=ctx)
+
+    def forward(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
+        c = self.config
+        positions = torch.arange(state.n_past, state.n_past + len(tokens))
+        ropes = {swa: table.span(state.n_past, len(tokens)) for swa, table in self.rope_tables.items()}
+        x = embedding(self.token_embd, tokens) * self.embed_scale
+        for layer in self.layers:
+            x = layer(x, positions, ropes, state)
+        state.n_past += len(tokens)
+        return rms_norm(x, self.output_norm, c.rms_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = linear(hidden, self.output)
+        if self.config.final_logit_softcap:
+            cap = self.config.final_logit_softcap
+            logits = cap * torch.tanh(logits / cap)
+        return logits

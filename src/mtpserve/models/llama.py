@@ -10,7 +10,16 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+import torch
+
+from ..cache import KVCache
 from ..gguf import GGUFError, Metadata
+from ..ops.activations import swiglu_ffn
+from ..ops.embedding import embedding
+from ..ops.linear import linear, linear_many
+from ..ops.norm import rms_norm
+from ..ops.rope import RopeTable, apply_rope
+from .base import CausalLM, ModelState, WeightStore, new_kv_caches, padded_context
 from .config import AttentionCacheSpec, CacheLayout, TensorSpec, common_hparams, lm_tensor_specs
 
 ARCHES = ("llama", "qwen2", "qwen3")
@@ -94,3 +103,73 @@ class LlamaConfig:
 
     def cache_layout(self) -> CacheLayout:
         return CacheLayout(tuple(AttentionCacheSpec(i, self.n_head_kv, self.head_dim, self.head_dim) for i in range(self.n_layer)), ())
+
+
+# --- blocks -------------------------------------------------------------------------------------------
+
+
+class Attention:
+    """GQA attention with RoPE; optional q/k/v biases (qwen2) and per-head q/k RMSNorm (qwen3)."""
+
+    def __init__(self, w: WeightStore, b: str, c: LlamaConfig) -> None:
+        self.c = c
+        self.wq, self.wk, self.wv = (w.matrix(f"{b}.attn_{n}.weight") for n in "qkv")
+        self.wo = w.matrix(f"{b}.attn_output.weight")
+        self.bq, self.bk, self.bv = (w.dense(f"{b}.attn_{n}.bias") if c.qkv_bias else None for n in "qkv")
+        self.q_norm = w.dense(f"{b}.attn_q_norm.weight") if c.qk_norm else None
+        self.k_norm = w.dense(f"{b}.attn_k_norm.weight") if c.qk_norm else None
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache) -> torch.Tensor:
+        c, T = self.c, x.shape[0]
+        q, k, v = linear_many(x, (self.wq, self.wk, self.wv))
+        if self.bq is not None:  # qwen2: biases on q, k and v
+            q, k, v = q + self.bq, k + self.bk, v + self.bv
+        q, k, v = q.view(T, c.n_head, c.head_dim), k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
+        if c.qk_norm:
+            q, k = rms_norm(q, self.q_norm, c.rms_eps), rms_norm(k, self.k_norm, c.rms_eps)
+        q, k = apply_rope(q, cos, sin, c.rope_neox), apply_rope(k, cos, sin, c.rope_neox)
+        kv.append(k, v)
+        o = kv.attend(q, positions, c.head_dim**-0.5)
+        return linear(o.reshape(T, -1), self.wo)
+
+
+class DecoderLayer:
+    def __init__(self, w: WeightStore, i: int, c: LlamaConfig) -> None:
+        b = f"blk.{i}"
+        self.index, self.eps = i, c.rms_eps
+        self.attn_norm = w.dense(f"{b}.attn_norm.weight")
+        self.attn = Attention(w, b, c)
+        self.ffn_norm = w.dense(f"{b}.ffn_norm.weight")
+        self.gate, self.up, self.down = (w.matrix(f"{b}.ffn_{n}.weight") for n in ("gate", "up", "down"))
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: ModelState) -> torch.Tensor:
+        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), positions, cos, sin, state.kv[self.index])
+        h = rms_norm(x, self.ffn_norm, self.eps)
+        return x + swiglu_ffn(h, self.gate, self.up, self.down)
+
+
+# --- model --------------------------------------------------------------------------------------------
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, w: WeightStore, config: LlamaConfig) -> None:
+        c = self.config = config
+        self.token_embd = w.matrix("token_embd.weight")
+        self.layers = [DecoderLayer(w, i, c) for i in range(c.n_layer)]
+        self.output_norm = w.dense("output_norm.weight")
+        self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")
+        self.rope_table = RopeTable(c.n_rot, c.rope_base, 1.0 / c.rope_scale)
+
+    def new_state(self, ctx_size: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16") -> ModelState:
+        ctx = padded_context(ctx_size, self.config)
+        return ModelState(new_kv_caches(self.config, ctx, cache_type_k, cache_type_v), capacity=ctx)
+
+    def forward(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
+        c = self.config
+        positions = torch.arange(state.n_past, state.n_past + len(tokens))
+        cos, sin = self.rope_table.span(state.n_past, len(tokens))
+        x = embedding(self.token_embd, tokens)
+        for layer in self.layers:
+            x = layer(x, positions, cos, sin, state)
+        state.n_past += len(tokens)
+        return rms_norm(x, self.output_norm, c.rms_eps)

@@ -9,7 +9,20 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
+
+from ..cache import KVCache, RecurrentState
 from ..gguf import GGUFError, Metadata
+from ..ops.activations import swiglu_ffn
+from ..ops.conv import causal_conv1d
+from ..ops.embedding import embedding
+from ..ops.gated_delta import gated_delta_net_decode, gated_delta_rule_chunked
+from ..ops.linear import linear, linear_many
+from ..ops.norm import gated_rms_norm, l2_norm, rms_norm
+from ..ops.rope import RopeTable, apply_rope
+from ..quant.qtensor import QTensor
+from .base import CausalLM, ModelState, WeightStore, new_kv_caches, padded_context
 from .config import AttentionCacheSpec, CacheLayout, RecurrentStateSpec, TensorSpec, common_hparams, lm_tensor_specs
 
 ARCH = "qwen35"
@@ -164,3 +177,184 @@ class Qwen35Config:
         attention = tuple(kv(i) for i in range(self.n_layer) if not self.recurrent[i])
         return CacheLayout(attention, recurrent, tuple(kv(i) for i in self.mtp_layers()))
 
+
+
+# --- blocks -------------------------------------------------------------------------------------------
+
+
+class GatedAttention:
+    """Full attention whose output is gated per channel by sigmoid of a second query projection;
+    per-head RMSNorm on q and k before partial RoPE."""
+
+    def __init__(self, w: WeightStore, b: str, c: Qwen35Config) -> None:
+        self.c = c
+        self.wq = w.matrix(f"{b}.attn_q.weight")  # joint query + gate, [H, 2, hd] per token
+        self.wk = w.matrix(f"{b}.attn_k.weight")
+        self.wv = w.matrix(f"{b}.attn_v.weight")
+        self.wo = w.matrix(f"{b}.attn_output.weight")
+        self.q_norm = w.dense(f"{b}.attn_q_norm.weight")
+        self.k_norm = w.dense(f"{b}.attn_k_norm.weight")
+
+    def __call__(self, x: torch.Tensor, rope: Rope, kv: KVCache) -> torch.Tensor:
+        c, T = self.c, x.shape[0]
+        qg, k, v = linear_many(x, (self.wq, self.wk, self.wv))
+        qg = qg.view(T, c.n_head, 2, c.head_dim)
+        q, gate = qg[:, :, 0], qg[:, :, 1].reshape(T, -1)
+        k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
+        q = apply_rope(rms_norm(q, self.q_norm, c.rms_eps), rope.cos, rope.sin, neox=True)
+        k = apply_rope(rms_norm(k, self.k_norm, c.rms_eps), rope.cos, rope.sin, neox=True)
+        kv.append(k, v)
+        o = kv.attend(q, rope.positions, c.head_dim**-0.5).reshape(T, -1)
+        return linear(o * torch.sigmoid(gate), self.wo)
+
+
+class GatedDeltaNet:
+    """Linear attention with a gated delta-rule state: projections, short causal conv, L2-normed q/k,
+    the recurrence, and a gated RMSNorm on the output."""
+
+    def __init__(self, w: WeightStore, b: str, c: Qwen35Config) -> None:
+        self.c = c
+        self.w_qkv = w.matrix(f"{b}.attn_qkv.weight")  # q | k | v rows, V heads in tiled order
+        self.w_gate = w.matrix(f"{b}.attn_gate.weight")  # z
+        self.w_beta = w.matrix(f"{b}.ssm_beta.weight")
+        self.w_alpha = w.matrix(f"{b}.ssm_alpha.weight")
+        self.dt_bias = w.dense(f"{b}.ssm_dt.bias")
+        self.a = w.dense(f"{b}.ssm_a")  # already -exp(A_log)
+        self.conv_weight = w.dense(f"{b}.ssm_conv1d.weight")  # [conv_dim, d_conv]
+        self.norm = w.dense(f"{b}.ssm_norm.weight")
+        self.w_out = w.matrix(f"{b}.ssm_out.weight")
+
+    def __call__(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        c, T = self.c, x.shape[0]
+        projections = (self.w_qkv, self.w_gate, self.w_beta, self.w_alpha)
+        if T <= RECURRENT_MAX_TOKENS:  # decode, draft verification: the whole mixer in one kernel call
+            out, state.conv, state.ssm = gated_delta_net_decode(
+                x, projections, self.dt_bias, self.a, self.conv_weight, self.norm, self.w_out, state.conv, state.ssm,
+                c.n_k_heads, c.rms_eps,
+            )  # fmt: skip
+            return out
+        mixed, z, beta, alpha = linear_many(x, projections)  # mixed: [T, conv_dim]
+        z = z.view(T, c.n_v_heads, c.ssm_head_dim)
+        beta = torch.sigmoid(beta)  # [T, Hv]
+        g = self.a * F.softplus(alpha + self.dt_bias)  # log of the per-step decay
+        conv, state.conv = causal_conv1d(mixed, self.conv_weight, state.conv)
+        u = F.silu(conv)
+        q = l2_norm(u[:, : c.key_dim].view(T, c.n_k_heads, c.ssm_head_dim), c.rms_eps)
+        k = l2_norm(u[:, c.key_dim : 2 * c.key_dim].view(T, c.n_k_heads, c.ssm_head_dim), c.rms_eps)
+        v = u[:, 2 * c.key_dim :].view(T, c.n_v_heads, c.ssm_head_dim)
+        o, state.ssm = gated_delta_rule_chunked(q, k, v, g, beta, state.ssm)
+        return linear(gated_rms_norm(o, z, self.norm, c.rms_eps).reshape(T, -1), self.w_out)
+
+
+class SwiGLU:
+    def __init__(self, w: WeightStore, b: str) -> None:
+        self.gate = w.matrix(f"{b}.ffn_gate.weight")
+        self.up = w.matrix(f"{b}.ffn_up.weight")
+        self.down = w.matrix(f"{b}.ffn_down.weight")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu_ffn(x, self.gate, self.up, self.down)
+
+
+class DecoderLayer:
+    """Pre-norm block: x + mixer(norm(x)), then + FFN(norm(x)); the mixer is Gated DeltaNet or gated
+    attention. (`post_attention_norm` is the pre-FFN norm here.)"""
+
+    def __init__(self, w: WeightStore, i: int, c: Qwen35Config) -> None:
+        b = f"blk.{i}"
+        self.index, self.eps = i, c.rms_eps
+        self.recurrent = c.recurrent[i]
+        self.attn_norm = w.dense(f"{b}.attn_norm.weight")
+        self.mixer = GatedDeltaNet(w, b, c) if self.recurrent else GatedAttention(w, b, c)
+        self.ffn_norm = w.dense(f"{b}.post_attention_norm.weight")
+        self.ffn = SwiGLU(w, b)
+
+    def __call__(self, x: torch.Tensor, rope: Rope, state: ModelState) -> torch.Tensor:
+        h = rms_norm(x, self.attn_norm, self.eps)
+        if self.recurrent:
+            x = x + self.mixer(h, state.recurrent[self.index])
+        else:
+            x = x + self.mixer(h, rope, state.kv[self.index])
+        return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps))
+
+
+class MTPHead:
+    """The NextN block: from the embedding of token x_p and the trunk's final hidden state at p-1, one
+    attention block (with its own KV cache) predicts the token at p+1."""
+
+    def __init__(self, w: WeightStore, i: int, c: Qwen35Config, output: QTensor, output_norm: torch.Tensor) -> None:
+        b = f"blk.{i}.nextn"
+        self.c = c
+        self.eh_proj = w.matrix(f"{b}.eh_proj.weight")  # columns: [embedding | hidden]
+        self.enorm = w.dense(f"{b}.enorm.weight")
+        self.hnorm = w.dense(f"{b}.hnorm.weight")
+        self.embed = w.matrix(f"{b}.embed_tokens.weight") if w.has(f"{b}.embed_tokens.weight") else None
+        self.norm = w.dense(f"{b}.shared_head_norm.weight") if w.has(f"{b}.shared_head_norm.weight") else output_norm
+        self.head = w.matrix(f"{b}.shared_head_head.weight") if w.has(f"{b}.shared_head_head.weight") else output
+        self.block = DecoderLayer(w, i, c)
+
+
+# --- model --------------------------------------------------------------------------------------------
+
+RECURRENT_MAX_TOKENS = 8  # up to this many tokens (decode, draft verification) the step-by-step rule wins
+
+
+@dataclass
+class Rope:
+    positions: torch.Tensor  # [T]
+    cos: torch.Tensor  # [T, n_rot // 2]
+    sin: torch.Tensor
+
+
+class Qwen35ForCausalLM(CausalLM):
+    def __init__(self, w: WeightStore, config: Qwen35Config) -> None:
+        c = self.config = config
+        self.token_embd = w.matrix("token_embd.weight")
+        self.layers = [DecoderLayer(w, i, c) for i in range(c.n_layer)]
+        self.output_norm = w.dense("output_norm.weight")
+        self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")
+        self.mtp = [MTPHead(w, i, c, self.output, self.output_norm) for i in c.mtp_layers()]
+        self.rope_table = RopeTable(c.n_rot, c.rope_base, sections=c.rope_sections)
+
+    def rope(self, start: int, count: int) -> Rope:
+        cos, sin = self.rope_table.span(start, count)
+        return Rope(torch.arange(start, start + count), cos, sin)
+
+    def new_state(
+        self, ctx_size: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16", mtp: bool = False
+    ) -> ModelState:
+        """`mtp` also allocates the MTP block's KV cache (kept in `state.kv` under the block's index)."""
+        c = self.config
+        ctx = padded_context(ctx_size, c)
+        recurrent = {
+            i: RecurrentState.zeros(c.conv_dim, c.d_conv, c.n_v_heads, c.ssm_head_dim)
+            for i in range(c.n_layer)
+            if c.recurrent[i]
+        }
+        kv = new_kv_caches(c, ctx, cache_type_k, cache_type_v)
+        if mtp:
+            if not self.mtp:
+                raise ValueError("this model has no MTP block (nextn_predict_layers = 0)")
+            kv.update(new_kv_caches(c, ctx, cache_type_k, cache_type_v, mtp=True))
+        return ModelState(kv, recurrent, capacity=ctx)
+
+    def forward(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
+        x = embedding(self.token_embd, tokens)
+        rope = self.rope(state.n_past, len(tokens))
+        for layer in self.layers:
+            x = layer(x, rope, state)
+        state.n_past += len(tokens)
+        return rms_norm(x, self.output_norm, self.config.rms_eps)
+
+    @torch.inference_mode()
+    def mtp_step(self, hidden: torch.Tensor, tokens: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP rows for tokens [T] at the next positions of the MTP cache, each fed the hidden state [T, E]
+        that predicted its token (the trunk's final-norm output at the previous position, or for chained
+        drafts the MTP's own output). Returns (logits [T, V] for the token after each, h_mtp [T, E])."""
+        head = self.mtp[0]
+        c, kv = self.config, state.kv[head.block.index]
+        e = embedding(head.embed or self.token_embd, tokens)
+        u = linear(torch.cat((rms_norm(e, head.enorm, c.rms_eps), rms_norm(hidden, head.hnorm, c.rms_eps)), -1), head.eh_proj)
+        u = head.block(u, self.rope(kv.length, len(tokens)), state)
+        h_mtp = rms_norm(u, head.norm, c.rms_eps)
+        return linear(h_mtp, head.head), h_mtp

@@ -1,0 +1,134 @@
+"""One attention layer's K/V cache for one sequence, stored as f32/f16/bf16 or block-quantized
+(q8_0, q4_0) rows, as llama.cpp stores them (K after norm and RoPE, V raw; blocks of 32 along the head
+dimension, so a block never crosses a head)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.attention import attention
+from ..quant.dequant import dequantize
+from ..quant.quantize import QUANTIZERS, quantize_q8_0
+from ..quant.types import GGMLType, block_geometry, parse_cache_type
+
+_FLOAT_TYPES = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
+
+
+class _Rows:
+    """A [capacity, n_heads, dim] store in one GGML type; reads come back as float32."""
+
+    def __init__(self, capacity: int, n_heads: int, dim: int, ggml_type: GGMLType) -> None:
+        self.n_heads, self.dim, self.type = n_heads, dim, ggml_type
+        if ggml_type in _FLOAT_TYPES:
+            self.data = torch.zeros(capacity, n_heads, dim, dtype=_FLOAT_TYPES[ggml_type])
+        elif ggml_type in QUANTIZERS:
+            block_size, type_size = block_geometry(ggml_type)
+            if dim % block_size:
+                raise ValueError(f"head dim {dim} is not a multiple of the {ggml_type.name} block size {block_size}")
+            self.data = torch.zeros(capacity, n_heads * dim // block_size * type_size, dtype=torch.uint8)
+        else:
+            raise ValueError(f"cache type {ggml_type.name} is not supported (use f32, f16, bf16, q8_0 or q4_0)")
+
+    def write(self, index: torch.Tensor | slice, values: torch.Tensor) -> None:
+        if self.type not in _FLOAT_TYPES:
+            values = QUANTIZERS[self.type](values.reshape(values.shape[0], -1))
+        if isinstance(index, slice):
+            self.data[index].copy_(values.view(self.data[index].shape))  # converts to the storage dtype
+        else:
+            self.data[index] = values.to(self.data.dtype)
+
+    def read(self, index: torch.Tensor | slice) -> torch.Tensor:
+        """f16 rows as stored (attention reads f16 directly), every other type as float32."""
+        rows = self.data[index]
+        if self.type == GGMLType.F16:
+            return rows
+        if self.type in _FLOAT_TYPES:
+            return rows.float()
+        return dequantize(rows, self.type, (rows.shape[0], self.n_heads, self.dim))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class KVCache:
+    """Cells hold the K/V of one position each: cell i holds position i up to `capacity`. With `ring`, a
+    sliding-window cache reuses cells once their position has left the `window`, so it needs only
+    window + (largest batch) cells for any context length."""
+
+    def __init__(
+        self,
+        capacity: int,
+        n_kv_heads: int,
+        k_dim: int,
+        v_dim: int,
+        cache_type_k: str = "f16",
+        cache_type_v: str = "f16",
+        window: int | None = None,
+        ring: bool = False,
+    ) -> None:
+        if ring and window is None:
+            raise ValueError("a ring KV cache needs a sliding window")
+        self.capacity, self.window, self.ring = capacity, window, ring
+        self.k = _Rows(capacity, n_kv_heads, k_dim, parse_cache_type(cache_type_k))
+        self.v = _Rows(capacity, n_kv_heads, v_dim, parse_cache_type(cache_type_v))
+        self.positions = torch.full((capacity,), -1, dtype=torch.long)  # -1: empty cell
+        self.length = 0  # positions 0..length-1 have been written
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the K/V [T, Hkv, D] of positions length..length+T-1."""
+        n = k.shape[0]
+        start, end = self.length, self.length + n
+        if not self.ring:
+            if end > self.capacity:
+                raise ValueError(f"KV cache is full: {end} positions > capacity {self.capacity}")
+            cells: torch.Tensor | slice = slice(start, end)
+        else:
+            if n > self.capacity - self.window + 1:
+                raise ValueError(f"batch of {n} tokens does not fit a ring of {self.capacity} cells (window {self.window})")
+            cells = torch.arange(start, end) % self.capacity
+        self.k.write(cells, k)
+        self.v.write(cells, v)
+        if isinstance(cells, slice):
+            self.positions[cells].copy_(torch.arange(start, end))
+        else:
+            self.positions[cells] = torch.arange(start, end)
+        self.length = end
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(K [S, Hkv, D], V [S, Hkv, Dv], positions [S]) of every filled cell (f16 caches as float16,
+        others as float32)."""
+        if not self.ring:
+            cells: torch.Tensor | slice = slice(0, self.length)
+            return self.k.read(cells), self.v.read(cells), self.positions[: self.length]
+        cells = (self.positions >= 0).nonzero().squeeze(1)
+        return self.k.read(cells), self.v.read(cells), self.positions[cells]
+
+    def attend(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of queries q [T, H, D] at q_pos over every cached position (causal, windowed).
+
+        As llama.cpp, the query is first rounded to the K cache's dot type: block-quantized keys are
+        multiplied by a Q8_0-rounded query, bf16 keys by a bf16 one (f16 keys: inside the kernel)."""
+        keys, values, key_pos = self.read()
+        if self.k.type in QUANTIZERS:
+            q = _round_q8_0(q)
+        elif self.k.type == GGMLType.BF16:
+            q = q.bfloat16().float()
+        return attention(q, keys, values, q_pos, key_pos, scale, self.window)
+
+    def truncate(self, length: int) -> None:
+        """Forget positions >= length (a rejected draft, or a prompt that diverges from the cache)."""
+        if length > self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.positions[self.positions >= length] = -1
+        self.length = length
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def _round_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """x rounded through Q8_0 blocks of 32 along the last dim (the query of a quantized-K dot)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return dequantize(quantize_q8_0(rows), GGMLType.Q8_0, rows.shape).reshape(x.shape)

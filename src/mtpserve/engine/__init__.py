@@ -1,0 +1,1 @@
+"""Turning a model into results: generation loops, perplexity, and (later) the slot scheduler."""

@@ -1,0 +1,1 @@
+"""Compiled kernels behind the ops: `cpu` (C, built on first use)."""

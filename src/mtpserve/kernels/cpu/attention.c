@@ -1,0 +1,191 @@
+#include "common.h"
+
+/* ---- attention ------------------------------------------------------------------------------------ */
+
+/* One query row against keys [s0, s1): online softmax in key order, skipping masked keys. Leaves the
+ * unnormalized accumulator in acc (f32) and returns max and sum through *M, *Ssum. */
+static void attend_row(const float *qv, const half *qh, const void *kp, const void *vp, int kv_f16, int64_t qpos,
+                       const int64_t *k_pos, int64_t s0, int64_t s1, int64_t Hkv, int64_t hk, int64_t D, float scale,
+                       int64_t window, int v_acc_f16, float *acc, float *Mout, float *Sout) {
+    float M = -INFINITY, Ssum = 0.0f;
+    for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+    for (int64_t s = s0; s < s1; s++) {
+        const int64_t delta = qpos - k_pos[s];
+        if (delta < 0 || (window > 0 && delta >= window)) continue;
+        float score;
+        if (kv_f16) score = dot_f16((const half *)kp + (s * Hkv + hk) * D, qh, D);
+        else score = dot_f32((const float *)kp + (s * Hkv + hk) * D, qv, D);
+        score *= scale;
+        float ms = 1.0f, vs = 1.0f;
+        if (score > M) {
+            const float Mold = M;
+            M = score;
+            ms = expf(Mold - M);
+            for (int64_t d = 0; d < D; d++) acc[d] = v_acc_f16 ? h2f(f2h(acc[d] * ms)) : acc[d] * ms;
+        } else {
+            vs = expf(score - M);
+        }
+#ifdef MTP_AVX2
+        if (kv_f16 && D % 8 == 0) { /* acc = round_f16?(fma(v, vs, acc)), eight values at a time */
+            const half *v = (const half *)vp + (s * Hkv + hk) * D;
+            const __m256 vsv = _mm256_set1_ps(vs);
+            for (int64_t d = 0; d < D; d += 8) {
+                __m256 a = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + d))), vsv, _mm256_loadu_ps(acc + d));
+                if (v_acc_f16) a = _mm256_cvtph_ps(_mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
+                _mm256_storeu_ps(acc + d, a);
+            }
+            Ssum = fmaf(Ssum, ms, vs);
+            continue;
+        }
+#endif
+        if (kv_f16) {
+            const half *v = (const half *)vp + (s * Hkv + hk) * D;
+            for (int64_t d = 0; d < D; d++) {
+                const float a = fmaf(h2f(v[d]), vs, acc[d]);
+                acc[d] = v_acc_f16 ? h2f(f2h(a)) : a;
+            }
+        } else {
+            const float *v = (const float *)vp + (s * Hkv + hk) * D;
+            for (int64_t d = 0; d < D; d++) {
+                const float a = fmaf(v[d], vs, acc[d]);
+                acc[d] = v_acc_f16 ? h2f(f2h(a)) : a;
+            }
+        }
+        Ssum = fmaf(Ssum, ms, vs);
+    }
+    *Mout = M;
+    *Sout = Ssum;
+}
+
+/* Queries q [T, H, D] (already rounded the way the K cache type asks), keys/values [S, Hkv, D] stored as
+ * f16 (kv_f16 = 1) or f32. Online softmax over keys in order; masked keys (k_pos > q_pos, or outside the
+ * window) are skipped. With v_acc_f16 the value accumulator is rounded to f16 after every update.
+ * n_split > 1 (single-query decode over a long cache, as llama.cpp splits it across its threads): the
+ * cells [0, n_cells) are cut into n_split equal chunks whose partial results are merged in float32. */
+int mtp_attention(const float *q, const void *kp, const void *vp, int kv_f16, const int64_t *q_pos, const int64_t *k_pos,
+                  int64_t T, int64_t S, int64_t H, int64_t Hkv, int64_t D, float scale, int64_t window, int v_acc_f16,
+                  int64_t n_cells, int64_t n_split, float *out, int n_threads) {
+    const int64_t group = H / Hkv;
+    set_threads(n_threads);
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *acc = malloc(sizeof(float) * D), *part = malloc(sizeof(float) * D);
+        half *qh = malloc(sizeof(half) * D);
+        if (!acc || !qh || !part) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t th = 0; th < T * H; th++) {
+            if (!acc || !qh || !part) continue;
+            const int64_t t = th / H, h = th % H, hk = h / group;
+            const float *qv = q + (t * H + h) * D;
+            float *o = out + (t * H + h) * D;
+            for (int64_t d = 0; d < D; d++) qh[d] = f2h(qv[d]);
+            if (n_split <= 1) {
+                float M, Ssum;
+                attend_row(qv, qh, kp, vp, kv_f16, q_pos[t], k_pos, 0, S, Hkv, hk, D, scale, window, v_acc_f16, acc, &M, &Ssum);
+                const float inv = Ssum == 0.0f ? 0.0f : 1.0f / Ssum;
+                for (int64_t d = 0; d < D; d++) o[d] = acc[d] * inv;
+                continue;
+            }
+            const int64_t chunk = (n_cells + n_split - 1) / n_split;
+            float M_final = -INFINITY, S_final = 0.0f;
+            for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+            for (int64_t c = 0; c < n_split; c++) {
+                const int64_t s0 = c * chunk, s1 = (c + 1) * chunk < S ? (c + 1) * chunk : S;
+                if (s0 >= n_cells || s0 >= S) continue;
+                float M, Ssum;
+                attend_row(qv, qh, kp, vp, kv_f16, q_pos[t], k_pos, s0, s1, Hkv, hk, D, scale, window, v_acc_f16, part, &M, &Ssum);
+                if (Ssum == 0.0f) continue;
+                const float M_new = fmaxf(M_final, M);
+                const float scale_old = expf(M_final - M_new), scale_new = expf(M - M_new);
+                for (int64_t d = 0; d < D; d++) acc[d] = fmaf(acc[d], scale_old, part[d] * scale_new);
+                S_final = fmaf(S_final, scale_old, Ssum * scale_new);
+                M_final = M_new;
+            }
+            const float inv = S_final == 0.0f ? 0.0f : 1.0f / S_final;
+            for (int64_t d = 0; d < D; d++) o[d] = S_final == 0.0f ? acc[d] : acc[d] * inv;
+        }
+        free(acc);
+        free(part);
+        free(qh);
+    }
+    return failed ? 2 : 0;
+}
+
+/* ---- attention, tiled (64 or more query rows, f16/f32 K and V) ---------------------------------- */
+
+#define KV_TILE 64
+
+/* llama.cpp's tiled flash attention, row by row (rows are independent): keys in tiles of 64; a score is
+ * a sequential fused dot product over the head dim; per tile the running max is updated once, the
+ * probabilities are expf_arm(s - max) summed eight at a time ((0+4)+(2+6)) + ((1+5)+(3+7)) into a double,
+ * and the value accumulator gets one fused multiply-add per key. */
+int mtp_attention_tiled(const float *q, const void *kp, const void *vp, int kv_f16, const int64_t *q_pos,
+                        const int64_t *k_pos, int64_t T, int64_t S, int64_t H, int64_t Hkv, int64_t D, float scale,
+                        int64_t window, float *out, int n_threads) {
+    const int64_t group = H / Hkv;
+    set_threads(n_threads);
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *acc = malloc(sizeof(float) * D);
+        if (!acc) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t th = 0; th < T * H; th++) {
+            if (!acc) continue;
+            const int64_t t = th / H, h = th % H, hk = h / group;
+            const float *qv = q + (t * H + h) * D;
+            float M = -INFINITY, Ssum = 0.0f, kq[KV_TILE];
+            for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+            for (int64_t ic = 0; ic < S; ic += KV_TILE) {
+                float tile_max = -INFINITY;
+                for (int j = 0; j < KV_TILE; j++) {
+                    const int64_t s = ic + j;
+                    const int64_t delta = s < S ? q_pos[t] - k_pos[s] : -1;
+                    if (delta < 0 || (window > 0 && delta >= window)) { kq[j] = -INFINITY; continue; }
+                    float dot = 0.0f;
+                    if (kv_f16) {
+                        const half *k = (const half *)kp + (s * Hkv + hk) * D;
+                        for (int64_t d = 0; d < D; d++) dot = fmaf(h2f(k[d]), qv[d], dot);
+                    } else {
+                        const float *k = (const float *)kp + (s * Hkv + hk) * D;
+                        for (int64_t d = 0; d < D; d++) dot = fmaf(k[d], qv[d], dot);
+                    }
+                    kq[j] = dot * scale;
+                    tile_max = kq[j] > tile_max ? kq[j] : tile_max;
+                }
+                if (tile_max == -INFINITY) continue;
+                const float Mnew = fmaxf(M, tile_max);
+                if (Mnew > M) {
+                    const float ms = expf(M - Mnew);
+                    for (int64_t d = 0; d < D; d++) acc[d] *= ms;
+                    Ssum *= ms;
+                }
+                M = Mnew;
+                double tile_sum = 0.0;
+                for (int j = 0; j < KV_TILE; j += 8) {
+                    float e[8];
+                    for (int l = 0; l < 8; l++) e[l] = kq[j + l] = expf_arm(kq[j + l] - M);
+                    tile_sum += (double)hsum8(e);
+                }
+                Ssum = (float)((double)Ssum + tile_sum);
+                for (int j = 0; j < KV_TILE && ic + j < S; j++) {
+                    if (kq[j] == 0.0f) continue; /* fma(v, 0, acc) == acc */
+                    if (kv_f16) {
+                        const half *v = (const half *)vp + ((ic + j) * Hkv + hk) * D;
+                        for (int64_t d = 0; d < D; d++) acc[d] = fmaf(h2f(v[d]), kq[j], acc[d]);
+                    } else {
+                        const float *v = (const float *)vp + ((ic + j) * Hkv + hk) * D;
+                        for (int64_t d = 0; d < D; d++) acc[d] = fmaf(v[d], kq[j], acc[d]);
+                    }
+                }
+            }
+            const float inv = Ssum == 0.0f ? 0.0f : 1.0f / Ssum;
+            float *o = out + (t * H + h) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = acc[d] * inv;
+        }
+        free(acc);
+    }
+    return failed ? 2 : 0;
+}
+

@@ -1,0 +1,114 @@
+/*
+ * mtpserve CPU kernels: shared definitions. The kernels follow llama.cpp's CPU rounding rules (see
+ * ../../ops/linear.py and ../../ops/attention.py for the rules and their PyTorch twins); matmul.c,
+ * attention.c and elementwise.c are compiled together into one library by __init__.py and called via
+ * ctypes; every entry point returns 0 on success.
+ */
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MTP_AVX2 1
+#endif
+
+typedef uint16_t half;
+
+static inline float h2f(half h) {
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+}
+
+static inline half f2h(float x) {
+    _Float16 f = (_Float16)x; /* IEEE round-to-nearest-even */
+    half h;
+    memcpy(&h, &f, 2);
+    return h;
+}
+
+static inline void set_threads(int n_threads) {
+#ifdef _OPENMP
+    if (n_threads > 0) omp_set_num_threads(n_threads);
+#else
+    (void)n_threads;
+#endif
+}
+
+/* ((0+4)+(2+6)) + ((1+5)+(3+7)): how llama.cpp's AVX2 kernels sum eight float lanes */
+static inline float hsum8(const float a[8]) {
+    float r0 = a[4] + a[0], r1 = a[5] + a[1], r2 = a[6] + a[2], r3 = a[7] + a[3];
+    r0 = r0 + r2;
+    r1 = r1 + r3;
+    return r0 + r1;
+}
+
+/* F16/F32 dot products: 32 values per step in four 8-lane accumulators, reduced (0+2, 1+3), then 0+1,
+ * then the 8 lanes as ((l0+l4)+(l1+l5)) + ((l2+l6)+(l3+l7)); the tail in double (ggml_vec_dot_f16/f32). */
+static inline float reduce_4x8(float s[4][8]) {
+    float r[8];
+    for (int l = 0; l < 8; l++) r[l] = (s[0][l] + s[2][l]) + (s[1][l] + s[3][l]);
+    const float a0 = r[0] + r[4], a1 = r[1] + r[5], a2 = r[2] + r[6], a3 = r[3] + r[7];
+    return (a0 + a1) + (a2 + a3);
+}
+
+static inline float dot_f16(const half *w, const half *x, int64_t k) {
+    float s[4][8] = {{0}};
+    const int64_t np = k & ~31;
+#ifdef MTP_AVX2 /* the same per-lane fused multiply-adds, eight lanes at a time */
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < np; i += 32)
+        for (int j = 0; j < 4; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i + 8 * j))),
+                                     _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i + 8 * j))), acc[j]);
+    for (int j = 0; j < 4; j++) _mm256_storeu_ps(s[j], acc[j]);
+#else
+    for (int64_t i = 0; i < np; i += 32)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 8; l++) s[j][l] = fmaf(h2f(w[i + 8 * j + l]), h2f(x[i + 8 * j + l]), s[j][l]);
+#endif
+    double sum = reduce_4x8(s);
+    for (int64_t i = np; i < k; i++) sum += (double)(h2f(w[i]) * h2f(x[i]));
+    return (float)sum;
+}
+static inline float dot_f32(const float *w, const float *x, int64_t k) {
+    float s[4][8] = {{0}};
+    const int64_t np = k & ~31;
+    for (int64_t i = 0; i < np; i += 32)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 8; l++) s[j][l] = fmaf(w[i + 8 * j + l], x[i + 8 * j + l], s[j][l]);
+    double sum = reduce_4x8(s);
+    for (int64_t i = np; i < k; i++) sum += (double)(w[i] * x[i]);
+    return (float)sum;
+}
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* exp(x) by the Arm Optimized Routines vector algorithm (the one llama.cpp's CPU SiLU and softmax use): n =
+ * round(x / ln2) by the 1.5*2^23 shift, b = x - n ln2 in two parts, exp(b) - 1 by a degree-5 polynomial,
+ * scaled by 2^n through the exponent bits, with the large-|n| cases split to avoid overflow. */
+static inline float expf_arm(float x) {
+    const float shift = 0x1.8p23f;
+    const float z = fmaf(x, 0x1.715476p+0f, shift);
+    const float n = z - shift;
+    const float b = fmaf(-n, 0x1.7f7d1cp-20f, fmaf(-n, 0x1.62e4p-1f, x));
+    const uint32_t e = f2u(z) << 23;
+    const float k = u2f(e + f2u(1.0f));
+    const float u = b * b;
+    const float j = fmaf(fmaf(fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)), u,
+                         0x1.ffffecp-1f * b);
+    if (!(fabsf(n) > 126.0f)) return fmaf(j, k, k);
+    const uint32_t g = n <= 0.0f ? 0x82000000u : 0u;
+    const float s1 = u2f(g + 0x7f000000u);
+    const float s2 = u2f(e - g);
+    if (fabsf(n) > 192.0f) return s1 * s1;
+    return fmaf(s2, j, s2) * s1;
+}

@@ -1,0 +1,119 @@
+"""What every model shares: reading weights from the GGUF, the per-sequence state, and the
+prefill/decode entry points built on each architecture's `forward`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import KVCache, RecurrentState
+from ..gguf import GGUFFile
+from ..ops.linear import linear
+from ..quant.dequant import dequantize_tensor
+from ..quant.qtensor import QTensor
+from .config import ModelConfig
+
+DEFAULT_UBATCH = 512
+CTX_PAD = 256
+
+
+class WeightStore:
+    """Tensors of a GGUF by name: matrices stay quantized (`QTensor`), small vectors become float32."""
+
+    def __init__(self, gguf: GGUFFile) -> None:
+        self.gguf = gguf
+
+    def has(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def matrix(self, name: str) -> QTensor:
+        return QTensor.from_gguf(self.gguf.tensors[name])
+
+    def dense(self, name: str) -> torch.Tensor:
+        return dequantize_tensor(self.gguf.tensors[name])
+
+
+@dataclass
+class ModelState:
+    """Everything one sequence carries between forward passes."""
+
+    kv: dict[int, KVCache] = field(default_factory=dict)  # attention layer -> its cache
+    recurrent: dict[int, RecurrentState] = field(default_factory=dict)  # Gated DeltaNet layer -> state
+    n_past: int = 0  # positions already evaluated
+    capacity: int = 0  # context size of this sequence
+
+    @property
+    def kv_nbytes(self) -> int:
+        return sum(c.nbytes for c in self.kv.values())
+
+    @property
+    def recurrent_nbytes(self) -> int:
+        return sum(s.nbytes for s in self.recurrent.values())
+
+
+def padded_context(ctx_size: int, config: ModelConfig) -> int:
+    ctx = ctx_size or config.context_length
+    return -(-ctx // CTX_PAD) * CTX_PAD
+
+
+def new_kv_caches(
+    config: ModelConfig, ctx: int, cache_type_k: str, cache_type_v: str, ubatch: int = DEFAULT_UBATCH, mtp: bool = False
+) -> dict[int, KVCache]:
+    layout = config.cache_layout()
+    caches = {}
+    for spec in layout.mtp_attention if mtp else layout.attention:
+        capacity = ctx
+        if spec.sliding_window is not None:
+            capacity = min(ctx, -(-(spec.sliding_window + ubatch) // CTX_PAD) * CTX_PAD)
+        caches[spec.layer] = KVCache(
+            capacity, spec.n_kv_heads, spec.k_dim, spec.v_dim, cache_type_k, cache_type_v, spec.sliding_window,
+            ring=capacity < ctx,
+        )  # fmt: skip
+    return caches
+
+
+class CausalLM:
+    """A decoder-only language model; subclasses implement `forward` and `new_state`."""
+
+    config: ModelConfig
+    output: QTensor  # LM head [n_vocab, n_embd]
+    ubatch: int = DEFAULT_UBATCH
+
+    def forward(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
+        """Evaluate tokens [T] at positions state.n_past.. and advance the state. Returns the final
+        normalized hidden states [T, n_embd]."""
+        raise NotImplementedError
+
+    def new_state(self, ctx_size: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16") -> ModelState:
+        raise NotImplementedError
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear(hidden, self.output)
+
+    @torch.inference_mode()
+    def prefill(
+        self, tokens: list[int] | torch.Tensor, state: ModelState, all_logits: bool = False, logits_from: int = 0
+    ) -> torch.Tensor:
+        """Evaluate a prompt in chunks of `ubatch` tokens. Returns the logits of the last token [V], or
+        with `all_logits` those of tokens logits_from.. [T - logits_from, V]."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        if state.n_past + len(tokens) > state.capacity:
+            raise ValueError(f"{state.n_past + len(tokens)} tokens exceed the context size {state.capacity}")
+        outs = []
+        for start in range(0, len(tokens), self.ubatch):
+            hidden = self.forward(tokens[start : start + self.ubatch], state)
+            if all_logits:
+                skip = max(0, logits_from - start)
+                if skip < len(hidden):
+                    outs.append(self.logits(hidden[skip:]))
+            else:
+                outs.append(hidden[-1:])
+        return torch.cat(outs) if all_logits else self.logits(outs[-1])[0]
+
+    @torch.inference_mode()
+    def decode(self, token: int, state: ModelState) -> torch.Tensor:
+        """Evaluate one token; its logits [V]."""
+        if state.n_past + 1 > state.capacity:
+            raise ValueError(f"context size {state.capacity} is full")
+        return self.logits(self.forward(torch.tensor([token]), state))[0]

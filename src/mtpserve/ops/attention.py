@@ -1,0 +1,157 @@
+"""Causal attention of new queries over a KV cache, with grouped KV heads and an optional sliding window.
+
+Shapes: q [T, H, D], k [S, Hkv, D], v [S, Hkv, Dv], q_pos [T], k_pos [S] -> out [T, H, Dv].
+Query head h reads KV head h // (H / Hkv) (grouped, as HF's repeat_kv). A key is visible when
+k_pos <= q_pos and, with a window W, q_pos - k_pos < W.
+
+llama.cpp (flash attention on CPU) evaluates fewer than 64 query rows (decode, short prompts) with an
+online softmax over the keys in order: the query rounded to the K cache's dot type (f16 for an f16 cache),
+and, for an f16 V cache, the value accumulator rounded to f16 after every key. Longer prompts go through
+float32 tiles. `attention` follows the same split; `attention_online_reference` is the plain-PyTorch
+twin of the online path and `attention_reference` the exact softmax, both test oracles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import cpu as cpu_kernels
+
+QUERY_CHUNK = 256  # bounds the [H, T, S] score matrix of the tiled path for long prompts
+ONLINE_MAX_QUERIES = 64  # llama.cpp's flash-attention query tile: fewer rows take the online path
+# llama.cpp sees the KV cache in views padded to 256 cells, and splits a single query over a view of
+# 512+ cells into one chunk per thread, merging the partial softmaxes; the references ran 2 threads.
+KV_VIEW_PAD = 256
+SPLIT_KV_MIN_CELLS = 512
+SPLIT_KV_CHUNKS = 2
+
+
+def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    delta = q_pos[:, None] - k_pos[None, :]  # [T, S]
+    visible = delta >= 0
+    if window is not None:
+        visible &= delta < window
+    return visible
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Plain softmax(q k^T * scale + mask) v in float32."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.float(), k) * scale
+    scores = scores.masked_fill(~_mask(q_pos, k_pos, window), float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(-1), v)
+
+
+def attention_online_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The online path, one key at a time in PyTorch (slow): f16 keys round the query to f16; f16 values
+    keep an f16 accumulator."""
+    T, H, D = q.shape
+    group = H // k.shape[1]
+    q = q.float()
+    if k.dtype == torch.float16:
+        q = q.half().float()
+    kk = k.float().repeat_interleave(group, dim=1)
+    vv = v.float().repeat_interleave(group, dim=1)
+    acc_f16 = v.dtype == torch.float16
+    scores = torch.einsum("thd,shd->sth", q, kk) * scale  # [S, T, H]
+    visible = _mask(q_pos, k_pos, window).T  # [S, T]
+    M = torch.full((T, H), -math.inf)
+    total = torch.zeros(T, H)
+    acc = torch.zeros(T, H, v.shape[-1])
+    for s in range(k.shape[0]):
+        live = visible[s][:, None].expand(T, H)
+        score = scores[s]
+        new_max = live & (score > M)
+        ms = torch.where(new_max, torch.exp(M - score), torch.ones(T, H))
+        vs = torch.where(new_max | ~live, torch.ones(T, H), torch.exp(score - M))
+        M = torch.where(new_max, score, M)
+        scaled = acc * ms[..., None]
+        acc = torch.where(new_max[..., None], scaled.half().float() if acc_f16 else scaled, acc)
+        step = acc + vv[s][None] * vs[..., None]
+        step = step.half().float() if acc_f16 else step
+        acc = torch.where(live[..., None], step, acc)
+        total = torch.where(live, total * ms + vs, total)
+    return acc / total[..., None]
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The result llama.cpp computes: the online path below 64 query rows (and for quantized caches),
+    float32 tiles of 64 keys above. k and v come as stored: float16 for an f16 cache, float32 otherwise
+    (quantized caches dequantized). Without the C kernels: the PyTorch twins."""
+    lib = cpu_kernels.load()
+    tiled = q.shape[0] >= ONLINE_MAX_QUERIES
+    if lib is None or k.dtype not in (torch.float16, torch.float32) or k.dtype != v.dtype:
+        return _attention_tiled_torch(q, k, v, q_pos, k_pos, scale, window) if tiled else (
+            attention_online_reference(q, k, v, q_pos, k_pos, scale, window)
+        )
+    T, H, D = q.shape
+    q = q.float().contiguous()
+    k, v = k.contiguous(), v.contiguous()
+    q_pos, k_pos = q_pos.to(torch.int64).contiguous(), k_pos.to(torch.int64).contiguous()
+    out = torch.empty(T, H, v.shape[-1])
+    common = (k.shape[0], H, k.shape[1], D, scale, window or 0)
+    if tiled:
+        rc = lib.mtp_attention_tiled(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.float16), q_pos.data_ptr(), k_pos.data_ptr(),
+            T, *common, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+    else:
+        n_cells = max(KV_VIEW_PAD, -(-k.shape[0] // KV_VIEW_PAD) * KV_VIEW_PAD)
+        split = T == 1 and n_cells >= SPLIT_KV_MIN_CELLS
+        rc = lib.mtp_attention(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.float16), q_pos.data_ptr(), k_pos.data_ptr(),
+            T, *common, int(v.dtype == torch.float16), n_cells, SPLIT_KV_CHUNKS if split else 1, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"CPU attention kernel failed ({rc})")
+    return out
+
+
+def _attention_tiled_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Long prompts without the C kernels: PyTorch's fused attention in float32, queries in chunks."""
+    qh = q.float().transpose(0, 1)  # [H, T, D]
+    kh, vh = k.float().transpose(0, 1), v.float().transpose(0, 1)  # [Hkv, S, D]
+    outs = []
+    for start in range(0, q.shape[0], QUERY_CHUNK):
+        chunk = slice(start, start + QUERY_CHUNK)
+        mask = _mask(q_pos[chunk], k_pos, window)
+        outs.append(F.scaled_dot_product_attention(qh[:, chunk], kh, vh, attn_mask=mask, scale=scale, enable_gqa=True))
+    return torch.cat(outs, dim=1).transpose(0, 1)

@@ -1,0 +1,28 @@
+"""Token embedding lookup from a GGUF matrix: only the requested rows are dequantized."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import cpu as cpu_kernels
+from ..quant.qtensor import QTensor
+
+
+def embedding_reference(weight: QTensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Rows `tokens` of `weight`, float32 [T, n_embd], by the PyTorch dequantizers."""
+    return weight.rows(tokens)
+
+
+def embedding(weight: QTensor, tokens: torch.Tensor) -> torch.Tensor:
+    """`embedding_reference` from the C kernel (bit-identical: same float operations per value)."""
+    lib = cpu_kernels.load()
+    if lib is None or not lib.mtp_matmul_supported(int(weight.ggml_type)):
+        return embedding_reference(weight, tokens)
+    idx = torch.as_tensor(tokens, dtype=torch.int64).contiguous()
+    if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= weight.shape[0]):
+        raise IndexError(f"token id out of range [0, {weight.shape[0]}) for {weight.name}")
+    out = torch.empty(len(idx), weight.shape[1])
+    rc = lib.mtp_get_rows(int(weight.ggml_type), weight.data.data_ptr(), weight.shape[1], idx.data_ptr(), len(idx), out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"mtp_get_rows failed ({rc}) for {weight.name}")
+    return out

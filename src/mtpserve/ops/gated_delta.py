@@ -1,0 +1,240 @@
+"""The gated delta rule of Gated DeltaNet, token by token (decode) and chunked (prefill).
+
+Shapes (one sequence): q, k [T, Hk, K]; v [T, Hv, V]; g, beta [T, Hv]; state [Hv, K, V] float32.
+q and k are L2-normalised by the caller; `scale` (default K^-0.5) multiplies q here. V head h reads q/k
+head h % Hk (the "tiled" order llama.cpp's converter writes into qwen35 GGUFs). Per V head and token:
+
+    S = exp(g_t) * S                      # decay
+    S = S + k_t (x) beta_t * (v_t - S^T k_t)  # delta-rule write
+    o_t = S^T (scale * q_t)               # read from the updated state
+
+Derivation of the chunked form: ../shared/spec/qwen35-architecture.md §4.6.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import cpu as cpu_kernels
+from ..quant.qtensor import QTensor
+from .conv import causal_conv1d
+from .linear import kernel_supports, linear, linear_many, linear_reference
+from .norm import gated_rms_norm, l2_norm
+
+
+def _expand_heads(x: torch.Tensor, n_v_heads: int) -> torch.Tensor:
+    """[T, Hk, K] -> [T, Hv, K] with V head h reading head h % Hk."""
+    n_k_heads = x.shape[1]
+    return x if n_k_heads == n_v_heads else x.repeat(1, n_v_heads // n_k_heads, 1)
+
+
+def gated_delta_rule_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+    return_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token at a time. Returns (o [T, Hv, V], final state), or with `return_states` the state
+    after every token [T, Hv, K, V] in place of the final one (what speculative rollback restores)."""
+    n_v_heads = v.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q = _expand_heads(q.float(), n_v_heads) * scale
+    k = _expand_heads(k.float(), n_v_heads)
+    decay = torch.exp(g.float())
+    s = state.float().clone()
+    outs, states = [], []
+    for t in range(q.shape[0]):
+        s.mul_(decay[t, :, None, None])
+        delta = beta[t, :, None] * (v[t] - torch.einsum("hk,hkv->hv", k[t], s))
+        s.add_(k[t, :, :, None] * delta[:, None, :])
+        outs.append(torch.einsum("hk,hkv->hv", q[t], s))
+        if return_states:
+            states.append(s.clone())
+    o = torch.stack(outs)
+    return o, (torch.stack(states) if return_states else s)
+
+
+def gated_delta_rule_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole sequence in chunks of `chunk_size`: same result as the recurrent form up to rounding.
+    Returns (o [T, Hv, V], final state [Hv, K, V])."""
+    T, n_v_heads, V = v.shape
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    C = chunk_size
+    pad = -T % C
+    n_chunks = (T + pad) // C
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:
+        """[T, Hv, ...] -> [Hv, N, C, ...], zero-padded (padding has g = beta = 0: no decay, no write)."""
+        x = torch.nn.functional.pad(x.float(), (0, 0) * (x.dim() - 2) + (0, 0, 0, pad))
+        return x.reshape(n_chunks, C, *x.shape[1:]).movedim(2, 0)
+
+    Q = heads_first(_expand_heads(q, n_v_heads)) * scale  # [Hv, N, C, K]
+    K = heads_first(_expand_heads(k, n_v_heads))
+    Vv = heads_first(v)  # [Hv, N, C, V]
+    B = heads_first(beta)  # [Hv, N, C]
+    G = heads_first(g).cumsum(-1)  # inclusive cumulative log-decay inside each chunk
+
+    lower_incl = torch.ones(C, C, dtype=torch.bool).tril()
+    lower_strict = lower_incl.tril(-1)
+    # exp(G_i - G_j) for j <= i; masked before exp so the upper triangle cannot overflow.
+    gap = (G[..., :, None] - G[..., None, :]).masked_fill(~lower_incl, float("-inf")).exp()  # [Hv, N, C, C]
+    A = (B[..., :, None] * (K @ K.transpose(-1, -2)) * gap).masked_fill(~lower_strict, 0.0)
+    eye = torch.eye(C)
+    rhs = torch.cat((B[..., None] * Vv, (B * G.exp())[..., None] * K), dim=-1)  # [Hv, N, C, V + K]
+    UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    U, W = UW[..., :V], UW[..., V:]
+    QK = (Q @ K.transpose(-1, -2)) * gap  # [Hv, N, C, C], zero above the diagonal
+    Qg = G.exp()[..., None] * Q
+    G_last = G[..., -1:]  # [Hv, N, 1]
+    K_tail = (G_last - G).exp()[..., None] * K  # [Hv, N, C, K]
+
+    s = state.float().clone()
+    outs = []
+    for n in range(n_chunks):
+        v_new = U[:, n] - W[:, n] @ s  # [Hv, C, V]
+        outs.append(Qg[:, n] @ s + QK[:, n] @ v_new)
+        s = G_last[:, n, :, None].exp() * s + K_tail[:, n].transpose(-1, -2) @ v_new
+    o = torch.stack(outs, dim=1).reshape(n_v_heads, n_chunks * C, V)[:, :T]
+    return o.transpose(0, 1), s
+
+
+def gated_delta_net_step_reference(
+    mixed: torch.Tensor,
+    conv_state: torch.Tensor,
+    conv_weight: torch.Tensor,
+    z: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor,
+    ssm: torch.Tensor,
+    norm_weight: torch.Tensor,
+    n_k_heads: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Gated DeltaNet layer's core for a few tokens, from the projections on: conv update, SiLU, L2-norm
+    of q/k, the recurrence, gated RMSNorm. mixed [T, 2 Hk K + Hv V], z [T, Hv, V], beta/g [T, Hv].
+    Returns (y [T, Hv V], new conv_state, new ssm)."""
+    T = mixed.shape[0]
+    n_v_heads, K, V = ssm.shape
+    conv, conv_state = causal_conv1d(mixed, conv_weight, conv_state)
+    u = F.silu(conv)
+    key_dim = n_k_heads * K
+    q = l2_norm(u[:, :key_dim].view(T, n_k_heads, K), eps)
+    k = l2_norm(u[:, key_dim : 2 * key_dim].view(T, n_k_heads, K), eps)
+    v = u[:, 2 * key_dim :].view(T, n_v_heads, V)
+    o, ssm = gated_delta_rule_recurrent(q, k, v, g, beta, ssm)
+    return gated_rms_norm(o, z, norm_weight, eps).reshape(T, -1), conv_state, ssm
+
+
+def gated_delta_net_step(
+    mixed: torch.Tensor,
+    conv_state: torch.Tensor,
+    conv_weight: torch.Tensor,
+    z: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor,
+    ssm: torch.Tensor,
+    norm_weight: torch.Tensor,
+    n_k_heads: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gated_delta_net_step_reference` as one C kernel call (states updated in place and returned)."""
+    lib = cpu_kernels.load()
+    if lib is None:
+        return gated_delta_net_step_reference(mixed, conv_state, conv_weight, z, beta, g, ssm, norm_weight, n_k_heads, eps)
+    T = mixed.shape[0]
+    n_v_heads, K, V = ssm.shape
+    args = [t.float().contiguous() for t in (mixed, conv_weight, z, beta, g, norm_weight)]
+    mixed, conv_weight, z, beta, g, norm_weight = args
+    conv_state, ssm = conv_state.contiguous(), ssm.contiguous()
+    y = torch.empty(T, n_v_heads * V)
+    lib.mtp_gdn_step(
+        mixed.data_ptr(), conv_state.data_ptr(), conv_weight.data_ptr(), z.data_ptr(), beta.data_ptr(), g.data_ptr(),
+        ssm.data_ptr(), norm_weight.data_ptr(), y.data_ptr(), None,
+        T, n_k_heads, n_v_heads, K, V, conv_weight.shape[1], eps,
+    )  # fmt: skip
+    return y, conv_state, ssm
+
+
+def gated_delta_net_decode_reference(
+    h: torch.Tensor,
+    projections: tuple[QTensor, QTensor, QTensor, QTensor],
+    dt_bias: torch.Tensor,
+    a: torch.Tensor,
+    conv_weight: torch.Tensor,
+    norm_weight: torch.Tensor,
+    w_out: QTensor,
+    conv_state: torch.Tensor,
+    ssm: torch.Tensor,
+    n_k_heads: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Gated DeltaNet mixer over a few tokens in plain PyTorch, from the normed input h [T, E]:
+    projections (qkv | z | beta | alpha), beta = sigmoid, g = a * softplus(alpha + dt_bias) (the log decay;
+    a = -exp(A_log)), `gated_delta_net_step_reference`, output projection. Returns (out [T, E], conv_state, ssm)."""
+    T = h.shape[0]
+    n_v_heads, _, V = ssm.shape
+    mixed, z, beta, alpha = (linear_reference(h, w) for w in projections)
+    g = a * F.softplus(alpha + dt_bias)
+    y, conv_state, ssm = gated_delta_net_step_reference(
+        mixed, conv_state, conv_weight, z.view(T, n_v_heads, V), torch.sigmoid(beta), g, ssm, norm_weight, n_k_heads, eps
+    )
+    return linear_reference(y, w_out), conv_state, ssm
+
+
+def gated_delta_net_decode(
+    h: torch.Tensor,
+    projections: tuple[QTensor, QTensor, QTensor, QTensor],
+    dt_bias: torch.Tensor,
+    a: torch.Tensor,
+    conv_weight: torch.Tensor,
+    norm_weight: torch.Tensor,
+    w_out: QTensor,
+    conv_state: torch.Tensor,
+    ssm: torch.Tensor,
+    n_k_heads: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gated_delta_net_decode_reference` in one C call (states updated in place and returned): for
+    decode and draft verification, where a layer's dozen small ops would each cost more in Python than
+    in arithmetic."""
+    lib = cpu_kernels.load()
+    weights = (*projections, w_out)
+    if lib is None or not all(kernel_supports(w.ggml_type) for w in weights):
+        n_v_heads, _, V = ssm.shape
+        mixed, z, beta, alpha = linear_many(h, projections)
+        g = a * F.softplus(alpha + dt_bias)
+        y, conv_state, ssm = gated_delta_net_step(
+            mixed, conv_state, conv_weight, z.view(-1, n_v_heads, V), torch.sigmoid(beta), g, ssm, norm_weight, n_k_heads, eps
+        )
+        return linear(y, w_out), conv_state, ssm
+    n_v_heads, K, V = ssm.shape
+    h = h.float().contiguous()
+    dt_bias, a, conv_weight, norm_weight = (t.float().contiguous() for t in (dt_bias, a, conv_weight, norm_weight))
+    conv_state, ssm = conv_state.contiguous(), ssm.contiguous()
+    types = (ctypes.c_int * 4)(*(int(w.ggml_type) for w in projections))
+    data = (ctypes.c_void_p * 4)(*(w.data.data_ptr() for w in projections))
+    out = torch.empty(h.shape[0], w_out.shape[0])
+    rc = lib.mtp_gdn_mixer(
+        h.data_ptr(), h.shape[0], h.shape[1], types, data, dt_bias.data_ptr(), a.data_ptr(), conv_state.data_ptr(),
+        conv_weight.data_ptr(), ssm.data_ptr(), norm_weight.data_ptr(), n_k_heads, n_v_heads, K, V,
+        conv_weight.shape[1], eps, int(w_out.ggml_type), w_out.data.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"mtp_gdn_mixer failed ({rc}) for {w_out.name}")
+    return out, conv_state, ssm

@@ -1,0 +1,173 @@
+"""y = x W^T with W kept in its GGUF block format, with llama.cpp's CPU numerics.
+
+llama.cpp does not multiply float activations by dequantized weights: it first rounds each activation
+row to the weight type's "vec_dot type" and takes integer dot products per block
+(../shared/spec/gguf-quant-formats.md §5):
+
+* Q4_0, Q5_0, Q8_0, IQ4_NL weights: x -> Q8_0 (32-blocks, scale d rounded to f16);
+* Q4_1, Q5_1: x -> Q8_1, whose block also carries s = f16(d * sum(q)); the weight's min m multiplies
+  that rounded s, not the exact block sum;
+* K-quants and IQ4_XS: x -> Q8_K (256-blocks, f32 scale);
+* F16 / BF16 weights: x rounded to f16 / bf16.
+
+Real trained models are sensitive to these 8-bit roundings (SmolLM2 logits move by ~0.2 nats), so
+matching llama.cpp's tokens needs the same activation rounding. `linear_reference` reproduces it in plain
+PyTorch (dequantize, quantize the activations, float matmul): the test oracle. `linear` is the fast path,
+chosen once: the CPU kernel library when it builds, else the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from functools import cache
+
+import torch
+
+from ..kernels import cpu as cpu_kernels
+from ..quant.dequant import dequantize
+from ..quant.qtensor import QTensor
+from ..quant.types import GGMLType
+
+Q8_0_ACTIVATIONS = {GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.IQ4_NL}
+Q8_1_ACTIVATIONS = {GGMLType.Q4_1, GGMLType.Q5_1}
+Q8_K_ACTIVATIONS = {GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_XS}
+
+
+def _round_half_even(x: torch.Tensor) -> torch.Tensor:
+    return torch.round(x)  # torch.round rounds half to even, like _mm256_round_ps(_MM_ROUND_NEAREST)
+
+
+def _div(numerator: float, x: torch.Tensor) -> torch.Tensor:
+    """numerator / x, correctly rounded: torch evaluates `scalar / tensor` as scalar * (1 / x), which is
+    off by an ulp often enough to flip the rounding of quantized activations."""
+    return torch.full_like(x, numerator) / x
+
+
+def quantize_activations_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K/32, 32] as float, d_f32 [M, K/32], d_f16 [M, K/32]) as llama.cpp's x86
+    quantize_row_q8_0/q8_1: d = amax/127, q = round_half_even(x * (127/amax))."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1)
+    inv = torch.where(amax > 0, _div(127.0, amax), torch.zeros_like(amax))
+    q = _round_half_even(blocks * inv[..., None])
+    d = amax / 127.0
+    return q, d, d.half().float()
+
+
+def quantize_activations_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K/256, 256] as float, d [M, K/256] f32) as llama.cpp's quantize_row_q8_K:
+    iscale = -127 / (the signed element of largest magnitude), q = min(127, round(iscale * x)), d = 1/iscale."""
+    blocks = x.reshape(x.shape[0], -1, 256)
+    idx = blocks.abs().argmax(-1, keepdim=True)
+    peak = blocks.gather(-1, idx).squeeze(-1)
+    iscale = torch.where(peak != 0, _div(-127.0, peak), torch.zeros_like(peak))
+    q = torch.clamp(_round_half_even(blocks * iscale[..., None]), max=127)
+    d = torch.where(peak != 0, _div(1.0, iscale), torch.zeros_like(iscale))
+    return q, d
+
+
+def linear_reference(x: torch.Tensor, weight: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N] for weight [N, K], with llama.cpp's activation rounding."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K).float()
+    t = weight.ggml_type
+    if t in Q8_0_ACTIVATIONS:
+        q, _, d16 = quantize_activations_q8_0(x2)
+        y = (q * d16[..., None]).reshape(x2.shape) @ weight.dequantize().T
+    elif t in Q8_1_ACTIVATIONS:
+        y = _linear_q8_1(x2, weight)
+    elif t in Q8_K_ACTIVATIONS:
+        q, d = quantize_activations_q8_k(x2)
+        y = (q * d[..., None]).reshape(x2.shape) @ weight.dequantize().T
+    elif t == GGMLType.F16:
+        y = x2.half().float() @ weight.dequantize().T
+    elif t == GGMLType.BF16:
+        y = x2.bfloat16().float() @ weight.dequantize().T
+    else:
+        y = x2 @ weight.dequantize().T
+    y = y.reshape(*lead, -1)
+    return y if bias is None else y + bias
+
+
+def _linear_q8_1(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
+    """Q4_1/Q5_1 weights (w = d_w * q_w + m_w per 32-block) against Q8_1 activations:
+    y = sum_b d_w * d_x16 * (q_w . q_x) + m_w * f16(d_x * sum(q_x))."""
+    N, K = weight.shape
+    n_blocks = K // 32
+    q, d, d16 = quantize_activations_q8_0(x)
+    s16 = (d * q.sum(-1)).half().float()  # [M, K/32]
+    blocks = weight.data.reshape(N * n_blocks, -1)
+    mins = blocks[:, 2:4].contiguous().view(torch.float16).float().view(N, n_blocks)
+    # d_w * q_w alone: dequantize a copy whose mins are zero.
+    no_min = blocks.clone()
+    no_min[:, 2:4] = 0
+    scaled = dequantize(no_min, weight.ggml_type, (N, K))
+    return (q * d16[..., None]).reshape(x.shape) @ scaled.T + s16 @ mins.T
+
+
+@cache
+def kernel_supports(ggml_type: GGMLType) -> bool:
+    """Whether the C kernel library is loaded and multiplies this weight type."""
+    lib = cpu_kernels.load()
+    return lib is not None and bool(lib.mtp_matmul_supported(int(ggml_type)))
+
+
+class _WeightGroup:
+    """The ctypes arrays describing a fixed tuple of weights, built once per tuple (decode calls the
+    same groups every step)."""
+
+    def __init__(self, weights: tuple[QTensor, ...]) -> None:
+        n = len(weights)
+        self.weights = weights  # keeps the ids in the cache key alive
+        self.types = (ctypes.c_int * n)(*(int(w.ggml_type) for w in weights))
+        self.data = (ctypes.c_void_p * n)(*(w.data.data_ptr() for w in weights))
+        self.rows = (ctypes.c_int64 * n)(*(w.shape[0] for w in weights))
+        self.supported = all(kernel_supports(w.ggml_type) for w in weights)
+
+
+_groups: dict[tuple[int, ...], _WeightGroup] = {}
+
+
+def linear_many(x: torch.Tensor, weights: Sequence[QTensor]) -> list[torch.Tensor]:
+    """[linear(x, w) for w in weights], in one kernel call: the projections that read the same input
+    (q/k/v, gate/up, a DeltaNet layer's four) share one activation rounding and one parallel region."""
+    lib = cpu_kernels.load()
+    key = tuple(map(id, weights))
+    group = _groups.get(key)
+    if group is None:
+        group = _groups[key] = _WeightGroup(tuple(weights))
+    if lib is None or not group.supported:
+        return [linear(x, w) for w in weights]
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.float().contiguous()
+    M, n = x2.shape[0], len(weights)
+    outs = [torch.empty(M, w.shape[0]) for w in weights]
+    ys = (ctypes.c_void_p * n)(*(y.data_ptr() for y in outs))
+    rc = lib.mtp_matmul_many(n, group.types, group.data, group.rows, K, x2.data_ptr(), M, ys, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"mtp_matmul_many failed ({rc}) for {[w.name for w in weights]}")
+    return [y.view(*lead, y.shape[-1]) for y in outs]
+
+
+def linear(x: torch.Tensor, weight: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear_reference`'s result from the C kernel library (same rounding rules, integer block dots);
+    types the library lacks, or machines without it, take the reference."""
+    lib = cpu_kernels.load()
+    if lib is None or not kernel_supports(weight.ggml_type):
+        return linear_reference(x, weight, bias)
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.float().contiguous()
+    N = weight.shape[0]
+    y = torch.empty(x2.shape[0], N)
+    rc = lib.mtp_matmul(
+        int(weight.ggml_type), weight.data.data_ptr(), N, K, x2.data_ptr(), x2.shape[0], y.data_ptr(), torch.get_num_threads()
+    )
+    if rc != 0:
+        raise RuntimeError(f"mtp_matmul failed ({rc}) for {weight.name}")
+    y = y.view(*lead, N)
+    return y if bias is None else y + bias

@@ -1,0 +1,40 @@
+"""RMSNorm and the gated RMSNorm of Gated DeltaNet (float32, as llama.cpp computes them on CPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import cpu as cpu_kernels
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x * (1 / sqrt(mean(x^2) + eps)) * weight over the last dim (C kernel; `rms_norm_reference` twin)."""
+    lib = cpu_kernels.load()
+    if lib is None:
+        return rms_norm_reference(x, weight, eps)
+    x = x.float().contiguous()
+    y = torch.empty_like(x)
+    n = x.shape[-1]
+    lib.mtp_rms_norm(x.data_ptr(), None if weight is None else weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
+    return y
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Rounded as llama.cpp does: squares in float32 summed in float64, the mean rounded to float32, one
+    division for the scale (the kernel sums in order; here the float64 sum order differs, invisibly)."""
+    x = x.float()
+    mean = ((x * x).double().sum(-1, keepdim=True) / x.shape[-1]).float()
+    # torch.sqrt on float32 is not correctly rounded here; sqrt in float64, rounded once, is.
+    scale = torch.ones_like(mean) / torch.sqrt((mean + eps).double()).float()
+    y = x * scale
+    return y if weight is None else y * weight
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * weight * silu(gate): the output norm of a Gated DeltaNet head."""
+    return rms_norm(x, weight, eps) * torch.nn.functional.silu(gate)
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps): eps sits inside the root, as llama.cpp's ggml_l2_norm does."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
