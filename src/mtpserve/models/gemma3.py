@@ -17,7 +17,7 @@ from ..cache import KVCache
 from ..gguf import GGUFError, Metadata
 from ..ops.activations import geglu
 from ..ops.embedding import embedding
-from ..ops.linear import linear, linear_many
+from ..ops.linear import WeightGroup, linear, linear_many
 from ..ops.norm import rms_norm
 from ..ops.rope import RopeTable, apply_rope
 from .base import CausalLM, ModelState, WeightStore, new_kv_caches, padded_context
@@ -124,6 +124,7 @@ class Attention:
     def __init__(self, w: WeightStore, b: str, c: Gemma3Config) -> None:
         self.c = c
         self.wq, self.wk, self.wv = (w.matrix(f"{b}.attn_{n}.weight") for n in "qkv")
+        self.qkv = WeightGroup((self.wq, self.wk, self.wv))  # one kernel call for the three
         self.wo = w.matrix(f"{b}.attn_output.weight")
         self.q_norm = w.dense(f"{b}.attn_q_norm.weight")
         self.k_norm = w.dense(f"{b}.attn_k_norm.weight")
@@ -131,7 +132,7 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache) -> torch.Tensor:
         c, T = self.c, x.shape[0]
-        q, k, v = linear_many(x, (self.wq, self.wk, self.wv))
+        q, k, v = linear_many(x, self.qkv)
         q = rms_norm(q.view(T, c.n_head, c.head_dim), self.q_norm, c.rms_eps)
         k = rms_norm(k.view(T, c.n_head_kv, c.head_dim), self.k_norm, c.rms_eps)
         v = v.view(T, c.n_head_kv, c.head_dim)
@@ -153,6 +154,7 @@ class DecoderLayer:
         self.attn_post_norm = w.dense(f"{b}.post_attention_norm.weight")
         self.ffn_norm = w.dense(f"{b}.ffn_norm.weight")
         self.gate, self.up, self.down = (w.matrix(f"{b}.ffn_{n}.weight") for n in ("gate", "up", "down"))
+        self.gate_up = WeightGroup((self.gate, self.up))
         self.ffn_post_norm = w.dense(f"{b}.post_ffw_norm.weight")
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]], state: ModelState) -> torch.Tensor:
@@ -160,7 +162,7 @@ class DecoderLayer:
         a = self.attn(rms_norm(x, self.attn_norm, self.eps), positions, cos, sin, state.kv[self.index])
         x = x + rms_norm(a, self.attn_post_norm, self.eps)
         h = rms_norm(x, self.ffn_norm, self.eps)
-        f = linear(geglu(*linear_many(h, (self.gate, self.up))), self.down)
+        f = linear(geglu(*linear_many(h, self.gate_up)), self.down)
         return x + rms_norm(f, self.ffn_post_norm, self.eps)
 
 

@@ -16,7 +16,7 @@ from ..cache import KVCache
 from ..gguf import GGUFError, Metadata
 from ..ops.activations import swiglu_ffn
 from ..ops.embedding import embedding
-from ..ops.linear import linear, linear_many
+from ..ops.linear import WeightGroup, linear, linear_many
 from ..ops.norm import rms_norm
 from ..ops.rope import RopeTable, apply_rope
 from .base import CausalLM, ModelState, WeightStore, new_kv_caches, padded_context
@@ -114,6 +114,7 @@ class Attention:
     def __init__(self, w: WeightStore, b: str, c: LlamaConfig) -> None:
         self.c = c
         self.wq, self.wk, self.wv = (w.matrix(f"{b}.attn_{n}.weight") for n in "qkv")
+        self.qkv = WeightGroup((self.wq, self.wk, self.wv))  # one kernel call for the three
         self.wo = w.matrix(f"{b}.attn_output.weight")
         self.bq, self.bk, self.bv = (w.dense(f"{b}.attn_{n}.bias") if c.qkv_bias else None for n in "qkv")
         self.q_norm = w.dense(f"{b}.attn_q_norm.weight") if c.qk_norm else None
@@ -121,7 +122,7 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache) -> torch.Tensor:
         c, T = self.c, x.shape[0]
-        q, k, v = linear_many(x, (self.wq, self.wk, self.wv))
+        q, k, v = linear_many(x, self.qkv)
         if self.bq is not None:  # qwen2: biases on q, k and v
             q, k, v = q + self.bq, k + self.bk, v + self.bv
         q, k, v = q.view(T, c.n_head, c.head_dim), k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)

@@ -18,7 +18,7 @@ from ..ops.activations import swiglu_ffn
 from ..ops.conv import causal_conv1d
 from ..ops.embedding import embedding
 from ..ops.gated_delta import gated_delta_net_decode, gated_delta_rule_chunked
-from ..ops.linear import linear, linear_many
+from ..ops.linear import WeightGroup, linear, linear_many
 from ..ops.norm import gated_rms_norm, l2_norm, rms_norm
 from ..ops.rope import RopeTable, apply_rope
 from ..quant.qtensor import QTensor
@@ -191,13 +191,14 @@ class GatedAttention:
         self.wq = w.matrix(f"{b}.attn_q.weight")  # joint query + gate, [H, 2, hd] per token
         self.wk = w.matrix(f"{b}.attn_k.weight")
         self.wv = w.matrix(f"{b}.attn_v.weight")
+        self.qkv = WeightGroup((self.wq, self.wk, self.wv))  # one kernel call for the three
         self.wo = w.matrix(f"{b}.attn_output.weight")
         self.q_norm = w.dense(f"{b}.attn_q_norm.weight")
         self.k_norm = w.dense(f"{b}.attn_k_norm.weight")
 
     def __call__(self, x: torch.Tensor, rope: Rope, kv: KVCache) -> torch.Tensor:
         c, T = self.c, x.shape[0]
-        qg, k, v = linear_many(x, (self.wq, self.wk, self.wv))
+        qg, k, v = linear_many(x, self.qkv)
         qg = qg.view(T, c.n_head, 2, c.head_dim)
         q, gate = qg[:, :, 0], qg[:, :, 1].reshape(T, -1)
         k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
@@ -218,6 +219,7 @@ class GatedDeltaNet:
         self.w_gate = w.matrix(f"{b}.attn_gate.weight")  # z
         self.w_beta = w.matrix(f"{b}.ssm_beta.weight")
         self.w_alpha = w.matrix(f"{b}.ssm_alpha.weight")
+        self.projections = WeightGroup((self.w_qkv, self.w_gate, self.w_beta, self.w_alpha))
         self.dt_bias = w.dense(f"{b}.ssm_dt.bias")
         self.a = w.dense(f"{b}.ssm_a")  # already -exp(A_log)
         self.conv_weight = w.dense(f"{b}.ssm_conv1d.weight")  # [conv_dim, d_conv]
@@ -226,14 +228,13 @@ class GatedDeltaNet:
 
     def __call__(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
         c, T = self.c, x.shape[0]
-        projections = (self.w_qkv, self.w_gate, self.w_beta, self.w_alpha)
         if T <= RECURRENT_MAX_TOKENS:  # decode, draft verification: the whole mixer in one kernel call
             out, state.conv, state.ssm = gated_delta_net_decode(
-                x, projections, self.dt_bias, self.a, self.conv_weight, self.norm, self.w_out, state.conv, state.ssm,
+                x, self.projections, self.dt_bias, self.a, self.conv_weight, self.norm, self.w_out, state.conv, state.ssm,
                 c.n_k_heads, c.rms_eps,
             )  # fmt: skip
             return out
-        mixed, z, beta, alpha = linear_many(x, projections)  # mixed: [T, conv_dim]
+        mixed, z, beta, alpha = linear_many(x, self.projections)  # mixed: [T, conv_dim]
         z = z.view(T, c.n_v_heads, c.ssm_head_dim)
         beta = torch.sigmoid(beta)  # [T, Hv]
         g = self.a * F.softplus(alpha + self.dt_bias)  # log of the per-step decay

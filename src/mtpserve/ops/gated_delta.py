@@ -13,7 +13,7 @@ Derivation of the chunked form: ../shared/spec/qwen35-architecture.md §4.6.
 
 from __future__ import annotations
 
-import ctypes
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..kernels import cpu as cpu_kernels
 from ..quant.qtensor import QTensor
 from .conv import causal_conv1d
-from .linear import kernel_supports, linear, linear_many, linear_reference
+from .linear import WeightGroup, kernel_supports, linear, linear_many, linear_reference
 from .norm import gated_rms_norm, l2_norm
 
 
@@ -173,7 +173,7 @@ def gated_delta_net_step(
 
 def gated_delta_net_decode_reference(
     h: torch.Tensor,
-    projections: tuple[QTensor, QTensor, QTensor, QTensor],
+    projections: Sequence[QTensor],
     dt_bias: torch.Tensor,
     a: torch.Tensor,
     conv_weight: torch.Tensor,
@@ -199,7 +199,7 @@ def gated_delta_net_decode_reference(
 
 def gated_delta_net_decode(
     h: torch.Tensor,
-    projections: tuple[QTensor, QTensor, QTensor, QTensor],
+    projections: Sequence[QTensor],
     dt_bias: torch.Tensor,
     a: torch.Tensor,
     conv_weight: torch.Tensor,
@@ -214,8 +214,8 @@ def gated_delta_net_decode(
     decode and draft verification, where a layer's dozen small ops would each cost more in Python than
     in arithmetic."""
     lib = cpu_kernels.load()
-    weights = (*projections, w_out)
-    if lib is None or not all(kernel_supports(w.ggml_type) for w in weights):
+    projections = projections if isinstance(projections, WeightGroup) else WeightGroup(projections)
+    if lib is None or not (projections.on_kernels and kernel_supports(w_out.ggml_type)):
         n_v_heads, _, V = ssm.shape
         mixed, z, beta, alpha = linear_many(h, projections)
         g = a * F.softplus(alpha + dt_bias)
@@ -227,11 +227,9 @@ def gated_delta_net_decode(
     h = h.float().contiguous()
     dt_bias, a, conv_weight, norm_weight = (t.float().contiguous() for t in (dt_bias, a, conv_weight, norm_weight))
     conv_state, ssm = conv_state.contiguous(), ssm.contiguous()
-    types = (ctypes.c_int * 4)(*(int(w.ggml_type) for w in projections))
-    data = (ctypes.c_void_p * 4)(*(w.data.data_ptr() for w in projections))
     out = torch.empty(h.shape[0], w_out.shape[0])
     rc = lib.mtp_gdn_mixer(
-        h.data_ptr(), h.shape[0], h.shape[1], types, data, dt_bias.data_ptr(), a.data_ptr(), conv_state.data_ptr(),
+        h.data_ptr(), h.shape[0], h.shape[1], projections.c_types, projections.c_data, dt_bias.data_ptr(), a.data_ptr(), conv_state.data_ptr(),
         conv_weight.data_ptr(), ssm.data_ptr(), norm_weight.data_ptr(), n_k_heads, n_v_heads, K, V,
         conv_weight.shape[1], eps, int(w_out.ggml_type), w_out.data.data_ptr(), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip

@@ -113,42 +113,38 @@ def kernel_supports(ggml_type: GGMLType) -> bool:
     return lib is not None and bool(lib.mtp_matmul_supported(int(ggml_type)))
 
 
-class _WeightGroup:
-    """The ctypes arrays describing a fixed tuple of weights, built once per tuple (decode calls the
-    same groups every step)."""
+class WeightGroup(tuple):
+    """Weights that read the same input (q/k/v, gate/up, a DeltaNet layer's projections), as a tuple,
+    with the ctypes arrays the kernel call needs built once. Models build their groups at load time;
+    `linear_many` also takes a plain sequence (and then builds the arrays per call)."""
 
-    def __init__(self, weights: tuple[QTensor, ...]) -> None:
-        n = len(weights)
-        self.weights = weights  # keeps the ids in the cache key alive
-        self.types = (ctypes.c_int * n)(*(int(w.ggml_type) for w in weights))
-        self.data = (ctypes.c_void_p * n)(*(w.data.data_ptr() for w in weights))
-        self.rows = (ctypes.c_int64 * n)(*(w.shape[0] for w in weights))
-        self.supported = all(kernel_supports(w.ggml_type) for w in weights)
-
-
-_groups: dict[tuple[int, ...], _WeightGroup] = {}
+    def __new__(cls, weights: Sequence[QTensor]) -> WeightGroup:
+        group = super().__new__(cls, weights)
+        n = len(group)
+        group.c_types = (ctypes.c_int * n)(*(int(w.ggml_type) for w in group))
+        group.c_data = (ctypes.c_void_p * n)(*(w.data.data_ptr() for w in group))
+        group.c_rows = (ctypes.c_int64 * n)(*(w.shape[0] for w in group))
+        group.on_kernels = all(kernel_supports(w.ggml_type) for w in group)
+        return group
 
 
 def linear_many(x: torch.Tensor, weights: Sequence[QTensor]) -> list[torch.Tensor]:
-    """[linear(x, w) for w in weights], in one kernel call: the projections that read the same input
-    (q/k/v, gate/up, a DeltaNet layer's four) share one activation rounding and one parallel region."""
+    """[linear(x, w) for w in weights], in one kernel call: one activation rounding and one parallel
+    region for all of them."""
     lib = cpu_kernels.load()
-    key = tuple(map(id, weights))
-    group = _groups.get(key)
-    if group is None:
-        group = _groups[key] = _WeightGroup(tuple(weights))
-    if lib is None or not group.supported:
-        return [linear(x, w) for w in weights]
+    group = weights if isinstance(weights, WeightGroup) else WeightGroup(weights)
+    if lib is None or not group.on_kernels:
+        return [linear(x, w) for w in group]
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.float().contiguous()
-    M, n = x2.shape[0], len(weights)
-    outs = [torch.empty(M, w.shape[0]) for w in weights]
+    M, n = x2.shape[0], len(group)
+    outs = [torch.empty(M, w.shape[0]) for w in group]
     ys = (ctypes.c_void_p * n)(*(y.data_ptr() for y in outs))
-    rc = lib.mtp_matmul_many(n, group.types, group.data, group.rows, K, x2.data_ptr(), M, ys, torch.get_num_threads())
+    rc = lib.mtp_matmul_many(n, group.c_types, group.c_data, group.c_rows, K, x2.data_ptr(), M, ys, torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"mtp_matmul_many failed ({rc}) for {[w.name for w in weights]}")
+        raise RuntimeError(f"mtp_matmul_many failed ({rc}) for {[w.name for w in group]}")
     return [y.view(*lead, y.shape[-1]) for y in outs]
 
 
