@@ -160,6 +160,16 @@ def test_gated_delta_chunked_matches_recurrent(T, chunk):
     assert (o_rec - o_chk).abs().max() < 1e-4 and (s_rec - s_chk).abs().max() < 1e-4
 
 
+def test_gated_delta_chunked_keeps_the_state_after_every_chunk():
+    inputs = _gdn_inputs(150)
+    _, states = gated_delta.gated_delta_rule_recurrent(*inputs, return_states=True)
+    kept: list[torch.Tensor] = []
+    gated_delta.gated_delta_rule_chunked(*inputs, chunk_size=64, chunk_states=kept)
+    assert len(kept) == 2  # after 64 and 128 tokens (150 is the final state)
+    for n, state in zip((64, 128), kept):
+        assert (state - states[n - 1]).abs().max() < 1e-4
+
+
 def test_gated_delta_recurrent_matches_the_rule_written_out():
     q, k, v, g, beta, state = _gdn_inputs(3, Hk=1, Hv=2, K=4, V=3)
     o, s = gated_delta.gated_delta_rule_recurrent(q, k, v, g, beta, state)
@@ -296,18 +306,59 @@ def test_swiglu_ffn_is_the_three_calls_fused(m):
     assert rel_err(fused, activations.swiglu_ffn_reference(x, ffn.gate, ffn.up, ffn.down)) < 1e-5
 
 
+def _gdn_decode_args(mixer, n_seq, seed=0):
+    c = mixer.c
+    g = torch.Generator().manual_seed(seed)
+    conv_states = [torch.randn(c.conv_dim, c.d_conv - 1, generator=g) for _ in range(n_seq)]
+    ssms = [torch.randn(c.n_v_heads, c.ssm_head_dim, c.ssm_head_dim, generator=g) * 0.1 for _ in range(n_seq)]
+    weights = (mixer.projections, mixer.dt_bias, mixer.a, mixer.conv_weight, mixer.norm, mixer.w_out)
+    return weights, conv_states, ssms
+
+
 @needs_kernels
 @pytest.mark.parametrize("T", [1, 4])
 def test_gated_delta_net_decode_kernel_matches_reference(T):
     mixer = _tinyqwen_layers().mixer
     c = mixer.c
-    x = torch.randn(T, mixer.w_qkv.shape[1])
-    conv_state, ssm = torch.randn(c.conv_dim, c.d_conv - 1), torch.randn(c.n_v_heads, c.ssm_head_dim, c.ssm_head_dim) * 0.1
-    args = ((mixer.w_qkv, mixer.w_gate, mixer.w_beta, mixer.w_alpha), mixer.dt_bias, mixer.a, mixer.conv_weight, mixer.norm, mixer.w_out)
-    fast = gated_delta.gated_delta_net_decode(x, *args, conv_state.clone(), ssm.clone(), c.n_k_heads, c.rms_eps)
-    ref = gated_delta.gated_delta_net_decode_reference(x, *args, conv_state.clone(), ssm.clone(), c.n_k_heads, c.rms_eps)
-    for got, want in zip(fast, ref):
-        assert got.shape == want.shape and rel_err(got, want) < 1e-4
+    weights, conv_states, ssms = _gdn_decode_args(mixer, 2)
+    h = torch.randn(2 * T, mixer.w_qkv.shape[1])
+    fast_states = [t.clone() for t in conv_states], [t.clone() for t in ssms]
+    fast = gated_delta.gated_delta_net_decode(h, *weights, *fast_states, c.n_k_heads, c.rms_eps)
+    ref = gated_delta.gated_delta_net_decode_reference(h, *weights, conv_states, ssms, c.n_k_heads, c.rms_eps)
+    assert fast.shape == ref.shape and rel_err(fast, ref) < 1e-4
+    for got, want in zip(fast_states[0] + fast_states[1], conv_states + ssms):
+        assert rel_err(got, want) < 1e-4
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 3])
+def test_batched_sequences_compute_what_each_computes_alone(n):
+    """Several sequences in one call give bit-for-bit the results of one call per sequence."""
+    layer = _tinyqwen_layers()
+    mixer, ffn = layer.mixer, layer.ffn
+    c = mixer.c
+    n_seq = 5
+    x = torch.randn(n_seq * n, mixer.w_qkv.shape[1])
+    weights, conv_states, ssms = _gdn_decode_args(mixer, n_seq)
+    alone_states = [t.clone() for t in conv_states], [t.clone() for t in ssms]
+    together = gated_delta.gated_delta_net_decode(x, *weights, conv_states, ssms, c.n_k_heads, c.rms_eps)
+    for s in range(n_seq):
+        rows = slice(s * n, (s + 1) * n)
+        alone = gated_delta.gated_delta_net_decode(
+            x[rows], *weights, [alone_states[0][s]], [alone_states[1][s]], c.n_k_heads, c.rms_eps
+        )
+        assert torch.equal(together[rows], alone)
+        assert torch.equal(conv_states[s], alone_states[0][s]) and torch.equal(ssms[s], alone_states[1][s])
+        assert torch.equal(activations.swiglu_ffn(x, ffn.gate, ffn.up, ffn.down, n)[rows],
+                           activations.swiglu_ffn(x[rows], ffn.gate, ffn.up, ffn.down))  # fmt: skip
+    # Every weight type, and a batch long enough for the tiled paths (llama.cpp rounds those differently).
+    for w in [_weights(t, k=256) for t in (T.Q8_0, T.Q4_1, T.Q5_0, T.F16)] + _fixture_weights():
+        for seq_len in (n, 9):
+            x = torch.randn(3 * seq_len, w.shape[1])
+            together = linear.linear(x, w, seq_len=seq_len)
+            for s in range(3):
+                rows = slice(s * seq_len, (s + 1) * seq_len)
+                assert torch.equal(together[rows], linear.linear(x[rows], w)), (w.name, seq_len)
 
 
 def test_linear_reference_rounds_activations_like_llama_cpp():

@@ -128,6 +128,23 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes
 
 
+def append_and_attend(
+    caches: list[KVCache], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of a batch of sequences, each over its own cache: rows are split evenly between the
+    caches (q [rows, H, D], k/v [rows, Hkv, D], positions [rows]); each cache first stores its K/V."""
+    if len(caches) == 1:
+        caches[0].append(k, v)
+        return caches[0].attend(q, positions, scale)
+    T = q.shape[0] // len(caches)
+    out = []
+    for s, kv in enumerate(caches):
+        rows = slice(s * T, (s + 1) * T)
+        kv.append(k[rows], v[rows])
+        out.append(kv.attend(q[rows], positions[rows], scale))
+    return torch.cat(out)
+
+
 def _round_q8_0(x: torch.Tensor) -> torch.Tensor:
     """x rounded through Q8_0 blocks of 32 along the last dim (the query of a quantized-K dot)."""
     rows = x.reshape(-1, x.shape[-1])

@@ -10,6 +10,7 @@ import torch
 from ..cache import KVCache, RecurrentState
 from ..gguf import GGUFFile
 from ..ops.linear import linear
+from ..ops.rope import RopeTable
 from ..quant.dequant import dequantize_tensor
 from ..quant.qtensor import QTensor
 from .config import ModelConfig
@@ -73,6 +74,47 @@ def new_kv_caches(
     return caches
 
 
+@dataclass
+class Rope:
+    """Positions of a batch's rows and their rotary cos/sin [rows, n_rot // 2]."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+@dataclass
+class Batch:
+    """One forward pass over several sequences, each adding `n_tokens` tokens: rows s * n_tokens ..
+    (s + 1) * n_tokens - 1 of every activation belong to states[s], whose first new token sits at
+    position starts[s]. Each sequence is rounded as if evaluated alone (ops.linear's `seq_len`), so
+    batching changes no result."""
+
+    tokens: torch.Tensor  # [len(states) * n_tokens]
+    states: list[ModelState]
+    n_tokens: int
+    starts: list[int]
+
+    @classmethod
+    def of(cls, tokens: torch.Tensor, states: list[ModelState]) -> Batch:
+        """Tokens [n_seq * n_tokens] continuing each state at its `n_past`."""
+        return cls(tokens, states, len(tokens) // len(states), [st.n_past for st in states])
+
+    def rows(self, s: int) -> slice:
+        return slice(s * self.n_tokens, (s + 1) * self.n_tokens)
+
+    def rope(self, table: RopeTable) -> Rope:
+        spans = [table.span(start, self.n_tokens) for start in self.starts]
+        positions = torch.cat([torch.arange(start, start + self.n_tokens) for start in self.starts])
+        if len(spans) == 1:
+            return Rope(positions, *spans[0])
+        return Rope(positions, torch.cat([c for c, _ in spans]), torch.cat([s for _, s in spans]))
+
+    def advance(self) -> None:
+        for state in self.states:
+            state.n_past += self.n_tokens
+
+
 class CausalLM:
     """A decoder-only language model; subclasses implement `forward` and `new_state`."""
 
@@ -80,16 +122,20 @@ class CausalLM:
     output: QTensor  # LM head [n_vocab, n_embd]
     ubatch: int = DEFAULT_UBATCH
 
-    def forward(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
-        """Evaluate tokens [T] at positions state.n_past.. and advance the state. Returns the final
-        normalized hidden states [T, n_embd]."""
+    def forward_batch(self, batch: Batch) -> torch.Tensor:
+        """Evaluate a batch and advance its states. Returns the final normalized hidden states
+        [rows, n_embd]."""
         raise NotImplementedError
+
+    def forward(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
+        """Evaluate tokens [T] of one sequence at positions state.n_past.. (hidden states [T, n_embd])."""
+        return self.forward_batch(Batch.of(torch.as_tensor(tokens, dtype=torch.long), [state]))
 
     def new_state(self, ctx_size: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16") -> ModelState:
         raise NotImplementedError
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.output)
+    def logits(self, hidden: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        return linear(hidden, self.output, seq_len=seq_len)
 
     @torch.inference_mode()
     def prefill(
@@ -102,7 +148,8 @@ class CausalLM:
             raise ValueError(f"{state.n_past + len(tokens)} tokens exceed the context size {state.capacity}")
         outs = []
         for start in range(0, len(tokens), self.ubatch):
-            hidden = self.forward(tokens[start : start + self.ubatch], state)
+            chunk = tokens[start : start + self.ubatch]
+            hidden = self.forward(chunk, state)
             if all_logits:
                 skip = max(0, logits_from - start)
                 if skip < len(hidden):
@@ -114,6 +161,13 @@ class CausalLM:
     @torch.inference_mode()
     def decode(self, token: int, state: ModelState) -> torch.Tensor:
         """Evaluate one token; its logits [V]."""
-        if state.n_past + 1 > state.capacity:
-            raise ValueError(f"context size {state.capacity} is full")
-        return self.logits(self.forward(torch.tensor([token]), state))[0]
+        return self.decode_batch([token], [state])[0]
+
+    @torch.inference_mode()
+    def decode_batch(self, tokens: list[int], states: list[ModelState]) -> torch.Tensor:
+        """One new token for each of several sequences, in one forward pass; logits [n_seq, V], each row
+        what `decode` would give for its sequence alone."""
+        for state in states:
+            if state.n_past + 1 > state.capacity:
+                raise ValueError(f"context size {state.capacity} is full")
+        return self.logits(self.forward_batch(Batch.of(torch.tensor(tokens), states)), seq_len=1)

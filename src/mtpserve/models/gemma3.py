@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..cache import KVCache
+from ..cache import KVCache, append_and_attend
 from ..gguf import GGUFError, Metadata
 from ..ops.activations import geglu
 from ..ops.embedding import embedding
 from ..ops.linear import WeightGroup, linear, linear_many
 from ..ops.norm import rms_norm
 from ..ops.rope import RopeTable, apply_rope
-from .base import CausalLM, ModelState, WeightStore, new_kv_caches, padded_context
+from .base import Batch, CausalLM, ModelState, Rope, WeightStore, new_kv_caches, padded_context
 from .config import AttentionCacheSpec, CacheLayout, TensorSpec, common_hparams, lm_tensor_specs
 
 ARCH = "gemma3"
@@ -130,17 +130,16 @@ class Attention:
         self.k_norm = w.dense(f"{b}.attn_k_norm.weight")
         self.query_scale = float(np.float32(1.0) / np.sqrt(np.float32(c.head_dim)))
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope: Rope, caches: list[KVCache], seq_len: int) -> torch.Tensor:
         c, T = self.c, x.shape[0]
-        q, k, v = linear_many(x, self.qkv)
+        q, k, v = linear_many(x, self.qkv, seq_len)
         q = rms_norm(q.view(T, c.n_head, c.head_dim), self.q_norm, c.rms_eps)
         k = rms_norm(k.view(T, c.n_head_kv, c.head_dim), self.k_norm, c.rms_eps)
         v = v.view(T, c.n_head_kv, c.head_dim)
-        q, k = apply_rope(q, cos, sin, neox=True), apply_rope(k, cos, sin, neox=True)
-        kv.append(k, v)
+        q, k = apply_rope(q, rope.cos, rope.sin, neox=True), apply_rope(k, rope.cos, rope.sin, neox=True)
         # Gemma scales the query before attention (1/sqrt(head_dim)); the softmax scale is then 1.
-        o = kv.attend(q * self.query_scale, positions, 1.0)
-        return linear(o.reshape(T, -1), self.wo)
+        o = append_and_attend(caches, q * self.query_scale, k, v, rope.positions, 1.0)
+        return linear(o.reshape(T, -1), self.wo, seq_len=seq_len)
 
 
 class DecoderLayer:
@@ -157,12 +156,12 @@ class DecoderLayer:
         self.gate_up = WeightGroup((self.gate, self.up))
         self.ffn_post_norm = w.dense(f"{b}.post_ffw_norm.weight")
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]], state: ModelState) -> torch.Tensor:
-        cos, sin = ropes[self.sliding]
-        a = self.attn(rms_norm(x, self.attn_norm, self.eps), positions, cos, sin, state.kv[self.index])
+    def __call__(self, x: torch.Tensor, ropes: dict[bool, Rope], batch: Batch) -> torch.Tensor:
+        caches = [state.kv[self.index] for state in batch.states]
+        a = self.attn(rms_norm(x, self.attn_norm, self.eps), ropes[self.sliding], caches, batch.n_tokens)
         x = x + rms_norm(a, self.attn_post_norm, self.eps)
         h = rms_norm(x, self.ffn_norm, self.eps)
-        f = linear(geglu(*linear_many(h, self.gate_up)), self.down)
+        f = linear(geglu(*linear_many(h, self.gate_up, batch.n_tokens)), self.down, seq_len=batch.n_tokens)
         return x + rms_norm(f, self.ffn_post_norm, self.eps)
 
 
@@ -187,18 +186,16 @@ class Gemma3ForCausalLM(CausalLM):
         ctx = padded_context(ctx_size, self.config)
         return ModelState(new_kv_caches(self.config, ctx, cache_type_k, cache_type_v, self.ubatch), capacity=ctx)
 
-    def forward(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
-        c = self.config
-        positions = torch.arange(state.n_past, state.n_past + len(tokens))
-        ropes = {swa: table.span(state.n_past, len(tokens)) for swa, table in self.rope_tables.items()}
-        x = embedding(self.token_embd, tokens) * self.embed_scale
+    def forward_batch(self, batch: Batch) -> torch.Tensor:
+        ropes = {swa: batch.rope(table) for swa, table in self.rope_tables.items()}
+        x = embedding(self.token_embd, batch.tokens) * self.embed_scale
         for layer in self.layers:
-            x = layer(x, positions, ropes, state)
-        state.n_past += len(tokens)
-        return rms_norm(x, self.output_norm, c.rms_eps)
+            x = layer(x, ropes, batch)
+        batch.advance()
+        return rms_norm(x, self.output_norm, self.config.rms_eps)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.output)
+    def logits(self, hidden: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        logits = linear(hidden, self.output, seq_len=seq_len)
         if self.config.final_logit_softcap:
             cap = self.config.final_logit_softcap
             logits = cap * torch.tanh(logits / cap)

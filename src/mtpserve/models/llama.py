@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import KVCache
+from ..cache import KVCache, append_and_attend
 from ..gguf import GGUFError, Metadata
 from ..ops.activations import swiglu_ffn
 from ..ops.embedding import embedding
 from ..ops.linear import WeightGroup, linear, linear_many
 from ..ops.norm import rms_norm
 from ..ops.rope import RopeTable, apply_rope
-from .base import CausalLM, ModelState, WeightStore, new_kv_caches, padded_context
+from .base import Batch, CausalLM, ModelState, Rope, WeightStore, new_kv_caches, padded_context
 from .config import AttentionCacheSpec, CacheLayout, TensorSpec, common_hparams, lm_tensor_specs
 
 ARCHES = ("llama", "qwen2", "qwen3")
@@ -120,18 +120,17 @@ class Attention:
         self.q_norm = w.dense(f"{b}.attn_q_norm.weight") if c.qk_norm else None
         self.k_norm = w.dense(f"{b}.attn_k_norm.weight") if c.qk_norm else None
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope: Rope, caches: list[KVCache], seq_len: int) -> torch.Tensor:
         c, T = self.c, x.shape[0]
-        q, k, v = linear_many(x, self.qkv)
+        q, k, v = linear_many(x, self.qkv, seq_len)
         if self.bq is not None:  # qwen2: biases on q, k and v
             q, k, v = q + self.bq, k + self.bk, v + self.bv
         q, k, v = q.view(T, c.n_head, c.head_dim), k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
         if c.qk_norm:
             q, k = rms_norm(q, self.q_norm, c.rms_eps), rms_norm(k, self.k_norm, c.rms_eps)
-        q, k = apply_rope(q, cos, sin, c.rope_neox), apply_rope(k, cos, sin, c.rope_neox)
-        kv.append(k, v)
-        o = kv.attend(q, positions, c.head_dim**-0.5)
-        return linear(o.reshape(T, -1), self.wo)
+        q, k = apply_rope(q, rope.cos, rope.sin, c.rope_neox), apply_rope(k, rope.cos, rope.sin, c.rope_neox)
+        o = append_and_attend(caches, q, k, v, rope.positions, c.head_dim**-0.5)
+        return linear(o.reshape(T, -1), self.wo, seq_len=seq_len)
 
 
 class DecoderLayer:
@@ -143,10 +142,11 @@ class DecoderLayer:
         self.ffn_norm = w.dense(f"{b}.ffn_norm.weight")
         self.gate, self.up, self.down = (w.matrix(f"{b}.ffn_{n}.weight") for n in ("gate", "up", "down"))
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: ModelState) -> torch.Tensor:
-        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), positions, cos, sin, state.kv[self.index])
+    def __call__(self, x: torch.Tensor, rope: Rope, batch: Batch) -> torch.Tensor:
+        caches = [state.kv[self.index] for state in batch.states]
+        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), rope, caches, batch.n_tokens)
         h = rms_norm(x, self.ffn_norm, self.eps)
-        return x + swiglu_ffn(h, self.gate, self.up, self.down)
+        return x + swiglu_ffn(h, self.gate, self.up, self.down, batch.n_tokens)
 
 
 # --- model --------------------------------------------------------------------------------------------
@@ -165,12 +165,10 @@ class LlamaForCausalLM(CausalLM):
         ctx = padded_context(ctx_size, self.config)
         return ModelState(new_kv_caches(self.config, ctx, cache_type_k, cache_type_v), capacity=ctx)
 
-    def forward(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
-        c = self.config
-        positions = torch.arange(state.n_past, state.n_past + len(tokens))
-        cos, sin = self.rope_table.span(state.n_past, len(tokens))
-        x = embedding(self.token_embd, tokens)
+    def forward_batch(self, batch: Batch) -> torch.Tensor:
+        rope = batch.rope(self.rope_table)
+        x = embedding(self.token_embd, batch.tokens)
         for layer in self.layers:
-            x = layer(x, positions, cos, sin, state)
-        state.n_past += len(tokens)
-        return rms_norm(x, self.output_norm, c.rms_eps)
+            x = layer(x, rope, batch)
+        batch.advance()
+        return rms_norm(x, self.output_norm, self.config.rms_eps)

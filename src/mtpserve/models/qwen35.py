@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cache import KVCache, RecurrentState
+from ..cache import KVCache, RecurrentState, append_and_attend
 from ..gguf import GGUFError, Metadata
 from ..ops.activations import swiglu_ffn
 from ..ops.conv import causal_conv1d
@@ -22,7 +22,7 @@ from ..ops.linear import WeightGroup, linear, linear_many
 from ..ops.norm import gated_rms_norm, l2_norm, rms_norm
 from ..ops.rope import RopeTable, apply_rope
 from ..quant.qtensor import QTensor
-from .base import CausalLM, ModelState, WeightStore, new_kv_caches, padded_context
+from .base import Batch, CausalLM, ModelState, Rope, WeightStore, new_kv_caches, padded_context
 from .config import AttentionCacheSpec, CacheLayout, RecurrentStateSpec, TensorSpec, common_hparams, lm_tensor_specs
 
 ARCH = "qwen35"
@@ -196,17 +196,16 @@ class GatedAttention:
         self.q_norm = w.dense(f"{b}.attn_q_norm.weight")
         self.k_norm = w.dense(f"{b}.attn_k_norm.weight")
 
-    def __call__(self, x: torch.Tensor, rope: Rope, kv: KVCache) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope: Rope, caches: list[KVCache], seq_len: int) -> torch.Tensor:
         c, T = self.c, x.shape[0]
-        qg, k, v = linear_many(x, self.qkv)
+        qg, k, v = linear_many(x, self.qkv, seq_len)
         qg = qg.view(T, c.n_head, 2, c.head_dim)
         q, gate = qg[:, :, 0], qg[:, :, 1].reshape(T, -1)
         k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
         q = apply_rope(rms_norm(q, self.q_norm, c.rms_eps), rope.cos, rope.sin, neox=True)
         k = apply_rope(rms_norm(k, self.k_norm, c.rms_eps), rope.cos, rope.sin, neox=True)
-        kv.append(k, v)
-        o = kv.attend(q, rope.positions, c.head_dim**-0.5).reshape(T, -1)
-        return linear(o * torch.sigmoid(gate), self.wo)
+        o = append_and_attend(caches, q, k, v, rope.positions, c.head_dim**-0.5).reshape(T, -1)
+        return linear(o * torch.sigmoid(gate), self.wo, seq_len=seq_len)
 
 
 class GatedDeltaNet:
@@ -226,25 +225,30 @@ class GatedDeltaNet:
         self.norm = w.dense(f"{b}.ssm_norm.weight")
         self.w_out = w.matrix(f"{b}.ssm_out.weight")
 
-    def __call__(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
-        c, T = self.c, x.shape[0]
-        if T <= RECURRENT_MAX_TOKENS:  # decode, draft verification: the whole mixer in one kernel call
-            out, state.conv, state.ssm = gated_delta_net_decode(
-                x, self.projections, self.dt_bias, self.a, self.conv_weight, self.norm, self.w_out, state.conv, state.ssm,
-                c.n_k_heads, c.rms_eps,
+    def __call__(self, x: torch.Tensor, states: list[RecurrentState], seq_len: int) -> torch.Tensor:
+        c = self.c
+        if seq_len <= RECURRENT_MAX_TOKENS:  # decode, draft verification: the whole mixer in one kernel call
+            return gated_delta_net_decode(
+                x, self.projections, self.dt_bias, self.a, self.conv_weight, self.norm, self.w_out,
+                [st.conv for st in states], [st.ssm for st in states], c.n_k_heads, c.rms_eps,
             )  # fmt: skip
-            return out
-        mixed, z, beta, alpha = linear_many(x, self.projections)  # mixed: [T, conv_dim]
-        z = z.view(T, c.n_v_heads, c.ssm_head_dim)
+        mixed, z, beta, alpha = linear_many(x, self.projections, seq_len)  # mixed: [T, conv_dim]
+        z = z.view(-1, c.n_v_heads, c.ssm_head_dim)
         beta = torch.sigmoid(beta)  # [T, Hv]
         g = self.a * F.softplus(alpha + self.dt_bias)  # log of the per-step decay
-        conv, state.conv = causal_conv1d(mixed, self.conv_weight, state.conv)
-        u = F.silu(conv)
-        q = l2_norm(u[:, : c.key_dim].view(T, c.n_k_heads, c.ssm_head_dim), c.rms_eps)
-        k = l2_norm(u[:, c.key_dim : 2 * c.key_dim].view(T, c.n_k_heads, c.ssm_head_dim), c.rms_eps)
-        v = u[:, 2 * c.key_dim :].view(T, c.n_v_heads, c.ssm_head_dim)
-        o, state.ssm = gated_delta_rule_chunked(q, k, v, g, beta, state.ssm)
-        return linear(gated_rms_norm(o, z, self.norm, c.rms_eps).reshape(T, -1), self.w_out)
+        outs = []
+        for s, state in enumerate(states):  # the chunked rule, one prompt at a time
+            rows = slice(s * seq_len, (s + 1) * seq_len)
+            conv, new_conv = causal_conv1d(mixed[rows], self.conv_weight, state.conv)
+            u = F.silu(conv)
+            q = l2_norm(u[:, : c.key_dim].view(seq_len, c.n_k_heads, c.ssm_head_dim), c.rms_eps)
+            k = l2_norm(u[:, c.key_dim : 2 * c.key_dim].view(seq_len, c.n_k_heads, c.ssm_head_dim), c.rms_eps)
+            v = u[:, 2 * c.key_dim :].view(seq_len, c.n_v_heads, c.ssm_head_dim)
+            o, new_ssm = gated_delta_rule_chunked(q, k, v, g[rows], beta[rows], state.ssm)
+            state.conv.copy_(new_conv)  # in place: the state's tensors are the slot's memory
+            state.ssm.copy_(new_ssm)
+            outs.append(gated_rms_norm(o, z[rows], self.norm, c.rms_eps).reshape(seq_len, -1))
+        return linear(torch.cat(outs), self.w_out, seq_len=seq_len)
 
 
 class SwiGLU:
@@ -253,8 +257,8 @@ class SwiGLU:
         self.up = w.matrix(f"{b}.ffn_up.weight")
         self.down = w.matrix(f"{b}.ffn_down.weight")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu_ffn(x, self.gate, self.up, self.down)
+    def __call__(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
+        return swiglu_ffn(x, self.gate, self.up, self.down, seq_len)
 
 
 class DecoderLayer:
@@ -270,13 +274,13 @@ class DecoderLayer:
         self.ffn_norm = w.dense(f"{b}.post_attention_norm.weight")
         self.ffn = SwiGLU(w, b)
 
-    def __call__(self, x: torch.Tensor, rope: Rope, state: ModelState) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope: Rope, batch: Batch) -> torch.Tensor:
         h = rms_norm(x, self.attn_norm, self.eps)
         if self.recurrent:
-            x = x + self.mixer(h, state.recurrent[self.index])
+            x = x + self.mixer(h, [state.recurrent[self.index] for state in batch.states], batch.n_tokens)
         else:
-            x = x + self.mixer(h, rope, state.kv[self.index])
-        return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps))
+            x = x + self.mixer(h, rope, [state.kv[self.index] for state in batch.states], batch.n_tokens)
+        return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps), batch.n_tokens)
 
 
 class MTPHead:
@@ -300,13 +304,6 @@ class MTPHead:
 RECURRENT_MAX_TOKENS = 8  # up to this many tokens (decode, draft verification) the step-by-step rule wins
 
 
-@dataclass
-class Rope:
-    positions: torch.Tensor  # [T]
-    cos: torch.Tensor  # [T, n_rot // 2]
-    sin: torch.Tensor
-
-
 class Qwen35ForCausalLM(CausalLM):
     def __init__(self, w: WeightStore, config: Qwen35Config) -> None:
         c = self.config = config
@@ -316,10 +313,6 @@ class Qwen35ForCausalLM(CausalLM):
         self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")
         self.mtp = [MTPHead(w, i, c, self.output, self.output_norm) for i in c.mtp_layers()]
         self.rope_table = RopeTable(c.n_rot, c.rope_base, sections=c.rope_sections)
-
-    def rope(self, start: int, count: int) -> Rope:
-        cos, sin = self.rope_table.span(start, count)
-        return Rope(torch.arange(start, start + count), cos, sin)
 
     def new_state(
         self, ctx_size: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16", mtp: bool = False
@@ -339,12 +332,12 @@ class Qwen35ForCausalLM(CausalLM):
             kv.update(new_kv_caches(c, ctx, cache_type_k, cache_type_v, mtp=True))
         return ModelState(kv, recurrent, capacity=ctx)
 
-    def forward(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
-        x = embedding(self.token_embd, tokens)
-        rope = self.rope(state.n_past, len(tokens))
+    def forward_batch(self, batch: Batch) -> torch.Tensor:
+        x = embedding(self.token_embd, batch.tokens)
+        rope = batch.rope(self.rope_table)
         for layer in self.layers:
-            x = layer(x, rope, state)
-        state.n_past += len(tokens)
+            x = layer(x, rope, batch)
+        batch.advance()
         return rms_norm(x, self.output_norm, self.config.rms_eps)
 
     @torch.inference_mode()
@@ -356,6 +349,7 @@ class Qwen35ForCausalLM(CausalLM):
         c, kv = self.config, state.kv[head.block.index]
         e = embedding(head.embed or self.token_embd, tokens)
         u = linear(torch.cat((rms_norm(e, head.enorm, c.rms_eps), rms_norm(hidden, head.hnorm, c.rms_eps)), -1), head.eh_proj)
-        u = head.block(u, self.rope(kv.length, len(tokens)), state)
+        batch = Batch(tokens, [state], len(tokens), [kv.length])  # MTP positions follow its own cache
+        u = head.block(u, batch.rope(self.rope_table), batch)
         h_mtp = rms_norm(u, head.norm, c.rms_eps)
         return linear(h_mtp, head.head), h_mtp

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..kernels import cpu as cpu_kernels
 from ..quant.qtensor import QTensor
-from .linear import kernel_supports, linear, linear_many, linear_reference
+from .linear import as_rows, kernel_supports, linear, linear_many, linear_reference
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -48,20 +48,19 @@ def swiglu_ffn_reference(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTen
     return linear_reference(swiglu_reference(linear_reference(x, gate), linear_reference(x, up)), down)
 
 
-def swiglu_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor) -> torch.Tensor:
+def swiglu_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, seq_len: int | None = None) -> torch.Tensor:
     """The SwiGLU FFN in one kernel call: bit-identical to `linear(swiglu(gate(x), up(x)), down)` on the
-    kernels (it runs the same ones), without the three round trips through Python."""
+    kernels (it runs the same ones), without the three round trips through Python. `seq_len` as in `linear`."""
     lib = cpu_kernels.load()
     if lib is None or not all(kernel_supports(w.ggml_type) for w in (gate, up, down)):
-        return linear(swiglu(*linear_many(x, (gate, up))), down)
-    lead, E = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, E)
-    if x2.dtype != torch.float32 or not x2.is_contiguous():
-        x2 = x2.float().contiguous()
-    out = torch.empty(x2.shape[0], down.shape[0])
+        return linear(swiglu(*linear_many(x, (gate, up), seq_len)), down, seq_len=seq_len)
+    lead, x2 = x.shape[:-1], as_rows(x)
+    M, E = x2.shape
+    out = torch.empty(M, down.shape[0])
     rc = lib.mtp_swiglu_ffn(
-        x2.data_ptr(), x2.shape[0], E, int(gate.ggml_type), gate.data.data_ptr(), int(up.ggml_type), up.data.data_ptr(),
-        gate.shape[0], int(down.ggml_type), down.data.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+        x2.data_ptr(), M, seq_len or max(M, 1), E, int(gate.ggml_type), gate.data.data_ptr(), int(up.ggml_type),
+        up.data.data_ptr(), gate.shape[0], int(down.ggml_type), down.data.data_ptr(), out.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"mtp_swiglu_ffn failed ({rc}) for {down.name}")

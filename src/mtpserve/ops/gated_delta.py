@@ -13,6 +13,7 @@ Derivation of the chunked form: ../shared/spec/qwen35-architecture.md §4.6.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import torch
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from ..kernels import cpu as cpu_kernels
 from ..quant.qtensor import QTensor
 from .conv import causal_conv1d
-from .linear import WeightGroup, kernel_supports, linear, linear_many, linear_reference
+from .linear import WeightGroup, as_rows, kernel_supports, linear, linear_many, linear_reference
 from .norm import gated_rms_norm, l2_norm
 
 
@@ -70,9 +71,11 @@ def gated_delta_rule_chunked(
     state: torch.Tensor,
     scale: float | None = None,
     chunk_size: int = 64,
+    chunk_states: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole sequence in chunks of `chunk_size`: same result as the recurrent form up to rounding.
-    Returns (o [T, Hv, V], final state [Hv, K, V])."""
+    Returns (o [T, Hv, V], final state [Hv, K, V]). With a `chunk_states` list, the state after each
+    whole chunk (after tokens C, 2C, ... < T) is appended to it: prompt checkpoints for free."""
     T, n_v_heads, V = v.shape
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     C = chunk_size
@@ -110,6 +113,8 @@ def gated_delta_rule_chunked(
         v_new = U[:, n] - W[:, n] @ s  # [Hv, C, V]
         outs.append(Qg[:, n] @ s + QK[:, n] @ v_new)
         s = G_last[:, n, :, None].exp() * s + K_tail[:, n].transpose(-1, -2) @ v_new
+        if chunk_states is not None and (n + 1) * C < T:
+            chunk_states.append(s.clone())
     o = torch.stack(outs, dim=1).reshape(n_v_heads, n_chunks * C, V)[:, :T]
     return o.transpose(0, 1), s
 
@@ -179,22 +184,30 @@ def gated_delta_net_decode_reference(
     conv_weight: torch.Tensor,
     norm_weight: torch.Tensor,
     w_out: QTensor,
-    conv_state: torch.Tensor,
-    ssm: torch.Tensor,
+    conv_states: Sequence[torch.Tensor],
+    ssms: Sequence[torch.Tensor],
     n_k_heads: int,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Gated DeltaNet mixer over a few tokens in plain PyTorch, from the normed input h [T, E]:
-    projections (qkv | z | beta | alpha), beta = sigmoid, g = a * softplus(alpha + dt_bias) (the log decay;
-    a = -exp(A_log)), `gated_delta_net_step_reference`, output projection. Returns (out [T, E], conv_state, ssm)."""
-    T = h.shape[0]
-    n_v_heads, _, V = ssm.shape
+) -> torch.Tensor:
+    """Gated DeltaNet mixers of a few tokens for one or more sequences, in plain PyTorch, from the normed
+    input h [n_seq * T, E] (sequence s owns rows s*T .. s*T + T - 1 and the states conv_states[s], ssms[s],
+    updated in place): projections (qkv | z | beta | alpha), beta = sigmoid, g = a * softplus(alpha +
+    dt_bias) (the log decay; a = -exp(A_log)), `gated_delta_net_step_reference`, output projection [n_seq * T, E]."""
+    T = h.shape[0] // len(ssms)
+    n_v_heads, _, V = ssms[0].shape
     mixed, z, beta, alpha = (linear_reference(h, w) for w in projections)
     g = a * F.softplus(alpha + dt_bias)
-    y, conv_state, ssm = gated_delta_net_step_reference(
-        mixed, conv_state, conv_weight, z.view(T, n_v_heads, V), torch.sigmoid(beta), g, ssm, norm_weight, n_k_heads, eps
-    )
-    return linear_reference(y, w_out), conv_state, ssm
+    beta, z = torch.sigmoid(beta), z.view(-1, n_v_heads, V)
+    ys = []
+    for s, (conv_state, ssm) in enumerate(zip(conv_states, ssms)):
+        rows = slice(s * T, (s + 1) * T)
+        y, new_conv, new_ssm = gated_delta_net_step_reference(
+            mixed[rows], conv_state, conv_weight, z[rows], beta[rows], g[rows], ssm, norm_weight, n_k_heads, eps
+        )
+        conv_state.copy_(new_conv)
+        ssm.copy_(new_ssm)
+        ys.append(y)
+    return linear_reference(torch.cat(ys), w_out)
 
 
 def gated_delta_net_decode(
@@ -205,34 +218,47 @@ def gated_delta_net_decode(
     conv_weight: torch.Tensor,
     norm_weight: torch.Tensor,
     w_out: QTensor,
-    conv_state: torch.Tensor,
-    ssm: torch.Tensor,
+    conv_states: Sequence[torch.Tensor],
+    ssms: Sequence[torch.Tensor],
     n_k_heads: int,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`gated_delta_net_decode_reference` in one C call (states updated in place and returned): for
-    decode and draft verification, where a layer's dozen small ops would each cost more in Python than
-    in arithmetic."""
+) -> torch.Tensor:
+    """`gated_delta_net_decode_reference` in one C call, for decode and draft verification, where a
+    layer's dozen small ops would each cost more in Python than in arithmetic. The states must be
+    contiguous float32 (they are updated in place); each sequence is rounded as if alone (see `linear`)."""
     lib = cpu_kernels.load()
+    n_seq = len(ssms)
+    T = h.shape[0] // n_seq
     projections = projections if isinstance(projections, WeightGroup) else WeightGroup(projections)
     if lib is None or not (projections.on_kernels and kernel_supports(w_out.ggml_type)):
-        n_v_heads, _, V = ssm.shape
-        mixed, z, beta, alpha = linear_many(h, projections)
+        n_v_heads, _, V = ssms[0].shape
+        mixed, z, beta, alpha = linear_many(h, projections, T)
         g = a * F.softplus(alpha + dt_bias)
-        y, conv_state, ssm = gated_delta_net_step(
-            mixed, conv_state, conv_weight, z.view(-1, n_v_heads, V), torch.sigmoid(beta), g, ssm, norm_weight, n_k_heads, eps
-        )
-        return linear(y, w_out), conv_state, ssm
-    n_v_heads, K, V = ssm.shape
-    h = h.float().contiguous()
+        beta, z = torch.sigmoid(beta), z.view(-1, n_v_heads, V)
+        ys = []
+        for s, (conv_state, ssm) in enumerate(zip(conv_states, ssms)):
+            rows = slice(s * T, (s + 1) * T)
+            y, new_conv, new_ssm = gated_delta_net_step(
+                mixed[rows], conv_state, conv_weight, z[rows], beta[rows], g[rows], ssm, norm_weight, n_k_heads, eps
+            )
+            conv_state.copy_(new_conv)
+            ssm.copy_(new_ssm)
+            ys.append(y)
+        return linear(torch.cat(ys), w_out, seq_len=T)
+    n_v_heads, K, V = ssms[0].shape
+    for t in (*conv_states, *ssms):
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError("recurrent states must be contiguous float32 (they are updated in place)")
+    x = as_rows(h)
     dt_bias, a, conv_weight, norm_weight = (t.float().contiguous() for t in (dt_bias, a, conv_weight, norm_weight))
-    conv_state, ssm = conv_state.contiguous(), ssm.contiguous()
-    out = torch.empty(h.shape[0], w_out.shape[0])
+    conv_ptrs = (ctypes.c_void_p * n_seq)(*(t.data_ptr() for t in conv_states))
+    ssm_ptrs = (ctypes.c_void_p * n_seq)(*(t.data_ptr() for t in ssms))
+    out = torch.empty(x.shape[0], w_out.shape[0])
     rc = lib.mtp_gdn_mixer(
-        h.data_ptr(), h.shape[0], h.shape[1], projections.c_types, projections.c_data, dt_bias.data_ptr(), a.data_ptr(), conv_state.data_ptr(),
-        conv_weight.data_ptr(), ssm.data_ptr(), norm_weight.data_ptr(), n_k_heads, n_v_heads, K, V,
+        x.data_ptr(), x.shape[0], T, x.shape[1], projections.c_types, projections.c_data, dt_bias.data_ptr(),
+        a.data_ptr(), conv_ptrs, conv_weight.data_ptr(), ssm_ptrs, norm_weight.data_ptr(), n_k_heads, n_v_heads, K, V,
         conv_weight.shape[1], eps, int(w_out.ggml_type), w_out.data.data_ptr(), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"mtp_gdn_mixer failed ({rc}) for {w_out.name}")
-    return out, conv_state, ssm
+    return out

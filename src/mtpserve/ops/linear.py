@@ -128,41 +128,52 @@ class WeightGroup(tuple):
         return group
 
 
-def linear_many(x: torch.Tensor, weights: Sequence[QTensor]) -> list[torch.Tensor]:
-    """[linear(x, w) for w in weights], in one kernel call: one activation rounding and one parallel
-    region for all of them."""
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as a contiguous float32 [rows, K] (a view when it already is one)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
+
+
+def linear_many(x: torch.Tensor, weights: Sequence[QTensor], seq_len: int | None = None) -> list[torch.Tensor]:
+    """[linear(x, w, seq_len=seq_len) for w in weights], in one kernel call: one activation rounding and
+    one parallel region for all of them."""
     lib = cpu_kernels.load()
     group = weights if isinstance(weights, WeightGroup) else WeightGroup(weights)
     if lib is None or not group.on_kernels:
         return [linear(x, w) for w in group]
-    lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if x2.dtype != torch.float32 or not x2.is_contiguous():
-        x2 = x2.float().contiguous()
-    M, n = x2.shape[0], len(group)
+    lead, x2 = x.shape[:-1], as_rows(x)
+    M, K = x2.shape
     outs = [torch.empty(M, w.shape[0]) for w in group]
-    ys = (ctypes.c_void_p * n)(*(y.data_ptr() for y in outs))
-    rc = lib.mtp_matmul_many(n, group.c_types, group.c_data, group.c_rows, K, x2.data_ptr(), M, ys, torch.get_num_threads())
+    ys = (ctypes.c_void_p * len(group))(*(y.data_ptr() for y in outs))
+    rc = lib.mtp_matmul_many(
+        len(group), group.c_types, group.c_data, group.c_rows, K, x2.data_ptr(), M, seq_len or max(M, 1), ys,
+        torch.get_num_threads(),
+    )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"mtp_matmul_many failed ({rc}) for {[w.name for w in group]}")
     return [y.view(*lead, y.shape[-1]) for y in outs]
 
 
-def linear(x: torch.Tensor, weight: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: QTensor, bias: torch.Tensor | None = None, seq_len: int | None = None
+) -> torch.Tensor:
     """`linear_reference`'s result from the C kernel library (same rounding rules, integer block dots);
-    types the library lacks, or machines without it, take the reference."""
+    types the library lacks, or machines without it, take the reference.
+
+    `seq_len`: the rows of x are sequences of seq_len tokens each (default: all rows one sequence).
+    llama.cpp's float association depends on the batch size, so each sequence is rounded as if it were
+    evaluated alone: batching sequences together changes no result."""
     lib = cpu_kernels.load()
     if lib is None or not kernel_supports(weight.ggml_type):
         return linear_reference(x, weight, bias)
-    lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if x2.dtype != torch.float32 or not x2.is_contiguous():
-        x2 = x2.float().contiguous()
+    lead, x2 = x.shape[:-1], as_rows(x)
+    M, K = x2.shape
     N = weight.shape[0]
-    y = torch.empty(x2.shape[0], N)
+    y = torch.empty(M, N)
     rc = lib.mtp_matmul(
-        int(weight.ggml_type), weight.data.data_ptr(), N, K, x2.data_ptr(), x2.shape[0], y.data_ptr(), torch.get_num_threads()
-    )
+        int(weight.ggml_type), weight.data.data_ptr(), N, K, x2.data_ptr(), M, seq_len or max(M, 1), y.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"mtp_matmul failed ({rc}) for {weight.name}")
     y = y.view(*lead, N)

@@ -67,7 +67,7 @@ def load() -> ctypes.CDLL | None:
         return None
     lib.mtp_matmul.argtypes = [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-        ctypes.c_void_p, ctypes.c_int,
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
     ]  # fmt: skip
     lib.mtp_matmul_supported.argtypes = [ctypes.c_int]
     lib.mtp_get_rows.argtypes = [
@@ -75,7 +75,7 @@ def load() -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.mtp_matmul_many.argtypes = [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
     ]  # fmt: skip
     lib.mtp_attention.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
@@ -101,11 +101,11 @@ def load() -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.mtp_gdn_step.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 6 + [ctypes.c_float]
     lib.mtp_swiglu_ffn.argtypes = [
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-        ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
     ]  # fmt: skip
     lib.mtp_gdn_mixer.argtypes = [
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_int,

@@ -590,9 +590,11 @@ static int act_kind(int type) {
     return ACT_Q8;
 }
 
-/* One output row n of weight `type` against all m activation rows; y row stride ldy. */
+/* One output row n of weight `type` against all m activation rows; y row stride ldy. The m rows are
+ * m / seq_len sequences of seq_len tokens each, and every row is rounded as llama.cpp rounds it when its
+ * own sequence is the whole batch: evaluating several sequences together changes no result. */
 static void matmul_row(int type, const uint8_t *src, int64_t k, const float *x, const void *const *act, int64_t m,
-                       float *y, int64_t ldy, wrow *r) {
+                       int64_t seq_len, float *y, int64_t ldy, wrow *r) {
     if (type == T_F32 || type == T_F16) {
         for (int64_t i = 0; i < m; i++)
             y[i * ldy] = type == T_F16 ? dot_f16((const half *)src, (const half *)act[ACT_F16] + i * k, k)
@@ -601,10 +603,10 @@ static void matmul_row(int type, const uint8_t *src, int64_t k, const float *x, 
     }
     const act_q8k *xk = act[ACT_Q8K];
     const act_q8 *x8 = act[ACT_Q8];
-    const int tiled = m >= 8;
-    const int64_t m_x4 = m - m % 4;
+    const int tiled = seq_len >= 8;
+    const int64_t m_x4 = seq_len - seq_len % 4;
 #ifdef MTP_AVX2
-    if (m < 4 && type != T_Q5_K) { /* small batches: fused, the block bytes are read once per activation row */
+    if (seq_len < 4 && type != T_Q5_K) { /* short sequences: fused, no decoded row */
         for (int64_t i = 0; i < m; i++) {
             float v;
             if (type == T_Q4_K) v = dot_q4k_direct(src, xk + i * (k / 256), k / 256, 0);
@@ -618,7 +620,7 @@ static void matmul_row(int type, const uint8_t *src, int64_t k, const float *x, 
     decode_row(type, src, k, r);
     for (int64_t i = 0; i < m; i++) {
         float v;
-        if (type == T_Q4_K) v = dot_k4(r, xk + i * (k / 256), k / 256, i < m_x4 ? 1 : 0);
+        if (type == T_Q4_K) v = dot_k4(r, xk + i * (k / 256), k / 256, i % seq_len < m_x4 ? 1 : 0);
         else if (type == T_Q5_K) v = dot_k4(r, xk + i * (k / 256), k / 256, tiled ? 2 : 0);
         else if (type == T_Q6_K) v = dot_k6(r, xk + i * (k / 256), k / 256, tiled);
         else {
@@ -635,7 +637,8 @@ static void matmul_row(int type, const uint8_t *src, int64_t k, const float *x, 
 /* y_j[m, rows_j] = x[m, k] W_j^T for n_w weights sharing the input x (float32 row-major): the
  * activations are rounded once per vec-dot type and all rows are split over one parallel region. */
 int mtp_matmul_many(int n_w, const int *types, const uint8_t *const *W, const int64_t *rows, int64_t k,
-                    const float *x, int64_t m, float *const *y, int n_threads) {
+                    const float *x, int64_t m, int64_t seq_len, float *const *y, int n_threads) {
+    if (seq_len <= 0 || m % seq_len) return 1;
     int64_t total = 0;
     int need[3] = {0, 0, 0};
     for (int j = 0; j < n_w; j++) {
@@ -673,16 +676,18 @@ int mtp_matmul_many(int n_w, const int *types, const uint8_t *const *W, const in
                 const int64_t lo = begin > base ? begin - base : 0, hi = end - base < rows[j] ? end - base : rows[j];
                 const int64_t rb = row_bytes(types[j], k);
                 for (int64_t n = lo; n < hi; n++)
-                    matmul_row(types[j], W[j] + n * rb, k, x, (const void *const *)act, m, y[j] + n, rows[j], &scratch_row);
+                    matmul_row(types[j], W[j] + n * rb, k, x, (const void *const *)act, m, seq_len, y[j] + n, rows[j], &scratch_row);
             }
         }
     }
     return failed ? 2 : 0;
 }
 
-/* y[m, n] = sum_k x[m, k] * W[n, k]; W is n_rows GGUF rows of type `type`; x, y float32 row-major. */
-int mtp_matmul(int type, const uint8_t *W, int64_t n_rows, int64_t k, const float *x, int64_t m, float *y, int n_threads) {
-    return mtp_matmul_many(1, &type, &W, &n_rows, k, x, m, &y, n_threads);
+/* y[m, n] = sum_k x[m, k] * W[n, k]; W is n_rows GGUF rows of type `type`; x, y float32 row-major;
+ * x holds m / seq_len sequences of seq_len tokens (seq_len = m: one sequence). */
+int mtp_matmul(int type, const uint8_t *W, int64_t n_rows, int64_t k, const float *x, int64_t m, int64_t seq_len,
+               float *y, int n_threads) {
+    return mtp_matmul_many(1, &type, &W, &n_rows, k, x, m, seq_len, &y, n_threads);
 }
 
 /* ---- embedding rows ---------------------------------------------------------------------------------- */
