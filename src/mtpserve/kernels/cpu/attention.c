@@ -116,76 +116,118 @@ int mtp_attention(const float *q, const void *kp, const void *vp, int kv_f16, co
 
 #define KV_TILE 64
 
-/* llama.cpp's tiled flash attention, row by row (rows are independent): keys in tiles of 64; a score is
- * a sequential fused dot product over the head dim; per tile the running max is updated once, the
- * probabilities are expf_arm(s - max) summed eight at a time ((0+4)+(2+6)) + ((1+5)+(3+7)) into a double,
- * and the value accumulator gets one fused multiply-add per key. */
+/* llama.cpp's tiled flash attention: keys in tiles of 64; a score is a sequential fused dot product over
+ * the head dim; per tile the running max is updated once, the probabilities are expf_arm(s - max) summed
+ * eight at a time ((0+4)+(2+6)) + ((1+5)+(3+7)) into a double, and the value accumulator gets one fused
+ * multiply-add per key. Rows are independent; for speed a block of Q_BLOCK query rows of one head shares
+ * each K tile, transposed to float once, and eight keys' dot products run side by side in vector lanes
+ * (each lane still sums its own key's products in order, so every score is the same number). */
+#define Q_BLOCK 16
+
+static void attend_tile_row(const float *qv, const float *kt, const void *vp, int kv_f16, int64_t qpos, const int64_t *k_pos,
+                            int64_t ic, int64_t S, int64_t Hkv, int64_t hk, int64_t D, float scale, int64_t window,
+                            float *acc, float *M, float *Ssum) {
+    float kq[KV_TILE];
+#ifdef MTP_AVX2
+    __m256 a[KV_TILE / 8];
+    for (int v = 0; v < KV_TILE / 8; v++) a[v] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m256 qd = _mm256_set1_ps(qv[d]);
+        for (int v = 0; v < KV_TILE / 8; v++) a[v] = _mm256_fmadd_ps(_mm256_loadu_ps(kt + d * KV_TILE + 8 * v), qd, a[v]);
+    }
+    for (int v = 0; v < KV_TILE / 8; v++) _mm256_storeu_ps(kq + 8 * v, a[v]);
+#else
+    for (int j = 0; j < KV_TILE; j++) kq[j] = 0.0f;
+    for (int64_t d = 0; d < D; d++)
+        for (int j = 0; j < KV_TILE; j++) kq[j] = fmaf(kt[d * KV_TILE + j], qv[d], kq[j]);
+#endif
+    float tile_max = -INFINITY;
+    for (int j = 0; j < KV_TILE; j++) {
+        const int64_t s = ic + j;
+        const int64_t delta = s < S ? qpos - k_pos[s] : -1;
+        if (delta < 0 || (window > 0 && delta >= window)) { kq[j] = -INFINITY; continue; }
+        kq[j] *= scale;
+        tile_max = kq[j] > tile_max ? kq[j] : tile_max;
+    }
+    if (tile_max == -INFINITY) return;
+    const float Mnew = fmaxf(*M, tile_max);
+    if (Mnew > *M) {
+        const float ms = expf(*M - Mnew);
+        for (int64_t d = 0; d < D; d++) acc[d] *= ms;
+        *Ssum *= ms;
+    }
+    *M = Mnew;
+    double tile_sum = 0.0;
+    for (int j = 0; j < KV_TILE; j += 8) {
+        float e[8];
+        for (int l = 0; l < 8; l++) e[l] = kq[j + l] = expf_arm(kq[j + l] - Mnew);
+        tile_sum += (double)hsum8(e);
+    }
+    *Ssum = (float)((double)*Ssum + tile_sum);
+    for (int j = 0; j < KV_TILE && ic + j < S; j++) {
+        if (kq[j] == 0.0f) continue; /* fma(v, 0, acc) == acc */
+        if (kv_f16) {
+            const half *v = (const half *)vp + ((ic + j) * Hkv + hk) * D;
+            int64_t d = 0;
+#ifdef MTP_AVX2
+            const __m256 p = _mm256_set1_ps(kq[j]);
+            for (; d + 8 <= D; d += 8)
+                _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + d))), p, _mm256_loadu_ps(acc + d)));
+#endif
+            for (; d < D; d++) acc[d] = fmaf(h2f(v[d]), kq[j], acc[d]);
+        } else {
+            const float *v = (const float *)vp + ((ic + j) * Hkv + hk) * D;
+            for (int64_t d = 0; d < D; d++) acc[d] = fmaf(v[d], kq[j], acc[d]);
+        }
+    }
+}
+
 int mtp_attention_tiled(const float *q, const void *kp, const void *vp, int kv_f16, const int64_t *q_pos,
                         const int64_t *k_pos, int64_t T, int64_t S, int64_t H, int64_t Hkv, int64_t D, float scale,
                         int64_t window, float *out, int n_threads) {
-    const int64_t group = H / Hkv;
+    const int64_t group = H / Hkv, n_blocks = (T + Q_BLOCK - 1) / Q_BLOCK;
     set_threads(n_threads);
     int failed = 0;
 #pragma omp parallel
     {
-        float *acc = malloc(sizeof(float) * D);
-        if (!acc) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t th = 0; th < T * H; th++) {
-            if (!acc) continue;
-            const int64_t t = th / H, h = th % H, hk = h / group;
-            const float *qv = q + (t * H + h) * D;
-            float M = -INFINITY, Ssum = 0.0f, kq[KV_TILE];
-            for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+        float *kt = malloc(sizeof(float) * D * KV_TILE), *acc = malloc(sizeof(float) * Q_BLOCK * D);
+        if (!kt || !acc) failed = 1;
+#pragma omp for schedule(dynamic)
+        for (int64_t w = 0; w < H * n_blocks; w++) {
+            if (!kt || !acc) continue;
+            const int64_t h = w / n_blocks, t0 = (w % n_blocks) * Q_BLOCK, hk = h / group;
+            const int64_t nq = T - t0 < Q_BLOCK ? T - t0 : Q_BLOCK;
+            float M[Q_BLOCK], Ssum[Q_BLOCK];
+            int64_t max_pos = q_pos[t0];
+            for (int64_t i = 0; i < nq; i++) {
+                M[i] = -INFINITY;
+                Ssum[i] = 0.0f;
+                max_pos = q_pos[t0 + i] > max_pos ? q_pos[t0 + i] : max_pos;
+            }
+            for (int64_t i = 0; i < nq * D; i++) acc[i] = 0.0f;
             for (int64_t ic = 0; ic < S; ic += KV_TILE) {
-                float tile_max = -INFINITY;
+                int any = 0; /* a tile no query of the block can see changes nothing: skip it */
+                for (int j = 0; j < KV_TILE && ic + j < S && !any; j++) any = k_pos[ic + j] <= max_pos;
+                if (!any) continue;
                 for (int j = 0; j < KV_TILE; j++) {
                     const int64_t s = ic + j;
-                    const int64_t delta = s < S ? q_pos[t] - k_pos[s] : -1;
-                    if (delta < 0 || (window > 0 && delta >= window)) { kq[j] = -INFINITY; continue; }
-                    float dot = 0.0f;
-                    if (kv_f16) {
-                        const half *k = (const half *)kp + (s * Hkv + hk) * D;
-                        for (int64_t d = 0; d < D; d++) dot = fmaf(h2f(k[d]), qv[d], dot);
-                    } else {
-                        const float *k = (const float *)kp + (s * Hkv + hk) * D;
-                        for (int64_t d = 0; d < D; d++) dot = fmaf(k[d], qv[d], dot);
-                    }
-                    kq[j] = dot * scale;
-                    tile_max = kq[j] > tile_max ? kq[j] : tile_max;
+                    for (int64_t d = 0; d < D; d++)
+                        kt[d * KV_TILE + j] = s >= S ? 0.0f
+                                              : kv_f16 ? h2f(((const half *)kp)[(s * Hkv + hk) * D + d])
+                                                       : ((const float *)kp)[(s * Hkv + hk) * D + d];
                 }
-                if (tile_max == -INFINITY) continue;
-                const float Mnew = fmaxf(M, tile_max);
-                if (Mnew > M) {
-                    const float ms = expf(M - Mnew);
-                    for (int64_t d = 0; d < D; d++) acc[d] *= ms;
-                    Ssum *= ms;
-                }
-                M = Mnew;
-                double tile_sum = 0.0;
-                for (int j = 0; j < KV_TILE; j += 8) {
-                    float e[8];
-                    for (int l = 0; l < 8; l++) e[l] = kq[j + l] = expf_arm(kq[j + l] - M);
-                    tile_sum += (double)hsum8(e);
-                }
-                Ssum = (float)((double)Ssum + tile_sum);
-                for (int j = 0; j < KV_TILE && ic + j < S; j++) {
-                    if (kq[j] == 0.0f) continue; /* fma(v, 0, acc) == acc */
-                    if (kv_f16) {
-                        const half *v = (const half *)vp + ((ic + j) * Hkv + hk) * D;
-                        for (int64_t d = 0; d < D; d++) acc[d] = fmaf(h2f(v[d]), kq[j], acc[d]);
-                    } else {
-                        const float *v = (const float *)vp + ((ic + j) * Hkv + hk) * D;
-                        for (int64_t d = 0; d < D; d++) acc[d] = fmaf(v[d], kq[j], acc[d]);
-                    }
-                }
+                for (int64_t i = 0; i < nq; i++)
+                    attend_tile_row(q + ((t0 + i) * H + h) * D, kt, vp, kv_f16, q_pos[t0 + i], k_pos, ic, S, Hkv, hk, D,
+                                    scale, window, acc + i * D, &M[i], &Ssum[i]);
             }
-            const float inv = Ssum == 0.0f ? 0.0f : 1.0f / Ssum;
-            float *o = out + (t * H + h) * D;
-            for (int64_t d = 0; d < D; d++) o[d] = acc[d] * inv;
+            for (int64_t i = 0; i < nq; i++) {
+                const float inv = Ssum[i] == 0.0f ? 0.0f : 1.0f / Ssum[i];
+                float *o = out + ((t0 + i) * H + h) * D;
+                for (int64_t d = 0; d < D; d++) o[d] = acc[i * D + d] * inv;
+            }
         }
+        free(kt);
         free(acc);
     }
     return failed ? 2 : 0;
 }
-
