@@ -35,6 +35,7 @@ bench: install models
 	$(PY) bench/dequant.py
 	$(PY) bench/tokenizer.py
 	$(PY) bench/decode_cpu.py $(if $(LLAMA_BENCH),--llama-bench $(LLAMA_BENCH))
+	$(PY) bench/batching.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis

@@ -30,7 +30,7 @@ def test_generate_json_matches_llama_cpp(capsys):
 def test_generate_rejects_a_prompt_longer_than_the_context(capsys):
     rc = main(["generate", "-m", str(tinyqwen_path("Q8_0")), "-p", "x " * 300, "-n", "8", "-c", "256"])
     err = capsys.readouterr().err
-    assert rc == 1 and "exceed the context size 256" in err and "Traceback" not in err
+    assert rc == 1 and "exceeds the available context size (256 tokens)" in err and "Traceback" not in err
 
 
 def test_perplexity_prints_chunks_and_final_estimate_like_llama_perplexity(capsys):

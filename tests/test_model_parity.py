@@ -220,3 +220,25 @@ def test_mtp_head_drafts_what_llama_cpp_drafts(quant):
             exact += 1
     assert exact >= 2, "too few prompts without MTP near ties to compare exactly"
     assert abs(totals[1] / totals[0] - run["acceptance_rate"]) < 0.03, (totals, run["acceptance_rate"])
+
+
+def test_prompt_checkpoints_hold_the_state_at_their_position():
+    from mtpserve.models.base import Batch
+
+    model, _ = _load("tinyqwen35-mtp-F16")
+    tokens = torch.tensor(_cases("tinyqwen35-mtp-F16")[0]["prompt_token_ids"] * 15)[:300]
+    state = model.new_state(512)
+    batch = Batch.of(tokens[:20], [state])
+    model.forward_batch(batch)  # the batch starts mid-sequence, at position 20
+    batch = Batch.of(tokens[20:], [state], checkpoint_every=120, next_checkpoint=100)
+    model.forward_batch(batch)
+    # Chunk boundaries are 20 + 64k: the first at or after 100 is 148, then at least 120 later: 276.
+    assert sorted(batch.checkpoints) == [148, 276]
+    for position, layers in batch.checkpoints.items():
+        direct = model.new_state(512)
+        model.prefill(tokens[:position], direct)
+        assert sorted(layers) == sorted(direct.recurrent)
+        for i, snapshot in layers.items():
+            # Equal up to the rounding of a different batch split (attention's kernel depends on it).
+            for ours, theirs in ((snapshot.conv, direct.recurrent[i].conv), (snapshot.ssm, direct.recurrent[i].ssm)):
+                assert (ours - theirs).abs().max() < 1e-3 * theirs.abs().max()

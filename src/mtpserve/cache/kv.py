@@ -116,6 +116,16 @@ class KVCache:
             q = q.bfloat16().float()
         return attention(q, keys, values, q_pos, key_pos, scale, self.window)
 
+    def can_truncate(self, length: int) -> bool:
+        """Whether `truncate(length)` leaves a usable cache: a ring may have overwritten positions the
+        next token at `length` still attends to."""
+        if length > self.length:
+            return False
+        if not self.ring or length == 0:
+            return True
+        needed = torch.arange(max(0, length - (self.window or length)), length)
+        return bool((self.positions[needed % self.capacity] == needed).all())
+
     def truncate(self, length: int) -> None:
         """Forget positions >= length (a rejected draft, or a prompt that diverges from the cache)."""
         if length > self.length:

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .. import __version__
+from ..engine.request import EngineError
 from ..gguf import GGUFError
 from . import fetch_defaults, generate, inspect_model, perplexity, tokenize
 
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (GGUFError, FileNotFoundError, ValueError) as e:
+    except (GGUFError, EngineError, FileNotFoundError, ValueError) as e:
         # User-facing failures (bad file, missing model, bad option): one line, no traceback.
         print(f"mtpserve {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -1,27 +1,31 @@
-"""`mtpserve generate`: complete a prompt on the command line (greedy with --temp 0)."""
+"""`mtpserve generate`: complete a prompt on the command line, through the engine the server uses."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import time
 
-import torch
-
-from ..engine.generate import generate
+from ..engine.engine import Engine
+from ..engine.planner import EngineConfig
+from ..engine.request import FinishEvent, Request, TokenEvent
+from ..engine.sampling import RANDOM_SEED, SamplingParams
 from ..quant import CACHE_TYPES
-from ..tokenizer import IncrementalDetokenizer
-from .common import add_model_argument, add_threads_argument, load_model
+from ..tokenizer import Tokenizer
+from .common import add_model_argument, add_threads_argument, apply_threads, model_path
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="complete a prompt")
     add_model_argument(p)
     p.add_argument("-p", "--prompt", required=True, help="prompt text (special tokens such as <|im_start|> are parsed)")
-    p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (default 64, -1 = until EOG)")
     p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=RANDOM_SEED, help="sampling seed (default: random)")
     p.add_argument("--n-probs", type=int, default=0, help="with --json: top-N probabilities of every position")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size (0 = trained)")
     p.add_argument("-ctk", "--cache-type-k", default="f16", choices=sorted(CACHE_TYPES))
@@ -33,33 +37,35 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, tokenizer = load_model(args)
-    prompt = tokenizer.encode(args.prompt, add_special=True, parse_special=True)
-    state = model.new_state(args.ctx_size, args.cache_type_k, args.cache_type_v)
-    if len(prompt) + args.n_predict > state.capacity:
-        raise ValueError(f"prompt ({len(prompt)} tokens) + {args.n_predict} exceed the context size {state.capacity}")
-    stop = frozenset() if args.ignore_eos else tokenizer.eog_ids
-    generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
-    tokens = generate(model, state, prompt, args.n_predict, args.temp, args.n_probs, stop, generator)
-    if args.json:
-        out = list(tokens)
-        result = {
-            "prompt_ids": prompt,
-            "generated_ids": [t.id for t in out],
-            "text": tokenizer.decode([t.id for t in out]),
-        }
-        if args.n_probs:
-            result["top_probs"] = [[{"id": i, "prob": p} for i, p in t.top] for t in out]
-        print(json.dumps(result, ensure_ascii=False))
-        return 0
-    detok = IncrementalDetokenizer(tokenizer)
-    start, n = time.perf_counter(), 0
-    for t in tokens:
-        if t.id in stop:
-            break
-        sys.stdout.write(detok.add(t.id))
-        sys.stdout.flush()
-        n += 1
-    sys.stdout.write(detok.flush() + "\n")
-    print(f"[{n} tokens, {n / (time.perf_counter() - start):.1f} tokens/s]", file=sys.stderr)
+    apply_threads(args.threads)
+    path = model_path(args)
+    config = EngineConfig(ctx_size=args.ctx_size, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
+    prompt = Tokenizer.from_gguf(path).encode(args.prompt, add_special=True, parse_special=True)
+    sampling = SamplingParams(
+        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty, seed=args.seed,
+    )  # fmt: skip
+    request = Request(prompt, sampling, n_predict=args.n_predict, ignore_eos=args.ignore_eos, n_probs=args.n_probs)
+    with Engine.from_file(path, config) as engine:
+        stream = engine.submit(request)
+        if args.json:
+            tokens: list[TokenEvent] = []
+            for event in stream:
+                if isinstance(event, TokenEvent):
+                    tokens.append(event)
+                else:
+                    result = {"prompt_ids": prompt, "generated_ids": event.tokens, "text": event.text,
+                              "finish_reason": event.finish_reason, "timings": event.timings.as_dict()}  # fmt: skip
+                    if args.n_probs:
+                        result["top_probs"] = [[{"id": i, "prob": p} for i, p in t.top_probs] for t in tokens]
+                    print(json.dumps(result, ensure_ascii=False))
+            return 0
+        for event in stream:
+            text = event.text if isinstance(event, TokenEvent) else event.tail
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            if isinstance(event, FinishEvent):
+                t = event.timings
+                print(f"\n[prompt {t.prompt_n} tokens at {t.prompt_per_second:.1f} t/s, generated {t.predicted_n} "
+                      f"at {t.predicted_per_second:.1f} t/s, {event.finish_reason}]", file=sys.stderr)  # fmt: skip
     return 0

@@ -94,11 +94,31 @@ class Batch:
     states: list[ModelState]
     n_tokens: int
     starts: list[int]
+    # A single-sequence prompt batch may ask recurrent layers to keep their state on the way: at the
+    # first chunk boundary at or after position `next_checkpoint`, then every `checkpoint_every`
+    # tokens after the last one kept. They land in `checkpoints`: position -> layer -> state.
+    checkpoint_every: int = 0
+    next_checkpoint: int = 0
+    checkpoints: dict[int, dict[int, RecurrentState]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, tokens: torch.Tensor, states: list[ModelState]) -> Batch:
+    def of(
+        cls, tokens: torch.Tensor, states: list[ModelState], checkpoint_every: int = 0, next_checkpoint: int = 0
+    ) -> Batch:
         """Tokens [n_seq * n_tokens] continuing each state at its `n_past`."""
-        return cls(tokens, states, len(tokens) // len(states), [st.n_past for st in states])
+        n_tokens = len(tokens) // len(states)
+        return cls(tokens, states, n_tokens, [st.n_past for st in states], checkpoint_every, next_checkpoint)
+
+    def checkpoint_offsets(self, chunk: int) -> list[int]:
+        """Offsets into this batch (multiples of `chunk`, before its end) where recurrent state is kept."""
+        if not self.checkpoint_every or len(self.states) != 1:
+            return []
+        offsets, target = [], self.next_checkpoint
+        for n in range(chunk, self.n_tokens, chunk):
+            if self.starts[0] + n >= target:
+                offsets.append(n)
+                target = self.starts[0] + n + self.checkpoint_every
+        return offsets
 
     def rows(self, s: int) -> slice:
         return slice(s * self.n_tokens, (s + 1) * self.n_tokens)

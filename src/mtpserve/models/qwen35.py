@@ -225,13 +225,19 @@ class GatedDeltaNet:
         self.norm = w.dense(f"{b}.ssm_norm.weight")
         self.w_out = w.matrix(f"{b}.ssm_out.weight")
 
-    def __call__(self, x: torch.Tensor, states: list[RecurrentState], seq_len: int) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, states: list[RecurrentState], seq_len: int, keep_at: Collection[int] = ()
+    ) -> tuple[torch.Tensor, dict[int, RecurrentState]]:
+        """Output [rows, E], and (one sequence, chunked path) its states after `keep_at` tokens of this
+        batch (multiples of the chunk size): {tokens into the batch: state}."""
         c = self.c
+        kept: dict[int, RecurrentState] = {}
         if seq_len <= RECURRENT_MAX_TOKENS:  # decode, draft verification: the whole mixer in one kernel call
-            return gated_delta_net_decode(
+            out = gated_delta_net_decode(
                 x, self.projections, self.dt_bias, self.a, self.conv_weight, self.norm, self.w_out,
                 [st.conv for st in states], [st.ssm for st in states], c.n_k_heads, c.rms_eps,
             )  # fmt: skip
+            return out, kept
         mixed, z, beta, alpha = linear_many(x, self.projections, seq_len)  # mixed: [T, conv_dim]
         z = z.view(-1, c.n_v_heads, c.ssm_head_dim)
         beta = torch.sigmoid(beta)  # [T, Hv]
@@ -244,11 +250,20 @@ class GatedDeltaNet:
             q = l2_norm(u[:, : c.key_dim].view(seq_len, c.n_k_heads, c.ssm_head_dim), c.rms_eps)
             k = l2_norm(u[:, c.key_dim : 2 * c.key_dim].view(seq_len, c.n_k_heads, c.ssm_head_dim), c.rms_eps)
             v = u[:, 2 * c.key_dim :].view(seq_len, c.n_v_heads, c.ssm_head_dim)
-            o, new_ssm = gated_delta_rule_chunked(q, k, v, g[rows], beta[rows], state.ssm)
+            chunk_states: list[torch.Tensor] | None = [] if keep_at else None
+            o, new_ssm = gated_delta_rule_chunked(
+                q, k, v, g[rows], beta[rows], state.ssm, chunk_size=GDN_CHUNK, chunk_states=chunk_states
+            )
+            if keep_at:
+                inputs = torch.cat((state.conv, mixed[rows].T), dim=1)  # conv state after n tokens: inputs n-W+1..n
+                for i, ssm in enumerate(chunk_states or []):
+                    n = (i + 1) * GDN_CHUNK
+                    if n in keep_at:
+                        kept[n] = RecurrentState(inputs[:, n : n + c.d_conv - 1].clone(), ssm)
             state.conv.copy_(new_conv)  # in place: the state's tensors are the slot's memory
             state.ssm.copy_(new_ssm)
             outs.append(gated_rms_norm(o, z[rows], self.norm, c.rms_eps).reshape(seq_len, -1))
-        return linear(torch.cat(outs), self.w_out, seq_len=seq_len)
+        return linear(torch.cat(outs), self.w_out, seq_len=seq_len), kept
 
 
 class SwiGLU:
@@ -277,7 +292,11 @@ class DecoderLayer:
     def __call__(self, x: torch.Tensor, rope: Rope, batch: Batch) -> torch.Tensor:
         h = rms_norm(x, self.attn_norm, self.eps)
         if self.recurrent:
-            x = x + self.mixer(h, [state.recurrent[self.index] for state in batch.states], batch.n_tokens)
+            states = [state.recurrent[self.index] for state in batch.states]
+            out, kept = self.mixer(h, states, batch.n_tokens, batch.checkpoint_offsets(GDN_CHUNK))
+            for n, snapshot in kept.items():
+                batch.checkpoints.setdefault(batch.starts[0] + n, {})[self.index] = snapshot
+            x = x + out
         else:
             x = x + self.mixer(h, rope, [state.kv[self.index] for state in batch.states], batch.n_tokens)
         return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps), batch.n_tokens)
@@ -302,6 +321,7 @@ class MTPHead:
 # --- model --------------------------------------------------------------------------------------------
 
 RECURRENT_MAX_TOKENS = 8  # up to this many tokens (decode, draft verification) the step-by-step rule wins
+GDN_CHUNK = 64  # the chunked rule's chunk size (gated_delta_rule_chunked's default)
 
 
 class Qwen35ForCausalLM(CausalLM):

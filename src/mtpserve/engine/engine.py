@@ -1,0 +1,541 @@
+"""The engine: llama-server's slots. One model, `n_parallel` slots each owning a sequence state sized
+up front, a queue of requests, and one scheduler thread that repeats a step:
+
+1. admit queued requests to idle slots (the requested slot; else the idle slot whose cached tokens share
+   the largest part of the prompt, above `slot_prompt_similarity`; else the least recently used);
+2. one decode pass for every generating slot together (`CausalLM.decode_batch`: each sequence rounded as
+   if alone, so batching changes no token);
+3. one prompt chunk (at most `ubatch` tokens) of one slot still reading its prompt, round robin; so a
+   long prompt never stalls the streams already generating.
+
+Prefix reuse: a slot keeps what it evaluated. A request that starts with the same tokens continues from
+there: attention caches are truncated to the common prefix; recurrent (DeltaNet) state cannot be, so it
+comes back from the newest checkpoint at or before the divergence. Checkpoints are taken where
+llama-server takes them (4 tokens before the prompt's end, 512 before that, and at positions the request
+names, such as its last user turn) and inside long prompts every `spacing` tokens, at most
+`ctx_checkpoints` per slot (the newest kept). At least one prompt token is always evaluated, for its
+logits.
+
+Decisions where llama-server is silent or does otherwise: a cancelled request's slot is cleared (its
+cache is not kept for reuse: the client went away); `--kv-unified` is not supported (each slot owns its
+cells).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from pathlib import Path
+
+import torch
+
+from ..cache import RecurrentState
+from ..models.base import Batch, CausalLM, ModelState
+from ..models.loader import load
+from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from .planner import EngineConfig, MemoryPlan, plan_for_file
+from .request import Cancelled, ContextSizeExceeded, EngineError, FinishEvent, InvalidRequest, Request, Timings, TokenEvent
+from .sampling import Sampler, top_probabilities
+
+CHECKPOINT_TAIL = 4  # llama-server keeps a checkpoint this many tokens before the end of a prompt
+CHUNK = 64  # recurrent checkpoints inside a prompt fall on the chunked rule's grid
+
+
+class ServerError(EngineError):
+    type = "server_error"
+    code = 500
+
+
+Event = TokenEvent | FinishEvent | EngineError
+
+
+class RequestStream:
+    """The events of one request: iterate it (sync or async) until a FinishEvent; an EngineError
+    (cancellation, a failure) is raised from the iteration instead."""
+
+    _ids = itertools.count()
+
+    def __init__(self) -> None:
+        self.id = next(self._ids)
+        self.cancelled = threading.Event()
+        self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._async_queue: asyncio.Queue[Event] | None = None
+        try:
+            self._loop = asyncio.get_running_loop()
+            self._async_queue = asyncio.Queue()
+        except RuntimeError:
+            pass
+
+    def put(self, event: Event) -> None:
+        if self._loop is not None and self._async_queue is not None:
+            self._loop.call_soon_threadsafe(self._async_queue.put_nowait, event)
+        else:
+            self._queue.put(event)
+
+    def cancel(self) -> None:
+        """Stop this request at the engine's next step and free its slot."""
+        self.cancelled.set()
+
+    def __iter__(self) -> Iterator[TokenEvent | FinishEvent]:
+        if self._async_queue is not None:
+            raise RuntimeError("this stream was created inside an event loop: iterate it with `async for`")
+        while True:
+            event = self._queue.get()
+            if isinstance(event, EngineError):
+                raise event
+            yield event
+            if isinstance(event, FinishEvent):
+                return
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent | FinishEvent]:
+        if self._async_queue is None:
+            raise RuntimeError("this stream was created outside an event loop: iterate it with `for`")
+        while True:
+            event = await self._async_queue.get()
+            if isinstance(event, EngineError):
+                raise event
+            yield event
+            if isinstance(event, FinishEvent):
+                return
+
+    def result(self) -> FinishEvent:
+        """Wait for the end (sync streams)."""
+        for event in self:
+            if isinstance(event, FinishEvent):
+                return event
+        raise ServerError("the stream ended without a result")
+
+
+class Phase(Enum):
+    PROMPT = 1
+    GENERATE = 2
+
+
+@dataclass
+class Job:
+    request: Request
+    stream: RequestStream
+    sampler: Sampler | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    phase: Phase = Phase.PROMPT
+    batch_ends: list[int] = field(default_factory=list)  # prompt positions where a forward pass ends
+    checkpoint_at: frozenset[int] = frozenset()  # prompt positions to snapshot the recurrent state at
+    pending: int = -1  # sampled, not yet evaluated
+    generated: list[int] = field(default_factory=list)
+    text: str = ""
+    sent: int = 0  # characters of `text` already emitted
+    timings: Timings = field(default_factory=Timings)
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_last_chunk: float = 0.0
+
+
+@dataclass
+class Checkpoint:
+    position: int  # the state after this many tokens
+    recurrent: dict[int, RecurrentState]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.recurrent.values())
+
+
+@dataclass
+class Slot:
+    id: int
+    state: ModelState
+    tokens: list[int] = field(default_factory=list)  # what `state` holds, in order
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    job: Job | None = None
+    t_last_used: float = 0.0
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    """What the slots hold now: a cancelled or finished request's share shows up here."""
+
+    busy_slots: int
+    queued: int
+    tokens_cached: int  # positions held across all slots
+    kv_bytes_in_use: int
+    checkpoints: int
+    checkpoint_bytes: int
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def stop_position(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
+    """Earliest occurrence of a stop string ending at or after `start`."""
+    best: tuple[int, str] | None = None
+    for word in stops:
+        i = text.find(word, max(0, start - len(word) + 1))
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, word)
+    return best
+
+
+def partial_stop_length(text: str, stops: list[str]) -> int:
+    """Length of the longest end of `text` that could still grow into a stop string."""
+    longest = 0
+    for word in stops:
+        for n in range(min(len(word) - 1, len(text)), longest, -1):
+            if text.endswith(word[:n]):
+                longest = n
+                break
+    return longest
+
+
+class Engine:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig, plan: MemoryPlan) -> None:
+        self.model, self.tokenizer, self.config, self.plan = model, tokenizer, config, plan
+        kinds = model.config.layer_kinds()
+        self.recurrent = "gated_deltanet" in kinds
+        self.checkpointed_prompts = self.recurrent or "sliding_attention" in kinds  # llama-server's prompt splits
+        self.slots: list[Slot] = []
+        self._queue: deque[Job] = deque()
+        self._wake = threading.Condition()
+        self._running = True
+        self._ready = threading.Event()
+        self._init_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="mtpserve-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._init_error is not None:
+            raise self._init_error
+
+    @classmethod
+    def from_file(cls, path: str | Path, config: EngineConfig, device: str = "cpu") -> Engine:
+        """Plan first (from the GGUF's metadata: nothing loaded), refuse what does not fit, then load."""
+        plan = plan_for_file(path, config, device)
+        plan.check()
+        return cls(load(path, device=device), Tokenizer.from_gguf(path), config, plan)
+
+    # --- public -------------------------------------------------------------------------------------
+
+    @property
+    def slot_ctx(self) -> int:
+        return self.plan.slot_ctx
+
+    def submit(self, request: Request) -> RequestStream:
+        """Queue a request; errors a request can be refused with (empty or over-long prompt, bad slot)
+        are raised here, before anything runs."""
+        if not request.prompt:
+            raise InvalidRequest("the prompt is empty")
+        if len(request.prompt) >= self.slot_ctx:
+            raise ContextSizeExceeded(len(request.prompt), self.slot_ctx)
+        if request.id_slot >= len(self.slots):
+            raise InvalidRequest(f"invalid slot id {request.id_slot} (the server has {len(self.slots)} slots)")
+        vocab = self.model.config.n_vocab
+        if min(request.prompt) < 0 or max(request.prompt) >= vocab:
+            raise InvalidRequest("Prompt contains invalid tokens")
+        stream = RequestStream()
+        with self._wake:
+            self._queue.append(Job(request, stream))
+            self._wake.notify()
+        return stream
+
+    def memory_usage(self) -> MemoryUsage:
+        with self._wake:
+            tokens = sum(s.state.n_past for s in self.slots)
+            checkpoints = [c for s in self.slots for c in s.checkpoints]
+            return MemoryUsage(
+                busy_slots=sum(s.job is not None for s in self.slots),
+                queued=len(self._queue),
+                tokens_cached=tokens,
+                kv_bytes_in_use=round(tokens * self.plan.kv_bytes_per_token),
+                checkpoints=len(checkpoints),
+                checkpoint_bytes=sum(c.nbytes for c in checkpoints),
+            )
+
+    def close(self) -> None:
+        with self._wake:
+            self._running = False
+            self._wake.notify()
+        self._thread.join()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- the scheduler loop ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        # All tensor work happens on this thread, the slots' memory included: libgomp throttles its
+        # spinning (and every kernel call then waits on a futex) once a second thread owns a pool.
+        c = self.config
+        try:
+            self.slots = [
+                Slot(i, self.model.new_state(self.plan.slot_ctx, c.cache_type_k, c.cache_type_v)) for i in range(c.n_parallel)
+            ]
+        except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
+            self._init_error = e
+            return
+        finally:
+            self._ready.set()
+        while True:
+            with self._wake:
+                while self._running and not self._queue and not any(s.job for s in self.slots):
+                    self._wake.wait()
+                if not self._running:
+                    break
+                self._drop_cancelled()
+                self._admit()
+            self._step()
+        for slot in self.slots:
+            if slot.job:
+                slot.job.stream.put(ServerError("the server is shutting down"))
+        for job in self._queue:
+            job.stream.put(ServerError("the server is shutting down"))
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        generating = [s for s in self.slots if s.job and s.job.phase is Phase.GENERATE]
+        if generating:
+            try:
+                self._decode(generating)
+            except Exception as e:  # a failed pass fails its requests, never the engine
+                self._fail(generating, e)
+        prompting = [s for s in self.slots if s.job and s.job.phase is Phase.PROMPT]
+        if prompting:
+            slot = min(prompting, key=lambda s: s.job.t_last_chunk)  # round robin over waiting prompts
+            try:
+                self._prompt_chunk(slot)
+            except Exception as e:
+                self._fail([slot], e)
+
+    def _fail(self, slots: list[Slot], error: Exception) -> None:
+        for slot in slots:
+            if slot.job:
+                stream, slot.job = slot.job.stream, None
+                self._reset(slot)
+                stream.put(error if isinstance(error, EngineError) else ServerError(f"{type(error).__name__}: {error}"))
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self._queue if j.stream.cancelled.is_set()]:
+            self._queue.remove(job)
+            job.stream.put(Cancelled())
+        for slot in self.slots:
+            if slot.job and slot.job.stream.cancelled.is_set():
+                stream, slot.job = slot.job.stream, None
+                self._reset(slot)  # before the event: whoever waits on it sees the memory freed
+                stream.put(Cancelled())
+
+    # --- admission and prefix reuse -----------------------------------------------------------------
+
+    def _admit(self) -> None:
+        for job in list(self._queue):
+            idle = [s for s in self.slots if s.job is None]
+            if not idle:
+                return
+            wanted = job.request.id_slot
+            if wanted >= 0:
+                if self.slots[wanted].job is not None:
+                    continue  # wait for that slot
+                slot = self.slots[wanted]
+            else:
+                slot = self._choose_slot(idle, job.request.prompt)
+            self._queue.remove(job)
+            self._start(slot, job)
+
+    def _choose_slot(self, idle: list[Slot], prompt: list[int]) -> Slot:
+        best, best_sim = None, self.config.slot_prompt_similarity
+        for slot in idle:
+            sim = common_prefix(slot.tokens, prompt) / len(prompt)
+            if sim > best_sim:
+                best, best_sim = slot, sim
+        return best or min(idle, key=lambda s: s.t_last_used)
+
+    def _start(self, slot: Slot, job: Job) -> None:
+        request = job.request
+        job.t_start = job.t_last_chunk = time.perf_counter()
+        prompt = request.prompt
+        if request.cache_prompt:
+            self._reuse_prefix(slot, prompt)
+        else:
+            self._reset(slot)
+        n_past = slot.state.n_past
+        job.timings.cache_n = n_past
+        job.batch_ends, job.checkpoint_at = self._prompt_schedule(prompt, n_past, request.checkpoint_at)
+        params = request.sampling
+        if request.ignore_eos:  # llama-server: a -inf bias on every end-of-generation token
+            params = replace(params, logit_bias={**params.logit_bias, **{t: float("-inf") for t in self.tokenizer.eog_ids}})
+        job.sampler = Sampler(params, history=prompt)
+        job.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special=True, keep_special=request.keep_special)
+        slot.job = job
+
+    def _reuse_prefix(self, slot: Slot, prompt: list[int]) -> None:
+        """Keep the longest usable part of what the slot holds; at least one prompt token stays to evaluate."""
+        target = min(common_prefix(slot.tokens, prompt), len(prompt) - 1)
+        keep = target
+        if self.recurrent and target != slot.state.n_past:
+            usable = [c for c in slot.checkpoints if c.position <= target]
+            keep = usable[-1].position if usable else 0
+        if keep and not all(kv.can_truncate(keep) for kv in slot.state.kv.values()):
+            keep = 0
+        if keep == 0:
+            self._reset(slot)
+            return
+        if self.recurrent and keep != slot.state.n_past:
+            checkpoint = next(c for c in slot.checkpoints if c.position == keep)
+            for i, snapshot in checkpoint.recurrent.items():
+                slot.state.recurrent[i].restore(snapshot)
+        for kv in slot.state.kv.values():
+            kv.truncate(keep)
+        slot.state.n_past = keep
+        del slot.tokens[keep:]
+        slot.checkpoints = [c for c in slot.checkpoints if c.position <= keep]
+
+    def _reset(self, slot: Slot) -> None:
+        for kv in slot.state.kv.values():
+            kv.truncate(0)
+        for state in slot.state.recurrent.values():
+            state.conv.zero_()
+            state.ssm.zero_()
+        slot.state.n_past = 0
+        slot.tokens.clear()
+        slot.checkpoints.clear()
+
+    def _prompt_schedule(self, prompt: list[int], start: int, hints: tuple[int, ...]) -> tuple[list[int], frozenset[int]]:
+        """Where the prompt's forward passes end, and which of those ends are checkpoints."""
+        n, ubatch = len(prompt), self.config.ubatch
+        cuts: set[int] = set()
+        if self.checkpointed_prompts:
+            cuts = {c for c in (*hints, n - CHECKPOINT_TAIL - ubatch, n - CHECKPOINT_TAIL) if start < c < n}
+        ends, position = [], start
+        for cut in [*sorted(cuts), n]:
+            while position < cut:
+                position = min(position + ubatch, cut)
+                ends.append(position)
+        return ends, frozenset(cuts)
+
+    def _checkpoint_spacing(self, n_prompt: int) -> int:
+        """Checkpoints inside a prompt: spread so that `ctx_checkpoints` of them cover it (they fall on the
+        chunked rule's 64-token grid)."""
+        if not self.recurrent or self.config.ctx_checkpoints <= 0:
+            return 0
+        return max(CHUNK, -(-n_prompt // self.config.ctx_checkpoints))
+
+    def _keep_checkpoint(self, slot: Slot, checkpoint: Checkpoint) -> None:
+        slot.checkpoints = [c for c in slot.checkpoints if c.position != checkpoint.position]
+        slot.checkpoints.append(checkpoint)
+        slot.checkpoints.sort(key=lambda c: c.position)
+        del slot.checkpoints[: max(0, len(slot.checkpoints) - self.config.ctx_checkpoints)]
+
+    # --- prompt and decode passes -------------------------------------------------------------------
+
+    def _prompt_chunk(self, slot: Slot) -> None:
+        job = slot.job
+        assert job is not None
+        prompt = job.request.prompt
+        start = slot.state.n_past
+        end = next(e for e in job.batch_ends if e > start)
+        tokens = prompt[start:end]
+        spacing = self._checkpoint_spacing(len(prompt))
+        last = slot.checkpoints[-1].position if slot.checkpoints else 0
+        batch = Batch.of(torch.tensor(tokens), [slot.state], spacing, last + spacing)
+        hidden = self.model.forward_batch(batch)
+        slot.tokens.extend(tokens)
+        job.t_last_chunk = time.perf_counter()
+        if self.recurrent:
+            for position, layers in batch.checkpoints.items():
+                self._keep_checkpoint(slot, Checkpoint(position, layers))
+            if end in job.checkpoint_at:
+                current = {i: s.snapshot() for i, s in slot.state.recurrent.items()}
+                self._keep_checkpoint(slot, Checkpoint(end, current))
+        if end < len(prompt):
+            return
+        job.timings.prompt_n = len(prompt) - job.timings.cache_n
+        logits = self.model.logits(hidden[-1:])[0]
+        job.t_first = time.perf_counter()
+        job.timings.prompt_ms = 1000.0 * (job.t_first - job.t_start)
+        job.phase = Phase.GENERATE
+        if self._limit(job) == 0:
+            self._finish(slot, "length", "limit")
+            return
+        self._emit(slot, logits)
+
+    def _decode(self, slots: list[Slot]) -> None:
+        tokens = [s.job.pending for s in slots]
+        logits = self.model.decode_batch(tokens, [s.state for s in slots])
+        for slot, token, row in zip(slots, tokens, logits):
+            slot.tokens.append(token)
+            self._emit(slot, row)
+
+    def _limit(self, job: Job) -> int:
+        n = job.request.n_predict
+        return n if n >= 0 else self.config.n_predict
+
+    def _emit(self, slot: Slot, logits: torch.Tensor) -> None:
+        """Sample the next token from `logits`, send it, and end the request if it should end."""
+        job = slot.job
+        assert job is not None and job.sampler is not None and job.detokenizer is not None
+        token = job.sampler.sample(logits)
+        job.sampler.accept(token)
+        job.generated.append(token)
+        job.timings.predicted_n = len(job.generated)
+        job.timings.predicted_ms = max(1000.0 * (time.perf_counter() - job.t_first), 0.001)
+        top = top_probabilities(logits, job.request.n_probs) if job.request.n_probs else []
+        if token in self.tokenizer.eog_ids:
+            job.stream.put(TokenEvent(token, "", top))
+            self._finish(slot, "stop", "eos")
+            return
+        job.text += job.detokenizer.add(token)
+        stops = job.request.stop
+        found = stop_position(job.text, stops, job.sent) if stops else None
+        if found is not None:
+            index, word = found
+            job.text = job.text[:index]
+            job.stream.put(TokenEvent(token, self._release(job, len(job.text)), top))
+            self._finish(slot, "stop", "word", word)
+            return
+        hold = partial_stop_length(job.text, stops) if stops else 0
+        job.stream.put(TokenEvent(token, self._release(job, len(job.text) - hold), top))
+        limit = self._limit(job)
+        if limit >= 0 and len(job.generated) >= limit:
+            self._finish(slot, "length", "limit")
+        elif slot.state.n_past + 1 >= self.slot_ctx:
+            self._finish(slot, "length", "limit", truncated=True)
+        else:
+            job.pending = token
+
+    def _release(self, job: Job, upto: int) -> str:
+        out = job.text[job.sent : upto] if upto > job.sent else ""
+        job.sent = max(job.sent, upto)
+        return out
+
+    def _finish(self, slot: Slot, reason: str, stop_type: str, word: str = "", truncated: bool = False) -> None:
+        job = slot.job
+        assert job is not None and job.detokenizer is not None
+        if stop_type != "word":
+            job.text += job.detokenizer.flush()
+        event = FinishEvent(
+            finish_reason=reason,
+            stop_type=stop_type,
+            text=job.text,
+            tokens=list(job.generated),
+            tail=self._release(job, len(job.text)),
+            timings=job.timings,
+            stopping_word=word,
+            truncated=truncated,
+            n_prompt_tokens=len(job.request.prompt),
+            id_slot=slot.id,
+        )
+        slot.job = None  # before the event: whoever waits on it sees the slot free
+        slot.t_last_used = time.perf_counter()
+        job.stream.put(event)

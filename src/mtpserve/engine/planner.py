@@ -1,0 +1,129 @@
+"""Memory planning before anything is loaded: what a configuration costs (the same arithmetic as
+`mtpserve inspect`), whether it fits the device, and what to lower when it does not."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..gguf import open_gguf
+from ..models import config_from_gguf, estimate_memory
+from ..models.config import ModelConfig
+from ..models.memory import CTX_PAD, MemoryEstimate, kv_bytes_per_cell, weight_bytes
+from .request import EngineError
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """llama-server's slot and cache flags."""
+
+    n_parallel: int = 1  # -np: slots
+    ctx_size: int = 4096  # -c: total context over all slots, 0 = the model's trained context
+    ubatch: int = 512  # -ub: prompt tokens per forward pass
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    ctx_checkpoints: int = 32  # per slot: recurrent-state checkpoints kept for prompt reuse
+    n_predict: int = -1  # server-wide default limit
+    slot_prompt_similarity: float = 0.1  # -sps
+
+
+class InsufficientMemory(EngineError):
+    type = "insufficient_memory"
+    code = 500
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    estimate: MemoryEstimate  # weights, KV, recurrent state of all slots
+    slot_ctx: int  # cells per slot
+    kv_bytes_per_token: float  # one token in every attention layer of one slot
+    checkpoint_bytes: int  # one recurrent-state checkpoint of one slot
+    max_checkpoints: int  # per slot
+    device: str
+    available_bytes: int | None  # free memory on the device when planned
+
+    @property
+    def checkpoints_bytes_max(self) -> int:
+        return self.estimate.parallel * self.max_checkpoints * self.checkpoint_bytes
+
+    @property
+    def required_bytes(self) -> int:
+        return self.estimate.total_bytes - self.estimate.mtp_kv_bytes + self.checkpoints_bytes_max
+
+    def check(self) -> None:
+        """Raise InsufficientMemory, saying what to lower, when the plan does not fit."""
+        if self.available_bytes is None or self.required_bytes <= self.available_bytes:
+            return
+        e = self.estimate
+        raise InsufficientMemory(
+            f"this configuration needs {self.required_bytes / GIB:.2f} GiB on {self.device} but "
+            f"{self.available_bytes / GIB:.2f} GiB is free: weights {e.weights_bytes / GIB:.2f} GiB, KV cache "
+            f"{e.kv_bytes / GIB:.2f} GiB (-c {e.ctx_size} over -np {e.parallel}, "
+            f"{self.kv_bytes_per_token / 1024:.1f} KiB per token and slot), recurrent state "
+            f"{e.recurrent_bytes / GIB:.2f} GiB, checkpoints up to {self.checkpoints_bytes_max / GIB:.2f} GiB. "
+            "Lower --ctx-size, use --cache-type-k/--cache-type-v q8_0, fewer --parallel slots or fewer "
+            "--ctx-checkpoints."
+        )
+
+
+def available_memory(device: str) -> int | None:
+    """Free bytes on the device (CUDA: the driver's count; CPU: MemAvailable), None if unknown."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def slot_context(config: ModelConfig, engine: EngineConfig) -> int:
+    """Cells per slot, as llama-server splits -c over -np (each share padded to 256)."""
+    total = engine.ctx_size or config.context_length
+    total = -(-total // CTX_PAD) * CTX_PAD
+    return -(-(total // engine.n_parallel) // CTX_PAD) * CTX_PAD
+
+
+def plan(
+    config: ModelConfig,
+    weights_bytes: int,
+    mtp_weights_bytes: int,
+    engine: EngineConfig,
+    device: str = "cpu",
+    available_bytes: int | None = None,
+) -> MemoryPlan:
+    estimate = estimate_memory(
+        config, weights_bytes, mtp_weights_bytes, engine.ctx_size, engine.n_parallel, engine.cache_type_k,
+        engine.cache_type_v, ubatch=engine.ubatch,
+    )  # fmt: skip
+    layout = config.cache_layout()
+    per_token = sum(kv_bytes_per_cell(s, engine.cache_type_k, engine.cache_type_v) for s in layout.attention)
+    checkpoint = sum(4 * (r.conv_state_elements + r.ssm_state_elements) for r in layout.recurrent)
+    return MemoryPlan(
+        estimate=estimate,
+        slot_ctx=slot_context(config, engine),
+        kv_bytes_per_token=per_token,
+        checkpoint_bytes=checkpoint,
+        max_checkpoints=engine.ctx_checkpoints if layout.recurrent else 0,
+        device=device,
+        available_bytes=available_bytes,
+    )
+
+
+def plan_for_file(path: str | Path, engine: EngineConfig, device: str = "cpu") -> MemoryPlan:
+    """The plan for a GGUF file, from its metadata alone (no weights read), against free memory now."""
+    gguf = open_gguf(path)
+    config = config_from_gguf(gguf)
+    total, mtp = weight_bytes(gguf, config)
+    return plan(config, total, mtp, engine, device, available_memory(device))

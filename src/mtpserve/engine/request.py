@@ -1,0 +1,132 @@
+"""What a request asks of the engine, what comes back, and the errors it can end with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    """A completion: prompt tokens and llama-server's generation fields."""
+
+    prompt: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    n_predict: int = -1  # -1: until EOG, a stop string or the context is full
+    stop: list[str] = field(default_factory=list)  # matched across token boundaries, never emitted
+    ignore_eos: bool = False
+    cache_prompt: bool = True  # reuse what the slot already holds of this prompt
+    n_probs: int = 0  # top-N raw probabilities per generated token
+    id_slot: int = -1  # a slot to run on (-1: the engine chooses)
+    keep_special: frozenset[int] = frozenset()  # control tokens whose text goes into the output (e.g. <think>)
+    checkpoint_at: tuple[int, ...] = ()  # extra prompt positions to keep recurrent state at (e.g. last user turn)
+
+
+@dataclass
+class Timings:
+    """llama-server's per-request `timings` (milliseconds, tokens per second)."""
+
+    cache_n: int = 0
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+
+    @property
+    def prompt_per_token_ms(self) -> float:
+        return self.prompt_ms / self.prompt_n if self.prompt_n else 0.0
+
+    @property
+    def prompt_per_second(self) -> float:
+        return 1000.0 * self.prompt_n / self.prompt_ms if self.prompt_ms else 0.0
+
+    @property
+    def predicted_per_token_ms(self) -> float:
+        # The deployment's llama-server divides by predicted_n (server-api.md §2.4, VERSION note).
+        return self.predicted_ms / self.predicted_n if self.predicted_n else 0.0
+
+    @property
+    def predicted_per_second(self) -> float:
+        return 1000.0 * self.predicted_n / self.predicted_ms if self.predicted_ms else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {
+            "cache_n": self.cache_n,
+            "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": self.prompt_per_token_ms,
+            "prompt_per_second": self.prompt_per_second,
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": self.predicted_per_token_ms,
+            "predicted_per_second": self.predicted_per_second,
+        }
+        if self.draft_n:
+            out["draft_n"] = self.draft_n
+            out["draft_n_accepted"] = self.draft_n_accepted
+        return out
+
+
+@dataclass
+class TokenEvent:
+    """One generated token: `text` is what may be shown now (text held back while it could still
+    become a stop string or an incomplete character is released with a later event)."""
+
+    token: int
+    text: str
+    top_probs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class FinishEvent:
+    """The end of a request. finish_reason: "stop" (EOG token or stop string), "length" (n_predict or a
+    full context, the latter with `truncated`); stop_type as llama-server's: "eos", "word", "limit"."""
+
+    finish_reason: str
+    stop_type: str
+    text: str  # the whole generated text, stop string excluded
+    tokens: list[int]
+    tail: str  # text not sent with a TokenEvent (held back as a possible stop string or partial character)
+    timings: Timings
+    stopping_word: str = ""
+    truncated: bool = False
+    n_prompt_tokens: int = 0
+    id_slot: int = -1
+
+
+class EngineError(Exception):
+    """A request the engine cannot run; `type` and `code` are llama-server's error fields."""
+
+    type = "invalid_request_error"
+    code = 400
+
+    def to_dict(self) -> dict[str, object]:
+        return {"code": self.code, "message": str(self), "type": self.type}
+
+
+class ContextSizeExceeded(EngineError):
+    type = "exceed_context_size_error"
+
+    def __init__(self, n_prompt_tokens: int, n_ctx: int) -> None:
+        super().__init__(
+            f"request ({n_prompt_tokens} tokens) exceeds the available context size ({n_ctx} tokens), try increasing it"
+        )
+        self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
+
+    def to_dict(self) -> dict[str, object]:
+        return {**super().to_dict(), "n_prompt_tokens": self.n_prompt_tokens, "n_ctx": self.n_ctx}
+
+
+class InvalidRequest(EngineError):
+    pass
+
+
+class Cancelled(EngineError):
+    type = "cancelled"
+    code = 499
+
+    def __init__(self) -> None:
+        super().__init__("the request was cancelled")

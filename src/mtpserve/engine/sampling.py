@@ -1,0 +1,170 @@
+"""Token sampling with llama-server's parameters, defaults and chain order (common/sampling.cpp,
+src/llama-sampler.cpp):
+
+    logit_bias -> penalties -> top_k -> typical_p -> top_p -> min_p -> temperature -> dist
+
+Every filter sees the logits left by the one before; top_p, typical_p and min_p measure probabilities at
+temperature 1 (temperature is applied last, only to the survivors). Temperature <= 0 is greedy: the
+highest logit after bias and penalties. The penalties count the last `repeat_last_n` tokens of the
+prompt and the generation. The draw is llama.cpp's: one uniform double in [0, 1) scaled by the sum of
+exp(logit - max) over the survivors, then the first candidate (in the chain's order) whose running sum
+reaches it. The random stream is numpy's PCG64 seeded with `seed`, so a seed reproduces a request's
+output (not llama.cpp's std::mt19937 stream).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw a fresh seed
+
+
+@dataclass
+class SamplingParams:
+    """llama-server's request fields and server defaults."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    repeat_last_n: int = 64
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_keep: int = 0
+    seed: int = RANDOM_SEED
+    logit_bias: dict[int, float] = field(default_factory=dict)  # -inf bans a token
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+class Sampler:
+    """One request's sampler: its penalty history and random stream."""
+
+    def __init__(self, params: SamplingParams, history: Iterable[int] = ()) -> None:
+        self.params = params
+        seed = params.seed
+        if seed in (RANDOM_SEED, -1):
+            seed = int.from_bytes(os.urandom(4), "little")
+        self.seed = seed
+        self.rng = np.random.Generator(np.random.PCG64(seed))
+        n = params.repeat_last_n
+        self.window: deque[int] = deque(maxlen=n if n > 0 else 0)
+        self.counts: Counter[int] = Counter()
+        for token in history:
+            self.accept(token)
+
+    def accept(self, token: int) -> None:
+        """Add a token (prompt or generated) to the penalty window."""
+        if self.window.maxlen == 0:
+            return
+        if len(self.window) == self.window.maxlen:
+            old = self.window[0]
+            self.counts[old] -= 1
+            if self.counts[old] == 0:
+                del self.counts[old]
+        self.window.append(token)
+        self.counts[token] += 1
+
+    def _biased(self, logits: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        logits = logits.float().clone()
+        for token, bias in p.logit_bias.items():
+            if 0 <= token < len(logits):
+                logits[token] += bias
+        penalized = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        if penalized and self.counts:
+            ids = torch.tensor(list(self.counts.keys()))
+            counts = torch.tensor(list(self.counts.values()), dtype=torch.float32)
+            values = logits[ids]
+            values = torch.where(values <= 0, values * p.repeat_penalty, values / p.repeat_penalty)
+            logits[ids] = values - counts * p.frequency_penalty - p.presence_penalty
+        return logits
+
+    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, logits) of the tokens that survive the chain's filters, in the chain's order, with the
+        temperature applied; a single token when greedy."""
+        p = self.params
+        logits = self._biased(logits)
+        if p.greedy:
+            best = int(logits.argmax())
+            return torch.tensor([best]), logits[best : best + 1]
+        min_keep = max(p.min_keep, 1)
+        if p.top_k > 0:
+            values, ids = logits.topk(min(max(p.top_k, min_keep), len(logits)))
+        else:
+            values, ids = logits.sort(descending=True)
+        if p.typical_p < 1.0:
+            values, ids = _typical(values, ids, p.typical_p, p.min_keep)
+            values, order = values.sort(descending=True, stable=True)  # back to logit order for top_p
+            ids = ids[order]
+        if p.top_p < 1.0:
+            values, ids = _top_p(values, ids, p.top_p, p.min_keep)
+        if p.min_p > 0.0:
+            values, ids = _min_p(values, ids, p.min_p, p.min_keep)
+        return ids, values / p.temperature
+
+    def sample(self, logits: torch.Tensor) -> int:
+        ids, values = self.candidates(logits)
+        if len(ids) == 1:
+            self.rng.random()  # one draw per token, as llama.cpp keeps its stream aligned
+            return int(ids[0])
+        weights = torch.exp(values - values.max()).double()
+        target = float(weights.sum()) * self.rng.random()
+        index = int(torch.searchsorted(weights.cumsum(0), torch.tensor([target], dtype=torch.float64)))
+        return int(ids[min(index, len(ids) - 1)])
+
+    def probabilities(self, logits: torch.Tensor) -> dict[int, float]:
+        """The distribution `sample` draws from (for tests and post-sampling probabilities)."""
+        ids, values = self.candidates(logits)
+        probs = torch.softmax(values.double(), 0)
+        return dict(zip(ids.tolist(), probs.tolist()))
+
+
+def top_probabilities(logits: torch.Tensor, n: int) -> list[tuple[int, float]]:
+    """The n most likely tokens of the raw softmax (llama-server's n_probs, post_sampling_probs false)."""
+    probs = torch.softmax(logits.float(), -1)
+    values, ids = probs.topk(min(n, len(probs)))
+    return list(zip(ids.tolist(), values.tolist()))
+
+
+def _top_p(values: torch.Tensor, ids: torch.Tensor, top_p: float, min_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the smallest prefix (values sorted descending) whose mass reaches top_p, at least min_keep."""
+    cumulative = torch.softmax(values, 0).cumsum(0)
+    reached = (cumulative >= top_p).nonzero()
+    keep = len(values) if len(reached) == 0 else int(reached[0]) + 1
+    keep = max(keep, min(min_keep, len(values)))
+    return values[:keep], ids[:keep]
+
+
+def _min_p(values: torch.Tensor, ids: torch.Tensor, min_p: float, min_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep tokens with p >= min_p * p_max, i.e. logit >= max_logit + log(min_p); at least min_keep."""
+    threshold = float(values.max()) + math.log(min_p)
+    keep = values >= threshold
+    if int(keep.sum()) < max(min_keep, 1):
+        keep[: max(min_keep, 1)] = True  # values are sorted: the best ones
+    return values[keep], ids[keep]
+
+
+def _typical(values: torch.Tensor, ids: torch.Tensor, typical_p: float, min_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Locally typical sampling: order by |-log p - entropy|, keep until the mass exceeds typical_p."""
+    probs = torch.softmax(values, 0)
+    logp = torch.log(probs)
+    entropy = -(probs * logp).nansum()
+    order = torch.argsort((-logp - entropy).abs(), stable=True)
+    cumulative = probs[order].cumsum(0)
+    past = (cumulative > typical_p).nonzero()
+    keep = len(values) if len(past) == 0 else int(past[0]) + 1
+    keep = max(keep, min(min_keep, len(values)))
+    chosen = order[:keep]
+    return values[chosen], ids[chosen]

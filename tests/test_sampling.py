@@ -1,0 +1,101 @@
+"""Sampling: the chain samples from the distribution each filter's definition gives (chi-square on a
+fixed logit vector), penalties and biases act as llama.cpp's, seeds reproduce."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mtpserve.engine.sampling import Sampler, SamplingParams, top_probabilities
+
+LOGITS = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.7, 0.3, 0.0, -0.4, -1.0, -2.0, -3.0, -6.0])
+N_DRAWS = 20_000
+
+
+def expected(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> np.ndarray:
+    """The distribution by the filters' definitions, written out independently of the sampler."""
+    keep = np.ones(len(logits), dtype=bool)
+    order = np.argsort(-logits, kind="stable")
+    if top_k > 0:
+        keep[order[top_k:]] = False
+    p1 = np.exp(logits - logits[keep].max()) * keep
+    p1 /= p1.sum()  # probabilities at temperature 1 among the survivors
+    if top_p < 1.0:
+        cumulative = np.cumsum(p1[order])
+        n = int(np.argmax(cumulative >= top_p)) + 1
+        keep[order[n:]] = False
+    if min_p > 0.0:
+        keep &= p1 >= min_p * p1.max()
+    p = np.exp((logits - logits.max()) / temperature) * keep
+    return p / p.sum()
+
+
+def chi2_critical(df: int, z: float = 3.29) -> float:
+    """The 0.9995 quantile of chi-square(df) (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=0.7, top_k=0, top_p=1.0, min_p=0.0),
+        dict(temperature=1.0, top_k=5, top_p=1.0, min_p=0.0),
+        dict(temperature=1.3, top_k=0, top_p=0.8, min_p=0.0),
+        dict(temperature=0.9, top_k=0, top_p=1.0, min_p=0.15),
+        dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),  # llama-server's defaults
+    ],
+    ids=["temperature", "top_k", "top_p", "min_p", "defaults"],
+)
+def test_samples_follow_the_filtered_distribution(params):
+    sampler = Sampler(SamplingParams(seed=1234, **params))
+    counts = np.bincount([sampler.sample(LOGITS) for _ in range(N_DRAWS)], minlength=len(LOGITS))
+    want = expected(LOGITS.numpy().astype(np.float64), **params)
+    assert np.all(counts[want == 0] == 0), "a filtered-out token was sampled"
+    live = want > 0
+    # Chi-square with the least likely tokens pooled until every bin expects at least 5 draws.
+    order = np.argsort(-want)
+    observed, predicted = list(counts[order[live[order]]]), list(N_DRAWS * want[order[live[order]]])
+    while len(predicted) > 1 and predicted[-1] < 5:
+        observed[-2:] = [observed[-2] + observed[-1]]
+        predicted[-2:] = [predicted[-2] + predicted[-1]]
+    observed, predicted = np.array(observed), np.array(predicted)
+    stat = float(((observed - predicted) ** 2 / predicted).sum())
+    df = len(observed) - 1
+    assert df == 0 or stat < chi2_critical(df), (stat, chi2_critical(df), counts, want)
+    assert sampler.probabilities(LOGITS).keys() == set(np.nonzero(live)[0].tolist())
+
+
+def test_greedy_takes_the_argmax_after_bias_and_penalties():
+    assert Sampler(SamplingParams(temperature=0.0)).sample(LOGITS) == 0
+    biased = Sampler(SamplingParams(temperature=0.0, logit_bias={0: -math.inf}))
+    assert biased.sample(LOGITS) == 1
+    # repeat_penalty divides positive logits of recent tokens (2.0 / 2 = 1.0 < 1.5): token 1 wins.
+    penalized = Sampler(SamplingParams(temperature=0.0, repeat_penalty=2.0, repeat_last_n=4), history=[0, 9])
+    assert penalized.sample(LOGITS) == 1
+    # ...and only within the last repeat_last_n tokens: token 0 has left the window.
+    forgotten = Sampler(SamplingParams(temperature=0.0, repeat_penalty=2.0, repeat_last_n=2), history=[0, 9, 8])
+    assert forgotten.sample(LOGITS) == 0
+
+
+def test_presence_and_frequency_penalties():
+    s = Sampler(SamplingParams(temperature=0.0, presence_penalty=0.3, frequency_penalty=0.2), history=[0, 0, 1])
+    ids, values = s.candidates(LOGITS)
+    # token 0: 2.0 - 2 * 0.2 - 0.3 = 1.3; token 1: 1.5 - 0.2 - 0.3 = 1.0; token 2 keeps 1.2 < 1.3.
+    assert ids.tolist() == [0] and values.tolist() == pytest.approx([1.3])
+
+
+def test_a_seed_reproduces_the_draws():
+    draws = lambda seed: [Sampler(SamplingParams(seed=seed)).sample(LOGITS) for _ in range(1)] + [  # noqa: E731
+        s.sample(LOGITS) for s in [Sampler(SamplingParams(seed=seed))] for _ in range(50)
+    ]
+    assert draws(5) == draws(5) and draws(5) != draws(6)
+
+
+def test_top_probabilities_are_the_raw_softmax():
+    top = top_probabilities(LOGITS, 3)
+    probs = torch.softmax(LOGITS, 0)
+    assert [i for i, _ in top] == [0, 1, 2]
+    assert [p for _, p in top] == pytest.approx(probs[:3].tolist())
