@@ -208,3 +208,20 @@ def test_async_iteration_and_a_32k_prompt():
         events = asyncio.run(go(engine))
     assert isinstance(events[-1], FinishEvent) and events[-1].timings.prompt_n == 32768
     assert time.perf_counter() - start < 300
+
+
+def test_the_deployments_262144_token_context_is_plannable():
+    from mtpserve.models import config_from_metadata
+
+    from .test_models_config import QWEN36_27B
+
+    config = config_from_metadata(QWEN36_27B)
+    weights = 16_800_000_000  # the Q4_K_M file
+    deployment = EngineConfig(n_parallel=1, ctx_size=0, cache_type_k="q8_0", cache_type_v="q8_0")  # -c 0: trained
+    p = plan(config, weights, 0, deployment, device="cuda:0", available_bytes=2 * 22 * 1024**3)
+    assert p.slot_ctx == 262144 and p.estimate.kv_bytes == 16 * 2176 * 262144
+    # 48 DeltaNet layers x (conv 10240 x 3 + state 48 x 128 x 128) x 4 B per checkpoint, 32 kept.
+    assert p.checkpoint_bytes == 48 * (10240 * 3 + 48 * 128 * 128) * 4 and p.max_checkpoints == 32
+    p.check()  # fits two 22 GB cards
+    with pytest.raises(InsufficientMemory, match="--cache-type-k/--cache-type-v q8_0"):
+        plan(config, weights, 0, deployment, device="cuda:0", available_bytes=16 * 1024**3).check()
