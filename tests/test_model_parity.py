@@ -242,3 +242,25 @@ def test_prompt_checkpoints_hold_the_state_at_their_position():
             # Equal up to the rounding of a different batch split (attention's kernel depends on it).
             for ours, theirs in ((snapshot.conv, direct.recurrent[i].conv), (snapshot.ssm, direct.recurrent[i].ssm)):
                 assert (ours - theirs).abs().max() < 1e-3 * theirs.abs().max()
+
+
+def test_verification_keeps_the_recurrent_state_after_every_token():
+    from mtpserve.models.base import Batch
+
+    model, _ = _load("tinyqwen35-mtp-Q4_K_M")
+    prompt = _cases("tinyqwen35-mtp-Q4_K_M")[0]["prompt_token_ids"]
+    states = [model.new_state(256) for _ in range(2)]
+    for state in states:
+        model.prefill(prompt, state)
+    one_by_one = model.new_state(256)
+    model.prefill(prompt, one_by_one)
+    draft = [258, 329, 321]
+    batch = Batch.of(torch.tensor(draft * 2), states)
+    batch.keep_steps = True
+    model.forward_batch(batch)
+    for t, token in enumerate(draft):
+        model.decode(token, one_by_one)
+        for i, per_sequence in batch.steps.items():
+            for steps in per_sequence:  # both sequences, same tokens
+                assert torch.equal(steps[t].conv, one_by_one.recurrent[i].conv)
+                assert torch.equal(steps[t].ssm, one_by_one.recurrent[i].ssm)

@@ -100,6 +100,10 @@ class Batch:
     checkpoint_every: int = 0
     next_checkpoint: int = 0
     checkpoints: dict[int, dict[int, RecurrentState]] = field(default_factory=dict)
+    # Draft verification: recurrent layers keep their state after every token of the batch, so a
+    # rejected draft rolls back without recomputing: layer -> per sequence [(conv, ssm) per token].
+    keep_steps: bool = False
+    steps: dict[int, list[list[RecurrentState]]] = field(default_factory=dict)
 
     @classmethod
     def of(

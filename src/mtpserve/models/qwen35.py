@@ -226,18 +226,32 @@ class GatedDeltaNet:
         self.w_out = w.matrix(f"{b}.ssm_out.weight")
 
     def __call__(
-        self, x: torch.Tensor, states: list[RecurrentState], seq_len: int, keep_at: Collection[int] = ()
+        self,
+        x: torch.Tensor,
+        states: list[RecurrentState],
+        seq_len: int,
+        keep_at: Collection[int] = (),
+        steps: list[list[RecurrentState]] | None = None,
     ) -> tuple[torch.Tensor, dict[int, RecurrentState]]:
         """Output [rows, E], and (one sequence, chunked path) its states after `keep_at` tokens of this
-        batch (multiples of the chunk size): {tokens into the batch: state}."""
+        batch (multiples of the chunk size): {tokens into the batch: state}. With `steps` (up to
+        RECURRENT_MAX_TOKENS tokens), the states after every token are appended there, per sequence."""
         c = self.c
         kept: dict[int, RecurrentState] = {}
         if seq_len <= RECURRENT_MAX_TOKENS:  # decode, draft verification: the whole mixer in one kernel call
+            conv_steps = ssm_steps = None
+            if steps is not None:
+                conv_steps = [torch.empty(seq_len, *st.conv.shape) for st in states]
+                ssm_steps = [torch.empty(seq_len, *st.ssm.shape) for st in states]
             out = gated_delta_net_decode(
                 x, self.projections, self.dt_bias, self.a, self.conv_weight, self.norm, self.w_out,
-                [st.conv for st in states], [st.ssm for st in states], c.n_k_heads, c.rms_eps,
+                [st.conv for st in states], [st.ssm for st in states], c.n_k_heads, c.rms_eps, conv_steps, ssm_steps,
             )  # fmt: skip
+            if steps is not None and conv_steps is not None and ssm_steps is not None:
+                steps.extend([RecurrentState(cs[t], ss[t]) for t in range(seq_len)] for cs, ss in zip(conv_steps, ssm_steps))
             return out, kept
+        if steps is not None:
+            raise ValueError(f"per-token states are kept for up to {RECURRENT_MAX_TOKENS} tokens, not {seq_len}")
         mixed, z, beta, alpha = linear_many(x, self.projections, seq_len)  # mixed: [T, conv_dim]
         z = z.view(-1, c.n_v_heads, c.ssm_head_dim)
         beta = torch.sigmoid(beta)  # [T, Hv]
@@ -293,7 +307,8 @@ class DecoderLayer:
         h = rms_norm(x, self.attn_norm, self.eps)
         if self.recurrent:
             states = [state.recurrent[self.index] for state in batch.states]
-            out, kept = self.mixer(h, states, batch.n_tokens, batch.checkpoint_offsets(GDN_CHUNK))
+            steps = batch.steps.setdefault(self.index, []) if batch.keep_steps else None
+            out, kept = self.mixer(h, states, batch.n_tokens, batch.checkpoint_offsets(GDN_CHUNK), steps)
             for n, snapshot in kept.items():
                 batch.checkpoints.setdefault(batch.starts[0] + n, {})[self.index] = snapshot
             x = x + out
@@ -361,10 +376,13 @@ class Qwen35ForCausalLM(CausalLM):
         return rms_norm(x, self.output_norm, self.config.rms_eps)
 
     @torch.inference_mode()
-    def mtp_step(self, hidden: torch.Tensor, tokens: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, torch.Tensor]:
+    def mtp_step(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, state: ModelState, with_logits: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """MTP rows for tokens [T] at the next positions of the MTP cache, each fed the hidden state [T, E]
         that predicted its token (the trunk's final-norm output at the previous position, or for chained
-        drafts the MTP's own output). Returns (logits [T, V] for the token after each, h_mtp [T, E])."""
+        drafts the MTP's own output). Returns (logits [T, V] for the token after each, or None without
+        `with_logits` (a catch-up pass only writes the cache), h_mtp [T, E])."""
         head = self.mtp[0]
         c, kv = self.config, state.kv[head.block.index]
         e = embedding(head.embed or self.token_embd, tokens)
@@ -372,4 +390,9 @@ class Qwen35ForCausalLM(CausalLM):
         batch = Batch(tokens, [state], len(tokens), [kv.length])  # MTP positions follow its own cache
         u = head.block(u, batch.rope(self.rope_table), batch)
         h_mtp = rms_norm(u, head.norm, c.rms_eps)
-        return linear(h_mtp, head.head), h_mtp
+        return (linear(h_mtp, head.head) if with_logits else None), h_mtp
+
+    @property
+    def mtp_kv_index(self) -> int | None:
+        """Where `new_state(mtp=True)` keeps the MTP block's KV cache in `state.kv` (None: no MTP block)."""
+        return self.mtp[0].block.index if self.mtp else None

@@ -170,7 +170,7 @@ def gated_delta_net_step(
     y = torch.empty(T, n_v_heads * V)
     lib.mtp_gdn_step(
         mixed.data_ptr(), conv_state.data_ptr(), conv_weight.data_ptr(), z.data_ptr(), beta.data_ptr(), g.data_ptr(),
-        ssm.data_ptr(), norm_weight.data_ptr(), y.data_ptr(), None,
+        ssm.data_ptr(), norm_weight.data_ptr(), y.data_ptr(), None, None,
         T, n_k_heads, n_v_heads, K, V, conv_weight.shape[1], eps,
     )  # fmt: skip
     return y, conv_state, ssm
@@ -222,10 +222,14 @@ def gated_delta_net_decode(
     ssms: Sequence[torch.Tensor],
     n_k_heads: int,
     eps: float,
+    conv_steps: Sequence[torch.Tensor] | None = None,
+    ssm_steps: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`gated_delta_net_decode_reference` in one C call, for decode and draft verification, where a
     layer's dozen small ops would each cost more in Python than in arithmetic. The states must be
-    contiguous float32 (they are updated in place); each sequence is rounded as if alone (see `linear`)."""
+    contiguous float32 (they are updated in place); each sequence is rounded as if alone (see `linear`).
+    With `conv_steps` [T, C, W-1] and `ssm_steps` [T, Hv, K, V] per sequence, the states after every
+    token are written there too (a rejected draft rolls back to one of them)."""
     lib = cpu_kernels.load()
     n_seq = len(ssms)
     T = h.shape[0] // n_seq
@@ -238,12 +242,17 @@ def gated_delta_net_decode(
         ys = []
         for s, (conv_state, ssm) in enumerate(zip(conv_states, ssms)):
             rows = slice(s * T, (s + 1) * T)
-            y, new_conv, new_ssm = gated_delta_net_step(
-                mixed[rows], conv_state, conv_weight, z[rows], beta[rows], g[rows], ssm, norm_weight, n_k_heads, eps
-            )
-            conv_state.copy_(new_conv)
-            ssm.copy_(new_ssm)
-            ys.append(y)
+            for t in range(T):  # token by token, to keep every intermediate state
+                y, new_conv, new_ssm = gated_delta_net_step(
+                    mixed[rows][t : t + 1], conv_state, conv_weight, z[rows][t : t + 1], beta[rows][t : t + 1],
+                    g[rows][t : t + 1], ssm, norm_weight, n_k_heads, eps,
+                )  # fmt: skip
+                conv_state.copy_(new_conv)
+                ssm.copy_(new_ssm)
+                if conv_steps is not None and ssm_steps is not None:
+                    conv_steps[s][t].copy_(conv_state)
+                    ssm_steps[s][t].copy_(ssm)
+                ys.append(y)
         return linear(torch.cat(ys), w_out, seq_len=T)
     n_v_heads, K, V = ssms[0].shape
     for t in (*conv_states, *ssms):
@@ -253,11 +262,21 @@ def gated_delta_net_decode(
     dt_bias, a, conv_weight, norm_weight = (t.float().contiguous() for t in (dt_bias, a, conv_weight, norm_weight))
     conv_ptrs = (ctypes.c_void_p * n_seq)(*(t.data_ptr() for t in conv_states))
     ssm_ptrs = (ctypes.c_void_p * n_seq)(*(t.data_ptr() for t in ssms))
+    steps = None, None
+    if conv_steps is not None and ssm_steps is not None:
+        for t in (*conv_steps, *ssm_steps):
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError("per-token state buffers must be contiguous float32")
+        steps = (
+            (ctypes.c_void_p * n_seq)(*(t.data_ptr() for t in ssm_steps)),
+            (ctypes.c_void_p * n_seq)(*(t.data_ptr() for t in conv_steps)),
+        )
     out = torch.empty(x.shape[0], w_out.shape[0])
     rc = lib.mtp_gdn_mixer(
         x.data_ptr(), x.shape[0], T, x.shape[1], projections.c_types, projections.c_data, dt_bias.data_ptr(),
         a.data_ptr(), conv_ptrs, conv_weight.data_ptr(), ssm_ptrs, norm_weight.data_ptr(), n_k_heads, n_v_heads, K, V,
-        conv_weight.shape[1], eps, int(w_out.ggml_type), w_out.data.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+        conv_weight.shape[1], eps, int(w_out.ggml_type), w_out.data.data_ptr(), out.data_ptr(), *steps,
+        torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"mtp_gdn_mixer failed ({rc}) for {w_out.name}")

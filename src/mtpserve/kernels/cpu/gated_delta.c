@@ -11,10 +11,11 @@ static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 /* mixed [T, C] raw projections (C = 2 Hk K + Hv V: q | k | v), conv_state [C, W-1] and conv_w [C, W];
  * z [T, Hv, V] gate; beta [T, Hv] (already sigmoid), g [T, Hv] (log decay); ssm [Hv, K, V] state;
  * norm_w [V]. V head h reads q/k head h % Hk. Writes y [T, Hv * V]; updates conv_state and ssm in place;
- * with `states` [T, Hv, K, V] also keeps the state after every token. */
+ * with `states` [T, Hv, K, V] and `conv_states` [T, C, W-1] also keeps both after every token (draft
+ * verification rolls back to any of them). */
 int mtp_gdn_step(const float *mixed, float *conv_state, const float *conv_w, const float *z, const float *beta,
-                 const float *g, float *ssm, const float *norm_w, float *y, float *states, int64_t T, int64_t Hk,
-                 int64_t Hv, int64_t K, int64_t V, int64_t W, float eps) {
+                 const float *g, float *ssm, const float *norm_w, float *y, float *states, float *conv_states, int64_t T,
+                 int64_t Hk, int64_t Hv, int64_t K, int64_t V, int64_t W, float eps) {
     const int64_t C = 2 * Hk * K + Hv * V;
     float *u = malloc(sizeof(float) * C);
     float *o = malloc(sizeof(float) * V);
@@ -33,6 +34,7 @@ int mtp_gdn_step(const float *mixed, float *conv_state, const float *conv_w, con
             if (W > 1) st[W - 2] = xt[c];
             u[c] = silu(acc);
         }
+        if (conv_states) memcpy(conv_states + t * C * (W - 1), conv_state, sizeof(float) * C * (W - 1));
         /* L2 norm of each q and k head: x / sqrt(sum x^2 + eps) */
         for (int64_t h = 0; h < 2 * Hk; h++) {
             float *v = u + h * K;

@@ -606,10 +606,10 @@ static void matmul_row(int type, const uint8_t *src, int64_t k, const float *x, 
     const int tiled = seq_len >= 8;
     const int64_t m_x4 = seq_len - seq_len % 4;
 #ifdef MTP_AVX2
-    if (seq_len < 4 && type != T_Q5_K) { /* short sequences: fused, no decoded row */
+    if (seq_len < 8 && type != T_Q5_K) { /* short sequences (decode, draft verification): fused, no decoded row */
         for (int64_t i = 0; i < m; i++) {
             float v;
-            if (type == T_Q4_K) v = dot_q4k_direct(src, xk + i * (k / 256), k / 256, 0);
+            if (type == T_Q4_K) v = dot_q4k_direct(src, xk + i * (k / 256), k / 256, i % seq_len < m_x4 ? 1 : 0);
             else if (type == T_Q6_K) v = dot_q6k_direct(src, xk + i * (k / 256), k / 256, 0);
             else v = dot32_direct(type, src, x8 + i * (k / 32), k / 32);
             y[i * ldy] = v;
