@@ -36,6 +36,7 @@ bench: install models
 	$(PY) bench/tokenizer.py
 	$(PY) bench/decode_cpu.py $(if $(LLAMA_BENCH),--llama-bench $(LLAMA_BENCH))
 	$(PY) bench/batching.py
+	$(PY) bench/speculative.py $(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER))
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis

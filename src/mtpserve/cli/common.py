@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine.speculative import AUTO_N_MAX, SPEC_TYPES, SpecConfig
 from ..models.base import CausalLM
 from ..models.loader import load
 from ..tokenizer import Tokenizer
@@ -36,3 +37,20 @@ def load_model(args: argparse.Namespace) -> tuple[CausalLM, Tokenizer]:
     apply_threads(args.threads)
     path = model_path(args)
     return load(path), Tokenizer.from_gguf(path)
+
+
+def add_spec_arguments(p: argparse.ArgumentParser) -> None:
+    """llama-server's speculative-decoding flags."""
+    p.add_argument("--spec-type", default="none", choices=SPEC_TYPES, help="drafter (default none)")
+    p.add_argument("--spec-draft-n-max", default="3", help="draft tokens per step, or 'auto' (default 3)")
+    p.add_argument("--spec-draft-n-min", type=int, default=0, help="drop drafts shorter than this")
+    p.add_argument("--spec-draft-p-min", type=float, default=0.0, help="stop a draft below this top-10 probability")
+
+
+def spec_config(args: argparse.Namespace) -> SpecConfig:
+    auto = args.spec_draft_n_max == "auto"
+    try:
+        n_max = AUTO_N_MAX if auto else int(args.spec_draft_n_max)
+    except ValueError:
+        raise ValueError(f"--spec-draft-n-max takes a number or 'auto', not '{args.spec_draft_n_max}'") from None
+    return SpecConfig(args.spec_type, n_max=n_max, n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, auto=auto)

@@ -12,7 +12,7 @@ from ..engine.request import FinishEvent, Request, TokenEvent
 from ..engine.sampling import RANDOM_SEED, SamplingParams
 from ..quant import CACHE_TYPES
 from ..tokenizer import Tokenizer
-from .common import add_model_argument, add_threads_argument, apply_threads, model_path
+from .common import add_model_argument, add_spec_arguments, add_threads_argument, apply_threads, model_path, spec_config
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -32,6 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-ctv", "--cache-type-v", default="f16", choices=sorted(CACHE_TYPES))
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_spec_arguments(p)
     add_threads_argument(p)
     p.set_defaults(func=run)
 
@@ -39,7 +40,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
     path = model_path(args)
-    config = EngineConfig(ctx_size=args.ctx_size, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
+    config = EngineConfig(
+        ctx_size=args.ctx_size, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, spec=spec_config(args)
+    )
     prompt = Tokenizer.from_gguf(path).encode(args.prompt, add_special=True, parse_special=True)
     sampling = SamplingParams(
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -56,6 +59,11 @@ def run(args: argparse.Namespace) -> int:
                 else:
                     result = {"prompt_ids": prompt, "generated_ids": event.tokens, "text": event.text,
                               "finish_reason": event.finish_reason, "timings": event.timings.as_dict()}  # fmt: skip
+                    if event.timings.draft_n:
+                        result["draft_n"] = event.timings.draft_n
+                        result["draft_n_accepted"] = event.timings.draft_n_accepted
+                        steps = max(event.verify_steps, 1)
+                        result["acceptance_per_position"] = [round(n / steps, 4) for n in event.accepted_per_position]
                     if args.n_probs:
                         result["top_probs"] = [[{"id": i, "prob": p} for i, p in t.top_probs] for t in tokens]
                     print(json.dumps(result, ensure_ascii=False))
@@ -66,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             if isinstance(event, FinishEvent):
                 t = event.timings
+                drafts = f", draft {t.draft_n_accepted}/{t.draft_n} accepted" if t.draft_n else ""
                 print(f"\n[prompt {t.prompt_n} tokens at {t.prompt_per_second:.1f} t/s, generated {t.predicted_n} "
-                      f"at {t.predicted_per_second:.1f} t/s, {event.finish_reason}]", file=sys.stderr)  # fmt: skip
+                      f"at {t.predicted_per_second:.1f} t/s{drafts}, {event.finish_reason}]", file=sys.stderr)  # fmt: skip
     return 0

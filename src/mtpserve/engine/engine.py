@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -43,6 +44,9 @@ from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .planner import EngineConfig, MemoryPlan, plan_for_file
 from .request import Cancelled, ContextSizeExceeded, EngineError, FinishEvent, InvalidRequest, Request, Timings, TokenEvent
 from .sampling import Sampler, top_probabilities
+from .speculative import AdaptiveLength, MTPDrafter, NGramDrafter
+
+log = logging.getLogger("mtpserve.engine")
 
 CHECKPOINT_TAIL = 4  # llama-server keeps a checkpoint this many tokens before the end of a prompt
 CHUNK = 64  # recurrent checkpoints inside a prompt fall on the chunked rule's grid
@@ -136,12 +140,15 @@ class Job:
     t_start: float = 0.0
     t_first: float = 0.0
     t_last_chunk: float = 0.0
+    verify_steps: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
 
 
 @dataclass
 class Checkpoint:
     position: int  # the state after this many tokens
     recurrent: dict[int, RecurrentState]
+    hidden: torch.Tensor | None = None  # the trunk's last hidden state there (what the MTP block reads next)
 
     @property
     def nbytes(self) -> int:
@@ -156,6 +163,8 @@ class Slot:
     checkpoints: list[Checkpoint] = field(default_factory=list)
     job: Job | None = None
     t_last_used: float = 0.0
+    pending_h: torch.Tensor | None = None  # the trunk's hidden state at position n_past - 1 (draft-mtp)
+    mtp_backlog: list[tuple[torch.Tensor, list[int]]] = field(default_factory=list)  # MTP rows not written yet
 
 
 @dataclass(frozen=True)
@@ -168,6 +177,24 @@ class MemoryUsage:
     kv_bytes_in_use: int
     checkpoints: int
     checkpoint_bytes: int
+
+
+@dataclass
+class SpecStats:
+    """Cumulative speculative counters since start-up (llama-server's /metrics spec_decode_*)."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    drafts: int = 0  # verification steps with a draft
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, n_drafted: int, n_accepted: int) -> None:
+        self.draft_tokens += n_drafted
+        self.accepted_tokens += n_accepted
+        self.drafts += 1
+        self.accepted_per_position.extend([0] * (n_drafted - len(self.accepted_per_position)))
+        for i in range(n_accepted):
+            self.accepted_per_position[i] += 1
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -200,11 +227,24 @@ def partial_stop_length(text: str, stops: list[str]) -> int:
 
 
 class Engine:
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig, plan: MemoryPlan) -> None:
+    def __init__(
+        self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig, plan: MemoryPlan, name: str = "model"
+    ) -> None:
         self.model, self.tokenizer, self.config, self.plan = model, tokenizer, config, plan
         kinds = model.config.layer_kinds()
         self.recurrent = "gated_deltanet" in kinds
         self.checkpointed_prompts = self.recurrent or "sliding_attention" in kinds  # llama-server's prompt splits
+        spec = config.spec
+        self.mtp = MTPDrafter(model, spec) if spec.enabled and spec.type == "draft-mtp" else None
+        self.ngram = NGramDrafter(spec) if spec.enabled and spec.type == "ngram" else None
+        self.adaptive = AdaptiveLength(spec.n_max) if spec.enabled and spec.auto else None
+        self.stats = SpecStats()
+        if spec.enabled:  # llama-server's start-up lines
+            if self.mtp:
+                log.info("creating MTP draft context against the target model '%s'", name)
+            log.info("adding speculative implementation '%s'", spec.type)
+            log.info("- n_max=%s, n_min=%d, p_min=%.2f", "auto" if spec.auto else spec.n_max, spec.n_min, spec.p_min)
+            log.info("speculative decoding context initialized")
         self.slots: list[Slot] = []
         self._queue: deque[Job] = deque()
         self._wake = threading.Condition()
@@ -222,7 +262,7 @@ class Engine:
         """Plan first (from the GGUF's metadata: nothing loaded), refuse what does not fit, then load."""
         plan = plan_for_file(path, config, device)
         plan.check()
-        return cls(load(path, device=device), Tokenizer.from_gguf(path), config, plan)
+        return cls(load(path, device=device), Tokenizer.from_gguf(path), config, plan, name=str(path))
 
     # --- public -------------------------------------------------------------------------------------
 
@@ -280,8 +320,10 @@ class Engine:
         # spinning (and every kernel call then waits on a futex) once a second thread owns a pool.
         c = self.config
         try:
+            extra = {"mtp": True} if self.mtp else {}
             self.slots = [
-                Slot(i, self.model.new_state(self.plan.slot_ctx, c.cache_type_k, c.cache_type_v)) for i in range(c.n_parallel)
+                Slot(i, self.model.new_state(self.plan.slot_ctx, c.cache_type_k, c.cache_type_v, **extra))
+                for i in range(c.n_parallel)
             ]
         except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
             self._init_error = e
@@ -306,10 +348,16 @@ class Engine:
     @torch.inference_mode()
     def _step(self) -> None:
         generating = [s for s in self.slots if s.job and s.job.phase is Phase.GENERATE]
-        if generating:
+        if generating and (self.mtp or self.ngram):
+            for slot in generating:  # one verification pass per slot: drafts differ in length
+                try:
+                    self._speculate(slot)
+                except Exception as e:  # a failed pass fails its requests, never the engine
+                    self._fail([slot], e)
+        elif generating:
             try:
                 self._decode(generating)
-            except Exception as e:  # a failed pass fails its requests, never the engine
+            except Exception as e:
                 self._fail(generating, e)
         prompting = [s for s in self.slots if s.job and s.job.phase is Phase.PROMPT]
         if prompting:
@@ -395,6 +443,7 @@ class Engine:
             checkpoint = next(c for c in slot.checkpoints if c.position == keep)
             for i, snapshot in checkpoint.recurrent.items():
                 slot.state.recurrent[i].restore(snapshot)
+            slot.pending_h = checkpoint.hidden
         for kv in slot.state.kv.values():
             kv.truncate(keep)
         slot.state.n_past = keep
@@ -410,6 +459,8 @@ class Engine:
         slot.state.n_past = 0
         slot.tokens.clear()
         slot.checkpoints.clear()
+        slot.pending_h = None
+        slot.mtp_backlog.clear()
 
     def _prompt_schedule(self, prompt: list[int], start: int, hints: tuple[int, ...]) -> tuple[list[int], frozenset[int]]:
         """Where the prompt's forward passes end, and which of those ends are checkpoints."""
@@ -450,14 +501,15 @@ class Engine:
         last = slot.checkpoints[-1].position if slot.checkpoints else 0
         batch = Batch.of(torch.tensor(tokens), [slot.state], spacing, last + spacing)
         hidden = self.model.forward_batch(batch)
+        self._catch_up(slot, hidden, tokens)
         slot.tokens.extend(tokens)
         job.t_last_chunk = time.perf_counter()
         if self.recurrent:
             for position, layers in batch.checkpoints.items():
-                self._keep_checkpoint(slot, Checkpoint(position, layers))
+                self._keep_checkpoint(slot, Checkpoint(position, layers, hidden[position - start - 1].clone()))
             if end in job.checkpoint_at:
                 current = {i: s.snapshot() for i, s in slot.state.recurrent.items()}
-                self._keep_checkpoint(slot, Checkpoint(end, current))
+                self._keep_checkpoint(slot, Checkpoint(end, current, hidden[-1].clone()))
         if end < len(prompt):
             return
         job.timings.prompt_n = len(prompt) - job.timings.cache_n
@@ -481,20 +533,108 @@ class Engine:
         n = job.request.n_predict
         return n if n >= 0 else self.config.n_predict
 
-    def _emit(self, slot: Slot, logits: torch.Tensor) -> None:
-        """Sample the next token from `logits`, send it, and end the request if it should end."""
+    def _catch_up(self, slot: Slot, hidden: torch.Tensor, tokens: list[int], defer: bool = False) -> None:
+        """After a trunk pass: the MTP cache rows of its tokens, and the hidden state the next one needs.
+        Steps without a draft `defer` their rows; they are written in one pass before the next draft."""
+        if self.mtp is None:
+            return
+        previous = slot.pending_h if slot.pending_h is not None else torch.zeros(hidden.shape[-1])
+        slot.pending_h = hidden[-1].clone()
+        inputs = torch.cat((previous[None], hidden[:-1]))
+        if defer:
+            slot.mtp_backlog.append((inputs, tokens))
+            return
+        self._flush_mtp(slot)
+        self.mtp.write_rows(slot.state, inputs, tokens)
+
+    def _flush_mtp(self, slot: Slot) -> None:
+        if self.mtp is not None and slot.mtp_backlog:
+            inputs = torch.cat([h for h, _ in slot.mtp_backlog])
+            tokens = [t for _, ts in slot.mtp_backlog for t in ts]
+            slot.mtp_backlog.clear()
+            self.mtp.write_rows(slot.state, inputs, tokens)
+
+    def _speculate(self, slot: Slot) -> None:
+        """One speculative step: draft, verify [pending, drafts] in one trunk pass, keep the longest
+        matching prefix plus the trunk's own next token, roll back the rest."""
         job = slot.job
-        assert job is not None and job.sampler is not None and job.detokenizer is not None
+        assert job is not None and job.sampler is not None
+        state, sampled = slot.state, job.pending
+        n_past = state.n_past
+        limit = self._limit(job)
+        cap = self.slot_ctx - n_past - 2  # llama-server's budget
+        if limit >= 0:
+            cap = min(cap, limit - len(job.generated) - 1)
+        n_max = self.adaptive.choose(cap) if self.adaptive else min(self.config.spec.n_max, cap)
+        t0 = time.perf_counter()
+        draft: list[int] = []
+        if n_max > 0:
+            if self.mtp is not None:
+                self._flush_mtp(slot)
+                pending_h = slot.pending_h if slot.pending_h is not None else torch.zeros(self.model.config.n_embd)
+                draft = self.mtp.draft(state, pending_h, sampled, n_max)
+            elif self.ngram is not None:
+                draft = self.ngram.draft(slot.tokens + [sampled], n_max)
+        t1 = time.perf_counter()
+        tokens = [sampled, *draft]
+        batch = Batch.of(torch.tensor(tokens), [state])
+        batch.keep_steps = self.recurrent and len(draft) > 0
+        hidden = self.model.forward_batch(batch)
+        logits = self.model.logits(hidden, seq_len=len(tokens))
+        self._catch_up(slot, hidden, tokens, defer=not draft)
+        t2 = time.perf_counter()
+        accepted: list[tuple[int, list[tuple[int, float]]]] = []
+        for i, row in enumerate(logits):
+            token, top = self._sample(job, row)
+            accepted.append((token, top))
+            if i == len(draft) or token != draft[i] or token in self.tokenizer.eog_ids:
+                break
+        n_accepted = len(accepted) - 1
+        if n_accepted < len(draft):  # roll back what the trunk did not confirm
+            keep = n_past + 1 + n_accepted
+            for kv in state.kv.values():
+                kv.truncate(keep)
+            for i, per_sequence in batch.steps.items():
+                state.recurrent[i].restore(per_sequence[0][n_accepted])
+            state.n_past = keep
+            slot.pending_h = hidden[n_accepted].clone()
+        slot.tokens.extend(tokens[: 1 + n_accepted])
+        if draft:
+            job.timings.draft_n += len(draft)
+            job.timings.draft_n_accepted += n_accepted
+            job.verify_steps += 1
+            job.accepted_per_position.extend([0] * (len(draft) - len(job.accepted_per_position)))
+            for i in range(n_accepted):
+                job.accepted_per_position[i] += 1
+            self.stats.add(len(draft), n_accepted)
+        if self.adaptive:
+            self.adaptive.update(len(draft), n_accepted, 1000 * (t2 - t1), 1000 * (t1 - t0))
+        for token, top in accepted:
+            if not self._deliver(slot, token, top):
+                return
+
+    def _sample(self, job: Job, logits: torch.Tensor) -> tuple[int, list[tuple[int, float]]]:
+        assert job.sampler is not None
         token = job.sampler.sample(logits)
         job.sampler.accept(token)
+        return token, top_probabilities(logits, job.request.n_probs) if job.request.n_probs else []
+
+    def _emit(self, slot: Slot, logits: torch.Tensor) -> None:
+        """Sample the next token from `logits`, send it, and end the request if it should end."""
+        assert slot.job is not None
+        self._deliver(slot, *self._sample(slot.job, logits))
+
+    def _deliver(self, slot: Slot, token: int, top: list[tuple[int, float]]) -> bool:
+        """Send a sampled token; end the request if it should end. True while it goes on."""
+        job = slot.job
+        assert job is not None and job.detokenizer is not None
         job.generated.append(token)
         job.timings.predicted_n = len(job.generated)
         job.timings.predicted_ms = max(1000.0 * (time.perf_counter() - job.t_first), 0.001)
-        top = top_probabilities(logits, job.request.n_probs) if job.request.n_probs else []
         if token in self.tokenizer.eog_ids:
             job.stream.put(TokenEvent(token, "", top))
             self._finish(slot, "stop", "eos")
-            return
+            return False
         job.text += job.detokenizer.add(token)
         stops = job.request.stop
         found = stop_position(job.text, stops, job.sent) if stops else None
@@ -503,7 +643,7 @@ class Engine:
             job.text = job.text[:index]
             job.stream.put(TokenEvent(token, self._release(job, len(job.text)), top))
             self._finish(slot, "stop", "word", word)
-            return
+            return False
         hold = partial_stop_length(job.text, stops) if stops else 0
         job.stream.put(TokenEvent(token, self._release(job, len(job.text) - hold), top))
         limit = self._limit(job)
@@ -513,6 +653,8 @@ class Engine:
             self._finish(slot, "length", "limit", truncated=True)
         else:
             job.pending = token
+            return True
+        return False
 
     def _release(self, job: Job, upto: int) -> str:
         out = job.text[job.sent : upto] if upto > job.sent else ""
@@ -535,6 +677,8 @@ class Engine:
             truncated=truncated,
             n_prompt_tokens=len(job.request.prompt),
             id_slot=slot.id,
+            accepted_per_position=list(job.accepted_per_position),
+            verify_steps=job.verify_steps,
         )
         slot.job = None  # before the event: whoever waits on it sees the slot free
         slot.t_last_used = time.perf_counter()

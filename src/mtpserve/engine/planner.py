@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -14,6 +14,7 @@ from ..models import config_from_gguf, estimate_memory
 from ..models.config import ModelConfig
 from ..models.memory import CTX_PAD, MemoryEstimate, kv_bytes_per_cell, weight_bytes
 from .request import EngineError
+from .speculative import SpecConfig
 
 GIB = 1024**3
 
@@ -30,6 +31,7 @@ class EngineConfig:
     ctx_checkpoints: int = 32  # per slot: recurrent-state checkpoints kept for prompt reuse
     n_predict: int = -1  # server-wide default limit
     slot_prompt_similarity: float = 0.1  # -sps
+    spec: SpecConfig = field(default_factory=SpecConfig)  # --spec-type and --spec-draft-*
 
 
 class InsufficientMemory(EngineError):
@@ -51,9 +53,12 @@ class MemoryPlan:
     def checkpoints_bytes_max(self) -> int:
         return self.estimate.parallel * self.max_checkpoints * self.checkpoint_bytes
 
+    mtp: bool = False  # the MTP block's KV cache is allocated (draft-mtp)
+
     @property
     def required_bytes(self) -> int:
-        return self.estimate.total_bytes - self.estimate.mtp_kv_bytes + self.checkpoints_bytes_max
+        mtp_kv = self.estimate.mtp_kv_bytes if self.mtp else 0
+        return self.estimate.total_bytes - self.estimate.mtp_kv_bytes + mtp_kv + self.checkpoints_bytes_max
 
     def check(self) -> None:
         """Raise InsufficientMemory, saying what to lower, when the plan does not fit."""
@@ -118,6 +123,7 @@ def plan(
         max_checkpoints=engine.ctx_checkpoints if layout.recurrent else 0,
         device=device,
         available_bytes=available_bytes,
+        mtp=engine.spec.enabled and engine.spec.type == "draft-mtp",
     )
 
 

@@ -95,6 +95,8 @@ class FinishEvent:
     truncated: bool = False
     n_prompt_tokens: int = 0
     id_slot: int = -1
+    accepted_per_position: list[int] = field(default_factory=list)  # speculative: accepted drafts per position
+    verify_steps: int = 0  # speculative: verification passes with a draft
 
 
 class EngineError(Exception):

@@ -1,0 +1,185 @@
+"""Speculative decoding: draft-mtp changes no greedy token, drafts and accepts what llama.cpp does,
+keeps the sampling distribution; the n-gram drafter; errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from functools import cache
+
+import numpy as np
+import pytest
+
+from mtpserve.engine import Engine, EngineConfig, EngineError, Request, SamplingParams, TokenEvent
+from mtpserve.engine.planner import plan_for_file
+from mtpserve.engine.speculative import SpecConfig
+from mtpserve.models.loader import load
+from mtpserve.tokenizer import Tokenizer
+
+from .conftest import TINYQWEN_QUANTS, default_model, shared_path, tinyqwen_path
+
+GREEDY = SamplingParams(temperature=0.0)
+NEAR_TIE = 0.05
+DRAFT_COUNT_TOLERANCE = 0.02
+
+
+@cache
+def _model(quant: str):
+    path = tinyqwen_path(quant)
+    return path, load(path), Tokenizer.from_gguf(path)
+
+
+def _engine(quant: str, spec: SpecConfig, n_parallel: int = 1) -> Engine:
+    path, model, tokenizer = _model(quant)
+    config = EngineConfig(n_parallel=n_parallel, ctx_size=4096 * n_parallel, spec=spec)
+    return Engine(model, tokenizer, config, plan_for_file(path, config))
+
+
+def _reference(quant: str) -> dict:
+    return json.loads(shared_path("fixtures", "refs", f"tinyqwen35-mtp-{quant}.json").read_text())
+
+
+def _requests(quant: str, **kw) -> list[Request]:
+    ref = _reference(quant)["greedy"]
+    return [Request(c["prompt_token_ids"], GREEDY, n_predict=64, cache_prompt=False, **kw) for c in ref["completions"] + ref["chat"]]
+
+
+def _margins(events: list) -> list[float]:
+    return [math.log(e.top_probs[0][1] / e.top_probs[1][1]) for e in events if isinstance(e, TokenEvent) and e.top_probs]
+
+
+@cache
+def _plain(quant: str) -> list[tuple[list[int], list[float]]]:
+    """Tokens and top-1/top-2 margins of every reference prompt without speculation."""
+    with _engine(quant, SpecConfig()) as engine:
+        out = []
+        for r in _requests(quant, n_probs=2):
+            events = list(engine.submit(r))
+            out.append((events[-1].tokens, _margins(events)))
+        return out
+
+
+@pytest.mark.parametrize("quant", TINYQWEN_QUANTS)
+def test_draft_mtp_changes_no_greedy_token_and_drafts_like_llama_cpp(quant):
+    plain = _plain(quant)
+    for n_max in (1, 2, 3):
+        llama = _reference(quant)["speculative"][f"draft-mtp n_max={n_max}"]
+        with _engine(quant, SpecConfig("draft-mtp", n_max=n_max)) as engine:
+            results = [engine.submit(r).result() for r in _requests(quant)]
+        for (tokens, margins), result in zip(plain, results):
+            diverged = next((i for i, (a, b) in enumerate(zip(tokens, result.tokens)) if a != b), None)
+            # Verification evaluates several tokens in one pass (llama.cpp does too): only a near tie may flip.
+            assert diverged is None or margins[diverged] < NEAR_TIE, (n_max, diverged, margins[diverged])
+        # Draft counts: on every prompt where both produced the same tokens. Where they did not, the
+        # outputs part at a near tie of llama.cpp's greedy run, after which the two texts (and drafts) differ.
+        ties = {c["name"]: c["near_tie_positions"] for c in _reference(quant)["greedy"]["completions"] + _reference(quant)["greedy"]["chat"]}
+        ours = theirs = 0, 0
+        compared = 0
+        for result, run in zip(results, llama["results"]):
+            if result.tokens == run["generated_token_ids"]:
+                ours = (ours[0] + result.timings.draft_n, ours[1] + result.timings.draft_n_accepted)
+                theirs = (theirs[0] + run["draft_n"], theirs[1] + run["draft_n_accepted"])
+                compared += 1
+            else:
+                parted = next(i for i, (a, b) in enumerate(zip(result.tokens, run["generated_token_ids"])) if a != b)
+                assert min(ties[run["name"]], default=64) <= parted, (run["name"], parted)
+        assert compared >= 6
+        for mine, peer in zip(ours, theirs):
+            assert abs(mine - peer) <= DRAFT_COUNT_TOLERANCE * peer, (n_max, ours, theirs)
+        for r in results:  # llama-server's identity: first token + one per verification + accepted drafts
+            plain_steps = r.timings.predicted_n - 1 - r.verify_steps - r.timings.draft_n_accepted
+            assert plain_steps >= 0 and sum(r.accepted_per_position) == r.timings.draft_n_accepted
+
+
+def test_four_concurrent_speculative_streams_match_each_alone():
+    spec = SpecConfig("draft-mtp", n_max=2)
+    requests = _requests("Q4_K_M")[:4] * 2
+    with _engine("Q4_K_M", spec) as engine:
+        alone = [engine.submit(r).result() for r in requests]
+    with _engine("Q4_K_M", spec, n_parallel=4) as engine:
+        streams = [engine.submit(r) for r in requests]
+        together = [s.result() for s in streams]
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    key = lambda r: (r.timings.draft_n, r.timings.draft_n_accepted, r.accepted_per_position)  # noqa: E731
+    assert [key(r) for r in together] == [key(r) for r in alone]
+
+
+def test_speculation_keeps_the_sampling_distribution():
+    """At temperature 1 the first three tokens are distributed as without speculation (chi-square test
+    of homogeneity over the first token and over the whole 3-token prefix)."""
+    prompt = _reference("Q4_K_M")["greedy"]["completions"][0]["prompt_token_ids"]
+    n = 1500
+    samples, accepted = {}, 0
+    for name, spec, first_seed in (("plain", SpecConfig(), 0), ("mtp", SpecConfig("draft-mtp", n_max=2), 10**6)):
+        with _engine("Q4_K_M", spec) as engine:
+            results = [
+                engine.submit(Request(prompt, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed),
+                                      n_predict=3, ignore_eos=True)).result()  # fmt: skip
+                for seed in range(first_seed, first_seed + n)  # independent seeds for the two samples
+            ]
+        samples[name] = [tuple(r.tokens) for r in results]
+        accepted += sum(r.timings.draft_n_accepted for r in results) if name == "mtp" else 0
+    assert accepted > n / 4  # the drafts were in play
+    for project in (lambda t: t[0], lambda t: t[:3]):
+        a, b = Counter(map(project, samples["plain"])), Counter(map(project, samples["mtp"]))
+        stat, df = _homogeneity(a, b)
+        assert df == 0 or stat < _chi2_critical(df), (stat, df)
+
+
+def _homogeneity(a: Counter, b: Counter) -> tuple[float, int]:
+    """Chi-square statistic of a 2 x k contingency table, categories seen fewer than 10 times pooled."""
+    keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
+    rows = np.array([[a[k], b[k]] for k in keys], dtype=float)
+    common = rows.sum(1) >= 10
+    table = np.vstack([rows[common], rows[~common].sum(0, keepdims=True)]) if (~common).any() else rows[common]
+    table = table[table.sum(1) > 0]
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    return float(((table - expected) ** 2 / expected).sum()), len(table) - 1
+
+
+def _chi2_critical(df: int, z: float = 3.29) -> float:
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_ngram_drafter_changes_no_greedy_token():
+    requests = _requests("Q8_0")
+    plain = [tokens for tokens, _ in _plain("Q8_0")]
+    with _engine("Q8_0", SpecConfig("ngram", n_max=4)) as engine:
+        results = [engine.submit(r).result() for r in requests]
+    for tokens, result, (_, margins) in zip(plain, results, _plain("Q8_0")):
+        diverged = next((i for i, (a, b) in enumerate(zip(tokens, result.tokens)) if a != b), None)
+        assert diverged is None or margins[diverged] < NEAR_TIE
+    assert sum(r.timings.draft_n_accepted for r in results) > 0  # repetitive code: lookups hit
+
+
+def test_draft_mtp_on_a_model_without_mtp_fails_at_start_up():
+    path = default_model("smollm2")
+    config = EngineConfig(spec=SpecConfig("draft-mtp"))
+    with pytest.raises(EngineError, match="needs a model with an MTP block"):
+        Engine(load(path), Tokenizer.from_gguf(path), config, plan_for_file(path, config))
+    with pytest.raises(EngineError, match="unknown --spec-type"):
+        SpecConfig("eagle")
+
+
+def test_start_up_logs_name_the_speculative_setup(caplog):
+    with caplog.at_level("INFO", logger="mtpserve.engine"), _engine("Q4_K_M", SpecConfig("draft-mtp", n_max=2)):
+        pass
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("creating MTP draft context against the target model")
+    assert lines[1:] == ["adding speculative implementation 'draft-mtp'", "- n_max=2, n_min=0, p_min=0.00",
+                         "speculative decoding context initialized"]  # fmt: skip
+
+
+def test_generate_json_reports_drafts(capsys):
+    from mtpserve.cli import main
+
+    path = str(tinyqwen_path("Q4_K_M"))
+    case = _reference("Q4_K_M")["greedy"]["completions"][0]
+    rc = main(["generate", "-m", path, "-p", case["prompt"], "-n", "32", "--ignore-eos", "--json",
+               "--spec-type", "draft-mtp", "--spec-draft-n-max", "2"])  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["draft_n"] > 0 and 0 < out["draft_n_accepted"] <= out["draft_n"]
+    assert len(out["acceptance_per_position"]) == 2 and out["timings"]["draft_n"] == out["draft_n"]
+    first_tie = min(case["near_tie_positions"], default=32)
+    assert out["generated_ids"][: min(32, first_tie)] == case["generated_token_ids"][: min(32, first_tie)]
