@@ -183,3 +183,35 @@ def test_generate_json_reports_drafts(capsys):
     assert len(out["acceptance_per_position"]) == 2 and out["timings"]["draft_n"] == out["draft_n"]
     first_tie = min(case["near_tie_positions"], default=32)
     assert out["generated_ids"][: min(32, first_tie)] == case["generated_token_ids"][: min(32, first_tie)]
+
+
+def test_draft_simple_with_a_separate_model_changes_no_greedy_token():
+    spec = SpecConfig("draft-simple", n_max=3, draft_model=str(tinyqwen_path("F16")))
+    _, draft_model, _ = _model("F16")
+    path, model, tokenizer = _model("Q4_K_M")
+    config = EngineConfig(ctx_size=4096, spec=spec)
+    with Engine(model, tokenizer, config, plan_for_file(path, config), draft_model=draft_model) as engine:
+        results = [engine.submit(r).result() for r in _requests("Q4_K_M")]
+    for (tokens, margins), result in zip(_plain("Q4_K_M"), results):
+        diverged = next((i for i, (a, b) in enumerate(zip(tokens, result.tokens)) if a != b), None)
+        assert diverged is None or margins[diverged] < NEAR_TIE
+    drafted = sum(r.timings.draft_n for r in results)
+    assert sum(r.timings.draft_n_accepted for r in results) > 0.8 * drafted  # the same model, another quant
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused():
+    path, model, tokenizer = _model("Q4_K_M")
+    config = EngineConfig(spec=SpecConfig("draft-simple", draft_model=str(default_model("smollm2"))))
+    with pytest.raises(EngineError, match="vocabulary does not match"):
+        Engine(model, tokenizer, config, plan_for_file(path, config))
+    with pytest.raises(EngineError, match="needs a draft model"):
+        SpecConfig("draft-simple")
+
+
+def test_a_trimmed_draft_vocabulary_changes_no_token():
+    with _engine("Q4_K_M", SpecConfig("draft-mtp", n_max=2, draft_vocab=1024)) as engine:
+        results = [engine.submit(r).result() for r in _requests("Q4_K_M")]
+    for (tokens, margins), result in zip(_plain("Q4_K_M"), results):
+        diverged = next((i for i, (a, b) in enumerate(zip(tokens, result.tokens)) if a != b), None)
+        assert diverged is None or margins[diverged] < NEAR_TIE
+    assert sum(r.timings.draft_n_accepted for r in results) > 0.5 * sum(r.timings.draft_n for r in results)

@@ -45,6 +45,8 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-draft-n-max", default="3", help="draft tokens per step, or 'auto' (default 3)")
     p.add_argument("--spec-draft-n-min", type=int, default=0, help="drop drafts shorter than this")
     p.add_argument("--spec-draft-p-min", type=float, default=0.0, help="stop a draft below this top-10 probability")
+    p.add_argument("-md", "--model-draft", help="draft-simple: a small GGUF with the same vocabulary")
+    p.add_argument("--spec-draft-vocab", type=int, default=0, help="draft-mtp: draft only among the first N token ids")
 
 
 def spec_config(args: argparse.Namespace) -> SpecConfig:
@@ -53,4 +55,7 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
         n_max = AUTO_N_MAX if auto else int(args.spec_draft_n_max)
     except ValueError:
         raise ValueError(f"--spec-draft-n-max takes a number or 'auto', not '{args.spec_draft_n_max}'") from None
-    return SpecConfig(args.spec_type, n_max=n_max, n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, auto=auto)
+    return SpecConfig(
+        args.spec_type, n_max=n_max, n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, auto=auto,
+        draft_model=args.model_draft, draft_vocab=args.spec_draft_vocab,
+    )  # fmt: skip

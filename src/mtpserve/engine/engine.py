@@ -44,7 +44,7 @@ from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .planner import EngineConfig, MemoryPlan, plan_for_file
 from .request import Cancelled, ContextSizeExceeded, EngineError, FinishEvent, InvalidRequest, Request, Timings, TokenEvent
 from .sampling import Sampler, top_probabilities
-from .speculative import AdaptiveLength, MTPDrafter, NGramDrafter
+from .speculative import AdaptiveLength, DraftModelDrafter, DraftState, MTPDrafter, NGramDrafter, check_draft_vocab
 
 log = logging.getLogger("mtpserve.engine")
 
@@ -165,6 +165,7 @@ class Slot:
     t_last_used: float = 0.0
     pending_h: torch.Tensor | None = None  # the trunk's hidden state at position n_past - 1 (draft-mtp)
     mtp_backlog: list[tuple[torch.Tensor, list[int]]] = field(default_factory=list)  # MTP rows not written yet
+    draft: DraftState | None = None  # draft-simple: the draft model's state for this slot
 
 
 @dataclass(frozen=True)
@@ -228,8 +229,15 @@ def partial_stop_length(text: str, stops: list[str]) -> int:
 
 class Engine:
     def __init__(
-        self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig, plan: MemoryPlan, name: str = "model"
+        self,
+        model: CausalLM,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        plan: MemoryPlan,
+        name: str = "model",
+        draft_model: CausalLM | None = None,
     ) -> None:
+        """`draft_model`: draft-simple's model, when already loaded (else loaded from the spec config)."""
         self.model, self.tokenizer, self.config, self.plan = model, tokenizer, config, plan
         kinds = model.config.layer_kinds()
         self.recurrent = "gated_deltanet" in kinds
@@ -237,11 +245,18 @@ class Engine:
         spec = config.spec
         self.mtp = MTPDrafter(model, spec) if spec.enabled and spec.type == "draft-mtp" else None
         self.ngram = NGramDrafter(spec) if spec.enabled and spec.type == "ngram" else None
+        self.draft_model: DraftModelDrafter | None = None
+        if spec.enabled and spec.type == "draft-simple":
+            assert spec.draft_model is not None
+            check_draft_vocab(tokenizer, Tokenizer.from_gguf(spec.draft_model))
+            self.draft_model = DraftModelDrafter(draft_model or load(spec.draft_model), spec, config.ubatch)
         self.adaptive = AdaptiveLength(spec.n_max) if spec.enabled and spec.auto else None
         self.stats = SpecStats()
         if spec.enabled:  # llama-server's start-up lines
             if self.mtp:
                 log.info("creating MTP draft context against the target model '%s'", name)
+            if self.draft_model:
+                log.info("loaded draft model '%s'", spec.draft_model)
             log.info("adding speculative implementation '%s'", spec.type)
             log.info("- n_max=%s, n_min=%d, p_min=%.2f", "auto" if spec.auto else spec.n_max, spec.n_min, spec.p_min)
             log.info("speculative decoding context initialized")
@@ -325,6 +340,9 @@ class Engine:
                 Slot(i, self.model.new_state(self.plan.slot_ctx, c.cache_type_k, c.cache_type_v, **extra))
                 for i in range(c.n_parallel)
             ]
+            if self.draft_model:
+                for slot in self.slots:
+                    slot.draft = self.draft_model.new_state(self.plan.slot_ctx)
         except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
             self._init_error = e
             return
@@ -348,7 +366,7 @@ class Engine:
     @torch.inference_mode()
     def _step(self) -> None:
         generating = [s for s in self.slots if s.job and s.job.phase is Phase.GENERATE]
-        if generating and (self.mtp or self.ngram):
+        if generating and (self.mtp or self.ngram or self.draft_model):
             for slot in generating:  # one verification pass per slot: drafts differ in length
                 try:
                     self._speculate(slot)
@@ -451,12 +469,7 @@ class Engine:
         slot.checkpoints = [c for c in slot.checkpoints if c.position <= keep]
 
     def _reset(self, slot: Slot) -> None:
-        for kv in slot.state.kv.values():
-            kv.truncate(0)
-        for state in slot.state.recurrent.values():
-            state.conv.zero_()
-            state.ssm.zero_()
-        slot.state.n_past = 0
+        slot.state.clear()
         slot.tokens.clear()
         slot.checkpoints.clear()
         slot.pending_h = None
@@ -575,6 +588,8 @@ class Engine:
                 draft = self.mtp.draft(state, pending_h, sampled, n_max)
             elif self.ngram is not None:
                 draft = self.ngram.draft(slot.tokens + [sampled], n_max)
+            elif self.draft_model is not None and slot.draft is not None:
+                draft = self.draft_model.draft(slot.draft, slot.tokens, sampled, n_max)
         t1 = time.perf_counter()
         tokens = [sampled, *draft]
         batch = Batch.of(torch.tensor(tokens), [state])

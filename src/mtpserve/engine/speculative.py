@@ -6,6 +6,9 @@ the loop; ../shared/spec/mtp-speculative-decoding.md).
   step (a draft stops early when that token's probability, renormalised over the top 10, is below
   `p_min`; drafts shorter than `n_min` are dropped). The MTP KV cache only ever keeps rows computed from
   the trunk's hidden states (the "catch-up" pass after every trunk pass); draft-time rows are removed.
+* `draft-simple`: a separate small model with the same vocabulary (`--model-draft`), greedy, one token
+  at a time from its own state, which catches up on the accepted tokens before each draft and returns
+  to them afterwards (its recurrent state, if any, from a snapshot).
 * `ngram`: prompt lookup: the continuation of the latest earlier occurrence of the context's last n
   tokens (n from `ngram_size` down to 1). No model, no state.
 
@@ -26,9 +29,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.base import CausalLM, ModelState
+from ..ops.linear import linear
+from ..quant.qtensor import QTensor
+from ..tokenizer import Tokenizer
 from .request import InvalidRequest
 
-SPEC_TYPES = ("none", "draft-mtp", "ngram")
+SPEC_TYPES = ("none", "draft-mtp", "draft-simple", "ngram")
 AUTO_N_MAX = 4  # --spec-draft-n-max auto tries drafts of up to this many tokens
 DRAFT_TOP_K = 10  # p_min is measured against the draft's top-10, renormalised (llama.cpp)
 
@@ -43,12 +49,16 @@ class SpecConfig:
     p_min: float = 0.0
     auto: bool = False  # --spec-draft-n-max auto: n_max is then the longest draft tried
     ngram_size: int = 3
+    draft_model: str | None = None  # --model-draft: the GGUF of draft-simple
+    draft_vocab: int = 0  # draft-mtp: score only the first N token ids when drafting (0: all)
 
     def __post_init__(self) -> None:
         if self.type not in SPEC_TYPES:
             raise InvalidRequest(f"unknown --spec-type '{self.type}' (use one of {', '.join(SPEC_TYPES)})")
         if self.n_max < 0 or self.n_min < 0:
             raise InvalidRequest("--spec-draft-n-max and --spec-draft-n-min must be >= 0")
+        if self.type == "draft-simple" and not self.draft_model:
+            raise InvalidRequest("--spec-type draft-simple needs a draft model (--model-draft FILE)")
 
     @property
     def enabled(self) -> bool:
@@ -63,6 +73,13 @@ class MTPDrafter:
                 "--spec-type draft-mtp needs a model with an MTP block (nextn_predict_layers > 0); this one has none"
             )
         self.model, self.config, self.kv_index = model, config, index
+        # A trimmed draft vocabulary: the MTP head's first rows (BPE vocabularies put frequent tokens
+        # first), a view of the same weights. The trunk still verifies over the whole vocabulary.
+        self.head = None
+        if config.draft_vocab:
+            full = model.mtp[0].head  # type: ignore[attr-defined]
+            n = min(config.draft_vocab, full.shape[0])
+            self.head = QTensor(full.data[:n], full.ggml_type, (n, full.shape[1]), f"{full.name}[:{n}]")
 
     def draft(self, state: ModelState, pending_h: torch.Tensor, sampled: int, n_max: int) -> list[int]:
         """Up to n_max chained draft tokens after `sampled` (which sits at position state.n_past)."""
@@ -71,7 +88,10 @@ class MTPDrafter:
         tokens: list[int] = []
         hidden, token = pending_h[None], sampled
         for _ in range(n_max):
-            logits, hidden = self.model.mtp_step(hidden, torch.tensor([token]), state)
+            logits, hidden = self.model.mtp_step(hidden, torch.tensor([token]), state, with_logits=self.head is None)
+            if self.head is not None:
+                logits = linear(hidden, self.head)
+            assert logits is not None
             top = logits[0].float().topk(DRAFT_TOP_K)
             if self.config.p_min > 0 and float(torch.softmax(top.values, 0)[0]) < self.config.p_min:
                 break
@@ -84,6 +104,95 @@ class MTPDrafter:
         """MTP cache rows for tokens the trunk evaluated: row i pairs token i with the trunk's hidden
         state at the position before it (`inputs` [T, E])."""
         self.model.mtp_step(inputs, torch.tensor(tokens), state, with_logits=False)
+
+
+VOCAB_CHECK_START = 5  # llama.cpp compares token texts from this id on (the first ids are often specials)
+VOCAB_MAX_SIZE_DIFFERENCE = 128
+
+
+def check_draft_vocab(target: Tokenizer, draft: Tokenizer) -> None:
+    """llama.cpp's compatibility rule for a draft model: same special tokens, vocabulary sizes within
+    128, the same text for every shared token id from 5 on."""
+    problems = []
+    if (target.bos_id, target.eos_id, target.add_bos) != (draft.bos_id, draft.eos_id, draft.add_bos):
+        problems.append(
+            f"special tokens differ (bos/eos/add_bos {target.bos_id}/{target.eos_id}/{target.add_bos} vs "
+            f"{draft.bos_id}/{draft.eos_id}/{draft.add_bos})"
+        )
+    if abs(target.n_vocab - draft.n_vocab) > VOCAB_MAX_SIZE_DIFFERENCE:
+        problems.append(f"vocabulary sizes {target.n_vocab} and {draft.n_vocab} differ by more than {VOCAB_MAX_SIZE_DIFFERENCE}")
+    else:
+        for i in range(VOCAB_CHECK_START, min(target.n_vocab, draft.n_vocab)):
+            if target.token_text(i) != draft.token_text(i):
+                problems.append(f"token {i} is {target.token_text(i)!r} in the target, {draft.token_text(i)!r} in the draft")
+                break
+    if problems:
+        raise InvalidRequest("the draft model's vocabulary does not match the target's: " + "; ".join(problems))
+
+
+class DraftModelDrafter:
+    """draft-simple: per slot, a state of the draft model that holds the slot's accepted tokens."""
+
+    def __init__(self, model: CausalLM, config: SpecConfig, ubatch: int) -> None:
+        self.model, self.config, self.ubatch = model, config, ubatch
+
+    def new_state(self, ctx: int) -> DraftState:
+        return DraftState(self.model.new_state(ctx))
+
+    def draft(self, draft: DraftState, accepted: list[int], sampled: int, n_max: int) -> list[int]:
+        """Up to n_max greedy tokens after `accepted` + [sampled]; `draft` ends holding `accepted`."""
+        state = draft.state
+        keep = 0
+        for a, b in zip(draft.tokens, accepted):
+            if a != b:
+                break
+            keep += 1
+        if keep < len(draft.tokens) and not self._rewind(draft, keep):
+            self._reset(draft)
+        for start in range(len(draft.tokens), len(accepted), self.ubatch):
+            chunk = accepted[start : start + self.ubatch]
+            self.model.forward(torch.tensor(chunk), state)
+            draft.tokens.extend(chunk)
+        base = len(draft.tokens)
+        snapshot = {i: s.snapshot() for i, s in state.recurrent.items()}
+        tokens: list[int] = []
+        token = sampled
+        for _ in range(n_max):
+            if state.n_past + 1 >= state.capacity:
+                break
+            logits = self.model.decode(token, state).float()
+            top = logits.topk(DRAFT_TOP_K)
+            if self.config.p_min > 0 and float(torch.softmax(top.values, 0)[0]) < self.config.p_min:
+                break
+            token = int(top.indices[0])
+            tokens.append(token)
+        for i, s in state.recurrent.items():  # back to the accepted tokens
+            s.restore(snapshot[i])
+        for kv in state.kv.values():
+            kv.truncate(base)
+        state.n_past = base
+        return tokens if len(tokens) >= self.config.n_min else []
+
+    def _rewind(self, draft: DraftState, keep: int) -> bool:
+        if draft.state.recurrent:  # a recurrent draft model cannot truncate: start over
+            return False
+        for kv in draft.state.kv.values():
+            if not kv.can_truncate(keep):
+                return False
+            kv.truncate(keep)
+        draft.state.n_past = keep
+        del draft.tokens[keep:]
+        return True
+
+    def _reset(self, draft: DraftState) -> None:
+        draft.state.clear()
+        draft.tokens.clear()
+
+
+@dataclass
+class DraftState:
+    state: ModelState
+    tokens: list[int] = field(default_factory=list)  # what `state` holds
 
 
 class NGramDrafter:

@@ -52,6 +52,15 @@ class ModelState:
     def recurrent_nbytes(self) -> int:
         return sum(s.nbytes for s in self.recurrent.values())
 
+    def clear(self) -> None:
+        """Forget every position: the sequence starts again from an empty context."""
+        for kv in self.kv.values():
+            kv.truncate(0)
+        for state in self.recurrent.values():
+            state.conv.zero_()
+            state.ssm.zero_()
+        self.n_past = 0
+
 
 def padded_context(ctx_size: int, config: ModelConfig) -> int:
     ctx = ctx_size or config.context_length
