@@ -4,15 +4,23 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test install models bench lint clean
+.PHONY: serve test install models browser bench lint clean
 
-# Until the HTTP server lands, `serve` shows what the default model is and what serving it costs.
+# The OpenAI-compatible server on the default model (SmolLM2-135M-Instruct); flags as llama-server's:
+# `make serve ARGS="--port 8000 --api-key secret"`.
+HOST ?= 127.0.0.1
+PORT ?= 8080
 serve: install models
-	$(VENV)/bin/mtpserve inspect
+	$(VENV)/bin/mtpserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
-test: install models
+test: install models browser
 	$(VENV)/bin/lint-imports
 	MTPSERVE_REQUIRE_MODELS=1 $(PY) -m pytest -q
+
+# The web page is tested in a real headless Chromium (Debian's chromium and chromium-driver).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { echo "installing chromium for the web page test"; \
+		$(SUDO) apt-get update && $(SUDO) apt-get install -y chromium chromium-driver; }
 
 install: $(STAMP)
 

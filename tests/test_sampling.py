@@ -95,7 +95,9 @@ def test_a_seed_reproduces_the_draws():
 
 
 def test_top_probabilities_are_the_raw_softmax():
-    top = top_probabilities(LOGITS, 3)
+    top, _ = top_probabilities(LOGITS, 3)
     probs = torch.softmax(LOGITS, 0)
     assert [i for i, _ in top] == [0, 1, 2]
     assert [p for _, p in top] == pytest.approx(probs[:3].tolist())
+    _, p_sampled = top_probabilities(LOGITS, 1, token=2)
+    assert p_sampled == pytest.approx(float(probs[2]))

@@ -165,10 +165,14 @@ def test_draft_mtp_on_a_model_without_mtp_fails_at_start_up():
 def test_start_up_logs_name_the_speculative_setup(caplog):
     with caplog.at_level("INFO", logger="mtpserve.engine"), _engine("Q4_K_M", SpecConfig("draft-mtp", n_max=2)):
         pass
-    lines = [r.getMessage() for r in caplog.records]
-    assert lines[0].startswith("creating MTP draft context against the target model")
-    assert lines[1:] == ["adding speculative implementation 'draft-mtp'", "- n_max=2, n_min=0, p_min=0.00",
-                         "speculative decoding context initialized"]  # fmt: skip
+    lines = [r.getMessage() for r in caplog.records][:5]
+    assert lines[0].startswith("common_speculative_init_result: creating MTP draft context against the target model")
+    assert lines[1:] == [
+        "srv    load_model: initializing, n_slots = 1, n_ctx_slot = 4096, kv_unified = 'false'",
+        "spec common_specu: adding speculative implementation 'draft-mtp'",
+        "spec common_specu: - n_max=2, n_min=0, p_min=0.00, n_embd=256",
+        "srv    load_model: speculative decoding context initialized",
+    ]
 
 
 def test_generate_json_reports_drafts(capsys):

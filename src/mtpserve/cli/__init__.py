@@ -9,7 +9,7 @@ import sys
 from .. import __version__
 from ..engine.request import EngineError
 from ..gguf import GGUFError
-from . import fetch_defaults, generate, inspect_model, perplexity, tokenize
+from . import fetch_defaults, generate, inspect_model, perplexity, serve, tokenize
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     tokenize.add_parser(subparsers)
     generate.add_parser(subparsers)
     perplexity.add_parser(subparsers)
+    serve.add_parser(subparsers)
     return parser
 
 

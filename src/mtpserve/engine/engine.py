@@ -58,6 +58,8 @@ class ServerError(EngineError):
 
 
 Event = TokenEvent | FinishEvent | EngineError
+Probs = tuple[list[tuple[int, float]], float]  # with n_probs: the top tokens, and the sampled one's probability
+NO_PROBS: Probs = ([], 0.0)
 
 
 class RequestStream:
@@ -109,6 +111,17 @@ class RequestStream:
             yield event
             if isinstance(event, FinishEvent):
                 return
+
+    async def next_event(self, timeout: float | None = None) -> TokenEvent | FinishEvent | None:
+        """The next event of an async stream, or None after `timeout` seconds of silence (for keep-alives)."""
+        assert self._async_queue is not None, "this stream was created outside an event loop"
+        try:
+            event = await asyncio.wait_for(self._async_queue.get(), timeout)
+        except TimeoutError:
+            return None
+        if isinstance(event, EngineError):
+            raise event
+        return event
 
     def result(self) -> FinishEvent:
         """Wait for the end (sync streams)."""
@@ -178,6 +191,20 @@ class MemoryUsage:
     kv_bytes_in_use: int
     checkpoints: int
     checkpoint_bytes: int
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    id: int
+    n_ctx: int
+    is_processing: bool
+    id_task: int
+    n_prompt_tokens: int
+    n_prompt_tokens_cache: int
+    n_prompt_tokens_processed: int
+    n_decoded: int
+    n_remain: int
+    n_cached: int  # tokens the slot holds for reuse
 
 
 @dataclass
@@ -254,12 +281,20 @@ class Engine:
         self.stats = SpecStats()
         if spec.enabled:  # llama-server's start-up lines
             if self.mtp:
-                log.info("creating MTP draft context against the target model '%s'", name)
+                log.info("common_speculative_init_result: creating MTP draft context against the target model '%s'", name)
             if self.draft_model:
-                log.info("loaded draft model '%s'", spec.draft_model)
-            log.info("adding speculative implementation '%s'", spec.type)
-            log.info("- n_max=%s, n_min=%d, p_min=%.2f", "auto" if spec.auto else spec.n_max, spec.n_min, spec.p_min)
-            log.info("speculative decoding context initialized")
+                log.info("srv    load_model: loaded draft model '%s'", spec.draft_model)
+            log.info("srv    load_model: initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = 'false'",
+                     config.n_parallel, plan.slot_ctx)  # fmt: skip
+            log.info("spec common_specu: adding speculative implementation '%s'", spec.type)
+            log.info("spec common_specu: - n_max=%s, n_min=%d, p_min=%.2f, n_embd=%d",
+                     "auto" if spec.auto else spec.n_max, spec.n_min, spec.p_min, model.config.n_embd)  # fmt: skip
+            log.info("srv    load_model: speculative decoding context initialized")
+        else:
+            log.info("srv    load_model: initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = 'false'",
+                     config.n_parallel, plan.slot_ctx)  # fmt: skip
+        self.n_decode_total = 0  # model passes (llama-server's n_decode_total)
+        self.n_busy_slots_total = 0  # slots served by those passes, summed
         self.slots: list[Slot] = []
         self._queue: deque[Job] = deque()
         self._wake = threading.Condition()
@@ -316,6 +351,24 @@ class Engine:
                 checkpoint_bytes=sum(c.nbytes for c in checkpoints),
             )
 
+    def slots_info(self) -> list[SlotInfo]:
+        """What each slot is doing now (llama-server's /slots)."""
+        with self._wake:
+            out = []
+            for slot in self.slots:
+                job = slot.job
+                out.append(SlotInfo(
+                    id=slot.id, n_ctx=self.plan.slot_ctx, is_processing=job is not None,
+                    id_task=job.stream.id if job else -1,
+                    n_prompt_tokens=len(job.request.prompt) if job else 0,
+                    n_prompt_tokens_cache=job.timings.cache_n if job else 0,
+                    n_prompt_tokens_processed=max(slot.state.n_past - job.timings.cache_n, 0) if job else 0,
+                    n_decoded=len(job.generated) if job else 0,
+                    n_remain=max(self._limit(job) - len(job.generated), -1) if job and self._limit(job) >= 0 else -1,
+                    n_cached=len(slot.tokens),
+                ))  # fmt: skip
+            return out
+
     def close(self) -> None:
         with self._wake:
             self._running = False
@@ -348,10 +401,17 @@ class Engine:
             return
         finally:
             self._ready.set()
+        for slot in self.slots:
+            log.info("slot   load_model: id %2d | task -1 | new slot, n_ctx = %d", slot.id, self.plan.slot_ctx)
+        busy = False  # "all slots are idle" after work, as llama-server's loop says it
         while True:
             with self._wake:
                 while self._running and not self._queue and not any(s.job for s in self.slots):
+                    if busy:
+                        log.info("srv  update_slots: all slots are idle")
+                        busy = False
                     self._wake.wait()
+                busy = True
                 if not self._running:
                     break
                 self._drop_cancelled()
@@ -444,6 +504,8 @@ class Engine:
         job.sampler = Sampler(params, history=prompt)
         job.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special=True, keep_special=request.keep_special)
         slot.job = job
+        log.info("slot launch_slot_: id %2d | task %d | processing task, n_tokens = %d, cache_n = %d",
+                 slot.id, job.stream.id, len(prompt), n_past)  # fmt: skip
 
     def _reuse_prefix(self, slot: Slot, prompt: list[int]) -> None:
         """Keep the longest usable part of what the slot holds; at least one prompt token stays to evaluate."""
@@ -513,6 +575,7 @@ class Engine:
         spacing = self._checkpoint_spacing(len(prompt))
         last = slot.checkpoints[-1].position if slot.checkpoints else 0
         batch = Batch.of(torch.tensor(tokens), [slot.state], spacing, last + spacing)
+        self._count_pass(1)
         hidden = self.model.forward_batch(batch)
         self._catch_up(slot, hidden, tokens)
         slot.tokens.extend(tokens)
@@ -535,7 +598,12 @@ class Engine:
             return
         self._emit(slot, logits)
 
+    def _count_pass(self, n_slots: int) -> None:
+        self.n_decode_total += 1
+        self.n_busy_slots_total += n_slots
+
     def _decode(self, slots: list[Slot]) -> None:
+        self._count_pass(len(slots))
         tokens = [s.job.pending for s in slots]
         logits = self.model.decode_batch(tokens, [s.state for s in slots])
         for slot, token, row in zip(slots, tokens, logits):
@@ -594,14 +662,15 @@ class Engine:
         tokens = [sampled, *draft]
         batch = Batch.of(torch.tensor(tokens), [state])
         batch.keep_steps = self.recurrent and len(draft) > 0
+        self._count_pass(1)
         hidden = self.model.forward_batch(batch)
         logits = self.model.logits(hidden, seq_len=len(tokens))
         self._catch_up(slot, hidden, tokens, defer=not draft)
         t2 = time.perf_counter()
-        accepted: list[tuple[int, list[tuple[int, float]]]] = []
+        accepted: list[tuple[int, Probs]] = []
         for i, row in enumerate(logits):
-            token, top = self._sample(job, row)
-            accepted.append((token, top))
+            token, probs = self._sample(job, row)
+            accepted.append((token, probs))
             if i == len(draft) or token != draft[i] or token in self.tokenizer.eog_ids:
                 break
         n_accepted = len(accepted) - 1
@@ -624,22 +693,22 @@ class Engine:
             self.stats.add(len(draft), n_accepted)
         if self.adaptive:
             self.adaptive.update(len(draft), n_accepted, 1000 * (t2 - t1), 1000 * (t1 - t0))
-        for token, top in accepted:
-            if not self._deliver(slot, token, top):
+        for token, probs in accepted:
+            if not self._deliver(slot, token, probs):
                 return
 
-    def _sample(self, job: Job, logits: torch.Tensor) -> tuple[int, list[tuple[int, float]]]:
+    def _sample(self, job: Job, logits: torch.Tensor) -> tuple[int, Probs]:
         assert job.sampler is not None
         token = job.sampler.sample(logits)
         job.sampler.accept(token)
-        return token, top_probabilities(logits, job.request.n_probs) if job.request.n_probs else []
+        return token, top_probabilities(logits, job.request.n_probs, token) if job.request.n_probs else NO_PROBS
 
     def _emit(self, slot: Slot, logits: torch.Tensor) -> None:
         """Sample the next token from `logits`, send it, and end the request if it should end."""
         assert slot.job is not None
         self._deliver(slot, *self._sample(slot.job, logits))
 
-    def _deliver(self, slot: Slot, token: int, top: list[tuple[int, float]]) -> bool:
+    def _deliver(self, slot: Slot, token: int, probs: Probs) -> bool:
         """Send a sampled token; end the request if it should end. True while it goes on."""
         job = slot.job
         assert job is not None and job.detokenizer is not None
@@ -647,7 +716,7 @@ class Engine:
         job.timings.predicted_n = len(job.generated)
         job.timings.predicted_ms = max(1000.0 * (time.perf_counter() - job.t_first), 0.001)
         if token in self.tokenizer.eog_ids:
-            job.stream.put(TokenEvent(token, "", top))
+            job.stream.put(TokenEvent(token, "", *probs))
             self._finish(slot, "stop", "eos")
             return False
         job.text += job.detokenizer.add(token)
@@ -656,11 +725,11 @@ class Engine:
         if found is not None:
             index, word = found
             job.text = job.text[:index]
-            job.stream.put(TokenEvent(token, self._release(job, len(job.text)), top))
+            job.stream.put(TokenEvent(token, self._release(job, len(job.text)), *probs))
             self._finish(slot, "stop", "word", word)
             return False
         hold = partial_stop_length(job.text, stops) if stops else 0
-        job.stream.put(TokenEvent(token, self._release(job, len(job.text) - hold), top))
+        job.stream.put(TokenEvent(token, self._release(job, len(job.text) - hold), *probs))
         limit = self._limit(job)
         if limit >= 0 and len(job.generated) >= limit:
             self._finish(slot, "length", "limit")

@@ -77,7 +77,8 @@ class TokenEvent:
 
     token: int
     text: str
-    top_probs: list[tuple[int, float]] = field(default_factory=list)
+    top_probs: list[tuple[int, float]] = field(default_factory=list)  # with n_probs: the N most likely
+    prob: float = 0.0  # with n_probs: this token's probability (raw softmax, as top_probs)
 
 
 @dataclass

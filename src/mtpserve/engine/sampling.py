@@ -131,11 +131,12 @@ class Sampler:
         return dict(zip(ids.tolist(), probs.tolist()))
 
 
-def top_probabilities(logits: torch.Tensor, n: int) -> list[tuple[int, float]]:
-    """The n most likely tokens of the raw softmax (llama-server's n_probs, post_sampling_probs false)."""
+def top_probabilities(logits: torch.Tensor, n: int, token: int | None = None) -> tuple[list[tuple[int, float]], float]:
+    """The n most likely tokens of the raw softmax (llama-server's n_probs, post_sampling_probs false),
+    and the probability of `token` (the one sampled) in the same distribution."""
     probs = torch.softmax(logits.float(), -1)
     values, ids = probs.topk(min(n, len(probs)))
-    return list(zip(ids.tolist(), values.tolist()))
+    return list(zip(ids.tolist(), values.tolist())), float(probs[token]) if token is not None else 0.0
 
 
 def _top_p(values: torch.Tensor, ids: torch.Tensor, top_p: float, min_keep: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,286 @@
+"""`mtpserve serve`: the OpenAI-compatible HTTP server, started with llama-server's command line.
+
+Every flag of the deployment's llama-server command is accepted with llama-server's meaning. Flags that
+place work on GPUs (`--gpu-layers`, `--split-mode`, `--tensor-split`, `--main-gpu`, `--device`,
+`--spec-draft-ngl`) are noted in one warning line and ignored on a machine without a CUDA device; flags
+that are llama-server defaults here anyway (`--jinja`, `--perf`, `--cont-batching`, `--flash-attn`,
+`--no-mmproj`, `--cache-prompt`) are accepted as they are. Features that are not built
+(`--kv-unified`, `--context-shift`, `--embeddings`, `--reasoning-budget` other than -1, `--lora`) stop
+the start with one line saying so, rather than serving something else than asked.
+
+Start-up runs as llama-server's does: the HTTP listener first (answering 503 `Loading model`), then the
+model, then `model loaded` and `server is listening on http://HOST:PORT`. SIGINT/SIGTERM stop accepting
+connections, let running requests finish for up to `--shutdown-timeout` seconds, cancel the rest and
+free the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..engine import EngineConfig, SamplingParams
+from ..engine.sampling import RANDOM_SEED
+from ..quant import CACHE_TYPES
+from ..server.chat import REASONING_FORMATS, ChatSettings
+from ..server.state import DEFAULT_MAX_BODY, ServerSettings
+from .common import add_spec_arguments, apply_threads, model_path, spec_config
+
+log = logging.getLogger("mtpserve.server")
+
+GPU_FLAGS = ("gpu_layers", "split_mode", "tensor_split", "main_gpu", "device", "spec_draft_ngl")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over HTTP (OpenAI API, llama-server's flags)")
+    p.add_argument("-m", "--model", help="GGUF file (default: the embedded default model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on, or a path ending in .sock (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("-a", "--alias", help="model name(s) for the API, comma-separated")
+    p.add_argument("--api-key", help="API key(s), comma-separated")
+    p.add_argument("--api-key-file", help="a file with one API key per line")
+    p.add_argument("--api-prefix", default="", help="prefix for every path (e.g. /llm)")
+    # placement (GPU flags: CPU machines note and ignore them)
+    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="gpu_layers", help="layers on the GPU: N, all or auto")
+    p.add_argument("-sm", "--split-mode", choices=["none", "layer", "row", "tensor"], help="how to split over GPUs")
+    p.add_argument("-ts", "--tensor-split", help="share of each GPU, e.g. 1,1")
+    p.add_argument("-mg", "--main-gpu", type=int, help="the GPU for split-mode none")
+    p.add_argument("-dev", "--device", help="devices to use, comma-separated")
+    p.add_argument("-ngld", "--spec-draft-ngl", "--gpu-layers-draft", dest="spec_draft_ngl", help="draft layers on the GPU")
+    p.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto", help="flash attention (CPU: always tiled)")
+    p.add_argument("--no-mmproj", action="store_true", help="do not load a multimodal projector (none is loaded anyway)")
+    p.add_argument("--mmproj", help="multimodal projector (not supported)")
+    # context and cache
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="total context over all slots, 0 = the model's (default 4096)")
+    p.add_argument("-np", "--parallel", type=int, default=1, help="slots: requests served at once (default 1)")
+    p.add_argument("-ctk", "--cache-type-k", default="f16", choices=sorted(CACHE_TYPES))
+    p.add_argument("-ctv", "--cache-type-v", default="f16", choices=sorted(CACHE_TYPES))
+    p.add_argument("-ctkd", "--cache-type-k-draft", default="f16", choices=sorted(CACHE_TYPES), help="(MTP cache: same as -ctk)")
+    p.add_argument("-ctvd", "--cache-type-v-draft", default="f16", choices=sorted(CACHE_TYPES), help="(MTP cache: same as -ctv)")
+    p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch (accepted; prompts go in -ub chunks)")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="prompt tokens per forward pass (default 512)")
+    p.add_argument("--ctx-checkpoints", type=int, default=32, help="recurrent-state checkpoints per slot (default 32)")
+    p.add_argument("-sps", "--slot-prompt-similarity", type=float, default=0.1)
+    p.add_argument("-kvu", "--kv-unified", action="store_true", help="(not supported: each slot owns its cells)")
+    p.add_argument("--cache-idle-slots", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--cache-prompt", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--cache-reuse", type=int, default=0, help="(KV shifting: not supported, 0)")
+    p.add_argument("--cache-ram", type=int, default=8192, help="(accepted; slots keep their own prompts)")
+    p.add_argument("--context-shift", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("-cb", "--cont-batching", action="store_true", default=True)
+    p.add_argument("-nocb", "--no-cont-batching", dest="cont_batching", action="store_false")
+    # speculative decoding
+    add_spec_arguments(p)
+    # chat
+    p.add_argument("--jinja", action=argparse.BooleanOptionalAction, default=True, help="Jinja chat templates (always)")
+    p.add_argument("--chat-template", help="template name (chatml), file, or Jinja source")
+    p.add_argument("--chat-template-file", help="a file with the chat template")
+    p.add_argument("--chat-template-kwargs", default="{}", help="JSON object of template variables")
+    p.add_argument("-rea", "--reasoning", choices=["on", "off", "auto"], default="auto")
+    p.add_argument("--reasoning-format", choices=REASONING_FORMATS, default="deepseek")
+    p.add_argument("--reasoning-budget", type=int, default=-1, help="(only -1, unlimited, is supported)")
+    p.add_argument("--reasoning-preserve", action=argparse.BooleanOptionalAction, default=False,
+                   help="keep history reasoning in Qwen3.6 templates (preserve_thinking)")  # fmt: skip
+    # sampling defaults
+    p.add_argument("-n", "--n-predict", type=int, default=-1, help="default generation limit (-1: none)")
+    p.add_argument("--temp", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--typical", type=float, default=1.0)
+    p.add_argument("--repeat-last-n", type=int, default=64)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("-s", "--seed", type=int, default=RANDOM_SEED)
+    # server
+    p.add_argument("--metrics", action="store_true", help="enable GET /metrics")
+    p.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True, help="GET /slots")
+    p.add_argument("--props", action="store_true", help="(POST /props: accepted, changes nothing)")
+    p.add_argument("--webui", action=argparse.BooleanOptionalAction, default=True, help="the chat page at /")
+    p.add_argument("--no-ui", dest="webui", action="store_false")
+    p.add_argument("--embeddings", action="store_true", help="(not supported)")
+    p.add_argument("-to", "--timeout", type=int, default=3600, help="idle connection timeout, seconds")
+    p.add_argument("--threads-http", type=int, default=-1, help="(accepted: one event loop serves HTTP)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds running requests get to finish on SIGTERM")
+    p.add_argument("--max-body-size", type=int, default=DEFAULT_MAX_BODY, help="largest request body, bytes")
+    p.add_argument("--sse-ping-interval", type=float, default=30.0, help="keep-alive comment while a stream is silent")
+    p.add_argument("--perf", action=argparse.BooleanOptionalAction, default=True, help="per-request timing lines")
+    p.add_argument("--no-warmup", action="store_true", help="do not read the model file ahead of the first request")
+    p.add_argument("--mlock", action="store_true")
+    p.add_argument("--no-mmap", action="store_true")
+    p.add_argument("-fit", "--fit", choices=["on", "off"], default="on")
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    p.add_argument("-tb", "--threads-batch", type=int, default=0, help="(the same threads serve prompts)")
+    # logging
+    p.add_argument("-lv", "--log-verbosity", "--verbosity", dest="verbosity", type=int, default=3, help="1 errors .. 4 debug")
+    p.add_argument("-v", "--verbose", action="store_true", help="= -lv 4")
+    p.add_argument("--log-file", help="also write the log to this file")
+    p.add_argument("--log-disable", action="store_true")
+    p.add_argument("--log-prefix", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--log-timestamps", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one object per line")
+    p.set_defaults(func=run)
+
+
+def refuse_unbuilt(args: argparse.Namespace) -> None:
+    problems = {
+        "--kv-unified is not supported (each slot owns ctx-size/parallel cells); drop it": args.kv_unified,
+        "--context-shift is not supported (qwen35's cache cannot be shifted either); drop it": args.context_shift,
+        "--embeddings is not supported by this server": args.embeddings,
+        "--reasoning-budget other than -1 is not supported yet": args.reasoning_budget != -1,
+        "--mmproj: multimodal models are not supported": args.mmproj,
+        "--cache-reuse (KV shifting) is not supported; use 0": args.cache_reuse != 0,
+    }
+    for message, present in problems.items():
+        if present:
+            raise ValueError(message)
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    refuse_unbuilt(args)
+    api_keys = [k for k in (args.api_key or "").split(",") if k]
+    if args.api_key_file:
+        api_keys += [line.strip() for line in Path(args.api_key_file).read_text().splitlines() if line.strip()]
+    try:
+        kwargs = json.loads(args.chat_template_kwargs)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-kwargs is not valid JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError("--chat-template-kwargs must be a JSON object")
+    if args.reasoning_preserve:
+        kwargs.setdefault("preserve_reasoning", True)
+    template = args.chat_template
+    if args.chat_template_file:
+        template = args.chat_template_file
+    engine = EngineConfig(
+        n_parallel=args.parallel, ctx_size=args.ctx_size, ubatch=args.ubatch_size,
+        cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, ctx_checkpoints=args.ctx_checkpoints,
+        n_predict=args.n_predict, slot_prompt_similarity=args.slot_prompt_similarity, spec=spec_config(args),
+    )  # fmt: skip
+    sampling = SamplingParams(
+        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, typical_p=args.typical,
+        repeat_last_n=args.repeat_last_n, repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed,
+    )  # fmt: skip
+    return ServerSettings(
+        model=model_path(args),
+        engine=engine,
+        aliases=[a for a in (args.alias or "").split(",") if a],
+        api_keys=api_keys,
+        host=args.host,
+        port=args.port,
+        api_prefix=args.api_prefix,
+        sampling=sampling,
+        chat=ChatSettings(reasoning=args.reasoning, reasoning_format=args.reasoning_format, template_kwargs=kwargs),
+        chat_template=template,
+        webui=args.webui,
+        metrics=args.metrics,
+        slots_endpoint=args.slots,
+        perf=args.perf,
+        max_body_bytes=args.max_body_size,
+        sse_ping_interval=args.sse_ping_interval,
+        warm_page_cache=not args.no_warmup,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..server.app import create_app
+    from ..server.logs import setup_logging
+    from ..server.state import ServerState
+
+    verbosity = 0 if args.log_disable else 4 if args.verbose else args.verbosity
+    setup_logging(verbosity, args.log_file, args.log_prefix, args.log_timestamps, args.log_format == "json")
+    settings = settings_from_args(args)
+    apply_threads(args.threads)
+    log.info("log_info: verbosity = %d (adjust with the `-lv N` CLI arg)", verbosity)
+    _log_devices(args)
+    log.info("srv  llama_server: initializing ...")
+    if settings.api_keys:
+        log.info("srv          init: api_keys: %s", ", ".join("****" + k[-4:] for k in settings.api_keys))
+    state = ServerState(settings)
+    uds = args.host if args.host.endswith(".sock") else None
+    app = create_app(state)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, uds=uds, log_config=None, access_log=verbosity >= 4,
+        timeout_keep_alive=min(args.timeout, 3600), timeout_graceful_shutdown=args.shutdown_timeout,
+        server_header=False, lifespan="on",
+    )  # fmt: skip
+    server = _server_class()(config)
+    address = f"unix:{uds}" if uds else f"http://{args.host}:{args.port}"
+
+    def load() -> None:
+        state.load()
+        if state.load_error is not None:
+            log.error("srv    load_model: failed to load model '%s': %s", settings.model, state.load_error)
+            server.should_exit = True
+            return
+        if args.cache_idle_slots:  # on by default in llama-server, which then refuses it without unified KV
+            log.warning("srv          init: --cache-idle-slots requires --kv-unified, disabling")
+        log.info("srv  llama_server: model loaded")
+        log.info("srv  llama_server: server is listening on %s", address)
+        log.info("srv  update_slots: all slots are idle")
+
+    def stop() -> None:
+        log.info("srv  llama_server: cleaning up before exit...")
+        state.close()
+
+    # The lifespan starts loading; uvicorn binds the socket right after, so /health answers 503 meanwhile.
+    app.router.lifespan_context = lifespan(lambda: threading.Thread(target=load, name="mtpserve-load", daemon=True).start(), stop)
+    server.run()
+    if state.load_error is not None:
+        return 1  # the log said why, in one line
+    if not server.started:
+        raise ValueError(f"could not listen on {address} (is the port in use?)")
+    return 0
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                log.info("srv  llama_server: received signal %d: no new connections, running requests get %.0f s",
+                         sig, self.config.timeout_graceful_shutdown or 0)  # fmt: skip
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # a graceful stop exits 0 (uvicorn would re-raise the signal)
+
+    return Server
+
+
+def lifespan(start: Callable[[], None], stop: Callable[[], None]) -> Callable[[Any], Any]:
+    @contextlib.asynccontextmanager
+    async def context(_: Any) -> AsyncIterator[None]:
+        start()
+        try:
+            yield
+        finally:
+            stop()
+
+    return context
+
+
+def _log_devices(args: argparse.Namespace) -> None:
+    cuda = torch.cuda.is_available()
+    if cuda:
+        for i in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(i)
+            log.info("device_info: CUDA%d: %s (%d MiB, %d MiB free)", i, torch.cuda.get_device_name(i), total >> 20, free >> 20)
+    page, pages = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_AVPHYS_PAGES")
+    log.info("device_info: CPU: %d threads, %d MiB free", torch.get_num_threads(), page * pages >> 20)
+    given = [f"--{name.replace('_', '-')}" for name in GPU_FLAGS if getattr(args, name) is not None]
+    if given:
+        why = "the CUDA backend is not built yet" if cuda else "no CUDA device"
+        log.warning("main: %s: %s ignored, everything runs on the CPU", why, ", ".join(given))

@@ -1,0 +1,182 @@
+"""`/v1/chat/completions`: OpenAI chat bodies -> a rendered, tokenized prompt; generated text -> the
+message (`reasoning_content`, `content`, `tool_calls`) as llama-server builds it
+(../shared/spec/server-api.md §2, chat-template.md §3-4).
+
+One path for streaming and not: `ChatOutput` turns text as it is generated into OpenAI deltas (reasoning
+first, then content, then tool calls); a non-streamed answer is those deltas assembled, so the two can
+never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..tokenizer import ChatTemplate, ChatTemplateError, ReasoningStream, Tokenizer
+from ..tokenizer.tool_calls import ToolCallStream
+from .errors import invalid, unsupported
+from .params import Body
+
+REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
+PRESERVED_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>")  # special tokens emitted as text
+
+
+@dataclass
+class ChatSettings:
+    """Server-wide chat defaults (--reasoning, --reasoning-format, --chat-template-kwargs)."""
+
+    reasoning: str = "auto"  # on | off | auto
+    reasoning_format: str = "deepseek"
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ChatPlan:
+    """What the prompt and the output parser of one chat request need."""
+
+    prompt: list[int]
+    generation_prompt: str
+    extract_reasoning: bool
+    tools: list[dict[str, Any]] | None
+    parallel_tool_calls: bool
+    logprobs: bool
+    top_logprobs: int
+    last_user_start: int | None
+
+
+def plan_chat(body: Body, template: ChatTemplate, tokenizer: Tokenizer, settings: ChatSettings) -> ChatPlan:
+    messages = body.raw("messages")
+    if messages is None:
+        raise invalid("'messages' is required")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("Field 'messages': expected a non-empty array of messages")
+    tools = body.raw("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise invalid("Field 'tools': expected an array")
+    tool_choice = body.raw("tool_choice", "auto")
+    if isinstance(tool_choice, dict) or tool_choice == "required":
+        raise unsupported("Field 'tool_choice': only 'auto' and 'none' are supported (forcing a call needs grammars)")
+    if tool_choice not in ("auto", "none"):
+        raise invalid(f"Field 'tool_choice': expected 'auto', 'none' or 'required', got {tool_choice!r}")
+    if tool_choice == "none":
+        tools = None
+    response_format = body.dict("response_format")
+    if response_format.get("type", "text") != "text":
+        kind = response_format.get("type")
+        if kind in ("json_object", "json_schema"):
+            raise unsupported(f"Field 'response_format': '{kind}' is not supported yet (constrained decoding); use 'text'")
+        raise invalid(f"Field 'response_format': type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    reasoning_format = body.str("reasoning_format", settings.reasoning_format)
+    if reasoning_format not in REASONING_FORMATS:
+        raise invalid(f"Field 'reasoning_format': expected one of {', '.join(REASONING_FORMATS)}")
+    kwargs = {**settings.template_kwargs, **body.dict("chat_template_kwargs")}
+    enable_thinking = template.supports_thinking and settings.reasoning != "off"
+    if body.raw("reasoning_effort") == "none":
+        enable_thinking = False
+    elif isinstance(body.raw("reasoning_effort"), str):
+        kwargs.setdefault("reasoning_effort", body.raw("reasoning_effort"))
+    if "enable_thinking" in kwargs and isinstance(kwargs["enable_thinking"], bool):
+        enable_thinking = kwargs["enable_thinking"]
+    add_generation_prompt = body.bool("add_generation_prompt", True)
+    try:
+        rendered = template.apply(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            enable_thinking=enable_thinking, chat_template_kwargs=kwargs,
+        )  # fmt: skip
+    except ChatTemplateError as e:
+        raise invalid(str(e)) from None
+    prompt = tokenizer.encode(rendered.prompt, add_special=True, parse_special=True)
+    logprobs = body.bool("logprobs", False)
+    top_logprobs = body.int("top_logprobs", 20 if logprobs else 0, lo=0, hi=20)
+    if top_logprobs and not logprobs and body.has("top_logprobs"):
+        raise invalid("top_logprobs requires logprobs to be set to true")
+    return ChatPlan(
+        prompt=prompt,
+        generation_prompt=rendered.generation_prompt if add_generation_prompt else "",
+        extract_reasoning=reasoning_format != "none",
+        tools=tools or None,
+        parallel_tool_calls=body.bool("parallel_tool_calls", True),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        last_user_start=_last_user_start(messages, prompt, template, tokenizer, tools, enable_thinking, kwargs),
+    )
+
+
+def _last_user_start(
+    messages: list[Any], prompt: list[int], template: ChatTemplate, tokenizer: Tokenizer,
+    tools: Any, enable_thinking: bool, kwargs: dict[str, Any],
+) -> int | None:  # fmt: skip
+    """Where the last user message starts in the prompt's tokens: llama-server ends a prompt batch there
+    (and keeps a recurrent checkpoint), so a follow-up turn reuses everything before it."""
+    last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), default=0)
+    if last == 0:
+        return None
+    try:
+        head = template.apply(
+            messages[:last], tools=tools, add_generation_prompt=False, enable_thinking=enable_thinking,
+            chat_template_kwargs=kwargs,
+        ).prompt  # fmt: skip
+    except ChatTemplateError:
+        return None
+    ids = tokenizer.encode(head, add_special=True, parse_special=True)
+    return len(ids) if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids else None
+
+
+def keep_special_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """Control tokens whose text belongs in the output (the reasoning and tool-call tags)."""
+    return frozenset(i for tag in PRESERVED_TAGS if (i := tokenizer.token_id(tag)) is not None)
+
+
+class ChatOutput:
+    """Generated text -> OpenAI `delta`s: reasoning split first, then tool calls out of the content."""
+
+    def __init__(self, plan: ChatPlan, template: ChatTemplate) -> None:
+        self.reasoning = ReasoningStream(plan.generation_prompt, template.think_tags, extract=plan.extract_reasoning)
+        self.tool_calls = ToolCallStream(plan.tools, parallel=plan.parallel_tool_calls)
+        self.reasoning_content = ""
+        self.content = ""
+        self.calls: list[dict[str, Any]] = []
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        return self._deltas(self.reasoning.feed(text), final=False)
+
+    def finish(self) -> list[dict[str, Any]]:
+        return self._deltas(self.reasoning.finish(), final=True)
+
+    def _deltas(self, split: Any, final: bool) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if split.reasoning_content:
+            self.reasoning_content += split.reasoning_content
+            out.append({"reasoning_content": split.reasoning_content})
+        parsed = self.tool_calls.feed(split.content) if split.content else None
+        pieces = [parsed] if parsed else []
+        if final:
+            pieces.append(self.tool_calls.finish())
+        for piece in pieces:
+            if piece.content:
+                self.content += piece.content
+                out.append({"content": piece.content})
+            if piece.tool_calls:
+                self._assemble(piece.tool_calls)
+                out.append({"tool_calls": piece.tool_calls})
+        return out
+
+    def _assemble(self, deltas: list[dict[str, Any]]) -> None:
+        for delta in deltas:
+            index = delta["index"]
+            if index == len(self.calls):
+                self.calls.append({"type": "function", "function": {"name": "", "arguments": ""}, "id": ""})
+            call = self.calls[index]
+            call["id"] = delta.get("id", call["id"])
+            function = delta.get("function", {})
+            call["function"]["name"] += function.get("name", "")
+            call["function"]["arguments"] += function.get("arguments", "")
+
+    def message(self) -> dict[str, Any]:
+        """The whole assistant message (non-streamed answers), llama-server's shape."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning_content:
+            message["reasoning_content"] = self.reasoning_content
+        if self.calls:
+            message["tool_calls"] = self.calls
+        return message

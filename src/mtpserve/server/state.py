@@ -1,0 +1,121 @@
+"""What the HTTP layer serves from: the settings, and the model once it is loaded.
+
+The listener starts before the model loads (as llama-server's): until `load()` finishes every endpoint but
+the web page answers 503 `Loading model`. Loading runs on its own thread; the engine then does all model
+work on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .. import __version__
+from ..engine import Engine, EngineConfig, SamplingParams
+from ..engine.planner import plan_for_file
+from ..tokenizer import ChatTemplate, Tokenizer
+from .chat import ChatSettings, keep_special_ids
+from .metrics import ServerMetrics
+
+log = logging.getLogger("mtpserve.server")
+
+DEFAULT_MAX_BODY = 16 << 20  # bytes: a full 262144-token prompt as JSON token ids fits several times
+
+
+@dataclass
+class ServerSettings:
+    """llama-server's flags as the HTTP layer and the engine need them."""
+
+    model: Path
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    aliases: list[str] = field(default_factory=list)
+    api_keys: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_prefix: str = ""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    chat: ChatSettings = field(default_factory=ChatSettings)
+    chat_template: str | None = None
+    webui: bool = True
+    metrics: bool = False
+    slots_endpoint: bool = True
+    perf: bool = True
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    sse_ping_interval: float = 30.0
+    warm_page_cache: bool = True
+
+    @property
+    def model_name(self) -> str:
+        """What responses and /v1/models call the model: the first alias, else the file name."""
+        return min(self.aliases) if self.aliases else self.model.name
+
+    def accepts_model(self, name: str) -> bool:
+        """A request's `model` may name an alias, the file (with or without .gguf) or its path."""
+        return name in {*self.aliases, self.model.name, self.model.stem, str(self.model), self.model_name}
+
+
+class ServerState:
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.engine: Engine | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.template: ChatTemplate | None = None
+        self.keep_special: frozenset[int] = frozenset()
+        self.loaded = threading.Event()
+        self.load_error: BaseException | None = None
+        self.metrics = ServerMetrics(lambda: self.engine)
+        self.fingerprint = f"b{__version__}-mtpserve"
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    def load(self) -> None:
+        """Load the model and start the engine; on failure remember why (the server then exits)."""
+        s = self.settings
+        try:
+            log.info("srv    load_model: loading model '%s'", s.model)
+            plan = plan_for_file(s.model, s.engine)
+            plan.check()  # refuse before reading gigabytes
+            if s.warm_page_cache:
+                warm_page_cache(s.model)
+            tokenizer = Tokenizer.from_gguf(s.model)
+            template = ChatTemplate.for_tokenizer(tokenizer, s.chat_template)
+            engine = Engine.from_file(s.model, s.engine)
+            self.tokenizer, self.template = tokenizer, template
+            self.keep_special = keep_special_ids(tokenizer)
+            example = template.apply([{"role": "user", "content": "Hello"}], add_generation_prompt=True).prompt
+            log.info("srv          init: chat template, example_format: %r", example)
+            log.info("srv          init: chat template, thinking = %d", int(template.supports_thinking and s.chat.reasoning != "off"))
+            self.engine = engine
+        except BaseException as e:  # noqa: BLE001 - reported by the caller, which exits
+            self.load_error = e
+        finally:
+            self.loaded.set()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+def warm_page_cache(path: Path, chunk: int = 64 << 20) -> None:
+    """Read the file once, showing progress: the weights are memory-mapped, and the first request would
+    otherwise wait on the disk page by page. A terminal gets a bar; a log gets a line per quarter."""
+    size = path.stat().st_size
+    tty = os.isatty(2)
+    done, quarter = 0, 0
+    with open(path, "rb", buffering=0) as f, tqdm(
+        total=size, unit="B", unit_scale=True, unit_divisor=1024, desc="loading model", leave=False, disable=not tty
+    ) as bar:
+        while data := f.read(chunk):
+            bar.update(len(data))
+            done += len(data)
+            if not tty and size and done * 4 // size > quarter:
+                quarter = done * 4 // size
+                log.info("srv    load_model: loading model: %3d%% of %.1f MiB", 25 * quarter, size / 2**20)

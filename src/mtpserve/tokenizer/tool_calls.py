@@ -1,0 +1,301 @@
+"""Tool calls in Qwen3.5/3.6 output: `content` text and OpenAI `tool_calls`, as llama-server returns them.
+
+The model writes calls after optional text (../shared/spec/chat-template.md §2, §4; llama.cpp's handler
+common/parsers/qwen3-coder.cpp):
+
+    Text.\\n\\n<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>
+
+The input here is the *content* part that `reasoning.py` split off. Content is the text before the first
+`<tool_call>` (trailing whitespace dropped); from there on come the calls. A value is the text between
+`<parameter=KEY>` and `</parameter>` less one leading and one trailing newline, typed by the tool's JSON
+schema: string params stay raw, others are `json.loads`-ed (the raw string if that fails).
+
+llama-server constrains the calls with a grammar, so its output is always well formed; we may run without
+one, so this parser is lenient and these are our decisions for the cases llama.cpp never sees:
+* Unknown tool or param: no schema to go by, so a value that parses as JSON is JSON, else the raw string.
+  A param typed string-or-X (e.g. `["integer", "string"]`) is JSON only if it parses to one of the X.
+* A block is `<tool_call>` up to `</tool_call>`, the next `<tool_call>` or the end of the text. It is a call
+  when it starts with a complete `<function=NAME>`; its params are those complete before `</function>` or
+  before anything that is not a param. So a call cut short (a length stop) keeps its complete params.
+* Text between or after blocks, and blocks without a name, are dropped once there is a call (the template
+  forbids text after calls). If no block has a name, there were no calls: the whole text is content, as if
+  `<tool_call>` were prose. With `parallel=False` only the first call is kept.
+* Arguments are compact JSON (`{"city":"Paris"}`, as llama-server and OpenAI write them), non-ASCII kept,
+  keys in the order written.
+
+`parse_tool_calls` parses a whole text; `ToolCallStream` does it incrementally for streaming. It holds
+back content that could still be the start of `<tool_call>` (and whitespace before it), sends a call's
+id and name as soon as `<function=NAME>` is complete and its whole arguments string once `</function>`
+(or the block's end) arrives; its deltas, joined, equal `parse_tool_calls` for any chunking.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .reasoning import WHITESPACE
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+FUNCTION, END_FUNCTION = "<function=", "</function>"
+PARAM, END_PARAM = "<parameter=", "</parameter>"
+ID_ALPHABET = string.digits + string.ascii_letters
+
+Tools = Sequence[Mapping[str, Any]] | None
+Schemas = dict[str, dict[str, Any]]  # tool name -> param name -> JSON schema
+
+
+def random_call_id() -> str:
+    """32 random alphanumerics, the shape of llama-server's call ids."""
+    return "".join(secrets.choice(ID_ALPHABET) for _ in range(32))
+
+
+@dataclass(frozen=True)
+class ToolCallSplit:
+    content: str
+    tool_calls: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """New content text and OpenAI streaming `tool_calls` deltas."""
+
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Block:
+    name: str | None
+    params: list[tuple[str, str]]
+    closed: bool  # `</function>` seen: params are final however the block goes on
+
+
+def _schemas(tools: Tools) -> Schemas:
+    """Param schemas by tool; accepts OpenAI `{"type": "function", "function": {...}}` or the bare function."""
+    out: Schemas = {}
+    for tool in tools or ():
+        fn = tool.get("function", tool)
+        props = (fn.get("parameters") or {}).get("properties") or {}
+        out[fn.get("name", "")] = dict(props) if isinstance(props, Mapping) else {}
+    return out
+
+
+def _types(schema: Any) -> set[str]:
+    """JSON types a schema allows (`type`, its `anyOf`/`oneOf` members, an all-string `enum`); empty if unknown."""
+    if not isinstance(schema, Mapping):
+        return set()
+    t = schema.get("type")
+    types = {t} if isinstance(t, str) else {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
+    for key in ("anyOf", "oneOf"):
+        for sub in schema.get(key) or ():
+            types |= _types(sub)
+    enum = schema.get("enum")
+    if not types and isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        types = {"string"}
+    return types
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    return {float: "number", dict: "object", list: "array", str: "string"}.get(type(value), "null")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(name)  # NaN/Infinity are not JSON; the value stays a string
+
+
+def _typed(raw: str, schema: Any) -> Any:
+    """A param value as its schema types it (module docstring for the unknown and string-or-X cases)."""
+    types = _types(schema)
+    if types == {"string"}:
+        return raw
+    try:
+        value = json.loads(raw, parse_constant=_reject_constant)
+    except ValueError:
+        return raw
+    if "string" not in types:
+        return value
+    kind = _json_type(value)
+    ok = kind in types or (kind == "integer" and "number" in types)
+    return value if ok and kind != "string" else raw
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in WHITESPACE:
+        pos += 1
+    return pos
+
+
+def _tag_value(text: str, pos: int, tag: str) -> tuple[str, int] | None:
+    """`X` and the index after `>` if `tag X>` is at pos, X non-empty without whitespace or `<`."""
+    if not text.startswith(tag, pos):
+        return None
+    gt = text.find(">", pos)
+    value = text[pos + len(tag) : gt]
+    if gt < 0 or not value or any(c in WHITESPACE or c == "<" for c in value):
+        return None
+    return value, gt + 1
+
+
+def _parse_block(body: str) -> _Block:
+    """The text after `<tool_call>`, whole or as far as it has arrived: a tag only counts once its `>` is
+    in, and no delimiter prefix holds `>`, so what this finds in a prefix stays true for the whole block."""
+    head = _tag_value(body, _skip_ws(body, 0), FUNCTION)
+    if head is None:
+        return _Block(None, [], False)
+    name, pos = head
+    params: list[tuple[str, str]] = []
+    while True:
+        pos = _skip_ws(body, pos)
+        if body.startswith(END_FUNCTION, pos):
+            return _Block(name, params, True)
+        key = _tag_value(body, pos, PARAM)
+        end = body.find(END_PARAM, key[1]) if key else -1
+        if key is None or end < 0:
+            return _Block(name, params, False)
+        params.append((key[0], body[key[1] : end].removeprefix("\n").removesuffix("\n")))
+        pos = end + len(END_PARAM)
+
+
+def _block_end(text: str, start: int) -> tuple[int, int] | None:
+    """(end of body, where to look for the next block) for the block whose body starts at `start`."""
+    close, reopen = text.find(CLOSE, start), text.find(OPEN, start)
+    if close >= 0 and (reopen < 0 or close < reopen):
+        return close, close + len(CLOSE)
+    return (reopen, reopen) if reopen >= 0 else None
+
+
+def _arguments(block: _Block, schemas: Schemas) -> str:
+    assert block.name is not None
+    props = schemas.get(block.name, {})
+    return json.dumps({k: _typed(v, props.get(k)) for k, v in block.params}, ensure_ascii=False, separators=(",", ":"))
+
+
+def parse_tool_calls(
+    text: str, tools: Tools, parallel: bool = True, make_id: Callable[[], str] = random_call_id
+) -> ToolCallSplit:
+    """Split a whole content text into content and OpenAI `tool_calls`; `tools` empty/None: all content."""
+    first = text.find(OPEN) if tools else -1
+    if first < 0:
+        return ToolCallSplit(text, [])
+    schemas = _schemas(tools)
+    calls: list[dict[str, Any]] = []
+    at = first
+    while at >= 0 and (parallel or not calls):
+        start = at + len(OPEN)
+        body_end, after = _block_end(text, start) or (len(text), len(text))
+        block = _parse_block(text[start:body_end])
+        if block.name is not None:
+            function = {"name": block.name, "arguments": _arguments(block, schemas)}
+            calls.append({"type": "function", "function": function, "id": make_id()})
+        at = text.find(OPEN, after)
+    if not calls:
+        return ToolCallSplit(text, [])
+    return ToolCallSplit(text[:first].rstrip(WHITESPACE), calls)
+
+
+class ToolCallStream:
+    """Incremental `parse_tool_calls`: `feed(delta)` and finally `finish()` return new content and tool-call
+    deltas; `content`/`tool_calls` hold all content so far and the calls completed so far (whole OpenAI
+    calls, as `parse_tool_calls` gives them)."""
+
+    def __init__(self, tools: Tools, parallel: bool = True, make_id: Callable[[], str] = random_call_id) -> None:
+        self._enabled = bool(tools)
+        self._schemas = _schemas(tools)
+        self._parallel = parallel
+        self._make_id = make_id
+        self._buf = ""  # content not yet sent
+        self._section: str | None = None  # text from the first <tool_call> on
+        self._gap = ""  # whitespace before it: content only if no call comes
+        self._block: int | None = None  # start of the current block's <tool_call> in _section
+        self._search = 0  # between blocks: where the next <tool_call> is looked for
+        self._current: dict[str, Any] | None = None  # call of the current block, once its name is sent
+        self._sent = False  # ... and its arguments too
+        self._calls = 0
+        self._done = False  # parallel=False and the first call is complete
+        self.content = ""
+        self.tool_calls: list[dict[str, Any]] = []
+
+    def feed(self, delta: str) -> ToolCallDelta:
+        if not self._enabled:
+            self.content += delta
+            return ToolCallDelta(delta)
+        return self._advance(delta, final=False)
+
+    def finish(self) -> ToolCallDelta:
+        """End of output: held-back text is released; a call cut short is closed with its complete params."""
+        return self._advance("", final=True)
+
+    def _advance(self, delta: str, final: bool) -> ToolCallDelta:
+        content, deltas, scan = "", [], final or ">" in delta
+        if self._section is None:
+            buf = self._buf + delta
+            first = buf.find(OPEN)
+            if first >= 0:
+                content = buf[:first].rstrip(WHITESPACE)
+                self._gap, self._section, self._buf = buf[len(content) : first], buf[first:], ""
+            elif final:
+                content, self._buf = buf, ""
+            else:
+                cut = len(buf[: len(buf) - _partial_len(buf, OPEN)].rstrip(WHITESPACE))
+                content, self._buf = buf[:cut], buf[cut:]
+        elif not self._done:
+            self._section += delta
+        # Any change in the section (its start, a tag, a block's end) comes with a `>`: no scan without one.
+        if scan and self._section is not None and not self._done:
+            deltas = self._scan(final)
+        if final and self._section is not None and self._calls == 0:
+            content += self._gap + self._section  # no call after all: it was prose
+        self.content += content
+        return ToolCallDelta(content, deltas)
+
+    def _scan(self, final: bool) -> list[dict[str, Any]]:
+        section, deltas = self._section or "", []
+        while not self._done:
+            if self._block is None:
+                self._block = section.find(OPEN, self._search)
+                if self._block < 0:
+                    self._block = None
+                    break
+            start = self._block + len(OPEN)
+            end = _block_end(section, start)
+            if end is None and not final:
+                self._update(_parse_block(section[start:]), False, deltas)
+                break
+            body_end, self._search = end or (len(section), len(section))
+            self._update(_parse_block(section[start:body_end]), True, deltas)
+            self._block, self._current = None, None
+        return deltas
+
+    def _update(self, block: _Block, complete: bool, deltas: list[dict[str, Any]]) -> None:
+        """Send the block's id and name once its name is known, its arguments once they are final."""
+        if block.name is None:
+            return
+        if self._current is None:
+            self._current = {"type": "function", "function": {"name": block.name, "arguments": ""}}
+            self._current["id"] = self._make_id()
+            function = {"name": block.name, "arguments": ""}
+            deltas.append({"index": self._calls, "id": self._current["id"], "type": "function", "function": function})
+            self._calls += 1
+            self._sent = False
+        if (complete or block.closed) and not self._sent:
+            arguments = self._current["function"]["arguments"] = _arguments(block, self._schemas)
+            self.tool_calls.append(self._current)
+            deltas.append({"index": self._calls - 1, "function": {"arguments": arguments}})
+            self._sent, self._done = True, not self._parallel
+
+
+def _partial_len(text: str, delimiter: str) -> int:
+    """Length of the longest tail of text that is a proper prefix of delimiter."""
+    for n in range(min(len(delimiter) - 1, len(text)), 0, -1):
+        if text.endswith(delimiter[:n]):
+            return n
+    return 0
