@@ -1,40 +1,46 @@
 """Speculative decoding speed: decode tokens/s with and without draft-mtp (n_max 1..4 and auto) on
-tinyqwen35 Q4_K_M, side by side with llama.cpp's llama-server in the same run, as speed-up ratios.
+tinyqwen35 Q4_K_M, mtpserve and llama.cpp's llama-server side by side in one run, as speed-up ratios.
 
-    .venv/bin/python bench/speculative.py [--llama-server PATH | --peer-url URL] [--runs 2] [--threads 2]
+    .venv/bin/python bench/speculative.py [--llama-server PATH | --peer-url URL [--peer-n-max N]] [--rounds 7]
 
-The request is the fixtures' speed test: a 256-token greedy /completion (ignore_eos, cache_prompt false)
-of the first 900 characters of `class NormalDist:` in Python's statistics.py (293 tokens). The peer:
-with `--llama-server PATH` each configuration starts that binary (`-t 2 -c 4096 -np 1`, plus
-`--spec-type draft-mtp --spec-draft-n-max N`); with `--peer-url` one running server is measured as it
-was started; without either, the llama-server numbers recorded in ../shared/fixtures (2-thread AVX2
-machine: no speculation and n_max 2) stand in.
+Both engines are measured the same way: as HTTP servers (`mtpserve serve`, `llama-server`, each with
+`-t 2 -c 4096 -np 1`, plus `--spec-type draft-mtp --spec-draft-n-max N`), each sent the fixtures' speed
+request: a 256-token greedy /completion (ignore_eos, cache_prompt false) of the first 900 characters of
+`class NormalDist:` in Python's statistics.py, decode speed read from the answer's
+`timings.predicted_per_second`.
+
+The machine is noisy (a shared 2-core VM drifts by +-30 % over minutes), so a speed-up is measured in
+rounds: for each configuration all servers run at the same time (mtpserve and llama-server, each with
+and without speculation; idle but for the request at hand), one round sends the request to each in turn
+(the order rotated every round), each round gives each engine one ratio of its speeds with and without
+speculation, and the table reports the median ratio over the rounds and its range. With `--peer-url` one running llama-server is measured
+as it was started (its n_max given by --peer-n-max), against a no-speculation llama-server this script
+cannot start, so only its speed is shown; without a peer, the llama-server numbers recorded in
+../shared/fixtures (no speculation and n_max 2) stand in.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import socket
 import statistics
 import subprocess
+import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
-import torch
-
-from mtpserve.engine import Engine, EngineConfig, Request, SamplingParams
-from mtpserve.engine.planner import plan_for_file
-from mtpserve.engine.speculative import SpecConfig
-from mtpserve.models.loader import load
 from mtpserve.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 MODEL = FIXTURES / "tinyqwen35-mtp-Q4_K_M.gguf"
 N_PREDICT = 256
-CONFIGS = [("none", 0), *[(f"draft-mtp n_max={n}", n) for n in (1, 2, 3, 4)], ("draft-mtp auto", -1)]
+CONFIGS = [(f"draft-mtp n_max={n}", str(n)) for n in (1, 2, 3, 4)] + [("draft-mtp auto", "auto")]
 
 
 def speed_prompt(tokenizer: Tokenizer) -> list[int]:
@@ -43,103 +49,142 @@ def speed_prompt(tokenizer: Tokenizer) -> list[int]:
     return tokenizer.encode(source[start : start + 900])
 
 
-def spec_for(n_max: int) -> SpecConfig:
-    if n_max == 0:
-        return SpecConfig()
-    return SpecConfig("draft-mtp", n_max=4, auto=True) if n_max < 0 else SpecConfig("draft-mtp", n_max=n_max)
+class Server:
+    """A server subprocess on a free port, started with `cmd + [--host, --port]`."""
 
+    def __init__(self, cmd: list[str]) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        for _ in range(1200):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited with {self.proc.returncode}: {' '.join(cmd)}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.1)
+        raise TimeoutError(f"{' '.join(cmd)} did not start")
 
-def measure_mtpserve(model, tokenizer, prompt: list[int], n_max: int, runs: int) -> dict:
-    config = EngineConfig(ctx_size=4096, spec=spec_for(n_max))
-    request = Request(prompt, SamplingParams(temperature=0.0), n_predict=N_PREDICT, ignore_eos=True, cache_prompt=False)
-    with Engine(model, tokenizer, config, plan_for_file(MODEL, config)) as engine:
-        engine.submit(request).result()  # warm-up
-        results = [engine.submit(request).result() for _ in range(runs)]
-    return summarize([r.timings.as_dict() for r in results])
-
-
-def summarize(timings: list[dict]) -> dict:
-    return {
-        "tps": statistics.mean(t["predicted_per_second"] for t in timings),
-        "draft_n": timings[-1].get("draft_n", 0),
-        "accepted": timings[-1].get("draft_n_accepted", 0),
-    }
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
 
 
 def completion(url: str, prompt: list[int]) -> dict:
     body = {"prompt": prompt, "n_predict": N_PREDICT, "ignore_eos": True, "temperature": 0.0, "cache_prompt": False}
     req = urllib.request.Request(f"{url}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as response:
+    with urllib.request.urlopen(req, timeout=600) as response:
         return json.loads(response.read())["timings"]
 
 
-def measure_url(url: str, prompt: list[int], runs: int) -> dict:
-    completion(url, prompt)  # warm-up
-    return summarize([completion(url, prompt) for _ in range(runs)])
+def mtpserve_cmd(n_max: str | None) -> list[str]:
+    cmd = [sys.executable, "-m", "mtpserve", "serve", "-m", str(MODEL), "-t", "2", "-c", "4096", "-np", "1",
+           "--no-webui", "--no-warmup", "-lv", "1"]  # fmt: skip
+    return cmd + (["--spec-type", "draft-mtp", "--spec-draft-n-max", n_max] if n_max else [])
 
 
-def measure_llama_server(binary: str, prompt: list[int], n_max: int, runs: int, threads: int) -> dict | None:
-    if n_max < 0:
-        return None  # llama.cpp has no automatic draft length
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [binary, "-m", str(MODEL), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb", str(threads),
-           "-c", "4096", "-np", "1", "--no-webui"]  # fmt: skip
-    if n_max:
-        cmd += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(n_max)]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.1)
-        return measure_url(url, prompt, runs)
-    finally:
-        server.terminate()
-        server.wait()
+def llama_cmd(binary: str, n_max: str | None) -> list[str]:
+    cmd = [binary, "-m", str(MODEL), "-t", "2", "-tb", "2", "-c", "4096", "-np", "1", "--no-webui"]
+    return cmd + (["--spec-type", "draft-mtp", "--spec-draft-n-max", n_max] if n_max else [])
 
 
-def recorded(n_max: int) -> dict | None:
+def measure_rounds(urls: dict[str, str], prompt: list[int], rounds: int) -> dict[str, list[dict]]:
+    """The same request to every server in turn, `rounds` times, the order rotated each round."""
+    for url in urls.values():
+        completion(url, prompt)  # warm-up
+    names = list(urls)
+    out: dict[str, list[dict]] = {name: [] for name in names}
+    for i in range(rounds):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            out[name].append(completion(urls[name], prompt))
+    return out
+
+
+def speedup(base: list[dict], spec: list[dict]) -> dict:
+    """Per-round ratios of decode speed, with and without speculation; the median is reported."""
+    tps = lambda runs: [t["predicted_per_second"] for t in runs]  # noqa: E731
+    ratios = [s / b for s, b in zip(tps(spec), tps(base))]
+    return {"speedup": statistics.median(ratios), "base": statistics.median(tps(base)), "spec": statistics.median(tps(spec)),
+            "draft_n": spec[-1].get("draft_n", 0), "accepted": spec[-1].get("draft_n_accepted", 0),
+            "spread": (min(ratios), max(ratios))}  # fmt: skip
+
+
+def recorded(n_max: str) -> dict | None:
     speed = json.loads((FIXTURES / "refs" / f"{MODEL.stem}.json").read_text())["llama_cpp_speed"]["server_greedy_256"]
-    key = {0: "no_spec", 2: "draft_mtp_n_max_2"}.get(n_max)
-    return summarize([r["timings"] for r in speed[key]["runs"]]) if key else None
+    if n_max != "2":
+        return None
+    tps = lambda key: statistics.mean(r["timings"]["predicted_per_second"] for r in speed[key]["runs"])  # noqa: E731
+    timings = speed["draft_mtp_n_max_2"]["runs"][-1]["timings"]
+    return {"speedup": tps("draft_mtp_n_max_2") / tps("no_spec"), "base": tps("no_spec"), "spec": tps("draft_mtp_n_max_2"),
+            "draft_n": timings["draft_n"], "accepted": timings["draft_n_accepted"], "spread": None}  # fmt: skip
+
+
+def cell(result: dict | None) -> str:
+    if result is None:
+        return f"{'-':>8} {'':>13} {'':>10}"
+    spread = f"{result['spread'][0]:.2f}-{result['spread'][1]:.2f}" if result["spread"] else "recorded"
+    return f"{result['speedup']:7.2f}x {result['spec']:6.0f}/{result['base']:<6.0f} {result['accepted']:4d}/{result['draft_n']:<5d} {spread:>9}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llama-server", help="a llama-server binary to start for every configuration")
-    ap.add_argument("--peer-url", help="a running llama-server to measure as it is")
-    ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-server", help="a llama-server binary, started for every configuration")
+    ap.add_argument("--peer-url", help="a running llama-server, measured as it is")
+    ap.add_argument("--peer-n-max", default="2", help="the --spec-draft-n-max the --peer-url server runs with")
+    ap.add_argument("--rounds", type=int, default=7, help="paired rounds per configuration (median reported)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load(MODEL), Tokenizer.from_gguf(MODEL)
-    prompt = speed_prompt(tokenizer)
+    prompt = speed_prompt(Tokenizer.from_gguf(MODEL))
     peer_name = args.llama_server or args.peer_url or "llama-server numbers recorded in ../shared/fixtures"
-    print(f"{MODEL.name}, {len(prompt)}-token prompt, {N_PREDICT} greedy tokens, {args.threads} threads; peer: {peer_name}\n")
-    header = f"{'configuration':22} {'mtpserve t/s':>12} {'accepted':>10} {'speed-up':>8}   {'llama.cpp t/s':>13} {'accepted':>10} {'speed-up':>8}"
-    print(header + "\n" + "-" * len(header))
-    base = peer_base = None
-    for name, n_max in CONFIGS:
-        ours = measure_mtpserve(model, tokenizer, prompt, n_max, args.runs)
+    print(f"{MODEL.name}, {len(prompt)}-token prompt, {N_PREDICT} greedy tokens, 2 threads, {args.rounds} paired rounds; "
+          f"peer: {peer_name}\n")  # fmt: skip
+    head = f"{'speed-up':>8} {'spec/base t/s':>13} {'accepted':>10} {'range':>9}"
+    print(f"{'configuration':20} | {'mtpserve':^44} | {'llama.cpp':^44} | ours >= peer")
+    print(f"{'':20} | {head} | {head} |")
+    with ExitStack() as servers:
+
+        def start(cmd: list[str]) -> Server:
+            server = Server(cmd)
+            servers.callback(server.close)
+            return server
+
+        bases = {"ours_base": start(mtpserve_cmd(None)).url}
         if args.llama_server:
-            peer = measure_llama_server(args.llama_server, prompt, n_max, args.runs, args.threads)
-        elif args.peer_url:
-            peer = measure_url(args.peer_url, prompt, args.runs) if n_max == 0 else None
-        else:
-            peer = recorded(n_max)
-        base = base or ours["tps"]
-        if n_max == 0 and peer:
-            peer_base = peer["tps"]
-        line = f"{name:22} {ours['tps']:12.1f} {ours['accepted']:4d}/{ours['draft_n']:<5d} {ours['tps'] / base:7.2f}x"
-        if peer and peer_base:
-            line += f"   {peer['tps']:13.1f} {peer['accepted']:4d}/{peer['draft_n']:<5d} {peer['tps'] / peer_base:7.2f}x"
-        print(line, flush=True)
+            bases["peer_base"] = start(llama_cmd(args.llama_server, None)).url
+        for name, n_max in CONFIGS:
+            with ExitStack() as config_servers:
+                urls = dict(bases)
+                urls["ours_spec"] = config_servers.enter_context(_closing(Server(mtpserve_cmd(n_max)))).url
+                if args.llama_server and n_max != "auto":  # llama.cpp has no automatic length
+                    urls["peer_spec"] = config_servers.enter_context(_closing(Server(llama_cmd(args.llama_server, n_max)))).url
+                elif "peer_base" in urls:
+                    del urls["peer_base"]
+                runs = measure_rounds(urls, prompt, args.rounds)
+            ours = speedup(runs["ours_base"], runs["ours_spec"])
+            peer = speedup(runs["peer_base"], runs["peer_spec"]) if "peer_spec" in runs else None
+            if args.peer_url and n_max == args.peer_n_max:
+                completion(args.peer_url, prompt)
+                timings = [completion(args.peer_url, prompt) for _ in range(args.rounds)]
+                tps = statistics.median(t["predicted_per_second"] for t in timings)
+                peer = {"speedup": float("nan"), "base": float("nan"), "spec": tps, "draft_n": timings[-1].get("draft_n", 0),
+                        "accepted": timings[-1].get("draft_n_accepted", 0), "spread": None}  # fmt: skip
+            elif not args.llama_server and not args.peer_url:
+                peer = recorded(n_max)
+            comparable = peer is not None and peer["speedup"] == peer["speedup"]
+            verdict = ("yes" if ours["speedup"] >= peer["speedup"] else "no") if comparable else ""
+            print(f"{name:20} | {cell(ours)} | {cell(peer)} | {verdict}", flush=True)
+
+
+@contextlib.contextmanager
+def _closing(server: Server) -> Iterator[Server]:
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 if __name__ == "__main__":
