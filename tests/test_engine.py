@@ -225,3 +225,29 @@ def test_the_deployments_262144_token_context_is_plannable():
     p.check()  # fits two 22 GB cards
     with pytest.raises(InsufficientMemory, match="--cache-type-k/--cache-type-v q8_0"):
         plan(config, weights, 0, deployment, device="cuda:0", available_bytes=16 * 1024**3).check()
+
+
+class _Faulty(Engine):
+    """An engine whose sampler fails for requests that ask for exactly 13 tokens (an injected fault)."""
+
+    def _sample(self, job, logits):
+        if job.request.n_predict == 13 and len(job.generated) >= 5:
+            raise RuntimeError("injected fault")
+        return super()._sample(job, logits)
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["batched", "speculative"])
+def test_a_failing_request_fails_alone(spec):
+    from mtpserve.engine.speculative import SpecConfig
+
+    path, model, tokenizer = _model()
+    config = EngineConfig(n_parallel=4, ctx_size=4 * 2048, spec=SpecConfig("draft-mtp", n_max=2) if spec else SpecConfig())
+    prompts = [c["prompt_token_ids"] for c in _cases()[:4]]
+    with _Faulty(model, tokenizer, config, plan_for_file(path, config)) as engine:
+        alone = [engine.submit(Request(p, GREEDY, n_predict=24, ignore_eos=True)).result().tokens for p in prompts[1:]]
+        streams = [engine.submit(Request(p, GREEDY, n_predict=13 if i == 0 else 24, ignore_eos=True)) for i, p in enumerate(prompts)]
+        with pytest.raises(Exception, match="injected fault"):
+            streams[0].result()
+        assert [s.result().tokens for s in streams[1:]] == alone  # the others finish, unchanged
+        assert engine.submit(Request(prompts[0], GREEDY, n_predict=4)).result().finish_reason == "length"  # still serving
+        assert engine.memory_usage().busy_slots == 0

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -135,3 +136,29 @@ def test_chat_output_without_tools_keeps_the_tags_as_content():
     output.feed(OUTPUT)
     output.finish()
     assert "<tool_call>" in output.message()["content"] and "tool_calls" not in output.message()
+
+
+def test_limits_queue_and_tokens_per_request(tmp_path):
+    """--max-queue: beyond it 503 with Retry-After; --max-predict: a larger max_tokens is a 400."""
+    args = ["-m", str(default_model("smollm2")), "-np", "1", "--max-queue", "1", "--max-predict", "5000", "--shutdown-timeout", "1"]
+    server = ServerProcess(args, tmp_path / "log")
+    try:
+        too_many = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a", "max_tokens": 5001})
+        assert too_many.status_code == 400 and "--max-predict" in too_many.json()["error"]["message"]
+        long = {"prompt": "def main():\n", "n_predict": 5000, "ignore_eos": True, "temperature": 0, "stream": True}
+        busy, out = _stream_in_thread(server.url, long)  # takes the only slot
+        assert out["started"].wait(30)
+        waiting = threading.Thread(target=lambda: out.setdefault("queued", httpx.post(
+            f"{server.url}/completion", json={"prompt": "x", "n_predict": 2}, timeout=120)))  # fmt: skip
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            refused = httpx.post(f"{server.url}/completion", json={"prompt": "y", "n_predict": 2})
+            if refused.status_code == 503:
+                break
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "unavailable_error"
+    finally:
+        server.stop()
+    busy.join(30)
+    waiting.join(30)

@@ -9,7 +9,7 @@ import sys
 from .. import __version__
 from ..engine.request import EngineError
 from ..gguf import GGUFError
-from . import fetch_defaults, generate, inspect_model, perplexity, serve, tokenize
+from . import bench, doctor, fetch_defaults, generate, inspect_model, perplexity, pull, quantize, serve, tokenize
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,10 +18,14 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     inspect_model.add_parser(subparsers)
     fetch_defaults.add_parser(subparsers)
+    pull.add_parser(subparsers)
     tokenize.add_parser(subparsers)
     generate.add_parser(subparsers)
     perplexity.add_parser(subparsers)
     serve.add_parser(subparsers)
+    quantize.add_parser(subparsers)
+    bench.add_parser(subparsers)
+    doctor.add_parser(subparsers)
     return parser
 
 

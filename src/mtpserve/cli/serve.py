@@ -43,6 +43,9 @@ GPU_FLAGS = ("gpu_layers", "split_mode", "tensor_split", "main_gpu", "device", "
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve a model over HTTP (OpenAI API, llama-server's flags)")
     p.add_argument("-m", "--model", help="GGUF file (default: the embedded default model)")
+    p.add_argument("-hf", "--hf-repo", help="pull REPO[:QUANT] from Hugging Face (cached), then serve it")
+    p.add_argument("-hff", "--hf-file", help="with -hf: this file of the repo instead of choosing by QUANT")
+    p.add_argument("-hft", "--hf-token", help="Hugging Face token (default: HF_TOKEN or the saved login)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on, or a path ending in .sock (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("-a", "--alias", help="model name(s) for the API, comma-separated")
@@ -113,6 +116,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads-http", type=int, default=-1, help="(accepted: one event loop serves HTTP)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds running requests get to finish on SIGTERM")
     p.add_argument("--max-body-size", type=int, default=DEFAULT_MAX_BODY, help="largest request body, bytes")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 503 (0: no limit)")
+    p.add_argument("--max-predict", type=int, default=0, help="most tokens one request may generate (0: the context)")
     p.add_argument("--sse-ping-interval", type=float, default=30.0, help="keep-alive comment while a stream is silent")
     p.add_argument("--perf", action=argparse.BooleanOptionalAction, default=True, help="per-request timing lines")
     p.add_argument("--no-warmup", action="store_true", help="do not read the model file ahead of the first request")
@@ -188,6 +193,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         slots_endpoint=args.slots,
         perf=args.perf,
         max_body_bytes=args.max_body_size,
+        max_queue=args.max_queue,
+        max_predict=args.max_predict,
         sse_ping_interval=args.sse_ping_interval,
         warm_page_cache=not args.no_warmup,
     )
@@ -202,6 +209,15 @@ def run(args: argparse.Namespace) -> int:
 
     verbosity = 0 if args.log_disable else 4 if args.verbose else args.verbosity
     setup_logging(verbosity, args.log_file, args.log_prefix, args.log_timestamps, args.log_format == "json")
+    if args.hf_repo:
+        if args.model:
+            raise ValueError("give either -m FILE or -hf REPO[:QUANT], not both")
+        from .. import hub
+
+        hub.quiet_library_logs()
+        log.info("srv  llama_server: pulling '%s' from Hugging Face", args.hf_repo)
+        files = [args.hf_file] if args.hf_file else []
+        args.model = str(hub.pull(args.hf_repo, files, token=args.hf_token)[0])
     settings = settings_from_args(args)
     apply_threads(args.threads)
     log.info("log_info: verbosity = %d (adjust with the `-lv N` CLI arg)", verbosity)

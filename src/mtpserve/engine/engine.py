@@ -338,6 +338,12 @@ class Engine:
             self._wake.notify()
         return stream
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        with self._wake:
+            return len(self._queue)
+
     def memory_usage(self) -> MemoryUsage:
         with self._wake:
             tokens = sum(s.state.n_past for s in self.slots)
@@ -448,6 +454,8 @@ class Engine:
     def _fail(self, slots: list[Slot], error: Exception) -> None:
         for slot in slots:
             if slot.job:
+                log.error("slot update_slots: id %2d | task %d | failed: %s: %s", slot.id, slot.job.stream.id,
+                          type(error).__name__, error)  # fmt: skip
                 stream, slot.job = slot.job.stream, None
                 self._reset(slot)
                 stream.put(error if isinstance(error, EngineError) else ServerError(f"{type(error).__name__}: {error}"))
@@ -603,12 +611,17 @@ class Engine:
         self.n_busy_slots_total += n_slots
 
     def _decode(self, slots: list[Slot]) -> None:
+        """One pass for all generating slots. A failed pass fails them all (their states are half-updated);
+        a failure after it (sampling, detokenizing, delivering) fails only its own request."""
         self._count_pass(len(slots))
         tokens = [s.job.pending for s in slots]
         logits = self.model.decode_batch(tokens, [s.state for s in slots])
         for slot, token, row in zip(slots, tokens, logits):
             slot.tokens.append(token)
-            self._emit(slot, row)
+            try:
+                self._emit(slot, row)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the others'
+                self._fail([slot], e)
 
     def _limit(self, job: Job) -> int:
         n = job.request.n_predict

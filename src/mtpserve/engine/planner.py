@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -133,3 +133,46 @@ def plan_for_file(path: str | Path, engine: EngineConfig, device: str = "cpu") -
     config = config_from_gguf(gguf)
     total, mtp = weight_bytes(gguf, config)
     return plan(config, total, mtp, engine, device, available_memory(device))
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    config: EngineConfig
+    plan: MemoryPlan
+    changes: tuple[str, ...]  # the flags changed from what was asked, as llama-server flags
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.available_bytes is None or self.plan.required_bytes <= self.plan.available_bytes
+
+
+def recommend(path: str | Path, engine: EngineConfig, device: str = "cpu", available_bytes: int | None = None) -> Recommendation:
+    """The configuration to run `path` with: the one asked for if it fits, else the nearest that does, by
+    the server's own planner -- first a q8_0 KV cache, then fewer checkpoints, then a halved context down
+    to 4096 tokens per slot. `available_bytes` overrides the free memory measured now (for what-ifs)."""
+    gguf = open_gguf(path)
+    config = config_from_gguf(gguf)
+    total, mtp = weight_bytes(gguf, config)
+    free = available_memory(device) if available_bytes is None else available_bytes
+
+    def attempt(candidate: EngineConfig) -> MemoryPlan:
+        return plan(config, total, mtp, candidate, device, free)
+
+    current, changes = engine, []
+    best = attempt(current)
+    steps: list[tuple[str, dict]] = []
+    if (engine.cache_type_k, engine.cache_type_v) != ("q8_0", "q8_0"):
+        steps.append(("-ctk q8_0 -ctv q8_0", {"cache_type_k": "q8_0", "cache_type_v": "q8_0"}))
+    if engine.ctx_checkpoints > 8 and "gated_deltanet" in config.layer_kinds():
+        steps.append(("--ctx-checkpoints 8", {"ctx_checkpoints": 8}))
+    ctx = slot_context(config, engine) * engine.n_parallel
+    while ctx // 2 >= 4096 * engine.n_parallel:
+        ctx //= 2
+        steps.append((f"-c {ctx}", {"ctx_size": ctx}))
+    for flag, change in steps:
+        if best.available_bytes is None or best.required_bytes <= best.available_bytes:
+            break
+        current = replace(current, **change)
+        best = attempt(current)
+        changes = [c for c in changes if not (c.startswith("-c ") and flag.startswith("-c "))] + [flag]
+    return Recommendation(current, best, tuple(changes))

@@ -1,7 +1,8 @@
 """The HTTP layer: llama-server's endpoints on FastAPI (../shared/spec/server-api.md). It validates a
 request, hands it to the engine, and streams the engine's events back; it holds no model logic.
 
-Every request passes, in order: CORS (the request's Origin echoed), readiness (503 `Loading model` until
+Tokenizing and rendering templates run in a worker thread (a megabyte of prompt must not stall the event
+loop, and every other stream with it). Every request passes, in order: CORS (the request's Origin echoed), readiness (503 `Loading model` until
 the model is loaded, /health included, the web page excepted), the API key (all but /health, /v1/health,
 /v1/models, /models and the web page -- llama-server's public set; keys compared in constant time), then
 the handler. Client mistakes are 4xx in OpenAI's error shape (errors.py); a client that goes away cancels
@@ -25,11 +26,12 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import Engine, EngineError, FinishEvent, RequestStream, TokenEvent
 from ..tokenizer import ChatTemplate, Tokenizer
-from . import params
+from . import params, schema
 from .chat import ChatOutput, ChatPlan, plan_chat
 from .errors import LOADING, NOT_FOUND, UNAUTHORIZED, APIError, invalid
 from .params import Body, Completion
@@ -37,7 +39,7 @@ from .state import ServerState
 
 log = logging.getLogger("mtpserve.server")
 
-PUBLIC_PATHS = {"/health", "/v1/health", "/v1/models", "/models"}
+PUBLIC_PATHS = {"/health", "/v1/health", "/v1/models", "/models", "/openapi.json"}
 ID_ALPHABET = string.ascii_letters + string.digits
 WATCH_INTERVAL = 0.25  # seconds between checks for a client that went away
 
@@ -52,7 +54,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.code)
+        return JSONResponse(e.body(), status_code=e.code, headers=e.headers)
 
     @app.exception_handler(EngineError)
     async def engine_error(_: Request, e: EngineError) -> JSONResponse:
@@ -90,12 +92,12 @@ def create_app(state: ServerState) -> FastAPI:
     # --- small endpoints ------------------------------------------------------------------------------
 
     @router.get("/health")
-    @router.get("/v1/health")
+    @router.get("/v1/health", include_in_schema=False)
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
     @router.get("/v1/models")
-    @router.get("/models")
+    @router.get("/models", include_in_schema=False)
     async def models() -> dict[str, Any]:
         engine = _engine(state)
         config = engine.model.config
@@ -156,7 +158,7 @@ def create_app(state: ServerState) -> FastAPI:
         headers = {"Process-Start-Time-Unix": str(int(state.metrics.start_time))}
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4", headers=headers)
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", openapi_extra=schema.body(schema.TOKENIZE))
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await _body(request, settings.max_body_bytes)
         tokenizer = _tokenizer(state)
@@ -165,9 +167,9 @@ def create_app(state: ServerState) -> FastAPI:
             raise invalid("'content' is required")
         add_special, parse_special = body.bool("add_special", False), body.bool("parse_special", True)
         if isinstance(content, str):
-            ids = tokenizer.encode(content, add_special=add_special, parse_special=parse_special)
+            ids = await run_in_threadpool(tokenizer.encode, content, add_special, parse_special)
         else:
-            ids = params.prompt_tokens(content, tokenizer, "content")
+            ids = await run_in_threadpool(params.prompt_tokens, content, tokenizer, "content")
         if not body.bool("with_pieces", False):
             return {"tokens": ids}
         pieces = []
@@ -180,7 +182,7 @@ def create_app(state: ServerState) -> FastAPI:
             pieces.append({"id": i, "piece": piece})
         return {"tokens": pieces}
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", openapi_extra=schema.body(schema.DETOKENIZE))
     async def detokenize(request: Request) -> dict[str, str]:
         body = await _body(request, settings.max_body_bytes)
         tokens = body.raw("tokens", [])
@@ -191,10 +193,10 @@ def create_app(state: ServerState) -> FastAPI:
             raise invalid(f"Field 'tokens': token ids must be in 0..{tokenizer.n_vocab - 1}")
         return {"content": tokenizer.decode(tokens)}
 
-    @router.post("/apply-template")
+    @router.post("/apply-template", openapi_extra=schema.body(schema.CHAT))
     async def apply_template(request: Request) -> dict[str, str]:
         body = await _body(request, settings.max_body_bytes)
-        plan = plan_chat(body, _template(state), _tokenizer(state), settings.chat)
+        plan = await run_in_threadpool(plan_chat, body, _template(state), _tokenizer(state), settings.chat)
         return {"prompt": _tokenizer(state).decode(plan.prompt)}
 
     # --- generation -----------------------------------------------------------------------------------
@@ -206,12 +208,13 @@ def create_app(state: ServerState) -> FastAPI:
         tokenizer = _tokenizer(state)
         if isinstance(body.raw(n_probs_field), bool):
             raise invalid(f"Field '{n_probs_field}': expected an integer (the number of top tokens)")
-        prompt = params.prompt_tokens(body.raw("prompt"), tokenizer)
+        prompt = await run_in_threadpool(params.prompt_tokens, body.raw("prompt"), tokenizer)
         n_probs = params.n_probs(body, n_probs_field)
-        return params.completion(body, prompt, tokenizer, settings.sampling, settings.engine.n_predict, n_probs), tokenizer
+        return params.completion(body, prompt, tokenizer, settings.sampling, settings.engine.n_predict, n_probs,
+                                 settings.max_predict), tokenizer
 
-    @router.post("/completion")
-    @router.post("/completions")
+    @router.post("/completion", openapi_extra=schema.body(schema.NATIVE))
+    @router.post("/completions", include_in_schema=False)
     async def completion_native(request: Request) -> Response:
         job, _ = await text_job(request, "n_probs")
         stream = _submit(state, job)
@@ -220,7 +223,7 @@ def create_app(state: ServerState) -> FastAPI:
         finish, tokens = await _collect(request, stream)
         return JSONResponse(_native_final(state, job, finish, tokens, finish.text))
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", openapi_extra=schema.body(schema.COMPLETION))
     async def completion_openai(request: Request) -> Response:
         job, tokenizer = await text_job(request, "logprobs")
         stream = _submit(state, job)
@@ -232,15 +235,16 @@ def create_app(state: ServerState) -> FastAPI:
                   "finish_reason": finish.finish_reason}  # fmt: skip
         return JSONResponse(_envelope(state, cid, "text_completion", [choice], finish))
 
-    @router.post("/v1/chat/completions")
-    @router.post("/chat/completions")
+    @router.post("/v1/chat/completions", openapi_extra=schema.body(schema.CHAT))
+    @router.post("/chat/completions", include_in_schema=False)
     async def chat_completion(request: Request) -> Response:
         body = await _body(request, settings.max_body_bytes)
         _check_model(body, state)
         tokenizer, template = _tokenizer(state), _template(state)
-        plan = plan_chat(body, template, tokenizer, settings.chat)
+        plan = await run_in_threadpool(plan_chat, body, template, tokenizer, settings.chat)
         n_probs = max(plan.top_logprobs, 1) if plan.logprobs else 0  # 1 at least: the token's own logprob
-        job = params.completion(body, plan.prompt, tokenizer, settings.sampling, settings.engine.n_predict, n_probs)
+        job = params.completion(body, plan.prompt, tokenizer, settings.sampling, settings.engine.n_predict, n_probs,
+                                settings.max_predict)
         job.request.keep_special = state.keep_special
         if plan.last_user_start:
             job.request.checkpoint_at = (plan.last_user_start,)
@@ -261,8 +265,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     if settings.webui:
 
-        @router.get("/", response_class=HTMLResponse)
-        @router.get("/index.html", response_class=HTMLResponse)
+        @router.get("/", response_class=HTMLResponse, include_in_schema=False)
+        @router.get("/index.html", response_class=HTMLResponse, include_in_schema=False)
         async def index() -> HTMLResponse:
             page = resources.files("mtpserve.server").joinpath("static/index.html").read_text(encoding="utf-8")
             return HTMLResponse(page)
@@ -332,7 +336,13 @@ def _check_model(body: Body, state: ServerState) -> None:
 
 
 def _submit(state: ServerState, job: Completion) -> RequestStream:
-    return _engine(state).submit(job.request)  # EngineErrors (context size, bad slot) become their 4xx
+    """Queue a request; refused with 503 + Retry-After when --max-queue requests already wait for a slot.
+    EngineErrors (context size, bad slot) become their 4xx."""
+    engine, limit = _engine(state), state.settings.max_queue
+    if limit and engine.queued >= limit:
+        raise APIError(f"the server is busy: {limit} requests are already waiting for a slot (--max-queue); retry later",
+                       "unavailable_error", 503, headers={"Retry-After": "1"})  # fmt: skip
+    return engine.submit(job.request)
 
 
 def _random_id() -> str:

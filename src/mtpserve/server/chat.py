@@ -18,6 +18,7 @@ from .errors import invalid, unsupported
 from .params import Body
 
 REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's; others are refused
 PRESERVED_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>")  # special tokens emitted as text
 
 
@@ -50,6 +51,10 @@ def plan_chat(body: Body, template: ChatTemplate, tokenizer: Tokenizer, settings
         raise invalid("'messages' is required")
     if not isinstance(messages, list) or not messages:
         raise invalid("Field 'messages': expected a non-empty array of messages")
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ROLES:
+            raise invalid(f"Field 'messages[{i}].role': expected one of {', '.join(ROLES)}, got {role!r}"[:300])
     tools = body.raw("tools")
     if tools is not None and not isinstance(tools, list):
         raise invalid("Field 'tools': expected an array")

@@ -13,9 +13,13 @@ from typing import Any
 class APIError(Exception):
     """A request the server refuses or could not serve; carries its HTTP status and error type."""
 
-    def __init__(self, message: str, type: str = "invalid_request_error", code: int = 400, **extra: Any) -> None:
+    def __init__(
+        self, message: str, type: str = "invalid_request_error", code: int = 400, headers: dict[str, str] | None = None,
+        **extra: Any,
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.message, self.type, self.code, self.extra = message, type, code, extra
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"code": self.code, "message": self.message, "type": self.type, **self.extra}}

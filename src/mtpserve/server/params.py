@@ -180,12 +180,19 @@ def stop_strings(body: Body) -> list[str]:
     return [s for s in stop if s]
 
 
-def n_predict(body: Body, server_default: int) -> int:
-    """llama-server's n_predict (-1 = unlimited), or OpenAI's max_tokens / max_completion_tokens (>= 1)."""
+def n_predict(body: Body, server_default: int, cap: int = 0) -> int:
+    """llama-server's n_predict (-1 = unlimited), or OpenAI's max_tokens / max_completion_tokens (>= 1);
+    at most `cap` when the server sets one (--max-predict: then -1 means the cap)."""
     for key in ("max_completion_tokens", "max_tokens"):
         if body.has(key):
-            return body.int(key, 0, lo=1)
-    return body.int("n_predict", server_default, lo=-1)
+            return _capped(key, body.int(key, 0, lo=1), cap)
+    return _capped("n_predict", body.int("n_predict", server_default, lo=-1), cap)
+
+
+def _capped(key: str, value: int, cap: int) -> int:
+    if cap and value > cap:
+        raise invalid(f"Field '{key}': {value} is over this server's limit of {cap} tokens per request (--max-predict)")
+    return cap if cap and value < 0 else value
 
 
 def prompt_tokens(value: Any, tokenizer: Tokenizer, field_name: str = "prompt") -> list[int]:
@@ -200,6 +207,8 @@ def prompt_tokens(value: Any, tokenizer: Tokenizer, field_name: str = "prompt") 
             if isinstance(part, bool):
                 raise invalid(f"Field '{field_name}': expected token ids or strings")
             if isinstance(part, int):
+                if not 0 <= part < tokenizer.n_vocab:
+                    raise invalid(f"Prompt contains invalid tokens: id {part} is outside the vocabulary (0..{tokenizer.n_vocab - 1})")
                 out.append(part)
             elif isinstance(part, str):
                 out += tokenizer.encode(part, add_special=i == 0, parse_special=True)
@@ -229,15 +238,16 @@ def n_probs(body: Body, key: str = "n_probs") -> int:
 
 
 def completion(
-    body: Body, prompt: list[int], tokenizer: Tokenizer, defaults: SamplingParams, server_n_predict: int, n_probs: int
-) -> Completion:
+    body: Body, prompt: list[int], tokenizer: Tokenizer, defaults: SamplingParams, server_n_predict: int, n_probs: int,
+    max_predict: int = 0,
+) -> Completion:  # fmt: skip
     """The completion fields shared by /completion, /v1/completions and /v1/chat/completions; `n_probs`:
     top probabilities to report per token (the endpoints name that field differently)."""
     check_unsupported(body)
     request = Request(
         prompt,
         sampling_params(body, tokenizer, defaults),
-        n_predict=n_predict(body, server_n_predict),
+        n_predict=n_predict(body, server_n_predict, max_predict),
         stop=stop_strings(body),
         ignore_eos=body.bool("ignore_eos", False),
         cache_prompt=body.bool("cache_prompt", True),

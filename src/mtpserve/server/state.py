@@ -24,7 +24,7 @@ from .metrics import ServerMetrics
 
 log = logging.getLogger("mtpserve.server")
 
-DEFAULT_MAX_BODY = 16 << 20  # bytes: a full 262144-token prompt as JSON token ids fits several times
+DEFAULT_MAX_BODY = 8 << 20  # bytes: a full 262144-token prompt as JSON token ids (~2 MB) fits several times
 
 
 @dataclass
@@ -46,6 +46,8 @@ class ServerSettings:
     slots_endpoint: bool = True
     perf: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY
+    max_queue: int = 256  # requests waiting for a slot before new ones get 503 (0: no limit)
+    max_predict: int = 0  # tokens one request may ask for (0: no limit but the context)
     sse_ping_interval: float = 30.0
     warm_page_cache: bool = True
 

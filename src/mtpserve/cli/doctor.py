@@ -1,0 +1,131 @@
+"""`mtpserve doctor`: what this machine has for mtpserve, and for a model and flags whether it fits and
+which flags to use -- by the same planner the server refuses configurations with.
+
+Checks: Python, torch (CUDA build or CPU build), triton, the C compiler the CPU kernels are built with,
+CPU features (AVX2, AVX-512, FMA, F16C), cores and free memory, GPUs (torch's view, and `nvidia-smi`'s
+when it is installed: driver, compute capability, free memory). Each line says ok, note or problem; the
+exit status is 1 when something would stop `mtpserve serve` (no compiler, a model that cannot fit).
+
+GPU placement (--gpu-layers, --tensor-split) is planned by the CUDA backend, which is not built yet: on
+a GPU machine doctor says so and plans for the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from ..engine.planner import EngineConfig, recommend
+from ..quant import CACHE_TYPES
+from .common import model_path
+
+GIB = 1 << 30
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("doctor", help="check this machine, and whether a model fits with given flags")
+    p.add_argument("-m", "--model", help="GGUF file to plan for (default: the default model)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096)
+    p.add_argument("-np", "--parallel", type=int, default=1)
+    p.add_argument("-ctk", "--cache-type-k", default="f16", choices=sorted(CACHE_TYPES))
+    p.add_argument("-ctv", "--cache-type-v", default="f16", choices=sorted(CACHE_TYPES))
+    p.add_argument("--memory", type=float, help="plan for this many GiB free instead of what is free now")
+    p.set_defaults(func=run)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _line(status: str, what: str, detail: str) -> None:
+    print(f"[{status:^7}] {what:14} {detail}")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def nvidia_smi() -> list[str]:
+    """One line per GPU from nvidia-smi (name, driver, compute capability, memory), if it is there."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    query = "name,driver_version,compute_cap,memory.total,memory.free"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20, check=True).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as e:
+        return [f"nvidia-smi failed: {e}"]
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def run(args: argparse.Namespace) -> int:
+    problems = 0
+    _line("ok" if sys.version_info >= (3, 11) else "problem", "python", f"{platform.python_version()} ({sys.executable})")
+    cuda_build = torch.version.cuda
+    _line("ok", "torch", f"{torch.__version__} ({'CUDA ' + cuda_build + ' build' if cuda_build else 'CPU build'})")
+    triton = _version("triton")
+    _line("ok" if triton else "note", "triton", triton or "not installed (needed by the CUDA backend only)")
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler:
+        _line("ok", "C compiler", f"{compiler} (the CPU kernels are compiled with it on first use)")
+    else:
+        problems += 1
+        _line("problem", "C compiler", "none: install gcc (the CPU kernels are compiled on first use)")
+    flags = cpu_flags()
+    have = [f for f in CPU_FLAGS if f in flags]
+    _line("ok" if "avx2" in flags else "note", "CPU", f"{platform.machine()}, {torch.get_num_threads()} threads, "
+          f"features: {' '.join(have) or 'none of ' + ' '.join(CPU_FLAGS)}")  # fmt: skip
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for i in range(gpus):
+        props = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i)
+        _line("ok", f"GPU {i}", f"{props.name}, compute capability {props.major}.{props.minor}, "
+              f"{free / GIB:.1f} of {total / GIB:.1f} GiB free")  # fmt: skip
+    for line in nvidia_smi():
+        _line("ok", "nvidia-smi", line)
+    if not gpus:
+        _line("note", "GPU", "none visible to torch: mtpserve runs on the CPU")
+    else:
+        _line("note", "GPU backend", "the CUDA backend is not built yet: mtpserve plans and runs on the CPU")
+
+    path = model_path(args)
+    engine = EngineConfig(n_parallel=args.parallel, ctx_size=args.ctx_size, cache_type_k=args.cache_type_k,
+                          cache_type_v=args.cache_type_v)  # fmt: skip
+    available = int(args.memory * GIB) if args.memory is not None else None
+    rec = recommend(path, engine, "cpu", available)
+    plan = rec.plan
+    need, free = plan.required_bytes / GIB, (plan.available_bytes or 0) / GIB
+    asked = f"-c {args.ctx_size} -np {args.parallel} -ctk {args.cache_type_k} -ctv {args.cache_type_v}"
+    if rec.fits and not rec.changes:
+        _line("ok", "model", f"{path.name} fits with {asked}: needs {need:.2f} GiB, {free:.2f} GiB free")
+    elif rec.fits:
+        _line("note", "model", f"{path.name} does not fit with {asked}; it fits with {' '.join(rec.changes)}: "
+              f"needs {need:.2f} GiB, {free:.2f} GiB free")  # fmt: skip
+    else:
+        problems += 1
+        _line("problem", "model", f"{path.name} does not fit even with {' '.join(rec.changes) or asked}: needs "
+              f"{need:.2f} GiB, {free:.2f} GiB free")  # fmt: skip
+    e = plan.estimate
+    c = rec.config
+    print(f"{'':10}memory: weights {e.weights_bytes / GIB:.2f} GiB, KV {e.kv_bytes / GIB:.2f} GiB, recurrent state "
+          f"{e.recurrent_bytes / GIB:.3f} GiB, checkpoints up to {plan.checkpoints_bytes_max / GIB:.3f} GiB")  # fmt: skip
+    print(f"{'':10}recommended: mtpserve serve -m {path} -c {c.ctx_size} -np {c.n_parallel} "
+          f"-ctk {c.cache_type_k} -ctv {c.cache_type_v} --ctx-checkpoints {c.ctx_checkpoints} --gpu-layers 0")  # fmt: skip
+    return 1 if problems else 0
