@@ -1,0 +1,614 @@
+"""Which device holds each layer: llama-server's `--gpu-layers`, `--split-mode`, `--tensor-split` and
+`--main-gpu`, planned before anything is loaded, for any list of devices (CUDA GPUs, or CPU "devices" in
+tests: nothing here depends on the kind of device).
+
+Layers and their numbering (llama.cpp's, src/llama-model.cpp `load_tensors`)
+-------------------------------------------------------------------------------
+`n = n_layer_all` counts the trunk blocks and the MTP/NextN blocks (`block_count`: 64 + 1 = 65 for
+Qwen3.6-27B); the output layer (final norm + LM head) is "layer" `n`, so there are `n + 1` offloadable layers
+(66 for the 27B: `--gpu-layers all` means `n + 1`). The token embedding is never offloaded: llama.cpp keeps
+the input layer on the CPU ("very little benefit"), and so does this planner. A block's KV cache (attention)
+or recurrent state (Gated DeltaNet) lives on the block's device; the MTP block's KV with the MTP block.
+
+The layer rule (`assign_layers`), with `N` = --gpu-layers and `D` devices:
+
+    i_gpu_start = max(n + 1 - N, 0)          # the LAST N layers are offloaded, the output layer counted
+    act         = min(N, n + 1)               # (0 when there are no devices)
+    s_d         = (w_0 + ... + w_d) / (w_0 + ... + w_{D-1})       for d = 0 .. D-1, in float32
+    layer il < i_gpu_start                -> CPU (host)
+    layer il >= i_gpu_start               -> device upper_bound(s, (il - i_gpu_start) / act)
+                                             = the first d with s_d > (il - i_gpu_start) / act
+
+where `w` is --tensor-split, or, when it is absent or all zero, each device's free memory (llama.cpp:
+"default split, by free memory"). Entries of --tensor-split beyond the device count are ignored (llama.cpp
+copies only `n_devices` of them). Example, the 27B with `-ngl all -ts 1,1`: s = (0.5, 1.0), act = 66, so
+layer il goes to GPU0 iff il / 66 < 0.5, i.e. il <= 32: GPU0 holds blocks 0-32 (33 blocks), GPU1 blocks
+33-63, the MTP block 64 and the output layer.
+
+Split modes
+-----------
+* `layer`: whole layers by the rule above; only the hidden state crosses devices.
+* `none`: the device list is reduced to `devices[main_gpu]` (llama.cpp src/llama.cpp), so every offloaded
+  layer lands there.
+* `row`: every offloaded layer's home (its small tensors, its KV cache and recurrent state, the compute
+  buffers) is `devices[main_gpu]` ("-mg: the GPU ... for intermediate results and KV (with split-mode =
+  row)", llama-server's help), and the weights of the layers and of the output layer are split by rows
+  across all devices in the ratio of --tensor-split (all zero: of each device's total memory, as ggml-cuda's
+  default split). The planner counts a layer's whole weight bytes as split (its norms and biases are under
+  0.1% of it); `Placement.row_shares` records each device's fraction. Note: the llama.cpp tree vendored here
+  no longer ships a CUDA split buffer (row mode throws "does not support split buffers" there), so `row`
+  follows the classic behaviour its help still describes.
+* `tensor` (llama.cpp's experimental weight+KV split) is not planned.
+
+What is counted on each device (`DeviceUse`)
+--------------------------------------------
+weights (from the GGUF's tensor sizes, `layer_bytes_from_gguf`), KV cache of its attention blocks (as
+`models.memory`: cells padded to 256 per slot, `-ctk/-ctv` types), recurrent state of its Gated DeltaNet
+blocks (float32, one row per slot), the MTP block's weights and KV (only with `--spec-type draft-mtp`:
+llama.cpp loads the MTP tensors only then, `load_mtp`), and a compute reserve (`compute_reserve_bytes`):
+`4 B x ubatch x (3 n_ff + 4 n_embd)` of activations on every device that runs part of the graph, plus the
+logits of a whole micro-batch, `4 B x n_vocab x ubatch`, on the output layer's device (llama.cpp reserves
+its graphs for `n_outputs = n_ubatch`). The host also holds the token embedding and the recurrent-state
+checkpoints of prompt reuse (`--ctx-checkpoints`, host memory in llama-server). A device fits when its
+total is at most its free memory; the host is checked only when it is given.
+
+`--gpu-layers auto` (llama.cpp's `--fit`, common/fit.cpp, without its context shrinking: see
+`planner.recommend` for that)
+------------------------------------------------------------------------------------------------------
+1. If `-ngl all` with the given split leaves `fit_margin_bytes` (1 GiB, llama.cpp's `--fit-target`) free on
+   every device, that is the answer.
+2. Otherwise, with `--split-mode layer` and no --tensor-split: fill the devices back to front. The last
+   device takes the largest k_{D-1} of the last layers (the output layer first) whose bytes (weights + KV +
+   state + reserve) fit its free memory less the margin; the device before it the largest k_{D-2} of the
+   layers before those, and so on. Then N = sum k_d and --tensor-split = (k_0, ..., k_{D-1}), which the layer
+   rule maps back to exactly these contiguous ranges.
+3. Otherwise (an explicit --tensor-split, `none` or `row`): the largest N from `n + 1` down to 0 whose
+   placement by the rule fits every device less the margin (a linear scan: at most `n + 2` cheap placements,
+   no monotonicity assumed).
+With nothing offloadable, N = 0 and everything stays on the host.
+
+What the server will do with a Placement (the CUDA backend is not built yet)
+----------------------------------------------------------------------------
+At startup the server resolves `--device` to a device list (free memory from the driver), calls `place()`
+and logs the plan like llama.cpp ("offloaded 66/66 layers", per-device buffer sizes); an
+`InsufficientMemory` stops it before any weight is read. The loader then reads each tensor straight into
+its device: `token_embd` into host memory, block `il`'s tensors to `block_device[il]` (in `row` mode its
+matrices sliced by rows into `row_shares`), the output layer to `output_device`; each device allocates the
+KV cache and recurrent state of its own blocks (the MTP block's with it). A forward pass embeds on the host,
+runs each device's contiguous range of blocks on that device's stream, copies only the hidden state
+(n_tokens x n_embd) at each device boundary, and computes logits on the output device; CPU-resident blocks
+(partial offload) run on the existing CPU path. Decode and verification steps per device are captured as
+CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from ..gguf import GGUFFile
+from ..models.config import ModelConfig
+from ..models.memory import CTX_PAD, kv_bytes_per_cell, kv_cells
+from ..quant.types import bytes_per_element, parse_cache_type
+from .planner import GIB, EngineConfig, InsufficientMemory
+
+FIT_MARGIN_BYTES = 1024**3  # llama.cpp's --fit-target default: memory `auto` leaves free on each device
+SPLIT_MODES = ("none", "layer", "row")
+
+LayerKey = int | str  # a trunk block index, "mtp", "output" or "token_embd"
+GpuLayers = int | Literal["all", "auto"]
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str  # as logged: "CUDA0", "CPU0", ...
+    kind: str  # "cpu" | "cuda"
+    total_bytes: int
+    free_bytes: int
+
+
+@dataclass(frozen=True)
+class DeviceUse:
+    """What one device holds under a placement, in bytes."""
+
+    device: Device
+    blocks: tuple[int, ...]  # block indices (trunk and MTP) whose home is this device
+    output: bool  # the output layer (final norm + LM head)
+    token_embd: bool
+    weights_bytes: int
+    kv_bytes: int  # trunk attention blocks
+    recurrent_bytes: int
+    mtp_kv_bytes: int
+    compute_bytes: int
+    checkpoint_bytes: int = 0  # recurrent-state checkpoints (host only)
+    limit_bytes: int | None = None  # free memory checked against; None: not checked
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.weights_bytes + self.kv_bytes + self.recurrent_bytes + self.mtp_kv_bytes + self.compute_bytes
+            + self.checkpoint_bytes
+        )  # fmt: skip
+
+    @property
+    def fits(self) -> bool:
+        return self.limit_bytes is None or self.total_bytes <= self.limit_bytes
+
+    def describe(self) -> str:
+        parts = [
+            f"weights {self.weights_bytes / GIB:.2f} GiB ({_what(self)})",
+            f"KV cache {self.kv_bytes / GIB:.2f} GiB",
+        ]
+        if self.recurrent_bytes:
+            parts.append(f"recurrent state {self.recurrent_bytes / GIB:.2f} GiB")
+        if self.mtp_kv_bytes:
+            parts.append(f"MTP KV {self.mtp_kv_bytes / GIB:.2f} GiB")
+        if self.checkpoint_bytes:
+            parts.append(f"checkpoints {self.checkpoint_bytes / GIB:.2f} GiB")
+        parts.append(f"compute reserve {self.compute_bytes / GIB:.2f} GiB")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Placement:
+    n_layer_all: int  # trunk + MTP blocks; the output layer is index n_layer_all
+    n_gpu_layers: int  # as resolved (`all` -> n_layer_all + 1, `auto` -> what fits), output counted
+    i_gpu_start: int
+    split_mode: str
+    main_gpu: int
+    splits: tuple[float, ...]  # cumulative split points s_d of the devices layers were assigned over
+    block_device: tuple[str, ...]  # per block index: the home device's name
+    output_device: str
+    token_embd_device: str
+    uses: tuple[DeviceUse, ...]  # the host first, then the devices in the order given
+    row_shares: tuple[float, ...] | None = None  # `row`: each device's fraction of the split weights
+    notes: tuple[str, ...] = ()
+
+    def use(self, name: str) -> DeviceUse:
+        for u in self.uses:
+            if u.device.name == name:
+                return u
+        raise KeyError(name)
+
+    def layer_ranges(self) -> dict[str, list[tuple[int, int]]]:
+        """Inclusive ranges of layer indices per device (the output layer is index n_layer_all)."""
+        ranges: dict[str, list[tuple[int, int]]] = {u.device.name: [] for u in self.uses}
+        for il, name in enumerate((*self.block_device, self.output_device)):
+            r = ranges[name]
+            if r and r[-1][1] == il - 1:
+                r[-1] = (r[-1][0], il)
+            else:
+                r.append((il, il))
+        return ranges
+
+    @property
+    def fits(self) -> bool:
+        return all(u.fits for u in self.uses)
+
+    @property
+    def devices_fit(self) -> bool:
+        """Every offload device fits (the host aside)."""
+        return all(u.fits for u in self.uses[1:])
+
+    def check(self, advice: str = "") -> None:
+        """Raise InsufficientMemory naming each device that overflows, what it needs and has, and `advice`
+        (what to lower; `place` words it for the flags given)."""
+        over = [u for u in self.uses if not u.fits]
+        if not over:
+            return
+        problems = "; ".join(
+            f"{u.device.name} ({u.device.kind}) needs {u.total_bytes / GIB:.2f} GiB but has "
+            f"{(u.limit_bytes or 0) / GIB:.2f} GiB free: {u.describe()}"
+            for u in over
+        )
+        advice = advice or "Lower --gpu-layers (or use auto), --ctx-size or --parallel, or use a smaller KV cache type."
+        raise InsufficientMemory(
+            f"the model does not fit (--gpu-layers {self.n_gpu_layers} of {self.n_layer_all + 1}, --split-mode "
+            f"{self.split_mode}): {problems}. {advice}"
+        )
+
+
+def _what(u: DeviceUse) -> str:
+    items = []
+    if u.token_embd:
+        items.append("token embedding")
+    if u.blocks:
+        items.append("layers " + _ranges_text(u.blocks))
+    if u.output:
+        items.append("output layer")
+    return ", ".join(items) or "nothing"
+
+
+def _ranges_text(ids: Sequence[int]) -> str:
+    out: list[str] = []
+    start = prev = ids[0]
+    for i in (*ids[1:], None):
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(f"{start}-{prev}" if prev != start else f"{start}")
+        if i is not None:
+            start = prev = i
+    return ", ".join(out)
+
+
+# --- per-layer bytes --------------------------------------------------------------------------------
+
+
+def layer_bytes_from_sizes(sizes: Mapping[str, int], config: ModelConfig) -> dict[LayerKey, int]:
+    """Group tensor sizes {name: bytes} by layer: trunk block index -> bytes, "mtp" (all MTP blocks),
+    "output" (output norm, LM head and any other global tensor) and "token_embd". A file without
+    `output.weight` ties the LM head to the embedding, which llama.cpp then duplicates onto the output
+    layer's device: its bytes count in both "token_embd" and "output"."""
+    mtp = set(config.mtp_layers())
+    out: dict[LayerKey, int] = {i: 0 for i in range(config.n_layer)}
+    out.update({"mtp": 0, "output": 0, "token_embd": 0})
+    for name, n in sizes.items():
+        if name.startswith("blk."):
+            il = int(name.split(".")[1])
+            if il in mtp:
+                out["mtp"] += n
+            elif 0 <= il < config.n_layer:
+                out[il] += n
+            else:
+                raise ValueError(f"tensor '{name}': block {il} is outside the model's {config.n_layer} layers")
+        elif name.startswith("token_embd"):
+            out["token_embd"] += n
+        else:
+            out["output"] += n
+    if "output.weight" not in sizes:
+        out["output"] += sizes.get("token_embd.weight", 0)
+    return out
+
+
+def layer_bytes_from_gguf(gguf: GGUFFile, config: ModelConfig) -> dict[LayerKey, int]:
+    """Per-layer weight bytes as stored in the file (see `layer_bytes_from_sizes`)."""
+    return layer_bytes_from_sizes({t.name: t.n_bytes for t in gguf.tensors.values()}, config)
+
+
+# --- the rule -------------------------------------------------------------------------------------
+
+
+def split_points(weights: Sequence[float]) -> tuple[float, ...]:
+    """llama.cpp's cumulative, normalized split points, computed in float32 as it does."""
+    f32 = np.float32
+    acc, cum = f32(0), []
+    for w in weights:
+        acc = f32(acc + f32(w))
+        cum.append(acc)
+    if not acc > 0:
+        raise ValueError(f"the split proportions {list(weights)} must have a positive sum")
+    return tuple(float(f32(c / acc)) for c in cum)
+
+
+def assign_layers(n_layer_all: int, n_gpu_layers: int, splits: Sequence[float]) -> list[int | None]:
+    """Device index (None: host) of layers 0..n_layer_all, the last being the output layer (module docstring)."""
+    i_gpu_start = max(n_layer_all + 1 - n_gpu_layers, 0)
+    act = min(n_gpu_layers, n_layer_all + 1) if splits else 0
+    out: list[int | None] = []
+    for il in range(n_layer_all + 1):
+        if il < i_gpu_start or il - i_gpu_start >= act:
+            out.append(None)
+            continue
+        frac = float(np.float32(il - i_gpu_start) / np.float32(act))
+        out.append(min(bisect.bisect_right(splits, frac), len(splits) - 1))
+    return out
+
+
+def _padded_ctx(config: ModelConfig, engine: EngineConfig) -> int:
+    return -(-(engine.ctx_size or config.context_length) // CTX_PAD) * CTX_PAD
+
+
+def compute_reserve_bytes(config: ModelConfig, engine: EngineConfig, output: bool) -> int:
+    """Compute buffers a device running part of the graph keeps: f32 activations of one micro-batch
+    (FFN gate/up/product and a few hidden-state tensors), plus a micro-batch of logits on the output device."""
+    n_ff = getattr(config, "n_ff", 4 * config.n_embd)
+    reserve = 4 * engine.ubatch * (3 * n_ff + 4 * config.n_embd)
+    return reserve + (4 * config.n_vocab * engine.ubatch if output else 0)
+
+
+# --- placing -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Costs:
+    n_layer_all: int
+    weights: tuple[int, ...]  # per block
+    kv: tuple[int, ...]
+    state: tuple[int, ...]
+    mtp_kv: tuple[int, ...]
+    output: int
+    token_embd: int
+    checkpoints: int
+    reserve: int
+    reserve_output: int
+
+    def span(self, layers: Sequence[int]) -> int:
+        """Bytes of the given layer indices (the output layer = n_layer_all) with their caches and reserve."""
+        if not layers:
+            return 0
+        n = self.n_layer_all
+        total = sum(self.weights[i] + self.kv[i] + self.state[i] + self.mtp_kv[i] for i in layers if i < n)
+        return total + (self.output + self.reserve_output if n in layers else self.reserve)
+
+
+def _costs(config: ModelConfig, layer_bytes: Mapping[LayerKey, int], engine: EngineConfig) -> _Costs:
+    mtp_blocks = config.mtp_layers()
+    n_all = config.n_layer + len(mtp_blocks)
+    missing = [k for k in (*range(config.n_layer), "output", "token_embd") if k not in layer_bytes]
+    if missing:
+        raise ValueError(f"layer_bytes lacks {missing[:5]}: expected every trunk block, 'output' and 'token_embd'")
+    mtp_on = bool(mtp_blocks) and engine.spec.enabled and engine.spec.type == "draft-mtp"
+    weights = [int(layer_bytes[i]) for i in range(config.n_layer)]
+    mtp_total = int(layer_bytes.get("mtp", 0)) if mtp_on else 0
+    for j in range(len(mtp_blocks)):  # "mtp" holds all MTP blocks: share it evenly (qwen35 has at most one)
+        weights.append(mtp_total // len(mtp_blocks) + (mtp_total % len(mtp_blocks) if j == 0 else 0))
+
+    ctx = _padded_ctx(config, engine)
+    layout = config.cache_layout()
+    kv, state, mtp_kv = [0] * n_all, [0] * n_all, [0] * n_all
+
+    def kv_of(spec) -> int:
+        cells = kv_cells(spec, ctx, engine.n_parallel, False, engine.ubatch)
+        return round(cells * kv_bytes_per_cell(spec, engine.cache_type_k, engine.cache_type_v))
+
+    for s in layout.attention:
+        kv[s.layer] += kv_of(s)
+    if mtp_on:
+        for s in layout.mtp_attention:
+            mtp_kv[s.layer] += kv_of(s)
+    checkpoint = 0
+    for r in layout.recurrent:
+        one = 4 * (r.conv_state_elements + r.ssm_state_elements)
+        state[r.layer] += one * engine.n_parallel
+        checkpoint += one
+    n_checkpoints = engine.ctx_checkpoints if layout.recurrent else 0
+    return _Costs(
+        n_layer_all=n_all,
+        weights=tuple(weights),
+        kv=tuple(kv),
+        state=tuple(state),
+        mtp_kv=tuple(mtp_kv),
+        output=int(layer_bytes["output"]),
+        token_embd=int(layer_bytes["token_embd"]),
+        checkpoints=engine.n_parallel * n_checkpoints * checkpoint,
+        reserve=compute_reserve_bytes(config, engine, output=False),
+        reserve_output=compute_reserve_bytes(config, engine, output=True),
+    )
+
+
+@dataclass
+class _Tally:
+    blocks: list[int] = field(default_factory=list)
+    output: bool = False
+    runs: bool = False  # runs part of the graph: keeps a compute reserve
+    weights: int = 0
+    kv: int = 0
+    state: int = 0
+    mtp_kv: int = 0
+
+
+def _layout(
+    c: _Costs,
+    devices: Sequence[Device],
+    host: Device,
+    host_checked: bool,
+    n_gpu_layers: int,
+    split_mode: str,
+    weights_split: Sequence[float] | None,
+    main_gpu: int,
+    margin: int,
+    notes: tuple[str, ...],
+) -> Placement:
+    n = c.n_layer_all
+    if not devices:
+        targets: list[Device] = []
+        splits: tuple[float, ...] = ()
+    elif split_mode in ("none", "row"):  # every offloaded layer's home is the main GPU
+        targets, splits = [devices[main_gpu]], (1.0,)
+    else:
+        targets = list(devices)
+        splits = split_points(weights_split or [d.free_bytes for d in devices])
+    home = [host if w is None else targets[w] for w in assign_layers(n, n_gpu_layers, splits)]
+
+    row_shares: tuple[float, ...] | None = None
+    if split_mode == "row" and devices:
+        cum = split_points(weights_split or [d.total_bytes for d in devices])
+        row_shares = tuple(b - a for a, b in zip((0.0, *cum[:-1]), cum))
+
+    tally = {d.name: _Tally() for d in (host, *devices)}
+    tally[host.name].weights = c.token_embd
+    tally[host.name].runs = True  # the input embedding always runs on the host
+
+    def add_weights(dev: Device, nbytes: int) -> None:
+        if row_shares is None or dev is host:
+            tally[dev.name].weights += nbytes
+            return
+        lo, cum = 0, 0.0
+        for i, (d, share) in enumerate(zip(devices, row_shares)):
+            cum += share
+            hi = nbytes if i == len(devices) - 1 else round(nbytes * cum)
+            tally[d.name].weights += hi - lo
+            lo = hi
+
+    for il in range(n):
+        t = tally[home[il].name]
+        t.blocks.append(il)
+        t.runs = True
+        add_weights(home[il], c.weights[il])
+        t.kv += c.kv[il]
+        t.state += c.state[il]
+        t.mtp_kv += c.mtp_kv[il]
+    out_dev = home[n]
+    tally[out_dev.name].output = tally[out_dev.name].runs = True
+    add_weights(out_dev, c.output)
+
+    uses = []
+    for d in (host, *devices):
+        t, is_host = tally[d.name], d is host
+        limit = None if is_host and not host_checked else d.free_bytes - (0 if is_host else margin)
+        uses.append(
+            DeviceUse(
+                device=d,
+                blocks=tuple(t.blocks),
+                output=t.output,
+                token_embd=is_host,
+                weights_bytes=t.weights,
+                kv_bytes=t.kv,
+                recurrent_bytes=t.state,
+                mtp_kv_bytes=t.mtp_kv,
+                compute_bytes=(c.reserve_output if t.output else c.reserve) if t.runs else 0,
+                checkpoint_bytes=c.checkpoints if is_host else 0,
+                limit_bytes=limit,
+            )
+        )
+    return Placement(
+        n_layer_all=n,
+        n_gpu_layers=n_gpu_layers,
+        i_gpu_start=max(n + 1 - n_gpu_layers, 0),
+        split_mode=split_mode,
+        main_gpu=main_gpu,
+        splits=splits,
+        block_device=tuple(d.name for d in home[:n]),
+        output_device=out_dev.name,
+        token_embd_device=host.name,
+        uses=tuple(uses),
+        row_shares=row_shares,
+        notes=notes,
+    )
+
+
+def _fill_back_to_front(c: _Costs, devices: Sequence[Device], margin: int) -> list[int]:
+    """Layers per device for `auto` without a --tensor-split (module docstring, step 2)."""
+    remaining = c.n_layer_all + 1  # layers 0..n_layer_all still unassigned, taken from the back
+    counts = [0] * len(devices)
+    for d in reversed(range(len(devices))):
+        target = devices[d].free_bytes - margin
+        k = 0
+        while k < remaining and c.span(range(remaining - k - 1, remaining)) <= target:
+            k += 1
+        counts[d] = k
+        remaining -= k
+    return counts
+
+
+def place(
+    config: ModelConfig,
+    layer_bytes: Mapping[LayerKey, int],
+    engine: EngineConfig,
+    devices: Sequence[Device],
+    gpu_layers: GpuLayers = "all",
+    split_mode: str = "layer",
+    tensor_split: Sequence[float] | None = None,
+    main_gpu: int = 0,
+    *,
+    host: Device | None = None,
+    fit_margin_bytes: int = FIT_MARGIN_BYTES,
+) -> Placement:
+    """Place every layer of `config` on `devices` (the offload targets; the host keeps the rest) as
+    llama-server would for these flags, and raise InsufficientMemory when a device would overflow.
+
+    `layer_bytes`: `layer_bytes_from_gguf(...)`. `gpu_layers`: a count (the last N layers, the output layer
+    counted), "all" or "auto". `host`: the CPU with its free memory, checked when given. The rule, the
+    split modes and the `auto` search are in the module docstring."""
+    if split_mode not in SPLIT_MODES:
+        raise ValueError(f"--split-mode '{split_mode}' is not supported (use one of {', '.join(SPLIT_MODES)})")
+    host_dev = host or Device("CPU", "cpu", 0, 0)
+    names = [host_dev.name] + [d.name for d in devices]
+    if len(set(names)) != len(names):
+        raise ValueError(f"device names must be unique (the host included), got {names}")
+    if devices and split_mode in ("none", "row") and not 0 <= main_gpu < len(devices):
+        raise ValueError(f"invalid value for --main-gpu: {main_gpu} (available devices: {len(devices)})")
+    c = _costs(config, layer_bytes, engine)
+    n = c.n_layer_all
+    notes: list[str] = []
+
+    weights_split: list[float] | None = None
+    if tensor_split is not None and split_mode != "none":
+        if any(w < 0 for w in tensor_split):
+            raise ValueError(f"--tensor-split values must be >= 0, got {list(tensor_split)}")
+        if len(tensor_split) > len(devices):
+            notes.append(
+                f"--tensor-split has {len(tensor_split)} entries for {len(devices)} device(s): the extra are ignored"
+            )
+        padded = [float(w) for w in tensor_split[: len(devices)]] + [0.0] * max(len(devices) - len(tensor_split), 0)
+        if any(padded):
+            weights_split = padded
+
+    def layout(ngl: int, split: Sequence[float] | None, margin: int, extra: tuple[str, ...] = ()) -> Placement:
+        return _layout(
+            c, devices, host_dev, host is not None, ngl, split_mode, split, main_gpu, margin, (*notes, *extra)
+        )
+
+    if gpu_layers == "all":
+        ngl = n + 1
+    elif gpu_layers == "auto":
+        return _auto(c, devices, layout, split_mode, weights_split, fit_margin_bytes)
+    elif isinstance(gpu_layers, int) and not isinstance(gpu_layers, bool) and gpu_layers >= 0:
+        ngl = gpu_layers
+    else:
+        raise ValueError(f"--gpu-layers must be a count >= 0, 'all' or 'auto', got {gpu_layers!r}")
+    p = layout(ngl, weights_split, 0)
+    if not p.devices_fit:
+        best = _largest_fitting(c, layout, weights_split, 0)
+        advice = [
+            f"Lower --gpu-layers to {best} or less (the most that fit with this split and context; the rest runs on"
+            + " the CPU) or use --gpu-layers auto",
+            f"lower --ctx-size (now {_padded_ctx(config, engine)}) or --parallel (now {engine.n_parallel})",
+        ]
+        now = max(bytes_per_element(parse_cache_type(t)) for t in (engine.cache_type_k, engine.cache_type_v))
+        smaller = [t for t in ("q8_0", "q4_0") if bytes_per_element(parse_cache_type(t)) < now]
+        if smaller:
+            advice.append(
+                f"use a smaller KV cache type (-ctk/-ctv {' or '.join(smaller)}; now -ctk {engine.cache_type_k} "
+                f"-ctv {engine.cache_type_v})"
+            )
+        if len(devices) > 1 and split_mode == "layer":
+            advice.append("shift --tensor-split toward the device with room")
+        else:
+            advice.append("add a GPU (--split-mode layer spreads the layers)")
+        p.check("; ".join(advice) + ".")
+    p.check()
+    return p
+
+
+_Layout = Callable[..., Placement]
+
+
+def _largest_fitting(c: _Costs, layout: _Layout, weights_split: Sequence[float] | None, margin: int) -> int:
+    """The largest --gpu-layers whose placement by the rule fits every device less `margin` (a linear scan)."""
+    for ngl in range(c.n_layer_all + 1, -1, -1):
+        if layout(ngl, weights_split, margin).devices_fit:
+            return ngl
+    return 0
+
+
+def _auto(
+    c: _Costs,
+    devices: Sequence[Device],
+    layout: _Layout,
+    split_mode: str,
+    weights_split: Sequence[float] | None,
+    margin: int,
+) -> Placement:
+    n = c.n_layer_all
+    if not devices or layout(n + 1, weights_split, margin).devices_fit:
+        p = layout(n + 1, weights_split, 0)
+        p.check()
+        return p
+    if split_mode == "layer" and weights_split is None:
+        counts = _fill_back_to_front(c, devices, margin)
+        ngl = sum(counts)
+        split = [float(k) for k in counts] if ngl else None
+    else:
+        ngl, split = _largest_fitting(c, layout, weights_split, margin), weights_split
+    note = f"--gpu-layers auto: {ngl} of {n + 1} layers fit (leaving {margin / GIB:.2f} GiB free per device)" + (
+        f", --tensor-split {','.join(str(int(k)) for k in split)}" if split and len(split) > 1 else ""
+    )
+    p = layout(ngl, split, 0, (note,))
+    p.check()  # the host, when given, may still overflow
+    return p
