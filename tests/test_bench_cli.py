@@ -53,7 +53,7 @@ def test_bench_url_reports_per_request_and_cumulative_acceptance(tmp_path):
                            tmp_path / "server.log")  # fmt: skip
     peer = ServerProcess(["-m", str(model)], tmp_path / "peer.log")
     try:
-        result = _bench("--url", server.url, "--api-key", "k", "--peer-url", peer.url, "-n", "4", "--max-tokens", "24",
+        result = _bench("--url", server.url, "--api-key", "k", "--peer-url", peer.url, "-n", "4", "--max-tokens", "12",
                         "--out", str(tmp_path / "out"))  # fmt: skip
     finally:
         server.stop(), peer.stop()
@@ -72,14 +72,14 @@ def test_bench_url_reports_per_request_and_cumulative_acceptance(tmp_path):
 def test_bench_sweep_restarts_the_server_and_writes_table_json_and_plots(tmp_path):
     out = tmp_path / "out"
     result = _bench("-m", str(tinyqwen_path("Q4_K_M")), "--server-args", "--spec-type draft-mtp -c 4096",
-                    "--sweep", "spec-draft-n-max=0,1", "-n", "2", "--max-tokens", "16", "--depths", "600",
+                    "--sweep", "spec-draft-n-max=0,1", "-n", "2", "--max-tokens", "8", "--depths", "300",
                     "--out", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr
     data = json.loads((out / "bench.json").read_text())
     names = [c["configuration"] for c in data["configurations"]]
     assert names == ["spec-draft-n-max=0", "spec-draft-n-max=1"]
     assert data["configurations"][0]["acceptance"] is None and data["configurations"][1]["acceptance"] > 0
-    assert [d["configuration"] for d in data["depth"]] == names and all(d["prompt_n"] > 500 for d in data["depth"])
+    assert [d["configuration"] for d in data["depth"]] == names and all(d["prompt_n"] > 250 for d in data["depth"])
     for png in ("bench_configurations.png", "bench_speed_over_length.png", "bench_depth.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| spec-draft-n-max=1 |" in (out / "bench.md").read_text()

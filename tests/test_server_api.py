@@ -172,7 +172,7 @@ def test_metrics_scrape_parses_and_counts(client):
 
 # --- auth ----------------------------------------------------------------------------------------------
 
-PROTECTED = [("GET", "/props"), ("GET", "/slots"), ("GET", "/metrics"), ("POST", "/completion"), ("POST", "/completions"),
+PROTECTED = [("GET", "/props"), ("GET", "/slots"), ("GET", "/metrics"), ("GET", "/openapi.json"), ("POST", "/completion"), ("POST", "/completions"),
              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/chat/completions"),
              ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template")]  # fmt: skip
 
@@ -184,6 +184,28 @@ def test_every_protected_endpoint_wants_the_key(server, headers):
         assert_error(response, 401, "authentication_error", "Invalid API Key")
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/v1/models").status_code == 200
+
+
+def test_every_route_of_the_app_is_protected_but_the_public_ones(server, tmp_path):
+    """Not a hand-kept list: every route the app defines, asked without a key."""
+    from fastapi.routing import APIRoute
+
+    from mtpserve.server.app import PUBLIC_PATHS, create_app
+    from mtpserve.server.state import ServerSettings, ServerState
+
+    def flatten(routes):  # included routers nest their routes
+        for r in routes:
+            yield from flatten(r.original_router.routes) if hasattr(r, "original_router") else [r]
+
+    app = create_app(ServerState(ServerSettings(model=tmp_path / "m.gguf", api_keys=["x"])))
+    routes = [(method, r.path) for r in flatten(app.routes) if isinstance(r, APIRoute) for method in r.methods]
+    assert len(routes) >= 15
+    for method, path in routes:
+        response = httpx.request(method, f"{server.url}{path}", json={})
+        if path in PUBLIC_PATHS or path in ("/", "/index.html"):
+            assert response.status_code == 200, path
+        else:
+            assert_error(response, 401, "authentication_error", "Invalid API Key")
 
 
 def test_the_key_may_come_in_x_api_key_or_without_bearer(server):

@@ -13,6 +13,7 @@ infos, padding to `general.alignment`, data. Split models (`name-00001-of-00003.
 
 from __future__ import annotations
 
+import math
 import mmap
 import re
 import struct
@@ -26,6 +27,9 @@ from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantiz
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS
+# Arrays of arrays: llama.cpp accepts none, gguf-py writes them; deeper nesting than this is refused (each
+# level costs 12 bytes of file, so without a bound a small file could exhaust the stack).
+MAX_ARRAY_DEPTH = 8
 
 _SCALAR_FORMATS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "<B",
@@ -144,7 +148,9 @@ def open_gguf(path: str | Path) -> GGUFFile:
         part = _parse_file(part_path)
         split_no, split_count = part.metadata.get("split.no"), part.metadata.get("split.count")
         # llama.cpp's gguf-split writes a 0-based split.no and the total split.count in every part.
-        if split_count is not None and (split_count != count or split_no != no - 1):
+        if split_count is not None and not (
+            type(split_count) is int and type(split_no) is int and split_count == count and split_no == no - 1
+        ):
             raise GGUFError(
                 part_path, f"metadata says split {split_no} of {split_count}, file name says {no - 1} of {count}"
             )
@@ -255,6 +261,10 @@ def _parse_file(path: Path) -> _ParsedFile:
         if not 1 <= n_dims <= MAX_DIMS:
             raise GGUFError(path, f"tensor '{name}' has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")
         ne = tuple(cur.scalar("<Q", f"dimensions of tensor '{name}'") for _ in range(n_dims))
+        # ggml counts in int64: no dimension, nor the element count, may reach 2**63 (zeros aside, which
+        # numpy and torch accept but which would hide any size in the other dimensions).
+        if math.prod(d for d in ne if d) >= 2**63:
+            raise GGUFError(path, f"tensor '{name}' has dimensions {list(ne)}: more than 2**63 - 1 elements")
         type_id = cur.scalar("<I", f"type of tensor '{name}'")
         offset = cur.scalar("<Q", f"offset of tensor '{name}'")
         infos.append((name, ne, type_id, offset))
@@ -302,13 +312,15 @@ def _value_type(cur: _Cursor, what: str) -> GGUFValueType:
         raise GGUFError(cur.path, f"{what} has unknown value type {raw}") from None
 
 
-def _read_value(cur: _Cursor, vtype: GGUFValueType, what: str) -> Any:
+def _read_value(cur: _Cursor, vtype: GGUFValueType, what: str, depth: int = 0) -> Any:
     if vtype == GGUFValueType.STRING:
         return cur.string(what)
     if vtype in _SCALAR_FORMATS:
         return cur.scalar(_SCALAR_FORMATS[vtype], what)
     # ARRAY: element type, count, elements.
     etype = _value_type(cur, f"element of {what}")
+    if etype == GGUFValueType.ARRAY and depth + 1 >= MAX_ARRAY_DEPTH:
+        raise GGUFError(cur.path, f"{what} nests arrays more than {MAX_ARRAY_DEPTH} deep")
     count = cur.scalar("<Q", f"length of {what}")
     min_size = _SCALAR_DTYPES[etype].itemsize if etype in _SCALAR_DTYPES else (8 if etype == GGUFValueType.STRING else 12)
     if count * min_size > cur.size - cur.pos:
@@ -321,4 +333,4 @@ def _read_value(cur: _Cursor, vtype: GGUFValueType, what: str) -> Any:
         return values.astype(bool) if etype == GGUFValueType.BOOL else values
     if etype == GGUFValueType.STRING:
         return [cur.string(f"element {i} of {what}") for i in range(count)]
-    return [_read_value(cur, etype, f"element {i} of {what}") for i in range(count)]
+    return [_read_value(cur, etype, f"element {i} of {what}", depth + 1) for i in range(count)]

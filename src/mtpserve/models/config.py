@@ -7,6 +7,10 @@ from typing import Any, Protocol
 
 from ..gguf import GGUFError, Metadata
 
+# llama.cpp's LLAMA_MAX_LAYERS: no real model has more blocks, and a file claiming 2**32 of them must fail
+# here rather than in a per-layer loop.
+MAX_LAYERS = 512
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -73,6 +77,8 @@ def common_hparams(md: Metadata) -> dict[str, Any]:
     """
     p = md.get_str("general.architecture")
     block_count = md.get_int(f"{p}.block_count")
+    if not 1 <= block_count <= MAX_LAYERS:
+        raise GGUFError(md.source, f"{p}.block_count = {block_count}: must be 1 to {MAX_LAYERS}")
     n_embd = md.get_int(f"{p}.embedding_length")
     n_head = md.get_uniform_int(f"{p}.attention.head_count", block_count)
     head_dim = md.get_int(f"{p}.attention.key_length", n_embd // max(n_head, 1))

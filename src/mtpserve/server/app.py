@@ -39,7 +39,7 @@ from .state import ServerState
 
 log = logging.getLogger("mtpserve.server")
 
-PUBLIC_PATHS = {"/health", "/v1/health", "/v1/models", "/models", "/openapi.json"}
+PUBLIC_PATHS = {"/health", "/v1/health", "/v1/models", "/models"}
 ID_ALPHABET = string.ascii_letters + string.digits
 WATCH_INTERVAL = 0.25  # seconds between checks for a client that went away
 

@@ -49,6 +49,9 @@ SPLIT_ATTRS = Attr.CONTROL | Attr.USER_DEFINED | Attr.UNKNOWN
 PARSE_SPECIAL_ATTRS = Attr.CONTROL | Attr.UNKNOWN
 
 SUPPORTED_MODELS = ("gpt2", "llama")
+# `llama` (SentencePiece) merges are derived by cutting every token at every position (backend.score_merges),
+# which costs the square of a token's length: a longer token is refused (real vocabularies stay under 200).
+MAX_SPM_TOKEN_CHARS = 1024
 
 # Special ids: GGUF key suffix (tokenizer.ggml.<key>) per name; the deprecated prefix/suffix/middle keys last.
 _ID_KEYS = {
@@ -147,23 +150,25 @@ def load_vocab(metadata: Mapping[str, Any], source: str | Path) -> Vocab:
         dup = next(t for i, t in enumerate(tokens) if token_to_id[t] != i)
         raise GGUFError(source, f"token text {dup!r} appears twice in tokenizer.ggml.tokens")
 
+    # Numeric GGUF arrays arrive as 1-D numpy arrays; anything else (a list of strings or of arrays) is refused.
     types = metadata.get("tokenizer.ggml.token_type")
     if types is None:
         attrs = np.full(n, int(Attr.NORMAL), dtype=np.uint8)
     else:
-        types = np.asarray(types)
-        if types.ndim != 1 or types.dtype.kind not in "iu" or len(types) < n:
+        if not isinstance(types, np.ndarray) or types.ndim != 1 or types.dtype.kind not in "iu" or len(types) < n:
             raise GGUFError(source, f"tokenizer.ggml.token_type should be {n} integers")
-        table = np.zeros(max(int(types.max()), max(_TYPE_ATTR)) + 1, dtype=np.uint8)
+        table = np.zeros(max(_TYPE_ATTR) + 1, dtype=np.uint8)
         for token_type, attr in _TYPE_ATTR.items():
             table[int(token_type)] = int(attr)
-        attrs = table[np.clip(types[:n], 0, None)]  # unknown types stay UNDEFINED, as in llama.cpp
+        types = types[:n]
+        known = (types >= 0) & (types < len(table))
+        # Unknown types (negative, or beyond the table) stay UNDEFINED, as in llama.cpp.
+        attrs = np.where(known, table[np.where(known, types, 0)], 0).astype(np.uint8)
     scores = metadata.get("tokenizer.ggml.scores")
     if scores is None:
         scores = np.zeros(n, dtype=np.float32)
     else:
-        scores = np.asarray(scores)
-        if scores.ndim != 1 or scores.dtype.kind not in "iuf" or len(scores) < n:
+        if not isinstance(scores, np.ndarray) or scores.ndim != 1 or scores.dtype.kind not in "iuf" or len(scores) < n:
             raise GGUFError(source, f"tokenizer.ggml.scores should be {n} numbers")
         scores = scores[:n].astype(np.float32)
 
@@ -182,6 +187,11 @@ def load_vocab(metadata: Mapping[str, Any], source: str | Path) -> Vocab:
         special = dict.fromkeys(_ID_KEYS, None) | {"bos": 11, "eos": 11}
         add_bos, add_eos, add_space_prefix = pre_tokenizer.add_bos, False, False
     else:
+        long = next((i for i, text in enumerate(tokens) if len(text) > MAX_SPM_TOKEN_CHARS), None)
+        if long is not None:
+            chars = len(tokens[long])
+            limit = f"at most {MAX_SPM_TOKEN_CHARS} in a 'llama' vocabulary"
+            raise GGUFError(source, f"token {long} of tokenizer.ggml.tokens is {chars} characters long ({limit})")
         special = dict.fromkeys(_ID_KEYS, None) | {"bos": 1, "eos": 2, "unk": 0}
         add_bos, add_eos, add_space_prefix = True, False, True
     add_space_prefix = md.get_bool("tokenizer.ggml.add_space_prefix", add_space_prefix)

@@ -79,11 +79,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def managed_server(command: list[str], log_path: Path | None = None) -> Iterator[str]:
-    """Start `command --host 127.0.0.1 --port P`, wait for /health, yield its URL, stop it."""
+def managed_server(command: list[str], log_path: Path | None = None, info: dict[str, Any] | None = None) -> Iterator[str]:
+    """Start `command --host 127.0.0.1 --port P`, wait for /health, yield its URL, stop it. `info`, if
+    given, receives the process id as info["pid"]."""
     port = free_port()
     log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
     proc = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    if info is not None:
+        info["pid"] = proc.pid
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT
