@@ -140,7 +140,8 @@ def test_chat_output_without_tools_keeps_the_tags_as_content():
 
 def test_limits_queue_and_tokens_per_request(tmp_path):
     """--max-queue: beyond it 503 with Retry-After; --max-predict: a larger max_tokens is a 400."""
-    args = ["-m", str(default_model("smollm2")), "-np", "1", "--max-queue", "1", "--max-predict", "5000", "--shutdown-timeout", "1"]
+    args = ["-m", str(default_model("smollm2")), "-np", "1", "--max-queue", "1", "--max-predict", "5000", "--shutdown-timeout", "1",
+            "--metrics"]  # fmt: skip
     server = ServerProcess(args, tmp_path / "log")
     try:
         too_many = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a", "max_tokens": 5001})
@@ -151,11 +152,10 @@ def test_limits_queue_and_tokens_per_request(tmp_path):
         waiting = threading.Thread(target=lambda: out.setdefault("queued", httpx.post(
             f"{server.url}/completion", json={"prompt": "x", "n_predict": 2}, timeout=120)))  # fmt: skip
         waiting.start()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            refused = httpx.post(f"{server.url}/completion", json={"prompt": "y", "n_predict": 2})
-            if refused.status_code == 503:
-                break
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "llamacpp:requests_deferred 1.0" not in httpx.get(f"{server.url}/metrics").text:
+            time.sleep(0.05)  # until the second request waits in the queue
+        refused = httpx.post(f"{server.url}/completion", json={"prompt": "y", "n_predict": 2})
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["type"] == "unavailable_error"
     finally:
