@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import secrets
 import string
 import time
@@ -438,8 +439,6 @@ def _envelope(state: ServerState, cid: str, obj: str, choices: list[dict[str, An
 
 
 def _token_entry(tokenizer: Tokenizer, token: int, prob: float) -> dict[str, Any]:
-    import math
-
     raw = tokenizer.token_bytes(token)
     return {"id": token, "token": raw.decode("utf-8", errors="replace"), "bytes": list(raw),
             "logprob": math.log(prob) if prob > 0 else -9999.0}  # fmt: skip
