@@ -38,3 +38,14 @@ def test_doctor_says_what_to_change_and_fails_when_nothing_fits(capsys):
     assert "it fits with -ctk q8_0 -ctv q8_0" in capsys.readouterr().out
     assert main(["doctor", "-m", path, "-c", "262144", "--memory", "0.001"]) == 1
     assert "[problem] model" in capsys.readouterr().out
+
+
+def test_doctor_plans_layers_over_what_if_gpus(capsys):
+    """--gpus: the placement planner's auto fit over hypothetical GPUs, as flags for the server."""
+    path = str(tinyqwen_path("Q4_K_M"))
+    assert main(["doctor", "-m", path, "--gpus", "2,2"]) == 0
+    out = capsys.readouterr().out
+    assert "] CUDA0" in out and "] CUDA1" in out
+    assert "--gpu-layers all --split-mode layer --tensor-split 5,5" in out  # 8 blocks + MTP + output, halved
+    assert main(["doctor", "-m", path, "--gpus", "0.5"]) == 0  # less than llama.cpp's 1 GiB fit margin
+    assert "--gpu-layers 0 --split-mode layer" in capsys.readouterr().out

@@ -6,8 +6,10 @@ CPU features (AVX2, AVX-512, FMA, F16C), cores and free memory, GPUs (torch's vi
 when it is installed: driver, compute capability, free memory). Each line says ok, note or problem; the
 exit status is 1 when something would stop `mtpserve serve` (no compiler, a model that cannot fit).
 
-GPU placement (--gpu-layers, --tensor-split) is planned by the CUDA backend, which is not built yet: on
-a GPU machine doctor says so and plans for the CPU.
+GPUs: with GPUs visible to torch, or given as a what-if (`--gpus 22,22`: two GPUs with 22 GiB free),
+doctor plans the layers over them with the server's placement planner (engine/placement.py, llama.cpp's
+rule, `--gpu-layers auto`) and recommends `--gpu-layers`/`--tensor-split`. The CUDA backend that would
+run that plan is not built yet: today mtpserve runs everything on the CPU, and doctor says so.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from pathlib import Path
 
 import torch
 
-from ..engine.planner import EngineConfig, recommend
+from ..engine.placement import Device, layer_bytes_from_gguf, place
+from ..engine.planner import EngineConfig, InsufficientMemory, recommend
+from ..gguf import open_gguf
+from ..models import config_from_gguf
 from ..quant import CACHE_TYPES
 from .common import model_path
 
@@ -38,6 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-ctk", "--cache-type-k", default="f16", choices=sorted(CACHE_TYPES))
     p.add_argument("-ctv", "--cache-type-v", default="f16", choices=sorted(CACHE_TYPES))
     p.add_argument("--memory", type=float, help="plan for this many GiB free instead of what is free now")
+    p.add_argument("--gpus", help="plan for these GPUs instead of the ones here: free GiB each, e.g. 22,22")
     p.set_defaults(func=run)
 
 
@@ -126,6 +132,50 @@ def run(args: argparse.Namespace) -> int:
     c = rec.config
     print(f"{'':10}memory: weights {e.weights_bytes / GIB:.2f} GiB, KV {e.kv_bytes / GIB:.2f} GiB, recurrent state "
           f"{e.recurrent_bytes / GIB:.3f} GiB, checkpoints up to {plan.checkpoints_bytes_max / GIB:.3f} GiB")  # fmt: skip
+    devices = _gpu_devices(args.gpus)
+    gpu_flags = "--gpu-layers 0"
+    if devices:
+        failed, gpu_flags = _plan_gpus(path, rec.config, devices)
+        problems += failed
     print(f"{'':10}recommended: mtpserve serve -m {path} -c {c.ctx_size} -np {c.n_parallel} "
-          f"-ctk {c.cache_type_k} -ctv {c.cache_type_v} --ctx-checkpoints {c.ctx_checkpoints} --gpu-layers 0")  # fmt: skip
+          f"-ctk {c.cache_type_k} -ctv {c.cache_type_v} --ctx-checkpoints {c.ctx_checkpoints} {gpu_flags}")  # fmt: skip
     return 1 if problems else 0
+
+
+def _gpu_devices(what_if: str | None) -> list[Device]:
+    if what_if:
+        try:
+            sizes = [float(x) for x in what_if.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--gpus takes free GiB per GPU, e.g. 22,22; not '{what_if}'") from None
+        return [Device(f"CUDA{i}", "cuda", int(g * GIB), int(g * GIB)) for i, g in enumerate(sizes)]
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        out.append(Device(f"CUDA{i}", "cuda", total, free))
+    return out
+
+
+def _plan_gpus(path: Path, engine: EngineConfig, devices: list[Device]) -> tuple[int, str]:
+    """The placement planner's `--gpu-layers auto` over `devices`: (problems, the flags it recommends)."""
+    gguf = open_gguf(path)
+    config = config_from_gguf(gguf)
+    try:
+        placement = place(config, layer_bytes_from_gguf(gguf, config), engine, devices, "auto", "layer")
+    except InsufficientMemory as e:
+        _line("problem", "GPU plan", str(e))
+        return 1, "--gpu-layers 0"
+    n_all = placement.n_layer_all + 1
+    ranges = placement.layer_ranges()
+    for use in placement.uses[1:]:
+        spans = ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in ranges[use.device.name]) or "nothing"
+        _line("ok", use.device.name, f"layers {spans}: {use.total_bytes / GIB:.2f} GiB of {use.device.free_bytes / GIB:.2f} GiB free")
+    counts = [sum(1 for name in (*placement.block_device, placement.output_device) if name == d.name) for d in devices]
+    split = ",".join(str(c) for c in counts)
+    ngl = "all" if placement.n_gpu_layers == n_all else str(placement.n_gpu_layers)
+    flags = f"--gpu-layers {ngl} --split-mode layer --tensor-split {split}"
+    _line("note" if placement.n_gpu_layers < n_all else "ok", "GPU plan",
+          f"{placement.n_gpu_layers} of {n_all} layers on the GPUs: {flags} (the CUDA backend that runs this is not built yet)")  # fmt: skip
+    return 0, flags
