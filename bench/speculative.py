@@ -22,20 +22,16 @@ cannot start, so only its speed is shown; without a peer, the llama-server numbe
 from __future__ import annotations
 
 import argparse
-import contextlib
 import inspect
 import json
-import socket
 import statistics
-import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
 from mtpserve.tokenizer import Tokenizer
+from mtpserve.tuning.runner import managed_server
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 MODEL = FIXTURES / "tinyqwen35-mtp-Q4_K_M.gguf"
@@ -47,32 +43,6 @@ def speed_prompt(tokenizer: Tokenizer) -> list[int]:
     source = inspect.getsource(statistics)
     start = source.index("class NormalDist:")
     return tokenizer.encode(source[start : start + 900])
-
-
-class Server:
-    """A server subprocess on a free port, started with `cmd + [--host, --port]`."""
-
-    def __init__(self, cmd: list[str]) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        for _ in range(1200):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{cmd[0]} exited with {self.proc.returncode}: {' '.join(cmd)}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.1)
-        raise TimeoutError(f"{' '.join(cmd)} did not start")
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait()
 
 
 def completion(url: str, prompt: list[int]) -> dict:
@@ -145,24 +115,18 @@ def main() -> None:
     head = f"{'speed-up':>8} {'spec/base t/s':>13} {'accepted':>10} {'range':>9}"
     print(f"{'configuration':20} | {'mtpserve':^44} | {'llama.cpp':^44} | ours >= peer")
     print(f"{'':20} | {head} | {head} |")
-    with ExitStack() as servers:
-
-        def start(cmd: list[str]) -> Server:
-            server = Server(cmd)
-            servers.callback(server.close)
-            return server
-
-        bases = {"ours_base": start(mtpserve_cmd(None)).url}
+    with ExitStack() as servers:  # managed_server: the process on a free port, up once /health says so
+        bases = {"ours_base": servers.enter_context(managed_server(mtpserve_cmd(None)))}
         if args.llama_server:
-            bases["peer_base"] = start(llama_cmd(args.llama_server, None)).url
+            bases["peer_base"] = servers.enter_context(managed_server(llama_cmd(args.llama_server, None)))
         for name, n_max in CONFIGS:
             with ExitStack() as config_servers:
                 urls = dict(bases)
-                urls["ours_spec"] = config_servers.enter_context(_closing(Server(mtpserve_cmd(n_max)))).url
+                urls["ours_spec"] = config_servers.enter_context(managed_server(mtpserve_cmd(n_max)))
                 if args.llama_server and n_max != "auto":  # llama.cpp has no automatic length
-                    urls["peer_spec"] = config_servers.enter_context(_closing(Server(llama_cmd(args.llama_server, n_max)))).url
-                elif "peer_base" in urls:
-                    del urls["peer_base"]
+                    urls["peer_spec"] = config_servers.enter_context(managed_server(llama_cmd(args.llama_server, n_max)))
+                else:
+                    urls.pop("peer_base", None)
                 runs = measure_rounds(urls, prompt, args.rounds)
             ours = speedup(runs["ours_base"], runs["ours_spec"])
             peer = speedup(runs["peer_base"], runs["peer_spec"]) if "peer_spec" in runs else None
@@ -177,14 +141,6 @@ def main() -> None:
             comparable = peer is not None and peer["speedup"] == peer["speedup"]
             verdict = ("yes" if ours["speedup"] >= peer["speedup"] else "no") if comparable else ""
             print(f"{name:20} | {cell(ours)} | {cell(peer)} | {verdict}", flush=True)
-
-
-@contextlib.contextmanager
-def _closing(server: Server) -> Iterator[Server]:
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -155,8 +155,7 @@ def run_experiment(
             ours: dict[str, list[RequestResult]] = {}
             theirs: dict[str, list[RequestResult]] = {}
             for point in order:
-                point_workload = Workload(**{**workload.__dict__, "chat_template_kwargs":
-                                             {**workload.chat_template_kwargs, **dict(point.request)}})  # fmt: skip
+                point_workload = replace(workload, chat_template_kwargs={**workload.chat_template_kwargs, **dict(point.request)})
                 with _serving(target, point, r) as url:
                     ours[point.name], theirs[point.name] = [], []
                     for i, (label, depth, messages) in enumerate(requests):
