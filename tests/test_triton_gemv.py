@@ -10,6 +10,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the
 
 import pytest
 import torch
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton GEMV kernels cannot be tested")
 
@@ -18,7 +20,7 @@ from mtpserve.kernels.triton import quant_gemv as triton_gemv
 from mtpserve.ops.quant_gemv import quant_gemv, quant_gemv_reference, use_triton
 from mtpserve.quant.dequant import dequantize
 from mtpserve.quant.qtensor import QTensor
-from mtpserve.quant.quantize import quantize
+from mtpserve.quant.quantize import WEIGHT_QUANTIZERS, quantize
 from mtpserve.quant.types import GGMLType, block_geometry
 
 pytestmark = pytest.mark.skipif(
@@ -26,13 +28,23 @@ pytestmark = pytest.mark.skipif(
     reason="TRITON_INTERPRET was set to something other than 1 and there is no GPU",
 )
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
-TYPES = (GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
+SUPER_TYPES = (GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
+LEGACY_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1)
+TYPES = SUPER_TYPES + LEGACY_TYPES
+# The f16 fields of each block (d, and m or dmin), by byte offset.
+F16_OFFSETS = {
+    GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2),
+    GGMLType.Q8_0: (0,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,),
+}  # fmt: skip
 
 
 def _weight(qtype: GGMLType, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """Valid blocks for a random [n, k] matrix, quantized by mtpserve's own quantizers."""
+    """Valid blocks for a random [n, k] matrix, quantized by mtpserve's own quantizers (gguf-py's for Q4_1, which
+    mtpserve cannot write)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)  # rows of different scales
+    if qtype not in WEIGHT_QUANTIZERS:
+        return torch.from_numpy(gguf_quantize(w.numpy(), GGMLQuantizationType(int(qtype)))).contiguous()
     return quantize(w, qtype).contiguous()
 
 
@@ -41,8 +53,7 @@ def _random_blocks(qtype: GGMLType, n: int, k: int, seed: int = 1) -> torch.Tens
     g = torch.Generator().manual_seed(seed)
     qk, size = block_geometry(qtype)
     b = torch.randint(0, 256, (n, k // qk, size), generator=g, dtype=torch.uint8)
-    offsets = {GGMLType.Q8_0: (0,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,)}[qtype]
-    for off in offsets:
+    for off in F16_OFFSETS[qtype]:
         scale = (torch.rand(n, k // qk, generator=g) * 0.02 + 1e-3).half()
         b[:, :, off : off + 2] = scale.view(torch.uint8).view(n, k // qk, 2)
     return b.reshape(n, -1)
@@ -58,10 +69,26 @@ def test_unpacking_is_bit_exact(qtype: GGMLType, source: str) -> None:
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize(("n", "k"), [(32, 256), (96, 512)])
-@pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def _gemv_cases() -> list:
+    """Every (n, k) x m x dtype for Q8_0 and the K-quants; a spread of the same for the legacy 32-value types,
+    whose sub-tile path is Q8_0's (one block per step), to keep the interpreter run short."""
+    full = [
+        pytest.param(t, n, k, m, dt, id=f"{t.name}-{n}x{k}-m{m}-{ds}")
+        for t in SUPER_TYPES
+        for n, k in [(32, 256), (96, 512)]
+        for m in [1, 3, 8]
+        for dt, ds in [(torch.float32, "f32"), (torch.float16, "f16")]
+    ]
+    legacy = [
+        pytest.param(t, n, k, m, dt, id=f"{t.name}-{n}x{k}-m{m}-{ds}")
+        for t in LEGACY_TYPES
+        for n, k, m, dt, ds in [(32, 256, 1, torch.float16, "f16"), (96, 512, 3, torch.float32, "f32"),
+                                (32, 256, 8, torch.float32, "f32")]
+    ]  # fmt: skip
+    return full + legacy
+
+
+@pytest.mark.parametrize(("qtype", "n", "k", "m", "dtype"), _gemv_cases())
 def test_gemv_matches_reference(qtype: GGMLType, n: int, k: int, m: int, dtype: torch.dtype) -> None:
     blocks = _weight(qtype, n, k, seed=n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
@@ -98,8 +125,9 @@ def test_more_than_eight_rows_and_dispatcher() -> None:
 
 
 def test_rejects_unsupported_type_and_bad_shapes() -> None:
-    with pytest.raises(ValueError, match="no Triton GEMV for Q4_0"):
-        triton_gemv(torch.zeros(1, 32), torch.zeros(4, 18, dtype=torch.uint8), GGMLType.Q4_0)
+    with pytest.raises(ValueError, match="no Triton GEMV for Q2_K"):
+        triton_gemv(torch.zeros(1, 256), torch.zeros(4, 84, dtype=torch.uint8), GGMLType.Q2_K)
     with pytest.raises(ValueError, match="x must be"):
         triton_gemv(torch.zeros(1, 64), torch.zeros(4, 34, dtype=torch.uint8), GGMLType.Q8_0)
-    assert not use_triton(torch.zeros(1, 32), GGMLType.Q4_0)
+    assert not use_triton(torch.zeros(1, 256), GGMLType.Q2_K)
+    assert use_triton(torch.zeros(1, 32), GGMLType.Q5_0)

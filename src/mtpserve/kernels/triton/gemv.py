@@ -7,7 +7,9 @@ loads the raw bytes of its rows' sub-tiles, unpacks and scales them in registers
 order as mtpserve.quant.dequant, so the values are bit-identical to it: `dequant_blocks` checks that) and
 accumulates x . w in float32 for all m rows at once, so a verification of several tokens reads the weights
 once. f16 scales are read as two bytes, joined into a uint16 and bitcast. Layouts:
-../shared/spec/gguf-quant-formats.md §3.
+../shared/spec/gguf-quant-formats.md §3. Types: Q8_0 and the legacy Q4_0/Q4_1/Q5_0/Q5_1 (one 32-value block
+per sub-tile; real models use them: SmolLM2 is Q4_1, Gemma 3 has Q5_0) and the super-block Q4_K/Q5_K/Q6_K.
+`_dequant_sub` is also the unpacking of the prefill GEMM (gemm.py).
 
 This module stays a leaf (kernels may import only gguf): type ids and geometry come from gguf.constants.
 """
@@ -21,16 +23,24 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 MAX_ROWS = 8
 GEMV_TYPES = (
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
     GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_K,
     GGMLQuantizationType.Q5_K,
     GGMLQuantizationType.Q6_K,
 )
+_Q4_0 = tl.constexpr(int(GGMLQuantizationType.Q4_0))
+_Q4_1 = tl.constexpr(int(GGMLQuantizationType.Q4_1))
+_Q5_0 = tl.constexpr(int(GGMLQuantizationType.Q5_0))
+_Q5_1 = tl.constexpr(int(GGMLQuantizationType.Q5_1))
 _Q8_0 = tl.constexpr(int(GGMLQuantizationType.Q8_0))
 _Q4_K = tl.constexpr(int(GGMLQuantizationType.Q4_K))
 _Q5_K = tl.constexpr(int(GGMLQuantizationType.Q5_K))
 _Q6_K = tl.constexpr(int(GGMLQuantizationType.Q6_K))
-SUB = 32  # values per sub-tile: one Q8_0 block, one Q4_K/Q5_K sub-block, a quarter of a Q6_K half
+SUB = 32  # values per sub-tile: one Q8_0/Q4_x/Q5_x block, one Q4_K/Q5_K sub-block, a quarter of a Q6_K half
 
 
 @triton.jit
@@ -47,49 +57,61 @@ def _f16(ptr):
 
 
 @triton.jit
-def _k_scale_min(sp, J: tl.constexpr):
+def _k_scale_min(sp, J):
     """Q4_K/Q5_K: scale and min of sub-block J from the 12 packed bytes at sp ([BLOCK_N] pointers)."""
-    if J < 4:
-        sc = _byte(sp + J) & 63
-        mn = _byte(sp + J + 4) & 63
-    else:
-        sc = (_byte(sp + J + 4) & 0x0F) | ((_byte(sp + J - 4) >> 6) << 4)
-        mn = (_byte(sp + J + 4) >> 4) | ((_byte(sp + J) >> 6) << 4)
+    # Bytes i, i + 4 and i + 8 with i = J % 4 hold everything; selecting rather than branching keeps one code path
+    # for a J known at compile time (the GEMV) and one only known at run time (the GEMM's loop).
+    i = J % 4
+    lo = _byte(sp + i)
+    mid = _byte(sp + i + 4)
+    hi = _byte(sp + i + 8)
+    first = J < 4
+    sc = tl.where(first, lo & 63, (hi & 0x0F) | ((lo >> 6) << 4))
+    mn = tl.where(first, mid & 63, (hi >> 4) | ((mid >> 6) << 4))
     return sc.to(tl.float32), mn.to(tl.float32)
 
 
 @triton.jit
-def _dequant_sub(bp, offs, J: tl.constexpr, QTYPE: tl.constexpr):
-    """Sub-tile J (values J*32 .. J*32+31) of the blocks starting at bp [BLOCK_N, 1] -> float32 [BLOCK_N, 32]."""
+def _legacy_q(bp, offs, QS: tl.constexpr, QH: tl.constexpr):
+    """Q4_0/Q4_1 (QH < 0) and Q5_0/Q5_1: the unsigned 4- or 5-bit values of the 32-value blocks at bp, as int32."""
+    qs = tl.load(bp + QS + offs % 16).to(tl.int32)
+    q = tl.where(offs < 16, qs & 0x0F, qs >> 4)  # low nibbles are values 0..15, high nibbles 16..31
+    if QH >= 0:  # bit j of the little-endian u32 qh is the fifth bit of value j
+        qh = tl.load(bp + QH + offs // 8).to(tl.int32)
+        q = q | (((qh >> (offs % 8)) & 1) << 4)
+    return q
+
+
+@triton.jit
+def _dequant_sub(bp, offs, J, QTYPE: tl.constexpr):
+    """Sub-tile J (values J*32 .. J*32+31) of the blocks starting at bp [BLOCK_N, 1] -> float32 [BLOCK_N, 32].
+
+    J is a constexpr in the GEMV (unrolled) and a run-time value in the GEMM's loop: no branch depends on it."""
     if QTYPE == _Q8_0:
         q = tl.load(bp + 2 + offs).to(tl.int8, bitcast=True).to(tl.float32)
         w = q * _f16(bp)
+    # The legacy types in dequant.py's order: (q - 8) * d and (q - 16) * d, or q * d + m (no fused multiply-add).
+    elif QTYPE == _Q4_0:
+        w = (_legacy_q(bp, offs, 2, -1) - 8).to(tl.float32) * _f16(bp)
+    elif QTYPE == _Q4_1:
+        w = _legacy_q(bp, offs, 4, -1).to(tl.float32) * _f16(bp) + _f16(bp + 2)
+    elif QTYPE == _Q5_0:
+        w = (_legacy_q(bp, offs, 6, 2) - 16).to(tl.float32) * _f16(bp)
+    elif QTYPE == _Q5_1:
+        w = _legacy_q(bp, offs, 8, 4).to(tl.float32) * _f16(bp) + _f16(bp + 2)
     elif QTYPE == _Q4_K:
         sc, mn = _k_scale_min(bp + 4, J)
-        qs = tl.load(bp + 16 + (J // 2) * 32 + offs).to(tl.int32)
-        if J % 2 == 0:
-            q = qs & 0x0F
-        else:
-            q = qs >> 4
+        q = (tl.load(bp + 16 + (J // 2) * 32 + offs).to(tl.int32) >> ((J % 2) * 4)) & 0x0F
         w = q.to(tl.float32) * (_f16(bp) * sc) - _f16(bp + 2) * mn
     elif QTYPE == _Q5_K:
         sc, mn = _k_scale_min(bp + 4, J)
-        qs = tl.load(bp + 48 + (J // 2) * 32 + offs).to(tl.int32)
-        qh = tl.load(bp + 16 + offs).to(tl.int32)
-        if J % 2 == 0:
-            q = qs & 0x0F
-        else:
-            q = qs >> 4
-        q = q | (((qh >> J) & 1) << 4)
+        q = (tl.load(bp + 48 + (J // 2) * 32 + offs).to(tl.int32) >> ((J % 2) * 4)) & 0x0F
+        q = q | (((tl.load(bp + 16 + offs).to(tl.int32) >> J) & 1) << 4)
         w = q.to(tl.float32) * (_f16(bp) * sc) - _f16(bp + 2) * mn
     else:  # Q6_K: J = half * 4 + group
-        H: tl.constexpr = J // 4
-        G: tl.constexpr = J % 4
-        ql = tl.load(bp + H * 64 + (G % 2) * 32 + offs).to(tl.int32)
-        if G < 2:
-            ql = ql & 0x0F
-        else:
-            ql = ql >> 4
+        H = J // 4
+        G = J % 4
+        ql = (tl.load(bp + H * 64 + (G % 2) * 32 + offs).to(tl.int32) >> ((G // 2) * 4)) & 0x0F
         qh = (tl.load(bp + 128 + H * 32 + offs).to(tl.int32) >> (2 * G)) & 3
         q = (ql | (qh << 4)) - 32
         sc = tl.load(bp + 192 + J * 2 + offs // 16).to(tl.int8, bitcast=True).to(tl.float32)
@@ -140,10 +162,11 @@ def _dequant_kernel(w_ptr, out_ptr, N, n_blocks, stride_wn, QTYPE: tl.constexpr,
         tl.store(out_row + j * 32 + offs[None, :], w, mask=row_ok[:, None])
 
 
-def _check(blocks: torch.Tensor, qtype: int) -> tuple[GGMLQuantizationType, int, int]:
+def _check(blocks: torch.Tensor, qtype: int, kernel: str = "GEMV") -> tuple[GGMLQuantizationType, int, int]:
+    """The type, QK and type size of `blocks`, or a ValueError naming `kernel` (gemm.py shares these checks)."""
     t = GGMLQuantizationType(int(qtype))
     if t not in GEMV_TYPES:
-        raise ValueError(f"no Triton GEMV for {t.name} (supported: {', '.join(q.name for q in GEMV_TYPES)})")
+        raise ValueError(f"no Triton {kernel} for {t.name} (supported: {', '.join(q.name for q in GEMV_TYPES)})")
     qk, type_size = GGML_QUANT_SIZES[t]
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % type_size:
         raise ValueError(f"{t.name} blocks must be uint8 [rows, n_blocks * {type_size}], got {blocks.dtype} "
@@ -180,7 +203,9 @@ def dequant_blocks(blocks: torch.Tensor, qtype: int, *, block_n: int = 32) -> to
     t, qk, type_size = _check(blocks, qtype)
     n, n_blocks = blocks.shape[0], blocks.shape[1] // type_size
     out = torch.empty(n, n_blocks * qk, dtype=torch.float32, device=blocks.device)
+    # No fused multiply-add here (on by default for CUDA): q * d + m must round twice, as in mtpserve.quant.
     _dequant_kernel[(triton.cdiv(n, block_n), n_blocks)](
-        blocks, out, n, n_blocks, blocks.stride(0), QTYPE=int(t), QK=qk, TYPE_SIZE=type_size, BLOCK_N=block_n
-    )
+        blocks, out, n, n_blocks, blocks.stride(0), QTYPE=int(t), QK=qk, TYPE_SIZE=type_size, BLOCK_N=block_n,
+        enable_fp_fusion=False,
+    )  # fmt: skip
     return out

@@ -1,0 +1,136 @@
+"""The recurrent (token by token) gated delta rule of Gated DeltaNet for a batch of sequences, each of T <= ~8
+tokens (decode, speculative verification), with the state after every token kept for rollback if asked.
+
+Per V head h (reading q/k head h % Hk) and token t, with q, k already L2-normalised by the caller:
+
+    S = exp(g_t) * S;  S = S + k_t (x) beta_t * (v_t - S^T k_t);  o_t = S^T (scale * q_t)
+
+Each program owns one (sequence, V head, tile of BLOCK_V value columns): the state columns of a tile never
+mix with other columns (S^T k and S^T q are per column), so its [K, BLOCK_V] slice stays in registers across
+all T tokens and the state is read and written once per call, not once per token. The PyTorch twin (one
+sequence) is mtpserve.ops.gated_delta.gated_delta_rule_recurrent; this module stays a leaf and imports neither.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_K = 256  # the state tile is [next_pow2(K), BLOCK_V] registers: beyond this BLOCK_V would shrink to nothing
+_TILE = 4096  # float32 state values per program: 32 registers a thread at 4 warps, no spilling at K=128
+
+
+@triton.jit
+def _gated_delta_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, steps_ptr, o_ptr,
+    T, HV, HK, K, V, scale,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
+    K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, STORE_STEPS: tl.constexpr,
+):  # fmt: skip
+    bh = tl.program_id(0)
+    b = bh // HV
+    h = bh % HV
+    hk = h % HK  # the "tiled" GQA order of qwen35 GGUFs
+    b64 = b.to(tl.int64)
+    ks = tl.arange(0, K_PAD)
+    vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = ks < K
+    v_ok = vs < V
+    tile_ok = k_ok[:, None] & v_ok[None, :]
+    tile = ks[:, None] * V + vs[None, :]  # offsets inside one [K, V] head state
+    s_head = s_ptr + (b64 * HV + h) * K * V
+    s = tl.load(s_head + tile, mask=tile_ok, other=0.0)  # padded rows/columns stay 0 through every update
+
+    q_row = q_ptr + b64 * sq_b + hk * sq_h
+    k_row = k_ptr + b64 * sk_b + hk * sk_h
+    v_row = v_ptr + b64 * sv_b + h * sv_h
+    g_at = g_ptr + b64 * sg_b + h * sg_h
+    beta_at = beta_ptr + b64 * sb_b + h * sb_h
+    o_row = o_ptr + (b64 * T * HV + h) * V
+    for t in range(T):
+        q = tl.load(q_row + t * sq_t + ks, mask=k_ok, other=0.0).to(tl.float32) * scale
+        k = tl.load(k_row + t * sk_t + ks, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_row + t * sv_t + vs, mask=v_ok, other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(g_at + t * sg_t).to(tl.float32))
+        beta = tl.load(beta_at + t * sb_t).to(tl.float32)
+        s = s * decay
+        delta = beta * (v - tl.sum(k[:, None] * s, axis=0))  # [BLOCK_V]: the error of the state's recall of v
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(q[:, None] * s, axis=0)
+        tl.store(o_row + t * HV * V + vs, o, mask=v_ok)
+        if STORE_STEPS:
+            tl.store(steps_ptr + ((b64 * T + t) * HV + h) * K * V + tile, s, mask=tile_ok)
+    tl.store(s_head + tile, s, mask=tile_ok)
+
+
+def default_block_v(k: int, v: int) -> int:
+    """Value columns per program: the state tile at most _TILE floats, and no wider than V needs."""
+    return max(1, min(triton.next_power_of_2(v), _TILE // triton.next_power_of_2(k)))
+
+
+def gated_delta_rule_recurrent_batched(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+    state_steps: torch.Tensor | None = None,
+    *,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """q, k [B, T, Hk, K]; v [B, T, Hv, V]; g (log decay), beta [B, T, Hv] (any float dtype, computed in float32);
+    state float32 [B, Hv, K, V], contiguous, updated in place to the state after the last token. With
+    `state_steps` (contiguous float32 [B, T, Hv, K, V]) the state after every token is written there too.
+    `scale` (default K^-0.5) multiplies q. Returns o float32 [B, T, Hv, V]. Inputs may be strided views
+    (e.g. slices of a fused projection) as long as their last dimension is contiguous."""
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be [B, T, Hk, K], got {list(q.shape)} and {list(k.shape)}")
+    n_seq, n_tok, n_k_heads, K = q.shape
+    if v.dim() != 4 or v.shape[:2] != (n_seq, n_tok):
+        raise ValueError(f"v must be [{n_seq}, {n_tok}, Hv, V], got {list(v.shape)}")
+    n_v_heads, V = v.shape[2:]
+    if n_k_heads == 0 or n_v_heads % n_k_heads:
+        raise ValueError(f"the {n_v_heads} V heads must be a multiple of the {n_k_heads} q/k heads")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (n_seq, n_tok, n_v_heads):
+            raise ValueError(f"{name} must be [{n_seq}, {n_tok}, {n_v_heads}], got {list(x.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not x.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+        if x.dim() == 4 and x.stride(3) != 1 and x.shape[3] > 1:
+            raise ValueError(f"{name} must be contiguous along its last dimension")
+    if not 1 <= K <= MAX_K or V < 1:
+        raise ValueError(f"head sizes must be 1 <= K <= {MAX_K} and V >= 1, got K={K}, V={V}")
+    expected = (n_seq, n_v_heads, K, V)
+    if state.shape != expected or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"state must be contiguous float32 {list(expected)} (it is updated in place), "
+                         f"got {state.dtype} {list(state.shape)}")  # fmt: skip
+    if state_steps is not None:
+        expected = (n_seq, n_tok, n_v_heads, K, V)
+        if state_steps.shape != expected or state_steps.dtype != torch.float32 or not state_steps.is_contiguous():
+            raise ValueError(f"state_steps must be contiguous float32 {list(expected)}, "
+                             f"got {state_steps.dtype} {list(state_steps.shape)}")  # fmt: skip
+    tensors = (q, k, v, g, beta, state) + (() if state_steps is None else (state_steps,))
+    if len({x.device for x in tensors}) != 1:
+        raise ValueError("q, k, v, g, beta, state and state_steps must be on one device")
+    block_v = default_block_v(K, V) if block_v is None else block_v
+    if block_v < 1 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two, got {block_v}")
+
+    o = torch.empty(n_seq, n_tok, n_v_heads, V, dtype=torch.float32, device=v.device)
+    if o.numel() == 0:
+        return o
+    scale = K**-0.5 if scale is None else float(scale)
+    steps = state if state_steps is None else state_steps  # never written when STORE_STEPS is off
+    grid = (n_seq * n_v_heads, triton.cdiv(V, block_v))
+    _gated_delta_kernel[grid](
+        q, k, v, g, beta, state, steps, o,
+        n_tok, n_v_heads, n_k_heads, K, V, scale,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
+        K_PAD=triton.next_power_of_2(K), BLOCK_V=block_v, STORE_STEPS=state_steps is not None,
+        num_warps=4,
+    )  # fmt: skip
+    return o

@@ -1,0 +1,176 @@
+"""The split-K decode attention Triton kernel (mtpserve.kernels.triton.decode_attention), run on CPU under the
+Triton interpreter, against its PyTorch twin (below): the cache rows dequantized by mtpserve.quant, then masked
+softmax attention in float32. Caches are built by mtpserve.cache.kv.KVCache, so the kernel reads exactly the
+storage the engine keeps (f32, f16, bf16, q8_0, q4_0 for K and V independently)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernels run on CPU tensors
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton attention kernel cannot be tested")
+
+from mtpserve.cache.kv import KVCache
+from mtpserve.kernels.triton import auto_splits, decode_attention
+from mtpserve.ops.attention import decode_attention_reference
+from mtpserve.quant.dequant import dequantize
+from mtpserve.quant.types import GGMLType
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="TRITON_INTERPRET was set to something other than 1 and there is no GPU",
+)
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+# Both sides multiply the same float32 values (the cache dequantized exactly; f16 queries are exact in float32):
+# only the summation order and the split merge differ.
+TOL = 1e-4
+
+
+def _rows(rows, S: int) -> torch.Tensor:
+    """The first S cells of a KVCache store ([S, Hkv, D] float32)."""
+    if rows.type in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+        return rows.data[:S].float()
+    return dequantize(rows.data[:S], rows.type, (S, rows.n_heads, rows.dim))
+
+
+def _cache(
+    kt: str, vt: str, n: int, n_kv: int, dim: int, *, capacity: int | None = None, window: int | None = None,
+    ring: bool = False, chunk: int = 256, seed: int = 0,
+) -> KVCache:  # fmt: skip
+    """A cache holding positions 0..n-1 of random K/V (keys of mixed norms, so some dominate the softmax)."""
+    g = torch.Generator().manual_seed(seed)
+    kv = KVCache(capacity or n, n_kv, dim, dim, kt, vt, window=window, ring=ring)
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        k = torch.randn(m, n_kv, dim, generator=g) * (0.5 + torch.rand(m, n_kv, 1, generator=g))
+        kv.append(k, torch.randn(m, n_kv, dim, generator=g))
+    return kv
+
+
+def _check(
+    kv: KVCache, n_heads: int, T: int, *, n_splits: int | None = None, q_pos: torch.Tensor | None = None,
+    q_dtype: torch.dtype = torch.float32, seed: int = 1,
+) -> torch.Tensor:  # fmt: skip
+    """decode_attention of T queries (by default the last T cached positions) against the twin."""
+    dim = kv.k.dim
+    S = kv.capacity
+    q = torch.randn(T, n_heads, dim, generator=torch.Generator().manual_seed(seed)).to(q_dtype)
+    if q_pos is None:
+        q_pos = torch.arange(kv.length - T, kv.length)
+    scale = 1.0 / math.sqrt(dim)
+    got = decode_attention(
+        q.to(DEVICE), kv.k.data.to(DEVICE), kv.v.data.to(DEVICE), int(kv.k.type), int(kv.v.type),
+        q_pos.to(DEVICE), kv.positions.to(DEVICE), kv.k.n_heads, dim, scale, window=kv.window, n_splits=n_splits,
+    ).cpu()  # fmt: skip
+    expected = decode_attention_reference(
+        q, kv.k.data[:S], kv.v.data[:S], kv.k.type, kv.v.type, q_pos, kv.positions, kv.k.n_heads, scale, kv.window
+    )
+    assert got.dtype == torch.float32 and got.shape == (T, n_heads, dim)
+    assert torch.isfinite(got).all()
+    rel = ((got - expected).norm() / expected.norm()).item()
+    assert rel <= TOL, rel
+    return got
+
+
+TYPE_PAIRS = [("f16", "f16"), ("f32", "f32"), ("bf16", "bf16"), ("q8_0", "q8_0"), ("q4_0", "q4_0"),
+              ("q8_0", "f16"), ("f16", "q4_0"), ("q4_0", "q8_0")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kt", "vt"), TYPE_PAIRS, ids=lambda t: t)
+@pytest.mark.parametrize("T", [1, 4])
+def test_cache_types_gqa(kt: str, vt: str, T: int) -> None:
+    """H=8 over Hkv=2 (one program per KV head serves its 4 query heads), 3 splits, T=4 causal among the new rows."""
+    kv = _cache(kt, vt, 333, 2, 64, seed=T)
+    _check(kv, 8, T, n_splits=3)
+
+
+@pytest.mark.parametrize(("kt", "vt"), [("q8_0", "q4_0"), ("f16", "f32")], ids=lambda t: t)
+def test_heads_without_grouping(kt: str, vt: str) -> None:
+    kv = _cache(kt, vt, 300, 2, 64)
+    _check(kv, 2, 4, n_splits=2)
+
+
+@pytest.mark.parametrize("n_splits", [1, 2, 5, None, 1000])
+def test_splits_agree(n_splits: int | None) -> None:
+    """Any number of key ranges (1000: more than there are tiles, so capped) gives the twin's result."""
+    kv = _cache("q8_0", "q8_0", 700, 1, 64, seed=2)
+    _check(kv, 2, 2, n_splits=n_splits)
+
+
+def test_sliding_window() -> None:
+    """A window of 100 over 500 positions: each of the 4 queries sees a different 100-key band."""
+    kv = _cache("q4_0", "f16", 500, 2, 64, window=100, seed=3)
+    _check(kv, 4, 4, n_splits=4)
+
+
+def test_ring_cache_with_window() -> None:
+    """A ring of 320 cells after 700 positions: cells hold positions out of order, some cells are stale."""
+    kv = _cache("q8_0", "q8_0", 700, 2, 64, capacity=320, window=256, ring=True, chunk=64, seed=4)
+    _check(kv, 4, 3, n_splits=3)
+
+
+@pytest.mark.parametrize(("kt", "vt"), [("f16", "f32"), ("q8_0", "q4_0")], ids=lambda t: t)
+def test_empty_cells_are_never_read(kt: str, vt: str) -> None:
+    """A truncated cache (a rejected draft) with NaN garbage in its forgotten cells, plus never-written cells."""
+    kv = _cache(kt, vt, 400, 2, 64, capacity=480, seed=5)
+    kv.truncate(350)
+    for rows in (kv.k, kv.v):
+        if rows.data.dtype == torch.uint8:
+            rows.data[350:] = 0xFF  # every f16 scale 0xFFFF: NaN
+        else:
+            rows.data[350:] = float("nan")
+    got = _check(kv, 4, 4, n_splits=4, q_pos=torch.arange(350, 354))
+    assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_qwen_head_geometry(T: int) -> None:
+    """Qwen3.6's full-attention layers: head_dim 256, 24 query heads over 4 KV heads (T=4: 96 rows, 3 blocks)."""
+    kv = _cache("q8_0", "q8_0", 160, 4, 256, seed=6)
+    _check(kv, 24, T, n_splits=2)
+
+
+def test_f16_queries_and_head_dim_256_f16_cache() -> None:
+    kv = _cache("f16", "f16", 100, 1, 256, seed=7)
+    _check(kv, 2, 2, q_dtype=torch.float16)
+
+
+def test_no_visible_key_gives_zeros() -> None:
+    kv = _cache("q8_0", "f16", 64, 2, 64, capacity=96)
+    q = torch.randn(2, 4, 64, device=DEVICE)
+    k, v = kv.k.data.to(DEVICE), kv.v.data.to(DEVICE)
+    args = (q, k, v, int(kv.k.type), int(kv.v.type))
+    empty = torch.full((96,), -1, dtype=torch.long, device=DEVICE)
+    out = decode_attention(*args, torch.tensor([5, 6], device=DEVICE), empty, 2, 64, 0.125)
+    assert torch.equal(out.cpu(), torch.zeros(2, 4, 64))
+    # Row 0 at position -1 sees nothing; row 1 sees position 0 only and returns its value exactly.
+    out = decode_attention(*args, torch.tensor([-1, 0], device=DEVICE), kv.positions.to(DEVICE), 2, 64, 0.125)
+    assert torch.equal(out[0].cpu(), torch.zeros(4, 64))
+    torch.testing.assert_close(out[1].cpu(), _rows(kv.v, 1)[0].repeat_interleave(2, dim=0), rtol=1e-6, atol=1e-6)
+
+
+def test_auto_splits_rule() -> None:
+    assert [auto_splits(s) for s in (1, 300, 512, 513, 4096, 131072, 262144, 10**6)] == [1, 1, 1, 2, 8, 256, 256, 256]
+
+
+def test_rejects_unsupported_type_and_bad_shapes() -> None:
+    q, pos = torch.zeros(1, 2, 64), torch.zeros(1, dtype=torch.long)
+    f16 = torch.zeros(4, 2, 64, dtype=torch.float16)
+    k_pos = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="no Triton attention for cache type"):
+        decode_attention(q, torch.zeros(4, 80, dtype=torch.uint8), f16, GGMLType.Q4_1, GGMLType.F16, pos, k_pos, 2,
+                         64, 1.0)  # fmt: skip
+    with pytest.raises(ValueError, match="a Q8_0 cache must be uint8"):
+        decode_attention(q, torch.zeros(4, 64, dtype=torch.uint8), f16, GGMLType.Q8_0, GGMLType.F16, pos, k_pos, 2,
+                         64, 1.0)  # fmt: skip
+    with pytest.raises(ValueError, match="a F32 cache must be"):
+        decode_attention(q, f16, f16, GGMLType.F32, GGMLType.F16, pos, k_pos, 2, 64, 1.0)
+    with pytest.raises(ValueError, match="cells but k_pos has"):
+        decode_attention(q, f16, f16, GGMLType.F16, GGMLType.F16, pos, k_pos[:3], 2, 64, 1.0)
+    with pytest.raises(ValueError, match="q must be"):
+        decode_attention(torch.zeros(1, 3, 64), f16, f16, GGMLType.F16, GGMLType.F16, pos, k_pos, 2, 64, 1.0)

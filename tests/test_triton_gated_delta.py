@@ -1,0 +1,132 @@
+"""The batched recurrent gated delta rule Triton kernel (mtpserve.kernels.triton), run on CPU under the Triton
+interpreter: outputs, final state and per-token states against the PyTorch twin, one sequence at a time."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernels run on CPU tensors
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton gated delta kernel cannot be tested")
+
+from mtpserve.kernels.triton import gated_delta_rule_recurrent_batched
+from mtpserve.ops.gated_delta import gated_delta_rule_recurrent
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="TRITON_INTERPRET was set to something other than 1 and there is no GPU",
+)
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+
+def _inputs(
+    B: int, T: int, Hk: int, Hv: int, K: int, V: int, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, ...]:
+    """q, k (L2-normalised), v, g (log decays < 0), beta in (0, 1), and a nonzero initial state."""
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, Hk, K, generator=gen), dim=-1).to(dtype)
+    k = F.normalize(torch.randn(B, T, Hk, K, generator=gen), dim=-1).to(dtype)
+    v = torch.randn(B, T, Hv, V, generator=gen).to(dtype)
+    g = (-F.softplus(torch.randn(B, T, Hv, generator=gen))).to(dtype)
+    beta = torch.sigmoid(torch.randn(B, T, Hv, generator=gen)).to(dtype)
+    state = torch.randn(B, Hv, K, V, generator=gen) * 0.5
+    return q, k, v, g, beta, state
+
+
+def _run(q, k, v, g, beta, state, steps: bool, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The kernel on DEVICE copies: (o, final state, per-token states or None), back on CPU."""
+    s = state.clone().to(DEVICE)
+    B, T, Hv, V = v.shape
+    st = torch.full((B, T, Hv, q.shape[-1], V), float("nan"), device=DEVICE) if steps else None
+    o = gated_delta_rule_recurrent_batched(*(x.to(DEVICE) for x in (q, k, v, g, beta)), s, state_steps=st, **kw)
+    return o.cpu(), s.cpu(), None if st is None else st.cpu()
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("B", "T", "Hk", "Hv", "K", "V"),
+    [
+        (1, 1, 2, 4, 32, 32),  # decode, GQA-style heads (V head h reads q/k head h % Hk)
+        (3, 8, 2, 6, 32, 32),  # verification of 8 drafted tokens, 3 sequences
+        (3, 1, 4, 4, 16, 32),  # Hk == Hv
+        (1, 8, 3, 3, 64, 16),  # K != V
+    ],
+)
+def test_matches_reference(B: int, T: int, Hk: int, Hv: int, K: int, V: int) -> None:
+    q, k, v, g, beta, state = _inputs(B, T, Hk, Hv, K, V, seed=B * 100 + T)
+    o, final, steps = _run(q, k, v, g, beta, state, steps=True)
+    assert o.dtype == torch.float32 and o.shape == (B, T, Hv, V)
+    for b in range(B):
+        o_ref, states_ref = gated_delta_rule_recurrent(q[b], k[b], v[b], g[b], beta[b], state[b], return_states=True)
+        _close(o[b], o_ref)
+        _close(steps[b], states_ref)
+        _close(final[b], states_ref[-1])
+    assert torch.equal(steps[:, -1], final)  # the last per-token state is the final one, bit for bit
+
+
+def test_without_state_steps_scale_and_value_tiles() -> None:
+    """No per-token states, an explicit scale, and V split over several programs (block_v < V)."""
+    q, k, v, g, beta, state = _inputs(2, 3, 2, 4, 32, 64, seed=5)
+    o, final, _ = _run(q, k, v, g, beta, state, steps=False, scale=0.3, block_v=16)
+    _, final_whole, _ = _run(q, k, v, g, beta, state, steps=False, scale=0.3)
+    for b in range(2):
+        o_ref, s_ref = gated_delta_rule_recurrent(q[b], k[b], v[b], g[b], beta[b], state[b], scale=0.3)
+        _close(o[b], o_ref)
+        _close(final[b], s_ref)
+    assert torch.equal(final, final_whole)  # columns never mix: the tiling changes nothing
+
+
+def test_sizes_not_powers_of_two() -> None:
+    """K and V padded to powers of two inside the kernel; the padding never reaches the state or output."""
+    q, k, v, g, beta, state = _inputs(2, 4, 1, 3, 24, 40, seed=7)
+    o, final, steps = _run(q, k, v, g, beta, state, steps=True, block_v=16)  # 3 value tiles, the last partial
+    for b in range(2):
+        o_ref, states_ref = gated_delta_rule_recurrent(q[b], k[b], v[b], g[b], beta[b], state[b], return_states=True)
+        _close(o[b], o_ref)
+        _close(steps[b], states_ref)
+        _close(final[b], states_ref[-1])
+
+
+def test_half_precision_inputs_and_strided_views() -> None:
+    """bf16 activations are widened in the kernel; q/k/v may be slices of one fused projection."""
+    B, T, Hk, Hv, K, V = 2, 2, 2, 4, 16, 16
+    q, k, v, g, beta, state = _inputs(B, T, Hk, Hv, K, V, seed=9, dtype=torch.bfloat16)
+    fused = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)  # [B, T, 2 Hk K + Hv V]
+    qs = fused[..., : Hk * K].unflatten(-1, (Hk, K))
+    ks = fused[..., Hk * K : 2 * Hk * K].unflatten(-1, (Hk, K))
+    vs = fused[..., 2 * Hk * K :].unflatten(-1, (Hv, V))
+    assert not qs.is_contiguous()
+    o, final, _ = _run(qs, ks, vs, g, beta, state, steps=False)
+    for b in range(B):
+        o_ref, s_ref = gated_delta_rule_recurrent(q[b], k[b], v[b].float(), g[b], beta[b].float(), state[b])
+        _close(o[b], o_ref)
+        _close(final[b], s_ref)
+
+
+def test_rejects_bad_arguments() -> None:
+    q, k, v, g, beta, state = _inputs(1, 2, 2, 4, 16, 16)
+    with pytest.raises(ValueError, match="state must be contiguous float32"):
+        gated_delta_rule_recurrent_batched(q, k, v, g, beta, state.double())
+    with pytest.raises(ValueError, match="state must be contiguous float32"):
+        gated_delta_rule_recurrent_batched(q, k, v, g, beta, state.transpose(2, 3))
+    with pytest.raises(ValueError, match="multiple of the 3 q/k heads"):
+        gated_delta_rule_recurrent_batched(q[:, :, :1].expand(1, 2, 3, 16), k[:, :, :1].expand(1, 2, 3, 16), v, g,
+                                           beta, state)  # fmt: skip
+    with pytest.raises(ValueError, match="beta must be"):
+        gated_delta_rule_recurrent_batched(q, k, v, g, beta[:, :1], state)
+    with pytest.raises(ValueError, match="state_steps must be"):
+        gated_delta_rule_recurrent_batched(q, k, v, g, beta, state, state_steps=torch.zeros(1, 1, 4, 16, 16))
+    with pytest.raises(ValueError, match="contiguous along its last dimension"):
+        strided = q.transpose(2, 3).contiguous().transpose(2, 3)  # same shape, last dimension with stride 2
+        gated_delta_rule_recurrent_batched(strided, k, v, g, beta, state)
+    with pytest.raises(ValueError, match="K <= 256"):
+        big = torch.zeros(1, 1, 1, 512)
+        gated_delta_rule_recurrent_batched(big, big, torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1),
+                                           torch.zeros(1, 1, 1), torch.zeros(1, 1, 512, 4))  # fmt: skip
