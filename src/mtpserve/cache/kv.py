@@ -6,26 +6,30 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.attention import attention
+from ..ops.attention import attention, attention_gpu, decode_attention_gpu
+from ..ops.device import gpu_path
 from ..quant.dequant import dequantize
 from ..quant.quantize import QUANTIZERS, quantize_q8_0
 from ..quant.types import GGMLType, block_geometry, parse_cache_type
 
+DECODE_MAX_QUERIES = 16  # GPU path: up to this many query rows read the cache as stored (decode kernel)
 _FLOAT_TYPES = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
 
 
 class _Rows:
     """A [capacity, n_heads, dim] store in one GGML type; reads come back as float32."""
 
-    def __init__(self, capacity: int, n_heads: int, dim: int, ggml_type: GGMLType) -> None:
+    def __init__(
+        self, capacity: int, n_heads: int, dim: int, ggml_type: GGMLType, device: torch.device | str = "cpu"
+    ) -> None:
         self.n_heads, self.dim, self.type = n_heads, dim, ggml_type
         if ggml_type in _FLOAT_TYPES:
-            self.data = torch.zeros(capacity, n_heads, dim, dtype=_FLOAT_TYPES[ggml_type])
+            self.data = torch.zeros(capacity, n_heads, dim, dtype=_FLOAT_TYPES[ggml_type], device=device)
         elif ggml_type in QUANTIZERS:
             block_size, type_size = block_geometry(ggml_type)
             if dim % block_size:
                 raise ValueError(f"head dim {dim} is not a multiple of the {ggml_type.name} block size {block_size}")
-            self.data = torch.zeros(capacity, n_heads * dim // block_size * type_size, dtype=torch.uint8)
+            self.data = torch.zeros(capacity, n_heads * dim // block_size * type_size, dtype=torch.uint8, device=device)
         else:
             raise ValueError(f"cache type {ggml_type.name} is not supported (use f32, f16, bf16, q8_0 or q4_0)")
 
@@ -66,13 +70,15 @@ class KVCache:
         cache_type_v: str = "f16",
         window: int | None = None,
         ring: bool = False,
+        device: torch.device | str = "cpu",
     ) -> None:
         if ring and window is None:
             raise ValueError("a ring KV cache needs a sliding window")
         self.capacity, self.window, self.ring = capacity, window, ring
-        self.k = _Rows(capacity, n_kv_heads, k_dim, parse_cache_type(cache_type_k))
-        self.v = _Rows(capacity, n_kv_heads, v_dim, parse_cache_type(cache_type_v))
-        self.positions = torch.full((capacity,), -1, dtype=torch.long)  # -1: empty cell
+        self.device = torch.device(device)
+        self.k = _Rows(capacity, n_kv_heads, k_dim, parse_cache_type(cache_type_k), self.device)
+        self.v = _Rows(capacity, n_kv_heads, v_dim, parse_cache_type(cache_type_v), self.device)
+        self.positions = torch.full((capacity,), -1, dtype=torch.long, device=self.device)  # -1: empty cell
         self.length = 0  # positions 0..length-1 have been written
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -86,13 +92,13 @@ class KVCache:
         else:
             if n > self.capacity - self.window + 1:
                 raise ValueError(f"batch of {n} tokens does not fit a ring of {self.capacity} cells (window {self.window})")
-            cells = torch.arange(start, end) % self.capacity
+            cells = torch.arange(start, end, device=self.device) % self.capacity
         self.k.write(cells, k)
         self.v.write(cells, v)
         if isinstance(cells, slice):
             self.positions[cells].copy_(torch.arange(start, end))
         else:
-            self.positions[cells] = torch.arange(start, end)
+            self.positions[cells] = torch.arange(start, end, device=self.device)
         self.length = end
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,13 +114,44 @@ class KVCache:
         """Attention of queries q [T, H, D] at q_pos over every cached position (causal, windowed).
 
         As llama.cpp, the query is first rounded to the K cache's dot type: block-quantized keys are
-        multiplied by a Q8_0-rounded query, bf16 keys by a bf16 one (f16 keys: inside the kernel)."""
+        multiplied by a Q8_0-rounded query, bf16 keys by a bf16 one (f16 keys: inside the kernel).
+
+        On the GPU path (ops.device) the query stays float: a few rows (decode, verification) are read from the
+        cache as stored by the Triton decode kernel, prompts go through dequantized rows and fused attention."""
+        if gpu_path(q):
+            if q.shape[0] <= DECODE_MAX_QUERIES:
+                cells = slice(0, self.capacity if self.ring else self.length)
+                return decode_attention_gpu(
+                    q, self.k.data[cells], self.v.data[cells], self.k.type, self.v.type, q_pos,
+                    self.positions[cells], self.k.n_heads, scale, self.window,
+                )  # fmt: skip
+            keys, values, key_pos = self.read()
+            return attention_gpu(q, keys, values, q_pos, key_pos, scale, self.window)
         keys, values, key_pos = self.read()
         if self.k.type in QUANTIZERS:
             q = _round_q8_0(q)
         elif self.k.type == GGMLType.BF16:
             q = q.bfloat16().float()
         return attention(q, keys, values, q_pos, key_pos, scale, self.window)
+
+    def write_at(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the K/V [T, Hkv, D] of `positions` (a device tensor) into their cells, without reading any value
+        on the host (a CUDA graph replays this at whatever position the tensor holds). `length` is the caller's
+        to advance."""
+        cells = positions % self.capacity if self.ring else positions
+        for rows, values in ((self.k, k), (self.v, v)):
+            if rows.type in QUANTIZERS:
+                values = QUANTIZERS[rows.type](values.reshape(values.shape[0], -1))
+            rows.data.index_copy_(0, cells, values.reshape(len(positions), *rows.data.shape[1:]).to(rows.data.dtype))
+        self.positions.index_copy_(0, cells, positions)
+
+    def attend_static(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+        """`attend` for the GPU path's captured steps: every cell of the cache, the empty ones masked by position
+        -1, so the kernel's shape does not change from token to token."""
+        return decode_attention_gpu(
+            q, self.k.data, self.v.data, self.k.type, self.v.type, q_pos, self.positions, self.k.n_heads, scale,
+            self.window,
+        )  # fmt: skip
 
     def can_truncate(self, length: int) -> bool:
         """Whether `truncate(length)` leaves a usable cache: a ring may have overwritten positions the
@@ -123,7 +160,7 @@ class KVCache:
             return False
         if not self.ring or length == 0:
             return True
-        needed = torch.arange(max(0, length - (self.window or length)), length)
+        needed = torch.arange(max(0, length - (self.window or length)), length, device=self.device)
         return bool((self.positions[needed % self.capacity] == needed).all())
 
     def truncate(self, length: int) -> None:
@@ -139,10 +176,23 @@ class KVCache:
 
 
 def append_and_attend(
-    caches: list[KVCache], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+    caches: list[KVCache],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    static: bool = False,
 ) -> torch.Tensor:
     """Attention of a batch of sequences, each over its own cache: rows are split evenly between the
-    caches (q [rows, H, D], k/v [rows, Hkv, D], positions [rows]); each cache first stores its K/V."""
+    caches (q [rows, H, D], k/v [rows, Hkv, D], positions [rows]); each cache first stores its K/V.
+    `static` (a captured decode step, one sequence): `write_at` and `attend_static`, which take the positions
+    from the device tensor instead of the cache's Python-side length."""
+    if static:
+        if len(caches) != 1:
+            raise ValueError("a static step evaluates one sequence")
+        caches[0].write_at(positions, k, v)
+        return caches[0].attend_static(q, positions, scale)
     if len(caches) == 1:
         caches[0].append(k, v)
         return caches[0].attend(q, positions, scale)

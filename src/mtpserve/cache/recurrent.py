@@ -14,8 +14,12 @@ class RecurrentState:
     ssm: torch.Tensor  # [Hv, dk, dv]
 
     @classmethod
-    def zeros(cls, conv_dim: int, d_conv: int, n_v_heads: int, head_dim: int) -> RecurrentState:
-        return cls(torch.zeros(conv_dim, d_conv - 1), torch.zeros(n_v_heads, head_dim, head_dim))
+    def zeros(
+        cls, conv_dim: int, d_conv: int, n_v_heads: int, head_dim: int, device: torch.device | str = "cpu"
+    ) -> RecurrentState:
+        return cls(
+            torch.zeros(conv_dim, d_conv - 1, device=device), torch.zeros(n_v_heads, head_dim, head_dim, device=device)
+        )
 
     def snapshot(self) -> RecurrentState:
         return RecurrentState(self.conv.clone(), self.ssm.clone())

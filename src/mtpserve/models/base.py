@@ -3,12 +3,14 @@ prefill/decode entry points built on each architecture's `forward`."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
 from ..cache import KVCache, RecurrentState
-from ..gguf import GGUFFile
+from ..gguf import GGUFFile, TensorInfo
 from ..ops.linear import linear
 from ..ops.rope import RopeTable
 from ..quant.dequant import dequantize_tensor
@@ -20,19 +22,59 @@ CTX_PAD = 256
 
 
 class WeightStore:
-    """Tensors of a GGUF by name: matrices stay quantized (`QTensor`), small vectors become float32."""
+    """Tensors by name, from a GGUF file (`from_gguf`) or from memory (random-weight benchmarks): matrices stay
+    quantized (`QTensor`), small vectors become float32. Each lands on its device: a tensor named in
+    `tensor_devices` there, block `blk.N.*` tensors on `layer_devices[N]` when given (a layer split), everything
+    else on `device`."""
 
-    def __init__(self, gguf: GGUFFile) -> None:
-        self.gguf = gguf
+    def __init__(
+        self,
+        tensors: Mapping[str, TensorInfo | QTensor | torch.Tensor],
+        device: torch.device | str = "cpu",
+        layer_devices: Mapping[int, torch.device | str] | None = None,
+        tensor_devices: Mapping[str, torch.device | str] | None = None,
+    ) -> None:
+        self.tensors = tensors
+        self.device = torch.device(device)
+        self.layer_devices = {i: torch.device(d) for i, d in (layer_devices or {}).items()}
+        self.tensor_devices = {n: torch.device(d) for n, d in (tensor_devices or {}).items()}
+
+    @classmethod
+    def from_gguf(
+        cls,
+        gguf: GGUFFile,
+        device: torch.device | str = "cpu",
+        layer_devices: Mapping[int, torch.device | str] | None = None,
+        tensor_devices: Mapping[str, torch.device | str] | None = None,
+    ) -> WeightStore:
+        return cls(gguf.tensors, device, layer_devices, tensor_devices)
+
+    def device_of(self, name: str) -> torch.device:
+        if name in self.tensor_devices:
+            return self.tensor_devices[name]
+        if name.startswith("blk.") and self.layer_devices:
+            return self.layer_devices.get(int(name.split(".")[1]), self.device)
+        return self.device
 
     def has(self, name: str) -> bool:
-        return name in self.gguf.tensors
+        return name in self.tensors
 
     def matrix(self, name: str) -> QTensor:
-        return QTensor.from_gguf(self.gguf.tensors[name])
+        t = self.tensors[name]
+        q = QTensor.from_gguf(t) if isinstance(t, TensorInfo) else t
+        if not isinstance(q, QTensor):
+            raise TypeError(f"tensor '{name}' is a dense {type(t).__name__}, a quantized matrix was expected")
+        return q.to(self.device_of(name))
 
     def dense(self, name: str) -> torch.Tensor:
-        return dequantize_tensor(self.gguf.tensors[name])
+        t = self.tensors[name]
+        if isinstance(t, TensorInfo):
+            values = dequantize_tensor(t)
+        elif isinstance(t, QTensor):
+            values = t.dequantize()
+        else:
+            values = t.float()
+        return values.to(self.device_of(name))
 
 
 @dataclass
@@ -68,8 +110,15 @@ def padded_context(ctx_size: int, config: ModelConfig) -> int:
 
 
 def new_kv_caches(
-    config: ModelConfig, ctx: int, cache_type_k: str, cache_type_v: str, ubatch: int = DEFAULT_UBATCH, mtp: bool = False
+    config: ModelConfig,
+    ctx: int,
+    cache_type_k: str,
+    cache_type_v: str,
+    ubatch: int = DEFAULT_UBATCH,
+    mtp: bool = False,
+    devices: Mapping[int, torch.device] | None = None,
 ) -> dict[int, KVCache]:
+    """Each attention layer's cache, on `devices[layer]` (CPU when not given)."""
     layout = config.cache_layout()
     caches = {}
     for spec in layout.mtp_attention if mtp else layout.attention:
@@ -78,7 +127,7 @@ def new_kv_caches(
             capacity = min(ctx, -(-(spec.sliding_window + ubatch) // CTX_PAD) * CTX_PAD)
         caches[spec.layer] = KVCache(
             capacity, spec.n_kv_heads, spec.k_dim, spec.v_dim, cache_type_k, cache_type_v, spec.sliding_window,
-            ring=capacity < ctx,
+            ring=capacity < ctx, device=(devices or {}).get(spec.layer, torch.device("cpu")),
         )  # fmt: skip
     return caches
 
@@ -90,6 +139,12 @@ class Rope:
     positions: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    static: bool = False  # positions came as a device tensor (a captured step): caches index by them
+
+    def to(self, device: torch.device) -> Rope:
+        if self.cos.device == device:
+            return self
+        return Rope(self.positions.to(device), self.cos.to(device), self.sin.to(device), self.static)
 
 
 @dataclass
@@ -113,6 +168,9 @@ class Batch:
     # rejected draft rolls back without recomputing: layer -> per sequence [(conv, ssm) per token].
     keep_steps: bool = False
     steps: dict[int, list[list[RecurrentState]]] = field(default_factory=dict)
+    # A static step (models.graphs): the positions as a device tensor [n_tokens]; nothing reads a position on the
+    # host, and the caller advances the state's counters after the step.
+    positions: torch.Tensor | None = None
 
     @classmethod
     def of(
@@ -137,13 +195,17 @@ class Batch:
         return slice(s * self.n_tokens, (s + 1) * self.n_tokens)
 
     def rope(self, table: RopeTable) -> Rope:
+        if self.positions is not None:
+            return Rope(self.positions, *table.gather(self.positions), static=True)
         spans = [table.span(start, self.n_tokens) for start in self.starts]
-        positions = torch.cat([torch.arange(start, start + self.n_tokens) for start in self.starts])
+        positions = torch.cat([torch.arange(start, start + self.n_tokens) for start in self.starts]).to(table.device)
         if len(spans) == 1:
             return Rope(positions, *spans[0])
         return Rope(positions, torch.cat([c for c, _ in spans]), torch.cat([s for _, s in spans]))
 
     def advance(self) -> None:
+        if self.positions is not None:
+            return
         for state in self.states:
             state.n_past += self.n_tokens
 
@@ -154,6 +216,19 @@ class CausalLM:
     config: ModelConfig
     output: QTensor  # LM head [n_vocab, n_embd]
     ubatch: int = DEFAULT_UBATCH
+    device: torch.device = torch.device("cpu")  # where activations start (the embedding's device)
+    layer_devices: Mapping[int, torch.device] = MappingProxyType({})  # blocks not on `device` (a layer split)
+
+    def device_of(self, layer: int) -> torch.device:
+        return self.layer_devices.get(layer, self.device)
+
+    def _place(self, weights: WeightStore) -> None:
+        """Take the devices the weights were loaded to."""
+        self.device, self.layer_devices = weights.device, dict(weights.layer_devices)
+
+    def _layer_device_map(self) -> dict[int, torch.device]:
+        n_layer = getattr(self.config, "n_layer", 0) + getattr(self.config, "n_nextn", 0)
+        return {i: self.device_of(i) for i in range(n_layer)}
 
     def forward_batch(self, batch: Batch) -> torch.Tensor:
         """Evaluate a batch and advance its states. Returns the final normalized hidden states
@@ -168,7 +243,12 @@ class CausalLM:
         raise NotImplementedError
 
     def logits(self, hidden: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
-        return linear(hidden, self.output, seq_len=seq_len)
+        """Logits [rows, V] on the CPU, where the sampler runs."""
+        return self.logits_on_device(hidden, seq_len).cpu()
+
+    def logits_on_device(self, hidden: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        """Logits [rows, V] where the LM head lives."""
+        return linear(hidden.to(self.output.data.device), self.output, seq_len=seq_len)
 
     @torch.inference_mode()
     def prefill(

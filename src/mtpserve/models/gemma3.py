@@ -138,7 +138,7 @@ class Attention:
         v = v.view(T, c.n_head_kv, c.head_dim)
         q, k = apply_rope(q, rope.cos, rope.sin, neox=True), apply_rope(k, rope.cos, rope.sin, neox=True)
         # Gemma scales the query before attention (1/sqrt(head_dim)); the softmax scale is then 1.
-        o = append_and_attend(caches, q * self.query_scale, k, v, rope.positions, 1.0)
+        o = append_and_attend(caches, q * self.query_scale, k, v, rope.positions, 1.0, rope.static)
         return linear(o.reshape(T, -1), self.wo, seq_len=seq_len)
 
 
@@ -171,12 +171,13 @@ class DecoderLayer:
 class Gemma3ForCausalLM(CausalLM):
     def __init__(self, w: WeightStore, config: Gemma3Config) -> None:
         c = self.config = config
+        self._place(w)
         self.token_embd = w.matrix("token_embd.weight")
         # sqrt(n_embd) rounded to float32, as llama.cpp scales (not HF's bf16 value).
         self.embed_scale = float(np.float32(math.sqrt(c.n_embd)))
         self.rope_tables = {  # sliding-window layers have their own base
-            True: RopeTable(c.head_dim, c.rope_base_swa),
-            False: RopeTable(c.head_dim, c.rope_base, 1.0 / c.rope_scale),
+            True: RopeTable(c.head_dim, c.rope_base_swa, device=self.device),
+            False: RopeTable(c.head_dim, c.rope_base, 1.0 / c.rope_scale, device=self.device),
         }
         self.layers = [DecoderLayer(w, i, c) for i in range(c.n_layer)]
         self.output_norm = w.dense("output_norm.weight")
@@ -184,18 +185,20 @@ class Gemma3ForCausalLM(CausalLM):
 
     def new_state(self, ctx_size: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16") -> ModelState:
         ctx = padded_context(ctx_size, self.config)
-        return ModelState(new_kv_caches(self.config, ctx, cache_type_k, cache_type_v, self.ubatch), capacity=ctx)
+        kv = new_kv_caches(self.config, ctx, cache_type_k, cache_type_v, self.ubatch, devices=self._layer_device_map())
+        return ModelState(kv, capacity=ctx)
 
     def forward_batch(self, batch: Batch) -> torch.Tensor:
         ropes = {swa: batch.rope(table) for swa, table in self.rope_tables.items()}
         x = embedding(self.token_embd, batch.tokens) * self.embed_scale
         for layer in self.layers:
-            x = layer(x, ropes, batch)
+            device = self.device_of(layer.index)
+            x = layer(x.to(device), {swa: rope.to(device) for swa, rope in ropes.items()}, batch)
         batch.advance()
-        return rms_norm(x, self.output_norm, self.config.rms_eps)
+        return rms_norm(x.to(self.output_norm.device), self.output_norm, self.config.rms_eps)
 
-    def logits(self, hidden: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
-        logits = linear(hidden, self.output, seq_len=seq_len)
+    def logits_on_device(self, hidden: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        logits = linear(hidden.to(self.output.data.device), self.output, seq_len=seq_len)
         if self.config.final_logit_softcap:
             cap = self.config.final_logit_softcap
             logits = cap * torch.tanh(logits / cap)

@@ -129,7 +129,7 @@ class Attention:
         if c.qk_norm:
             q, k = rms_norm(q, self.q_norm, c.rms_eps), rms_norm(k, self.k_norm, c.rms_eps)
         q, k = apply_rope(q, rope.cos, rope.sin, c.rope_neox), apply_rope(k, rope.cos, rope.sin, c.rope_neox)
-        o = append_and_attend(caches, q, k, v, rope.positions, c.head_dim**-0.5)
+        o = append_and_attend(caches, q, k, v, rope.positions, c.head_dim**-0.5, rope.static)
         return linear(o.reshape(T, -1), self.wo, seq_len=seq_len)
 
 
@@ -155,20 +155,23 @@ class DecoderLayer:
 class LlamaForCausalLM(CausalLM):
     def __init__(self, w: WeightStore, config: LlamaConfig) -> None:
         c = self.config = config
+        self._place(w)
         self.token_embd = w.matrix("token_embd.weight")
         self.layers = [DecoderLayer(w, i, c) for i in range(c.n_layer)]
         self.output_norm = w.dense("output_norm.weight")
         self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")
-        self.rope_table = RopeTable(c.n_rot, c.rope_base, 1.0 / c.rope_scale)
+        self.rope_table = RopeTable(c.n_rot, c.rope_base, 1.0 / c.rope_scale, device=self.device)
 
     def new_state(self, ctx_size: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16") -> ModelState:
         ctx = padded_context(ctx_size, self.config)
-        return ModelState(new_kv_caches(self.config, ctx, cache_type_k, cache_type_v), capacity=ctx)
+        kv = new_kv_caches(self.config, ctx, cache_type_k, cache_type_v, devices=self._layer_device_map())
+        return ModelState(kv, capacity=ctx)
 
     def forward_batch(self, batch: Batch) -> torch.Tensor:
         rope = batch.rope(self.rope_table)
         x = embedding(self.token_embd, batch.tokens)
         for layer in self.layers:
-            x = layer(x, rope, batch)
+            device = self.device_of(layer.index)
+            x = layer(x.to(device), rope.to(device), batch)
         batch.advance()
-        return rms_norm(x, self.output_norm, self.config.rms_eps)
+        return rms_norm(x.to(self.output_norm.device), self.output_norm, self.config.rms_eps)

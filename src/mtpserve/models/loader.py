@@ -1,29 +1,48 @@
-"""`load(path)`: a GGUF file -> the model object of its architecture, weights left in the memory map."""
+"""`load(path)`: a GGUF file -> the model object of its architecture, weights left in the memory map (CPU) or
+copied to the device they are placed on."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
+import torch
+
 from ..gguf import open_gguf
+from ..ops.device import resolve_device
 from .base import CausalLM, WeightStore
+from .config import ModelConfig
 from .registry import config_from_gguf
 
 
-def load(path: str | Path, device: str = "cpu") -> CausalLM:
-    if device != "cpu":
-        raise ValueError(f"device '{device}' is not supported yet (CPU only)")
+def load(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    layer_devices: Mapping[int, str | torch.device] | None = None,
+    tensor_devices: Mapping[str, str | torch.device] | None = None,
+) -> CausalLM:
+    """`device` holds the output head and every tensor not placed otherwise: `layer_devices` maps block indices
+    to devices (a layer split or a partial offload, as engine.placement plans it), `tensor_devices` single
+    tensors by name (the embedding table on the host, as llama.cpp keeps it)."""
+    dev = resolve_device(device)
+    placed = {i: resolve_device(d) for i, d in (layer_devices or {}).items()}
+    named = {n: resolve_device(d) for n, d in (tensor_devices or {}).items()}
     gguf = open_gguf(path)
     config = config_from_gguf(gguf)
-    weights = WeightStore(gguf)
+    return build_model(WeightStore.from_gguf(gguf, dev, placed, named), config)
+
+
+def build_model(weights: WeightStore, config: ModelConfig) -> CausalLM:
+    """The model object of `config.architecture` over a weight store (a GGUF file's, or tensors in memory)."""
     arch = config.architecture
     if arch == "qwen35":
         from .qwen35 import Qwen35ForCausalLM
 
-        return Qwen35ForCausalLM(weights, config)
+        return Qwen35ForCausalLM(weights, config)  # type: ignore[arg-type]
     if arch == "gemma3":
         from .gemma3 import Gemma3ForCausalLM
 
-        return Gemma3ForCausalLM(weights, config)
+        return Gemma3ForCausalLM(weights, config)  # type: ignore[arg-type]
     from .llama import LlamaForCausalLM
 
-    return LlamaForCausalLM(weights, config)
+    return LlamaForCausalLM(weights, config)  # type: ignore[arg-type]

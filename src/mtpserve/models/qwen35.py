@@ -204,7 +204,7 @@ class GatedAttention:
         k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
         q = apply_rope(rms_norm(q, self.q_norm, c.rms_eps), rope.cos, rope.sin, neox=True)
         k = apply_rope(rms_norm(k, self.k_norm, c.rms_eps), rope.cos, rope.sin, neox=True)
-        o = append_and_attend(caches, q, k, v, rope.positions, c.head_dim**-0.5).reshape(T, -1)
+        o = append_and_attend(caches, q, k, v, rope.positions, c.head_dim**-0.5, rope.static).reshape(T, -1)
         return linear(o * torch.sigmoid(gate), self.wo, seq_len=seq_len)
 
 
@@ -241,8 +241,8 @@ class GatedDeltaNet:
         if seq_len <= RECURRENT_MAX_TOKENS:  # decode, draft verification: the whole mixer in one kernel call
             conv_steps = ssm_steps = None
             if steps is not None:
-                conv_steps = [torch.empty(seq_len, *st.conv.shape) for st in states]
-                ssm_steps = [torch.empty(seq_len, *st.ssm.shape) for st in states]
+                conv_steps = [torch.empty(seq_len, *st.conv.shape, device=st.conv.device) for st in states]
+                ssm_steps = [torch.empty(seq_len, *st.ssm.shape, device=st.ssm.device) for st in states]
             out = gated_delta_net_decode(
                 x, self.projections, self.dt_bias, self.a, self.conv_weight, self.norm, self.w_out,
                 [st.conv for st in states], [st.ssm for st in states], c.n_k_heads, c.rms_eps, conv_steps, ssm_steps,
@@ -342,12 +342,13 @@ GDN_CHUNK = 64  # the chunked rule's chunk size (gated_delta_rule_chunked's defa
 class Qwen35ForCausalLM(CausalLM):
     def __init__(self, w: WeightStore, config: Qwen35Config) -> None:
         c = self.config = config
+        self._place(w)
         self.token_embd = w.matrix("token_embd.weight")
         self.layers = [DecoderLayer(w, i, c) for i in range(c.n_layer)]
         self.output_norm = w.dense("output_norm.weight")
         self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")
         self.mtp = [MTPHead(w, i, c, self.output, self.output_norm) for i in c.mtp_layers()]
-        self.rope_table = RopeTable(c.n_rot, c.rope_base, sections=c.rope_sections)
+        self.rope_table = RopeTable(c.n_rot, c.rope_base, sections=c.rope_sections, device=self.device)
 
     def new_state(
         self, ctx_size: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16", mtp: bool = False
@@ -356,24 +357,26 @@ class Qwen35ForCausalLM(CausalLM):
         c = self.config
         ctx = padded_context(ctx_size, c)
         recurrent = {
-            i: RecurrentState.zeros(c.conv_dim, c.d_conv, c.n_v_heads, c.ssm_head_dim)
+            i: RecurrentState.zeros(c.conv_dim, c.d_conv, c.n_v_heads, c.ssm_head_dim, self.device_of(i))
             for i in range(c.n_layer)
             if c.recurrent[i]
         }
-        kv = new_kv_caches(c, ctx, cache_type_k, cache_type_v)
+        devices = self._layer_device_map()
+        kv = new_kv_caches(c, ctx, cache_type_k, cache_type_v, devices=devices)
         if mtp:
             if not self.mtp:
                 raise ValueError("this model has no MTP block (nextn_predict_layers = 0)")
-            kv.update(new_kv_caches(c, ctx, cache_type_k, cache_type_v, mtp=True))
+            kv.update(new_kv_caches(c, ctx, cache_type_k, cache_type_v, mtp=True, devices=devices))
         return ModelState(kv, recurrent, capacity=ctx)
 
     def forward_batch(self, batch: Batch) -> torch.Tensor:
         x = embedding(self.token_embd, batch.tokens)
         rope = batch.rope(self.rope_table)
         for layer in self.layers:
-            x = layer(x, rope, batch)
+            device = self.device_of(layer.index)
+            x = layer(x.to(device), rope.to(device), batch)
         batch.advance()
-        return rms_norm(x, self.output_norm, self.config.rms_eps)
+        return rms_norm(x.to(self.output_norm.device), self.output_norm, self.config.rms_eps)
 
     @torch.inference_mode()
     def mtp_step(
@@ -385,12 +388,16 @@ class Qwen35ForCausalLM(CausalLM):
         `with_logits` (a catch-up pass only writes the cache), h_mtp [T, E])."""
         head = self.mtp[0]
         c, kv = self.config, state.kv[head.block.index]
-        e = embedding(head.embed or self.token_embd, tokens)
+        device = self.device_of(head.block.index)
+        e = embedding(head.embed or self.token_embd, tokens).to(device)
+        hidden = hidden.to(device)
         u = linear(torch.cat((rms_norm(e, head.enorm, c.rms_eps), rms_norm(hidden, head.hnorm, c.rms_eps)), -1), head.eh_proj)
         batch = Batch(tokens, [state], len(tokens), [kv.length])  # MTP positions follow its own cache
-        u = head.block(u, batch.rope(self.rope_table), batch)
+        u = head.block(u, batch.rope(self.rope_table).to(device), batch)
         h_mtp = rms_norm(u, head.norm, c.rms_eps)
-        return (linear(h_mtp, head.head) if with_logits else None), h_mtp
+        if not with_logits:
+            return None, h_mtp
+        return linear(h_mtp.to(head.head.data.device), head.head).cpu(), h_mtp
 
     @property
     def mtp_kv_index(self) -> int | None:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ..kernels import cpu as cpu_kernels
 from ..quant.qtensor import QTensor
+from .device import gpu_path
 from .linear import as_rows, kernel_supports, linear, linear_many, linear_reference
 
 
@@ -29,13 +30,24 @@ def geglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """GELU(gate) * up with llama.cpp's CPU GELU: a table over the f16 rounding of the input (so within
-    f16 precision of `geglu_reference`)."""
+    f16 precision of `geglu_reference`). The GPU path computes the same table entries on the fly."""
+    if gpu_path(gate):
+        return geglu_f16_table(gate, up)
     return _elementwise(lib_fn="mtp_geglu", reference=geglu_reference, gate=gate, up=up)
+
+
+def geglu_f16_table(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's CPU GELU in torch: GELU of the f16-rounded input, rounded to f16; 0 at or below -10 and
+    the identity at or above 10 (the C kernel's table, without the table)."""
+    gate, up = gate.float(), up.float()
+    table = F.gelu(gate.half().float(), approximate="tanh").half().float()
+    gelu = torch.where(gate <= -10.0, torch.zeros_like(gate), torch.where(gate >= 10.0, gate, table))
+    return gelu * up
 
 
 def _elementwise(lib_fn: str, reference, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     lib = cpu_kernels.load()
-    if lib is None:
+    if lib is None or gpu_path(gate):
         return reference(gate, up)
     gate, up = gate.float().contiguous(), up.float().contiguous()
     out = torch.empty_like(gate)
@@ -52,7 +64,7 @@ def swiglu_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, seq_l
     """The SwiGLU FFN in one kernel call: bit-identical to `linear(swiglu(gate(x), up(x)), down)` on the
     kernels (it runs the same ones), without the three round trips through Python. `seq_len` as in `linear`."""
     lib = cpu_kernels.load()
-    if lib is None or not all(kernel_supports(w.ggml_type) for w in (gate, up, down)):
+    if lib is None or gpu_path(x) or not all(kernel_supports(w.ggml_type) for w in (gate, up, down)):
         return linear(swiglu(*linear_many(x, (gate, up), seq_len)), down, seq_len=seq_len)
     lead, x2 = x.shape[:-1], as_rows(x)
     M, E = x2.shape

@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import cpu as cpu_kernels
+from ..quant.dequant import dequantize
+from ..quant.types import GGMLType
+from .quant_gemv import triton_available, triton_kernels
 
 QUERY_CHUNK = 256  # bounds the [H, T, S] score matrix of the tiled path for long prompts
 ONLINE_MAX_QUERIES = 64  # llama.cpp's flash-attention query tile: fewer rows take the online path
@@ -155,3 +158,84 @@ def _attention_tiled_torch(
         mask = _mask(q_pos[chunk], k_pos, window)
         outs.append(F.scaled_dot_product_attention(qh[:, chunk], kh, vh, attn_mask=mask, scale=scale, enable_gqa=True))
     return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+# --- the GPU path (ops.device) -----------------------------------------------------------------------------
+
+
+def attention_gpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Prompt attention on the GPU path: PyTorch's fused attention (flash attention on CUDA for f16/bf16) over
+    the dequantized keys/values, float32 out. CUDA inputs go in the GPU's half type; elsewhere float32."""
+    half = (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16) if q.is_cuda else torch.float32
+    qh = q.to(half).transpose(0, 1)  # [H, T, D]
+    kh, vh = k.to(half).transpose(0, 1), v.to(half).transpose(0, 1)  # [Hkv, S, D]
+    outs = []
+    for start in range(0, q.shape[0], QUERY_CHUNK * 8):
+        chunk = slice(start, start + QUERY_CHUNK * 8)
+        mask = _mask(q_pos[chunk], k_pos, window) & (k_pos >= 0)[None, :]
+        outs.append(F.scaled_dot_product_attention(qh[:, chunk], kh, vh, attn_mask=mask, scale=scale, enable_gqa=True))
+    return torch.cat(outs, dim=1).transpose(0, 1).float()
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    k_type: int,
+    v_type: int,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    n_kv_heads: int,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The twin of the Triton decode kernel: dequantize the stored cells ([S, Hkv, D] float or [S, row bytes]
+    GGUF blocks), drop empty cells (position -1: they may hold anything, NaN included), exact masked softmax in
+    float32; a row that sees no key is 0, as the kernel leaves it."""
+    S, D = k_store.shape[0], q.shape[-1]
+    live = k_pos >= 0
+    k = _stored_rows(k_store, k_type, S, n_kv_heads, D)[live]
+    v = _stored_rows(v_store, v_type, S, n_kv_heads, D)[live]
+    group = q.shape[1] // n_kv_heads
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.float(), k) * scale
+    probs = scores.masked_fill(~_mask(q_pos, k_pos[live], window), float("-inf")).softmax(-1).nan_to_num(0.0)
+    return torch.einsum("hts,shd->thd", probs, v)
+
+
+def _stored_rows(store: torch.Tensor, ggml_type: int, S: int, n_heads: int, dim: int) -> torch.Tensor:
+    if store.dtype != torch.uint8:
+        return store.float()
+    return dequantize(store, GGMLType(int(ggml_type)), (S, n_heads, dim))
+
+
+def decode_attention_gpu(
+    q: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    k_type: int,
+    v_type: int,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    n_kv_heads: int,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention of a few query rows of one sequence [T, H, D] over its cache as stored (f16/f32 rows, q8_0 or
+    q4_0 blocks), split over the keys: the Triton kernel where it runs (a CUDA tensor, or the interpreter),
+    else `decode_attention_reference`. Float32 [T, H, D]."""
+    kernels = triton_kernels()
+    if triton_available(q) and kernels is not None and hasattr(kernels, "decode_attention"):
+        return kernels.decode_attention(
+            q.float().contiguous(), k_store, v_store, int(k_type), int(v_type), q_pos, k_pos, n_kv_heads,
+            q.shape[-1], scale, window,
+        )  # fmt: skip
+    return decode_attention_reference(q, k_store, v_store, k_type, v_type, q_pos, k_pos, n_kv_heads, scale, window)

@@ -6,6 +6,7 @@ import torch
 
 from ..kernels import cpu as cpu_kernels
 from ..quant.qtensor import QTensor
+from .device import gpu_path
 
 
 def embedding_reference(weight: QTensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -14,7 +15,14 @@ def embedding_reference(weight: QTensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def embedding(weight: QTensor, tokens: torch.Tensor) -> torch.Tensor:
-    """`embedding_reference` from the C kernel (bit-identical: same float operations per value)."""
+    """`embedding_reference` from the C kernel (bit-identical: same float operations per value); on the GPU
+    path the PyTorch dequantizers on the weight's device."""
+    if gpu_path(weight.data):
+        idx = torch.as_tensor(tokens, dtype=torch.int64)
+        # Checked on the host; ids already on the GPU (a captured step's) were checked before they got there.
+        if idx.device.type == "cpu" and len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= weight.shape[0]):
+            raise IndexError(f"token id out of range [0, {weight.shape[0]}) for {weight.name}")
+        return weight.rows(idx.to(weight.data.device))
     lib = cpu_kernels.load()
     if lib is None or not lib.mtp_matmul_supported(int(weight.ggml_type)):
         return embedding_reference(weight, tokens)

@@ -22,8 +22,10 @@ import torch.nn.functional as F
 from ..kernels import cpu as cpu_kernels
 from ..quant.qtensor import QTensor
 from .conv import causal_conv1d
+from .device import gpu_path
 from .linear import WeightGroup, as_rows, kernel_supports, linear, linear_many, linear_reference
 from .norm import gated_rms_norm, l2_norm
+from .quant_gemv import triton_available, triton_kernels
 
 
 def _expand_heads(x: torch.Tensor, n_v_heads: int) -> torch.Tensor:
@@ -93,12 +95,12 @@ def gated_delta_rule_chunked(
     B = heads_first(beta)  # [Hv, N, C]
     G = heads_first(g).cumsum(-1)  # inclusive cumulative log-decay inside each chunk
 
-    lower_incl = torch.ones(C, C, dtype=torch.bool).tril()
+    lower_incl = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
     lower_strict = lower_incl.tril(-1)
     # exp(G_i - G_j) for j <= i; masked before exp so the upper triangle cannot overflow.
     gap = (G[..., :, None] - G[..., None, :]).masked_fill(~lower_incl, float("-inf")).exp()  # [Hv, N, C, C]
     A = (B[..., :, None] * (K @ K.transpose(-1, -2)) * gap).masked_fill(~lower_strict, 0.0)
-    eye = torch.eye(C)
+    eye = torch.eye(C, device=v.device)
     rhs = torch.cat((B[..., None] * Vv, (B * G.exp())[..., None] * K), dim=-1)  # [Hv, N, C, V + K]
     UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
     U, W = UW[..., :V], UW[..., V:]
@@ -229,7 +231,14 @@ def gated_delta_net_decode(
     layer's dozen small ops would each cost more in Python than in arithmetic. The states must be
     contiguous float32 (they are updated in place); each sequence is rounded as if alone (see `linear`).
     With `conv_steps` [T, C, W-1] and `ssm_steps` [T, Hv, K, V] per sequence, the states after every
-    token are written there too (a rejected draft rolls back to one of them)."""
+    token are written there too (a rejected draft rolls back to one of them).
+
+    On the GPU path (ops.device): `gated_delta_net_decode_gpu`."""
+    if gpu_path(h):
+        return gated_delta_net_decode_gpu(
+            h, projections, dt_bias, a, conv_weight, norm_weight, w_out, conv_states, ssms, n_k_heads, eps,
+            conv_steps, ssm_steps,
+        )  # fmt: skip
     lib = cpu_kernels.load()
     n_seq = len(ssms)
     T = h.shape[0] // n_seq
@@ -281,3 +290,77 @@ def gated_delta_net_decode(
     if rc != 0:
         raise RuntimeError(f"mtp_gdn_mixer failed ({rc}) for {w_out.name}")
     return out
+
+
+def gated_delta_net_decode_gpu(
+    h: torch.Tensor,
+    projections: Sequence[QTensor],
+    dt_bias: torch.Tensor,
+    a: torch.Tensor,
+    conv_weight: torch.Tensor,
+    norm_weight: torch.Tensor,
+    w_out: QTensor,
+    conv_states: Sequence[torch.Tensor],
+    ssms: Sequence[torch.Tensor],
+    n_k_heads: int,
+    eps: float,
+    conv_steps: Sequence[torch.Tensor] | None = None,
+    ssm_steps: Sequence[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """`gated_delta_net_decode` on the GPU path, all sequences of the batch at once: the projections (GEMV
+    kernel), the conv over [state | new inputs] as one unfold, the recurrence in the Triton kernel (which also
+    writes the per-token states), the gated norm and the output projection. Same arguments and in-place state
+    updates as `gated_delta_net_decode`."""
+    n_seq = len(ssms)
+    T = h.shape[0] // n_seq
+    n_v_heads, K, V = ssms[0].shape
+    mixed, z, beta, alpha = linear_many(h, projections)
+    g = (a * F.softplus(alpha + dt_bias)).view(n_seq, T, n_v_heads)
+    beta = torch.sigmoid(beta).view(n_seq, T, n_v_heads)
+    C, W = conv_weight.shape
+    xs = torch.cat((torch.stack(list(conv_states)), mixed.view(n_seq, T, C).transpose(1, 2)), dim=2)  # [B, C, W-1+T]
+    conv = (xs.unfold(2, W, 1) * conv_weight[None, :, None, :]).sum(-1)  # [B, C, T]
+    u = F.silu(conv.transpose(1, 2).contiguous())  # [B, T, C]
+    key_dim = n_k_heads * K
+    q = l2_norm(u[..., :key_dim].reshape(n_seq, T, n_k_heads, K), eps)
+    k = l2_norm(u[..., key_dim : 2 * key_dim].reshape(n_seq, T, n_k_heads, K), eps)
+    v = u[..., 2 * key_dim :].reshape(n_seq, T, n_v_heads, V)
+    state = torch.stack(list(ssms))  # [B, Hv, K, V]
+    steps = torch.empty(n_seq, T, n_v_heads, K, V, device=h.device) if ssm_steps is not None else None
+    o = gated_delta_rule_recurrent_batched(q, k, v, g, beta, state, state_steps=steps)
+    for s in range(n_seq):
+        conv_states[s].copy_(xs[s, :, T:])
+        ssms[s].copy_(state[s])
+        if conv_steps is not None and ssm_steps is not None and steps is not None:
+            ssm_steps[s].copy_(steps[s])
+            for t in range(T):
+                conv_steps[s][t].copy_(xs[s, :, t + 1 : t + W])
+    y = gated_rms_norm(o, z.view(n_seq, T, n_v_heads, V), norm_weight, eps).reshape(n_seq * T, -1)
+    return linear(y, w_out)
+
+
+def gated_delta_rule_recurrent_batched(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+    state_steps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The recurrent rule for a batch of sequences: q, k [B, T, Hk, K], v [B, T, Hv, V], g, beta [B, T, Hv],
+    state [B, Hv, K, V] float32 updated in place; with `state_steps` [B, T, Hv, K, V] the state after every
+    token is written there. Returns o [B, T, Hv, V]. The Triton kernel where it runs, else
+    `gated_delta_rule_recurrent` per sequence."""
+    kernels = triton_kernels()
+    if triton_available(q) and kernels is not None and hasattr(kernels, "gated_delta_rule_recurrent_batched"):
+        return kernels.gated_delta_rule_recurrent_batched(q, k, v, g, beta, state, scale, state_steps)
+    outs = []
+    for b in range(q.shape[0]):
+        o, states = gated_delta_rule_recurrent(q[b], k[b], v[b], g[b], beta[b], state[b], scale, return_states=True)
+        state[b].copy_(states[-1])
+        if state_steps is not None:
+            state_steps[b].copy_(states)
+        outs.append(o)
+    return torch.stack(outs)

@@ -1,10 +1,17 @@
-"""y = x W^T for a few activation rows (decode, speculative verification) with W in its GGUF blocks.
+"""y = x W^T on the GPU path (see ops.device), with W in its GGUF blocks: the quantized matmul of every model
+when its activations live on a GPU.
 
-`quant_gemv` runs the fused dequantize + GEMV Triton kernel (mtpserve.kernels.triton) when x is on CUDA, or on
-CPU when TRITON_INTERPRET=1 is set (the tests), and otherwise — or when triton is absent or the type has no
-kernel — `quant_gemv_reference`: dequantize with mtpserve.quant, multiply in float32. Unlike
-ops.linear.linear_reference, neither rounds the activations to a vec_dot type: this is the GPU numerics
-(float activations times dequantized weights, float32 accumulation).
+* up to 8 activation rows (decode, speculative verification): `quant_gemv`, the fused dequantize + GEMV Triton
+  kernel, which reads each weight byte once for all rows;
+* more rows (prompts): from sm_80 the dequantize-in-the-loop tensor-core GEMM (`quant_matmul`, bf16 inputs);
+  below (the RTX 2080 Ti is sm_75) Triton emits no tensor-core instructions, so the weight is dequantized by the
+  Triton kernel and cuBLAS multiplies in fp16;
+* float weights (F16/BF16/F32) multiply as stored; types without a kernel are dequantized per call
+  (`quant_gemv_reference`: correct, slow).
+
+The Triton kernels run on CUDA tensors, or on CPU ones under TRITON_INTERPRET=1 (the tests). Unlike
+ops.linear.linear_reference, nothing here rounds activations to a vec_dot type: the GPU numerics are float
+activations times dequantized weights, float32 accumulation.
 """
 
 from __future__ import annotations
@@ -18,6 +25,10 @@ import torch
 from ..quant.dequant import dequantize
 from ..quant.qtensor import QTensor
 from ..quant.types import GGMLType, block_geometry
+from .device import matmul_kernels
+
+GEMV_MAX_ROWS = 8  # above this many rows the GEMM's tensor cores win over re-reading nothing
+_FLOAT_WEIGHTS = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
 
 
 def quant_gemv_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: GGMLType | int) -> torch.Tensor:
@@ -25,12 +36,12 @@ def quant_gemv_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: GGMLType 
     t = GGMLType(int(qtype))
     block_size, type_size = block_geometry(t)
     n, k = blocks.shape[0], blocks.shape[1] // type_size * block_size
-    w = dequantize(blocks.cpu(), t, (n, k)).to(x.device)
+    w = dequantize(blocks, t, (n, k)).to(x.device)
     return x.float() @ w.T
 
 
 @cache
-def _triton_kernels() -> ModuleType | None:
+def triton_kernels() -> ModuleType | None:
     try:
         from ..kernels import triton as kernels
     except ImportError:  # triton not installed
@@ -38,22 +49,71 @@ def _triton_kernels() -> ModuleType | None:
     return kernels
 
 
+def triton_available(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels can run on x: a CUDA tensor, or any under the interpreter."""
+    return (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and triton_kernels() is not None
+
+
 def use_triton(x: torch.Tensor, qtype: GGMLType | int) -> bool:
     """Whether `quant_gemv` takes the Triton kernel for activations x and weight type qtype."""
-    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    kernels = triton_kernels()
+    if not (triton_available(x) and matmul_kernels(x)) or kernels is None:
         return False
-    kernels = _triton_kernels()
-    return kernels is not None and int(qtype) in {int(t) for t in kernels.GEMV_TYPES}
+    return int(qtype) in {int(t) for t in kernels.GEMV_TYPES}
+
+
+def _interpreter_tiles(x: torch.Tensor) -> bool:
+    """Under the interpreter (CPU tensors) each Triton op costs the same at any tile size: wide tiles, few
+    programs. On a GPU the kernels' own tile choices stand."""
+    return not x.is_cuda
+
+
+def _pow2(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, 1 << max(0, n - 1).bit_length()))
+
+
+def gemm_compute_dtype(device: torch.device) -> torch.dtype:
+    """The tensor-core input type: bf16 from compute capability 8.0, fp16 before (and under the interpreter)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
+        return torch.bfloat16
+    return torch.float16
 
 
 def quant_gemv(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
-    """x [..., K] -> float32 [..., N] for a 2-D QTensor weight [N, K]."""
+    """x [..., K] -> float32 [..., N] for a 2-D QTensor weight [N, K], by the GEMV kernel (any number of rows:
+    8 per launch)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if use_triton(x2, weight.ggml_type):
-        kernels = _triton_kernels()
+        kernels = triton_kernels()
         assert kernels is not None
-        y = kernels.quant_gemv(x2, weight.data, int(weight.ggml_type))
+        tiles = {"block_n": _pow2(weight.shape[0], 32, 1024)} if _interpreter_tiles(x2) else {}
+        y = kernels.quant_gemv(x2, weight.data, int(weight.ggml_type), **tiles)
     else:
         y = quant_gemv_reference(x2, weight.data, weight.ggml_type)
+    return y.reshape(*lead, weight.shape[0])
+
+
+def quant_linear(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
+    """x [..., K] -> float32 [..., N]: GEMV for up to GEMV_MAX_ROWS rows, GEMM above, as the module says."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    t = weight.ggml_type
+    if t in _FLOAT_WEIGHTS:
+        w = weight.data.view(_FLOAT_WEIGHTS[t]).view(weight.shape)
+        return (x2.float() @ w.float().T).reshape(*lead, weight.shape[0])
+    kernels = triton_kernels()
+    if x2.shape[0] <= GEMV_MAX_ROWS or not use_triton(x2, t) or not hasattr(kernels, "quant_matmul"):
+        return quant_gemv(x, weight)
+    assert kernels is not None
+    if int(t) not in {int(q) for q in getattr(kernels, "GEMM_TYPES", kernels.GEMV_TYPES)}:
+        return quant_gemv_reference(x2, weight.data, t).reshape(*lead, weight.shape[0])
+    if x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] < 8:
+        # Triton emits no tensor-core instructions below sm_80: dequantize (exact) and let cuBLAS multiply in fp16.
+        w = kernels.dequant_blocks(weight.data, int(t)).half()
+        return (x2.half() @ w.T).float().reshape(*lead, weight.shape[0])
+    tiles = {}
+    if _interpreter_tiles(x2):
+        tiles = {"block_m": _pow2(x2.shape[0], 16, 128), "block_n": _pow2(weight.shape[0], 16, 512)}
+    y = kernels.quant_matmul(x2, weight.data, int(t), compute_dtype=gemm_compute_dtype(x2.device), **tiles)
     return y.reshape(*lead, weight.shape[0])

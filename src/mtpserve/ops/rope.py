@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..kernels import cpu as cpu_kernels
+from .device import gpu_path
 
 
 def imrope_streams(sections: Sequence[int], n_pairs: int) -> list[int]:
@@ -112,7 +113,7 @@ def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
     lib = cpu_kernels.load()
-    if lib is None:
+    if lib is None or gpu_path(x):
         return apply_rope_reference(x, cos, sin, neox)
     out = x.float().contiguous().clone()
     T, H, D = out.shape
@@ -125,15 +126,32 @@ class RopeTable:
     not depend on the batch it comes in, so the table gives exactly what `rope_cos_sin` would."""
 
     def __init__(
-        self, n_rot: int, base: float, freq_scale: float = 1.0, sections: Sequence[int] | None = None
+        self,
+        n_rot: int,
+        base: float,
+        freq_scale: float = 1.0,
+        sections: Sequence[int] | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.args = (n_rot, base, freq_scale, sections)
-        self.cos = self.sin = torch.empty(0, n_rot // 2)
+        self.device = torch.device(device)
+        self.cos = self.sin = torch.empty(0, n_rot // 2, device=self.device)
 
     def span(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [count, n_rot // 2] of positions start..start + count - 1 (views into the table)."""
+        """cos, sin [count, n_rot // 2] of positions start..start + count - 1 (views into the table, on the
+        table's device: computed on the CPU, moved once per growth)."""
         end = start + count
         if end > len(self.cos):
             size = max(end, 2 * len(self.cos), 256)
-            self.cos, self.sin = rope_cos_sin(torch.arange(size), *self.args)
+            cos, sin = rope_cos_sin(torch.arange(size), *self.args)
+            self.cos, self.sin = cos.to(self.device), sin.to(self.device)
         return self.cos[start:end], self.sin[start:end]
+
+    def reserve(self, count: int) -> None:
+        """Grow the table to `count` positions now (a captured step gathers from it and must not grow it)."""
+        if count > len(self.cos):
+            self.span(0, count)
+
+    def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of arbitrary positions given as a device tensor (within the reserved table)."""
+        return self.cos[positions], self.sin[positions]

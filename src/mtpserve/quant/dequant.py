@@ -32,7 +32,7 @@ def _f16(blocks: torch.Tensor, byte_offset: int) -> torch.Tensor:
 
 def _bits(packed: torch.Tensor) -> torch.Tensor:
     """[..., n] bytes -> [..., n * 8] bits, little-endian (bit j of the byte string at index j)."""
-    shifts = torch.arange(8, dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     return ((packed.unsqueeze(-1) >> shifts) & 1).flatten(-2)
 
 
@@ -81,7 +81,7 @@ def _dequant_q2_k(b: torch.Tensor, out: torch.Tensor) -> None:
     scales = b[:, 0:16]
     dl = (_f16(b, 80) * (scales & 0x0F).float()).unsqueeze(-1)  # [n, 16, 1]
     ml = (_f16(b, 82) * (scales >> 4).float()).unsqueeze(-1)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
     out.view(n, 2, 4, 32).copy_((b[:, 16:80].reshape(n, 2, 1, 32) >> shifts) & 3)
     out.view(n, 16, 16).mul_(dl).sub_(ml)
 
@@ -89,12 +89,12 @@ def _dequant_q2_k(b: torch.Tensor, out: torch.Tensor) -> None:
 def _dequant_q3_k(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
     hmask, qs, scales = b[:, 0:32], b[:, 32:96], b[:, 96:108]
-    low = (scales[:, 0:8].reshape(n, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 2, 1)).reshape(n, 16)
-    high = (scales[:, 8:12].reshape(n, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 4, 1)).reshape(n, 16)
+    low = (scales[:, 0:8].reshape(n, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8, device=b.device).view(1, 2, 1)).reshape(n, 16)
+    high = (scales[:, 8:12].reshape(n, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 4, 1)).reshape(n, 16)
     sc = ((low & 0x0F) | ((high & 0x03) << 4)).to(torch.int8) - 32
     dl = (_f16(b, 108) * sc.float()).unsqueeze(-1)  # [n, 16, 1]
-    ql = (qs.reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)) & 3
-    qh = (hmask.reshape(n, 1, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)).reshape(n, 2, 4, 32) & 1
+    ql = (qs.reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)) & 3
+    qh = (hmask.reshape(n, 1, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 1, 8, 1)).reshape(n, 2, 4, 32) & 1
     # A set hmask bit means "no offset"; a clear one subtracts 4.
     out.view(n, 2, 4, 32).copy_(ql.to(torch.int8) - ((qh ^ 1) << 2).to(torch.int8))
     out.view(n, 16, 16).mul_(dl)
@@ -124,7 +124,7 @@ def _dequant_q5_k(b: torch.Tensor, out: torch.Tensor) -> None:
     d = (_f16(b, 0) * sc.float()).unsqueeze(-1)
     dm = (_f16(b, 2) * mn.float()).unsqueeze(-1)
     qs = b[:, 48:176].reshape(n, 4, 1, 32)
-    qh = ((b[:, 16:48].reshape(n, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1).view(n, 4, 2, 32)
+    qh = ((b[:, 16:48].reshape(n, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)) & 1).view(n, 4, 2, 32)
     nibbles = torch.cat((qs & 0x0F, qs >> 4), dim=2)  # [n, 4, 2, 32]
     out.view(n, 4, 2, 32).copy_(nibbles | (qh << 4))
     out.view(n, 8, 32).mul_(d).sub_(dm)
@@ -135,7 +135,7 @@ def _dequant_q6_k(b: torch.Tensor, out: torch.Tensor) -> None:
     d = (_f16(b, 208) * b[:, 192:208].view(torch.int8).float()).unsqueeze(-1)  # [n, 16, 1]
     ql = b[:, 0:128].reshape(n, 2, 1, 64)
     ql = torch.cat((ql & 0x0F, ql >> 4), dim=2).view(n, 2, 4, 32)
-    qh = (b[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)) & 3
+    qh = (b[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)) & 3
     out.view(n, 2, 4, 32).copy_((ql | (qh << 4)).view(torch.int8) - 32)
     out.view(n, 16, 16).mul_(d)
 
@@ -145,19 +145,19 @@ _IQ4_TABLE = torch.tensor(IQ4_VALUES, dtype=torch.float32)
 
 def _dequant_iq4_nl(b: torch.Tensor, out: torch.Tensor) -> None:
     qs = b[:, 2:18]
-    out.copy_(_IQ4_TABLE[torch.cat((qs & 0x0F, qs >> 4), dim=-1).int()])
+    out.copy_(_IQ4_TABLE.to(b.device)[torch.cat((qs & 0x0F, qs >> 4), dim=-1).int()])
     out.mul_(_f16(b, 0))
 
 
 def _dequant_iq4_xs(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
-    low = (b[:, 4:8].reshape(n, 4, 1) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2)).reshape(n, 8) & 0x0F
+    low = (b[:, 4:8].reshape(n, 4, 1) >> torch.tensor([0, 4], dtype=torch.uint8, device=b.device).view(1, 1, 2)).reshape(n, 8) & 0x0F
     scales_h = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # [n, 1]
-    high = (scales_h >> torch.arange(0, 16, 2, dtype=torch.int32).view(1, 8)) & 3
+    high = (scales_h >> torch.arange(0, 16, 2, dtype=torch.int32, device=b.device).view(1, 8)) & 3
     ls = (low.to(torch.int32) | (high << 4)) - 32
     dl = (_f16(b, 0) * ls.float()).unsqueeze(-1)  # [n, 8, 1]
     qs = b[:, 8:136].reshape(n, 8, 1, 16)
-    out.view(n, 8, 2, 16).copy_(_IQ4_TABLE[torch.cat((qs & 0x0F, qs >> 4), dim=2).int()])
+    out.view(n, 8, 2, 16).copy_(_IQ4_TABLE.to(b.device)[torch.cat((qs & 0x0F, qs >> 4), dim=2).int()])
     out.view(n, 8, 32).mul_(dl)
 
 
@@ -221,8 +221,8 @@ def dequantize(
             f"tensor '{name}': {raw.numel()} bytes of {raw.dtype} do not hold {list(shape)} {ggml_type.name} elements"
         )
     blocks = raw.reshape(-1, type_size)
-    out = torch.empty(blocks.shape[0], block_size, dtype=dtype)
-    scratch = out if dtype == torch.float32 else torch.empty(0, block_size)
+    out = torch.empty(blocks.shape[0], block_size, dtype=dtype, device=blocks.device)
+    scratch = out if dtype == torch.float32 else torch.empty(0, block_size, device=blocks.device)
     # A chunk of ~1M values at a time keeps the small temporaries in cache.
     step = max(1, CHUNK_ELEMENTS // block_size)
     for start in range(0, blocks.shape[0], step):

@@ -27,6 +27,13 @@ class QTensor:
         data = torch.from_numpy(tensor.raw()).view(rows, -1)
         return cls(data, tensor.ggml_type, tensor.shape, tensor.name)
 
+    def to(self, device: torch.device | str) -> QTensor:
+        """The same blocks on `device` (itself when already there)."""
+        device = torch.device(device)
+        if self.data.device == device:
+            return self
+        return QTensor(self.data.to(device), self.ggml_type, self.shape, self.name)
+
     @property
     def nbytes(self) -> int:
         return self.data.numel()

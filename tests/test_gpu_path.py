@@ -1,0 +1,201 @@
+"""The GPU path (ops.device) of whole models: on a machine without a GPU it runs on CPU tensors with the Triton
+kernels under the interpreter (emulate_gpu); on a CUDA machine the same checks run on the GPU, plus the
+comparison with the CPU path that the CUDA backend's acceptance asks for.
+
+Emulated runs keep the quantized matmuls on their PyTorch twins (matmul="torch": the interpreter's GEMV costs
+~10 s a token here; tests/test_triton_gemv.py and test_triton_gemm.py hold the kernels to those twins), except
+`test_every_kernel_together`, which runs them all for a few tokens."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernels run on CPU tensors
+
+import json
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: the GPU path's kernels cannot run")
+
+from mtpserve.cache import KVCache
+from mtpserve.models.base import Batch
+from mtpserve.models.graphs import DecodeGraph
+from mtpserve.models.loader import load
+from mtpserve.ops.device import emulate_gpu
+
+from .conftest import default_model, shared_path, tinyqwen_path
+
+ON_GPU = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(
+    not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="no GPU, and TRITON_INTERPRET was set to something other than 1 (the interpreter is needed on CPU)",
+)
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def _gpu_path(matmul: str = "torch"):
+    return nullcontext() if ON_GPU else emulate_gpu(matmul=matmul)
+
+
+def _case(quant: str, index: int = 0) -> dict:
+    ref = json.loads(shared_path("fixtures", "refs", f"tinyqwen35-mtp-{quant}.json").read_text())
+    return ref["greedy"]["completions"][index]
+
+
+def _greedy(model, ids: list[int], n: int, cache_type: str) -> list[int]:
+    state = model.new_state(1024, cache_type, cache_type)
+    logits = model.prefill(ids, state)
+    out = []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = model.decode(out[-1], state)
+    return out
+
+
+def _agree_before_first_near_tie(ours: list[int], case: dict) -> None:
+    ref = case["generated_token_ids"][: len(ours)]
+    first_tie = min(case["near_tie_positions"], default=len(ours))
+    diverged = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+    assert diverged is None or diverged >= first_tie, (
+        f"token {diverged} differs before the first near tie ({first_tie})"
+    )
+
+
+@pytest.mark.parametrize(("quant", "cache_type"), [("Q4_K_M", "q8_0"), ("Q8_0", "f16")])
+def test_greedy_tokens_match_llama_cpp(quant: str, cache_type: str) -> None:
+    """Prompt (the chunked gated delta rule, fused prompt attention) then decode (the recurrent kernel, the
+    decode attention kernel over the cache as stored): llama.cpp's tokens up to its first near tie."""
+    case = _case(quant)
+    model = load(tinyqwen_path(quant), device=DEVICE)
+    with _gpu_path():
+        ours = _greedy(model, case["prompt_token_ids"], 12, cache_type)
+    _agree_before_first_near_tie(ours, case)
+
+
+@pytest.mark.parametrize(("key", "ref_name"), [
+    ("gemma3", "gemma-3-270m-q4_k_m"),  # sliding-window ring caches, GeGLU, logit softcap
+    ("smollm2", "SmolLM2-135M-Instruct.Q4_1"),  # the llama family, Q4_1
+])  # fmt: skip
+def test_default_models_give_the_cpu_paths_greedy_tokens(key: str, ref_name: str) -> None:
+    """With an f32 KV cache, where the CPU path's attention is exact too. (With f16, llama.cpp's CPU attention
+    rounds its value accumulator to f16 after every key: Gemma 3's 'english' prompt then picks another token at
+    position 4, a 0.19-nat margin, exactly as the CPU path does with an f32 cache: a rounding the GPU does not
+    make, not a GPU path error.)"""
+    ref = json.loads(shared_path("fixtures", "refs", f"{ref_name}.json").read_text())
+    case = next(c for c in ref["greedy"]["completions"] if c["name"] == "english")
+    path = default_model(key)
+    cpu = _greedy(load(path), case["prompt_token_ids"], 3, "f32")
+    model = load(path, device=DEVICE)
+    with _gpu_path():
+        assert _greedy(model, case["prompt_token_ids"], 3, "f32") == cpu
+
+
+def test_verification_equals_token_by_token_and_keeps_every_state() -> None:
+    """Three tokens verified in one pass give the logits and per-token recurrent states of three decodes."""
+    case = _case("Q4_K_M", 1)
+    model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
+    ids, draft = case["prompt_token_ids"], case["generated_token_ids"][:3]
+    with _gpu_path():
+        one = model.new_state(512, "q8_0", "q8_0")
+        model.prefill(ids, one)
+        stepwise, states = [], []
+        for token in draft:
+            stepwise.append(model.decode(token, one))
+            states.append({i: st.snapshot() for i, st in one.recurrent.items()})
+        many = model.new_state(512, "q8_0", "q8_0")
+        model.prefill(ids, many)
+        batch = Batch.of(torch.tensor(draft), [many])
+        batch.keep_steps = True
+        logits = model.logits(model.forward_batch(batch), seq_len=3)
+    torch.testing.assert_close(logits, torch.stack(stepwise), rtol=1e-3, atol=1e-3)
+    for layer, steps in batch.steps.items():
+        for t, st in enumerate(steps[0]):
+            torch.testing.assert_close(st.ssm, states[t][layer].ssm, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(st.conv, states[t][layer].conv, rtol=1e-5, atol=1e-6)
+
+
+def test_mtp_head_drafts_on_the_gpu_path_as_on_the_cpu() -> None:
+    """The MTP block (its own KV cache, the shared head) gives the CPU path's draft from the same hidden state."""
+    case = _case("Q4_K_M")
+    ids = case["prompt_token_ids"]
+    drafts = []
+    for device, ctx in (("cpu", nullcontext()), (DEVICE, None)):
+        model = load(tinyqwen_path("Q4_K_M"), device=device)
+        with ctx or _gpu_path():
+            state = model.new_state(512, "f16", "f16", mtp=True)
+            hidden = model.forward(torch.tensor(ids), state)
+            model.mtp_step(hidden[:-1], torch.tensor(ids[1:]), state, with_logits=False)  # catch the MTP cache up
+            logits, _ = model.mtp_step(hidden[-1:], torch.tensor([case["generated_token_ids"][0]]), state)
+        assert logits is not None and logits.device.type == "cpu"
+        drafts.append(logits[0])
+    assert int(drafts[0].argmax()) == int(drafts[1].argmax())
+    torch.testing.assert_close(drafts[1].softmax(-1), drafts[0].softmax(-1), rtol=0, atol=2e-2)
+
+
+def test_every_kernel_together() -> None:
+    """All Triton kernels at once, matmuls included (GEMV for decode, GEMM for the prompt): a few tokens."""
+    case = _case("Q4_K_M")
+    model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
+    with _gpu_path(matmul="triton"):
+        ours = _greedy(model, case["prompt_token_ids"], 3, "q8_0")
+    _agree_before_first_near_tie(ours, case)
+
+
+def test_a_missing_gpu_is_a_clear_error() -> None:
+    if ON_GPU:
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="torch sees no CUDA GPU"):
+        load(tinyqwen_path("Q4_K_M"), device="cuda")
+    with pytest.raises(ValueError, match="not supported"):
+        load(tinyqwen_path("Q4_K_M"), device="meta")
+
+
+def test_the_static_decode_step_equals_the_ordinary_one() -> None:
+    """DecodeGraph's step (what a CUDA graph captures: positions from device tensors, K/V written with
+    index_copy_, attention over every cell) gives the ordinary step's logits and leaves the same state; on a
+    GPU it is captured and replayed."""
+    model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
+    prompt = _case("Q4_K_M")["prompt_token_ids"]
+    with _gpu_path():
+        ordinary = model.new_state(256, "q8_0", "q8_0")
+        model.prefill(prompt, ordinary)
+        graphed = model.new_state(256, "q8_0", "q8_0")
+        model.prefill(prompt, graphed)
+        runner = DecodeGraph(model, graphed)
+        token = 5
+        for _ in range(6):
+            a = model.decode(token, ordinary)
+            b = runner.decode(token)
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+            token = int(a.argmax())
+    assert graphed.n_past == ordinary.n_past
+    for layer, kv in ordinary.kv.items():
+        assert graphed.kv[layer].length == kv.length
+        assert torch.equal(graphed.kv[layer].positions, kv.positions)
+    for layer, st in ordinary.recurrent.items():
+        torch.testing.assert_close(graphed.recurrent[layer].ssm, st.ssm, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_type", ["q8_0", "f16"])
+def test_static_writes_wrap_a_sliding_window_ring(cache_type: str) -> None:
+    """write_at + attend_static on a ring cache (Gemma 3's sliding-window layers) past its capacity: the same
+    cells, positions and attention as append + attend."""
+    gen = torch.Generator().manual_seed(0)
+    appended, written = (
+        KVCache(48, 2, 32, 32, cache_type, cache_type, window=16, ring=True, device=DEVICE) for _ in range(2)
+    )
+    with _gpu_path():
+        for pos in range(60):  # wraps the 48 cells
+            k, v, q = (torch.randn(1, n, 32, generator=gen).to(DEVICE) for n in (2, 2, 4))
+            p = torch.tensor([pos], device=DEVICE)
+            appended.append(k, v)
+            written.write_at(p, k, v)
+            written.length += 1
+            torch.testing.assert_close(
+                written.attend_static(q, p, 0.2), appended.attend(q, p, 0.2), rtol=1e-5, atol=1e-6
+            )
+    assert torch.equal(written.positions, appended.positions)
+    assert torch.equal(written.k.data, appended.k.data) and torch.equal(written.v.data, appended.v.data)
