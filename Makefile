@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test install models browser bench lint clean
+.PHONY: serve test test-all install models browser bench lint clean
 
 # The OpenAI-compatible server on the default model (SmolLM2-135M-Instruct); flags as llama-server's:
 # `make serve ARGS="--port 8000 --api-key secret"`.
@@ -16,6 +16,11 @@ serve: install models
 test: install models browser
 	$(VENV)/bin/lint-imports
 	MTPSERVE_REQUIRE_MODELS=1 $(PY) -m pytest -q
+
+# Everything, the tests marked slow included (the real models' perplexity runs, ...): about 5 minutes more.
+test-all: install models browser
+	$(VENV)/bin/lint-imports
+	MTPSERVE_REQUIRE_MODELS=1 $(PY) -m pytest -q -m ''
 
 # The web page is tested in a real headless Chromium (Debian's chromium and chromium-driver).
 browser:

@@ -193,19 +193,31 @@ def test_the_planner_refuses_what_does_not_fit_before_loading():
     assert allocated == small.estimate.kv_bytes + small.estimate.recurrent_bytes
 
 
-def test_async_iteration_and_a_32k_prompt():
+def _async_run(prompt: list[int], ctx_per_slot: int) -> list:
     import asyncio
-
-    path, _, tokenizer = _model()
-    text = shared_path("fixtures", "eval", "eval_code_public.txt").read_text(encoding="utf-8")
-    prompt = (tokenizer.encode(text) * 2)[:32768]
 
     async def go(engine: Engine) -> list:
         return [e async for e in engine.submit(Request(prompt, GREEDY, n_predict=4))]
 
+    with _engine(ctx_per_slot=ctx_per_slot) as engine:
+        return asyncio.run(go(engine))
+
+
+def test_async_iteration():
+    _, _, tokenizer = _model()
+    prompt = tokenizer.encode("def fibonacci(n):")
+    events = _async_run(prompt, 512)
+    assert isinstance(events[-1], FinishEvent) and events[-1].timings.prompt_n == len(prompt)
+    assert sum(1 for e in events if not isinstance(e, FinishEvent)) >= 1
+
+
+@pytest.mark.slow  # about a minute on 2 cores: `make test-all`
+def test_a_32k_prompt():
+    _, _, tokenizer = _model()
+    text = shared_path("fixtures", "eval", "eval_code_public.txt").read_text(encoding="utf-8")
+    prompt = (tokenizer.encode(text) * 2)[:32768]
     start = time.perf_counter()
-    with _engine(ctx_per_slot=32768 + 256) as engine:
-        events = asyncio.run(go(engine))
+    events = _async_run(prompt, 32768 + 256)
     assert isinstance(events[-1], FinishEvent) and events[-1].timings.prompt_n == 32768
     assert time.perf_counter() - start < 300
 
