@@ -8,8 +8,8 @@ exit status is 1 when something would stop `mtpserve serve` (no compiler, a mode
 
 GPUs: with GPUs visible to torch, or given as a what-if (`--gpus 22,22`: two GPUs with 22 GiB free),
 doctor plans the layers over them with the server's placement planner (engine/placement.py, llama.cpp's
-rule, `--gpu-layers auto`) and recommends `--gpu-layers`/`--tensor-split`. The CUDA backend that would
-run that plan is not built yet: today mtpserve runs everything on the CPU, and doctor says so.
+rule, `--gpu-layers auto`) and recommends `--gpu-layers`/`--tensor-split`, which `serve` then runs on the
+CUDA path (ops/device.py).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if not gpus:
         _line("note", "GPU", "none visible to torch: mtpserve runs on the CPU")
     else:
-        _line("note", "GPU backend", "the CUDA backend is not built yet: mtpserve plans and runs on the CPU")
+        _line("note", "GPU backend", "the CUDA path (Triton kernels) runs the layers that --gpu-layers puts on the GPUs")
 
     path = model_path(args)
     engine = EngineConfig(n_parallel=args.parallel, ctx_size=args.ctx_size, cache_type_k=args.cache_type_k,
@@ -177,5 +177,5 @@ def _plan_gpus(path: Path, engine: EngineConfig, devices: list[Device]) -> tuple
     ngl = "all" if placement.n_gpu_layers == n_all else str(placement.n_gpu_layers)
     flags = f"--gpu-layers {ngl} --split-mode layer --tensor-split {split}"
     _line("note" if placement.n_gpu_layers < n_all else "ok", "GPU plan",
-          f"{placement.n_gpu_layers} of {n_all} layers on the GPUs: {flags} (the CUDA backend that runs this is not built yet)")  # fmt: skip
+          f"{placement.n_gpu_layers} of {n_all} layers on the GPUs: {flags}")  # fmt: skip
     return 0, flags

@@ -32,7 +32,7 @@ from ..engine import EngineConfig, SamplingParams
 from ..engine.sampling import RANDOM_SEED
 from ..quant import CACHE_TYPES
 from ..server.chat import REASONING_FORMATS, ChatSettings
-from ..server.state import DEFAULT_MAX_BODY, ServerSettings
+from ..server.state import DEFAULT_MAX_BODY, GpuRequest, ServerSettings
 from .common import add_spec_arguments, apply_threads, model_path, spec_config
 
 log = logging.getLogger("mtpserve.server")
@@ -197,7 +197,18 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_predict=args.max_predict,
         sse_ping_interval=args.sse_ping_interval,
         warm_page_cache=not args.no_warmup,
+        gpu=gpu_request(args),
     )
+
+
+def gpu_request(args: argparse.Namespace) -> GpuRequest | None:
+    """The layers go on the GPUs when CUDA is available and --gpu-layers asks for any (N > 0, all, auto); without
+    --gpu-layers everything stays on the CPU (a decision: llama-server's own default offloads, but the CUDA
+    path is new and opt-in until it has been measured on the deployment's GPUs)."""
+    if not torch.cuda.is_available() or args.gpu_layers in (None, "0"):
+        return None
+    split = tuple(float(x) for x in args.tensor_split.replace("/", ",").split(",")) if args.tensor_split else None
+    return GpuRequest(args.gpu_layers, args.split_mode or "layer", split, args.main_gpu or 0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -296,7 +307,8 @@ def _log_devices(args: argparse.Namespace) -> None:
             log.info("device_info: CUDA%d: %s (%d MiB, %d MiB free)", i, torch.cuda.get_device_name(i), total >> 20, free >> 20)
     page, pages = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_AVPHYS_PAGES")
     log.info("device_info: CPU: %d threads, %d MiB free", torch.get_num_threads(), page * pages >> 20)
-    given = [f"--{name.replace('_', '-')}" for name in GPU_FLAGS if getattr(args, name) is not None]
+    used = ("gpu_layers", "split_mode", "tensor_split", "main_gpu") if cuda else ()
+    given = [f"--{name.replace('_', '-')}" for name in GPU_FLAGS if getattr(args, name) is not None and name not in used]
     if given:
-        why = "the CUDA backend is not built yet" if cuda else "no CUDA device"
-        log.warning("main: %s: %s ignored, everything runs on the CPU", why, ", ".join(given))
+        why = "not supported yet" if cuda else "no CUDA device: everything runs on the CPU"
+        log.warning("main: %s ignored (%s)", ", ".join(given), why)

@@ -27,6 +27,7 @@ import asyncio
 import itertools
 import logging
 import queue
+import os
 import threading
 import time
 from collections import deque
@@ -39,7 +40,10 @@ import torch
 
 from ..cache import RecurrentState
 from ..models.base import Batch, CausalLM, ModelState
+from ..gguf import open_gguf
+from ..models.graphs import DecodeGraph
 from ..models.loader import load
+from .placement import TorchPlacement
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .planner import EngineConfig, MemoryPlan, plan_for_file
 from .request import Cancelled, ContextSizeExceeded, EngineError, FinishEvent, InvalidRequest, Request, Timings, TokenEvent
@@ -179,6 +183,7 @@ class Slot:
     pending_h: torch.Tensor | None = None  # the trunk's hidden state at position n_past - 1 (draft-mtp)
     mtp_backlog: list[tuple[torch.Tensor, list[int]]] = field(default_factory=list)  # MTP rows not written yet
     draft: DraftState | None = None  # draft-simple: the draft model's state for this slot
+    graph: DecodeGraph | None = None  # a CUDA model's captured decode step for this slot's state
 
 
 @dataclass(frozen=True)
@@ -294,6 +299,12 @@ class Engine:
             log.info("srv    load_model: initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = 'false'",
                      config.n_parallel, plan.slot_ctx)  # fmt: skip
         self.n_decode_total = 0  # model passes (llama-server's n_decode_total)
+        # Decode steps of a model wholly on one GPU replay a CUDA graph per slot (models/graphs.py);
+        # MTPSERVE_CUDA_GRAPHS=0 turns them off (to measure the difference, or to rule them out).
+        devices = {model.device, *model.layer_devices.values()}
+        self._graphs = (
+            model.device.type == "cuda" and len(devices) == 1 and os.environ.get("MTPSERVE_CUDA_GRAPHS", "1") != "0"
+        )
         self.n_busy_slots_total = 0  # slots served by those passes, summed
         self.slots: list[Slot] = []
         self._queue: deque[Job] = deque()
@@ -308,11 +319,22 @@ class Engine:
             raise self._init_error
 
     @classmethod
-    def from_file(cls, path: str | Path, config: EngineConfig, device: str = "cpu") -> Engine:
-        """Plan first (from the GGUF's metadata: nothing loaded), refuse what does not fit, then load."""
-        plan = plan_for_file(path, config, device)
-        plan.check()
-        return cls(load(path, device=device), Tokenizer.from_gguf(path), config, plan, name=str(path))
+    def from_file(
+        cls, path: str | Path, config: EngineConfig, device: str = "cpu", placement: TorchPlacement | None = None
+    ) -> Engine:
+        """Plan first (from the GGUF's metadata: nothing loaded), refuse what does not fit, then load. With a
+        `placement` (engine.placement's, already checked against the GPUs' free memory) the layers go where it
+        says; the host-memory plan then only sizes the slots."""
+        plan = plan_for_file(path, config, "cpu" if placement else device)
+        if placement is None:
+            plan.check()
+            model = load(path, device=device)
+        else:
+            # An untied embedding table stays where the placement put it (the host); a tied one is the LM head too.
+            tied = "output.weight" not in open_gguf(path).tensors
+            named = {} if tied else {"token_embd.weight": placement.token_embd_device}
+            model = load(path, placement.device, placement.layer_devices, named)
+        return cls(model, Tokenizer.from_gguf(path), config, plan, name=str(path))
 
     # --- public -------------------------------------------------------------------------------------
 
@@ -615,7 +637,12 @@ class Engine:
         a failure after it (sampling, detokenizing, delivering) fails only its own request."""
         self._count_pass(len(slots))
         tokens = [s.job.pending for s in slots]
-        logits = self.model.decode_batch(tokens, [s.state for s in slots])
+        if len(slots) == 1 and self._graphs:  # one sequence on one GPU: replay its captured step
+            slot = slots[0]
+            slot.graph = slot.graph or DecodeGraph(self.model, slot.state)
+            logits = slot.graph.decode(tokens[0])[None]
+        else:
+            logits = self.model.decode_batch(tokens, [s.state for s in slots])
         for slot, token, row in zip(slots, tokens, logits):
             slot.tokens.append(token)
             try:

@@ -67,8 +67,14 @@ total is at most its free memory; the host is checked only when it is given.
    no monotonicity assumed).
 With nothing offloadable, N = 0 and everything stays on the host.
 
-What the server will do with a Placement (the CUDA backend is not built yet)
-----------------------------------------------------------------------------
+What the server does with a Placement
+-------------------------------------
+Built (`to_torch`, `models.loader.load(device, layer_devices, tensor_devices)`, `serve -ngl ...` on a machine
+with CUDA): each block's weights and caches on its device, the output layer on `output_device`, an untied
+`token_embd` on the host; the hidden state moves at device boundaries; CPU-resident blocks run the CPU path.
+Not built yet: `row` (refused with a message), `--device` selection, per-device streams and the CUDA graphs
+described below. The design as planned:
+
 At startup the server resolves `--device` to a device list (free memory from the driver), calls `place()`
 and logs the plan like llama.cpp ("offloaded 66/66 layers", per-device buffer sizes); an
 `InsufficientMemory` stops it before any weight is read. The loader then reads each tensor straight into
@@ -86,13 +92,15 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
-from ..gguf import GGUFFile
+from ..gguf import GGUFFile, open_gguf
 from ..models.config import ModelConfig
 from ..models.memory import CTX_PAD, kv_bytes_per_cell, kv_cells
+from ..models.registry import config_from_gguf
 from ..quant.types import bytes_per_element, parse_cache_type
 from .planner import GIB, EngineConfig, InsufficientMemory
 
@@ -612,3 +620,66 @@ def _auto(
     p = layout(ngl, split, 0, (note,))
     p.check()  # the host, when given, may still overflow
     return p
+
+
+# --- from a placement to torch devices ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TorchPlacement:
+    """Where `models.loader.load` puts things for a placement: `device` holds the output layer (final norm, LM
+    head) and every tensor outside the blocks; `layer_devices` each block (trunk and MTP) whose home differs;
+    `token_embd_device` the embedding table (llama.cpp keeps it on the host)."""
+
+    device: str
+    layer_devices: dict[int, str]
+    token_embd_device: str
+
+
+def torch_device_name(name: str) -> str:
+    """A planner device name ("CPU", "CUDA1") as torch's ("cpu", "cuda:1")."""
+    if name.upper().startswith("CUDA"):
+        return f"cuda:{int(name[4:] or 0)}"
+    if name.upper().startswith("CPU"):
+        return "cpu"
+    raise ValueError(f"no torch device for '{name}'")
+
+
+def to_torch(placement: Placement) -> TorchPlacement:
+    if placement.split_mode == "row":
+        raise ValueError("--split-mode row is planned but not run yet: use --split-mode layer")
+    device = torch_device_name(placement.output_device)
+    layers = {i: torch_device_name(name) for i, name in enumerate(placement.block_device)}
+    return TorchPlacement(
+        device, {i: d for i, d in layers.items() if d != device}, torch_device_name(placement.token_embd_device)
+    )
+
+
+def cuda_devices() -> list[Device]:
+    """The CUDA GPUs torch sees, with their free memory now, named as llama.cpp logs them."""
+    import torch
+
+    out = []
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        free, total = torch.cuda.mem_get_info(i)
+        out.append(Device(f"CUDA{i}", "cuda", total, free))
+    return out
+
+
+def place_file_on_gpus(
+    path: str | Path,
+    engine: EngineConfig,
+    gpu_layers: str = "auto",
+    split_mode: str = "layer",
+    tensor_split: Sequence[float] | None = None,
+    main_gpu: int = 0,
+) -> Placement:
+    """`place` for a GGUF file over the GPUs torch sees now, from llama-server's flags as given; raises
+    InsufficientMemory (naming what to lower) when it does not fit."""
+    gguf = open_gguf(path)
+    config = config_from_gguf(gguf)
+    ngl: GpuLayers = gpu_layers if gpu_layers in ("all", "auto") else int(gpu_layers)  # type: ignore[assignment]
+    planned = place(config, layer_bytes_from_gguf(gguf, config), engine, cuda_devices(), ngl, split_mode,
+                    tensor_split, main_gpu)  # fmt: skip
+    planned.check()
+    return planned

@@ -1,0 +1,383 @@
+"""The CUDA backend on the deployment's model shapes: a random-weight Qwen3.6-27B in Q4_K_M, built on the GPU in
+seconds (no file, no network), measured the way the mission measures it.
+
+    .venv/bin/python bench/gpu.py [--layers 64] [--contexts 4096,32768] [--acceptance 0.63] [--json out.json]
+    .venv/bin/python bench/gpu.py --tiny --device cpu       # the same script on small shapes, on CPU (a smoke run)
+
+What it builds: `Qwen35Config` with the 27B's shapes (../shared/spec/qwen35-architecture.md §1: 64 trunk layers,
+48 Gated DeltaNet + 16 gated attention, one MTP block, n_embd 5120, n_ff 17408, vocab 248320), every tensor typed
+by llama-quantize's Q4_K_M rules (mtpserve.quant.mix), filled with random bytes whose f16 block scales are set to
+small sane values: random 4-bit codes need no quantizer and read exactly as many bytes as trained ones.
+
+What it measures (one table on stdout, everything in --json):
+* weight bytes read per decoded token (every matrix a token passes through: trunk, final norm, LM head; the
+  embedding reads one row), and per MTP draft step;
+* a device-to-device copy's bandwidth (read + write bytes / time): the ceiling;
+* decode tokens/s at batch 1 at each context depth, replayed from a CUDA graph as the server does, and the
+  eager step's time beside it (the difference is Python and kernel launches) (the KV cache and recurrent state are filled to the depth
+  with random values rather than by a prefill: decode speed depends on the depth, not on the values), and the
+  achieved bandwidth (weight + KV bytes read per token / time) as a fraction of the copy's;
+* draft-mtp: the measured cost of a verification step (n_max + 1 tokens, per-token recurrent states kept), of
+  the MTP draft steps and of the MTP catch-up, combined with a recorded acceptance rate (the deployment's 63% at
+  n_max 2, by default) into expected decode tokens/s;
+* prefill tokens/s (ubatches of 512 from an empty context);
+* memory: weights, and the state of one sequence at 262144 tokens with a q8_0 KV cache (MTP cache included).
+
+The GPU's numbers go into the README's "CUDA backend" section with the date and the GPU's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+
+import torch
+
+from mtpserve.models.base import Batch, WeightStore
+from mtpserve.models.graphs import DecodeGraph
+from mtpserve.models.loader import build_model
+from mtpserve.models.qwen35 import Qwen35Config
+from mtpserve.quant.mix import FILE_TYPES, ModelFacts, plan_types
+from mtpserve.quant.qtensor import QTensor
+from mtpserve.quant.types import GGMLType, block_geometry
+
+QWEN36_27B = Qwen35Config(
+    architecture="qwen35", n_vocab=248320, n_embd=5120, n_layer=64, n_nextn=1, n_ff=17408, n_head=24, n_head_kv=4,
+    head_dim=256, rms_eps=1e-6, n_rot=64, rope_base=1e7, rope_sections=(11, 11, 10, 0), context_length=262144,
+    d_conv=4, ssm_head_dim=128, n_k_heads=16, n_v_heads=48,
+    recurrent=tuple((i + 1) % 4 != 0 for i in range(64)) + (False,), tied_embeddings=False,
+)  # fmt: skip
+TINY = replace(
+    QWEN36_27B, n_vocab=2048, n_embd=256, n_layer=4, n_ff=512, n_head=4, n_head_kv=2, head_dim=64, n_rot=16,
+    rope_sections=(3, 3, 2, 0), ssm_head_dim=32, n_k_heads=2, n_v_heads=4,
+    recurrent=(True, True, True, False, False),
+)  # fmt: skip
+# Byte offsets of each type's f16 scale fields (../shared/spec/gguf-quant-formats.md §3).
+F16_FIELDS = {
+    GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2), GGMLType.Q8_0: (0,),
+    GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2),
+    GGMLType.Q6_K: (208,),
+}  # fmt: skip
+
+
+def with_layers(config: Qwen35Config, n_layer: int) -> Qwen35Config:
+    """The first n_layer trunk layers of config (same pattern), plus its MTP block."""
+    return replace(config, n_layer=n_layer, recurrent=config.recurrent[:n_layer] + (False,) * config.n_nextn)
+
+
+def random_blocks(
+    ggml_type: GGMLType, rows: int, cols: int, device: torch.device, gen: torch.Generator
+) -> torch.Tensor:
+    """Random GGUF blocks [rows, cols / QK * type_size] whose f16 fields hold scales in [1e-4, 6e-4): values of
+    a few hundredths, like trained weights."""
+    qk, size = block_geometry(ggml_type)
+    n_blocks = cols // qk
+    b = torch.randint(0, 256, (rows, n_blocks, size), dtype=torch.uint8, device=device, generator=gen)
+    for offset in F16_FIELDS[ggml_type]:
+        scale = (torch.rand(rows, n_blocks, device=device, generator=gen) * 5e-4 + 1e-4).half()
+        b[:, :, offset : offset + 2] = scale.view(torch.uint8).view(rows, n_blocks, 2)
+    return b.view(rows, -1)
+
+
+def random_weights(config: Qwen35Config, device: torch.device, seed: int = 0) -> dict[str, QTensor | torch.Tensor]:
+    """Every tensor of `config` as Q4_K_M would type it, random."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    # The required tensors, and an untied LM head (the 27B has its own output.weight).
+    specs = [s for s in config.tensor_specs() if s.required or s.name == "output.weight"]
+    stored = {s.name: (tuple(reversed(s.shape)), GGMLType.F32) for s in specs}
+    types = plan_types(stored, FILE_TYPES["Q4_K_M"], ModelFacts("qwen35", config.n_layer + config.n_nextn))
+    tensors: dict[str, QTensor | torch.Tensor] = {}
+    for spec in specs:
+        t = types[spec.name]
+        if len(spec.shape) == 1 or t == GGMLType.F32:
+            dense = torch.rand(spec.shape, device=device, generator=gen) * 0.2 + 0.9  # norms ~1, positive
+            if spec.name.endswith("ssm_a"):
+                dense = -dense  # -exp(A_log): a decay
+            tensors[spec.name] = dense
+        else:
+            rows, cols = spec.shape
+            tensors[spec.name] = QTensor(random_blocks(t, rows, cols, device, gen), t, spec.shape, spec.name)
+    return tensors
+
+
+def decode_bytes(config: Qwen35Config, tensors: dict[str, QTensor | torch.Tensor]) -> tuple[int, int]:
+    """(weight bytes a decoded token reads, bytes an MTP draft step reads)."""
+
+    def size(name: str) -> int:
+        t = tensors[name]
+        return t.nbytes if isinstance(t, QTensor) else t.numel() * t.element_size()
+
+    trunk = [n for n in tensors if not n.startswith("blk.") or int(n.split(".")[1]) < config.n_layer]
+    per_token = sum(size(n) for n in trunk if n != "token_embd.weight")
+    per_token += tensors["token_embd.weight"].nbytes // config.n_vocab  # type: ignore[union-attr]
+    mtp = [n for n in tensors if n.startswith(f"blk.{config.n_layer}.")]
+    per_draft = sum(size(n) for n in mtp) + size("output.weight")
+    return per_token, per_draft
+
+
+class Timer:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def median(self, fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+        """Median seconds of fn over reps runs, after warm-up runs (Triton compiles on the first)."""
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int) -> float:
+    """Bytes per second of a device-to-device copy, counting the read and the write."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = timer.median(lambda: dst.copy_(src), reps=10)
+    return 2 * nbytes / t
+
+
+def fill_to_depth(model, state, depth: int, gen: torch.Generator) -> int:
+    """Pretend `depth` tokens were evaluated: KV cells 0..depth-1 hold random rows (valid q8_0 blocks), the
+    recurrent states random values. Returns the KV bytes a decoded token then reads."""
+    kv_bytes = 0
+    for kv in state.kv.values():
+        for rows in (kv.k, kv.v):
+            if rows.data.dtype == torch.uint8:
+                qk, size = block_geometry(rows.type)
+                per_row = rows.data.shape[1] // size
+                rows.data[:depth] = random_blocks(rows.type, depth, per_row * qk, rows.data.device, gen)
+            else:
+                rows.data[:depth].normal_(generator=gen)
+            kv_bytes += rows.data[:depth].numel() * rows.data.element_size()
+        kv.positions[:depth] = torch.arange(depth, device=kv.positions.device)
+        kv.length = depth
+    for st in state.recurrent.values():
+        st.conv.normal_(generator=gen)
+        st.ssm.normal_(generator=gen).mul_(0.01)
+    state.n_past = depth
+    return kv_bytes
+
+
+def truncate(state, depth: int) -> None:
+    """Back to `depth` positions (decode runs repeat from the same depth)."""
+    for kv in state.kv.values():
+        kv.truncate(depth)
+    state.n_past = depth
+
+
+def measure_decode(model, state, depth: int, args: argparse.Namespace, timer: Timer, gen: torch.Generator,
+                   weight_bytes: int, copy_bytes_per_s: float) -> dict:  # fmt: skip
+    """Decode at `depth`: eager and graphed steps, and the draft-mtp estimate from its measured parts."""
+    config, device = model.config, model.device
+    token = 1000 % config.n_vocab
+    kv_bytes = fill_to_depth(model, state, depth, gen)
+    print(f"decode at depth {depth}", file=sys.stderr, flush=True)
+
+    def decode_eager() -> None:
+        truncate(state, depth)
+        model.decode(token, state)
+
+    graph = DecodeGraph(model, state)  # the captured step (on CPU: the same static step, run eagerly)
+
+    def decode_graphed() -> None:
+        truncate(state, depth)
+        graph.decode(token)
+
+    t_eager = timer.median(decode_eager, args.reps)
+    t_decode = timer.median(decode_graphed, args.reps, warmup=3)
+
+    # draft-mtp: n_max MTP draft steps (each with the LM head), one verification of n_max + 1 tokens keeping
+    # per-token recurrent states, one MTP catch-up pass over the accepted tokens (about one draft step). These
+    # run eagerly, as the server runs them today.
+    hidden = torch.zeros(1, config.n_embd, device=device)
+    drafts = torch.full((1,), token)
+
+    def draft_step() -> None:
+        mtp_kv = state.kv[model.mtp_kv_index]
+        mtp_kv.truncate(min(mtp_kv.length, depth))
+        model.mtp_step(hidden, drafts, state)
+
+    def verify() -> None:
+        truncate(state, depth)
+        batch = Batch.of(torch.full((args.n_max + 1,), token), [state])
+        batch.keep_steps = True
+        model.logits(model.forward_batch(batch), seq_len=args.n_max + 1)
+
+    t_draft = timer.median(draft_step, args.reps)
+    t_verify = timer.median(verify, args.reps)
+    truncate(state, depth)
+    accepted = args.acceptance * args.n_max
+    t_step = t_verify + (args.n_max + 1) * t_draft
+    return {
+        "depth": depth,
+        "decode_ms": 1e3 * t_decode,
+        "decode_eager_ms": 1e3 * t_eager,  # without the CUDA graph: the difference is Python and launches
+        "decode_tokens_per_s": 1 / t_decode,
+        "kv_bytes_per_token": kv_bytes,
+        "bandwidth_fraction": (weight_bytes + kv_bytes) / t_decode / copy_bytes_per_s,
+        "draft_step_ms": 1e3 * t_draft,
+        "verify_ms": 1e3 * t_verify,
+        "mtp_tokens_per_step": 1 + accepted,
+        "mtp_tokens_per_s": (1 + accepted) / t_step,
+    }
+
+
+def measure_prefill(model, args: argparse.Namespace, timer: Timer) -> float:
+    """Prompt tokens/s from an empty context, ubatches of 512."""
+    prompt = torch.randint(0, model.config.n_vocab, (args.prefill,), generator=torch.Generator().manual_seed(2))
+    state = model.new_state(args.prefill + 256, args.cache_type, args.cache_type)
+
+    def prefill() -> None:
+        state.clear()
+        model.prefill(prompt, state)
+
+    return args.prefill / timer.median(prefill, max(1, args.reps // 4), warmup=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="small shapes (a smoke run: seconds, any device)")
+    p.add_argument("--layers", type=int, default=None, help="trunk layers to build (default: all)")
+    p.add_argument("--contexts", default="4096,32768", help="decode depths, comma-separated")
+    p.add_argument("--cache-type", default="q8_0", help="KV cache type (-ctk/-ctv)")
+    p.add_argument("--n-max", type=int, default=2, help="draft-mtp tokens per step (--spec-draft-n-max)")
+    p.add_argument("--acceptance", type=float, default=0.63, help="recorded draft acceptance (accepted / drafted)")
+    p.add_argument("--prefill", type=int, default=2048, help="prompt tokens for the prefill measurement")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--memory-ctx", type=int, default=262144, help="context for the memory measurement (0: skip)")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench/gpu.py: no CUDA GPU visible to torch (use --device cpu --tiny for a smoke run)", file=sys.stderr)
+        return 2
+    emulation = None
+    if device.type == "cpu":  # the GPU path on CPU tensors: Triton's interpreter
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            print("bench/gpu.py: on CPU, run with TRITON_INTERPRET=1 (the GPU path under Triton's interpreter)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        from mtpserve.ops.device import emulate_gpu
+
+        emulation = emulate_gpu(matmul="torch")
+        emulation.__enter__()
+    config = TINY if args.tiny else QWEN36_27B
+    if args.layers is not None:
+        config = with_layers(config, args.layers)
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    timer = Timer(device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    result: dict = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
+        "torch": torch.__version__,
+        "shapes": "tiny (smoke run)" if args.tiny else "Qwen3.6-27B",
+        "config": {k: v for k, v in asdict(config).items() if k != "recurrent"},
+        "cache_type": args.cache_type,
+        "n_max": args.n_max,
+        "acceptance": args.acceptance,
+    }
+    print(f"building a random {'tiny' if args.tiny else 'Qwen3.6-27B-shaped'} Q4_K_M model, {config.n_layer} layers "
+          f"+ MTP, on {result['device']}", file=sys.stderr, flush=True)  # fmt: skip
+    t0 = time.perf_counter()
+    tensors = random_weights(config, device)
+    model = build_model(WeightStore(tensors, device), config)
+    per_token, per_draft = decode_bytes(config, tensors)
+    timer.sync()
+    result["build_s"] = time.perf_counter() - t0
+    result["weight_bytes"] = sum(t.nbytes if isinstance(t, QTensor) else t.numel() * 4 for t in tensors.values())
+    result["weight_bytes_per_token"] = per_token
+    result["weight_bytes_per_draft_step"] = per_draft
+    result["copy_bytes_per_s"] = copy_bandwidth(device, timer, 64 << 20 if args.tiny else 2 << 30)
+
+    max_ctx = max(contexts) + 256
+    state = model.new_state(max_ctx, args.cache_type, args.cache_type, mtp=True)
+    result["decode"] = [
+        measure_decode(model, state, depth, args, timer, gen, per_token, result["copy_bytes_per_s"])
+        for depth in contexts
+    ]
+    del state
+    print(f"prefill {args.prefill} tokens", file=sys.stderr, flush=True)
+    result["prefill_tokens_per_s"] = measure_prefill(model, args, timer)
+
+    if args.memory_ctx and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        big = model.new_state(args.memory_ctx, "q8_0", "q8_0", mtp=True)
+        torch.cuda.synchronize(device)
+        result["memory"] = {
+            "ctx": args.memory_ctx,
+            "state_bytes": torch.cuda.memory_allocated(device) - before,
+            "weights_bytes": result["weight_bytes"],
+            "total_bytes": torch.cuda.memory_allocated(device),
+            "peak_bytes": torch.cuda.max_memory_allocated(device),
+        }
+        del big
+    if emulation is not None:
+        emulation.__exit__(None, None, None)
+
+    print(report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def report(r: dict) -> str:
+    gib = 1 << 30
+    lines = [
+        f"mtpserve bench/gpu.py  {r['date']}  {r['device']}  torch {r['torch']}",
+        (
+            f"model: random {r['shapes']}-shaped Q4_K_M, {r['config']['n_layer']} layers + MTP, "
+            f"{r['weight_bytes'] / gib:.2f} GiB of weights (built in {r['build_s']:.1f} s)"
+        ),
+        (
+            f"weight bytes per token {r['weight_bytes_per_token'] / gib:.3f} GiB, per MTP draft step "
+            f"{r['weight_bytes_per_draft_step'] / gib:.3f} GiB; copy bandwidth {r['copy_bytes_per_s'] / 1e9:.0f} GB/s"
+        ),
+        "",
+        (
+            f"| depth | decode tok/s | ms/token | eager ms/token | KV GiB read | bandwidth / copy | MTP draft step ms | "
+            f"verify {r['n_max'] + 1} tokens ms | draft-mtp n_max {r['n_max']} tok/s at {100 * r['acceptance']:.0f}% "
+            "accepted |"
+        ),
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in r["decode"]:
+        lines.append(
+            f"| {row['depth']} | {row['decode_tokens_per_s']:.1f} | {row['decode_ms']:.2f} | {row['decode_eager_ms']:.2f} | "
+            f"{row['kv_bytes_per_token'] / gib:.3f} | {100 * row['bandwidth_fraction']:.0f}% | "
+            f"{row['draft_step_ms']:.2f} | {row['verify_ms']:.2f} | {row['mtp_tokens_per_s']:.1f} |"
+        )
+    lines.append("")
+    lines.append(f"prefill: {r['prefill_tokens_per_s']:.0f} tokens/s")
+    if "memory" in r:
+        m = r["memory"]
+        lines.append(
+            f"memory at {m['ctx']} tokens, q8_0 KV: state {m['state_bytes'] / gib:.2f} GiB + weights "
+            f"{m['weights_bytes'] / gib:.2f} GiB; allocated {m['total_bytes'] / gib:.2f} GiB, peak {m['peak_bytes'] / gib:.2f} GiB"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
