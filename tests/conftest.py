@@ -5,6 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# The Triton kernels' tests run under Triton's interpreter on machines without a GPU. Triton reads this when it
+# is first imported, and whichever test module imports it first wins: so it is set here, before any of them.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 import pytest
 
 from mtpserve.default_models import DEFAULT_MODELS, model_path

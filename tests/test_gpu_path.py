@@ -8,11 +8,8 @@ Emulated runs keep the quantized matmuls on their PyTorch twins (matmul="torch":
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernels run on CPU tensors
-
 import json
+import os
 from contextlib import nullcontext
 
 import pytest

@@ -222,6 +222,7 @@ def test_q4_k_m_file_reads_back_and_equals_llama_quantize_per_tensor(q4_k_m_file
     assert np.array_equal(np.asarray(out.data).reshape(-1), ref.tensors["output.weight"].raw())
 
 
+@pytest.mark.slow  # 30 s on 2 cores: `make test-all`
 def test_q4_k_m_file_perplexity_within_3_percent_of_llama_cpp(q4_k_m_file):
     from mtpserve.engine.perplexity import perplexity
     from mtpserve.models.loader import load

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernels run on CPU tensors
-
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
