@@ -8,6 +8,7 @@ which the tests hold them to. Layouts: ../shared/spec/gguf-quant-formats.md §3.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -22,6 +23,17 @@ IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 
 class UnsupportedQuantType(ValueError):
     """A tensor type this engine cannot dequantize; the message names the type and the tensor."""
+
+
+def _const(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """A small constant tensor, made once per device: copying a list to a GPU inside a CUDA graph capture is not
+    allowed, and the captured decode step dequantizes embedding rows (models/graphs.py)."""
+    return _const_cached(tuple(values), str(device), dtype)
+
+
+@functools.cache
+def _const_cached(values: tuple[int, ...], device: str, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def _f16(blocks: torch.Tensor, byte_offset: int) -> torch.Tensor:
@@ -81,7 +93,7 @@ def _dequant_q2_k(b: torch.Tensor, out: torch.Tensor) -> None:
     scales = b[:, 0:16]
     dl = (_f16(b, 80) * (scales & 0x0F).float()).unsqueeze(-1)  # [n, 16, 1]
     ml = (_f16(b, 82) * (scales >> 4).float()).unsqueeze(-1)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+    shifts = _const([0, 2, 4, 6], b.device).view(1, 1, 4, 1)
     out.view(n, 2, 4, 32).copy_((b[:, 16:80].reshape(n, 2, 1, 32) >> shifts) & 3)
     out.view(n, 16, 16).mul_(dl).sub_(ml)
 
@@ -89,11 +101,11 @@ def _dequant_q2_k(b: torch.Tensor, out: torch.Tensor) -> None:
 def _dequant_q3_k(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
     hmask, qs, scales = b[:, 0:32], b[:, 32:96], b[:, 96:108]
-    low = (scales[:, 0:8].reshape(n, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8, device=b.device).view(1, 2, 1)).reshape(n, 16)
-    high = (scales[:, 8:12].reshape(n, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 4, 1)).reshape(n, 16)
+    low = (scales[:, 0:8].reshape(n, 1, 8) >> _const([0, 4], b.device).view(1, 2, 1)).reshape(n, 16)
+    high = (scales[:, 8:12].reshape(n, 1, 4) >> _const([0, 2, 4, 6], b.device).view(1, 4, 1)).reshape(n, 16)
     sc = ((low & 0x0F) | ((high & 0x03) << 4)).to(torch.int8) - 32
     dl = (_f16(b, 108) * sc.float()).unsqueeze(-1)  # [n, 16, 1]
-    ql = (qs.reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)) & 3
+    ql = (qs.reshape(n, 2, 1, 32) >> _const([0, 2, 4, 6], b.device).view(1, 1, 4, 1)) & 3
     qh = (hmask.reshape(n, 1, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 1, 8, 1)).reshape(n, 2, 4, 32) & 1
     # A set hmask bit means "no offset"; a clear one subtracts 4.
     out.view(n, 2, 4, 32).copy_(ql.to(torch.int8) - ((qh ^ 1) << 2).to(torch.int8))
@@ -135,29 +147,26 @@ def _dequant_q6_k(b: torch.Tensor, out: torch.Tensor) -> None:
     d = (_f16(b, 208) * b[:, 192:208].view(torch.int8).float()).unsqueeze(-1)  # [n, 16, 1]
     ql = b[:, 0:128].reshape(n, 2, 1, 64)
     ql = torch.cat((ql & 0x0F, ql >> 4), dim=2).view(n, 2, 4, 32)
-    qh = (b[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)) & 3
+    qh = (b[:, 128:192].reshape(n, 2, 1, 32) >> _const([0, 2, 4, 6], b.device).view(1, 1, 4, 1)) & 3
     out.view(n, 2, 4, 32).copy_((ql | (qh << 4)).view(torch.int8) - 32)
     out.view(n, 16, 16).mul_(d)
 
 
-_IQ4_TABLE = torch.tensor(IQ4_VALUES, dtype=torch.float32)
-
-
 def _dequant_iq4_nl(b: torch.Tensor, out: torch.Tensor) -> None:
     qs = b[:, 2:18]
-    out.copy_(_IQ4_TABLE.to(b.device)[torch.cat((qs & 0x0F, qs >> 4), dim=-1).int()])
+    out.copy_(_const(IQ4_VALUES, b.device, torch.float32)[torch.cat((qs & 0x0F, qs >> 4), dim=-1).int()])
     out.mul_(_f16(b, 0))
 
 
 def _dequant_iq4_xs(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
-    low = (b[:, 4:8].reshape(n, 4, 1) >> torch.tensor([0, 4], dtype=torch.uint8, device=b.device).view(1, 1, 2)).reshape(n, 8) & 0x0F
+    low = (b[:, 4:8].reshape(n, 4, 1) >> _const([0, 4], b.device).view(1, 1, 2)).reshape(n, 8) & 0x0F
     scales_h = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # [n, 1]
     high = (scales_h >> torch.arange(0, 16, 2, dtype=torch.int32, device=b.device).view(1, 8)) & 3
     ls = (low.to(torch.int32) | (high << 4)) - 32
     dl = (_f16(b, 0) * ls.float()).unsqueeze(-1)  # [n, 8, 1]
     qs = b[:, 8:136].reshape(n, 8, 1, 16)
-    out.view(n, 8, 2, 16).copy_(_IQ4_TABLE.to(b.device)[torch.cat((qs & 0x0F, qs >> 4), dim=2).int()])
+    out.view(n, 8, 2, 16).copy_(_const(IQ4_VALUES, b.device, torch.float32)[torch.cat((qs & 0x0F, qs >> 4), dim=2).int()])
     out.view(n, 8, 32).mul_(dl)
 
 
