@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from contextlib import nullcontext
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 pytest.importorskip("triton", reason="triton is not installed: the GPU path's kernels cannot run")
 
@@ -196,3 +198,52 @@ def test_static_writes_wrap_a_sliding_window_ring(cache_type: str) -> None:
             )
     assert torch.equal(written.positions, appended.positions)
     assert torch.equal(written.k.data, appended.k.data) and torch.equal(written.v.data, appended.v.data)
+
+
+class _NoHostTraffic(TorchFunctionMode):
+    """Fails on what a CUDA graph capture cannot contain: reading a tensor's value on the host (item, tolist,
+    bool/int/float, cpu, numpy, nonzero, boolean-mask indexing) or making a tensor from Python data (on a GPU, a
+    host-to-device copy). The Triton interpreter's own copies (it runs kernels on numpy) are not the step's."""
+
+    FORBIDDEN = {
+        torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+        torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.nonzero, torch.nonzero,
+        torch.tensor, torch.as_tensor, torch.masked_select,
+    }  # fmt: skip
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bad = func in self.FORBIDDEN
+        if func in (torch.tensor, torch.as_tensor) and args and isinstance(args[0], torch.Tensor):
+            bad = func is torch.tensor  # as_tensor of a tensor is the tensor itself
+        if func is torch.Tensor.__getitem__ and len(args) > 1:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            bad = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+        if bad and not _called_from_triton():
+            raise AssertionError(f"{getattr(func, '__qualname__', func)} in a step meant for CUDA graph capture")
+        return func(*args, **kwargs)
+
+
+def _called_from_triton() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if f"{os.sep}triton{os.sep}" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_the_captured_step_reads_nothing_back_to_the_host() -> None:
+    """What makes DecodeGraph capturable, checked without a GPU: its step (the whole model's forward pass and the
+    LM head) makes no host round trip. Then the checker is shown to catch one."""
+    model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
+    with _gpu_path(matmul="triton"):
+        state = model.new_state(256, "q8_0", "q8_0")
+        model.prefill(_case("Q4_K_M")["prompt_token_ids"][:8], state)
+        graph = DecodeGraph(model, state, capture=False)
+        graph.token.fill_(5)
+        graph.position.fill_(state.n_past)
+        with _NoHostTraffic():
+            graph._step()
+        with pytest.raises(AssertionError, match="item"), _NoHostTraffic():
+            graph.position.item()

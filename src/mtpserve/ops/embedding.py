@@ -19,8 +19,10 @@ def embedding(weight: QTensor, tokens: torch.Tensor) -> torch.Tensor:
     path the PyTorch dequantizers on the weight's device."""
     if gpu_path(weight.data):
         idx = torch.as_tensor(tokens, dtype=torch.int64)
-        # Checked on the host; ids already on the GPU (a captured step's) were checked before they got there.
-        if idx.device.type == "cpu" and len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= weight.shape[0]):
+        # Ids on their way to the weight's device are checked on the host (an out-of-range index on a GPU is a
+        # device-side assert); ids already there (a captured step's) were checked before they got there.
+        crossing = idx.device != weight.data.device
+        if crossing and len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= weight.shape[0]):
             raise IndexError(f"token id out of range [0, {weight.shape[0]}) for {weight.name}")
         return weight.rows(idx.to(weight.data.device))
     lib = cpu_kernels.load()
