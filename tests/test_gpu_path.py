@@ -205,11 +205,11 @@ class _NoHostTraffic(TorchFunctionMode):
     bool/int/float, cpu, numpy, nonzero, boolean-mask indexing) or making a tensor from Python data (on a GPU, a
     host-to-device copy). The Triton interpreter's own copies (it runs kernels on numpy) are not the step's."""
 
-    FORBIDDEN = {
+    FORBIDDEN = frozenset({
         torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
         torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.nonzero, torch.nonzero,
         torch.tensor, torch.as_tensor, torch.masked_select,
-    }  # fmt: skip
+    })  # fmt: skip
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
