@@ -21,7 +21,7 @@ pytest.importorskip("triton", reason="triton is not installed: the GPU path's ke
 
 from mtpserve.cache import KVCache
 from mtpserve.models.base import Batch
-from mtpserve.models.graphs import DecodeGraph
+from mtpserve.models.graphs import DecodeGraph, StepGraph
 from mtpserve.models.loader import load
 from mtpserve.ops.device import emulate_gpu
 
@@ -178,6 +178,43 @@ def test_the_static_decode_step_equals_the_ordinary_one() -> None:
         torch.testing.assert_close(graphed.recurrent[layer].ssm, st.ssm, rtol=1e-4, atol=1e-5)
 
 
+def test_the_static_verification_step_equals_the_ordinary_one() -> None:
+    """StepGraph of n_max + 1 = 3 tokens keeping per-token states (a speculative verification): the ordinary
+    pass's hidden states, logits and kept states, twice in a row (the second replays on a GPU), with a rollback
+    in between as the engine does it."""
+    model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
+    case = _case("Q4_K_M", 1)
+    prompt, rest = case["prompt_token_ids"], case["generated_token_ids"]
+    with _gpu_path():
+        ordinary = model.new_state(256, "q8_0", "q8_0")
+        graphed = model.new_state(256, "q8_0", "q8_0")
+        for st in (ordinary, graphed):
+            model.prefill(prompt, st)
+        verify = StepGraph(model, graphed, 3, keep_steps=True)
+        for tokens in (rest[0:3], rest[3:6]):
+            batch = Batch.of(torch.tensor(tokens), [ordinary])
+            batch.keep_steps = True
+            hidden = model.forward_batch(batch)
+            logits = model.logits(hidden, seq_len=3)
+            g_hidden, g_logits, g_steps = verify.step(tokens)
+            torch.testing.assert_close(g_hidden, hidden, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(g_logits, logits, rtol=1e-4, atol=1e-4)
+            for layer, per_sequence in batch.steps.items():
+                for ours, theirs in zip(g_steps[layer][0], per_sequence[0]):
+                    torch.testing.assert_close(ours.ssm, theirs.ssm, rtol=1e-4, atol=1e-5)
+                    torch.testing.assert_close(ours.conv, theirs.conv, rtol=1e-5, atol=1e-6)
+            # Keep the first token only (a rejected draft), on both: truncate and restore, as the engine does.
+            for st, steps in ((ordinary, batch.steps), (graphed, g_steps)):
+                keep = st.n_past - 2
+                for kv in st.kv.values():
+                    kv.truncate(keep)
+                for layer, per_sequence in steps.items():
+                    st.recurrent[layer].restore(per_sequence[0][0])
+                st.n_past = keep
+    for layer, st in ordinary.recurrent.items():
+        torch.testing.assert_close(graphed.recurrent[layer].ssm, st.ssm, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("cache_type", ["q8_0", "f16"])
 def test_static_writes_wrap_a_sliding_window_ring(cache_type: str) -> None:
     """write_at + attend_static on a ring cache (Gemma 3's sliding-window layers) past its capacity: the same
@@ -240,10 +277,42 @@ def test_the_captured_step_reads_nothing_back_to_the_host() -> None:
     with _gpu_path(matmul="triton"):
         state = model.new_state(256, "q8_0", "q8_0")
         model.prefill(_case("Q4_K_M")["prompt_token_ids"][:8], state)
-        graph = DecodeGraph(model, state, capture=False)
-        graph.token.fill_(5)
-        graph.position.fill_(state.n_past)
-        with _NoHostTraffic():
-            graph._step()
+        for graph in (DecodeGraph(model, state, capture=False), StepGraph(model, state, 3, True, capture=False)):
+            graph.tokens.fill_(5)
+            torch.add(graph._offsets, state.n_past, out=graph.positions)
+            with _NoHostTraffic():
+                graph._step()
+            for kv in state.kv.values():
+                kv.truncate(state.n_past)  # forget what the step wrote
         with pytest.raises(AssertionError, match="item"), _NoHostTraffic():
-            graph.position.item()
+            graph.positions.item()
+
+
+def test_the_engine_speculates_through_step_graphs_as_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    """draft-mtp n_max 2 in the engine on the GPU path: with the captured steps (decode and verification graphs,
+    forced on off CUDA, where they run eagerly) the tokens and draft counts of the ordinary steps."""
+    from mtpserve.engine import Engine, EngineConfig, Request, SamplingParams
+    from mtpserve.engine.planner import plan_for_file
+    from mtpserve.engine.speculative import SpecConfig
+    from mtpserve.tokenizer import Tokenizer
+
+    path = tinyqwen_path("Q4_K_M")
+    model, tokenizer = load(path, device=DEVICE), Tokenizer.from_gguf(path)
+    config = EngineConfig(n_parallel=1, ctx_size=1024, spec=SpecConfig("draft-mtp", n_max=2))
+    cases = [_case("Q4_K_M", i) for i in (0, 1)]
+    runs = {}
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("MTPSERVE_CUDA_GRAPHS", graphs)
+        with _gpu_path(), Engine(model, tokenizer, config, plan_for_file(path, config)) as engine:
+            assert engine._graphs == (graphs == "1")
+            runs[graphs] = [
+                engine.submit(Request(c["prompt_token_ids"], SamplingParams(temperature=0.0), n_predict=12)).result()
+                for c in cases
+            ]
+    for case, plain, graphed in zip(cases, runs["0"], runs["1"]):
+        _agree_before_first_near_tie(graphed.tokens, {**case, "generated_token_ids": plain.tokens})
+        if graphed.tokens == plain.tokens:
+            assert (graphed.timings.draft_n, graphed.timings.draft_n_accepted) == (
+                plain.timings.draft_n, plain.timings.draft_n_accepted,
+            )  # fmt: skip
+        assert graphed.timings.draft_n > 0

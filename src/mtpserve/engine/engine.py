@@ -26,8 +26,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
 import os
+import queue
 import threading
 import time
 from collections import deque
@@ -39,14 +39,23 @@ from pathlib import Path
 import torch
 
 from ..cache import RecurrentState
-from ..models.base import Batch, CausalLM, ModelState
 from ..gguf import open_gguf
-from ..models.graphs import DecodeGraph
+from ..models.base import Batch, CausalLM, ModelState
+from ..models.graphs import DecodeGraph, StepGraph
 from ..models.loader import load
-from .placement import TorchPlacement
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from .placement import TorchPlacement
 from .planner import EngineConfig, MemoryPlan, plan_for_file
-from .request import Cancelled, ContextSizeExceeded, EngineError, FinishEvent, InvalidRequest, Request, Timings, TokenEvent
+from .request import (
+    Cancelled,
+    ContextSizeExceeded,
+    EngineError,
+    FinishEvent,
+    InvalidRequest,
+    Request,
+    Timings,
+    TokenEvent,
+)
 from .sampling import Sampler, top_probabilities
 from .speculative import AdaptiveLength, DraftModelDrafter, DraftState, MTPDrafter, NGramDrafter, check_draft_vocab
 
@@ -184,6 +193,7 @@ class Slot:
     mtp_backlog: list[tuple[torch.Tensor, list[int]]] = field(default_factory=list)  # MTP rows not written yet
     draft: DraftState | None = None  # draft-simple: the draft model's state for this slot
     graph: DecodeGraph | None = None  # a CUDA model's captured decode step for this slot's state
+    step_graphs: dict[tuple[int, bool], StepGraph] = field(default_factory=dict)  # ... and verification steps
 
 
 @dataclass(frozen=True)
@@ -299,12 +309,12 @@ class Engine:
             log.info("srv    load_model: initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = 'false'",
                      config.n_parallel, plan.slot_ctx)  # fmt: skip
         self.n_decode_total = 0  # model passes (llama-server's n_decode_total)
-        # Decode steps of a model wholly on one GPU replay a CUDA graph per slot (models/graphs.py);
-        # MTPSERVE_CUDA_GRAPHS=0 turns them off (to measure the difference, or to rule them out).
-        devices = {model.device, *model.layer_devices.values()}
-        self._graphs = (
-            model.device.type == "cuda" and len(devices) == 1 and os.environ.get("MTPSERVE_CUDA_GRAPHS", "1") != "0"
-        )
+        # Decode and verification steps of a model wholly on one GPU replay CUDA graphs per slot (models/graphs.py).
+        # MTPSERVE_CUDA_GRAPHS=0 turns them off (to measure the difference, or to rule them out); =1 takes the
+        # static steps on any device (off CUDA they run eagerly: how the tests hold them to the ordinary ones).
+        wanted = os.environ.get("MTPSERVE_CUDA_GRAPHS", "auto")
+        one_device = len({model.device, *model.layer_devices.values()}) == 1
+        self._graphs = one_device and (wanted == "1" or (wanted == "auto" and model.device.type == "cuda"))
         self.n_busy_slots_total = 0  # slots served by those passes, summed
         self.slots: list[Slot] = []
         self._queue: deque[Job] = deque()
@@ -700,11 +710,19 @@ class Engine:
                 draft = self.draft_model.draft(slot.draft, slot.tokens, sampled, n_max)
         t1 = time.perf_counter()
         tokens = [sampled, *draft]
-        batch = Batch.of(torch.tensor(tokens), [state])
-        batch.keep_steps = self.recurrent and len(draft) > 0
+        keep_steps = self.recurrent and len(draft) > 0
         self._count_pass(1)
-        hidden = self.model.forward_batch(batch)
-        logits = self.model.logits(hidden, seq_len=len(tokens))
+        if self._graphs:  # a captured step per (tokens, keep_steps) shape, on this slot's state
+            key = (len(tokens), keep_steps)
+            if key not in slot.step_graphs:
+                slot.step_graphs[key] = StepGraph(self.model, state, *key)
+            hidden, logits, steps = slot.step_graphs[key].step(tokens)
+        else:
+            batch = Batch.of(torch.tensor(tokens), [state])
+            batch.keep_steps = keep_steps
+            hidden = self.model.forward_batch(batch)
+            logits = self.model.logits(hidden, seq_len=len(tokens))
+            steps = batch.steps
         self._catch_up(slot, hidden, tokens, defer=not draft)
         t2 = time.perf_counter()
         accepted: list[tuple[int, Probs]] = []
@@ -718,7 +736,7 @@ class Engine:
             keep = n_past + 1 + n_accepted
             for kv in state.kv.values():
                 kv.truncate(keep)
-            for i, per_sequence in batch.steps.items():
+            for i, per_sequence in steps.items():
                 state.recurrent[i].restore(per_sequence[0][n_accepted])
             state.n_past = keep
             slot.pending_h = hidden[n_accepted].clone()
