@@ -76,7 +76,8 @@ def test_greedy_tokens_match_llama_cpp(quant: str, cache_type: str) -> None:
 
 @pytest.mark.parametrize(("key", "ref_name"), [
     ("gemma3", "gemma-3-270m-q4_k_m"),  # sliding-window ring caches, GeGLU, logit softcap
-    ("smollm2", "SmolLM2-135M-Instruct.Q4_1"),  # the llama family, Q4_1
+    # the llama family, Q4_1: slow (18 s) as the twin dequantizes 135M parameters a pass; `make test-all`
+    pytest.param("smollm2", "SmolLM2-135M-Instruct.Q4_1", marks=pytest.mark.slow),
 ])  # fmt: skip
 def test_default_models_give_the_cpu_paths_greedy_tokens(key: str, ref_name: str) -> None:
     """With an f32 KV cache, where the CPU path's attention is exact too. (With f16, llama.cpp's CPU attention
@@ -274,9 +275,10 @@ def test_the_captured_step_reads_nothing_back_to_the_host() -> None:
     """What makes DecodeGraph capturable, checked without a GPU: its step (the whole model's forward pass and the
     LM head) makes no host round trip. Then the checker is shown to catch one."""
     model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
-    with _gpu_path(matmul="triton"):
+    with _gpu_path():
         state = model.new_state(256, "q8_0", "q8_0")
         model.prefill(_case("Q4_K_M")["prompt_token_ids"][:8], state)
+    with _gpu_path(matmul="triton"):  # the GEMV's wrapper too
         for graph in (DecodeGraph(model, state, capture=False), StepGraph(model, state, 3, True, capture=False)):
             graph.tokens.fill_(5)
             torch.add(graph._offsets, state.n_past, out=graph.positions)
@@ -299,14 +301,14 @@ def test_the_engine_speculates_through_step_graphs_as_without(monkeypatch: pytes
     path = tinyqwen_path("Q4_K_M")
     model, tokenizer = load(path, device=DEVICE), Tokenizer.from_gguf(path)
     config = EngineConfig(n_parallel=1, ctx_size=1024, spec=SpecConfig("draft-mtp", n_max=2))
-    cases = [_case("Q4_K_M", i) for i in (0, 1)]
+    cases = [_case("Q4_K_M", 1)]
     runs = {}
     for graphs in ("0", "1"):
         monkeypatch.setenv("MTPSERVE_CUDA_GRAPHS", graphs)
         with _gpu_path(), Engine(model, tokenizer, config, plan_for_file(path, config)) as engine:
             assert engine._graphs == (graphs == "1")
             runs[graphs] = [
-                engine.submit(Request(c["prompt_token_ids"], SamplingParams(temperature=0.0), n_predict=12)).result()
+                engine.submit(Request(c["prompt_token_ids"], SamplingParams(temperature=0.0), n_predict=10)).result()
                 for c in cases
             ]
     for case, plain, graphed in zip(cases, runs["0"], runs["1"]):
