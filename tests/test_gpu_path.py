@@ -318,3 +318,34 @@ def test_the_engine_speculates_through_step_graphs_as_without(monkeypatch: pytes
                 plain.timings.draft_n, plain.timings.draft_n_accepted,
             )  # fmt: skip
         assert graphed.timings.draft_n > 0
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q4_1", "F16"])
+def test_gpu_linear_is_the_cpu_numerics_up_to_summation_order(qtype: str) -> None:
+    """The GPU path's matmul (activations rounded to the vec_dot type, then the Triton GEMV / GEMM on float values)
+    against linear_reference, llama.cpp's CPU numerics in plain PyTorch: equal up to float32 summation order
+    (measured ~2e-7), and the GEMM's fp16 inputs (~3e-4); Q4_1's min term takes the exact block sum where the
+    CPU takes its f16 rounding (~4e-4)."""
+    from gguf.quants import quantize as gguf_quantize
+
+    from mtpserve.ops.linear import linear, linear_reference
+    from mtpserve.quant.qtensor import QTensor
+    from mtpserve.quant.quantize import quantize
+    from mtpserve.quant.types import GGMLType
+
+    t = GGMLType[qtype]
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 512, generator=g) * 0.05
+    if t == GGMLType.F16:
+        blocks = w.half().view(torch.uint8).reshape(48, -1)
+    else:
+        # mtpserve quantizes these types byte-identically to llama.cpp; gguf-py has the Q4_1 quantizer it lacks
+        blocks = torch.from_numpy(gguf_quantize(w.numpy(), t)).reshape(48, -1) if t == GGMLType.Q4_1 else quantize(w, t)
+    weight = QTensor(blocks.contiguous().to(DEVICE), t, (48, 512), "w")
+    for rows in (1, 3, 24):  # the GEMV, a verification, the GEMM
+        x = torch.randn(rows, 512, generator=g)
+        expected = linear_reference(x, QTensor(blocks.contiguous(), t, (48, 512), "w"))
+        with _gpu_path(matmul="triton"):
+            got = linear(x.to(DEVICE), weight).cpu()
+        rel = ((got - expected).norm() / expected.norm()).item()
+        assert rel <= (1e-3 if t == GGMLType.Q4_1 else 2e-3 if rows > 8 else 1e-5), (rows, rel)

@@ -669,7 +669,7 @@ class Engine:
         Steps without a draft `defer` their rows; they are written in one pass before the next draft."""
         if self.mtp is None:
             return
-        previous = slot.pending_h if slot.pending_h is not None else torch.zeros(hidden.shape[-1])
+        previous = slot.pending_h if slot.pending_h is not None else hidden.new_zeros(hidden.shape[-1])
         slot.pending_h = hidden[-1].clone()
         inputs = torch.cat((previous[None], hidden[:-1]))
         if defer:
