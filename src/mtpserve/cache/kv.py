@@ -120,11 +120,7 @@ class KVCache:
         cache as stored by the Triton decode kernel, prompts go through dequantized rows and fused attention."""
         if gpu_path(q):
             if q.shape[0] <= DECODE_MAX_QUERIES:
-                cells = slice(0, self.capacity if self.ring else self.length)
-                return decode_attention_gpu(
-                    q, self.k.data[cells], self.v.data[cells], self.k.type, self.v.type, q_pos,
-                    self.positions[cells], self.k.n_heads, scale, self.window,
-                )  # fmt: skip
+                return self._attend_stored(q, q_pos, scale, slice(0, self.capacity if self.ring else self.length))
             keys, values, key_pos = self.read()
             return attention_gpu(q, keys, values, q_pos, key_pos, scale, self.window)
         keys, values, key_pos = self.read()
@@ -148,9 +144,13 @@ class KVCache:
     def attend_static(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
         """`attend` for the GPU path's captured steps: every cell of the cache, the empty ones masked by position
         -1, so the kernel's shape does not change from token to token."""
+        return self._attend_stored(q, q_pos, scale, slice(None))
+
+    def _attend_stored(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float, cells: slice) -> torch.Tensor:
+        """The GPU decode kernel over `cells` of the cache as stored (empty cells masked by position -1)."""
         return decode_attention_gpu(
-            q, self.k.data, self.v.data, self.k.type, self.v.type, q_pos, self.positions, self.k.n_heads, scale,
-            self.window,
+            q, self.k.data[cells], self.v.data[cells], self.k.type, self.v.type, q_pos, self.positions[cells],
+            self.k.n_heads, scale, self.window,
         )  # fmt: skip
 
     def can_truncate(self, length: int) -> bool:

@@ -39,9 +39,8 @@ from pathlib import Path
 import torch
 
 from ..cache import RecurrentState
-from ..gguf import open_gguf
 from ..models.base import Batch, CausalLM, ModelState
-from ..models.graphs import DecodeGraph, StepGraph
+from ..models.graphs import StepGraph
 from ..models.loader import load
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .placement import TorchPlacement
@@ -192,8 +191,8 @@ class Slot:
     pending_h: torch.Tensor | None = None  # the trunk's hidden state at position n_past - 1 (draft-mtp)
     mtp_backlog: list[tuple[torch.Tensor, list[int]]] = field(default_factory=list)  # MTP rows not written yet
     draft: DraftState | None = None  # draft-simple: the draft model's state for this slot
-    graph: DecodeGraph | None = None  # a CUDA model's captured decode step for this slot's state
-    step_graphs: dict[tuple[int, bool], StepGraph] = field(default_factory=dict)  # ... and verification steps
+    # A CUDA model's captured steps on this slot's state, by shape: (tokens, per-token states kept).
+    step_graphs: dict[tuple[int, bool], StepGraph] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -340,10 +339,7 @@ class Engine:
             plan.check()
             model = load(path, device=device)
         else:
-            # An untied embedding table stays where the placement put it (the host); a tied one is the LM head too.
-            tied = "output.weight" not in open_gguf(path).tensors
-            named = {} if tied else {"token_embd.weight": placement.token_embd_device}
-            model = load(path, placement.device, placement.layer_devices, named)
+            model = load(path, placement.device, placement.layer_devices, placement.token_embd_device)
         return cls(model, Tokenizer.from_gguf(path), config, plan, name=str(path))
 
     # --- public -------------------------------------------------------------------------------------
@@ -648,9 +644,7 @@ class Engine:
         self._count_pass(len(slots))
         tokens = [s.job.pending for s in slots]
         if len(slots) == 1 and self._graphs:  # one sequence on one GPU: replay its captured step
-            slot = slots[0]
-            slot.graph = slot.graph or DecodeGraph(self.model, slot.state)
-            logits = slot.graph.decode(tokens[0])[None]
+            logits = self._step_graph(slots[0], 1, False).step(tokens)[1]
         else:
             logits = self.model.decode_batch(tokens, [s.state for s in slots])
         for slot, token, row in zip(slots, tokens, logits):
@@ -659,6 +653,13 @@ class Engine:
                 self._emit(slot, row)
             except Exception as e:  # noqa: BLE001 - this request's failure, not the others'
                 self._fail([slot], e)
+
+    def _step_graph(self, slot: Slot, n_tokens: int, keep_steps: bool) -> StepGraph:
+        """The slot's captured step of this shape (made on first use; decode and verification share them)."""
+        key = (n_tokens, keep_steps)
+        if key not in slot.step_graphs:
+            slot.step_graphs[key] = StepGraph(self.model, slot.state, n_tokens, keep_steps)
+        return slot.step_graphs[key]
 
     def _limit(self, job: Job) -> int:
         n = job.request.n_predict
@@ -712,11 +713,8 @@ class Engine:
         tokens = [sampled, *draft]
         keep_steps = self.recurrent and len(draft) > 0
         self._count_pass(1)
-        if self._graphs:  # a captured step per (tokens, keep_steps) shape, on this slot's state
-            key = (len(tokens), keep_steps)
-            if key not in slot.step_graphs:
-                slot.step_graphs[key] = StepGraph(self.model, state, *key)
-            hidden, logits, steps = slot.step_graphs[key].step(tokens)
+        if self._graphs:
+            hidden, logits, steps = self._step_graph(slot, len(tokens), keep_steps).step(tokens)
         else:
             batch = Batch.of(torch.tensor(tokens), [state])
             batch.keep_steps = keep_steps

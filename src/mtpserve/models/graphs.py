@@ -69,7 +69,7 @@ class StepGraph:
             raise ValueError(f"context size {state.capacity} is full")
         if any(not 0 <= t < vocab for t in tokens):
             raise IndexError(f"token id out of range [0, {vocab})")
-        self.tokens.copy_(torch.tensor(tokens), non_blocking=False)
+        self.tokens.copy_(torch.tensor(tokens))
         torch.add(self._offsets, state.n_past, out=self.positions)
         if not self.capture or self.calls == 0:
             hidden, logits, steps = self._step()

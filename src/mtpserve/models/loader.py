@@ -19,16 +19,19 @@ def load(
     path: str | Path,
     device: str | torch.device = "cpu",
     layer_devices: Mapping[int, str | torch.device] | None = None,
-    tensor_devices: Mapping[str, str | torch.device] | None = None,
+    token_embd_device: str | torch.device | None = None,
 ) -> CausalLM:
-    """`device` holds the output head and every tensor not placed otherwise: `layer_devices` maps block indices
-    to devices (a layer split or a partial offload, as engine.placement plans it), `tensor_devices` single
-    tensors by name (the embedding table on the host, as llama.cpp keeps it)."""
+    """`device` holds the output layer and every tensor not placed otherwise: `layer_devices` maps block indices
+    to devices (a layer split or a partial offload, as engine.placement plans it); `token_embd_device` takes the
+    embedding table (llama.cpp keeps it on the host) when it is only that: a tied table is the LM head too and
+    stays on `device`."""
     dev = resolve_device(device)
     placed = {i: resolve_device(d) for i, d in (layer_devices or {}).items()}
-    named = {n: resolve_device(d) for n, d in (tensor_devices or {}).items()}
     gguf = open_gguf(path)
     config = config_from_gguf(gguf)
+    named = {}
+    if token_embd_device is not None and "output.weight" in gguf.tensors:
+        named["token_embd.weight"] = resolve_device(token_embd_device)
     return build_model(WeightStore.from_gguf(gguf, dev, placed, named), config)
 
 

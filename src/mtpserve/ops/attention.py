@@ -233,7 +233,7 @@ def decode_attention_gpu(
     q4_0 blocks), split over the keys: the Triton kernel where it runs (a CUDA tensor, or the interpreter),
     else `decode_attention_reference`. Float32 [T, H, D]."""
     kernels = triton_kernels()
-    if triton_available(q) and kernels is not None and hasattr(kernels, "decode_attention"):
+    if triton_available(q) and kernels is not None:
         return kernels.decode_attention(
             q.float().contiguous(), k_store, v_store, int(k_type), int(v_type), q_pos, k_pos, n_kv_heads,
             q.shape[-1], scale, window,

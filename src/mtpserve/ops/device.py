@@ -4,9 +4,9 @@
   to the weight's vec_dot type, llama.cpp's float association.
 * CUDA tensors take the GPU path: PyTorch on the tensor's device plus the Triton kernels of
   mtpserve.kernels.triton (fused dequantize + GEMV for decode, dequantize-in-the-loop tensor-core GEMM for
-  prompts, decode attention over the quantized KV cache, the gated delta rule). Its numerics are the GPU's:
-  float activations times dequantized weights, float32 accumulation; greedy tokens match the CPU path's up to
-  near ties, not bit for bit.
+  prompts, decode attention over the quantized KV cache, the gated delta rule). Activations are rounded to the
+  weight's vec_dot type as on the CPU, then multiplied in float with float32 accumulation in the kernels' order:
+  greedy tokens match the CPU path's up to near ties, not bit for bit.
 
 A model's layers may sit on different devices (partial offload): each op follows its input's device.
 

@@ -333,8 +333,8 @@ def gated_delta_net_decode_gpu(
         ssms[s].copy_(state[s])
         if conv_steps is not None and ssm_steps is not None and steps is not None:
             ssm_steps[s].copy_(steps[s])
-            for t in range(T):
-                conv_steps[s][t].copy_(xs[s, :, t + 1 : t + W])
+            # conv state after token t: inputs t+1 .. t+W-1 of [state | new inputs], every t in one copy
+            conv_steps[s].copy_(xs[s].unfold(1, W - 1, 1)[:, 1:].transpose(0, 1))
     y = gated_rms_norm(o, z.view(n_seq, T, n_v_heads, V), norm_weight, eps).reshape(n_seq * T, -1)
     return linear(y, w_out)
 
@@ -354,7 +354,7 @@ def gated_delta_rule_recurrent_batched(
     token is written there. Returns o [B, T, Hv, V]. The Triton kernel where it runs, else
     `gated_delta_rule_recurrent` per sequence."""
     kernels = triton_kernels()
-    if triton_available(q) and kernels is not None and hasattr(kernels, "gated_delta_rule_recurrent_batched"):
+    if triton_available(q) and kernels is not None:
         return kernels.gated_delta_rule_recurrent_batched(q, k, v, g, beta, state, scale, state_steps)
     outs = []
     for b in range(q.shape[0]):

@@ -9,9 +9,10 @@ when its activations live on a GPU.
 * float weights (F16/BF16/F32) multiply as stored; types without a kernel are dequantized per call
   (`quant_gemv_reference`: correct, slow).
 
-The Triton kernels run on CUDA tensors, or on CPU ones under TRITON_INTERPRET=1 (the tests). Unlike
-ops.linear.linear_reference, nothing here rounds activations to a vec_dot type: the GPU numerics are float
-activations times dequantized weights, float32 accumulation.
+The Triton kernels run on CUDA tensors, or on CPU ones under TRITON_INTERPRET=1 (the tests). Everything here
+multiplies float activations by dequantized weights and accumulates in float32; ops.linear rounds the
+activations to the weight's vec_dot type first (`round_activations`), so the products are llama.cpp's CPU ones
+up to summation order.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..quant.qtensor import QTensor
 from ..quant.types import GGMLType, block_geometry
 from .device import matmul_kernels
 
-GEMV_MAX_ROWS = 8  # above this many rows the GEMM's tensor cores win over re-reading nothing
+GEMV_MAX_ROWS = 8  # the GEMV reads the weights once for up to 8 rows (one launch); more rows go to the GEMM
 _FLOAT_WEIGHTS = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
 
 
@@ -102,12 +103,10 @@ def quant_linear(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
     if t in _FLOAT_WEIGHTS:
         w = weight.data.view(_FLOAT_WEIGHTS[t]).view(weight.shape)
         return (x2.float() @ w.float().T).reshape(*lead, weight.shape[0])
-    kernels = triton_kernels()
-    if x2.shape[0] <= GEMV_MAX_ROWS or not use_triton(x2, t) or not hasattr(kernels, "quant_matmul"):
+    if x2.shape[0] <= GEMV_MAX_ROWS or not use_triton(x2, t):  # the GEMM takes the GEMV's types (one unpacking)
         return quant_gemv(x, weight)
+    kernels = triton_kernels()
     assert kernels is not None
-    if int(t) not in {int(q) for q in getattr(kernels, "GEMM_TYPES", kernels.GEMV_TYPES)}:
-        return quant_gemv_reference(x2, weight.data, t).reshape(*lead, weight.shape[0])
     if x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] < 8:
         # Triton emits no tensor-core instructions below sm_80: dequantize (exact) and let cuBLAS multiply in fp16.
         w = kernels.dequant_blocks(weight.data, int(t)).half()
