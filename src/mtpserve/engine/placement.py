@@ -69,7 +69,7 @@ With nothing offloadable, N = 0 and everything stays on the host.
 
 What the server does with a Placement
 -------------------------------------
-Built (`to_torch`, `models.loader.load(device, layer_devices, tensor_devices)`, `serve -ngl ...` on a machine
+Built (`to_torch`, `models.loader.load(device, layer_devices, token_embd_device)`, `serve -ngl ...` on a machine
 with CUDA): each block's weights and caches on its device, the output layer on `output_device`, an untied
 `token_embd` on the host; the hidden state moves at device boundaries; CPU-resident blocks run the CPU path.
 Not built yet: `row` (refused with a message), `--device` selection, per-device streams and the CUDA graphs
