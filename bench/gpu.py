@@ -18,7 +18,7 @@ What it measures (one table on stdout, everything in --json):
   with random values rather than by a prefill: decode speed depends on the depth, not on the values), and the
   achieved bandwidth (weight + KV bytes read per token / time) as a fraction of the copy's;
 * draft-mtp: the measured cost of a verification step (n_max + 1 tokens, per-token recurrent states kept), of
-  the MTP draft steps and of the MTP catch-up, combined with a recorded acceptance rate (the deployment's 63% at
+  the MTP draft steps and of the MTP catch-up (all captured, as the server runs them), combined with a recorded acceptance rate (the deployment's 63% at
   n_max 2, by default) into expected decode tokens/s;
 * prefill tokens/s (ubatches of 512 from an empty context);
 * memory: weights, and the state of one sequence at 262144 tokens with a q8_0 KV cache (MTP cache included).
@@ -39,6 +39,7 @@ from dataclasses import asdict, replace
 
 import torch
 
+from mtpserve.engine.speculative import MTPDrafter, SpecConfig
 from mtpserve.models.base import Batch, WeightStore
 from mtpserve.models.graphs import DecodeGraph, StepGraph
 from mtpserve.models.loader import build_model
@@ -201,16 +202,27 @@ def measure_decode(model, state, depth: int, args: argparse.Namespace, timer: Ti
     t_eager = timer.median(decode_eager, args.reps)
     t_decode = timer.median(decode_graphed, args.reps, warmup=3)
 
-    # draft-mtp: n_max MTP draft steps (each with the LM head), one verification of n_max + 1 tokens keeping
-    # per-token recurrent states (a captured step, as the server runs it), one MTP catch-up pass over the accepted
-    # tokens (about one draft step). The MTP steps run eagerly, as the server runs them today.
+    # draft-mtp: n_max chained MTP draft steps (each with the LM head), one verification of n_max + 1 tokens
+    # keeping per-token recurrent states, one MTP catch-up pass over the accepted tokens (timed at its longest,
+    # n_max + 1 rows), each a captured step as the server runs them; an eager draft step beside them.
+    drafter = MTPDrafter(model, SpecConfig("draft-mtp", n_max=args.n_max))
+    mtp_kv = state.kv[model.mtp_kv_index]
     hidden = torch.zeros(1, config.n_embd, device=device)
-    drafts = torch.full((1,), token)
+    rows_in = torch.zeros(args.n_max + 1, config.n_embd, device=device)
+    draft_graph = drafter.draft_graph(state, args.n_max)
+    rows_graph = drafter.rows_graph(state, args.n_max + 1)
 
-    def draft_step() -> None:
-        mtp_kv = state.kv[model.mtp_kv_index]
+    def draft_step_eager() -> None:
         mtp_kv.truncate(min(mtp_kv.length, depth))
-        model.mtp_step(hidden, drafts, state)
+        model.mtp_step(hidden, torch.full((1,), token), state)
+
+    def draft_chain() -> None:
+        mtp_kv.truncate(min(mtp_kv.length, depth))
+        drafter.draft(state, hidden[0], token, args.n_max, draft_graph)
+
+    def catch_up() -> None:
+        mtp_kv.truncate(min(mtp_kv.length, depth))
+        drafter.write_rows(state, rows_in, [token] * (args.n_max + 1), rows_graph)
 
     def verify_eager() -> None:
         truncate(state, depth)
@@ -224,12 +236,14 @@ def measure_decode(model, state, depth: int, args: argparse.Namespace, timer: Ti
         truncate(state, depth)
         verify_graph.step([token] * (args.n_max + 1))
 
-    t_draft = timer.median(draft_step, args.reps)
+    t_draft_eager = timer.median(draft_step_eager, args.reps)
+    t_drafts = timer.median(draft_chain, args.reps, warmup=3)
+    t_catch_up = timer.median(catch_up, args.reps, warmup=3)
     t_verify_eager = timer.median(verify_eager, args.reps)
     t_verify = timer.median(verify, args.reps, warmup=3)
     truncate(state, depth)
     accepted = args.acceptance * args.n_max
-    t_step = t_verify + (args.n_max + 1) * t_draft
+    t_step = t_verify + t_drafts + t_catch_up
     return {
         "depth": depth,
         "decode_ms": 1e3 * t_decode,
@@ -237,7 +251,9 @@ def measure_decode(model, state, depth: int, args: argparse.Namespace, timer: Ti
         "decode_tokens_per_s": 1 / t_decode,
         "kv_bytes_per_token": kv_bytes,
         "bandwidth_fraction": (weight_bytes + kv_bytes) / t_decode / copy_bytes_per_s,
-        "draft_step_ms": 1e3 * t_draft,
+        "draft_ms": 1e3 * t_drafts,  # all n_max draft steps, captured
+        "draft_step_eager_ms": 1e3 * t_draft_eager,  # one draft step without the graph
+        "catch_up_ms": 1e3 * t_catch_up,
         "verify_ms": 1e3 * t_verify,
         "verify_eager_ms": 1e3 * t_verify_eager,
         "mtp_tokens_per_step": 1 + accepted,
@@ -364,17 +380,18 @@ def report(r: dict) -> str:
         ),
         "",
         (
-            f"| depth | decode tok/s | ms/token | eager ms/token | KV GiB read | bandwidth / copy | MTP draft step ms | "
-            f"verify {r['n_max'] + 1} tokens ms (eager) | draft-mtp n_max {r['n_max']} tok/s at "
-            f"{100 * r['acceptance']:.0f}% accepted |"
+            f"| depth | decode tok/s | ms/token | eager ms/token | KV GiB read | bandwidth / copy | "
+            f"{r['n_max']} MTP drafts ms (eager, one) | MTP catch-up ms | verify {r['n_max'] + 1} tokens ms (eager) | "
+            f"draft-mtp n_max {r['n_max']} tok/s at {100 * r['acceptance']:.0f}% accepted |"
         ),
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in r["decode"]:
         lines.append(
             f"| {row['depth']} | {row['decode_tokens_per_s']:.1f} | {row['decode_ms']:.2f} | {row['decode_eager_ms']:.2f} | "
             f"{row['kv_bytes_per_token'] / gib:.3f} | {100 * row['bandwidth_fraction']:.0f}% | "
-            f"{row['draft_step_ms']:.2f} | {row['verify_ms']:.2f} ({row['verify_eager_ms']:.2f}) | "
+            f"{row['draft_ms']:.2f} ({row['draft_step_eager_ms']:.2f}) | {row['catch_up_ms']:.2f} | "
+            f"{row['verify_ms']:.2f} ({row['verify_eager_ms']:.2f}) | "
             f"{row['mtp_tokens_per_s']:.1f} |"
         )
     lines.append("")

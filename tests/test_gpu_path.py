@@ -21,7 +21,7 @@ pytest.importorskip("triton", reason="triton is not installed: the GPU path's ke
 
 from mtpserve.cache import KVCache
 from mtpserve.models.base import Batch
-from mtpserve.models.graphs import DecodeGraph, StepGraph
+from mtpserve.models.graphs import DecodeGraph, MTPDraftGraph, MTPRowsGraph, StepGraph
 from mtpserve.models.loader import load
 from mtpserve.ops.device import emulate_gpu
 
@@ -216,6 +216,45 @@ def test_the_static_verification_step_equals_the_ordinary_one() -> None:
         torch.testing.assert_close(graphed.recurrent[layer].ssm, st.ssm, rtol=1e-4, atol=1e-5)
 
 
+def test_the_static_mtp_steps_equal_the_eager_ones() -> None:
+    """The MTP block's captured steps: a catch-up pass (MTPRowsGraph) writes the eager pass's cache rows, and the
+    chained draft (MTPDraftGraph, tokens chosen on the device) proposes the eager draft's tokens with their
+    top-10 probabilities, round after round, with the draft-time rows truncated away in between."""
+    from mtpserve.engine.speculative import MTPDrafter, SpecConfig
+
+    model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
+    case = _case("Q4_K_M", 1)
+    prompt, rest = case["prompt_token_ids"], case["generated_token_ids"]
+    drafter = MTPDrafter(model, SpecConfig("draft-mtp", n_max=3))
+    with _gpu_path():
+        eager, graphed = (model.new_state(256, "f16", "f16", mtp=True) for _ in range(2))
+        for st in (eager, graphed):
+            hidden = model.forward(torch.tensor(prompt), st)
+            drafter.write_rows(st, hidden[:-1], prompt[1:])
+        rows = drafter.rows_graph(graphed, 2)
+        draft = drafter.draft_graph(graphed, 3)
+        pending = hidden[-1]
+        for t in range(0, 6, 2):  # three rounds as the engine's: draft, a trunk pass of two tokens, its catch-up
+            tokens = rest[t : t + 2]
+            plain = list(drafter._proposals(eager, pending, tokens[0], 3))
+            eager.kv[drafter.kv_index].truncate(eager.kv[drafter.kv_index].length - 3)
+            proposed = draft.propose(pending, tokens[0])
+            graphed.kv[drafter.kv_index].truncate(graphed.kv[drafter.kv_index].length)
+            assert [tok for tok, _ in proposed] == [tok for tok, _ in plain]
+            torch.testing.assert_close(torch.tensor([p for _, p in proposed]), torch.tensor([p for _, p in plain]))
+            hidden = model.forward(torch.tensor(tokens), eager)
+            model.forward(torch.tensor(tokens), graphed)
+            inputs = torch.cat((pending[None], hidden[:-1]))
+            drafter.write_rows(eager, inputs, tokens)
+            rows.write(inputs, tokens)
+            pending = hidden[-1]
+    kv_eager, kv_graphed = eager.kv[drafter.kv_index], graphed.kv[drafter.kv_index]
+    assert kv_graphed.length == kv_eager.length == len(prompt) - 1 + 6
+    assert torch.equal(kv_graphed.positions, kv_eager.positions)
+    torch.testing.assert_close(kv_graphed.k.data, kv_eager.k.data, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(kv_graphed.v.data, kv_eager.v.data, rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("cache_type", ["q8_0", "f16"])
 def test_static_writes_wrap_a_sliding_window_ring(cache_type: str) -> None:
     """write_at + attend_static on a ring cache (Gemma 3's sliding-window layers) past its capacity: the same
@@ -276,23 +315,28 @@ def test_the_captured_step_reads_nothing_back_to_the_host() -> None:
     LM head) makes no host round trip. Then the checker is shown to catch one."""
     model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
     with _gpu_path():
-        state = model.new_state(256, "q8_0", "q8_0")
+        state = model.new_state(256, "q8_0", "q8_0", mtp=True)
         model.prefill(_case("Q4_K_M")["prompt_token_ids"][:8], state)
     with _gpu_path(matmul="triton"):  # the GEMV's wrapper too
-        for graph in (DecodeGraph(model, state, capture=False), StepGraph(model, state, 3, True, capture=False)):
-            graph.tokens.fill_(5)
+        for graph in (
+            DecodeGraph(model, state, capture=False),
+            StepGraph(model, state, 3, True, capture=False),
+            MTPRowsGraph(model, state, 3, capture=False),
+            MTPDraftGraph(model, state, 2, model.mtp[0].head, 10, capture=False),
+        ):
             torch.add(graph._offsets, state.n_past, out=graph.positions)
             with _NoHostTraffic():
                 graph._step()
             for kv in state.kv.values():
-                kv.truncate(state.n_past)  # forget what the step wrote
+                kv.truncate(kv.length)  # forget what the step wrote
         with pytest.raises(AssertionError, match="item"), _NoHostTraffic():
             graph.positions.item()
 
 
 def test_the_engine_speculates_through_step_graphs_as_without(monkeypatch: pytest.MonkeyPatch) -> None:
-    """draft-mtp n_max 2 in the engine on the GPU path: with the captured steps (decode and verification graphs,
-    forced on off CUDA, where they run eagerly) the tokens and draft counts of the ordinary steps."""
+    """draft-mtp n_max 2 in the engine on the GPU path: with the captured steps (decode, verification, MTP draft
+    and catch-up graphs, forced on off CUDA, where they run eagerly) the tokens and draft counts of the ordinary
+    steps."""
     from mtpserve.engine import Engine, EngineConfig, Request, SamplingParams
     from mtpserve.engine.planner import plan_for_file
     from mtpserve.engine.speculative import SpecConfig
@@ -311,6 +355,8 @@ def test_the_engine_speculates_through_step_graphs_as_without(monkeypatch: pytes
                 engine.submit(Request(c["prompt_token_ids"], SamplingParams(temperature=0.0), n_predict=10)).result()
                 for c in cases
             ]
+            slot = engine.slots[0]
+            assert bool(slot.step_graphs and slot.mtp_draft_graphs and slot.mtp_rows_graphs) == (graphs == "1")
     for case, plain, graphed in zip(cases, runs["0"], runs["1"]):
         _agree_before_first_near_tie(graphed.tokens, {**case, "generated_token_ids": plain.tokens})
         if graphed.tokens == plain.tokens:

@@ -40,7 +40,7 @@ import torch
 
 from ..cache import RecurrentState
 from ..models.base import Batch, CausalLM, ModelState
-from ..models.graphs import StepGraph
+from ..models.graphs import MTPDraftGraph, MTPRowsGraph, StepGraph
 from ..models.loader import load
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .placement import TorchPlacement
@@ -193,6 +193,9 @@ class Slot:
     draft: DraftState | None = None  # draft-simple: the draft model's state for this slot
     # A CUDA model's captured steps on this slot's state, by shape: (tokens, per-token states kept).
     step_graphs: dict[tuple[int, bool], StepGraph] = field(default_factory=dict)
+    # and of its MTP block: chained draft steps by n_max, catch-up passes by rows.
+    mtp_draft_graphs: dict[int, MTPDraftGraph] = field(default_factory=dict)
+    mtp_rows_graphs: dict[int, MTPRowsGraph] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -677,14 +680,33 @@ class Engine:
             slot.mtp_backlog.append((inputs, tokens))
             return
         self._flush_mtp(slot)
-        self.mtp.write_rows(slot.state, inputs, tokens)
+        self._write_mtp_rows(slot, inputs, tokens)
 
     def _flush_mtp(self, slot: Slot) -> None:
         if self.mtp is not None and slot.mtp_backlog:
             inputs = torch.cat([h for h, _ in slot.mtp_backlog])
             tokens = [t for _, ts in slot.mtp_backlog for t in ts]
             slot.mtp_backlog.clear()
-            self.mtp.write_rows(slot.state, inputs, tokens)
+            self._write_mtp_rows(slot, inputs, tokens)
+
+    def _write_mtp_rows(self, slot: Slot, inputs: torch.Tensor, tokens: list[int]) -> None:
+        assert self.mtp is not None
+        graph, n = None, len(tokens)
+        if self._graphs and n <= self.config.spec.n_max + 1:  # a longer backlog (steps without drafts) is rare
+            if n not in slot.mtp_rows_graphs:
+                slot.mtp_rows_graphs[n] = self.mtp.rows_graph(slot.state, n)
+            graph = slot.mtp_rows_graphs[n]
+        self.mtp.write_rows(slot.state, inputs, tokens, graph)
+
+    def _mtp_draft(self, slot: Slot, sampled: int, n_max: int) -> list[int]:
+        assert self.mtp is not None
+        pending_h = slot.pending_h if slot.pending_h is not None else torch.zeros(self.model.config.n_embd)
+        graph = None
+        if self._graphs:
+            if n_max not in slot.mtp_draft_graphs:
+                slot.mtp_draft_graphs[n_max] = self.mtp.draft_graph(slot.state, n_max)
+            graph = slot.mtp_draft_graphs[n_max]
+        return self.mtp.draft(slot.state, pending_h, sampled, n_max, graph)
 
     def _speculate(self, slot: Slot) -> None:
         """One speculative step: draft, verify [pending, drafts] in one trunk pass, keep the longest
@@ -703,8 +725,7 @@ class Engine:
         if n_max > 0:
             if self.mtp is not None:
                 self._flush_mtp(slot)
-                pending_h = slot.pending_h if slot.pending_h is not None else torch.zeros(self.model.config.n_embd)
-                draft = self.mtp.draft(state, pending_h, sampled, n_max)
+                draft = self._mtp_draft(slot, sampled, n_max)
             elif self.ngram is not None:
                 draft = self.ngram.draft(slot.tokens + [sampled], n_max)
             elif self.draft_model is not None and slot.draft is not None:

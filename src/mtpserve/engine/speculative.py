@@ -24,11 +24,13 @@ from the running acceptance rate of each draft position and the measured cost of
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from ..models.base import CausalLM, ModelState
+from ..models.graphs import MTPDraftGraph, MTPRowsGraph
 from ..ops.linear import linear
 from ..quant.qtensor import QTensor
 from ..tokenizer import Tokenizer
@@ -81,11 +83,31 @@ class MTPDrafter:
             n = min(config.draft_vocab, full.shape[0])
             self.head = QTensor(full.data[:n], full.ggml_type, (n, full.shape[1]), f"{full.name}[:{n}]")
 
-    def draft(self, state: ModelState, pending_h: torch.Tensor, sampled: int, n_max: int) -> list[int]:
-        """Up to n_max chained draft tokens after `sampled` (which sits at position state.n_past)."""
+    def draft(
+        self, state: ModelState, pending_h: torch.Tensor, sampled: int, n_max: int, graph: MTPDraftGraph | None = None
+    ) -> list[int]:
+        """Up to n_max chained draft tokens after `sampled` (which sits at position state.n_past). With `graph`
+        (from `draft_graph(state, n_max)`) the steps run captured, all n_max of them, and the tokens after the
+        first one below p_min are dropped on the host: the same draft, as later steps cannot change earlier ones."""
         kv = state.kv[self.kv_index]
         start = kv.length
         tokens: list[int] = []
+        if graph is not None:
+            proposals: Iterable[tuple[int, float]] = graph.propose(pending_h, sampled)
+        else:
+            proposals = self._proposals(state, pending_h, sampled, n_max)
+        for token, p_top in proposals:
+            if self.config.p_min > 0 and p_top < self.config.p_min:
+                break
+            tokens.append(token)
+        kv.truncate(start)  # draft-time rows go: the catch-up pass rewrites them from the trunk's states
+        return tokens if len(tokens) >= self.config.n_min else []
+
+    def _proposals(
+        self, state: ModelState, pending_h: torch.Tensor, sampled: int, n_max: int
+    ) -> Iterator[tuple[int, float]]:
+        """Eager draft steps, one at a time (the caller stops pulling at the first token below p_min): each
+        step's argmax and its probability over the top DRAFT_TOP_K."""
         hidden, token = pending_h[None], sampled
         for _ in range(n_max):
             logits, hidden = self.model.mtp_step(hidden, torch.tensor([token]), state, with_logits=self.head is None)
@@ -93,17 +115,27 @@ class MTPDrafter:
                 logits = linear(hidden, self.head)
             assert logits is not None
             top = logits[0].float().topk(DRAFT_TOP_K)
-            if self.config.p_min > 0 and float(torch.softmax(top.values, 0)[0]) < self.config.p_min:
-                break
             token = int(top.indices[0])
-            tokens.append(token)
-        kv.truncate(start)  # draft-time rows go: the catch-up pass rewrites them from the trunk's states
-        return tokens if len(tokens) >= self.config.n_min else []
+            yield token, float(torch.softmax(top.values, 0)[0])
 
-    def write_rows(self, state: ModelState, inputs: torch.Tensor, tokens: list[int]) -> None:
+    def write_rows(
+        self, state: ModelState, inputs: torch.Tensor, tokens: list[int], graph: MTPRowsGraph | None = None
+    ) -> None:
         """MTP cache rows for tokens the trunk evaluated: row i pairs token i with the trunk's hidden
-        state at the position before it (`inputs` [T, E])."""
-        self.model.mtp_step(inputs, torch.tensor(tokens), state, with_logits=False)
+        state at the position before it (`inputs` [T, E]). `graph`: `rows_graph(state, T)`."""
+        if graph is not None:
+            graph.write(inputs, tokens)
+        else:
+            self.model.mtp_step(inputs, torch.tensor(tokens), state, with_logits=False)
+
+    def draft_graph(self, state: ModelState, n_max: int) -> MTPDraftGraph:
+        """`draft`'s steps on `state` captured (a model on one GPU: models.graphs)."""
+        head = self.head if self.head is not None else self.model.mtp[0].head  # type: ignore[attr-defined]
+        return MTPDraftGraph(self.model, state, n_max, head, DRAFT_TOP_K)
+
+    def rows_graph(self, state: ModelState, n_tokens: int) -> MTPRowsGraph:
+        """`write_rows` of `n_tokens` rows on `state`, captured."""
+        return MTPRowsGraph(self.model, state, n_tokens)
 
 
 VOCAB_CHECK_START = 5  # llama.cpp compares token texts from this id on (the first ids are often specials)

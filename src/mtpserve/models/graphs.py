@@ -10,24 +10,56 @@ positions come from device tensors, K/V rows are written with `index_copy_` at t
 (`KVCache.write_at`), attention reads every cell of the cache with empty cells masked by position -1
 (`KVCache.attend_static`), rope gathers its angles from a table grown in advance, recurrent states are updated
 in place. One graph per step shape: a decode step (1 token), a speculative verification of n_max + 1 tokens
-(which also keeps every per-token recurrent state, for rollback). Off CUDA (tests, under the Triton interpreter)
-the same static step runs eagerly, which is how its results are held equal to the ordinary step's.
+(which also keeps every per-token recurrent state, for rollback), and the MTP block's steps: the catch-up pass
+after a verification (`MTPRowsGraph`) and the chained draft (`MTPDraftGraph`, which picks each draft token on the
+device, so n_max draft steps cost one replay and one copy to the host). Off CUDA (tests, under the Triton
+interpreter) the same static steps run eagerly, which is how their results are held equal to the ordinary ones.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..cache import RecurrentState
+from ..ops.linear import linear
+from ..quant.qtensor import QTensor
 from .base import Batch, CausalLM, ModelState
 
 
-class StepGraph:
+class CapturedStep:
+    """Runs `_step()` (a static step: fixed shapes and addresses, no host reads) eagerly on the first call, which
+    compiles the Triton kernels, captures it on the second and replays it on every later one; off CUDA (or with
+    `capture=False`) it always runs eagerly. The outputs are the graph's buffers: the next call overwrites them."""
+
+    def __init__(self, device: torch.device, capture: bool | None) -> None:
+        self.capture = device.type == "cuda" if capture is None else capture
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: Any = None
+        self.calls = 0
+
+    def _step(self) -> Any:
+        raise NotImplementedError
+
+    def _run(self) -> Any:
+        if not self.capture or self.calls == 0:
+            outputs = self._step()
+        else:
+            if self.graph is None:
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.outputs = self._step()
+            self.graph.replay()
+            outputs = self.outputs
+        self.calls += 1
+        return outputs
+
+
+class StepGraph(CapturedStep):
     """Forward steps of `n_tokens` tokens of one sequence: `step(tokens)` evaluates them at the state's next
-    positions and advances it, like `model.forward_batch(Batch.of(tokens, [state]))`. The first call runs the
-    static step eagerly (it compiles the Triton kernels), the second captures it and every later one replays it.
-    The graph holds the state's tensors by address, so it stays valid while they live (clear, truncate and
-    restore work in place)."""
+    positions and advances it, like `model.forward_batch(Batch.of(tokens, [state]))`. The graph holds the state's
+    tensors by address, so it stays valid while they live (clear, truncate and restore work in place)."""
 
     def __init__(
         self,
@@ -37,19 +69,15 @@ class StepGraph:
         keep_steps: bool = False,
         capture: bool | None = None,
     ) -> None:
-        if model.layer_devices and set(model.layer_devices.values()) != {model.device}:
-            raise ValueError("a step graph runs on one device; this model is split over several")
+        _check_one_device(model)
+        super().__init__(model.device, capture)
         self.model, self.state, self.n_tokens, self.keep_steps = model, state, n_tokens, keep_steps
-        self.capture = model.device.type == "cuda" if capture is None else capture
         device = model.device
         self.tokens = torch.zeros(n_tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(n_tokens, dtype=torch.long, device=device)
         self._offsets = torch.arange(n_tokens, device=device)
         for table in _rope_tables(model):
             table.reserve(state.capacity)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.outputs: tuple[torch.Tensor, torch.Tensor, dict[int, list[list[RecurrentState]]]] | None = None
-        self.calls = 0
 
     def _step(self) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[list[RecurrentState]]]]:
         batch = Batch(self.tokens, [self.state], self.n_tokens, [-1], positions=self.positions)
@@ -62,32 +90,107 @@ class StepGraph:
         """(hidden [T, E] on the device, logits [T, V] on the CPU, per-token recurrent states {layer: [[state
         after token t]]} when `keep_steps`). The hidden states and kept states are the graph's buffers: the next
         call overwrites them."""
-        state, vocab = self.state, self.model.config.n_vocab
+        state = self.state
         if len(tokens) != self.n_tokens:
             raise ValueError(f"this graph evaluates {self.n_tokens} tokens, not {len(tokens)}")
         if state.n_past + self.n_tokens > state.capacity:
             raise ValueError(f"context size {state.capacity} is full")
-        if any(not 0 <= t < vocab for t in tokens):
-            raise IndexError(f"token id out of range [0, {vocab})")
+        _check_tokens(tokens, self.model.config.n_vocab)
         self.tokens.copy_(torch.tensor(tokens))
         torch.add(self._offsets, state.n_past, out=self.positions)
-        if not self.capture or self.calls == 0:
-            hidden, logits, steps = self._step()
-        else:
-            if self.graph is None:
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
-                    self.outputs = self._step()
-            self.graph.replay()
-            assert self.outputs is not None
-            hidden, logits, steps = self.outputs
-        self.calls += 1
+        hidden, logits, steps = self._run()
         mtp = getattr(self.model, "mtp_kv_index", None)
         for layer, kv in state.kv.items():
             if layer != mtp:  # the MTP block's cache keeps its own length
                 kv.length += self.n_tokens
         state.n_past += self.n_tokens
         return hidden, logits.float().cpu(), steps
+
+
+class MTPRowsGraph(CapturedStep):
+    """The MTP block's catch-up pass after a trunk pass, `n_tokens` rows at the next positions of its cache:
+    `write(inputs, tokens)` is `model.mtp_step(inputs, tokens, state, with_logits=False)`."""
+
+    def __init__(self, model: CausalLM, state: ModelState, n_tokens: int, capture: bool | None = None) -> None:
+        _check_one_device(model)
+        super().__init__(model.device, capture)
+        self.model, self.state, self.n_tokens = model, state, n_tokens
+        self.kv = state.kv[model.mtp_kv_index]  # type: ignore[attr-defined]
+        self.mtp_step = model.mtp_step  # type: ignore[attr-defined]
+        device = model.device
+        self.inputs = torch.zeros(n_tokens, model.config.n_embd, device=device)
+        self.tokens = torch.zeros(n_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n_tokens, dtype=torch.long, device=device)
+        self._offsets = torch.arange(n_tokens, device=device)
+        for table in _rope_tables(model):
+            table.reserve(state.capacity)
+
+    def _step(self) -> torch.Tensor:
+        return self.mtp_step(self.inputs, self.tokens, self.state, False, self.positions)[1]
+
+    @torch.inference_mode()
+    def write(self, inputs: torch.Tensor, tokens: list[int]) -> None:
+        if len(tokens) != self.n_tokens:
+            raise ValueError(f"this graph writes {self.n_tokens} rows, not {len(tokens)}")
+        if self.kv.length + self.n_tokens > self.kv.capacity:
+            raise ValueError(f"context size {self.kv.capacity} is full")
+        _check_tokens(tokens, self.model.config.n_vocab)
+        self.inputs.copy_(inputs)
+        self.tokens.copy_(torch.tensor(tokens))
+        torch.add(self._offsets, self.kv.length, out=self.positions)
+        self._run()
+        self.kv.length += self.n_tokens
+
+
+class MTPDraftGraph(CapturedStep):
+    """`n_max` chained MTP draft steps, each choosing its token on the device (the argmax, as the top of a top-k,
+    and that token's probability renormalised over the top k): `propose(hidden, token)` -> [(token, p)] with one
+    copy to the host for all steps. The rows it writes to the MTP cache stay beyond the cache's length (the
+    caller truncates them away, as after eager draft steps). `head` scores the draft (the MTP head, or a view
+    of its first rows: a trimmed draft vocabulary)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        state: ModelState,
+        n_max: int,
+        head: QTensor,
+        top_k: int,
+        capture: bool | None = None,
+    ) -> None:
+        _check_one_device(model)
+        super().__init__(model.device, capture)
+        self.model, self.state, self.n_max, self.head, self.top_k = model, state, n_max, head, top_k
+        self.kv = state.kv[model.mtp_kv_index]  # type: ignore[attr-defined]
+        self.mtp_step = model.mtp_step  # type: ignore[attr-defined]
+        device = model.device
+        self.hidden = torch.zeros(1, model.config.n_embd, device=device)
+        self.token = torch.zeros(1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n_max, dtype=torch.long, device=device)
+        self._offsets = torch.arange(n_max, device=device)
+        for table in _rope_tables(model):
+            table.reserve(state.capacity)
+
+    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, token, chosen, p_top = self.hidden, self.token, [], []
+        for i in range(self.n_max):
+            _, hidden = self.mtp_step(hidden, token, self.state, False, self.positions[i : i + 1])
+            top = linear(hidden.to(self.head.data.device), self.head)[0].float().topk(self.top_k)
+            token = top.indices[:1]
+            chosen.append(token)
+            p_top.append(torch.softmax(top.values, 0)[:1])
+        return torch.cat(chosen), torch.cat(p_top)
+
+    @torch.inference_mode()
+    def propose(self, hidden: torch.Tensor, token: int) -> list[tuple[int, float]]:
+        if self.kv.length + self.n_max > self.kv.capacity:
+            raise ValueError(f"context size {self.kv.capacity} is full")
+        _check_tokens([token], self.model.config.n_vocab)
+        self.hidden.copy_(hidden.reshape(1, -1))
+        self.token.fill_(token)
+        torch.add(self._offsets, self.kv.length, out=self.positions)
+        chosen, p_top = self._run()
+        return list(zip(chosen.tolist(), p_top.tolist()))
 
 
 class DecodeGraph(StepGraph):
@@ -98,6 +201,16 @@ class DecodeGraph(StepGraph):
 
     def decode(self, token: int) -> torch.Tensor:
         return self.step([token])[1][0]
+
+
+def _check_one_device(model: CausalLM) -> None:
+    if model.layer_devices and set(model.layer_devices.values()) != {model.device}:
+        raise ValueError("a step graph runs on one device; this model is split over several")
+
+
+def _check_tokens(tokens: list[int], vocab: int) -> None:
+    if any(not 0 <= t < vocab for t in tokens):
+        raise IndexError(f"token id out of range [0, {vocab})")
 
 
 def _rope_tables(model: CausalLM) -> list:

@@ -380,19 +380,27 @@ class Qwen35ForCausalLM(CausalLM):
 
     @torch.inference_mode()
     def mtp_step(
-        self, hidden: torch.Tensor, tokens: torch.Tensor, state: ModelState, with_logits: bool = True
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        state: ModelState,
+        with_logits: bool = True,
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """MTP rows for tokens [T] at the next positions of the MTP cache, each fed the hidden state [T, E]
         that predicted its token (the trunk's final-norm output at the previous position, or for chained
-        drafts the MTP's own output). Returns (logits [T, V] for the token after each, or None without
-        `with_logits` (a catch-up pass only writes the cache), h_mtp [T, E])."""
+        drafts the MTP's own output). Returns (logits [T, V] on the CPU for the token after each, or None without
+        `with_logits` (a catch-up pass only writes the cache), h_mtp [T, E]). With `positions` (a device tensor:
+        a captured step, models.graphs) the rows go to those positions and the cache's length is the caller's to
+        advance."""
         head = self.mtp[0]
         c, kv = self.config, state.kv[head.block.index]
         device = self.device_of(head.block.index)
         e = embedding(head.embed or self.token_embd, tokens).to(device)
         hidden = hidden.to(device)
         u = linear(torch.cat((rms_norm(e, head.enorm, c.rms_eps), rms_norm(hidden, head.hnorm, c.rms_eps)), -1), head.eh_proj)
-        batch = Batch(tokens, [state], len(tokens), [kv.length])  # MTP positions follow its own cache
+        # MTP positions follow its own cache
+        batch = Batch(tokens, [state], len(tokens), [kv.length if positions is None else -1], positions=positions)
         u = head.block(u, batch.rope(self.rope_table).to(device), batch)
         h_mtp = rms_norm(u, head.norm, c.rms_eps)
         if not with_logits:
