@@ -20,6 +20,7 @@ What it measures (one table on stdout, everything in --json):
 * draft-mtp: the measured cost of a verification step (n_max + 1 tokens, per-token recurrent states kept), of
   the MTP draft steps and of the MTP catch-up (all captured, as the server runs them), combined with a recorded acceptance rate (the deployment's 63% at
   n_max 2, by default) into expected decode tokens/s;
+* decode of `--batch` sequences together (4; --parallel without speculation), tokens/s in all;
 * prefill tokens/s (ubatches of 512 from an empty context);
 * memory: weights, and the state of one sequence at 262144 tokens with a q8_0 KV cache (MTP cache included).
 
@@ -261,6 +262,23 @@ def measure_decode(model, state, depth: int, args: argparse.Namespace, timer: Ti
     }
 
 
+def measure_batch_decode(model, depth: int, args: argparse.Namespace, timer: Timer, gen: torch.Generator) -> dict:
+    """`--batch` sequences at `depth` decoding together (--parallel without speculation), one captured step."""
+    states = [model.new_state(depth + 256, args.cache_type, args.cache_type) for _ in range(args.batch)]
+    for state in states:
+        fill_to_depth(model, state, depth, gen)
+    graph = StepGraph(model, states)
+    tokens = [1000 % model.config.n_vocab] * args.batch
+
+    def step() -> None:
+        for state in states:
+            truncate(state, depth)
+        graph.step(tokens)
+
+    t = timer.median(step, args.reps, warmup=3)
+    return {"sequences": args.batch, "depth": depth, "step_ms": 1e3 * t, "tokens_per_s": args.batch / t}
+
+
 def measure_prefill(model, args: argparse.Namespace, timer: Timer) -> float:
     """Prompt tokens/s from an empty context, ubatches of 512."""
     prompt = torch.randint(0, model.config.n_vocab, (args.prefill,), generator=torch.Generator().manual_seed(2))
@@ -284,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-type", default="q8_0", help="KV cache type (-ctk/-ctv)")
     p.add_argument("--n-max", type=int, default=2, help="draft-mtp tokens per step (--spec-draft-n-max)")
     p.add_argument("--acceptance", type=float, default=0.63, help="recorded draft acceptance (accepted / drafted)")
+    p.add_argument("--batch", type=int, default=4, help="sequences decoding together for the batched row (1: skip)")
     p.add_argument("--prefill", type=int, default=2048, help="prompt tokens for the prefill measurement")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--memory-ctx", type=int, default=262144, help="context for the memory measurement (0: skip)")
@@ -340,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         for depth in contexts
     ]
     del state
+    if args.batch > 1:
+        depth = min(contexts)
+        print(f"decode {args.batch} sequences together at depth {depth}", file=sys.stderr, flush=True)
+        result["batch_decode"] = measure_batch_decode(model, depth, args, timer, gen)
     print(f"prefill {args.prefill} tokens", file=sys.stderr, flush=True)
     result["prefill_tokens_per_s"] = measure_prefill(model, args, timer)
 
@@ -395,6 +418,12 @@ def report(r: dict) -> str:
             f"{row['mtp_tokens_per_s']:.1f} |"
         )
     lines.append("")
+    if "batch_decode" in r:
+        b = r["batch_decode"]
+        lines.append(
+            f"decode of {b['sequences']} sequences together at depth {b['depth']}: {b['step_ms']:.2f} ms a step, "
+            f"{b['tokens_per_s']:.1f} tokens/s in all"
+        )
     lines.append(f"prefill: {r['prefill_tokens_per_s']:.0f} tokens/s")
     if "memory" in r:
         m = r["memory"]

@@ -38,6 +38,7 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
     # Bytes a token reads: every trunk matrix and the head, far more than one MTP step's block + head.
     assert result["weight_bytes_per_token"] > result["weight_bytes_per_draft_step"] > 0
     assert result["prefill_tokens_per_s"] > 0
+    assert result["batch_decode"]["sequences"] == 4 and result["batch_decode"]["tokens_per_s"] > 0
 
 
 def test_bench_gpu_refuses_cuda_without_a_gpu() -> None:

@@ -216,6 +216,31 @@ def test_the_static_verification_step_equals_the_ordinary_one() -> None:
         torch.testing.assert_close(graphed.recurrent[layer].ssm, st.ssm, rtol=1e-4, atol=1e-5)
 
 
+def test_a_static_step_of_several_sequences_equals_decode_batch() -> None:
+    """StepGraph over three sequences at different depths (the engine's graph for a set of slots): decode_batch's
+    logits, and the same caches and recurrent states after it."""
+    model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
+    prompts = [c["prompt_token_ids"] for c in (_case("Q4_K_M", i) for i in range(3))]
+    with _gpu_path():
+        ordinary, graphed = ([model.new_state(256, "q8_0", "q8_0") for _ in prompts] for _ in range(2))
+        for states in (ordinary, graphed):
+            for prompt, st in zip(prompts, states):
+                model.prefill(prompt, st)
+        assert len({st.n_past for st in ordinary}) > 1
+        graph = StepGraph(model, graphed)
+        tokens = [5, 6, 7]
+        for _ in range(4):
+            logits = model.decode_batch(tokens, ordinary)
+            torch.testing.assert_close(graph.step(tokens)[1], logits, rtol=1e-4, atol=1e-4)
+            tokens = logits.argmax(-1).tolist()
+    for a, b in zip(ordinary, graphed):
+        assert a.n_past == b.n_past
+        for layer, kv in a.kv.items():
+            assert b.kv[layer].length == kv.length and torch.equal(b.kv[layer].positions, kv.positions)
+        for layer, st in a.recurrent.items():
+            torch.testing.assert_close(b.recurrent[layer].ssm, st.ssm, rtol=1e-4, atol=1e-5)
+
+
 def test_the_static_mtp_steps_equal_the_eager_ones() -> None:
     """The MTP block's captured steps: a catch-up pass (MTPRowsGraph) writes the eager pass's cache rows, and the
     chained draft (MTPDraftGraph, tokens chosen on the device) proposes the eager draft's tokens with their
@@ -324,7 +349,7 @@ def test_the_captured_step_reads_nothing_back_to_the_host() -> None:
             MTPRowsGraph(model, state, 3, capture=False),
             MTPDraftGraph(model, state, 2, model.mtp[0].head, 10, capture=False),
         ):
-            torch.add(graph._offsets, state.n_past, out=graph.positions)
+            graph.positions.copy_(torch.arange(len(graph.positions)) + state.n_past)
             with _NoHostTraffic():
                 graph._step()
             for kv in state.kv.values():
@@ -364,6 +389,31 @@ def test_the_engine_speculates_through_step_graphs_as_without(monkeypatch: pytes
                 plain.timings.draft_n, plain.timings.draft_n_accepted,
             )  # fmt: skip
         assert graphed.timings.draft_n > 0
+
+
+def test_the_engine_decodes_several_slots_through_their_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests decoding together on --parallel 2 (no speculation): with the captured steps (the two slots'
+    batch graph, forced on off CUDA) each gets the tokens it gets without them."""
+    from mtpserve.engine import Engine, EngineConfig, Request, SamplingParams
+    from mtpserve.engine.planner import plan_for_file
+    from mtpserve.tokenizer import Tokenizer
+
+    path = tinyqwen_path("Q4_K_M")
+    model, tokenizer = load(path, device=DEVICE), Tokenizer.from_gguf(path)
+    config = EngineConfig(n_parallel=2, ctx_size=1024)
+    cases = [_case("Q4_K_M", i) for i in range(2)]
+    runs = {}
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("MTPSERVE_CUDA_GRAPHS", graphs)
+        with _gpu_path(), Engine(model, tokenizer, config, plan_for_file(path, config)) as engine:
+            streams = [
+                engine.submit(Request(c["prompt_token_ids"], SamplingParams(temperature=0.0), n_predict=8))
+                for c in cases
+            ]
+            runs[graphs] = [stream.result().tokens for stream in streams]
+            assert (0, 1) in engine._batch_graphs if graphs == "1" else not engine._batch_graphs
+    for case, plain, graphed in zip(cases, runs["0"], runs["1"]):
+        _agree_before_first_near_tie(graphed, {**case, "generated_token_ids": plain})
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q4_1", "F16"])

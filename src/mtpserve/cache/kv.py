@@ -186,23 +186,26 @@ def append_and_attend(
 ) -> torch.Tensor:
     """Attention of a batch of sequences, each over its own cache: rows are split evenly between the
     caches (q [rows, H, D], k/v [rows, Hkv, D], positions [rows]); each cache first stores its K/V.
-    `static` (a captured decode step, one sequence): `write_at` and `attend_static`, which take the positions
-    from the device tensor instead of the cache's Python-side length."""
-    if static:
-        if len(caches) != 1:
-            raise ValueError("a static step evaluates one sequence")
-        caches[0].write_at(positions, k, v)
-        return caches[0].attend_static(q, positions, scale)
+    `static` (a captured step): `write_at` and `attend_static`, which take the positions from the device tensor
+    instead of the caches' Python-side lengths."""
     if len(caches) == 1:
-        caches[0].append(k, v)
-        return caches[0].attend(q, positions, scale)
+        return _append_and_attend_one(caches[0], q, k, v, positions, scale, static)
     T = q.shape[0] // len(caches)
     out = []
     for s, kv in enumerate(caches):
         rows = slice(s * T, (s + 1) * T)
-        kv.append(k[rows], v[rows])
-        out.append(kv.attend(q[rows], positions[rows], scale))
+        out.append(_append_and_attend_one(kv, q[rows], k[rows], v[rows], positions[rows], scale, static))
     return torch.cat(out)
+
+
+def _append_and_attend_one(
+    kv: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float, static: bool
+) -> torch.Tensor:
+    if static:
+        kv.write_at(positions, k, v)
+        return kv.attend_static(q, positions, scale)
+    kv.append(k, v)
+    return kv.attend(q, positions, scale)
 
 
 def _round_q8_0(x: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ import os
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -62,6 +62,7 @@ log = logging.getLogger("mtpserve.engine")
 
 CHECKPOINT_TAIL = 4  # llama-server keeps a checkpoint this many tokens before the end of a prompt
 CHUNK = 64  # recurrent checkpoints inside a prompt fall on the chunked rule's grid
+MAX_BATCH_GRAPHS = 16  # captured decode steps of sets of slots kept (each holds its own activation memory)
 
 
 class ServerError(EngineError):
@@ -311,12 +312,13 @@ class Engine:
             log.info("srv    load_model: initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = 'false'",
                      config.n_parallel, plan.slot_ctx)  # fmt: skip
         self.n_decode_total = 0  # model passes (llama-server's n_decode_total)
-        # Decode and verification steps of a model wholly on one GPU replay CUDA graphs per slot (models/graphs.py).
+        # Decode, verification and MTP steps of a model wholly on one GPU replay CUDA graphs (models/graphs.py).
         # MTPSERVE_CUDA_GRAPHS=0 turns them off (to measure the difference, or to rule them out); =1 takes the
         # static steps on any device (off CUDA they run eagerly: how the tests hold them to the ordinary ones).
         wanted = os.environ.get("MTPSERVE_CUDA_GRAPHS", "auto")
         one_device = len({model.device, *model.layer_devices.values()}) == 1
         self._graphs = one_device and (wanted == "1" or (wanted == "auto" and model.device.type == "cuda"))
+        self._batch_graphs: OrderedDict[tuple[int, ...], StepGraph] = OrderedDict()  # several slots' decode steps
         self.n_busy_slots_total = 0  # slots served by those passes, summed
         self.slots: list[Slot] = []
         self._queue: deque[Job] = deque()
@@ -646,8 +648,8 @@ class Engine:
         a failure after it (sampling, detokenizing, delivering) fails only its own request."""
         self._count_pass(len(slots))
         tokens = [s.job.pending for s in slots]
-        if len(slots) == 1 and self._graphs:  # one sequence on one GPU: replay its captured step
-            logits = self._step_graph(slots[0], 1, False).step(tokens)[1]
+        if self._graphs:  # a model on one GPU: replay the captured step of these slots
+            logits = self._decode_graph(slots).step(tokens)[1]
         else:
             logits = self.model.decode_batch(tokens, [s.state for s in slots])
         for slot, token, row in zip(slots, tokens, logits):
@@ -656,6 +658,20 @@ class Engine:
                 self._emit(slot, row)
             except Exception as e:  # noqa: BLE001 - this request's failure, not the others'
                 self._fail([slot], e)
+
+    def _decode_graph(self, slots: list[Slot]) -> StepGraph:
+        """The captured decode step of these slots together. Each slot's cache is its own memory, so a batch's
+        graph is made for its set of slots on first use (not for a batch size), the MAX_BATCH_GRAPHS sets used
+        most recently kept; one slot's is its 1-token step."""
+        if len(slots) == 1:
+            return self._step_graph(slots[0], 1, False)
+        key = tuple(slot.id for slot in slots)
+        if key not in self._batch_graphs:
+            if len(self._batch_graphs) >= MAX_BATCH_GRAPHS:  # many slots: keep the sets seen most recently
+                self._batch_graphs.popitem(last=False)
+            self._batch_graphs[key] = StepGraph(self.model, [slot.state for slot in slots])
+        self._batch_graphs.move_to_end(key)
+        return self._batch_graphs[key]
 
     def _step_graph(self, slot: Slot, n_tokens: int, keep_steps: bool) -> StepGraph:
         """The slot's captured step of this shape (made on first use; decode and verification share them)."""

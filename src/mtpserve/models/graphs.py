@@ -9,7 +9,8 @@ to the host. `StepGraph` runs the model's own forward pass in that form (`Batch.
 positions come from device tensors, K/V rows are written with `index_copy_` at those positions
 (`KVCache.write_at`), attention reads every cell of the cache with empty cells masked by position -1
 (`KVCache.attend_static`), rope gathers its angles from a table grown in advance, recurrent states are updated
-in place. One graph per step shape: a decode step (1 token), a speculative verification of n_max + 1 tokens
+in place. One graph per step shape: a decode step (1 token, of one sequence or of several sequences together,
+each over its own cache), a speculative verification of n_max + 1 tokens
 (which also keeps every per-token recurrent state, for rollback), and the MTP block's steps: the catch-up pass
 after a verification (`MTPRowsGraph`) and the chained draft (`MTPDraftGraph`, which picks each draft token on the
 device, so n_max draft steps cost one replay and one copy to the host). Off CUDA (tests, under the Triton
@@ -18,6 +19,7 @@ interpreter) the same static steps run eagerly, which is how their results are h
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,53 +59,55 @@ class CapturedStep:
 
 
 class StepGraph(CapturedStep):
-    """Forward steps of `n_tokens` tokens of one sequence: `step(tokens)` evaluates them at the state's next
-    positions and advances it, like `model.forward_batch(Batch.of(tokens, [state]))`. The graph holds the state's
-    tensors by address, so it stays valid while they live (clear, truncate and restore work in place)."""
+    """Forward steps of `n_tokens` tokens for each of one or more sequences: `step(tokens)` evaluates them at each
+    state's next positions and advances the states, like `model.forward_batch(Batch.of(tokens, states))`. The graph
+    holds the states' tensors by address, so it stays valid while they live (clear, truncate and restore work in
+    place)."""
 
     def __init__(
         self,
         model: CausalLM,
-        state: ModelState,
+        states: ModelState | Sequence[ModelState],
         n_tokens: int = 1,
         keep_steps: bool = False,
         capture: bool | None = None,
     ) -> None:
         _check_one_device(model)
         super().__init__(model.device, capture)
-        self.model, self.state, self.n_tokens, self.keep_steps = model, state, n_tokens, keep_steps
-        device = model.device
-        self.tokens = torch.zeros(n_tokens, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n_tokens, dtype=torch.long, device=device)
-        self._offsets = torch.arange(n_tokens, device=device)
+        self.states = [states] if isinstance(states, ModelState) else list(states)
+        self.model, self.n_tokens, self.keep_steps = model, n_tokens, keep_steps
+        rows = len(self.states) * n_tokens
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=model.device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=model.device)
         for table in _rope_tables(model):
-            table.reserve(state.capacity)
+            table.reserve(max(st.capacity for st in self.states))
 
     def _step(self) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[list[RecurrentState]]]]:
-        batch = Batch(self.tokens, [self.state], self.n_tokens, [-1], positions=self.positions)
+        batch = Batch(self.tokens, self.states, self.n_tokens, [-1] * len(self.states), positions=self.positions)
         batch.keep_steps = self.keep_steps
         hidden = self.model.forward_batch(batch)
         return hidden, self.model.logits_on_device(hidden, seq_len=self.n_tokens), batch.steps
 
     @torch.inference_mode()
     def step(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[list[RecurrentState]]]]:
-        """(hidden [T, E] on the device, logits [T, V] on the CPU, per-token recurrent states {layer: [[state
-        after token t]]} when `keep_steps`). The hidden states and kept states are the graph's buffers: the next
-        call overwrites them."""
-        state = self.state
-        if len(tokens) != self.n_tokens:
-            raise ValueError(f"this graph evaluates {self.n_tokens} tokens, not {len(tokens)}")
-        if state.n_past + self.n_tokens > state.capacity:
-            raise ValueError(f"context size {state.capacity} is full")
+        """`n_tokens` tokens for each sequence in turn -> (hidden [rows, E] on the device, logits [rows, V] on the
+        CPU, per-token recurrent states {layer: [[state after token t] per sequence]} when `keep_steps`). The
+        hidden states and kept states are the graph's buffers: the next call overwrites them."""
+        if len(tokens) != len(self.tokens):
+            raise ValueError(f"this graph evaluates {len(self.tokens)} tokens, not {len(tokens)}")
+        for state in self.states:
+            if state.n_past + self.n_tokens > state.capacity:
+                raise ValueError(f"context size {state.capacity} is full")
         _check_tokens(tokens, self.model.config.n_vocab)
         self.tokens.copy_(torch.tensor(tokens))
-        torch.add(self._offsets, state.n_past, out=self.positions)
+        self.positions.copy_(torch.tensor([st.n_past + t for st in self.states for t in range(self.n_tokens)]))
         hidden, logits, steps = self._run()
         mtp = getattr(self.model, "mtp_kv_index", None)
-        for layer, kv in state.kv.items():
-            if layer != mtp:  # the MTP block's cache keeps its own length
-                kv.length += self.n_tokens
-        state.n_past += self.n_tokens
+        for state in self.states:
+            for layer, kv in state.kv.items():
+                if layer != mtp:  # the MTP block's cache keeps its own length
+                    kv.length += self.n_tokens
+            state.n_past += self.n_tokens
         return hidden, logits.float().cpu(), steps
 
 
