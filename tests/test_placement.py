@@ -14,11 +14,14 @@ import pytest
 
 from mtpserve.engine.placement import (
     Device,
+    GpuRequest,
     assign_layers,
     compute_reserve_bytes,
     layer_bytes_from_gguf,
     layer_bytes_from_sizes,
+    list_devices_text,
     place,
+    select_devices,
     split_points,
     to_torch,
     torch_device_name,
@@ -278,3 +281,76 @@ def test_placements_map_to_torch_devices():
     with pytest.raises(ValueError, match="split-mode row"):
         to_torch(place(CONFIG, LAYER_BYTES, DEPLOY, fake_devices(2, 22), "all", "row", [1, 1]))
     assert torch_device_name("CUDA1") == "cuda:1" and torch_device_name("CPU0") == "cpu"
+
+
+def test_device_selects_and_orders_the_offload_targets():
+    """--device: every GPU when absent, none for "none", else the named ones in the order given (their names
+    keep their numbers); an unknown or repeated name is a clear error naming what there is."""
+    gpus = fake_devices(3, 22)
+    assert select_devices(None, gpus) == gpus
+    assert select_devices("none", gpus) == []
+    assert [d.name for d in select_devices("CUDA2,CUDA0", gpus)] == ["CUDA2", "CUDA0"]
+    with pytest.raises(ValueError, match=r"invalid device: CUDA7 \(available: CUDA0, CUDA1, CUDA2"):
+        select_devices("CUDA0,CUDA7", gpus)
+    with pytest.raises(ValueError, match="twice"):
+        select_devices("CUDA1,CUDA1", gpus)
+    with pytest.raises(ValueError, match="no devices"):
+        select_devices(",", gpus)
+    text = list_devices_text(gpus[:1], {"CUDA0": "NVIDIA GeForce RTX 2080 Ti"})
+    assert text == "Available devices:\n  CUDA0: NVIDIA GeForce RTX 2080 Ti (22528 MiB, 22228 MiB free)"
+    assert list_devices_text([]) == "Available devices:\n  (none)"
+
+
+def test_a_gpu_request_plans_a_file_on_the_selected_devices():
+    """GpuRequest.plan on a real GGUF: `--device CUDA1 -ngl all` puts every block and the output layer on the
+    second GPU (the embedding stays on the host); `--device none` offloads nothing; `-mg` indexes the selection."""
+    path, engine, gpus = tinyqwen_path("Q4_K_M"), EngineConfig(ctx_size=1024), fake_devices(2, 22)
+    one = to_torch(GpuRequest("all", devices="CUDA1").plan(path, engine, gpus))
+    assert one.device == "cuda:1" and one.layer_devices == {} and one.token_embd_device == "cpu"
+    nothing = GpuRequest("all", devices="none").plan(path, engine, gpus)
+    assert set(nothing.block_device) == {"CPU"} and nothing.output_device == "CPU"
+    main = GpuRequest("all", split_mode="none", main_gpu=1, devices="CUDA1,CUDA0").plan(path, engine, gpus)
+    assert set(main.block_device) == {"CUDA0"}
+
+
+def test_serve_flags_become_gpu_requests():
+    """llama-server's flags as `serve` turns them into requests for the target and draft-simple's model (on a
+    CUDA machine; without CUDA, or without -ngl/-ngld, nothing is offloaded). A draft pinned to one device is
+    laid out by layers; draft-mtp has no separate draft model, so -ngld makes no request for it."""
+    from mtpserve.cli import build_parser
+    from mtpserve.cli.serve import draft_gpu_request, gpu_request
+
+    def parse(line: str):
+        return build_parser().parse_args(["serve", "-m", "x.gguf", *line.split()])
+
+    args = parse("-ngl all -sm row -ts 3,1 -mg 1 -dev CUDA1,CUDA0 --spec-type draft-simple -md d.gguf -ngld 8 "
+                 "-devd CUDA0")  # fmt: skip
+    assert gpu_request(args, cuda=True) == GpuRequest("all", "row", (3.0, 1.0), 1, "CUDA1,CUDA0")
+    assert draft_gpu_request(args, cuda=True) == GpuRequest("8", "layer", (3.0, 1.0), 1, "CUDA0")
+    assert gpu_request(args, cuda=False) is None and draft_gpu_request(args, cuda=False) is None
+    assert draft_gpu_request(parse("-ngl all -dev CUDA1 --spec-type draft-simple -md d.gguf -ngld all"), cuda=True) == (
+        GpuRequest("all", "layer", None, 0, "CUDA1")
+    )  # fmt: skip
+    assert draft_gpu_request(parse("-ngl all --spec-type draft-mtp -ngld all"), cuda=True) is None
+    assert gpu_request(parse(""), cuda=True) is None
+
+
+def test_the_engine_plans_each_model_right_before_loading_it(caplog: pytest.LogCaptureFixture):
+    """Engine.from_file with requests for the target and draft-simple's model: each is planned (and its plan
+    logged) before it loads, the draft after the target. On a machine without GPUs the plans keep everything on
+    the host, which is what runs here; the engine then drafts with that model."""
+    import logging
+
+    from mtpserve.engine import Engine, Request, SamplingParams
+
+    spec = SpecConfig("draft-simple", n_max=2, draft_model=str(tinyqwen_path("Q8_0")))
+    config = EngineConfig(ctx_size=512, spec=spec)
+    request = GpuRequest("all", devices="none")
+    with caplog.at_level(logging.INFO, logger="mtpserve.engine"):
+        engine = Engine.from_file(tinyqwen_path("Q4_K_M"), config, gpu=request, draft_gpu=request)
+    with engine:
+        assert engine.draft_model is not None and engine.draft_model.model.device.type == "cpu"
+        result = engine.submit(Request([1, 2, 3, 4], SamplingParams(temperature=0.0), n_predict=6)).result()
+    assert len(result.tokens) == 6 and result.timings.draft_n > 0
+    planned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("load_tensors: CPU")]
+    assert len(planned) == 2

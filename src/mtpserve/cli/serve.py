@@ -2,7 +2,8 @@
 
 Every flag of the deployment's llama-server command is accepted with llama-server's meaning. Flags that
 place work on GPUs (`--gpu-layers`, `--split-mode`, `--tensor-split`, `--main-gpu`, `--device`,
-`--spec-draft-ngl`) are noted in one warning line and ignored on a machine without a CUDA device; flags
+`--spec-draft-ngl`, `--spec-draft-device`) are noted in one warning line and ignored on a machine without a
+CUDA device (`--list-devices` then lists none); flags
 that are llama-server defaults here anyway (`--jinja`, `--perf`, `--cont-batching`, `--flash-attn`,
 `--no-mmproj`, `--cache-prompt`) are accepted as they are. Features that are not built
 (`--kv-unified`, `--context-shift`, `--embeddings`, `--reasoning-budget` other than -1, `--lora`) stop
@@ -29,15 +30,16 @@ from typing import Any
 import torch
 
 from ..engine import EngineConfig, SamplingParams
+from ..engine.placement import GpuRequest, cuda_devices, list_devices_text
 from ..engine.sampling import RANDOM_SEED
 from ..quant import CACHE_TYPES
 from ..server.chat import REASONING_FORMATS, ChatSettings
-from ..server.state import DEFAULT_MAX_BODY, GpuRequest, ServerSettings
+from ..server.state import DEFAULT_MAX_BODY, ServerSettings
 from .common import add_spec_arguments, apply_threads, model_path, spec_config
 
 log = logging.getLogger("mtpserve.server")
 
-GPU_FLAGS = ("gpu_layers", "split_mode", "tensor_split", "main_gpu", "device", "spec_draft_ngl")
+GPU_FLAGS = ("gpu_layers", "split_mode", "tensor_split", "main_gpu", "device", "spec_draft_ngl", "spec_draft_device")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -57,8 +59,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-sm", "--split-mode", choices=["none", "layer", "row", "tensor"], help="how to split over GPUs")
     p.add_argument("-ts", "--tensor-split", help="share of each GPU, e.g. 1,1")
     p.add_argument("-mg", "--main-gpu", type=int, help="the GPU for split-mode none")
-    p.add_argument("-dev", "--device", help="devices to use, comma-separated")
-    p.add_argument("-ngld", "--spec-draft-ngl", "--gpu-layers-draft", dest="spec_draft_ngl", help="draft layers on the GPU")
+    p.add_argument("-dev", "--device", help="devices to offload to, comma-separated (CUDA0,CUDA1), or none")
+    p.add_argument("--list-devices", action="store_true", help="print the available devices and exit")
+    p.add_argument("-ngld", "--spec-draft-ngl", "--gpu-layers-draft", "--n-gpu-layers-draft", dest="spec_draft_ngl",
+                   help="draft-simple: the draft model's layers on the GPU: N, all or auto")  # fmt: skip
+    p.add_argument("-devd", "--spec-draft-device", "--device-draft", dest="spec_draft_device",
+                   help="draft-simple: devices for the draft model (default: --device)")  # fmt: skip
     p.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto", help="flash attention (CPU: always tiled)")
     p.add_argument("--no-mmproj", action="store_true", help="do not load a multimodal projector (none is loaded anyway)")
     p.add_argument("--mmproj", help="multimodal projector (not supported)")
@@ -198,17 +204,40 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         sse_ping_interval=args.sse_ping_interval,
         warm_page_cache=not args.no_warmup,
         gpu=gpu_request(args),
+        draft_gpu=draft_gpu_request(args),
     )
 
 
-def gpu_request(args: argparse.Namespace) -> GpuRequest | None:
+def gpu_request(args: argparse.Namespace, cuda: bool | None = None) -> GpuRequest | None:
     """The layers go on the GPUs when CUDA is available and --gpu-layers asks for any (N > 0, all, auto); without
     --gpu-layers everything stays on the CPU (a decision: llama-server's own default offloads, but the CUDA
-    path is new and opt-in until it has been measured on the deployment's GPUs)."""
-    if not torch.cuda.is_available() or args.gpu_layers in (None, "0"):
+    path is new and opt-in until it has been measured on the deployment's GPUs). `--device` narrows the GPUs."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if not cuda or args.gpu_layers in (None, "0"):
         return None
-    split = tuple(float(x) for x in args.tensor_split.replace("/", ",").split(",")) if args.tensor_split else None
-    return GpuRequest(args.gpu_layers, args.split_mode or "layer", split, args.main_gpu or 0)
+    return GpuRequest(args.gpu_layers, args.split_mode or "layer", _tensor_split(args), args.main_gpu or 0, args.device)
+
+
+def draft_gpu_request(args: argparse.Namespace, cuda: bool | None = None) -> GpuRequest | None:
+    """draft-simple's model by --spec-draft-ngl on --spec-draft-device (default --device), with the target's
+    split flags, as llama-server does; opt-in like the target's. draft-mtp has no separate model: its MTP block
+    is a layer of the target's file and goes where --gpu-layers puts it."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if not cuda or args.spec_draft_ngl in (None, "0") or args.spec_type != "draft-simple":
+        return None
+    split_mode = args.split_mode or "layer"
+    if args.spec_draft_device and args.spec_draft_device != "none" and len(args.spec_draft_device.split(",")) == 1:
+        split_mode = "layer"  # a draft pinned to one device needs no split (llama.cpp does the same)
+    devices = args.spec_draft_device or args.device
+    return GpuRequest(args.spec_draft_ngl, split_mode, _tensor_split(args), args.main_gpu or 0, devices)
+
+
+def _n_cuda() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _tensor_split(args: argparse.Namespace) -> tuple[float, ...] | None:
+    return tuple(float(x) for x in args.tensor_split.replace("/", ",").split(",")) if args.tensor_split else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,6 +247,9 @@ def run(args: argparse.Namespace) -> int:
     from ..server.logs import setup_logging
     from ..server.state import ServerState
 
+    if args.list_devices:
+        print(list_devices_text(cuda_devices(), {f"CUDA{i}": torch.cuda.get_device_name(i) for i in range(_n_cuda())}))
+        return 0
     verbosity = 0 if args.log_disable else 4 if args.verbose else args.verbosity
     setup_logging(verbosity, args.log_file, args.log_prefix, args.log_timestamps, args.log_format == "json")
     if args.hf_repo:
@@ -307,8 +339,11 @@ def _log_devices(args: argparse.Namespace) -> None:
             log.info("device_info: CUDA%d: %s (%d MiB, %d MiB free)", i, torch.cuda.get_device_name(i), total >> 20, free >> 20)
     page, pages = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_AVPHYS_PAGES")
     log.info("device_info: CPU: %d threads, %d MiB free", torch.get_num_threads(), page * pages >> 20)
-    used = ("gpu_layers", "split_mode", "tensor_split", "main_gpu") if cuda else ()
-    given = [f"--{name.replace('_', '-')}" for name in GPU_FLAGS if getattr(args, name) is not None and name not in used]
-    if given:
-        why = "not supported yet" if cuda else "no CUDA device: everything runs on the CPU"
-        log.warning("main: %s ignored (%s)", ", ".join(given), why)
+    given = [f"--{name.replace('_', '-')}" for name in GPU_FLAGS if getattr(args, name) is not None]
+    if given and not cuda:
+        log.warning("main: %s ignored (no CUDA device: everything runs on the CPU)", ", ".join(given))
+    draft = [f"--{n.replace('_', '-')}" for n in ("spec_draft_ngl", "spec_draft_device") if getattr(args, n) is not None]
+    if cuda and draft and args.spec_type != "draft-simple":
+        log.warning("main: %s ignored (they place draft-simple's model; %s)", ", ".join(draft),
+                    "draft-mtp's MTP block is a layer of the model: --gpu-layers places it"
+                    if args.spec_type == "draft-mtp" else f"--spec-type is {args.spec_type}")  # fmt: skip

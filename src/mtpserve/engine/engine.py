@@ -43,7 +43,7 @@ from ..models.base import Batch, CausalLM, ModelState
 from ..models.graphs import MTPDraftGraph, MTPRowsGraph, StepGraph
 from ..models.loader import load
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
-from .placement import TorchPlacement
+from .placement import GpuRequest, to_torch
 from .planner import EngineConfig, MemoryPlan, plan_for_file
 from .request import (
     Cancelled,
@@ -272,6 +272,14 @@ def partial_stop_length(text: str, stops: list[str]) -> int:
     return longest
 
 
+def _load_placed(path: str | Path, config: EngineConfig, gpu: GpuRequest) -> CausalLM:
+    planned = gpu.plan(path, config)
+    for use in planned.uses:
+        log.info("load_tensors: %s: %s", use.device.name, use.describe())
+    placement = to_torch(planned)
+    return load(path, placement.device, placement.layer_devices, placement.token_embd_device)
+
+
 class Engine:
     def __init__(
         self,
@@ -334,18 +342,27 @@ class Engine:
 
     @classmethod
     def from_file(
-        cls, path: str | Path, config: EngineConfig, device: str = "cpu", placement: TorchPlacement | None = None
+        cls,
+        path: str | Path,
+        config: EngineConfig,
+        device: str = "cpu",
+        gpu: GpuRequest | None = None,
+        draft_gpu: GpuRequest | None = None,
     ) -> Engine:
-        """Plan first (from the GGUF's metadata: nothing loaded), refuse what does not fit, then load. With a
-        `placement` (engine.placement's, already checked against the GPUs' free memory) the layers go where it
-        says; the host-memory plan then only sizes the slots."""
-        plan = plan_for_file(path, config, "cpu" if placement else device)
-        if placement is None:
+        """Plan first (from the GGUF's metadata: nothing loaded), refuse what does not fit, then load. With `gpu`
+        (llama-server's placement flags) the layers go where engine.placement plans them against the GPUs' free
+        memory; the host-memory plan then only sizes the slots. `draft_gpu` places draft-simple's model the same
+        way, planned after the target has loaded (else it loads on the CPU)."""
+        plan = plan_for_file(path, config, "cpu" if gpu else device)
+        if gpu is None:
             plan.check()
             model = load(path, device=device)
         else:
-            model = load(path, placement.device, placement.layer_devices, placement.token_embd_device)
-        return cls(model, Tokenizer.from_gguf(path), config, plan, name=str(path))
+            model = _load_placed(path, config, gpu)
+        draft_model = None
+        if config.spec.type == "draft-simple" and config.spec.draft_model and draft_gpu is not None:
+            draft_model = _load_placed(config.spec.draft_model, config, draft_gpu)
+        return cls(model, Tokenizer.from_gguf(path), config, plan, name=str(path), draft_model=draft_model)
 
     # --- public -------------------------------------------------------------------------------------
 

@@ -72,8 +72,9 @@ What the server does with a Placement
 Built (`to_torch`, `models.loader.load(device, layer_devices, token_embd_device)`, `serve -ngl ...` on a machine
 with CUDA): each block's weights and caches on its device, the output layer on `output_device`, an untied
 `token_embd` on the host; the hidden state moves at device boundaries; CPU-resident blocks run the CPU path.
-Not built yet: `row` (refused with a message), `--device` selection, per-device streams and the CUDA graphs
-described below. The design as planned:
+`--device` narrows and orders the GPUs (`select_devices`); `GpuRequest` holds one model's flags and plans it
+right before it loads (draft-simple's model after the target). CUDA graphs are built for a model on one GPU
+(models/graphs.py). Not built yet: `row` (refused with a message), per-device streams. The design as planned:
 
 At startup the server resolves `--device` to a device list (free memory from the driver), calls `place()`
 and logs the plan like llama.cpp ("offloaded 66/66 layers", per-device buffer sizes); an
@@ -666,20 +667,55 @@ def cuda_devices() -> list[Device]:
     return out
 
 
-def place_file_on_gpus(
-    path: str | Path,
-    engine: EngineConfig,
-    gpu_layers: str = "auto",
-    split_mode: str = "layer",
-    tensor_split: Sequence[float] | None = None,
-    main_gpu: int = 0,
-) -> Placement:
-    """`place` for a GGUF file over the GPUs torch sees now, from llama-server's flags as given; raises
-    InsufficientMemory (naming what to lower) when it does not fit."""
-    gguf = open_gguf(path)
-    config = config_from_gguf(gguf)
-    ngl: GpuLayers = gpu_layers if gpu_layers in ("all", "auto") else int(gpu_layers)  # type: ignore[assignment]
-    planned = place(config, layer_bytes_from_gguf(gguf, config), engine, cuda_devices(), ngl, split_mode,
-                    tensor_split, main_gpu)  # fmt: skip
-    planned.check()
-    return planned
+def select_devices(spec: str | None, available: Sequence[Device]) -> list[Device]:
+    """llama-server's `--device`: None (not given) -> every GPU; "none" -> no offload; else the named devices,
+    in the order given (`--main-gpu` and `--tensor-split` then index this list; names keep their numbers, so
+    `--device CUDA1` puts the layers on the second GPU)."""
+    if spec is None:
+        return list(available)
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise ValueError("--device: no devices specified")
+    if names == ["none"]:
+        return []
+    by_name = {d.name: d for d in available}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        have = ", ".join(by_name) or "none"
+        raise ValueError(f"invalid device: {unknown[0]} (available: {have}; see --list-devices)")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--device names a device twice: {spec}")
+    return [by_name[n] for n in names]
+
+
+def list_devices_text(available: Sequence[Device], descriptions: Mapping[str, str] | None = None) -> str:
+    """`--list-devices`, as llama-server prints it."""
+    lines = ["Available devices:"]
+    for d in available:
+        what = (descriptions or {}).get(d.name, d.kind)
+        lines.append(f"  {d.name}: {what} ({d.total_bytes >> 20} MiB, {d.free_bytes >> 20} MiB free)")
+    return "\n".join(lines if available else [*lines, "  (none)"])
+
+
+@dataclass(frozen=True)
+class GpuRequest:
+    """llama-server's placement flags for one model, planned (`place`) right before that model loads, against
+    the free memory then (a draft model is planned after the target has taken its share, as llama.cpp does)."""
+
+    gpu_layers: str = "auto"  # N | all | auto
+    split_mode: str = "layer"
+    tensor_split: tuple[float, ...] | None = None
+    main_gpu: int = 0
+    devices: str | None = None  # --device: None (every GPU), "none", or names "CUDA0,CUDA1"
+
+    def plan(self, path: str | Path, engine: EngineConfig, available: Sequence[Device] | None = None) -> Placement:
+        """`place` for the GGUF file over `available` (default: the CUDA GPUs torch sees now, with their free
+        memory), narrowed by `devices`; raises InsufficientMemory (naming what to lower) when it does not fit."""
+        gguf = open_gguf(path)
+        config = config_from_gguf(gguf)
+        devices = select_devices(self.devices, cuda_devices() if available is None else available)
+        ngl: GpuLayers = "all" if self.gpu_layers == "all" else "auto" if self.gpu_layers == "auto" else int(self.gpu_layers)
+        planned = place(config, layer_bytes_from_gguf(gguf, config), engine, devices, ngl, self.split_mode,
+                        self.tensor_split, self.main_gpu)  # fmt: skip
+        planned.check()
+        return planned

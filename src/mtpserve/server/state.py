@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..engine import Engine, EngineConfig, SamplingParams
-from ..engine.placement import TorchPlacement, place_file_on_gpus, to_torch
+from ..engine.placement import GpuRequest
 from ..engine.planner import plan_for_file
 from ..tokenizer import ChatTemplate, Tokenizer
 from .chat import ChatSettings, keep_special_ids
@@ -26,22 +26,6 @@ from .metrics import ServerMetrics
 log = logging.getLogger("mtpserve.server")
 
 DEFAULT_MAX_BODY = 8 << 20  # bytes: a full 262144-token prompt as JSON token ids (~2 MB) fits several times
-
-
-@dataclass(frozen=True)
-class GpuRequest:
-    """llama-server's placement flags, for engine.placement.place."""
-
-    gpu_layers: str = "auto"  # N | all | auto
-    split_mode: str = "layer"
-    tensor_split: tuple[float, ...] | None = None
-    main_gpu: int = 0
-
-    def placement(self, path: Path, engine: EngineConfig) -> TorchPlacement:
-        planned = place_file_on_gpus(path, engine, self.gpu_layers, self.split_mode, self.tensor_split, self.main_gpu)
-        for use in planned.uses:
-            log.info("load_tensors: %s: %s", use.device.name, use.describe())
-        return to_torch(planned)
 
 
 @dataclass
@@ -68,6 +52,7 @@ class ServerSettings:
     sse_ping_interval: float = 30.0
     warm_page_cache: bool = True
     gpu: GpuRequest | None = None  # GPU flags given on a machine with CUDA: the layers go on the GPUs
+    draft_gpu: GpuRequest | None = None  # the same for draft-simple's model (--spec-draft-ngl, --spec-draft-device)
 
     @property
     def model_name(self) -> str:
@@ -106,8 +91,7 @@ class ServerState:
                 warm_page_cache(s.model)
             tokenizer = Tokenizer.from_gguf(s.model)
             template = ChatTemplate.for_tokenizer(tokenizer, s.chat_template)
-            placement = s.gpu.placement(s.model, s.engine) if s.gpu is not None else None
-            engine = Engine.from_file(s.model, s.engine, placement=placement)
+            engine = Engine.from_file(s.model, s.engine, gpu=s.gpu, draft_gpu=s.draft_gpu)
             self.tokenizer, self.template = tokenizer, template
             self.keep_special = keep_special_ids(tokenizer)
             example = template.apply([{"role": "user", "content": "Hello"}], add_generation_prompt=True).prompt
