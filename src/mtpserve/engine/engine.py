@@ -277,7 +277,7 @@ def _load_placed(path: str | Path, config: EngineConfig, gpu: GpuRequest) -> Cau
     for use in planned.uses:
         log.info("load_tensors: %s: %s", use.device.name, use.describe())
     placement = to_torch(planned)
-    return load(path, placement.device, placement.layer_devices, placement.token_embd_device)
+    return load(path, placement.device, placement.layer_devices, placement.token_embd_device, placement.row_split)
 
 
 class Engine:
@@ -324,7 +324,7 @@ class Engine:
         # MTPSERVE_CUDA_GRAPHS=0 turns them off (to measure the difference, or to rule them out); =1 takes the
         # static steps on any device (off CUDA they run eagerly: how the tests hold them to the ordinary ones).
         wanted = os.environ.get("MTPSERVE_CUDA_GRAPHS", "auto")
-        one_device = len({model.device, *model.layer_devices.values()}) == 1
+        one_device = len(model.devices) == 1
         self._graphs = one_device and (wanted == "1" or (wanted == "auto" and model.device.type == "cuda"))
         self._batch_graphs: OrderedDict[tuple[int, ...], StepGraph] = OrderedDict()  # several slots' decode steps
         self.n_busy_slots_total = 0  # slots served by those passes, summed

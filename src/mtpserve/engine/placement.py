@@ -74,7 +74,8 @@ with CUDA): each block's weights and caches on its device, the output layer on `
 `token_embd` on the host; the hidden state moves at device boundaries; CPU-resident blocks run the CPU path.
 `--device` narrows and orders the GPUs (`select_devices`); `GpuRequest` holds one model's flags and plans it
 right before it loads (draft-simple's model after the target). CUDA graphs are built for a model on one GPU
-(models/graphs.py). Not built yet: `row` (refused with a message), per-device streams. The design as planned:
+(models/graphs.py). `row` gives `TorchPlacement.row_split`, with which the loader splits the matrices
+(quant.qtensor.RowSplitQTensor). Not built yet: per-device streams. The design as planned:
 
 At startup the server resolves `--device` to a device list (free memory from the driver), calls `place()`
 and logs the plan like llama.cpp ("offloaded 66/66 layers", per-device buffer sizes); an
@@ -635,6 +636,7 @@ class TorchPlacement:
     device: str
     layer_devices: dict[int, str]
     token_embd_device: str
+    row_split: tuple[tuple[str, float], ...] = ()  # `row`: (device, share) over which the matrices are split
 
 
 def torch_device_name(name: str) -> str:
@@ -647,12 +649,17 @@ def torch_device_name(name: str) -> str:
 
 
 def to_torch(placement: Placement) -> TorchPlacement:
-    if placement.split_mode == "row":
-        raise ValueError("--split-mode row is planned but not run yet: use --split-mode layer")
     device = torch_device_name(placement.output_device)
     layers = {i: torch_device_name(name) for i, name in enumerate(placement.block_device)}
+    row_split: tuple[tuple[str, float], ...] = ()
+    if placement.row_shares is not None:
+        gpus = [u.device.name for u in placement.uses if u.device.name != placement.token_embd_device]
+        row_split = tuple((torch_device_name(name), share) for name, share in zip(gpus, placement.row_shares))
     return TorchPlacement(
-        device, {i: d for i, d in layers.items() if d != device}, torch_device_name(placement.token_embd_device)
+        device,
+        {i: d for i, d in layers.items() if d != device},
+        torch_device_name(placement.token_embd_device),
+        row_split,
     )
 
 
@@ -688,6 +695,12 @@ def select_devices(spec: str | None, available: Sequence[Device]) -> list[Device
     return [by_name[n] for n in names]
 
 
+def _gpu_layers(value: str) -> GpuLayers:
+    if value == "all" or value == "auto":
+        return value
+    return int(value)
+
+
 def list_devices_text(available: Sequence[Device], descriptions: Mapping[str, str] | None = None) -> str:
     """`--list-devices`, as llama-server prints it."""
     lines = ["Available devices:"]
@@ -714,7 +727,7 @@ class GpuRequest:
         gguf = open_gguf(path)
         config = config_from_gguf(gguf)
         devices = select_devices(self.devices, cuda_devices() if available is None else available)
-        ngl: GpuLayers = "all" if self.gpu_layers == "all" else "auto" if self.gpu_layers == "auto" else int(self.gpu_layers)
+        ngl = _gpu_layers(self.gpu_layers)
         planned = place(config, layer_bytes_from_gguf(gguf, config), engine, devices, ngl, self.split_mode,
                         self.tensor_split, self.main_gpu)  # fmt: skip
         planned.check()

@@ -32,7 +32,6 @@ import torch
 from ..models.base import CausalLM, ModelState
 from ..models.graphs import MTPDraftGraph, MTPRowsGraph
 from ..ops.linear import linear
-from ..quant.qtensor import QTensor
 from ..tokenizer import Tokenizer
 from .request import InvalidRequest
 
@@ -79,9 +78,7 @@ class MTPDrafter:
         # first), a view of the same weights. The trunk still verifies over the whole vocabulary.
         self.head = None
         if config.draft_vocab:
-            full = model.mtp[0].head  # type: ignore[attr-defined]
-            n = min(config.draft_vocab, full.shape[0])
-            self.head = QTensor(full.data[:n], full.ggml_type, (n, full.shape[1]), f"{full.name}[:{n}]")
+            self.head = model.mtp[0].head.first_rows(config.draft_vocab)  # type: ignore[attr-defined]
 
     def draft(
         self, state: ModelState, pending_h: torch.Tensor, sampled: int, n_max: int, graph: MTPDraftGraph | None = None

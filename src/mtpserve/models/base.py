@@ -3,7 +3,7 @@ prefill/decode entry points built on each architecture's `forward`."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -14,7 +14,7 @@ from ..gguf import GGUFFile, TensorInfo
 from ..ops.linear import linear
 from ..ops.rope import RopeTable
 from ..quant.dequant import dequantize_tensor
-from ..quant.qtensor import QTensor
+from ..quant.qtensor import QTensor, RowSplitQTensor
 from .config import ModelConfig
 
 DEFAULT_UBATCH = 512
@@ -25,7 +25,11 @@ class WeightStore:
     """Tensors by name, from a GGUF file (`from_gguf`) or from memory (random-weight benchmarks): matrices stay
     quantized (`QTensor`), small vectors become float32. Each lands on its device: a tensor named in
     `tensor_devices` there, block `blk.N.*` tensors on `layer_devices[N]` when given (a layer split), everything
-    else on `device`."""
+    else on `device`.
+
+    `row_split` [(device, share)] (--split-mode row): every matrix whose device is one of these is split by rows
+    over all of them in proportion to the shares (`RowSplitQTensor`; its outputs gather on its own device), except
+    tables read by row lookup (embeddings), which llama.cpp does not split either."""
 
     def __init__(
         self,
@@ -33,11 +37,14 @@ class WeightStore:
         device: torch.device | str = "cpu",
         layer_devices: Mapping[int, torch.device | str] | None = None,
         tensor_devices: Mapping[str, torch.device | str] | None = None,
+        row_split: Sequence[tuple[torch.device | str, float]] = (),
     ) -> None:
         self.tensors = tensors
         self.device = torch.device(device)
         self.layer_devices = {i: torch.device(d) for i, d in (layer_devices or {}).items()}
         self.tensor_devices = {n: torch.device(d) for n, d in (tensor_devices or {}).items()}
+        self.row_devices = [torch.device(d) for d, _ in row_split]
+        self.row_shares = [float(share) for _, share in row_split]
 
     @classmethod
     def from_gguf(
@@ -46,8 +53,9 @@ class WeightStore:
         device: torch.device | str = "cpu",
         layer_devices: Mapping[int, torch.device | str] | None = None,
         tensor_devices: Mapping[str, torch.device | str] | None = None,
+        row_split: Sequence[tuple[torch.device | str, float]] = (),
     ) -> WeightStore:
-        return cls(gguf.tensors, device, layer_devices, tensor_devices)
+        return cls(gguf.tensors, device, layer_devices, tensor_devices, row_split)
 
     def device_of(self, name: str) -> torch.device:
         if name in self.tensor_devices:
@@ -59,12 +67,16 @@ class WeightStore:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
-    def matrix(self, name: str) -> QTensor:
+    def matrix(self, name: str, lookup: bool = False) -> QTensor:
+        """A matrix in its stored blocks; `lookup`: a table read by rows (an embedding), never split by rows."""
         t = self.tensors[name]
         q = QTensor.from_gguf(t) if isinstance(t, TensorInfo) else t
         if not isinstance(q, QTensor):
             raise TypeError(f"tensor '{name}' is a dense {type(t).__name__}, a quantized matrix was expected")
-        return q.to(self.device_of(name))
+        home = self.device_of(name)
+        if self.row_devices and not lookup and home in self.row_devices:
+            return RowSplitQTensor.split(q, self.row_devices, self.row_shares, home)
+        return q.to(home)
 
     def dense(self, name: str) -> torch.Tensor:
         t = self.tensors[name]
@@ -222,9 +234,17 @@ class CausalLM:
     def device_of(self, layer: int) -> torch.device:
         return self.layer_devices.get(layer, self.device)
 
+    row_devices: tuple[torch.device, ...] = ()  # --split-mode row: the devices its matrices are split over
+
     def _place(self, weights: WeightStore) -> None:
         """Take the devices the weights were loaded to."""
         self.device, self.layer_devices = weights.device, dict(weights.layer_devices)
+        self.row_devices = tuple(weights.row_devices)
+
+    @property
+    def devices(self) -> set[torch.device]:
+        """Every device that computes part of a forward pass."""
+        return {self.device, *self.layer_devices.values(), *self.row_devices}
 
     def _layer_device_map(self) -> dict[int, torch.device]:
         n_layer = getattr(self.config, "n_layer", 0) + getattr(self.config, "n_nextn", 0)

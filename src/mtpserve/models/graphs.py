@@ -208,7 +208,7 @@ class DecodeGraph(StepGraph):
 
 
 def _check_one_device(model: CausalLM) -> None:
-    if model.layer_devices and set(model.layer_devices.values()) != {model.device}:
+    if len(model.devices) != 1:
         raise ValueError("a step graph runs on one device; this model is split over several")
 
 

@@ -327,7 +327,7 @@ class MTPHead:
         self.eh_proj = w.matrix(f"{b}.eh_proj.weight")  # columns: [embedding | hidden]
         self.enorm = w.dense(f"{b}.enorm.weight")
         self.hnorm = w.dense(f"{b}.hnorm.weight")
-        self.embed = w.matrix(f"{b}.embed_tokens.weight") if w.has(f"{b}.embed_tokens.weight") else None
+        self.embed = w.matrix(f"{b}.embed_tokens.weight", lookup=True) if w.has(f"{b}.embed_tokens.weight") else None
         self.norm = w.dense(f"{b}.shared_head_norm.weight") if w.has(f"{b}.shared_head_norm.weight") else output_norm
         self.head = w.matrix(f"{b}.shared_head_head.weight") if w.has(f"{b}.shared_head_head.weight") else output
         self.block = DecoderLayer(w, i, c)
@@ -343,7 +343,7 @@ class Qwen35ForCausalLM(CausalLM):
     def __init__(self, w: WeightStore, config: Qwen35Config) -> None:
         c = self.config = config
         self._place(w)
-        self.token_embd = w.matrix("token_embd.weight")
+        self.token_embd = w.matrix("token_embd.weight", lookup=True)
         self.layers = [DecoderLayer(w, i, c) for i in range(c.n_layer)]
         self.output_norm = w.dense("output_norm.weight")
         self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")
@@ -399,8 +399,8 @@ class Qwen35ForCausalLM(CausalLM):
         e = embedding(head.embed or self.token_embd, tokens).to(device)
         hidden = hidden.to(device)
         u = linear(torch.cat((rms_norm(e, head.enorm, c.rms_eps), rms_norm(hidden, head.hnorm, c.rms_eps)), -1), head.eh_proj)
-        # MTP positions follow its own cache
-        batch = Batch(tokens, [state], len(tokens), [kv.length if positions is None else -1], positions=positions)
+        start = kv.length if positions is None else -1  # MTP positions follow its own cache
+        batch = Batch(tokens, [state], len(tokens), [start], positions=positions)
         u = head.block(u, batch.rope(self.rope_table).to(device), batch)
         h_mtp = rms_norm(u, head.norm, c.rms_eps)
         if not with_logits:

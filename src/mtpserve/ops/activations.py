@@ -64,7 +64,7 @@ def swiglu_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, seq_l
     """The SwiGLU FFN in one kernel call: bit-identical to `linear(swiglu(gate(x), up(x)), down)` on the
     kernels (it runs the same ones), without the three round trips through Python. `seq_len` as in `linear`."""
     lib = cpu_kernels.load()
-    if lib is None or gpu_path(x) or not all(kernel_supports(w.ggml_type) for w in (gate, up, down)):
+    if lib is None or gpu_path(x) or not all(kernel_supports(w) for w in (gate, up, down)):
         return linear(swiglu(*linear_many(x, (gate, up), seq_len)), down, seq_len=seq_len)
     lead, x2 = x.shape[:-1], as_rows(x)
     M, E = x2.shape

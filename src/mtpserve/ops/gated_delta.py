@@ -243,7 +243,7 @@ def gated_delta_net_decode(
     n_seq = len(ssms)
     T = h.shape[0] // n_seq
     projections = projections if isinstance(projections, WeightGroup) else WeightGroup(projections)
-    if lib is None or not (projections.on_kernels and kernel_supports(w_out.ggml_type)):
+    if lib is None or not (projections.on_kernels and kernel_supports(w_out)):
         n_v_heads, _, V = ssms[0].shape
         mixed, z, beta, alpha = linear_many(h, projections, T)
         g = a * F.softplus(alpha + dt_bias)

@@ -26,7 +26,7 @@ import torch
 
 from ..kernels import cpu as cpu_kernels
 from ..quant.dequant import dequantize
-from ..quant.qtensor import QTensor
+from ..quant.qtensor import QTensor, RowSplitQTensor
 from ..quant.types import GGMLType
 from .device import gpu_path
 from .quant_gemv import quant_linear
@@ -130,10 +130,15 @@ def _linear_q8_1(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
 
 
 @cache
-def kernel_supports(ggml_type: GGMLType) -> bool:
-    """Whether the C kernel library is loaded and multiplies this weight type."""
+def _kernel_type(ggml_type: GGMLType) -> bool:
     lib = cpu_kernels.load()
     return lib is not None and bool(lib.mtp_matmul_supported(int(ggml_type)))
+
+
+def kernel_supports(weight: QTensor) -> bool:
+    """Whether the C kernel library is loaded and multiplies this weight: its type, stored whole (not split by
+    rows over devices)."""
+    return _kernel_type(weight.ggml_type) and not isinstance(weight, RowSplitQTensor)
 
 
 class WeightGroup(tuple):
@@ -147,7 +152,7 @@ class WeightGroup(tuple):
         group.c_types = (ctypes.c_int * n)(*(int(w.ggml_type) for w in group))
         group.c_data = (ctypes.c_void_p * n)(*(w.data.data_ptr() for w in group))
         group.c_rows = (ctypes.c_int64 * n)(*(w.shape[0] for w in group))
-        group.on_kernels = all(kernel_supports(w.ggml_type) for w in group)
+        group.on_kernels = all(kernel_supports(w) for w in group)
         return group
 
 
@@ -160,6 +165,8 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
 def linear_many(x: torch.Tensor, weights: Sequence[QTensor], seq_len: int | None = None) -> list[torch.Tensor]:
     """[linear(x, w, seq_len=seq_len) for w in weights], in one kernel call: one activation rounding and
     one parallel region for all of them."""
+    if any(isinstance(w, RowSplitQTensor) for w in weights):
+        return [linear(x, w, seq_len=seq_len) for w in weights]
     if gpu_path(x):
         rounded: dict[GGMLType, torch.Tensor] = {}
         for w in weights:
@@ -194,12 +201,19 @@ def linear(
     evaluated alone: batching sequences together changes no result.
 
     On the GPU path (ops.device): `quant_linear` of the activations rounded as here (`round_activations`),
-    summed in float32 in the kernels' order."""
+    summed in float32 in the kernels' order.
+
+    A matrix split by rows over devices (`RowSplitQTensor`, --split-mode row): each device multiplies its rows
+    (the input copied to it), and the outputs are gathered on the input's device."""
+    if isinstance(weight, RowSplitQTensor):
+        parts = [linear(x.to(s.data.device), s, seq_len=seq_len).to(x.device) for s in weight.shards]
+        y = torch.cat(parts, dim=-1)
+        return y if bias is None else y + bias
     if gpu_path(x):
         y = quant_linear(round_activations(x, weight.ggml_type), weight)
         return y if bias is None else y + bias
     lib = cpu_kernels.load()
-    if lib is None or not kernel_supports(weight.ggml_type):
+    if lib is None or not kernel_supports(weight):
         return linear_reference(x, weight, bias)
     lead, x2 = x.shape[:-1], as_rows(x)
     M, K = x2.shape
