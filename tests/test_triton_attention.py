@@ -52,7 +52,7 @@ def _cache(
 
 def _check(
     kv: KVCache, n_heads: int, T: int, *, n_splits: int | None = None, q_pos: torch.Tensor | None = None,
-    q_dtype: torch.dtype = torch.float32, seed: int = 1,
+    q_dtype: torch.dtype = torch.float32, seed: int = 1, ordered: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """decode_attention of T queries (by default the last T cached positions) against the twin."""
     dim = kv.k.dim
@@ -64,6 +64,7 @@ def _check(
     got = decode_attention(
         q.to(DEVICE), kv.k.data.to(DEVICE), kv.v.data.to(DEVICE), int(kv.k.type), int(kv.v.type),
         q_pos.to(DEVICE), kv.positions.to(DEVICE), kv.k.n_heads, dim, scale, window=kv.window, n_splits=n_splits,
+        ordered=ordered,
     ).cpu()  # fmt: skip
     expected = decode_attention_reference(
         q, kv.k.data[:S], kv.v.data[:S], kv.k.type, kv.v.type, q_pos, kv.positions, kv.k.n_heads, scale, kv.window
@@ -124,6 +125,29 @@ def test_empty_cells_are_never_read(kt: str, vt: str) -> None:
             rows.data[350:] = float("nan")
     got = _check(kv, 4, 4, n_splits=4, q_pos=torch.arange(350, 354))
     assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_an_ordered_cache_is_read_only_up_to_the_last_query(T: int) -> None:
+    """`ordered` (cell i holds position i or nothing: a cache that is not a ring): over a 2048-cell cache holding
+    300 positions, the twin's result; and the kernel really stops at the last query position: a cell past it
+    given a visible position (which an ordered cache never has) is read without `ordered` and not with it."""
+    kv = _cache("q8_0", "q8_0", 300, 2, 64, capacity=2048, seed=6)
+    for splits in (None, 4):
+        _check(kv, 4, T, n_splits=splits, ordered=True)
+    planted = kv.positions.clone()
+    planted[1500] = 10
+    q = torch.randn(T, 4, 64, generator=torch.Generator().manual_seed(7))
+    q_pos = torch.arange(300 - T, 300)
+    runs = [
+        decode_attention(
+            q.to(DEVICE), kv.k.data.to(DEVICE), kv.v.data.to(DEVICE), int(kv.k.type), int(kv.v.type), q_pos.to(DEVICE),
+            positions.to(DEVICE), 2, 64, 0.125, n_splits=4, ordered=ordered,
+        ).cpu()
+        for positions, ordered in ((planted, False), (planted, True), (kv.positions, False))
+    ]  # fmt: skip
+    assert not torch.allclose(runs[0], runs[2])  # the planted key counts without `ordered`
+    torch.testing.assert_close(runs[1], runs[2], rtol=1e-5, atol=1e-6)  # and is never reached with it
 
 
 @pytest.mark.parametrize("T", [1, 4])

@@ -150,7 +150,7 @@ class KVCache:
         """The GPU decode kernel over `cells` of the cache as stored (empty cells masked by position -1)."""
         return decode_attention_gpu(
             q, self.k.data[cells], self.v.data[cells], self.k.type, self.v.type, q_pos, self.positions[cells],
-            self.k.n_heads, scale, self.window,
+            self.k.n_heads, scale, self.window, ordered=not self.ring,
         )  # fmt: skip
 
     def can_truncate(self, length: int) -> bool:

@@ -228,14 +228,16 @@ def decode_attention_gpu(
     n_kv_heads: int,
     scale: float,
     window: int | None = None,
+    ordered: bool = False,
 ) -> torch.Tensor:
     """Attention of a few query rows of one sequence [T, H, D] over its cache as stored (f16/f32 rows, q8_0 or
     q4_0 blocks), split over the keys: the Triton kernel where it runs (a CUDA tensor, or the interpreter),
-    else `decode_attention_reference`. Float32 [T, H, D]."""
+    else `decode_attention_reference`. Float32 [T, H, D]. `ordered`: cell i holds position i or is empty (the
+    kernel then reads no cell past the last query position; the result is the same)."""
     kernels = triton_kernels()
     if triton_available(q) and kernels is not None:
         return kernels.decode_attention(
             q.float().contiguous(), k_store, v_store, int(k_type), int(v_type), q_pos, k_pos, n_kv_heads,
-            q.shape[-1], scale, window,
+            q.shape[-1], scale, window, ordered=ordered,
         )  # fmt: skip
     return decode_attention_reference(q, k_store, v_store, k_type, v_type, q_pos, k_pos, n_kv_heads, scale, window)

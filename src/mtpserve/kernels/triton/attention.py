@@ -83,6 +83,7 @@ def _split_kernel(
     sq_t, sq_h, sk_s, sk_h, sv_s, sv_h,
     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):  # fmt: skip
     """Pass 1: program (row block, KV head hk, split) -> partial max / sum / acc of its rows over its keys."""
     hk = tl.program_id(1)
@@ -101,6 +102,8 @@ def _split_kernel(
     v_head = v_ptr + hk.to(tl.int64) * sv_h
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, S)
+    if ORDERED:  # cell i holds position i or nothing: no cell past the block's last query position is visible
+        end = tl.minimum(end, (tl.max(q_pos, axis=0) + 1).to(tl.int32))
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -210,6 +213,7 @@ def decode_attention(
     n_splits: int | None = None,
     *,
     precision: str | None = None,
+    ordered: bool = False,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v over the visible cached keys -> float32 [T, H, head_dim] (0 for a row that sees
     no key), with K and V read as stored (`k_type` / `v_type`: GGML type ids, see module docstring).
@@ -219,6 +223,9 @@ def decode_attention(
     tiles); by default `auto_splits(S)`: ranges of 512 keys, at most 256 of them (1024 keys each at S = 262144).
     `precision` is tl.dot's input_precision for the two float32 products; by default "tf32x3" on NVIDIA (about
     float32 accuracy at three tensor-core passes), "ieee" elsewhere. "tf32" is ~3x less MMA work (~1e-3 error).
+    `ordered`: the caller guarantees cell i holds position i or is empty (a cache that is not a ring), so each
+    program stops at the last query position: a captured step over a 262144-cell cache then walks only the
+    cells filled so far instead of masking the rest tile by tile.
     """
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % n_kv_heads:
         raise ValueError(f"q must be [T, H, {head_dim}] with H a multiple of {n_kv_heads}, got {list(q.shape)}")
@@ -257,7 +264,7 @@ def decode_attention(
         T, H, S, G, keys_per_split, 0 if window is None else int(window), scale * _LOG2E,
         q.stride(0), q.stride(1), *sk, *sv,
         K_TYPE=int(k_type), V_TYPE=int(v_type), D=D, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_S=block_s,
-        HAS_WINDOW=window is not None, PRECISION=precision, num_warps=8 if d_pad >= 256 else 4,
+        HAS_WINDOW=window is not None, PRECISION=precision, ORDERED=ordered, num_warps=8 if d_pad >= 256 else 4,
     )  # fmt: skip
     _combine_kernel[(T * H,)](m, lsum, acc, out, T * H, splits, D=D, D_PAD=d_pad, CHUNK=_COMBINE_CHUNK)
     return out
