@@ -172,8 +172,9 @@ def launches() -> list[Launch]:
                     rec = _recorded(
                         [attention._split_kernel, attention._combine_kernel],
                         lambda q=q, c=caches, kv=kv, q_pos=q_pos, k_pos=k_pos, hkv=hkv, d=d, window=window: (
-                            attention.decode_attention(q, *c, *kv, q_pos, k_pos, hkv, d, d**-0.5, window,
-                                                       ordered=window is None)  # fmt: skip
+                            attention.decode_attention(
+                                q, *c, *kv, q_pos, k_pos, hkv, d, d**-0.5, window, ordered=window is None
+                            )
                         ),
                     )
                     (f, a, k), (cf, ca, ck) = rec

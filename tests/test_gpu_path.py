@@ -460,3 +460,37 @@ def test_gpu_linear_is_the_cpu_numerics_up_to_summation_order(qtype: str) -> Non
             got = linear(x.to(DEVICE), weight).cpu()
         rel = ((got - expected).norm() / expected.norm()).item()
         assert rel <= (1e-3 if t == GGMLType.Q4_1 else 2e-3 if rows > 8 else 1e-5), (rows, rel)
+
+
+def test_kernels_launch_on_their_inputs_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton launches on torch's current GPU: the wrappers make their input's GPU current first (a layer split's
+    second GPU), and leave it alone when it already is (or off CUDA). Checked on a stand-in tensor here."""
+    from types import SimpleNamespace
+
+    from mtpserve.kernels.triton._device import on_input_device
+
+    entered = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: entered.append(d) or nullcontext())
+    kernel = on_input_device(lambda x, y: (x, y))
+    on_second = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))
+    assert kernel(on_second, 2) == (on_second, 2) and entered == [torch.device("cuda", 1)]
+    kernel(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0)), 2)
+    kernel(torch.zeros(1), 2)
+    assert len(entered) == 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (a GEMV on the second, the first current)")
+def test_a_gemv_on_the_second_gpu_matches_the_first() -> None:
+    from mtpserve.ops.quant_gemv import quant_linear
+    from mtpserve.quant.qtensor import QTensor
+    from mtpserve.quant.quantize import quantize
+    from mtpserve.quant.types import GGMLType
+
+    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
+    q = QTensor(quantize(w, GGMLType.Q8_0), GGMLType.Q8_0, (256, 512), "w")
+    x = torch.randn(2, 512)
+    with torch.cuda.device(0):
+        first = quant_linear(x.to("cuda:0"), q.to("cuda:0")).cpu()
+        second = quant_linear(x.to("cuda:1"), q.to("cuda:1")).cpu()
+    torch.testing.assert_close(second, first)

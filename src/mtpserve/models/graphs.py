@@ -33,9 +33,14 @@ from .base import Batch, CausalLM, ModelState
 class CapturedStep:
     """Runs `_step()` (a static step: fixed shapes and addresses, no host reads) eagerly on the first call, which
     compiles the Triton kernels, captures it on the second and replays it on every later one; off CUDA (or with
-    `capture=False`) it always runs eagerly. The outputs are the graph's buffers: the next call overwrites them."""
+    `capture=False`) it always runs eagerly. The outputs are the graph's buffers: the next call overwrites them.
+
+    PyTorch's capture protocol: the eager warm-up runs on a side stream (lazy initialisations, such as a cuBLAS
+    workspace, happen outside the capture), and all of it runs with the model's GPU current (a model on the
+    second GPU is captured there, not on whichever GPU happens to be current)."""
 
     def __init__(self, device: torch.device, capture: bool | None) -> None:
+        self.device = device
         self.capture = device.type == "cuda" if capture is None else capture
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: Any = None
@@ -45,17 +50,29 @@ class CapturedStep:
         raise NotImplementedError
 
     def _run(self) -> Any:
-        if not self.capture or self.calls == 0:
+        if not self.capture:
             outputs = self._step()
         else:
-            if self.graph is None:
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
-                    self.outputs = self._step()
-            self.graph.replay()
-            outputs = self.outputs
+            with torch.cuda.device(self.device):
+                outputs = self._warm_up() if self.calls == 0 else self._replay()
         self.calls += 1
         return outputs
+
+    def _warm_up(self) -> Any:
+        main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            outputs = self._step()
+        main.wait_stream(side)
+        return outputs
+
+    def _replay(self) -> Any:
+        if self.graph is None:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=torch.cuda.Stream()):
+                self.outputs = self._step()
+        self.graph.replay()
+        return self.outputs
 
 
 class StepGraph(CapturedStep):

@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ._device import on_input_device
+
 ATTENTION_TYPES = (
     GGMLQuantizationType.F32,
     GGMLQuantizationType.F16,
@@ -198,6 +200,7 @@ def _check_cache(name: str, cache: torch.Tensor, qtype: int, S: int, n_kv_heads:
     return cache.stride(0), head_bytes
 
 
+@on_input_device
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

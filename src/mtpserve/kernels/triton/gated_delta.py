@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import on_input_device
+
 MAX_K = 256  # the state tile is [next_pow2(K), BLOCK_V] registers: beyond this BLOCK_V would shrink to nothing
 _TILE = 4096  # float32 state values per program: 32 registers a thread at 4 warps, no spilling at K=128
 
@@ -69,6 +71,7 @@ def default_block_v(k: int, v: int) -> int:
     return max(1, min(triton.next_power_of_2(v), _TILE // triton.next_power_of_2(k)))
 
 
+@on_input_device
 def gated_delta_rule_recurrent_batched(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import on_input_device
 from .gemv import GEMV_TYPES, SUB, _check, _dequant_sub
 
 GEMM_TYPES = GEMV_TYPES  # one unpacking (`_dequant_sub`) serves both kernels
@@ -101,6 +102,7 @@ def _block_m(m: int) -> int:
     return BLOCK_M if m >= BLOCK_M else max(16, triton.next_power_of_2(m))
 
 
+@on_input_device
 def quant_matmul(
     x: torch.Tensor,
     blocks: torch.Tensor,

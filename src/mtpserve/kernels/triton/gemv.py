@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ._device import on_input_device
+
 MAX_ROWS = 8
 GEMV_TYPES = (
     GGMLQuantizationType.Q4_0,
@@ -176,6 +178,7 @@ def _check(blocks: torch.Tensor, qtype: int, kernel: str = "GEMV") -> tuple[GGML
     return t, qk, type_size
 
 
+@on_input_device
 def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int, *, block_n: int = 32) -> torch.Tensor:
     """x [m, k] (float16/bfloat16/float32) times the GGUF matrix W [n, k] in `blocks` -> float32 [m, n] = x @ W.T.
 
@@ -198,6 +201,7 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int, *, block_n: in
     return y
 
 
+@on_input_device
 def dequant_blocks(blocks: torch.Tensor, qtype: int, *, block_n: int = 32) -> torch.Tensor:
     """The kernels' unpacking on its own: uint8 blocks [n, n_blocks * type_size] -> float32 [n, n_blocks * QK]."""
     t, qk, type_size = _check(blocks, qtype)
