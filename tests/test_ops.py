@@ -378,3 +378,13 @@ def test_kv_quantizers_match_gguf_py(ggml_type, fn):
     values = np.random.default_rng(5).standard_normal((64, 128)).astype(np.float32)
     values[0, :32] = 0.0  # an all-zero block
     assert np.array_equal(fn(torch.from_numpy(values)).numpy(), quants.quantize(values, ggml_type))
+
+
+def test_a_rope_is_copied_to_each_device_once():
+    """A layer split asks for the batch's rope on each block's device: one copy per device, reused."""
+    from mtpserve.models.base import Rope
+
+    rope = Rope(torch.arange(3), torch.rand(3, 4), torch.rand(3, 4))
+    assert rope.to(torch.device("cpu")) is rope
+    meta = rope.to(torch.device("meta"))
+    assert meta.cos.device.type == "meta" and rope.to(torch.device("meta")) is meta

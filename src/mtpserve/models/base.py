@@ -152,11 +152,15 @@ class Rope:
     cos: torch.Tensor
     sin: torch.Tensor
     static: bool = False  # positions came as a device tensor (a captured step): caches index by them
+    copies: dict[torch.device, Rope] = field(default_factory=dict, repr=False)
 
     def to(self, device: torch.device) -> Rope:
+        """This rope on `device`, copied once per device (every block of a layer split asks for it)."""
         if self.cos.device == device:
             return self
-        return Rope(self.positions.to(device), self.cos.to(device), self.sin.to(device), self.static)
+        if device not in self.copies:
+            self.copies[device] = Rope(self.positions.to(device), self.cos.to(device), self.sin.to(device), self.static)
+        return self.copies[device]
 
 
 @dataclass
