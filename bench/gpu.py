@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
           f"+ MTP, on {result['device']}", file=sys.stderr, flush=True)  # fmt: skip
     t0 = time.perf_counter()
     tensors = random_weights(config, device)
-    model = build_model(WeightStore(tensors, device), config)
+    # The token table in host memory, where the server's placement keeps an untied one (llama.cpp does too).
+    model = build_model(WeightStore(tensors, device, tensor_devices={"token_embd.weight": "cpu"}), config)
     per_token, per_draft = decode_bytes(config, tensors)
     timer.sync()
     result["build_s"] = time.perf_counter() - t0

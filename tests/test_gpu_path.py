@@ -241,10 +241,12 @@ def test_a_static_step_of_several_sequences_equals_decode_batch() -> None:
             torch.testing.assert_close(b.recurrent[layer].ssm, st.ssm, rtol=1e-4, atol=1e-5)
 
 
-def test_the_static_mtp_steps_equal_the_eager_ones() -> None:
+@pytest.mark.parametrize("chained", [True, False], ids=["chained", "host-table"])
+def test_the_static_mtp_steps_equal_the_eager_ones(chained: bool) -> None:
     """The MTP block's captured steps: a catch-up pass (MTPRowsGraph) writes the eager pass's cache rows, and the
-    chained draft (MTPDraftGraph, tokens chosen on the device) proposes the eager draft's tokens with their
-    top-10 probabilities, round after round, with the draft-time rows truncated away in between."""
+    draft (MTPDraftGraph: chained, tokens chosen and embedded on the device; or one step at a time, as with the
+    token table in host memory) proposes the eager draft's tokens with their top-10 probabilities, round after
+    round, with the draft-time rows truncated away in between."""
     from mtpserve.engine.speculative import MTPDrafter, SpecConfig
 
     model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
@@ -257,7 +259,7 @@ def test_the_static_mtp_steps_equal_the_eager_ones() -> None:
             hidden = model.forward(torch.tensor(prompt), st)
             drafter.write_rows(st, hidden[:-1], prompt[1:])
         rows = drafter.rows_graph(graphed, 2)
-        draft = drafter.draft_graph(graphed, 3)
+        draft = MTPDraftGraph(model, graphed, 3, model.mtp[0].head, 10, chained=chained)
         pending = hidden[-1]
         for t in range(0, 6, 2):  # three rounds as the engine's: draft, a trunk pass of two tokens, its catch-up
             tokens = rest[t : t + 2]
@@ -335,9 +337,15 @@ def _called_from_triton() -> bool:
     return False
 
 
-def test_the_captured_step_reads_nothing_back_to_the_host() -> None:
-    """What makes DecodeGraph capturable, checked without a GPU: its step (the whole model's forward pass and the
-    LM head) makes no host round trip. Then the checker is shown to catch one."""
+def _no_lookup(*args, **kwargs):
+    raise AssertionError("a token table read in a step meant for CUDA graph capture")
+
+
+def test_the_captured_step_reads_nothing_back_to_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What makes the graphs capturable, checked without a GPU: their steps (the whole model's forward pass and
+    the LM head, the MTP steps) make no host round trip, and read no token table, which may sit in host memory
+    (only the chained draft, made when the MTP table is on the GPU, looks rows up inside). Then the checker is
+    shown to catch one."""
     model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
     with _gpu_path():
         state = model.new_state(256, "q8_0", "q8_0", mtp=True)
@@ -348,9 +356,13 @@ def test_the_captured_step_reads_nothing_back_to_the_host() -> None:
             StepGraph(model, state, 3, True, capture=False),
             MTPRowsGraph(model, state, 3, capture=False),
             MTPDraftGraph(model, state, 2, model.mtp[0].head, 10, capture=False),
+            MTPDraftGraph(model, state, 2, model.mtp[0].head, 10, capture=False, chained=False),
         ):
             graph.positions.copy_(torch.arange(len(graph.positions)) + state.n_past)
-            with _NoHostTraffic():
+            with _NoHostTraffic(), monkeypatch.context() as m:
+                if not getattr(graph, "chained", False):
+                    m.setattr("mtpserve.models.base.embedding", _no_lookup)
+                    m.setattr("mtpserve.models.qwen35.embedding", _no_lookup)
                 graph._step()
             for kv in state.kv.values():
                 kv.truncate(kv.length)  # forget what the step wrote

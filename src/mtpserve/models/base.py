@@ -11,6 +11,7 @@ import torch
 
 from ..cache import KVCache, RecurrentState
 from ..gguf import GGUFFile, TensorInfo
+from ..ops.embedding import embedding
 from ..ops.linear import linear
 from ..ops.rope import RopeTable
 from ..quant.dequant import dequantize_tensor
@@ -185,8 +186,10 @@ class Batch:
     keep_steps: bool = False
     steps: dict[int, list[list[RecurrentState]]] = field(default_factory=dict)
     # A static step (models.graphs): the positions as a device tensor [n_tokens]; nothing reads a position on the
-    # host, and the caller advances the state's counters after the step.
+    # host, and the caller advances the state's counters after the step. Its rows come embedded (`model.embed`,
+    # done before the step: the table may live in host memory, which a captured step cannot read).
     positions: torch.Tensor | None = None
+    embeddings: torch.Tensor | None = None
 
     @classmethod
     def of(
@@ -230,6 +233,7 @@ class CausalLM:
     """A decoder-only language model; subclasses implement `forward` and `new_state`."""
 
     config: ModelConfig
+    token_embd: QTensor  # [n_vocab, n_embd]
     output: QTensor  # LM head [n_vocab, n_embd]
     ubatch: int = DEFAULT_UBATCH
     device: torch.device = torch.device("cpu")  # where activations start (the embedding's device)
@@ -258,6 +262,13 @@ class CausalLM:
         """Evaluate a batch and advance its states. Returns the final normalized hidden states
         [rows, n_embd]."""
         raise NotImplementedError
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The first layer's input rows for tokens [T] (float32 [T, n_embd], where the table lives)."""
+        return embedding(self.token_embd, tokens)
+
+    def _inputs(self, batch: Batch) -> torch.Tensor:
+        return self.embed(batch.tokens) if batch.embeddings is None else batch.embeddings
 
     def forward(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
         """Evaluate tokens [T] of one sequence at positions state.n_past.. (hidden states [T, n_embd])."""

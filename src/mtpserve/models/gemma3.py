@@ -188,9 +188,12 @@ class Gemma3ForCausalLM(CausalLM):
         kv = new_kv_caches(self.config, ctx, cache_type_k, cache_type_v, self.ubatch, devices=self._layer_device_map())
         return ModelState(kv, capacity=ctx)
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return embedding(self.token_embd, tokens) * self.embed_scale
+
     def forward_batch(self, batch: Batch) -> torch.Tensor:
         ropes = {swa: batch.rope(table) for swa, table in self.rope_tables.items()}
-        x = embedding(self.token_embd, batch.tokens) * self.embed_scale
+        x = self._inputs(batch)
         for layer in self.layers:
             device = self.device_of(layer.index)
             x = layer(x.to(device), {swa: rope.to(device) for swa, rope in ropes.items()}, batch)

@@ -77,9 +77,10 @@ class CapturedStep:
 
 class StepGraph(CapturedStep):
     """Forward steps of `n_tokens` tokens for each of one or more sequences: `step(tokens)` evaluates them at each
-    state's next positions and advances the states, like `model.forward_batch(Batch.of(tokens, states))`. The graph
-    holds the states' tensors by address, so it stays valid while they live (clear, truncate and restore work in
-    place)."""
+    state's next positions and advances the states, like `model.forward_batch(Batch.of(tokens, states))`. The
+    tokens are embedded before the replay (`model.embed`: the table may sit in host memory, as llama.cpp keeps
+    an untied one). The graph holds the states' tensors by address, so it stays valid while they live (clear,
+    truncate and restore work in place)."""
 
     def __init__(
         self,
@@ -95,13 +96,14 @@ class StepGraph(CapturedStep):
         self.model, self.n_tokens, self.keep_steps = model, n_tokens, keep_steps
         rows = len(self.states) * n_tokens
         self.tokens = torch.zeros(rows, dtype=torch.long, device=model.device)
+        self.embeddings = torch.zeros(rows, model.config.n_embd, device=model.device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=model.device)
         for table in _rope_tables(model):
             table.reserve(max(st.capacity for st in self.states))
 
     def _step(self) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[list[RecurrentState]]]]:
         batch = Batch(self.tokens, self.states, self.n_tokens, [-1] * len(self.states), positions=self.positions)
-        batch.keep_steps = self.keep_steps
+        batch.keep_steps, batch.embeddings = self.keep_steps, self.embeddings
         hidden = self.model.forward_batch(batch)
         return hidden, self.model.logits_on_device(hidden, seq_len=self.n_tokens), batch.steps
 
@@ -116,7 +118,9 @@ class StepGraph(CapturedStep):
             if state.n_past + self.n_tokens > state.capacity:
                 raise ValueError(f"context size {state.capacity} is full")
         _check_tokens(tokens, self.model.config.n_vocab)
-        self.tokens.copy_(torch.tensor(tokens))
+        ids = torch.tensor(tokens)
+        self.tokens.copy_(ids)
+        self.embeddings.copy_(self.model.embed(ids))
         self.positions.copy_(torch.tensor([st.n_past + t for st in self.states for t in range(self.n_tokens)]))
         hidden, logits, steps = self._run()
         mtp = getattr(self.model, "mtp_kv_index", None)
@@ -130,16 +134,18 @@ class StepGraph(CapturedStep):
 
 class MTPRowsGraph(CapturedStep):
     """The MTP block's catch-up pass after a trunk pass, `n_tokens` rows at the next positions of its cache:
-    `write(inputs, tokens)` is `model.mtp_step(inputs, tokens, state, with_logits=False)`."""
+    `write(inputs, tokens)` is `model.mtp_step(inputs, tokens, state, with_logits=False)`, the tokens embedded
+    before the replay."""
 
     def __init__(self, model: CausalLM, state: ModelState, n_tokens: int, capture: bool | None = None) -> None:
         _check_one_device(model)
         super().__init__(model.device, capture)
         self.model, self.state, self.n_tokens = model, state, n_tokens
         self.kv = state.kv[model.mtp_kv_index]  # type: ignore[attr-defined]
-        self.mtp_step = model.mtp_step  # type: ignore[attr-defined]
+        self.mtp_step, self.mtp_embed = model.mtp_step, model.mtp_embed  # type: ignore[attr-defined]
         device = model.device
         self.inputs = torch.zeros(n_tokens, model.config.n_embd, device=device)
+        self.embeddings = torch.zeros(n_tokens, model.config.n_embd, device=device)
         self.tokens = torch.zeros(n_tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(n_tokens, dtype=torch.long, device=device)
         self._offsets = torch.arange(n_tokens, device=device)
@@ -147,7 +153,7 @@ class MTPRowsGraph(CapturedStep):
             table.reserve(state.capacity)
 
     def _step(self) -> torch.Tensor:
-        return self.mtp_step(self.inputs, self.tokens, self.state, False, self.positions)[1]
+        return self.mtp_step(self.inputs, self.tokens, self.state, False, self.positions, self.embeddings)[1]
 
     @torch.inference_mode()
     def write(self, inputs: torch.Tensor, tokens: list[int]) -> None:
@@ -156,8 +162,10 @@ class MTPRowsGraph(CapturedStep):
         if self.kv.length + self.n_tokens > self.kv.capacity:
             raise ValueError(f"context size {self.kv.capacity} is full")
         _check_tokens(tokens, self.model.config.n_vocab)
+        ids = torch.tensor(tokens)
         self.inputs.copy_(inputs)
-        self.tokens.copy_(torch.tensor(tokens))
+        self.tokens.copy_(ids)
+        self.embeddings.copy_(self.mtp_embed(ids))
         torch.add(self._offsets, self.kv.length, out=self.positions)
         self._run()
         self.kv.length += self.n_tokens
@@ -165,10 +173,14 @@ class MTPRowsGraph(CapturedStep):
 
 class MTPDraftGraph(CapturedStep):
     """`n_max` chained MTP draft steps, each choosing its token on the device (the argmax, as the top of a top-k,
-    and that token's probability renormalised over the top k): `propose(hidden, token)` -> [(token, p)] with one
-    copy to the host for all steps. The rows it writes to the MTP cache stay beyond the cache's length (the
-    caller truncates them away, as after eager draft steps). `head` scores the draft (the MTP head, or a view
-    of its first rows: a trimmed draft vocabulary)."""
+    and that token's probability renormalised over the top k): `propose(hidden, token)` -> [(token, p)]. The rows
+    it writes to the MTP cache stay beyond the cache's length (the caller truncates them away, as after eager
+    draft steps). `head` scores the draft (the MTP head, or a view of its first rows: a trimmed vocabulary).
+
+    `chained` (by default: whether the MTP block's token table is on the model's GPU): all n_max steps in one
+    graph, each embedding the token the previous one chose on the device, with one copy to the host at the end.
+    Otherwise (the table in host memory, where a captured step cannot read) the graph is one step, replayed
+    n_max times with each chosen token read back and embedded on the host in between."""
 
     def __init__(
         self,
@@ -178,29 +190,35 @@ class MTPDraftGraph(CapturedStep):
         head: QTensor,
         top_k: int,
         capture: bool | None = None,
+        chained: bool | None = None,
     ) -> None:
         _check_one_device(model)
         super().__init__(model.device, capture)
         self.model, self.state, self.n_max, self.head, self.top_k = model, state, n_max, head, top_k
         self.kv = state.kv[model.mtp_kv_index]  # type: ignore[attr-defined]
-        self.mtp_step = model.mtp_step  # type: ignore[attr-defined]
+        self.mtp_step, self.mtp_embed = model.mtp_step, model.mtp_embed  # type: ignore[attr-defined]
+        table_device = model.mtp_table.data.device  # type: ignore[attr-defined]
+        self.chained = table_device == model.device if chained is None else chained
         device = model.device
+        n_steps = n_max if self.chained else 1
         self.hidden = torch.zeros(1, model.config.n_embd, device=device)
         self.token = torch.zeros(1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n_max, dtype=torch.long, device=device)
-        self._offsets = torch.arange(n_max, device=device)
+        self.embedding = torch.zeros(1, model.config.n_embd, device=device)  # unchained: the token's row
+        self.positions = torch.zeros(n_steps, dtype=torch.long, device=device)
+        self._offsets = torch.arange(n_steps, device=device)
         for table in _rope_tables(model):
             table.reserve(state.capacity)
 
-    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden, token, chosen, p_top = self.hidden, self.token, [], []
-        for i in range(self.n_max):
-            _, hidden = self.mtp_step(hidden, token, self.state, False, self.positions[i : i + 1])
+        for i in range(len(self.positions)):
+            embeddings = None if self.chained else self.embedding
+            _, hidden = self.mtp_step(hidden, token, self.state, False, self.positions[i : i + 1], embeddings)
             top = linear(hidden.to(self.head.data.device), self.head)[0].float().topk(self.top_k)
             token = top.indices[:1]
             chosen.append(token)
             p_top.append(torch.softmax(top.values, 0)[:1])
-        return torch.cat(chosen), torch.cat(p_top)
+        return torch.cat(chosen), torch.cat(p_top), hidden
 
     @torch.inference_mode()
     def propose(self, hidden: torch.Tensor, token: int) -> list[tuple[int, float]]:
@@ -208,10 +226,20 @@ class MTPDraftGraph(CapturedStep):
             raise ValueError(f"context size {self.kv.capacity} is full")
         _check_tokens([token], self.model.config.n_vocab)
         self.hidden.copy_(hidden.reshape(1, -1))
-        self.token.fill_(token)
-        torch.add(self._offsets, self.kv.length, out=self.positions)
-        chosen, p_top = self._run()
-        return list(zip(chosen.tolist(), p_top.tolist()))
+        if self.chained:
+            self.token.fill_(token)
+            torch.add(self._offsets, self.kv.length, out=self.positions)
+            chosen, p_top, _ = self._run()
+            return list(zip(chosen.tolist(), p_top.tolist()))
+        proposals: list[tuple[int, float]] = []
+        for i in range(self.n_max):
+            self.embedding.copy_(self.mtp_embed(torch.tensor([token])))
+            self.positions.fill_(self.kv.length + i)
+            chosen, p_top, h_out = self._run()
+            self.hidden.copy_(h_out)  # the next step reads this one's output
+            token = int(chosen[0])
+            proposals.append((token, float(p_top[0])))
+        return proposals
 
 
 class DecodeGraph(StepGraph):

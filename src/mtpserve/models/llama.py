@@ -15,7 +15,6 @@ import torch
 from ..cache import KVCache, append_and_attend
 from ..gguf import GGUFError, Metadata
 from ..ops.activations import swiglu_ffn
-from ..ops.embedding import embedding
 from ..ops.linear import WeightGroup, linear, linear_many
 from ..ops.norm import rms_norm
 from ..ops.rope import RopeTable, apply_rope
@@ -169,7 +168,7 @@ class LlamaForCausalLM(CausalLM):
 
     def forward_batch(self, batch: Batch) -> torch.Tensor:
         rope = batch.rope(self.rope_table)
-        x = embedding(self.token_embd, batch.tokens)
+        x = self._inputs(batch)
         for layer in self.layers:
             device = self.device_of(layer.index)
             x = layer(x.to(device), rope.to(device), batch)

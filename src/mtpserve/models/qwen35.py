@@ -370,7 +370,7 @@ class Qwen35ForCausalLM(CausalLM):
         return ModelState(kv, recurrent, capacity=ctx)
 
     def forward_batch(self, batch: Batch) -> torch.Tensor:
-        x = embedding(self.token_embd, batch.tokens)
+        x = self._inputs(batch)
         rope = batch.rope(self.rope_table)
         for layer in self.layers:
             device = self.device_of(layer.index)
@@ -386,17 +386,18 @@ class Qwen35ForCausalLM(CausalLM):
         state: ModelState,
         with_logits: bool = True,
         positions: torch.Tensor | None = None,
+        embeddings: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """MTP rows for tokens [T] at the next positions of the MTP cache, each fed the hidden state [T, E]
         that predicted its token (the trunk's final-norm output at the previous position, or for chained
         drafts the MTP's own output). Returns (logits [T, V] on the CPU for the token after each, or None without
         `with_logits` (a catch-up pass only writes the cache), h_mtp [T, E]). With `positions` (a device tensor:
         a captured step, models.graphs) the rows go to those positions and the cache's length is the caller's to
-        advance."""
+        advance; `embeddings` [T, E]: the tokens' rows, looked up already (`mtp_embed`)."""
         head = self.mtp[0]
         c, kv = self.config, state.kv[head.block.index]
         device = self.device_of(head.block.index)
-        e = embedding(head.embed or self.token_embd, tokens).to(device)
+        e = (self.mtp_embed(tokens) if embeddings is None else embeddings).to(device)
         hidden = hidden.to(device)
         u = linear(torch.cat((rms_norm(e, head.enorm, c.rms_eps), rms_norm(hidden, head.hnorm, c.rms_eps)), -1), head.eh_proj)
         start = kv.length if positions is None else -1  # MTP positions follow its own cache
@@ -406,6 +407,14 @@ class Qwen35ForCausalLM(CausalLM):
         if not with_logits:
             return None, h_mtp
         return linear(h_mtp.to(head.head.data.device), head.head).cpu(), h_mtp
+
+    def mtp_embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The MTP block's token rows: its own table, or the trunk's."""
+        return embedding(self.mtp_table, tokens)
+
+    @property
+    def mtp_table(self) -> QTensor:
+        return self.mtp[0].embed or self.token_embd
 
     @property
     def mtp_kv_index(self) -> int | None:

@@ -28,7 +28,7 @@ def embedding(weight: QTensor, tokens: torch.Tensor) -> torch.Tensor:
     lib = cpu_kernels.load()
     if lib is None or not lib.mtp_matmul_supported(int(weight.ggml_type)):
         return embedding_reference(weight, tokens)
-    idx = torch.as_tensor(tokens, dtype=torch.int64).contiguous()
+    idx = torch.as_tensor(tokens, dtype=torch.int64).cpu().contiguous()  # a table in host memory, ids anywhere
     if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= weight.shape[0]):
         raise IndexError(f"token id out of range [0, {weight.shape[0]}) for {weight.name}")
     out = torch.empty(len(idx), weight.shape[1])
