@@ -388,3 +388,17 @@ def test_a_rope_is_copied_to_each_device_once():
     assert rope.to(torch.device("cpu")) is rope
     meta = rope.to(torch.device("meta"))
     assert meta.cos.device.type == "meta" and rope.to(torch.device("meta")) is meta
+
+
+@pytest.mark.parametrize(("T", "S"), [(40, 40), (40, 300), (2100, 2150)])
+def test_prompt_attention_on_the_gpu_path_in_order_is_the_masked_one(T: int, S: int):
+    """attention_gpu with `in_order` (keys 0..S-1, queries the last T: lower-right causal, which flash attention
+    applies itself) equals the explicit mask and the reference, across its query chunks (T = 2100 > 2048)."""
+    from mtpserve.ops.attention import attention_gpu, attention_reference
+
+    g = torch.Generator().manual_seed(T)
+    q, k, v = torch.randn(T, 4, 32, generator=g), torch.randn(S, 2, 32, generator=g), torch.randn(S, 2, 32, generator=g)
+    q_pos, k_pos = torch.arange(S - T, S), torch.arange(S)
+    ours = attention_gpu(q, k, v, q_pos, k_pos, 0.2, in_order=True)
+    torch.testing.assert_close(ours, attention_gpu(q, k, v, q_pos, k_pos, 0.2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, attention_reference(q, k, v, q_pos, k_pos, 0.2), rtol=1e-4, atol=1e-4)

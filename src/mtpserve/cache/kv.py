@@ -122,7 +122,7 @@ class KVCache:
             if q.shape[0] <= DECODE_MAX_QUERIES:
                 return self._attend_stored(q, q_pos, scale, slice(0, self.capacity if self.ring else self.length))
             keys, values, key_pos = self.read()
-            return attention_gpu(q, keys, values, q_pos, key_pos, scale, self.window)
+            return attention_gpu(q, keys, values, q_pos, key_pos, scale, self.window, in_order=not self.ring)
         keys, values, key_pos = self.read()
         if self.k.type in QUANTIZERS:
             q = _round_q8_0(q)

@@ -17,6 +17,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ..kernels import cpu as cpu_kernels
 from ..quant.dequant import dequantize
@@ -171,17 +172,32 @@ def attention_gpu(
     k_pos: torch.Tensor,
     scale: float,
     window: int | None = None,
+    in_order: bool = False,
 ) -> torch.Tensor:
-    """Prompt attention on the GPU path: PyTorch's fused attention (flash attention on CUDA for f16/bf16) over
-    the dequantized keys/values, float32 out. CUDA inputs go in the GPU's half type; elsewhere float32."""
+    """Prompt attention on the GPU path: PyTorch's fused attention over the dequantized keys/values, float32 out.
+    CUDA inputs go in the GPU's half type; elsewhere float32.
+
+    `in_order`: key i is position i (all filled) and the queries are the last T positions, as a prompt chunk over
+    a cache that is not a ring sees it. The mask is then causal aligned to the bottom right, which PyTorch's
+    flash attention applies itself (`causal_lower_right`: no [T, S] mask is built, so a 262144-token context
+    stays in flash attention's memory); otherwise an explicit mask (no flash kernel takes one)."""
     half = (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16) if q.is_cuda else torch.float32
     qh = q.to(half).transpose(0, 1)  # [H, T, D]
     kh, vh = k.to(half).transpose(0, 1), v.to(half).transpose(0, 1)  # [Hkv, S, D]
+    T, S = q.shape[0], k.shape[0]
     outs = []
-    for start in range(0, q.shape[0], QUERY_CHUNK * 8):
+    for start in range(0, T, QUERY_CHUNK * 8):
         chunk = slice(start, start + QUERY_CHUNK * 8)
-        mask = _mask(q_pos[chunk], k_pos, window) & (k_pos >= 0)[None, :]
-        outs.append(F.scaled_dot_product_attention(qh[:, chunk], kh, vh, attn_mask=mask, scale=scale, enable_gqa=True))
+        if in_order and window is None:
+            n_keys = S - T + min(T, chunk.stop)  # the chunk's last query sees exactly these keys
+            causal = causal_lower_right(len(range(*chunk.indices(T))), n_keys)
+            out = F.scaled_dot_product_attention(
+                qh[:, chunk], kh[:, :n_keys], vh[:, :n_keys], attn_mask=causal, scale=scale, enable_gqa=True
+            )
+        else:
+            mask = _mask(q_pos[chunk], k_pos, window) & (k_pos >= 0)[None, :]
+            out = F.scaled_dot_product_attention(qh[:, chunk], kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+        outs.append(out)
     return torch.cat(outs, dim=1).transpose(0, 1).float()
 
 
