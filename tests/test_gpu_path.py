@@ -179,10 +179,12 @@ def test_the_static_decode_step_equals_the_ordinary_one() -> None:
         torch.testing.assert_close(graphed.recurrent[layer].ssm, st.ssm, rtol=1e-4, atol=1e-5)
 
 
-def test_the_static_verification_step_equals_the_ordinary_one() -> None:
+@pytest.mark.parametrize("split_at", [(), (1, 3)], ids=["one-run", "three-runs"])
+def test_the_static_verification_step_equals_the_ordinary_one(split_at: tuple[int, ...]) -> None:
     """StepGraph of n_max + 1 = 3 tokens keeping per-token states (a speculative verification): the ordinary
     pass's hidden states, logits and kept states, twice in a row (the second replays on a GPU), with a rollback
-    in between as the engine does it."""
+    in between as the engine does it. Cut into three runs of blocks, as a layer split over three GPUs is (the
+    hidden state handed from run to run, the kept states gathered from all), it gives the same."""
     model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
     case = _case("Q4_K_M", 1)
     prompt, rest = case["prompt_token_ids"], case["generated_token_ids"]
@@ -191,7 +193,8 @@ def test_the_static_verification_step_equals_the_ordinary_one() -> None:
         graphed = model.new_state(256, "q8_0", "q8_0")
         for st in (ordinary, graphed):
             model.prefill(prompt, st)
-        verify = StepGraph(model, graphed, 3, keep_steps=True)
+        verify = StepGraph(model, graphed, 3, keep_steps=True, split_at=split_at)
+        assert len(verify.segments) == len(split_at) + 1
         for tokens in (rest[0:3], rest[3:6]):
             batch = Batch.of(torch.tensor(tokens), [ordinary])
             batch.keep_steps = True
@@ -227,7 +230,7 @@ def test_a_static_step_of_several_sequences_equals_decode_batch() -> None:
             for prompt, st in zip(prompts, states):
                 model.prefill(prompt, st)
         assert len({st.n_past for st in ordinary}) > 1
-        graph = StepGraph(model, graphed)
+        graph = StepGraph(model, graphed, split_at=[2])
         tokens = [5, 6, 7]
         for _ in range(4):
             logits = model.decode_batch(tokens, ordinary)
@@ -353,21 +356,22 @@ def test_the_captured_step_reads_nothing_back_to_the_host(monkeypatch: pytest.Mo
     with _gpu_path(matmul="triton"):  # the GEMV's wrapper too
         for graph in (
             DecodeGraph(model, state, capture=False),
-            StepGraph(model, state, 3, True, capture=False),
+            StepGraph(model, state, 3, True, capture=False, split_at=[2]),
             MTPRowsGraph(model, state, 3, capture=False),
             MTPDraftGraph(model, state, 2, model.mtp[0].head, 10, capture=False),
             MTPDraftGraph(model, state, 2, model.mtp[0].head, 10, capture=False, chained=False),
         ):
-            graph.positions.copy_(torch.arange(len(graph.positions)) + state.n_past)
-            with _NoHostTraffic(), monkeypatch.context() as m:
-                if not getattr(graph, "chained", False):
-                    m.setattr("mtpserve.models.base.embedding", _no_lookup)
-                    m.setattr("mtpserve.models.qwen35.embedding", _no_lookup)
-                graph._step()
+            for part in getattr(graph, "segments", [graph]):
+                part.positions.copy_(torch.arange(len(part.positions)) + state.n_past)
+                with _NoHostTraffic(), monkeypatch.context() as m:
+                    if not getattr(part, "chained", False):
+                        m.setattr("mtpserve.models.base.embedding", _no_lookup)
+                        m.setattr("mtpserve.models.qwen35.embedding", _no_lookup)
+                    part._step()
             for kv in state.kv.values():
                 kv.truncate(kv.length)  # forget what the step wrote
         with pytest.raises(AssertionError, match="item"), _NoHostTraffic():
-            graph.positions.item()
+            torch.zeros(1).item()
 
 
 def test_the_engine_speculates_through_step_graphs_as_without(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -506,3 +510,31 @@ def test_a_gemv_on_the_second_gpu_matches_the_first() -> None:
         first = quant_linear(x.to("cuda:0"), q.to("cuda:0")).cpu()
         second = quant_linear(x.to("cuda:1"), q.to("cuda:1")).cpu()
     torch.testing.assert_close(second, first)
+
+
+def test_a_layer_split_is_captured_as_one_run_of_blocks_per_gpu() -> None:
+    """How StepGraph cuts a layer split: one run per GPU in block order, the head (final norm, LM head) with the
+    last run when it shares its GPU, else alone; and each run's rope gathers from a copy of the table on its own
+    GPU (the meta device stands in for one here)."""
+    from types import SimpleNamespace
+
+    from mtpserve.models.graphs import _runs
+    from mtpserve.ops.rope import RopeTable
+
+    gpu0, gpu1, gpu2 = (torch.device("cuda", i) for i in range(3))
+
+    def split(head: torch.device):
+        devices = {i: gpu0 if i < 3 else gpu1 for i in range(8)}
+        return SimpleNamespace(config=SimpleNamespace(n_layer=8), device_of=devices.__getitem__,
+                               output_norm=SimpleNamespace(device=head))  # fmt: skip
+
+    assert _runs(split(gpu1)) == [(gpu0, range(0, 3), False), (gpu1, range(3, 8), True)]
+    assert _runs(split(gpu2)) == [(gpu0, range(0, 3), False), (gpu1, range(3, 8), False), (gpu2, range(8, 8), True)]
+    assert _runs(split(gpu1), split_at=[5]) == [
+        (gpu0, range(0, 3), False), (gpu1, range(3, 5), False), (gpu1, range(5, 8), True),
+    ]  # fmt: skip
+    table = RopeTable(8, 10000.0)
+    table.reserve(64, torch.device("meta"))
+    cos, sin = table.gather(torch.tensor([3, 9], device="meta"))
+    assert cos.device.type == "meta" and cos.shape == (2, 4)
+    torch.testing.assert_close(table.gather(torch.tensor([3, 9]))[0], table.cos[[3, 9]])

@@ -40,7 +40,7 @@ import torch
 
 from ..cache import RecurrentState
 from ..models.base import Batch, CausalLM, ModelState
-from ..models.graphs import MTPDraftGraph, MTPRowsGraph, StepGraph
+from ..models.graphs import MTPDraftGraph, MTPRowsGraph, StepGraph, mtp_graphable
 from ..models.loader import load
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .placement import GpuRequest, to_torch
@@ -320,12 +320,14 @@ class Engine:
             log.info("srv    load_model: initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = 'false'",
                      config.n_parallel, plan.slot_ctx)  # fmt: skip
         self.n_decode_total = 0  # model passes (llama-server's n_decode_total)
-        # Decode, verification and MTP steps of a model wholly on one GPU replay CUDA graphs (models/graphs.py).
+        # Decode, verification and MTP steps of a model wholly on GPUs replay CUDA graphs (models/graphs.py).
         # MTPSERVE_CUDA_GRAPHS=0 turns them off (to measure the difference, or to rule them out); =1 takes the
         # static steps on any device (off CUDA they run eagerly: how the tests hold them to the ordinary ones).
         wanted = os.environ.get("MTPSERVE_CUDA_GRAPHS", "auto")
-        one_device = len(model.devices) == 1
-        self._graphs = one_device and (wanted == "1" or (wanted == "auto" and model.device.type == "cuda"))
+        on_gpus = all(d.type == "cuda" for d in model.devices)  # a layer split too: one graph per GPU's blocks
+        unsplit = len(set(model.row_devices)) <= 1  # a row split's matmuls span GPUs: not captured
+        self._graphs = unsplit and (wanted == "1" or (wanted == "auto" and on_gpus))
+        self._mtp_graphs = self._graphs and self.mtp is not None and mtp_graphable(model)
         self._batch_graphs: OrderedDict[tuple[int, ...], StepGraph] = OrderedDict()  # several slots' decode steps
         self.n_busy_slots_total = 0  # slots served by those passes, summed
         self.slots: list[Slot] = []
@@ -725,7 +727,7 @@ class Engine:
     def _write_mtp_rows(self, slot: Slot, inputs: torch.Tensor, tokens: list[int]) -> None:
         assert self.mtp is not None
         graph, n = None, len(tokens)
-        if self._graphs and n <= self.config.spec.n_max + 1:  # a longer backlog (steps without drafts) is rare
+        if self._mtp_graphs and n <= self.config.spec.n_max + 1:  # a longer backlog (steps without drafts) is rare
             if n not in slot.mtp_rows_graphs:
                 slot.mtp_rows_graphs[n] = self.mtp.rows_graph(slot.state, n)
             graph = slot.mtp_rows_graphs[n]
@@ -735,7 +737,7 @@ class Engine:
         assert self.mtp is not None
         pending_h = slot.pending_h if slot.pending_h is not None else torch.zeros(self.model.config.n_embd)
         graph = None
-        if self._graphs:
+        if self._mtp_graphs:
             if n_max not in slot.mtp_draft_graphs:
                 slot.mtp_draft_graphs[n_max] = self.mtp.draft_graph(slot.state, n_max)
             graph = slot.mtp_draft_graphs[n_max]

@@ -11,8 +11,10 @@ import torch
 
 from ..cache import KVCache, RecurrentState
 from ..gguf import GGUFFile, TensorInfo
+from ..ops.device import canonical_device
 from ..ops.embedding import embedding
 from ..ops.linear import linear
+from ..ops.norm import rms_norm
 from ..ops.rope import RopeTable
 from ..quant.dequant import dequantize_tensor
 from ..quant.qtensor import QTensor, RowSplitQTensor
@@ -41,10 +43,10 @@ class WeightStore:
         row_split: Sequence[tuple[torch.device | str, float]] = (),
     ) -> None:
         self.tensors = tensors
-        self.device = torch.device(device)
-        self.layer_devices = {i: torch.device(d) for i, d in (layer_devices or {}).items()}
-        self.tensor_devices = {n: torch.device(d) for n, d in (tensor_devices or {}).items()}
-        self.row_devices = [torch.device(d) for d, _ in row_split]
+        self.device = canonical_device(device)
+        self.layer_devices = {i: canonical_device(d) for i, d in (layer_devices or {}).items()}
+        self.tensor_devices = {n: canonical_device(d) for n, d in (tensor_devices or {}).items()}
+        self.row_devices = [canonical_device(d) for d, _ in row_split]
         self.row_shares = [float(share) for _, share in row_split]
 
     @classmethod
@@ -234,6 +236,7 @@ class CausalLM:
 
     config: ModelConfig
     token_embd: QTensor  # [n_vocab, n_embd]
+    output_norm: torch.Tensor
     output: QTensor  # LM head [n_vocab, n_embd]
     ubatch: int = DEFAULT_UBATCH
     device: torch.device = torch.device("cpu")  # where activations start (the embedding's device)
@@ -261,7 +264,18 @@ class CausalLM:
     def forward_batch(self, batch: Batch) -> torch.Tensor:
         """Evaluate a batch and advance its states. Returns the final normalized hidden states
         [rows, n_embd]."""
+        x = self.forward_layers(self._inputs(batch), batch, range(self.config.n_layer))
+        batch.advance()
+        return self.final_norm(x)
+
+    def forward_layers(self, x: torch.Tensor, batch: Batch, layers: range) -> torch.Tensor:
+        """Blocks `layers` in order over x [rows, n_embd], each on its device (a captured step runs a run of
+        blocks of one device this way: models.graphs)."""
         raise NotImplementedError
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        eps: float = self.config.rms_eps  # type: ignore[attr-defined]
+        return rms_norm(x.to(self.output_norm.device), self.output_norm, eps)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The first layer's input rows for tokens [T] (float32 [T, n_embd], where the table lives)."""

@@ -191,14 +191,12 @@ class Gemma3ForCausalLM(CausalLM):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return embedding(self.token_embd, tokens) * self.embed_scale
 
-    def forward_batch(self, batch: Batch) -> torch.Tensor:
+    def forward_layers(self, x: torch.Tensor, batch: Batch, layers: range) -> torch.Tensor:
         ropes = {swa: batch.rope(table) for swa, table in self.rope_tables.items()}
-        x = self._inputs(batch)
-        for layer in self.layers:
+        for layer in self.layers[layers.start : layers.stop]:
             device = self.device_of(layer.index)
             x = layer(x.to(device), {swa: rope.to(device) for swa, rope in ropes.items()}, batch)
-        batch.advance()
-        return rms_norm(x.to(self.output_norm.device), self.output_norm, self.config.rms_eps)
+        return x
 
     def logits_on_device(self, hidden: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         logits = linear(hidden.to(self.output.data.device), self.output, seq_len=seq_len)

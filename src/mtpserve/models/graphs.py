@@ -4,17 +4,18 @@ An eager decode step of the 27B launches about 1,500 kernels from Python (64 lay
 rope, the recurrence, attention); at ~10 us of Python and launch each, that is ~15 ms a token against the
 ~4 ms the weights take to read at an H200's bandwidth. A captured step launches them all in one call.
 
-Capturing needs a step whose shapes and addresses do not change from call to call and that reads nothing back
-to the host. `StepGraph` runs the model's own forward pass in that form (`Batch.positions`): the tokens and their
-positions come from device tensors, K/V rows are written with `index_copy_` at those positions
-(`KVCache.write_at`), attention reads every cell of the cache with empty cells masked by position -1
-(`KVCache.attend_static`), rope gathers its angles from a table grown in advance, recurrent states are updated
-in place. One graph per step shape: a decode step (1 token, of one sequence or of several sequences together,
-each over its own cache), a speculative verification of n_max + 1 tokens
-(which also keeps every per-token recurrent state, for rollback), and the MTP block's steps: the catch-up pass
-after a verification (`MTPRowsGraph`) and the chained draft (`MTPDraftGraph`, which picks each draft token on the
-device, so n_max draft steps cost one replay and one copy to the host). Off CUDA (tests, under the Triton
-interpreter) the same static steps run eagerly, which is how their results are held equal to the ordinary ones.
+Capturing needs a step whose shapes and addresses do not change from call to call, that reads nothing back
+to the host, and that runs on one GPU: a layer split's step is one graph per GPU's run of blocks. `StepGraph`
+runs the model's own forward pass in that form (`Batch.positions`): the tokens are embedded before the replay
+(the table may be in host memory), their positions come from device tensors, K/V rows are written with
+`index_copy_` at those positions (`KVCache.write_at`), attention reads every cell of the cache with empty cells
+masked by position -1 (`KVCache.attend_static`), rope gathers its angles from a table grown in advance (a copy
+on each GPU), recurrent states are updated in place. One graph per step shape: a decode step (1 token, of one
+sequence or of several sequences together, each over its own cache), a speculative verification of n_max + 1
+tokens (which also keeps every per-token recurrent state, for rollback), and the MTP block's steps: the
+catch-up pass after a verification (`MTPRowsGraph`) and the draft (`MTPDraftGraph`, which picks each draft token
+on the device). Off CUDA (tests, under the Triton interpreter) the same static steps run eagerly, which is how
+their results are held equal to the ordinary ones.
 """
 
 from __future__ import annotations
@@ -75,12 +76,53 @@ class CapturedStep:
         return self.outputs
 
 
-class StepGraph(CapturedStep):
+Steps = dict[int, list[list[RecurrentState]]]
+
+
+class _Segment(CapturedStep):
+    """A run of blocks on one device, with the final norm and the LM head when `head`: one graph of a step."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        states: list[ModelState],
+        n_tokens: int,
+        keep_steps: bool,
+        device: torch.device,
+        layers: range,
+        head: bool,
+        capture: bool | None,
+    ) -> None:
+        super().__init__(device, capture)
+        self.model, self.states, self.n_tokens, self.keep_steps = model, states, n_tokens, keep_steps
+        self.layers, self.head = layers, head
+        rows = len(states) * n_tokens
+        self.inputs = torch.zeros(rows, model.config.n_embd, device=device)
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)  # a Batch has them; the blocks read none
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        for table in _rope_tables(model):
+            table.reserve(max(st.capacity for st in states), device)
+
+    def _step(self) -> tuple[torch.Tensor, torch.Tensor | None, Steps]:
+        batch = Batch(self.tokens, self.states, self.n_tokens, [-1] * len(self.states), positions=self.positions)
+        batch.keep_steps = self.keep_steps
+        x = self.model.forward_layers(self.inputs, batch, self.layers)
+        if not self.head:
+            return x, None, batch.steps
+        hidden = self.model.final_norm(x)
+        return hidden, self.model.logits_on_device(hidden, seq_len=self.n_tokens), batch.steps
+
+
+class StepGraph:
     """Forward steps of `n_tokens` tokens for each of one or more sequences: `step(tokens)` evaluates them at each
-    state's next positions and advances the states, like `model.forward_batch(Batch.of(tokens, states))`. The
-    tokens are embedded before the replay (`model.embed`: the table may sit in host memory, as llama.cpp keeps
-    an untied one). The graph holds the states' tensors by address, so it stays valid while they live (clear,
-    truncate and restore work in place)."""
+    state's next positions and advances the states, like `model.forward_batch(Batch.of(tokens, states))`.
+
+    The step is captured per device: each run of blocks on one GPU (a layer split has one per GPU) is a graph,
+    the last one with the final norm and the LM head, and the hidden state is copied from one GPU to the next
+    between replays. The tokens are embedded before the first (`model.embed`: the table may sit in host memory,
+    as llama.cpp keeps an untied one). `split_at` cuts extra runs at those blocks (tests: a layer split's
+    plumbing on one device). The graphs hold the states' tensors by address, so they stay valid while those live
+    (clear, truncate and restore work in place)."""
 
     def __init__(
         self,
@@ -89,47 +131,69 @@ class StepGraph(CapturedStep):
         n_tokens: int = 1,
         keep_steps: bool = False,
         capture: bool | None = None,
+        split_at: Sequence[int] = (),
     ) -> None:
-        _check_one_device(model)
-        super().__init__(model.device, capture)
+        if len(set(model.row_devices)) > 1:
+            raise ValueError("a step graph runs each device's blocks on their own; this model's matrices are split "
+                             "over several devices")  # fmt: skip
         self.states = [states] if isinstance(states, ModelState) else list(states)
         self.model, self.n_tokens, self.keep_steps = model, n_tokens, keep_steps
-        rows = len(self.states) * n_tokens
-        self.tokens = torch.zeros(rows, dtype=torch.long, device=model.device)
-        self.embeddings = torch.zeros(rows, model.config.n_embd, device=model.device)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=model.device)
-        for table in _rope_tables(model):
-            table.reserve(max(st.capacity for st in self.states))
+        self.segments = [
+            _Segment(model, self.states, n_tokens, keep_steps, device, layers, head, capture)
+            for device, layers, head in _runs(model, split_at)
+        ]
 
-    def _step(self) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[list[RecurrentState]]]]:
-        batch = Batch(self.tokens, self.states, self.n_tokens, [-1] * len(self.states), positions=self.positions)
-        batch.keep_steps, batch.embeddings = self.keep_steps, self.embeddings
-        hidden = self.model.forward_batch(batch)
-        return hidden, self.model.logits_on_device(hidden, seq_len=self.n_tokens), batch.steps
+    @property
+    def calls(self) -> int:
+        return self.segments[-1].calls
 
     @torch.inference_mode()
-    def step(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[list[RecurrentState]]]]:
+    def step(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, Steps]:
         """`n_tokens` tokens for each sequence in turn -> (hidden [rows, E] on the device, logits [rows, V] on the
         CPU, per-token recurrent states {layer: [[state after token t] per sequence]} when `keep_steps`). The
-        hidden states and kept states are the graph's buffers: the next call overwrites them."""
-        if len(tokens) != len(self.tokens):
-            raise ValueError(f"this graph evaluates {len(self.tokens)} tokens, not {len(tokens)}")
+        hidden states and kept states are the graphs' buffers: the next call overwrites them."""
+        rows = len(self.states) * self.n_tokens
+        if len(tokens) != rows:
+            raise ValueError(f"this graph evaluates {rows} tokens, not {len(tokens)}")
         for state in self.states:
             if state.n_past + self.n_tokens > state.capacity:
                 raise ValueError(f"context size {state.capacity} is full")
         _check_tokens(tokens, self.model.config.n_vocab)
-        ids = torch.tensor(tokens)
-        self.tokens.copy_(ids)
-        self.embeddings.copy_(self.model.embed(ids))
-        self.positions.copy_(torch.tensor([st.n_past + t for st in self.states for t in range(self.n_tokens)]))
-        hidden, logits, steps = self._run()
+        x = self.model.embed(torch.tensor(tokens))
+        positions = torch.tensor([st.n_past + t for st in self.states for t in range(self.n_tokens)])
+        steps: Steps = {}
+        logits: torch.Tensor | None = None
+        for segment in self.segments:
+            segment.inputs.copy_(x)  # from the host, or the previous GPU
+            segment.positions.copy_(positions)
+            x, logits, kept = segment._run()
+            steps.update(kept)
+        assert logits is not None
         mtp = getattr(self.model, "mtp_kv_index", None)
         for state in self.states:
             for layer, kv in state.kv.items():
                 if layer != mtp:  # the MTP block's cache keeps its own length
                     kv.length += self.n_tokens
             state.n_past += self.n_tokens
-        return hidden, logits.float().cpu(), steps
+        return x, logits.float().cpu(), steps
+
+
+def _runs(model: CausalLM, split_at: Sequence[int] = ()) -> list[tuple[torch.device, range, bool]]:
+    """(device, blocks, with the head) of each run of consecutive blocks on one device; the head (final norm and
+    LM head) joins the last run when it is on the same device, else it is a run of its own."""
+    runs: list[tuple[torch.device, range, bool]] = []
+    start = 0
+    n = model.config.n_layer
+    for i in range(1, n + 1):
+        if i == n or model.device_of(i) != model.device_of(start) or i in split_at:
+            runs.append((model.device_of(start), range(start, i), False))
+            start = i
+    head = model.output_norm.device
+    if runs and runs[-1][0] == head:
+        runs[-1] = (head, runs[-1][1], True)
+    else:
+        runs.append((head, range(n, n), True))
+    return runs
 
 
 class MTPRowsGraph(CapturedStep):
@@ -138,19 +202,18 @@ class MTPRowsGraph(CapturedStep):
     before the replay."""
 
     def __init__(self, model: CausalLM, state: ModelState, n_tokens: int, capture: bool | None = None) -> None:
-        _check_one_device(model)
-        super().__init__(model.device, capture)
+        device = _mtp_device(model)
+        super().__init__(device, capture)
         self.model, self.state, self.n_tokens = model, state, n_tokens
         self.kv = state.kv[model.mtp_kv_index]  # type: ignore[attr-defined]
         self.mtp_step, self.mtp_embed = model.mtp_step, model.mtp_embed  # type: ignore[attr-defined]
-        device = model.device
         self.inputs = torch.zeros(n_tokens, model.config.n_embd, device=device)
         self.embeddings = torch.zeros(n_tokens, model.config.n_embd, device=device)
         self.tokens = torch.zeros(n_tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(n_tokens, dtype=torch.long, device=device)
         self._offsets = torch.arange(n_tokens, device=device)
         for table in _rope_tables(model):
-            table.reserve(state.capacity)
+            table.reserve(state.capacity, device)
 
     def _step(self) -> torch.Tensor:
         return self.mtp_step(self.inputs, self.tokens, self.state, False, self.positions, self.embeddings)[1]
@@ -192,14 +255,13 @@ class MTPDraftGraph(CapturedStep):
         capture: bool | None = None,
         chained: bool | None = None,
     ) -> None:
-        _check_one_device(model)
-        super().__init__(model.device, capture)
+        device = _mtp_device(model)
+        super().__init__(device, capture)
         self.model, self.state, self.n_max, self.head, self.top_k = model, state, n_max, head, top_k
         self.kv = state.kv[model.mtp_kv_index]  # type: ignore[attr-defined]
         self.mtp_step, self.mtp_embed = model.mtp_step, model.mtp_embed  # type: ignore[attr-defined]
         table_device = model.mtp_table.data.device  # type: ignore[attr-defined]
-        self.chained = table_device == model.device if chained is None else chained
-        device = model.device
+        self.chained = table_device == device if chained is None else chained
         n_steps = n_max if self.chained else 1
         self.hidden = torch.zeros(1, model.config.n_embd, device=device)
         self.token = torch.zeros(1, dtype=torch.long, device=device)
@@ -207,7 +269,7 @@ class MTPDraftGraph(CapturedStep):
         self.positions = torch.zeros(n_steps, dtype=torch.long, device=device)
         self._offsets = torch.arange(n_steps, device=device)
         for table in _rope_tables(model):
-            table.reserve(state.capacity)
+            table.reserve(state.capacity, device)
 
     def _step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden, token, chosen, p_top = self.hidden, self.token, [], []
@@ -252,9 +314,19 @@ class DecodeGraph(StepGraph):
         return self.step([token])[1][0]
 
 
-def _check_one_device(model: CausalLM) -> None:
-    if len(model.devices) != 1:
-        raise ValueError("a step graph runs on one device; this model is split over several")
+def mtp_graphable(model: CausalLM) -> bool:
+    """Whether the MTP block and the LM head run on one device (their graphs need that; a layer split puts both
+    on its last GPU unless --tensor-split gives the head a GPU of its own)."""
+    index = getattr(model, "mtp_kv_index", None)
+    return (
+        index is not None and model.device_of(index) == model.output.data.device and len(set(model.row_devices)) <= 1
+    )
+
+
+def _mtp_device(model: CausalLM) -> torch.device:
+    if not mtp_graphable(model):
+        raise ValueError("the MTP graphs run the MTP block and the LM head on one device; this model splits them")
+    return model.device_of(model.mtp_kv_index)  # type: ignore[attr-defined]
 
 
 def _check_tokens(tokens: list[int], vocab: int) -> None:

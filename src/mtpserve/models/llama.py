@@ -166,11 +166,9 @@ class LlamaForCausalLM(CausalLM):
         kv = new_kv_caches(self.config, ctx, cache_type_k, cache_type_v, devices=self._layer_device_map())
         return ModelState(kv, capacity=ctx)
 
-    def forward_batch(self, batch: Batch) -> torch.Tensor:
+    def forward_layers(self, x: torch.Tensor, batch: Batch, layers: range) -> torch.Tensor:
         rope = batch.rope(self.rope_table)
-        x = self._inputs(batch)
-        for layer in self.layers:
+        for layer in self.layers[layers.start : layers.stop]:
             device = self.device_of(layer.index)
             x = layer(x.to(device), rope.to(device), batch)
-        batch.advance()
-        return rms_norm(x.to(self.output_norm.device), self.output_norm, self.config.rms_eps)
+        return x

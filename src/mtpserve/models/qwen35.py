@@ -369,14 +369,12 @@ class Qwen35ForCausalLM(CausalLM):
             kv.update(new_kv_caches(c, ctx, cache_type_k, cache_type_v, mtp=True, devices=devices))
         return ModelState(kv, recurrent, capacity=ctx)
 
-    def forward_batch(self, batch: Batch) -> torch.Tensor:
-        x = self._inputs(batch)
+    def forward_layers(self, x: torch.Tensor, batch: Batch, layers: range) -> torch.Tensor:
         rope = batch.rope(self.rope_table)
-        for layer in self.layers:
+        for layer in self.layers[layers.start : layers.stop]:
             device = self.device_of(layer.index)
             x = layer(x.to(device), rope.to(device), batch)
-        batch.advance()
-        return rms_norm(x.to(self.output_norm.device), self.output_norm, self.config.rms_eps)
+        return x
 
     @torch.inference_mode()
     def mtp_step(

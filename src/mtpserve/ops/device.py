@@ -57,6 +57,15 @@ def emulate_gpu(enabled: bool = True, matmul: str = "triton") -> Iterator[None]:
         _emulating, _emulated_matmul = before
 
 
+def canonical_device(device: str | torch.device) -> torch.device:
+    """`device` with its index: "cuda" is the current GPU, as the tensors made there report it ("cuda:0"), so
+    devices compare equal to their tensors' `.device`."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     """A torch device from a user's string ("cpu", "cuda", "cuda:1"), with a clear error when absent."""
     try:
@@ -71,4 +80,4 @@ def resolve_device(device: str | torch.device) -> torch.device:
             raise ValueError(f"device '{device}' asked for, but torch sees {torch.cuda.device_count()} GPU(s)")
     elif dev.type != "cpu":
         raise ValueError(f"device '{device}' is not supported (cpu or cuda[:N])")
-    return dev
+    return canonical_device(dev)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..kernels import cpu as cpu_kernels
-from .device import gpu_path
+from .device import canonical_device, gpu_path
 
 
 def imrope_streams(sections: Sequence[int], n_pairs: int) -> list[int]:
@@ -134,8 +134,9 @@ class RopeTable:
         device: torch.device | str = "cpu",
     ) -> None:
         self.args = (n_rot, base, freq_scale, sections)
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.cos = self.sin = torch.empty(0, n_rot // 2, device=self.device)
+        self.copies: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # the table on other devices
 
     def span(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [count, n_rot // 2] of positions start..start + count - 1 (views into the table, on the
@@ -145,13 +146,22 @@ class RopeTable:
             size = max(end, 2 * len(self.cos), 256)
             cos, sin = rope_cos_sin(torch.arange(size), *self.args)
             self.cos, self.sin = cos.to(self.device), sin.to(self.device)
+            self.copies = {}
         return self.cos[start:end], self.sin[start:end]
 
-    def reserve(self, count: int) -> None:
-        """Grow the table to `count` positions now (a captured step gathers from it and must not grow it)."""
+    def reserve(self, count: int, device: torch.device | None = None) -> None:
+        """Grow the table to `count` positions now (a captured step gathers from it and must not grow it), and
+        with `device` keep a copy there (a captured step of a layer split's other GPU gathers from that)."""
         if count > len(self.cos):
             self.span(0, count)
+        if device is not None and canonical_device(device) != self.device:
+            device = canonical_device(device)
+            held = self.copies.get(device)
+            if held is None or len(held[0]) != len(self.cos):
+                self.copies[device] = (self.cos.to(device), self.sin.to(device))
 
     def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of arbitrary positions given as a device tensor (within the reserved table)."""
-        return self.cos[positions], self.sin[positions]
+        """cos, sin of arbitrary positions given as a device tensor (within the reserved table), from the copy on
+        the positions' device."""
+        cos, sin = (self.cos, self.sin) if positions.device == self.device else self.copies[positions.device]
+        return cos[positions], sin[positions]
