@@ -528,13 +528,13 @@ def test_a_layer_split_is_captured_as_one_run_of_blocks_per_gpu() -> None:
         return SimpleNamespace(config=SimpleNamespace(n_layer=8), device_of=devices.__getitem__,
                                output_norm=SimpleNamespace(device=head))  # fmt: skip
 
-    assert _runs(split(gpu1)) == [(gpu0, range(0, 3), False), (gpu1, range(3, 8), True)]
-    assert _runs(split(gpu2)) == [(gpu0, range(0, 3), False), (gpu1, range(3, 8), False), (gpu2, range(8, 8), True)]
+    assert _runs(split(gpu1)) == [(gpu0, range(3), False), (gpu1, range(3, 8), True)]
+    assert _runs(split(gpu2)) == [(gpu0, range(3), False), (gpu1, range(3, 8), False), (gpu2, range(8, 8), True)]
     assert _runs(split(gpu1), split_at=[5]) == [
-        (gpu0, range(0, 3), False), (gpu1, range(3, 5), False), (gpu1, range(5, 8), True),
+        (gpu0, range(3), False), (gpu1, range(3, 5), False), (gpu1, range(5, 8), True),
     ]  # fmt: skip
     table = RopeTable(8, 10000.0)
     table.reserve(64, torch.device("meta"))
-    cos, sin = table.gather(torch.tensor([3, 9], device="meta"))
+    cos, _ = table.gather(torch.tensor([3, 9], device="meta"))
     assert cos.device.type == "meta" and cos.shape == (2, 4)
     torch.testing.assert_close(table.gather(torch.tensor([3, 9]))[0], table.cos[[3, 9]])
