@@ -23,7 +23,7 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, str(REPO / "bench" / "gpu.py"), "--tiny", "--device", "cpu", "--contexts", "256,512",
-           "--prefill", "96", "--reps", "1", "--json", str(out)]  # fmt: skip
+           "--prefill", "96", "--reps", "1", "--batch", "2", "--json", str(out)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "| depth | decode tok/s |" in run.stdout and "prefill:" in run.stdout
@@ -38,7 +38,7 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
     # Bytes a token reads: every trunk matrix and the head, far more than one MTP step's block + head.
     assert result["weight_bytes_per_token"] > result["weight_bytes_per_draft_step"] > 0
     assert result["prefill_tokens_per_s"] > 0
-    assert result["batch_decode"]["sequences"] == 4 and result["batch_decode"]["tokens_per_s"] > 0
+    assert result["batch_decode"]["sequences"] == 2 and result["batch_decode"]["tokens_per_s"] > 0
 
 
 def test_bench_gpu_refuses_cuda_without_a_gpu() -> None:

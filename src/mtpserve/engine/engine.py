@@ -667,7 +667,7 @@ class Engine:
         a failure after it (sampling, detokenizing, delivering) fails only its own request."""
         self._count_pass(len(slots))
         tokens = [s.job.pending for s in slots]
-        if self._graphs:  # a model on one GPU: replay the captured step of these slots
+        if self._graphs:  # a model on GPUs: replay the captured step of these slots
             logits = self._decode_graph(slots).step(tokens)[1]
         else:
             logits = self.model.decode_batch(tokens, [s.state for s in slots])

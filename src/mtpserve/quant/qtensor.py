@@ -71,7 +71,7 @@ class RowSplitQTensor(QTensor):
               granularity: int = ROW_SPLIT_GRANULARITY) -> QTensor:  # fmt: skip
         """q's rows over `devices` in proportion to `shares` (cumulative boundaries rounded down to multiples of
         `granularity` rows, the last device taking the rest); devices whose share rounds to no rows get no
-        shard, and a matrix left whole on one device is that plain QTensor."""
+        shard, and a matrix too small to split stays whole at home, a plain QTensor."""
         rows = q.shape[0]
         total = float(sum(shares))
         if total <= 0 or len(devices) != len(shares):
