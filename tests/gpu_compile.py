@@ -20,7 +20,7 @@ sm_80) and decode_attention's default tl.dot precision ("tf32x3" on NVIDIA).
 TRITON_INTERPRET must not be set when compiling (triton.jit makes interpreter functions then): the script
 re-executes itself without it. `--quick` compiles one configuration per kernel for sm_90 (the test suite's
 check, about 5 s); `--only TEXT` keeps the configurations whose kernel or label contain TEXT. The full run
-(about 165 compiles) takes about 65 s on 2 cores. `--arch 86,89` checks the RTX 30xx/40xx parts, whose blocks
+(about 182 compiles) takes about 65 s on 2 cores. `--arch 86,89` checks the RTX 30xx/40xx parts, whose blocks
 have 99 KB of shared memory against the A100's 163 KB. Uses triton internals (the JIT binder, ASTSource,
 triton.compile with a GPUTarget) as of triton 3.9.
 """
@@ -140,7 +140,7 @@ def launches() -> list[Launch]:
         ((f, a, k),) = _recorded([gemv._dequant_kernel], lambda w=w, t=t: gemv.dequant_blocks(w, t))
         out.append(Launch("dequant", f"{t.name} BLOCK_N={k['BLOCK_N']}", f, a, k, quick=t == Q.Q6_K))
     # Prefill: quant_matmul, float32 activations; bf16 compute from sm_80 (ops.gemm_compute_dtype), fp16 on all.
-    for t in (Q.Q4_K, Q.Q6_K, Q.Q8_0):
+    for t in (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS):
         w = weight(t)
         x = torch.empty(PROMPT_ROWS, N_EMBD)
         for dtype, min_arch in ((torch.bfloat16, 80), (torch.float16, 0)):

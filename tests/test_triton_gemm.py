@@ -8,15 +8,14 @@ import os
 
 import pytest
 import torch
-from gguf.constants import GGMLQuantizationType
-from gguf.quants import quantize as gguf_quantize
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton GEMM kernel cannot be tested")
 
 from mtpserve.kernels.triton import GEMM_TYPES, quant_matmul
 from mtpserve.quant.dequant import dequantize
-from mtpserve.quant.quantize import WEIGHT_QUANTIZERS, quantize
 from mtpserve.quant.types import GGMLType, block_geometry
+
+from .test_triton_gemv import _weight  # valid blocks of every type (random ones where nothing here quantizes)
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -27,15 +26,6 @@ DEVICE = "cpu" if INTERPRETED else "cuda"
 TYPES = tuple(GGMLType(int(t)) for t in GEMM_TYPES)
 # Relative error bounds: fp16 rounds x and W to 11 significant bits; float32 only reorders the sums.
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-4}
-
-
-def _weight(qtype: GGMLType, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """Valid blocks for a random [n, k] matrix (mtpserve's quantizers; gguf-py's for Q4_1, which mtpserve lacks)."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)  # rows of different scales
-    if qtype not in WEIGHT_QUANTIZERS:
-        return torch.from_numpy(gguf_quantize(w.numpy(), GGMLQuantizationType(int(qtype)))).contiguous()
-    return quantize(w, qtype).contiguous()
 
 
 def _check_product(x: torch.Tensor, blocks: torch.Tensor, qtype: GGMLType, compute_dtype: torch.dtype,

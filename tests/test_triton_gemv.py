@@ -28,17 +28,21 @@ pytestmark = pytest.mark.skipif(
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 SUPER_TYPES = (GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
 LEGACY_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1)
-TYPES = SUPER_TYPES + LEGACY_TYPES
+IQ4_TYPES = (GGMLType.IQ4_NL, GGMLType.IQ4_XS)  # no quantizer writes these here: random blocks stand in
+TYPES = SUPER_TYPES + LEGACY_TYPES + IQ4_TYPES
 # The f16 fields of each block (d, and m or dmin), by byte offset.
 F16_OFFSETS = {
     GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2),
     GGMLType.Q8_0: (0,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,),
+    GGMLType.IQ4_NL: (0,), GGMLType.IQ4_XS: (0,),
 }  # fmt: skip
 
 
 def _weight(qtype: GGMLType, n: int, k: int, seed: int = 0) -> torch.Tensor:
     """Valid blocks for a random [n, k] matrix, quantized by mtpserve's own quantizers (gguf-py's for Q4_1, which
-    mtpserve cannot write)."""
+    mtpserve cannot write; random blocks for the IQ4 types, which neither writes)."""
+    if qtype in IQ4_TYPES:
+        return _random_blocks(qtype, n, k, seed)
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)  # rows of different scales
     if qtype not in WEIGHT_QUANTIZERS:
@@ -79,7 +83,7 @@ def _gemv_cases() -> list:
     ]  # fmt: skip
     legacy = [
         pytest.param(t, n, k, m, dt, id=f"{t.name}-{n}x{k}-m{m}-{ds}")
-        for t in LEGACY_TYPES
+        for t in LEGACY_TYPES + IQ4_TYPES
         for n, k, m, dt, ds in [(32, 256, 1, torch.float16, "f16"), (96, 512, 3, torch.float32, "f32"),
                                 (32, 256, 8, torch.float32, "f32")]
     ]  # fmt: skip

@@ -8,7 +8,8 @@ order as mtpserve.quant.dequant, so the values are bit-identical to it: `dequant
 accumulates x . w in float32 for all m rows at once, so a verification of several tokens reads the weights
 once. f16 scales are read as two bytes, joined into a uint16 and bitcast. Layouts:
 ../shared/spec/gguf-quant-formats.md §3. Types: Q8_0 and the legacy Q4_0/Q4_1/Q5_0/Q5_1 (one 32-value block
-per sub-tile; real models use them: SmolLM2 is Q4_1, Gemma 3 has Q5_0) and the super-block Q4_K/Q5_K/Q6_K.
+per sub-tile; real models use them: SmolLM2 is Q4_1, Gemma 3 has Q5_0), the super-block Q4_K/Q5_K/Q6_K, and
+IQ4_NL/IQ4_XS (4-bit indices into a 16-value non-linear codebook, IQ4_XS with 6-bit sub-block scales).
 `_dequant_sub` is also the unpacking of the prefill GEMM (gemm.py).
 
 This module stays a leaf (kernels may import only gguf): type ids and geometry come from gguf.constants.
@@ -33,6 +34,8 @@ GEMV_TYPES = (
     GGMLQuantizationType.Q4_K,
     GGMLQuantizationType.Q5_K,
     GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.IQ4_NL,
+    GGMLQuantizationType.IQ4_XS,
 )
 _Q4_0 = tl.constexpr(int(GGMLQuantizationType.Q4_0))
 _Q4_1 = tl.constexpr(int(GGMLQuantizationType.Q4_1))
@@ -42,7 +45,10 @@ _Q8_0 = tl.constexpr(int(GGMLQuantizationType.Q8_0))
 _Q4_K = tl.constexpr(int(GGMLQuantizationType.Q4_K))
 _Q5_K = tl.constexpr(int(GGMLQuantizationType.Q5_K))
 _Q6_K = tl.constexpr(int(GGMLQuantizationType.Q6_K))
-SUB = 32  # values per sub-tile: one Q8_0/Q4_x/Q5_x block, one Q4_K/Q5_K sub-block, a quarter of a Q6_K half
+_IQ4_NL = tl.constexpr(int(GGMLQuantizationType.IQ4_NL))
+_IQ4_XS = tl.constexpr(int(GGMLQuantizationType.IQ4_XS))
+# values per sub-tile: one Q8_0/Q4_x/Q5_x/IQ4_NL block, one Q4_K/Q5_K/IQ4_XS sub-block, a quarter of a Q6_K half
+SUB = 32
 
 
 @triton.jit
@@ -85,6 +91,20 @@ def _legacy_q(bp, offs, QS: tl.constexpr, QH: tl.constexpr):
 
 
 @triton.jit
+def _iq4_value(q):
+    """IQ4's non-linear 4-bit codebook (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+    at index q, as float32: a select tree on q's bits (no table in memory to load)."""
+    b0 = (q & 1) != 0
+    b1 = (q & 2) != 0
+    b2 = (q & 4) != 0
+    v0 = tl.where(b1, tl.where(b0, -65, -83), tl.where(b0, -104, -127))
+    v1 = tl.where(b1, tl.where(b0, -10, -22), tl.where(b0, -35, -49))
+    v2 = tl.where(b1, tl.where(b0, 38, 25), tl.where(b0, 13, 1))
+    v3 = tl.where(b1, tl.where(b0, 113, 89), tl.where(b0, 69, 53))
+    return tl.where((q & 8) != 0, tl.where(b2, v3, v2), tl.where(b2, v1, v0)).to(tl.float32)
+
+
+@triton.jit
 def _dequant_sub(bp, offs, J, QTYPE: tl.constexpr):
     """Sub-tile J (values J*32 .. J*32+31) of the blocks starting at bp [BLOCK_N, 1] -> float32 [BLOCK_N, 32].
 
@@ -110,6 +130,15 @@ def _dequant_sub(bp, offs, J, QTYPE: tl.constexpr):
         q = (tl.load(bp + 48 + (J // 2) * 32 + offs).to(tl.int32) >> ((J % 2) * 4)) & 0x0F
         q = q | (((tl.load(bp + 16 + offs).to(tl.int32) >> J) & 1) << 4)
         w = q.to(tl.float32) * (_f16(bp) * sc) - _f16(bp + 2) * mn
+    elif QTYPE == _IQ4_NL:  # d, then 16 bytes: low nibbles are values 0..15, high nibbles 16..31
+        qs = tl.load(bp + 2 + offs % 16).to(tl.int32)
+        w = _iq4_value(tl.where(offs < 16, qs & 0x0F, qs >> 4)) * _f16(bp)
+    elif QTYPE == _IQ4_XS:  # d, scales_h (u16), scales_l (4 bytes), then 16 bytes per sub-block as IQ4_NL's
+        low = (_byte(bp + 4 + J // 2) >> ((J % 2) * 4)) & 0x0F
+        high = ((_byte(bp + 2) | (_byte(bp + 3) << 8)) >> (2 * J)) & 3
+        ls = ((low | (high << 4)) - 32).to(tl.float32)
+        qs = tl.load(bp + 8 + J * 16 + offs % 16).to(tl.int32)
+        w = _iq4_value(tl.where(offs < 16, qs & 0x0F, qs >> 4)) * (_f16(bp) * ls)
     else:  # Q6_K: J = half * 4 + group
         H = J // 4
         G = J % 4
