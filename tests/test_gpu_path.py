@@ -294,7 +294,7 @@ def test_static_writes_wrap_a_sliding_window_ring(cache_type: str) -> None:
         KVCache(48, 2, 32, 32, cache_type, cache_type, window=16, ring=True, device=DEVICE) for _ in range(2)
     )
     with _gpu_path():
-        for pos in range(60):  # wraps the 48 cells
+        for pos in range(54):  # wraps the 48 cells
             k, v, q = (torch.randn(1, n, 32, generator=gen).to(DEVICE) for n in (2, 2, 4))
             p = torch.tensor([pos], device=DEVICE)
             appended.append(k, v)
@@ -408,6 +408,7 @@ def test_the_engine_speculates_through_step_graphs_as_without(monkeypatch: pytes
         assert graphed.timings.draft_n > 0
 
 
+@pytest.mark.slow  # the step itself: test_a_static_step_of_several_sequences_equals_decode_batch
 def test_the_engine_decodes_several_slots_through_their_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two requests decoding together on --parallel 2 (no speculation): with the captured steps (the two slots'
     batch graph, forced on off CUDA) each gets the tokens it gets without them."""
