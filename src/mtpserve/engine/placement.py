@@ -74,8 +74,9 @@ with CUDA): each block's weights and caches on its device, the output layer on `
 `token_embd` on the host; the hidden state moves at device boundaries; CPU-resident blocks run the CPU path.
 `--device` narrows and orders the GPUs (`select_devices`); `GpuRequest` holds one model's flags and plans it
 right before it loads (draft-simple's model after the target). CUDA graphs are built for a model wholly on
-GPUs, one per GPU's run of blocks (models/graphs.py). `row` gives `TorchPlacement.row_split`, with which the loader splits the matrices
-(quant.qtensor.RowSplitQTensor). Not built yet: per-device streams. The design as planned:
+GPUs, one per GPU's run of blocks (models/graphs.py). `row` gives `TorchPlacement.row_split`, with which the
+loader splits the matrices (quant.qtensor.RowSplitQTensor). Not built yet: per-device streams. The design as
+planned:
 
 At startup the server resolves `--device` to a device list (free memory from the driver), calls `place()`
 and logs the plan like llama.cpp ("offloaded 66/66 layers", per-device buffer sizes); an
