@@ -270,8 +270,13 @@ class CausalLM:
 
     def forward_layers(self, x: torch.Tensor, batch: Batch, layers: range) -> torch.Tensor:
         """Blocks `layers` in order over x [rows, n_embd], each on its device (a captured step runs a run of
-        blocks of one device this way: models.graphs)."""
-        raise NotImplementedError
+        blocks of one device this way: models.graphs). This one is for blocks called as (x, rope, batch) with
+        one rope table (`rope_table`); Gemma 3 has two."""
+        rope = batch.rope(self.rope_table)  # type: ignore[attr-defined]
+        for layer in self.layers[layers.start : layers.stop]:  # type: ignore[attr-defined]
+            device = self.device_of(layer.index)
+            x = layer(x.to(device), rope.to(device), batch)
+        return x
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         eps: float = self.config.rms_eps  # type: ignore[attr-defined]

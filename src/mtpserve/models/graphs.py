@@ -143,10 +143,6 @@ class StepGraph:
             for device, layers, head in _runs(model, split_at)
         ]
 
-    @property
-    def calls(self) -> int:
-        return self.segments[-1].calls
-
     @torch.inference_mode()
     def step(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, Steps]:
         """`n_tokens` tokens for each sequence in turn -> (hidden [rows, E] on the device, logits [rows, V] on the

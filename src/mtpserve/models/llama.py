@@ -165,10 +165,3 @@ class LlamaForCausalLM(CausalLM):
         ctx = padded_context(ctx_size, self.config)
         kv = new_kv_caches(self.config, ctx, cache_type_k, cache_type_v, devices=self._layer_device_map())
         return ModelState(kv, capacity=ctx)
-
-    def forward_layers(self, x: torch.Tensor, batch: Batch, layers: range) -> torch.Tensor:
-        rope = batch.rope(self.rope_table)
-        for layer in self.layers[layers.start : layers.stop]:
-            device = self.device_of(layer.index)
-            x = layer(x.to(device), rope.to(device), batch)
-        return x

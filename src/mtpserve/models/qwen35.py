@@ -369,13 +369,6 @@ class Qwen35ForCausalLM(CausalLM):
             kv.update(new_kv_caches(c, ctx, cache_type_k, cache_type_v, mtp=True, devices=devices))
         return ModelState(kv, recurrent, capacity=ctx)
 
-    def forward_layers(self, x: torch.Tensor, batch: Batch, layers: range) -> torch.Tensor:
-        rope = batch.rope(self.rope_table)
-        for layer in self.layers[layers.start : layers.stop]:
-            device = self.device_of(layer.index)
-            x = layer(x.to(device), rope.to(device), batch)
-        return x
-
     @torch.inference_mode()
     def mtp_step(
         self,
