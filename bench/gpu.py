@@ -22,6 +22,8 @@ What it measures (one table on stdout, everything in --json):
   n_max 2, by default) into expected decode tokens/s;
 * decode of `--batch` sequences together (4; --parallel without speculation), tokens/s in all;
 * prefill tokens/s (ubatches of 512 from an empty context);
+* one Gated DeltaNet layer's chunked rule over a 512-token ubatch, its chunk scan as the Triton kernel and as
+  PyTorch's loop;
 * memory: weights, and the state of one sequence at 262144 tokens with a q8_0 KV cache (MTP cache included).
 
 The GPU's numbers go into the README's "CUDA backend" section with the date and the GPU's name.
@@ -45,6 +47,7 @@ from mtpserve.models.base import Batch, WeightStore
 from mtpserve.models.graphs import DecodeGraph, StepGraph
 from mtpserve.models.loader import build_model
 from mtpserve.models.qwen35 import Qwen35Config
+from mtpserve.ops.gated_delta import gated_delta_chunk_scan_reference, gated_delta_rule_chunked
 from mtpserve.quant.mix import FILE_TYPES, ModelFacts, plan_types
 from mtpserve.quant.qtensor import QTensor
 from mtpserve.quant.types import GGMLType, block_geometry
@@ -291,6 +294,34 @@ def measure_prefill(model, args: argparse.Namespace, timer: Timer) -> float:
     return args.prefill / timer.median(prefill, max(1, args.reps // 4), warmup=1)
 
 
+def measure_chunk_scan(config: Qwen35Config, device: torch.device, args: argparse.Namespace, timer: Timer) -> dict:
+    """One Gated DeltaNet layer over a 512-token ubatch (8 chunks of 64): the chunk scan as the Triton kernel and
+    as PyTorch's loop (its twin, what runs below sm_80), and the whole chunked rule as the GPU path runs it."""
+    from mtpserve.kernels import triton as kernels
+
+    T, C, Hk, Hv, K = 512, 64, config.n_k_heads, config.n_v_heads, config.ssm_head_dim
+    gen = torch.Generator(device=device).manual_seed(3)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, generator=gen)
+
+    n = T // C
+    u, w, q, k = randn(Hv, n, C, K), randn(Hv, n, C, K) / K, randn(Hv, n, C, K) / K, randn(Hv, n, C, K) / K**0.5
+    qk = (randn(Hv, n, C, C) / C).tril()
+    g_cum = (-0.05 * torch.rand(Hv, n, C, device=device, generator=gen)).cumsum(-1)
+    state = randn(Hv, K, K)
+    scan = (u, w, q, k, qk, g_cum)
+    kernel_s = timer.median(lambda: kernels.gated_delta_chunk_scan(*scan, state.clone()), args.reps)
+    loop_s = timer.median(lambda: gated_delta_chunk_scan_reference(*scan, state.clone()), args.reps)
+    qh = torch.nn.functional.normalize(randn(T, Hk, K), dim=-1)
+    kh = torch.nn.functional.normalize(randn(T, Hk, K), dim=-1)
+    g = -torch.nn.functional.softplus(randn(T, Hv))
+    beta = torch.sigmoid(randn(T, Hv))
+    rule_s = timer.median(lambda: gated_delta_rule_chunked(qh, kh, randn(T, Hv, K), g, beta, state), args.reps)
+    return {"tokens": T, "chunk": C, "scan_kernel_ms": 1e3 * kernel_s, "scan_loop_ms": 1e3 * loop_s,
+            "chunked_rule_ms": 1e3 * rule_s}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -366,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         result["batch_decode"] = measure_batch_decode(model, depth, args, timer, gen)
     print(f"prefill {args.prefill} tokens", file=sys.stderr, flush=True)
     result["prefill_tokens_per_s"] = measure_prefill(model, args, timer)
+    result["chunk_scan"] = measure_chunk_scan(config, device, args, timer)
 
     if args.memory_ctx and device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -426,6 +458,13 @@ def report(r: dict) -> str:
             f"{b['tokens_per_s']:.1f} tokens/s in all"
         )
     lines.append(f"prefill: {r['prefill_tokens_per_s']:.0f} tokens/s")
+    if "chunk_scan" in r:
+        c = r["chunk_scan"]
+        lines.append(
+            f"one Gated DeltaNet layer, {c['tokens']} prompt tokens in chunks of {c['chunk']}: chunk scan "
+            f"{c['scan_kernel_ms']:.3f} ms in Triton, {c['scan_loop_ms']:.3f} ms as PyTorch's loop; "
+            f"whole chunked rule {c['chunked_rule_ms']:.3f} ms"
+        )
     if "memory" in r:
         m = r["memory"]
         lines.append(

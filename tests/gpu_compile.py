@@ -9,18 +9,19 @@ shared memory. It exits 1 if any compile fails, or if a kernel would be refused 
 shared memory than a block may have, or more registers than a block of num_warps can hold).
 
 Which configurations: the ones the wrappers (quant_gemv, dequant_blocks, quant_matmul, decode_attention,
-gated_delta_rule_recurrent_batched) launch at the deployment's shapes (Qwen3.6-27B: n_embd 5120, attention H=24
-Hkv=4 D=256, Gated DeltaNet Hk=16 Hv=48 K=V=128; SmolLM2-135M for D=64: H=9 Hkv=3). Nothing is copied from the
+gated_delta_rule_recurrent_batched, gated_delta_chunk_scan) launch at the deployment's shapes (Qwen3.6-27B:
+n_embd 5120, attention H=24 Hkv=4 D=256, Gated DeltaNet Hk=16 Hv=48 K=V=128, prompt chunks of 512 tokens;
+SmolLM2-135M for D=64: H=9 Hkv=3). Nothing is copied from the
 wrappers: each wrapper is called on CPU tensors of those shapes (allocated, never read) with its kernels' `run`
 swapped for a recorder, and each recorded launch goes through the same specialization as a real one (Triton's
-binder: constexprs, dtypes, ints equal to 1, 16-divisibility of pointers and ints). Two choices the wrappers make
+binder: constexprs, dtypes, ints equal to 1, 16-divisibility of pointers and ints). Three choices the wrappers make
 from the CUDA device are redone here for the target, as they would be on it: quant_matmul's num_warps (8 below
-sm_80) and decode_attention's default tl.dot precision ("tf32x3" on NVIDIA).
+sm_80), decode_attention's default tl.dot precision ("tf32x3" on NVIDIA) and the chunk scan's bf16 operands.
 
 TRITON_INTERPRET must not be set when compiling (triton.jit makes interpreter functions then): the script
 re-executes itself without it. `--quick` compiles one configuration per kernel for sm_90 (the test suite's
 check, about 5 s); `--only TEXT` keeps the configurations whose kernel or label contain TEXT. The full run
-(about 182 compiles) takes about 65 s on 2 cores. `--arch 86,89` checks the RTX 30xx/40xx parts, whose blocks
+(about 186 compiles) takes about 65 s on 2 cores. `--arch 86,89` checks the RTX 30xx/40xx parts, whose blocks
 have 99 KB of shared memory against the A100's 163 KB. Uses triton internals (the JIT binder, ASTSource,
 triton.compile with a GPUTarget) as of triton 3.9.
 """
@@ -105,6 +106,13 @@ def _gemm_num_warps(kwargs: dict, arch: int) -> None:
 
     with mock.patch.object(torch.cuda, "get_device_capability", return_value=(arch // 10, arch % 10)):
         kwargs["num_warps"] = gemm._num_warps(torch.device("cuda", 0))
+
+
+def _chunk_scan_dot(kwargs: dict, arch: int) -> None:
+    """gated_delta_chunk_scan's tl.dot operand type on CUDA (kernels.triton.gated_delta.default_dot_dtype)."""
+    import triton.language as tl
+
+    kwargs["DOT"] = tl.bfloat16
 
 
 def _attention_precision(kwargs: dict, arch: int) -> None:
@@ -204,6 +212,23 @@ def launches() -> list[Launch]:
         )
         cfg = f"K=V={GDN_DIM} B={n_seq} T={n_tok} STORE_STEPS={steps} BLOCK_V={kw['BLOCK_V']}"
         out.append(Launch("gated_delta", cfg, f, a, kw, quick=steps and n_seq == 1))
+    # The chunked rule's scan over a prompt chunk of PROMPT_ROWS tokens (ops.gated_delta: chunks of 64).
+    n_chunks, chunk = PROMPT_ROWS // 64, 64
+    for store in (False, True):
+        kq = [torch.empty(GDN_HV, n_chunks, chunk, GDN_DIM) for _ in range(4)]  # u, w, q, k (K = V)
+        qk = torch.empty(GDN_HV, n_chunks, chunk, chunk)
+        g_cum = torch.empty(GDN_HV, n_chunks, chunk)
+        state = torch.empty(GDN_HV, GDN_DIM, GDN_DIM)
+        states = torch.empty(n_chunks, GDN_HV, GDN_DIM, GDN_DIM) if store else None
+        ((f, a, kw),) = _recorded(
+            [gated_delta._chunk_scan_kernel],
+            lambda kq=kq, qk=qk, g_cum=g_cum, state=state, states=states: gated_delta.gated_delta_chunk_scan(
+                *kq, qk, g_cum, state, states
+            ),
+        )
+        cfg = f"K=V={GDN_DIM} N={n_chunks} C={chunk} STORE_STATES={store} BLOCK_V={kw['BLOCK_V']}"
+        note = "below sm_80 ops.gated_delta keeps PyTorch's chunk loop"
+        out.append(Launch("gdn_chunk_scan", cfg, f, a, kw, 80, quick=not store, note=note, fixups=[_chunk_scan_dot]))
     return out
 
 

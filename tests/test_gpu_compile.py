@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).with_name("gpu_compile.py")
-KERNELS = ("gemv", "dequant", "gemm", "attn_split", "attn_combine", "gated_delta")
+KERNELS = ("gemv", "dequant", "gemm", "attn_split", "attn_combine", "gated_delta", "gdn_chunk_scan")
 
 
 def _require_compiler() -> None:

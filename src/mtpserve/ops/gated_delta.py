@@ -105,20 +105,66 @@ def gated_delta_rule_chunked(
     UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
     U, W = UW[..., :V], UW[..., V:]
     QK = (Q @ K.transpose(-1, -2)) * gap  # [Hv, N, C, C], zero above the diagonal
-    Qg = G.exp()[..., None] * Q
-    G_last = G[..., -1:]  # [Hv, N, 1]
-    K_tail = (G_last - G).exp()[..., None] * K  # [Hv, N, C, K]
 
-    s = state.float().clone()
+    s = state.float().clone().contiguous()
+    steps = torch.empty(n_chunks, *s.shape, device=s.device) if chunk_states is not None else None
+    o = gated_delta_chunk_scan(U, W, Q, K, QK, G, s, steps)
+    if chunk_states is not None and steps is not None:
+        chunk_states.extend(steps[n].clone() for n in range(n_chunks) if (n + 1) * C < T)
+    return o.reshape(n_v_heads, n_chunks * C, V)[:, :T].transpose(0, 1), s
+
+
+def gated_delta_chunk_scan_reference(
+    u: torch.Tensor,
+    w: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    qk: torch.Tensor,
+    g_cum: torch.Tensor,
+    state: torch.Tensor,
+    chunk_states: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The sequential half of the chunked rule, chunk by chunk: u [Hv, N, C, V], w, q (scaled), k [Hv, N, C, K],
+    qk [Hv, N, C, C] (Q K^T times the decay gaps, zero above the diagonal), g_cum [Hv, N, C] (cumulative
+    log-decay inside each chunk). `state` float32 [Hv, K, V] is updated in place to the state after the last
+    chunk; with `chunk_states` [N, Hv, K, V] the state after each chunk is written there. Returns o [Hv, N, C, V]."""
+    g_last = g_cum[..., -1:]  # [Hv, N, 1]
+    q_decayed = g_cum.exp()[..., None] * q
+    k_tail = (g_last - g_cum).exp()[..., None] * k  # how much of each key survives to the chunk's end
+    s = state
     outs = []
-    for n in range(n_chunks):
-        v_new = U[:, n] - W[:, n] @ s  # [Hv, C, V]
-        outs.append(Qg[:, n] @ s + QK[:, n] @ v_new)
-        s = G_last[:, n, :, None].exp() * s + K_tail[:, n].transpose(-1, -2) @ v_new
-        if chunk_states is not None and (n + 1) * C < T:
-            chunk_states.append(s.clone())
-    o = torch.stack(outs, dim=1).reshape(n_v_heads, n_chunks * C, V)[:, :T]
-    return o.transpose(0, 1), s
+    for n in range(u.shape[1]):
+        v_new = u[:, n] - w[:, n] @ s  # [Hv, C, V]
+        outs.append(q_decayed[:, n] @ s + qk[:, n] @ v_new)
+        s = g_last[:, n, :, None].exp() * s + k_tail[:, n].transpose(-1, -2) @ v_new
+        if chunk_states is not None:
+            chunk_states[n].copy_(s)
+    state.copy_(s)
+    return torch.stack(outs, dim=1)
+
+
+def gated_delta_chunk_scan(
+    u: torch.Tensor,
+    w: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    qk: torch.Tensor,
+    g_cum: torch.Tensor,
+    state: torch.Tensor,
+    chunk_states: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`gated_delta_chunk_scan_reference`; on the GPU path the Triton kernel (one launch for all chunks, where
+    the twin's loop costs five launches a chunk) when the chunk is a power of two >= 16 and the GPU is sm_80+."""
+    kernels = triton_kernels()
+    C, K = w.shape[-2:]
+    fits = C >= 16 and not C & (C - 1)  # tl.dot's smallest tile, a power of two
+    if (
+        gpu_path(u) and triton_available(u) and kernels is not None and fits and K <= kernels.GATED_DELTA_MAX_K
+        and kernels.chunk_scan_supported(u.device)
+    ):  # fmt: skip
+        inputs = (x.contiguous() for x in (u, w, q, k, qk, g_cum))
+        return kernels.gated_delta_chunk_scan(*inputs, state, chunk_states)
+    return gated_delta_chunk_scan_reference(u, w, q, k, qk, g_cum, state, chunk_states)
 
 
 def gated_delta_net_step_reference(

@@ -1,4 +1,8 @@
-"""The recurrent (token by token) gated delta rule of Gated DeltaNet for a batch of sequences, each of T <= ~8
+"""The gated delta rule of Gated DeltaNet on the GPU: token by token for decode and verification
+(`gated_delta_rule_recurrent_batched`), and the sequential half of the chunked form for prompts
+(`gated_delta_chunk_scan`).
+
+The recurrent (token by token) gated delta rule of Gated DeltaNet for a batch of sequences, each of T <= ~8
 tokens (decode, speculative verification), with the state after every token kept for rollback if asked.
 
 Per V head h (reading q/k head h % Hk) and token t, with q, k already L2-normalised by the caller:
@@ -9,6 +13,19 @@ Each program owns one (sequence, V head, tile of BLOCK_V value columns): the sta
 mix with other columns (S^T k and S^T q are per column), so its [K, BLOCK_V] slice stays in registers across
 all T tokens and the state is read and written once per call, not once per token. The PyTorch twin (one
 sequence) is mtpserve.ops.gated_delta.gated_delta_rule_recurrent; this module stays a leaf and imports neither.
+
+The chunked form (../shared/spec/qwen35-architecture.md §4.6) splits a prompt into chunks of C tokens. Everything
+inside a chunk that does not depend on the state entering it (the decays' cumulative sums, the triangular solve
+giving U and W, the masked Q K^T) is batched over all chunks by PyTorch first. What is left is a scan over the
+chunks, per V head:
+
+    v_new = U_n - W_n S;  o_n = (exp(G_n) * Q_n) S + QK_n v_new;  S = exp(G_last) S + (exp(G_last - G_n) * K_n)^T v_new
+
+Each program owns one (V head, tile of BLOCK_V value columns), holds its [K, BLOCK_V] state slice in registers
+across every chunk, and does the four products as tl.dot with bf16 operands and float32 accumulation (the state
+itself stays float32: only the copies fed to the tensor cores are rounded). float32 operands ("ieee" or tf32x3)
+spill or overflow shared memory at K=V=128 on sm_80/sm_90 (tests/gpu_compile.py). Its twin is
+mtpserve.ops.gated_delta.gated_delta_chunk_scan_reference.
 """
 
 from __future__ import annotations
@@ -135,5 +152,124 @@ def gated_delta_rule_recurrent_batched(
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
         K_PAD=triton.next_power_of_2(K), BLOCK_V=block_v, STORE_STEPS=state_steps is not None,
         num_warps=4,
+    )  # fmt: skip
+    return o
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    u_ptr, w_ptr, q_ptr, k_ptr, qk_ptr, g_ptr, s_ptr, states_ptr, o_ptr,
+    N, K, V,
+    C: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, STORE_STATES: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    h = tl.program_id(0)
+    h64 = h.to(tl.int64)
+    HV = tl.num_programs(0)
+    cs = tl.arange(0, C)
+    ks = tl.arange(0, K_PAD)
+    vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = ks < K
+    v_ok = vs < V
+    tile_ok = k_ok[:, None] & v_ok[None, :]
+    tile = ks[:, None] * V + vs[None, :]
+    ck = cs[:, None] * K + ks[None, :]  # offsets inside one chunk's [C, K] block
+    cv = cs[:, None] * V + vs[None, :]
+    s = tl.load(s_ptr + h64 * K * V + tile, mask=tile_ok, other=0.0)  # float32 throughout; DOT only feeds tl.dot
+    for n in range(N):
+        chunk = h64 * N + n  # [Hv, N, ...] inputs: this head's chunk n
+        g = tl.load(g_ptr + chunk * C + cs)  # cumulative log-decay inside the chunk
+        g_last = tl.load(g_ptr + chunk * C + C - 1)
+        s_dot = s.to(DOT)
+        w = tl.load(w_ptr + chunk * C * K + ck, mask=k_ok[None, :], other=0.0)
+        u = tl.load(u_ptr + chunk * C * V + cv, mask=v_ok[None, :], other=0.0)
+        v_new = u - tl.dot(w.to(DOT), s_dot, input_precision="ieee")  # [C, BLOCK_V]
+        v_dot = v_new.to(DOT)
+        q = tl.load(q_ptr + chunk * C * K + ck, mask=k_ok[None, :], other=0.0) * tl.exp(g)[:, None]
+        qk = tl.load(qk_ptr + chunk * C * C + cs[:, None] * C + cs[None, :])
+        o = tl.dot(q.to(DOT), s_dot, input_precision="ieee")
+        o = tl.dot(qk.to(DOT), v_dot, o, input_precision="ieee")
+        tl.store(o_ptr + chunk * C * V + cv, o, mask=v_ok[None, :])
+        k = tl.load(k_ptr + chunk * C * K + ck, mask=k_ok[None, :], other=0.0) * tl.exp(g_last - g)[:, None]
+        s = tl.dot(tl.trans(k.to(DOT)), v_dot, tl.exp(g_last) * s, input_precision="ieee")
+        if STORE_STATES:
+            tl.store(states_ptr + (n * HV + h64) * K * V + tile, s, mask=tile_ok)
+    tl.store(s_ptr + h64 * K * V + tile, s, mask=tile_ok)
+
+
+_DOT_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# Below sm_80 Triton's fp16 tl.dot at the 27B's shapes spills 2.7-10 KB a thread (tests/gpu_compile.py on sm_75);
+# there the chunk scan stays PyTorch's loop (cuBLAS, float32), a few percent of a prompt's time.
+CHUNK_SCAN_MIN_CAPABILITY = (8, 0)
+
+
+def chunk_scan_supported(device: torch.device) -> bool:
+    """Whether `gated_delta_chunk_scan` runs well on `device`: CUDA from sm_80, or the interpreter (CPU)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= CHUNK_SCAN_MIN_CAPABILITY
+
+
+def default_dot_dtype(device: torch.device) -> torch.dtype:
+    """The chunk scan's tl.dot operand type: bf16 on CUDA (tensor cores with float32 accumulation, as the prompt
+    GEMM's inputs and flash-linear-attention's chunked kernels), float32 elsewhere (the interpreter)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+@on_input_device
+def gated_delta_chunk_scan(
+    u: torch.Tensor,
+    w: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    qk: torch.Tensor,
+    g_cum: torch.Tensor,
+    state: torch.Tensor,
+    chunk_states: torch.Tensor | None = None,
+    *,
+    block_v: int = 16,
+    num_warps: int = 8,
+    num_stages: int = 1,
+    dot_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The chunk scan of the chunked gated delta rule, all float32 and contiguous, per V head h and chunk n:
+    u [Hv, N, C, V] and w [Hv, N, C, K] (the solve's outputs), q [Hv, N, C, K] (scaled), k [Hv, N, C, K],
+    qk [Hv, N, C, C] (Q K^T times the decay gaps, zero above the diagonal), g_cum [Hv, N, C] (cumulative
+    log-decay inside each chunk). `state` [Hv, K, V] is updated in place to the state after the last chunk;
+    with `chunk_states` [N, Hv, K, V] the state after every chunk is written there too. Returns o float32
+    [Hv, N, C, V]. C must be a power of two >= 16 (tl.dot's smallest tile)."""
+    n_v_heads, n_chunks, C, V = u.shape
+    K = w.shape[-1]
+    expected = {
+        "w": (w, (n_v_heads, n_chunks, C, K)),
+        "q": (q, (n_v_heads, n_chunks, C, K)),
+        "k": (k, (n_v_heads, n_chunks, C, K)),
+        "qk": (qk, (n_v_heads, n_chunks, C, C)),
+        "g_cum": (g_cum, (n_v_heads, n_chunks, C)),
+        "state": (state, (n_v_heads, K, V)),
+    }
+    if chunk_states is not None:
+        expected["chunk_states"] = (chunk_states, (n_chunks, n_v_heads, K, V))
+    for name, (x, shape) in {"u": (u, u.shape), **expected}.items():
+        if x.shape != shape or x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 {list(shape)}, got {x.dtype} {list(x.shape)}")
+    if C < 16 or C & (C - 1):
+        raise ValueError(f"the chunk size must be a power of two >= 16, got {C}")
+    if not 1 <= K <= MAX_K or V < 1:
+        raise ValueError(f"head sizes must be 1 <= K <= {MAX_K} and V >= 1, got K={K}, V={V}")
+    if block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+    if len({x.device for x, _ in expected.values()} | {u.device}) != 1:
+        raise ValueError("the chunk scan's inputs and states must be on one device")
+    o = torch.empty_like(u)
+    if o.numel() == 0:
+        return o
+    if dot_dtype is None:
+        dot_dtype = default_dot_dtype(u.device)
+    if dot_dtype not in _DOT_TYPES:
+        raise ValueError(f"dot_dtype must be one of {list(_DOT_TYPES)}, got {dot_dtype}")
+    grid = (n_v_heads, triton.cdiv(V, block_v))
+    _chunk_scan_kernel[grid](
+        u, w, q, k, qk, g_cum, state, state if chunk_states is None else chunk_states, o,
+        n_chunks, K, V,
+        C=C, K_PAD=max(16, triton.next_power_of_2(K)), BLOCK_V=block_v, STORE_STATES=chunk_states is not None,
+        DOT=_DOT_TYPES[dot_dtype], num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return o
