@@ -45,7 +45,10 @@ What is counted on each device (`DeviceUse`)
 weights (from the GGUF's tensor sizes, `layer_bytes_from_gguf`), KV cache of its attention blocks (as
 `models.memory`: cells padded to 256 per slot, `-ctk/-ctv` types), recurrent state of its Gated DeltaNet
 blocks (float32, one row per slot), the MTP block's weights and KV (only with `--spec-type draft-mtp`:
-llama.cpp loads the MTP tensors only then, `load_mtp`), and a compute reserve (`compute_reserve_bytes`):
+llama.cpp loads the MTP tensors only then, `load_mtp`), the states a speculative verification keeps for
+rollback (each Gated DeltaNet block's state after each of the n_max + 1 tokens it verifies, per slot: about
+450 MB a slot on the 27B at n_max 2; llama.cpp keeps its own copies too), and a compute reserve
+(`compute_reserve_bytes`):
 `4 B x ubatch x (3 n_ff + 4 n_embd)` of activations on every device that runs part of the graph, plus the
 logits of a whole micro-batch, `4 B x n_vocab x ubatch`, on the output layer's device (llama.cpp reserves
 its graphs for `n_outputs = n_ubatch`). The host also holds the token embedding and the recurrent-state
@@ -136,13 +139,14 @@ class DeviceUse:
     mtp_kv_bytes: int
     compute_bytes: int
     checkpoint_bytes: int = 0  # recurrent-state checkpoints (host only)
+    rollback_bytes: int = 0  # the per-token recurrent states a speculative verification keeps
     limit_bytes: int | None = None  # free memory checked against; None: not checked
 
     @property
     def total_bytes(self) -> int:
         return (
             self.weights_bytes + self.kv_bytes + self.recurrent_bytes + self.mtp_kv_bytes + self.compute_bytes
-            + self.checkpoint_bytes
+            + self.checkpoint_bytes + self.rollback_bytes
         )  # fmt: skip
 
     @property
@@ -158,6 +162,8 @@ class DeviceUse:
             parts.append(f"recurrent state {self.recurrent_bytes / GIB:.2f} GiB")
         if self.mtp_kv_bytes:
             parts.append(f"MTP KV {self.mtp_kv_bytes / GIB:.2f} GiB")
+        if self.rollback_bytes:
+            parts.append(f"verification states {self.rollback_bytes / GIB:.2f} GiB")
         if self.checkpoint_bytes:
             parts.append(f"checkpoints {self.checkpoint_bytes / GIB:.2f} GiB")
         parts.append(f"compute reserve {self.compute_bytes / GIB:.2f} GiB")
@@ -332,6 +338,7 @@ class _Costs:
     kv: tuple[int, ...]
     state: tuple[int, ...]
     mtp_kv: tuple[int, ...]
+    rollback: tuple[int, ...]
     output: int
     token_embd: int
     checkpoints: int
@@ -343,7 +350,9 @@ class _Costs:
         if not layers:
             return 0
         n = self.n_layer_all
-        total = sum(self.weights[i] + self.kv[i] + self.state[i] + self.mtp_kv[i] for i in layers if i < n)
+        total = sum(
+            self.weights[i] + self.kv[i] + self.state[i] + self.mtp_kv[i] + self.rollback[i] for i in layers if i < n
+        )
         return total + (self.output + self.reserve_output if n in layers else self.reserve)
 
 
@@ -361,7 +370,9 @@ def _costs(config: ModelConfig, layer_bytes: Mapping[LayerKey, int], engine: Eng
 
     ctx = _padded_ctx(config, engine)
     layout = config.cache_layout()
-    kv, state, mtp_kv = [0] * n_all, [0] * n_all, [0] * n_all
+    kv, state, mtp_kv, rollback = [0] * n_all, [0] * n_all, [0] * n_all, [0] * n_all
+    # A verification of n_max drafted tokens runs n_max + 1 tokens and keeps the state after each (rollback).
+    verified_tokens = engine.spec.n_max + 1 if engine.spec.enabled else 0
 
     def kv_of(spec) -> int:
         cells = kv_cells(spec, ctx, engine.n_parallel, False, engine.ubatch)
@@ -376,6 +387,7 @@ def _costs(config: ModelConfig, layer_bytes: Mapping[LayerKey, int], engine: Eng
     for r in layout.recurrent:
         one = 4 * (r.conv_state_elements + r.ssm_state_elements)
         state[r.layer] += one * engine.n_parallel
+        rollback[r.layer] += one * engine.n_parallel * verified_tokens
         checkpoint += one
     n_checkpoints = engine.ctx_checkpoints if layout.recurrent else 0
     return _Costs(
@@ -384,6 +396,7 @@ def _costs(config: ModelConfig, layer_bytes: Mapping[LayerKey, int], engine: Eng
         kv=tuple(kv),
         state=tuple(state),
         mtp_kv=tuple(mtp_kv),
+        rollback=tuple(rollback),
         output=int(layer_bytes["output"]),
         token_embd=int(layer_bytes["token_embd"]),
         checkpoints=engine.n_parallel * n_checkpoints * checkpoint,
@@ -401,6 +414,7 @@ class _Tally:
     kv: int = 0
     state: int = 0
     mtp_kv: int = 0
+    rollback: int = 0
 
 
 def _layout(
@@ -454,6 +468,7 @@ def _layout(
         t.kv += c.kv[il]
         t.state += c.state[il]
         t.mtp_kv += c.mtp_kv[il]
+        t.rollback += c.rollback[il]
     out_dev = home[n]
     tally[out_dev.name].output = tally[out_dev.name].runs = True
     add_weights(out_dev, c.output)
@@ -474,6 +489,7 @@ def _layout(
                 mtp_kv_bytes=t.mtp_kv,
                 compute_bytes=(c.reserve_output if t.output else c.reserve) if t.runs else 0,
                 checkpoint_bytes=c.checkpoints if is_host else 0,
+                rollback_bytes=t.rollback,
                 limit_bytes=limit,
             )
         )
