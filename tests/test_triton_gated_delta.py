@@ -5,6 +5,7 @@ recurrent rule)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -169,7 +170,9 @@ def test_chunk_scan_matches_reference(Hv: int, N: int, C: int, K: int, V: int, b
     s_ref, states_ref = state.clone(), torch.zeros(N, Hv, K, V)
     o_ref = gated_delta_chunk_scan_reference(u, w, q, k, qk, g_cum, s_ref, states_ref)
     s, states = state.clone().to(DEVICE), torch.full((N, Hv, K, V), float("nan"), device=DEVICE)
-    o = gated_delta_chunk_scan(*(x.to(DEVICE) for x in (u, w, q, k, qk, g_cum)), s, states, block_v=block_v)
+    o = gated_delta_chunk_scan(
+        *(x.to(DEVICE) for x in (u, w, q, k, qk, g_cum)), s, states, block_v=block_v, dot_dtype=torch.float32
+    )
     _close(o.cpu(), o_ref)
     _close(states.cpu(), states_ref)
     _close(s.cpu(), s_ref)
@@ -192,22 +195,33 @@ def test_chunk_scan_half_precision_products_within_1e_2() -> None:
 
 
 def test_chunked_rule_on_the_gpu_path_takes_the_kernel() -> None:
-    """gated_delta_rule_chunked under GPU emulation runs the chunk scan kernel, and equals the recurrent rule:
-    outputs, final state and the checkpoints after each whole chunk."""
+    """gated_delta_rule_chunked on the GPU path (emulated on CPU) runs the chunk scan kernel where it is supported,
+    and equals the recurrent rule: outputs, final state and the checkpoints after each whole chunk (1e-4 with
+    float32 products under the interpreter; 1e-2 relative with a GPU's bf16 ones)."""
     T, Hk, Hv, K, V = 150, 2, 4, 24, 40
     q, k, v, g, beta, state = (x[0] for x in _inputs(1, T, Hk, Hv, K, V, seed=11))
     o_ref, states_ref = gated_delta_rule_recurrent(q, k, v, g, beta, state, return_states=True)
     checkpoints: list[torch.Tensor] = []
-    with emulate_gpu(matmul="torch"), mock.patch.object(
+    on_path = emulate_gpu(matmul="torch") if DEVICE == "cpu" else contextlib.nullcontext()
+    with on_path, mock.patch.object(
         triton_kernels, "gated_delta_chunk_scan", wraps=triton_kernels.gated_delta_chunk_scan
     ) as kernel:
-        o, final = gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size=64, chunk_states=checkpoints)
-    assert kernel.call_count == 1  # one launch for all three chunks
-    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(final, states_ref[-1], rtol=1e-4, atol=1e-4)
+        inputs = (x.to(DEVICE) for x in (q, k, v, g, beta, state))
+        o, final = gated_delta_rule_chunked(*inputs, chunk_size=64, chunk_states=checkpoints)
+    # one launch for all three chunks (below sm_80 the PyTorch loop runs instead)
+    assert kernel.call_count == int(triton_kernels.chunk_scan_supported(torch.device(DEVICE)))
+
+    def close(got: torch.Tensor, expected: torch.Tensor) -> None:
+        if DEVICE == "cpu":
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        else:
+            assert (got.cpu() - expected).norm() <= 1e-2 * expected.norm()
+
+    close(o, o_ref)
+    close(final, states_ref[-1])
     assert len(checkpoints) == 2  # after tokens 64 and 128 (150 is the final state)
     for i, checkpoint in enumerate(checkpoints):
-        torch.testing.assert_close(checkpoint, states_ref[(i + 1) * 64 - 1], rtol=1e-4, atol=1e-4)
+        close(checkpoint, states_ref[(i + 1) * 64 - 1])
 
 
 def test_chunk_scan_rejects_bad_arguments() -> None:
