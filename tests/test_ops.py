@@ -380,6 +380,25 @@ def test_kv_quantizers_match_gguf_py(ggml_type, fn):
     assert np.array_equal(fn(torch.from_numpy(values)).numpy(), quants.quantize(values, ggml_type))
 
 
+@pytest.mark.parametrize("cache_type", ["q8_0", "q4_0", "f16", "bf16", "f32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kv_read_in_a_half_type_is_the_float32_read_rounded_once(cache_type: str, dtype: torch.dtype):
+    """The GPU path's prompt attention reads the cache straight into its half type: the same values as reading
+    float32 and converting, bit for bit (no float32 copy of the whole cache on the way)."""
+    from mtpserve.cache import KVCache
+
+    cache = KVCache(96, 2, 64, 64, cache_type, cache_type)
+    g = torch.Generator().manual_seed(1)
+    cache.append(torch.randn(70, 2, 64, generator=g) * 3, torch.randn(70, 2, 64, generator=g) * 3)
+    k32, v32, pos32 = cache.read(torch.float32)
+    k, v, pos = cache.read(dtype)
+    assert k.dtype == v.dtype == dtype and torch.equal(pos, pos32)
+    assert torch.equal(k, k32.to(dtype)) and torch.equal(v, v32.to(dtype))
+    k_default, _, _ = cache.read()
+    assert k_default.dtype == (torch.float16 if cache_type == "f16" else torch.float32)
+    assert torch.equal(k_default.float(), k32)
+
+
 def test_a_rope_is_copied_to_each_device_once():
     """A layer split asks for the batch's rope on each block's device: one copy per device, reused."""
     from mtpserve.models.base import Rope

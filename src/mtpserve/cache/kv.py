@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.attention import attention, attention_gpu, decode_attention_gpu
+from ..ops.attention import attention, attention_gpu, decode_attention_gpu, prompt_attention_dtype
 from ..ops.device import gpu_path
 from ..quant.dequant import dequantize
 from ..quant.quantize import QUANTIZERS, quantize_q8_0
@@ -41,14 +41,13 @@ class _Rows:
         else:
             self.data[index] = values.to(self.data.dtype)
 
-    def read(self, index: torch.Tensor | slice) -> torch.Tensor:
-        """f16 rows as stored (attention reads f16 directly), every other type as float32."""
+    def read(self, index: torch.Tensor | slice, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """f16 rows as stored (attention reads f16 directly), every other type as float32; or all as `dtype`
+        (blocks dequantized in float32 and rounded once, straight into it)."""
         rows = self.data[index]
-        if self.type == GGMLType.F16:
-            return rows
         if self.type in _FLOAT_TYPES:
-            return rows.float()
-        return dequantize(rows, self.type, (rows.shape[0], self.n_heads, self.dim))
+            return rows.to(dtype or (rows.dtype if self.type == GGMLType.F16 else torch.float32))
+        return dequantize(rows, self.type, (rows.shape[0], self.n_heads, self.dim), dtype=dtype or torch.float32)
 
     @property
     def nbytes(self) -> int:
@@ -101,14 +100,14 @@ class KVCache:
             self.positions[cells] = torch.arange(start, end, device=self.device)
         self.length = end
 
-    def read(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def read(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(K [S, Hkv, D], V [S, Hkv, Dv], positions [S]) of every filled cell (f16 caches as float16,
-        others as float32)."""
+        others as float32; or both as `dtype`)."""
         if not self.ring:
             cells: torch.Tensor | slice = slice(0, self.length)
-            return self.k.read(cells), self.v.read(cells), self.positions[: self.length]
+            return self.k.read(cells, dtype), self.v.read(cells, dtype), self.positions[: self.length]
         cells = (self.positions >= 0).nonzero().squeeze(1)
-        return self.k.read(cells), self.v.read(cells), self.positions[cells]
+        return self.k.read(cells, dtype), self.v.read(cells, dtype), self.positions[cells]
 
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of queries q [T, H, D] at q_pos over every cached position (causal, windowed).
@@ -121,7 +120,8 @@ class KVCache:
         if gpu_path(q):
             if q.shape[0] <= DECODE_MAX_QUERIES:
                 return self._attend_stored(q, q_pos, scale, slice(0, self.capacity if self.ring else self.length))
-            keys, values, key_pos = self.read()
+            # Straight to the attention's half type: at 262144 cells a float32 copy of K and V would be 2 GB.
+            keys, values, key_pos = self.read(prompt_attention_dtype(q.device))
             return attention_gpu(q, keys, values, q_pos, key_pos, scale, self.window, in_order=not self.ring)
         keys, values, key_pos = self.read()
         if self.k.type in QUANTIZERS:

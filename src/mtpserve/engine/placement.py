@@ -51,8 +51,11 @@ rollback (each Gated DeltaNet block's state after each of the n_max + 1 tokens i
 (`compute_reserve_bytes`):
 `4 B x ubatch x (3 n_ff + 4 n_embd)` of activations on every device that runs part of the graph, plus the
 logits of a whole micro-batch, `4 B x n_vocab x ubatch`, on the output layer's device (llama.cpp reserves
-its graphs for `n_outputs = n_ubatch`). The host also holds the token embedding and the recurrent-state
-checkpoints of prompt reuse (`--ctx-checkpoints`, host memory in llama-server). A device fits when its
+its graphs for `n_outputs = n_ubatch`), plus one slot's K and V of its largest attention block dequantized for a
+prompt's attention (2 B an element on a GPU, 4 B on the host: 1 GiB for the 27B at 262144 tokens; llama.cpp's
+CUDA flash attention reserves the same f16 copy of a quantized cache in its compute buffer, fattn-common.cuh).
+The host also holds the token embedding and the recurrent-state checkpoints of prompt reuse
+(`--ctx-checkpoints`, host memory in llama-server). A device fits when its
 total is at most its free memory; the host is checked only when it is given.
 
 `--gpu-layers auto` (llama.cpp's `--fit`, common/fit.cpp, without its context shrinking: see
@@ -320,6 +323,11 @@ def _padded_ctx(config: ModelConfig, engine: EngineConfig) -> int:
     return -(-(engine.ctx_size or config.context_length) // CTX_PAD) * CTX_PAD
 
 
+# A prompt's attention on a GPU reads its layer's K and V of one slot dequantized to a half type
+# (ops.attention.prompt_attention_dtype); the CPU path reads them as float32.
+PROMPT_KV_BYTES = 2
+
+
 def compute_reserve_bytes(config: ModelConfig, engine: EngineConfig, output: bool) -> int:
     """Compute buffers a device running part of the graph keeps: f32 activations of one micro-batch
     (FFN gate/up/product and a few hidden-state tensors), plus a micro-batch of logits on the output device."""
@@ -339,6 +347,7 @@ class _Costs:
     state: tuple[int, ...]
     mtp_kv: tuple[int, ...]
     rollback: tuple[int, ...]
+    prompt_kv: tuple[int, ...]  # elements of one slot's K and V a prompt's attention reads dequantized, per block
     output: int
     token_embd: int
     checkpoints: int
@@ -353,6 +362,7 @@ class _Costs:
         total = sum(
             self.weights[i] + self.kv[i] + self.state[i] + self.mtp_kv[i] + self.rollback[i] for i in layers if i < n
         )
+        total += PROMPT_KV_BYTES * max((self.prompt_kv[i] for i in layers if i < n), default=0)
         return total + (self.output + self.reserve_output if n in layers else self.reserve)
 
 
@@ -370,7 +380,7 @@ def _costs(config: ModelConfig, layer_bytes: Mapping[LayerKey, int], engine: Eng
 
     ctx = _padded_ctx(config, engine)
     layout = config.cache_layout()
-    kv, state, mtp_kv, rollback = [0] * n_all, [0] * n_all, [0] * n_all, [0] * n_all
+    kv, state, mtp_kv, rollback, prompt_kv = [0] * n_all, [0] * n_all, [0] * n_all, [0] * n_all, [0] * n_all
     # A verification of n_max drafted tokens runs n_max + 1 tokens and keeps the state after each (rollback).
     verified_tokens = engine.spec.n_max + 1 if engine.spec.enabled else 0
 
@@ -378,11 +388,17 @@ def _costs(config: ModelConfig, layer_bytes: Mapping[LayerKey, int], engine: Eng
         cells = kv_cells(spec, ctx, engine.n_parallel, False, engine.ubatch)
         return round(cells * kv_bytes_per_cell(spec, engine.cache_type_k, engine.cache_type_v))
 
+    def prompt_kv_of(spec) -> int:
+        cells = kv_cells(spec, ctx, engine.n_parallel, False, engine.ubatch) // engine.n_parallel
+        return cells * spec.n_kv_heads * (spec.k_dim + spec.v_dim)
+
     for s in layout.attention:
         kv[s.layer] += kv_of(s)
+        prompt_kv[s.layer] = prompt_kv_of(s)
     if mtp_on:
         for s in layout.mtp_attention:
             mtp_kv[s.layer] += kv_of(s)
+            prompt_kv[s.layer] = prompt_kv_of(s)
     checkpoint = 0
     for r in layout.recurrent:
         one = 4 * (r.conv_state_elements + r.ssm_state_elements)
@@ -397,6 +413,7 @@ def _costs(config: ModelConfig, layer_bytes: Mapping[LayerKey, int], engine: Eng
         state=tuple(state),
         mtp_kv=tuple(mtp_kv),
         rollback=tuple(rollback),
+        prompt_kv=tuple(prompt_kv),
         output=int(layer_bytes["output"]),
         token_embd=int(layer_bytes["token_embd"]),
         checkpoints=engine.n_parallel * n_checkpoints * checkpoint,
@@ -415,6 +432,7 @@ class _Tally:
     state: int = 0
     mtp_kv: int = 0
     rollback: int = 0
+    prompt_kv: int = 0  # the largest of its blocks' (one layer is read at a time)
 
 
 def _layout(
@@ -469,6 +487,7 @@ def _layout(
         t.state += c.state[il]
         t.mtp_kv += c.mtp_kv[il]
         t.rollback += c.rollback[il]
+        t.prompt_kv = max(t.prompt_kv, c.prompt_kv[il])
     out_dev = home[n]
     tally[out_dev.name].output = tally[out_dev.name].runs = True
     add_weights(out_dev, c.output)
@@ -477,6 +496,7 @@ def _layout(
     for d in (host, *devices):
         t, is_host = tally[d.name], d is host
         limit = None if is_host and not host_checked else d.free_bytes - (0 if is_host else margin)
+        compute = (c.reserve_output if t.output else c.reserve) + t.prompt_kv * (4 if is_host else PROMPT_KV_BYTES)
         uses.append(
             DeviceUse(
                 device=d,
@@ -487,7 +507,7 @@ def _layout(
                 kv_bytes=t.kv,
                 recurrent_bytes=t.state,
                 mtp_kv_bytes=t.mtp_kv,
-                compute_bytes=(c.reserve_output if t.output else c.reserve) if t.runs else 0,
+                compute_bytes=compute if t.runs else 0,
                 checkpoint_bytes=c.checkpoints if is_host else 0,
                 rollback_bytes=t.rollback,
                 limit_bytes=limit,

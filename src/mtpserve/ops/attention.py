@@ -164,6 +164,14 @@ def _attention_tiled_torch(
 # --- the GPU path (ops.device) -----------------------------------------------------------------------------
 
 
+def prompt_attention_dtype(device: torch.device) -> torch.dtype:
+    """What `attention_gpu` multiplies in: the GPU's half type (bf16 from sm_80, else f16) on CUDA, float32
+    elsewhere. Callers dequantize the cache straight to it (no float32 copy of a 262144-token cache)."""
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
+
+
 def attention_gpu(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -175,13 +183,13 @@ def attention_gpu(
     in_order: bool = False,
 ) -> torch.Tensor:
     """Prompt attention on the GPU path: PyTorch's fused attention over the dequantized keys/values, float32 out.
-    CUDA inputs go in the GPU's half type; elsewhere float32.
+    Inputs go in `prompt_attention_dtype` (the GPU's half type; float32 off CUDA).
 
     `in_order`: key i is position i (all filled) and the queries are the last T positions, as a prompt chunk over
     a cache that is not a ring sees it. The mask is then causal aligned to the bottom right, which PyTorch's
     flash attention applies itself (`causal_lower_right`: no [T, S] mask is built, so a 262144-token context
     stays in flash attention's memory); otherwise an explicit mask (no flash kernel takes one)."""
-    half = (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16) if q.is_cuda else torch.float32
+    half = prompt_attention_dtype(q.device)
     qh = q.to(half).transpose(0, 1)  # [H, T, D]
     kh, vh = k.to(half).transpose(0, 1), v.to(half).transpose(0, 1)  # [Hkv, S, D]
     T, S = q.shape[0], k.shape[0]

@@ -18,6 +18,9 @@ from ..gguf.reader import TensorInfo
 from .types import GGMLType, block_geometry
 
 CHUNK_ELEMENTS = 1 << 20
+# On a GPU the chunks only bound the float32 scratch (64 MB): a 262144-cell KV cache read in 1M-value chunks
+# would be hundreds of launches of each op.
+CHUNK_ELEMENTS_GPU = 1 << 24
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
@@ -233,7 +236,7 @@ def dequantize(
     out = torch.empty(blocks.shape[0], block_size, dtype=dtype, device=blocks.device)
     scratch = out if dtype == torch.float32 else torch.empty(0, block_size, device=blocks.device)
     # A chunk of ~1M values at a time keeps the small temporaries in cache.
-    step = max(1, CHUNK_ELEMENTS // block_size)
+    step = max(1, (CHUNK_ELEMENTS_GPU if blocks.is_cuda else CHUNK_ELEMENTS) // block_size)
     for start in range(0, blocks.shape[0], step):
         chunk = blocks[start : start + step]
         if scratch is out:
