@@ -384,20 +384,30 @@ def main(argv: list[str] | None = None) -> int:
     result["weight_bytes_per_draft_step"] = per_draft
     result["copy_bytes_per_s"] = copy_bandwidth(device, timer, 64 << 20 if args.tiny else 2 << 30)
 
+    def save() -> None:
+        """The results so far to --json: a run cut short by a time limit still leaves what it measured."""
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+
     max_ctx = max(contexts) + 256
     state = model.new_state(max_ctx, args.cache_type, args.cache_type, mtp=True)
-    result["decode"] = [
-        measure_decode(model, state, depth, args, timer, gen, per_token, result["copy_bytes_per_s"])
-        for depth in contexts
-    ]
+    result["decode"] = []
+    for depth in contexts:
+        result["decode"].append(
+            measure_decode(model, state, depth, args, timer, gen, per_token, result["copy_bytes_per_s"])
+        )
+        save()
     del state
     if args.batch > 1:
         depth = min(contexts)
         print(f"decode {args.batch} sequences together at depth {depth}", file=sys.stderr, flush=True)
         result["batch_decode"] = measure_batch_decode(model, depth, args, timer, gen)
+        save()
     print(f"prefill {args.prefill} tokens", file=sys.stderr, flush=True)
     result["prefill_tokens_per_s"] = measure_prefill(model, args, timer)
     result["chunk_scan"] = measure_chunk_scan(config, device, args, timer)
+    save()
 
     if args.memory_ctx and device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -416,9 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         emulation.__exit__(None, None, None)
 
     print(report(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    save()
     return 0
 
 
