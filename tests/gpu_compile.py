@@ -18,6 +18,9 @@ binder: constexprs, dtypes, ints equal to 1, 16-divisibility of pointers and int
 from the CUDA device are redone here for the target, as they would be on it: quant_matmul's num_warps (8 below
 sm_80), decode_attention's default tl.dot precision ("tf32x3" on NVIDIA) and the chunk scan's bf16 operands.
 
+`--loads` also lists each kernel's global loads by width, read off its PTX (a memory-bound kernel should read in
+16-byte vectors, "v4.b32", rather than byte by byte, "b8").
+
 TRITON_INTERPRET must not be set when compiling (triton.jit makes interpreter functions then): the script
 re-executes itself without it. `--quick` compiles one configuration per kernel for sm_90 (the test suite's
 check, about 5 s); `--only TEXT` keeps the configurations whose kernel or label contain TEXT. The full run
@@ -275,6 +278,7 @@ def _compile(job: tuple[int, int]) -> dict:
             res["stack"] = int(spill.group(1))
             res["spills"] = int(spill.group(2)) + int(spill.group(3))
         res["shared"] = kernel.metadata.shared
+        res["loads"] = global_loads(kernel.asm["ptx"])
         problems = []
         limit = MAX_SHARED.get(arch)
         if limit is not None and kernel.metadata.shared > limit:
@@ -291,7 +295,22 @@ def _compile(job: tuple[int, int]) -> dict:
     return res
 
 
-def _row(r: dict) -> str:
+def global_loads(ptx: str) -> str:
+    """The kinds of global-memory load in the PTX with their counts, widest first ("v4.b32 x12  u8 x40"): a
+    memory-bound kernel should read its weights in 16-byte vectors, not byte by byte."""
+    counts: dict[str, int] = {}
+    for m in re.finditer(r"\bld\.global(?:\.[a-z]+)*?((?:\.v[248])?\.[busf]\d+)\b", ptx):
+        kind = m.group(1).lstrip(".")
+        counts[kind] = counts.get(kind, 0) + 1
+
+    def width(kind: str) -> int:
+        lanes = int(kind[1]) if kind.startswith("v") else 1
+        return lanes * int(re.sub(r"\D", "", kind.split(".")[-1]))
+
+    return "  ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: -width(kv[0])))
+
+
+def _row(r: dict, loads: bool = False) -> str:
     status = "ok" if r["ok"] else "FAILED"
 
     def num(v: int | None) -> str:
@@ -301,6 +320,8 @@ def _row(r: dict) -> str:
             f"shared {num(r['shared']):>6}  {r['seconds']:5.1f}s  {r['config']}")  # fmt: skip
     if r["note"]:
         line += f"  ({r['note']})"
+    if loads and r.get("loads") is not None:
+        line += f"\n    global loads: {r['loads'] or 'none'}"
     if not r["ok"]:
         line += "\n    " + "\n    ".join(r["error"].strip().splitlines()[:40])
     return line
@@ -312,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="sm_90 only, one configuration per kernel")
     parser.add_argument("--only", default="", help="only configurations whose kernel or label contain this")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel")
+    parser.add_argument("--loads", action="store_true", help="also list each kernel's global loads by width (PTX)")
     args = parser.parse_args(argv)
     archs = (90,) if args.quick else tuple(int(a) for a in args.arch.split(",") if a.strip())
 
@@ -341,13 +363,13 @@ def main(argv: list[str] | None = None) -> int:
             with ctx.Pool(min(args.jobs, len(jobs))) as pool:
                 results = []
                 for r in pool.imap(_compile, jobs):
-                    print(_row(r), flush=True)
+                    print(_row(r, args.loads), flush=True)
                     results.append(r)
         else:
             results = []
             for job in jobs:
                 r = _compile(job)
-                print(_row(r), flush=True)
+                print(_row(r, args.loads), flush=True)
                 results.append(r)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
