@@ -138,13 +138,18 @@ def launches() -> list[Launch]:
         return torch.empty(rows, cols // qk * size, dtype=torch.uint8)
 
     # Decode and verification: quant_gemv, 8 rows a launch; the GPU path passes float32 activations.
+    kernels = [gemv._gemv_kernel, gemv._q4k_gemv_kernel]
     for t in gemv.GEMV_TYPES:
         w = weight(t)
         for m in (1, 4):
             x = torch.empty(m, N_EMBD)
-            ((f, a, k),) = _recorded([gemv._gemv_kernel], lambda x=x, w=w, t=t: gemv.quant_gemv(x, w, t))
-            cfg = f"{t.name} M={m} M_PAD={k['M_PAD']} BLOCK_N={k['BLOCK_N']}"
-            out.append(Launch("gemv", cfg, f, a, k, quick=t == Q.Q4_K and m == 1))
+            for wide in (True, False) if t == Q.Q4_K else (True,):
+                ((f, a, k),) = _recorded(
+                    kernels, lambda x=x, w=w, t=t, wide=wide: gemv.quant_gemv(x, w, t, wide_words=wide)
+                )
+                words = f" words BLOCK_B={k['BLOCK_B']}" if "BLOCK_B" in k else ""
+                cfg = f"{t.name}{words} M={m} M_PAD={k['M_PAD']} BLOCK_N={k['BLOCK_N']}"
+                out.append(Launch("gemv", cfg, f, a, k, quick=t == Q.Q4_K and m == 1 and wide))
     # dequant_blocks: the prefill path below sm_80 (dequantize, then cuBLAS in fp16).
     for t in (Q.Q4_K, Q.Q6_K):
         w = weight(t)

@@ -39,6 +39,8 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
     assert result["weight_bytes_per_token"] > result["weight_bytes_per_draft_step"] > 0
     assert result["prefill_tokens_per_s"] > 0
     assert result["batch_decode"]["sequences"] == 2 and result["batch_decode"]["tokens_per_s"] > 0
+    assert [(g["matrix"], g["rows"]) for g in result["gemv"]] == [("attn_qkv", 1)]  # --tiny: one case
+    assert all(g["words_us"] > 0 and g["sub_tile_us"] > 0 for g in result["gemv"])
     scan = result["chunk_scan"]
     assert scan["tokens"] == 512 and min(scan["scan_kernel_ms"], scan["scan_loop_ms"], scan["chunked_rule_ms"]) > 0
     assert "chunk scan" in run.stdout

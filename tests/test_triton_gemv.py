@@ -5,6 +5,7 @@ row independent of the others in a batch of up to 8."""
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -102,6 +103,39 @@ def test_gemv_matches_reference(qtype: GGMLType, n: int, k: int, m: int, dtype: 
     rel = ((got - expected).norm() / expected.norm()).item()
     assert rel <= (1e-4 if dtype == torch.float32 else 1e-2), rel
     assert (got - expected).abs().max().item() <= 1e-4 * expected.abs().max().item() * (k / 256)
+
+
+class _LaunchCounter:
+    """Stands in for a Triton kernel: counts `kernel[grid](...)` launches and passes them on."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize(("n", "k", "m", "dtype"), [(40, 768, 1, torch.float32), (24, 1280, 3, torch.float16),
+                                                   (16, 1024, 8, torch.float32)])  # fmt: skip
+def test_q4k_word_kernel_and_sub_tile_kernel_match_reference(n: int, k: int, m: int, dtype: torch.dtype) -> None:
+    """Q4_K's own kernel (weights read as words, per-sub-block sums) and the generic sub-tile kernel both hold to
+    the reference, with super-block counts that leave the last step of BLOCK_B partial (3 and 5 of 4), a partial
+    row tile and 1-8 rows. A view starting off a 4-byte boundary takes the sub-tile kernel."""
+    from mtpserve.kernels.triton import gemv
+
+    blocks = _weight(GGMLType.Q4_K, n, k, seed=k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+    expected = quant_gemv_reference(x, blocks, GGMLType.Q4_K)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    aligned = blocks.to(DEVICE)
+    shifted = torch.cat((torch.zeros(n, 1, dtype=torch.uint8, device=DEVICE), aligned), dim=1)[:, 1:]  # 1 byte off
+    for source, wide, word_launches in ((aligned, True, 1), (aligned, False, 0), (shifted, True, 0)):
+        counter = _LaunchCounter(gemv._q4k_gemv_kernel)
+        with mock.patch.object(gemv, "_q4k_gemv_kernel", counter):
+            got = triton_gemv(x.to(DEVICE), source, GGMLType.Q4_K, wide_words=wide).cpu()
+        assert counter.launches == word_launches
+        assert ((got - expected).norm() / expected.norm()).item() <= tol
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)

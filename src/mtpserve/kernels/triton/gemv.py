@@ -178,6 +178,65 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _q4k_gemv_kernel(
+    x_ptr, w_ptr, y_ptr,
+    M, N, n_blocks,
+    stride_xm, stride_w_words, stride_ym,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """Q4_K x M rows, reading the weights as 32-bit words: each step takes BLOCK_B super-blocks (144 bytes = 36
+    words: d|dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles) of BLOCK_N rows. Sub-block J (values
+    32J .. 32J+31) has its nibbles in words 4 + 8(J // 2) .. +7, value 32J + 4j + k in byte k of word j, low nibble
+    for even J, high for odd. So each sub-block is an 8-word (32-byte, aligned) load, unpacked by a broadcast
+    shift into the values' natural order, and its x is 32 contiguous floats. Per sub-block the products are
+    d sc (sum x q) - dmin m (sum x): the dequantized weight is never formed (the twin's values up to float32
+    rounding of the sums)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows_safe = tl.where(row_ok, rows, 0)
+    words = w_ptr.to(tl.pointer_type(tl.int32))
+    row_base = rows_safe.to(tl.int64) * tl.multiple_of(stride_w_words, 4)  # [BLOCK_N], in words
+    bs = tl.arange(0, BLOCK_B)
+    ts = tl.arange(0, 32)
+    js = tl.arange(0, 8)
+    shifts = tl.arange(0, 4) * 8  # byte k of a word
+    ms = tl.arange(0, M_PAD)
+    m_ok = ms < M
+    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    for b0 in range(0, n_blocks, BLOCK_B):
+        blk = b0 + bs
+        b_ok = blk < n_blocks
+        sb = row_base[:, None] + tl.where(b_ok, blk, 0)[None, :] * 36  # [BLOCK_N, BLOCK_B]: first word of each
+        w0 = tl.load(words + sb)  # d (low half), dmin (high half)
+        w1 = tl.load(words + sb + 1)  # scale bytes 0-3
+        w2 = tl.load(words + sb + 2)  # 4-7
+        w3 = tl.load(words + sb + 3)  # 8-11
+        d = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = ((w0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        x_at = x_ptr + ms[:, None, None] * stride_xm + (blk * 256)[None, :, None] + ts[None, None, :]
+        x_ok = m_ok[:, None, None] & b_ok[None, :, None]
+        for J in tl.static_range(8):
+            i = J % 4
+            if J < 4:  # _k_scale_min's rule, on bytes J and J + 4 (low 6 bits)
+                sc = (w1 >> (8 * i)) & 63
+                mn = (w2 >> (8 * i)) & 63
+            else:  # bytes J + 4 (4 bits each) and the top 2 bits of bytes J - 4 and J
+                sc = ((w3 >> (8 * i)) & 15) | (((w1 >> (8 * i + 6)) & 3) << 4)
+                mn = ((w3 >> (8 * i + 4)) & 15) | (((w2 >> (8 * i + 6)) & 3) << 4)
+            qw = tl.load(words + sb[:, :, None] + (4 + (J // 2) * 8) + js[None, None, :])  # [BLOCK_N, BLOCK_B, 8]
+            q = (qw[:, :, :, None] >> (shifts + (J % 2) * 4)[None, None, None, :]) & 15
+            q = tl.reshape(q, (BLOCK_N, BLOCK_B, 32)).to(tl.float32)
+            x = tl.load(x_at + J * 32, mask=x_ok, other=0.0).to(tl.float32)  # [M_PAD, BLOCK_B, 32]
+            xq = tl.sum(x[:, None, :, :] * q[None, :, :, :], axis=3)  # [M_PAD, BLOCK_N, BLOCK_B]
+            x_sum = tl.sum(x, axis=2)  # [M_PAD, BLOCK_B]
+            scale = d * sc.to(tl.float32)
+            minimum = dmin * mn.to(tl.float32)
+            acc += tl.sum(xq * scale[None, :, :] - x_sum[:, None, :] * minimum[None, :, :], axis=2)
+    tl.store(y_ptr + ms[:, None] * stride_ym + rows[None, :], acc, mask=m_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
 def _dequant_kernel(w_ptr, out_ptr, N, n_blocks, stride_wn, QTYPE: tl.constexpr, QK: tl.constexpr,
                     TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """The same unpacking as _gemv_kernel, written out: program (i, b) dequantizes block b of rows tile i."""
@@ -208,10 +267,22 @@ def _check(blocks: torch.Tensor, qtype: int, kernel: str = "GEMV") -> tuple[GGML
 
 
 @on_input_device
-def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int, *, block_n: int = 32) -> torch.Tensor:
+def quant_gemv(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    qtype: int,
+    *,
+    block_n: int | None = None,
+    block_b: int = 4,
+    wide_words: bool = True,
+) -> torch.Tensor:
     """x [m, k] (float16/bfloat16/float32) times the GGUF matrix W [n, k] in `blocks` -> float32 [m, n] = x @ W.T.
 
-    `qtype` is a GGML type id (a GGMLQuantizationType). Rows of x go through the kernel 8 at a time."""
+    `qtype` is a GGML type id (a GGMLQuantizationType). Rows of x go through the kernel 8 at a time. Q4_K takes
+    `_q4k_gemv_kernel` (weights read in 16-byte vectors, `block_n` rows by `block_b` super-blocks a step, 8 x 4
+    by default with 2 warps: 4 words a thread, and 640 programs for the 27B's 5120-row matrices, several per SM)
+    unless `wide_words` is off; other types take the generic sub-tile kernel (`block_n` rows, 32 by default),
+    which reads bytes."""
     t, qk, type_size = _check(blocks, qtype)
     n, n_blocks = blocks.shape[0], blocks.shape[1] // type_size
     if x.dim() != 2 or x.shape[1] != n_blocks * qk:
@@ -219,10 +290,19 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int, *, block_n: in
     x = x.contiguous()
     m = x.shape[0]
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    # Words need 4-byte alignment: rows of whole Q4_K blocks (144 bytes) have it unless sliced oddly.
+    wide = t == GGMLQuantizationType.Q4_K and wide_words and blocks.stride(0) % 4 == 0 and blocks.data_ptr() % 4 == 0
+    block_n = block_n or (8 if wide else 32)
     grid = (triton.cdiv(n, block_n),)
     for start in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - start)
         xs, ys = x[start : start + rows], y[start : start + rows]
+        if wide:
+            _q4k_gemv_kernel[grid](
+                xs, blocks, ys, rows, n, n_blocks, xs.stride(0), blocks.stride(0) // 4, ys.stride(0),
+                M_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_B=block_b, num_warps=2,
+            )  # fmt: skip
+            continue
         _gemv_kernel[grid](
             xs, blocks, ys, rows, n, n_blocks, xs.stride(0), blocks.stride(0), ys.stride(0),
             QTYPE=int(t), QK=qk, TYPE_SIZE=type_size, M_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n,
