@@ -24,8 +24,8 @@ What it measures (one table on stdout, everything in --json):
 * prefill tokens/s (ubatches of 512 from an empty context);
 * one Gated DeltaNet layer's chunked rule over a 512-token ubatch, its chunk scan as the Triton kernel and as
   PyTorch's loop;
-* the Q4_K GEMV alone at the 27B's two commonest shapes, 1 and 3 rows, as the word kernel (the default) and as
-  the generic sub-tile kernel, as a fraction of the copy's bandwidth;
+* the GEMV alone on the 27B's commonest matrices (Q4_K and Q6_K), 1 and 3 rows, as the type's word kernel (the
+  default) and as the generic sub-tile kernel, as a fraction of the copy's bandwidth;
 * memory: weights, and the state of one sequence at 262144 tokens with a q8_0 KV cache (MTP cache included).
 
 The GPU's numbers go into the README's "CUDA backend" section with the date and the GPU's name.
@@ -326,32 +326,36 @@ def measure_chunk_scan(config: Qwen35Config, device: torch.device, args: argpars
 
 def measure_gemv(config: Qwen35Config, device: torch.device, args: argparse.Namespace, timer: Timer,
                  gen: torch.Generator, copy_bytes_per_s: float) -> list[dict]:  # fmt: skip
-    """The Q4_K GEMV alone on the model's two commonest shapes (the Gated DeltaNet input projection and the FFN
-    gate/up), 1 and 3 rows (decode, verification at n_max 2), as the word kernel and as the generic sub-tile
-    kernel: weight bytes read per second, and that as a fraction of the copy's bandwidth."""
+    """The GEMV alone on the model's commonest matrices (Q4_K: the Gated DeltaNet input projection, the FFN
+    gate/up; Q6_K: the FFN down projection, the LM head), 1 and 3 rows (decode, verification at n_max 2), as the
+    type's word kernel and as the generic sub-tile kernel: time, and weight bytes read per second as a fraction
+    of the copy's bandwidth."""
     from mtpserve.kernels import triton as kernels
 
-    calls = 1 if args.tiny else 50  # launches per timing: a single ~20 us kernel is below the timer's noise
-    rows_of = {"attn_qkv": 2 * config.n_k_heads * config.ssm_head_dim + config.n_v_heads * config.ssm_head_dim,
-               "ffn_up": config.n_ff}  # fmt: skip
-    if args.tiny:  # the interpreter takes about a second a call: one case shows the wiring
-        rows_of = {"attn_qkv": rows_of["attn_qkv"]}
+    calls = 1 if args.tiny else 20  # launches per timing: a single ~20 us kernel is below the timer's noise
+    qkv_rows = 2 * config.n_k_heads * config.ssm_head_dim + config.n_v_heads * config.ssm_head_dim
+    matrices = [("attn_qkv", GGMLType.Q4_K, qkv_rows, config.n_embd)]
+    if not args.tiny:  # the interpreter takes about a second a call: one case shows the wiring
+        matrices += [("ffn_up", GGMLType.Q4_K, config.n_ff, config.n_embd),
+                     ("ffn_down", GGMLType.Q6_K, config.n_embd, config.n_ff),
+                     ("output", GGMLType.Q6_K, config.n_vocab, config.n_embd)]  # fmt: skip
     out = []
-    for name, n in rows_of.items():
-        blocks = random_blocks(GGMLType.Q4_K, n, config.n_embd, device, gen)
+    for name, qtype, n, k in matrices:
+        blocks = random_blocks(qtype, n, k, device, gen)
         for m in (1,) if args.tiny else (1, 3):
-            x = torch.randn(m, config.n_embd, device=device, generator=gen)
-            row = {"matrix": name, "shape": [n, config.n_embd], "rows": m, "bytes": blocks.nbytes}
+            x = torch.randn(m, k, device=device, generator=gen)
+            row = {"matrix": name, "type": qtype.name, "shape": [n, k], "rows": m, "bytes": blocks.nbytes}
             for kernel, wide in (("words", True), ("sub_tile", False)):
 
-                def run(x=x, blocks=blocks, wide=wide) -> None:
+                def run(x=x, blocks=blocks, qtype=qtype, wide=wide) -> None:
                     for _ in range(calls):
-                        kernels.quant_gemv(x, blocks, GGMLType.Q4_K, wide_words=wide)
+                        kernels.quant_gemv(x, blocks, qtype, wide_words=wide)
 
                 t = timer.median(run, max(1, args.reps // 2)) / calls
                 row[f"{kernel}_us"] = 1e6 * t
                 row[f"{kernel}_fraction_of_copy"] = blocks.nbytes / t / copy_bytes_per_s
             out.append(row)
+        del blocks
     return out
 
 
@@ -423,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
 
-    print("Q4_K GEMV alone", file=sys.stderr, flush=True)
+    print("the GEMV alone", file=sys.stderr, flush=True)
     result["gemv"] = measure_gemv(config, device, args, timer, gen, result["copy_bytes_per_s"])
     save()
 
@@ -480,10 +484,10 @@ def report(r: dict) -> str:
             f"{r['weight_bytes_per_draft_step'] / gib:.3f} GiB; copy bandwidth {r['copy_bytes_per_s'] / 1e9:.0f} GB/s"
         ),
         "",
-        "| Q4_K GEMV | rows | words kernel us (of copy bw) | sub-tile kernel us (of copy bw) |",
+        "| GEMV | rows | word kernel us (of copy bw) | sub-tile kernel us (of copy bw) |",
         "|---|---:|---:|---:|",
         *(
-            f"| {g['matrix']} {g['shape'][0]}x{g['shape'][1]} | {g['rows']} | {g['words_us']:.1f} "
+            f"| {g['matrix']} {g['type']} {g['shape'][0]}x{g['shape'][1]} | {g['rows']} | {g['words_us']:.1f} "
             f"({100 * g['words_fraction_of_copy']:.0f}%) | {g['sub_tile_us']:.1f} "
             f"({100 * g['sub_tile_fraction_of_copy']:.0f}%) |"
             for g in r.get("gemv", [])

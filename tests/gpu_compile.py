@@ -138,12 +138,12 @@ def launches() -> list[Launch]:
         return torch.empty(rows, cols // qk * size, dtype=torch.uint8)
 
     # Decode and verification: quant_gemv, 8 rows a launch; the GPU path passes float32 activations.
-    kernels = [gemv._gemv_kernel, gemv._q4k_gemv_kernel]
+    kernels = [gemv._gemv_kernel, gemv._q4k_gemv_kernel, gemv._q6k_gemv_kernel]
     for t in gemv.GEMV_TYPES:
         w = weight(t)
         for m in (1, 4):
             x = torch.empty(m, N_EMBD)
-            for wide in (True, False) if t == Q.Q4_K else (True,):
+            for wide in (True, False) if t in (Q.Q4_K, Q.Q6_K) else (True,):
                 ((f, a, k),) = _recorded(
                     kernels, lambda x=x, w=w, t=t, wide=wide: gemv.quant_gemv(x, w, t, wide_words=wide)
                 )

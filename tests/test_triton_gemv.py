@@ -116,24 +116,29 @@ class _LaunchCounter:
         return self.kernel[grid]
 
 
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize(("n", "k", "m", "dtype"), [(40, 768, 1, torch.float32), (24, 1280, 3, torch.float16),
                                                    (16, 1024, 8, torch.float32)])  # fmt: skip
-def test_q4k_word_kernel_and_sub_tile_kernel_match_reference(n: int, k: int, m: int, dtype: torch.dtype) -> None:
-    """Q4_K's own kernel (weights read as words, per-sub-block sums) and the generic sub-tile kernel both hold to
-    the reference, with super-block counts that leave the last step of BLOCK_B partial (3 and 5 of 4), a partial
-    row tile and 1-8 rows. A view starting off a 4-byte boundary takes the sub-tile kernel."""
+def test_word_kernels_and_sub_tile_kernel_match_reference(
+    qtype: GGMLType, n: int, k: int, m: int, dtype: torch.dtype
+) -> None:
+    """Q4_K's and Q6_K's word kernels and the generic sub-tile kernel all hold to the reference, with super-block
+    counts that leave the last step partial (3 and 5 blocks), Q6_K rows and blocks starting off word boundaries
+    (210-byte blocks), a partial row tile and 1-8 rows. A view starting off a 4-byte boundary takes the sub-tile
+    kernel."""
     from mtpserve.kernels.triton import gemv
 
-    blocks = _weight(GGMLType.Q4_K, n, k, seed=k)
+    name = {GGMLType.Q4_K: "_q4k_gemv_kernel", GGMLType.Q6_K: "_q6k_gemv_kernel"}[qtype]
+    blocks = _weight(qtype, n, k, seed=k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n)).to(dtype)
-    expected = quant_gemv_reference(x, blocks, GGMLType.Q4_K)
+    expected = quant_gemv_reference(x, blocks, qtype)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     aligned = blocks.to(DEVICE)
     shifted = torch.cat((torch.zeros(n, 1, dtype=torch.uint8, device=DEVICE), aligned), dim=1)[:, 1:]  # 1 byte off
     for source, wide, word_launches in ((aligned, True, 1), (aligned, False, 0), (shifted, True, 0)):
-        counter = _LaunchCounter(gemv._q4k_gemv_kernel)
-        with mock.patch.object(gemv, "_q4k_gemv_kernel", counter):
-            got = triton_gemv(x.to(DEVICE), source, GGMLType.Q4_K, wide_words=wide).cpu()
+        counter = _LaunchCounter(getattr(gemv, name))
+        with mock.patch.object(gemv, name, counter):
+            got = triton_gemv(x.to(DEVICE), source, qtype, wide_words=wide).cpu()
         assert counter.launches == word_launches
         assert ((got - expected).norm() / expected.norm()).item() <= tol
 
@@ -143,9 +148,10 @@ def test_rows_are_independent_of_batch_size(qtype: GGMLType) -> None:
     """Verifying m tokens at once gives each row exactly what decoding it alone gives."""
     blocks = _weight(qtype, 48, 256, seed=7).to(DEVICE)
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    alone = torch.cat([triton_gemv(x[i : i + 1], blocks, qtype) for i in range(8)])
+    tiles = {"block_n": 64} if DEVICE == "cpu" else {}  # the interpreter's cost is per program: one program
+    alone = torch.cat([triton_gemv(x[i : i + 1], blocks, qtype, **tiles) for i in range(8)])
     for m in range(1, 9):
-        assert torch.equal(triton_gemv(x[:m], blocks, qtype), alone[:m]), m
+        assert torch.equal(triton_gemv(x[:m], blocks, qtype, **tiles), alone[:m]), m
 
 
 def test_more_than_eight_rows_and_dispatcher() -> None:

@@ -237,6 +237,69 @@ def _q4k_gemv_kernel(
 
 
 @triton.jit
+def _words_at(words, byte_off, js):
+    """The 32-bit words holding bytes byte_off + 4j .. +3 for each j in js, where byte_off ([BLOCK_N, BLOCK_B]
+    int64) is even but maybe not a multiple of 4 (Q6_K's 210-byte blocks): an aligned word, or the top half of
+    one joined to the bottom half of the next. -> [BLOCK_N, BLOCK_B, len(js)] int32."""
+    at = words + (byte_off // 4)[:, :, None] + js[None, None, :]
+    lo = tl.load(at)
+    odd = (byte_off % 4 != 0)[:, :, None]
+    hi = tl.load(at + 1, mask=odd, other=0)
+    return tl.where(odd, ((lo >> 16) & 0xFFFF) | (hi << 16), lo)
+
+
+@triton.jit
+def _q6k_gemv_kernel(
+    x_ptr, w_ptr, y_ptr,
+    M, N, n_blocks,
+    stride_xm, stride_wn, stride_ym,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """Q6_K x M rows, reading the weights as 32-bit words (a 210-byte block starts 2 bytes off a word boundary
+    every other block: `_words_at` joins halves). Sub-tile J = 4H + G (values 128H + 32G .. +31) takes 8 words
+    of low nibbles (ql[64H + 32(G % 2) ..], shifted by 4(G // 2)), 8 words of high bit pairs (qh[32H ..], shifted
+    by 2G) and its two int8 scales (16 values each); value 128H + 32G + 4j + k sits in byte k of word j. The sum
+    is d sc (x . q) per half sub-tile, with the twin's d * sc product."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows_safe = tl.where(row_ok, rows, 0)
+    words = w_ptr.to(tl.pointer_type(tl.int32))
+    bs = tl.arange(0, BLOCK_B)
+    ts = tl.arange(0, 32)
+    js = tl.arange(0, 8)
+    one = tl.arange(0, 1)
+    shifts = tl.arange(0, 4) * 8
+    ms = tl.arange(0, M_PAD)
+    m_ok = ms < M
+    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    for b0 in range(0, n_blocks, BLOCK_B):
+        blk = b0 + bs
+        b_ok = blk < n_blocks
+        start = rows_safe.to(tl.int64)[:, None] * stride_wn + tl.where(b_ok, blk, 0)[None, :] * 210  # bytes
+        d_word = tl.sum(_words_at(words, start + 208, one), axis=2)  # d in the low half
+        d = (d_word & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        x_at = x_ptr + ms[:, None, None] * stride_xm + (blk * 256)[None, :, None] + ts[None, None, :]
+        x_ok = m_ok[:, None, None] & b_ok[None, :, None]
+        for J in tl.static_range(8):
+            H = J // 4
+            G = J % 4
+            ql = _words_at(words, start + (H * 64 + (G % 2) * 32), js)  # [BLOCK_N, BLOCK_B, 8]
+            qh = _words_at(words, start + (128 + H * 32), js)
+            low = (ql[:, :, :, None] >> (shifts + (G // 2) * 4)[None, None, None, :]) & 15
+            high = (qh[:, :, :, None] >> (shifts + 2 * G)[None, None, None, :]) & 3
+            q = tl.reshape((low | (high << 4)) - 32, (BLOCK_N, BLOCK_B, 32)).to(tl.float32)
+            sc_word = tl.sum(_words_at(words, start + (192 + 4 * (J // 2)), one), axis=2)  # scales 2J, 2J + 1
+            # byte k of the word as a signed int8: shifted to the top, then arithmetically back down
+            sc0 = ((sc_word << (24 - 16 * (J % 2))) >> 24).to(tl.float32)
+            sc1 = ((sc_word << (16 - 16 * (J % 2))) >> 24).to(tl.float32)
+            scale = tl.where(ts[None, None, :] < 16, (d * sc0)[:, :, None], (d * sc1)[:, :, None])
+            x = tl.load(x_at + J * 32, mask=x_ok, other=0.0).to(tl.float32)  # [M_PAD, BLOCK_B, 32]
+            acc += tl.sum(tl.sum(x[:, None, :, :] * (q * scale)[None, :, :, :], axis=3), axis=2)
+    tl.store(y_ptr + ms[:, None] * stride_ym + rows[None, :], acc, mask=m_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
 def _dequant_kernel(w_ptr, out_ptr, N, n_blocks, stride_wn, QTYPE: tl.constexpr, QK: tl.constexpr,
                     TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """The same unpacking as _gemv_kernel, written out: program (i, b) dequantizes block b of rows tile i."""
@@ -273,15 +336,16 @@ def quant_gemv(
     qtype: int,
     *,
     block_n: int | None = None,
-    block_b: int = 4,
+    block_b: int | None = None,
     wide_words: bool = True,
 ) -> torch.Tensor:
     """x [m, k] (float16/bfloat16/float32) times the GGUF matrix W [n, k] in `blocks` -> float32 [m, n] = x @ W.T.
 
-    `qtype` is a GGML type id (a GGMLQuantizationType). Rows of x go through the kernel 8 at a time. Q4_K takes
-    `_q4k_gemv_kernel` (weights read in 16-byte vectors, `block_n` rows by `block_b` super-blocks a step, 8 x 4
-    by default with 2 warps: 4 words a thread, and 640 programs for the 27B's 5120-row matrices, several per SM)
-    unless `wide_words` is off; other types take the generic sub-tile kernel (`block_n` rows, 32 by default),
+    `qtype` is a GGML type id (a GGMLQuantizationType). Rows of x go through the kernel 8 at a time. Q4_K and
+    Q6_K (a Q4_K_M file's bytes: 73% and 27% on the 27B) take their word kernels unless `wide_words` is off:
+    `block_n` rows by `block_b` super-blocks a step, 8 x 4 (Q4_K: 16-byte loads, 4 words a thread) or 8 x 2
+    (Q6_K: 4 would spill, ptxas says) by default with 2 warps, which makes 640 programs for the 27B's 5120-row
+    matrices, several per SM. Other types take the generic sub-tile kernel (`block_n` rows, 32 by default),
     which reads bytes."""
     t, qk, type_size = _check(blocks, qtype)
     n, n_blocks = blocks.shape[0], blocks.shape[1] // type_size
@@ -290,16 +354,26 @@ def quant_gemv(
     x = x.contiguous()
     m = x.shape[0]
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    # Words need 4-byte alignment: rows of whole Q4_K blocks (144 bytes) have it unless sliced oddly.
-    wide = t == GGMLQuantizationType.Q4_K and wide_words and blocks.stride(0) % 4 == 0 and blocks.data_ptr() % 4 == 0
+    # Word kernels need Q4_K rows on 4-byte boundaries (whole 144-byte blocks have them unless sliced oddly) and
+    # Q6_K rows on 2-byte ones (its 210-byte blocks alternate; the kernel joins half words).
+    word_kernel = {
+        GGMLQuantizationType.Q4_K: (_q4k_gemv_kernel, 4, 4),  # kernel, row alignment, default block_b
+        GGMLQuantizationType.Q6_K: (_q6k_gemv_kernel, 2, 2),
+    }
+    wide = False
+    if wide_words and t in word_kernel:
+        kernel, align, default_block_b = word_kernel[t]
+        wide = blocks.data_ptr() % 4 == 0 and blocks.stride(0) % align == 0
+        block_b = block_b or default_block_b
     block_n = block_n or (8 if wide else 32)
     grid = (triton.cdiv(n, block_n),)
     for start in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - start)
         xs, ys = x[start : start + rows], y[start : start + rows]
         if wide:
-            _q4k_gemv_kernel[grid](
-                xs, blocks, ys, rows, n, n_blocks, xs.stride(0), blocks.stride(0) // 4, ys.stride(0),
+            stride_w = blocks.stride(0) // 4 if t == GGMLQuantizationType.Q4_K else blocks.stride(0)  # words, bytes
+            kernel[grid](
+                xs, blocks, ys, rows, n, n_blocks, xs.stride(0), stride_w, ys.stride(0),
                 M_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_B=block_b, num_warps=2,
             )  # fmt: skip
             continue
