@@ -190,7 +190,8 @@ def _q4k_gemv_kernel(
     for even J, high for odd. So each sub-block is an 8-word (32-byte, aligned) load, unpacked by a broadcast
     shift into the values' natural order, and its x is 32 contiguous floats. Per sub-block the products are
     d sc (sum x q) - dmin m (sum x): the dequantized weight is never formed (the twin's values up to float32
-    rounding of the sums)."""
+    rounding of the sums). Activation rows go one at a time through the same code, so a row's sums are the same
+    whether it is decoded alone or verified among others."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -214,8 +215,7 @@ def _q4k_gemv_kernel(
         w3 = tl.load(words + sb + 3)  # 8-11
         d = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
         dmin = ((w0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        x_at = x_ptr + ms[:, None, None] * stride_xm + (blk * 256)[None, :, None] + ts[None, None, :]
-        x_ok = m_ok[:, None, None] & b_ok[None, :, None]
+        x_at = x_ptr + (blk * 256)[:, None] + ts[None, :]  # [BLOCK_B, 32], row 0's
         for J in tl.static_range(8):
             i = J % 4
             if J < 4:  # _k_scale_min's rule, on bytes J and J + 4 (low 6 bits)
@@ -227,12 +227,14 @@ def _q4k_gemv_kernel(
             qw = tl.load(words + sb[:, :, None] + (4 + (J // 2) * 8) + js[None, None, :])  # [BLOCK_N, BLOCK_B, 8]
             q = (qw[:, :, :, None] >> (shifts + (J % 2) * 4)[None, None, None, :]) & 15
             q = tl.reshape(q, (BLOCK_N, BLOCK_B, 32)).to(tl.float32)
-            x = tl.load(x_at + J * 32, mask=x_ok, other=0.0).to(tl.float32)  # [M_PAD, BLOCK_B, 32]
-            xq = tl.sum(x[:, None, :, :] * q[None, :, :, :], axis=3)  # [M_PAD, BLOCK_N, BLOCK_B]
-            x_sum = tl.sum(x, axis=2)  # [M_PAD, BLOCK_B]
             scale = d * sc.to(tl.float32)
             minimum = dmin * mn.to(tl.float32)
-            acc += tl.sum(xq * scale[None, :, :] - x_sum[:, None, :] * minimum[None, :, :], axis=2)
+            for m in tl.static_range(M_PAD):  # row by row: a row's sums do not depend on how many rows came
+                x_row = x_at + tl.minimum(m, M - 1) * stride_xm  # padding rows re-read the last (not stored)
+                x = tl.load(x_row + J * 32, mask=b_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_B, 32]
+                xq = tl.sum(x[None, :, :] * q, axis=2)  # [BLOCK_N, BLOCK_B]
+                part = tl.sum(xq * scale - tl.sum(x, axis=1)[None, :] * minimum, axis=1)  # [BLOCK_N]
+                acc += tl.where(ms[:, None] == m, part[None, :], 0.0)
     tl.store(y_ptr + ms[:, None] * stride_ym + rows[None, :], acc, mask=m_ok[:, None] & row_ok[None, :])
 
 
@@ -259,7 +261,7 @@ def _q6k_gemv_kernel(
     every other block: `_words_at` joins halves). Sub-tile J = 4H + G (values 128H + 32G .. +31) takes 8 words
     of low nibbles (ql[64H + 32(G % 2) ..], shifted by 4(G // 2)), 8 words of high bit pairs (qh[32H ..], shifted
     by 2G) and its two int8 scales (16 values each); value 128H + 32G + 4j + k sits in byte k of word j. The sum
-    is d sc (x . q) per half sub-tile, with the twin's d * sc product."""
+    is x . (q d sc), with the twin's d * sc product; rows one at a time, as in `_q4k_gemv_kernel`."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -279,8 +281,7 @@ def _q6k_gemv_kernel(
         start = rows_safe.to(tl.int64)[:, None] * stride_wn + tl.where(b_ok, blk, 0)[None, :] * 210  # bytes
         d_word = tl.sum(_words_at(words, start + 208, one), axis=2)  # d in the low half
         d = (d_word & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        x_at = x_ptr + ms[:, None, None] * stride_xm + (blk * 256)[None, :, None] + ts[None, None, :]
-        x_ok = m_ok[:, None, None] & b_ok[None, :, None]
+        x_at = x_ptr + (blk * 256)[:, None] + ts[None, :]  # [BLOCK_B, 32], row 0's
         for J in tl.static_range(8):
             H = J // 4
             G = J % 4
@@ -293,9 +294,12 @@ def _q6k_gemv_kernel(
             # byte k of the word as a signed int8: shifted to the top, then arithmetically back down
             sc0 = ((sc_word << (24 - 16 * (J % 2))) >> 24).to(tl.float32)
             sc1 = ((sc_word << (16 - 16 * (J % 2))) >> 24).to(tl.float32)
-            scale = tl.where(ts[None, None, :] < 16, (d * sc0)[:, :, None], (d * sc1)[:, :, None])
-            x = tl.load(x_at + J * 32, mask=x_ok, other=0.0).to(tl.float32)  # [M_PAD, BLOCK_B, 32]
-            acc += tl.sum(tl.sum(x[:, None, :, :] * (q * scale)[None, :, :, :], axis=3), axis=2)
+            w = q * tl.where(ts[None, None, :] < 16, (d * sc0)[:, :, None], (d * sc1)[:, :, None])
+            for m in tl.static_range(M_PAD):  # row by row: a row's sums do not depend on how many rows came
+                x_row = x_at + tl.minimum(m, M - 1) * stride_xm  # padding rows re-read the last (not stored)
+                x = tl.load(x_row + J * 32, mask=b_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_B, 32]
+                part = tl.sum(tl.sum(x[None, :, :] * w, axis=2), axis=1)  # [BLOCK_N]
+                acc += tl.where(ms[:, None] == m, part[None, :], 0.0)
     tl.store(y_ptr + ms[:, None] * stride_ym + rows[None, :], acc, mask=m_ok[:, None] & row_ok[None, :])
 
 
