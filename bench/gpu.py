@@ -313,13 +313,14 @@ def measure_chunk_scan(config: Qwen35Config, device: torch.device, args: argpars
     g_cum = (-0.05 * torch.rand(Hv, n, C, device=device, generator=gen)).cumsum(-1)
     state = randn(Hv, K, K)
     scan = (u, w, q, k, qk, g_cum)
-    kernel_s = timer.median(lambda: kernels.gated_delta_chunk_scan(*scan, state.clone()), args.reps)
-    loop_s = timer.median(lambda: gated_delta_chunk_scan_reference(*scan, state.clone()), args.reps)
+    warmup = 0 if args.tiny else 2  # the smoke run only shows the wiring
+    kernel_s = timer.median(lambda: kernels.gated_delta_chunk_scan(*scan, state.clone()), args.reps, warmup)
+    loop_s = timer.median(lambda: gated_delta_chunk_scan_reference(*scan, state.clone()), args.reps, warmup)
     qh = torch.nn.functional.normalize(randn(T, Hk, K), dim=-1)
     kh = torch.nn.functional.normalize(randn(T, Hk, K), dim=-1)
     g = -torch.nn.functional.softplus(randn(T, Hv))
     beta = torch.sigmoid(randn(T, Hv))
-    rule_s = timer.median(lambda: gated_delta_rule_chunked(qh, kh, randn(T, Hv, K), g, beta, state), args.reps)
+    rule_s = timer.median(lambda: gated_delta_rule_chunked(qh, kh, randn(T, Hv, K), g, beta, state), args.reps, warmup)
     return {"tokens": T, "chunk": C, "scan_kernel_ms": 1e3 * kernel_s, "scan_loop_ms": 1e3 * loop_s,
             "chunked_rule_ms": 1e3 * rule_s}  # fmt: skip
 
@@ -351,7 +352,7 @@ def measure_gemv(config: Qwen35Config, device: torch.device, args: argparse.Name
                     for _ in range(calls):
                         kernels.quant_gemv(x, blocks, qtype, wide_words=wide)
 
-                t = timer.median(run, max(1, args.reps // 2)) / calls
+                t = timer.median(run, max(1, args.reps // 2), warmup=0 if args.tiny else 2) / calls
                 row[f"{kernel}_us"] = 1e6 * t
                 row[f"{kernel}_fraction_of_copy"] = blocks.nbytes / t / copy_bytes_per_s
             out.append(row)
