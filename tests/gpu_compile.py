@@ -24,7 +24,7 @@ sm_80), decode_attention's default tl.dot precision ("tf32x3" on NVIDIA) and the
 TRITON_INTERPRET must not be set when compiling (triton.jit makes interpreter functions then): the script
 re-executes itself without it. `--quick` compiles one configuration per kernel for sm_90 (the test suite's
 check, about 5 s); `--only TEXT` keeps the configurations whose kernel or label contain TEXT. The full run
-(about 186 compiles) takes about 65 s on 2 cores. `--arch 86,89` checks the RTX 30xx/40xx parts, whose blocks
+(about 198 compiles) takes about 70 s on 2 cores. `--arch 86,89` checks the RTX 30xx/40xx parts, whose blocks
 have 99 KB of shared memory against the A100's 163 KB. Uses triton internals (the JIT binder, ASTSource,
 triton.compile with a GPUTarget) as of triton 3.9.
 """
