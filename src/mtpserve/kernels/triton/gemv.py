@@ -242,12 +242,21 @@ def _q4k_gemv_kernel(
 def _words_at(words, byte_off, js):
     """The 32-bit words holding bytes byte_off + 4j .. +3 for each j in js, where byte_off ([BLOCK_N, BLOCK_B]
     int64) is even but maybe not a multiple of 4 (Q6_K's 210-byte blocks): an aligned word, or the top half of
-    one joined to the bottom half of the next. -> [BLOCK_N, BLOCK_B, len(js)] int32."""
+    one joined to the bottom half of the next (which must exist: used inside a block, not at its end).
+    -> [BLOCK_N, BLOCK_B, len(js)] int32."""
     at = words + (byte_off // 4)[:, :, None] + js[None, None, :]
     lo = tl.load(at)
     odd = (byte_off % 4 != 0)[:, :, None]
     hi = tl.load(at + 1, mask=odd, other=0)
     return tl.where(odd, ((lo >> 16) & 0xFFFF) | (hi << 16), lo)
+
+
+@triton.jit
+def _half_at(words, byte_off):
+    """The 16 bits at each even byte_off (any shape), from the one word that holds them (never the next word:
+    the last block's d ends its tensor), as the low half of an int32."""
+    shift = (8 * (byte_off % 4)).to(tl.int32)  # an int64 shift would widen the word and lose int8 sign extension
+    return (tl.load(words + byte_off // 4) >> shift) & 0xFFFF
 
 
 @triton.jit
@@ -270,7 +279,6 @@ def _q6k_gemv_kernel(
     bs = tl.arange(0, BLOCK_B)
     ts = tl.arange(0, 32)
     js = tl.arange(0, 8)
-    one = tl.arange(0, 1)
     shifts = tl.arange(0, 4) * 8
     ms = tl.arange(0, M_PAD)
     m_ok = ms < M
@@ -279,8 +287,7 @@ def _q6k_gemv_kernel(
         blk = b0 + bs
         b_ok = blk < n_blocks
         start = rows_safe.to(tl.int64)[:, None] * stride_wn + tl.where(b_ok, blk, 0)[None, :] * 210  # bytes
-        d_word = tl.sum(_words_at(words, start + 208, one), axis=2)  # d in the low half
-        d = (d_word & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        d = _half_at(words, start + 208).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
         x_at = x_ptr + (blk * 256)[:, None] + ts[None, :]  # [BLOCK_B, 32], row 0's
         for J in tl.static_range(8):
             H = J // 4
@@ -290,10 +297,10 @@ def _q6k_gemv_kernel(
             low = (ql[:, :, :, None] >> (shifts + (G // 2) * 4)[None, None, None, :]) & 15
             high = (qh[:, :, :, None] >> (shifts + 2 * G)[None, None, None, :]) & 3
             q = tl.reshape((low | (high << 4)) - 32, (BLOCK_N, BLOCK_B, 32)).to(tl.float32)
-            sc_word = tl.sum(_words_at(words, start + (192 + 4 * (J // 2)), one), axis=2)  # scales 2J, 2J + 1
-            # byte k of the word as a signed int8: shifted to the top, then arithmetically back down
-            sc0 = ((sc_word << (24 - 16 * (J % 2))) >> 24).to(tl.float32)
-            sc1 = ((sc_word << (16 - 16 * (J % 2))) >> 24).to(tl.float32)
+            scales = _half_at(words, start + (192 + 2 * J))  # int8 scales 2J and 2J + 1
+            # each byte as a signed int8: shifted to the top, then arithmetically back down
+            sc0 = ((scales << 24) >> 24).to(tl.float32)
+            sc1 = ((scales << 16) >> 24).to(tl.float32)
             w = q * tl.where(ts[None, None, :] < 16, (d * sc0)[:, :, None], (d * sc1)[:, :, None])
             for m in tl.static_range(M_PAD):  # row by row: a row's sums do not depend on how many rows came
                 x_row = x_at + tl.minimum(m, M - 1) * stride_xm  # padding rows re-read the last (not stored)
