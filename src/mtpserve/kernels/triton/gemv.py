@@ -166,14 +166,15 @@ def _gemv_kernel(
     ms = tl.arange(0, M_PAD)
     m_ok = ms < M
     w_rows = w_ptr + rows_safe.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    x_rows = x_ptr + ms[:, None] * stride_xm  # [M_PAD, 1]
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     for b in range(n_blocks):
         bp = w_rows + b * TYPE_SIZE
         for j in tl.static_range(QK // 32):
             w = _dequant_sub(bp, offs[None, :], j, QTYPE)  # [BLOCK_N, 32]
-            x = tl.load(x_rows + b * QK + j * 32 + offs[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
-            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+            for m in tl.static_range(M_PAD):  # row by row: a row's sums do not depend on how many rows came
+                x_row = x_ptr + tl.minimum(m, M - 1) * stride_xm  # padding rows re-read the last (not stored)
+                x = tl.load(x_row + b * QK + j * 32 + offs).to(tl.float32)  # [32]
+                acc += tl.where(ms[:, None] == m, tl.sum(x[None, :] * w, axis=1)[None, :], 0.0)
     tl.store(y_ptr + ms[:, None] * stride_ym + rows[None, :], acc, mask=m_ok[:, None] & row_ok[None, :])
 
 
