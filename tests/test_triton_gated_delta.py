@@ -209,7 +209,7 @@ def test_chunked_rule_on_the_gpu_path_takes_the_kernel() -> None:
         inputs = (x.to(DEVICE) for x in (q, k, v, g, beta, state))
         o, final = gated_delta_rule_chunked(*inputs, chunk_size=64, chunk_states=checkpoints)
     # one launch for all three chunks (below sm_80 the PyTorch loop runs instead)
-    assert kernel.call_count == int(triton_kernels.chunk_scan_supported(torch.device(DEVICE)))
+    assert kernel.call_count == int(triton_kernels.chunk_scan_supported(torch.device(DEVICE), 64, K))
 
     def close(got: torch.Tensor, expected: torch.Tensor) -> None:
         if DEVICE == "cpu":
@@ -225,6 +225,11 @@ def test_chunked_rule_on_the_gpu_path_takes_the_kernel() -> None:
 
 
 def test_chunk_scan_rejects_bad_arguments() -> None:
+    cpu = torch.device("cpu")  # what the dispatcher asks first: shapes it would refuse go to the PyTorch loop
+    assert triton_kernels.chunk_scan_supported(cpu, 64, 128)
+    assert not triton_kernels.chunk_scan_supported(cpu, 48, 128)  # not a power of two
+    assert not triton_kernels.chunk_scan_supported(cpu, 8, 128)  # below tl.dot's 16
+    assert not triton_kernels.chunk_scan_supported(cpu, 64, 512)  # K over MAX_K
     u, w, q, k, qk, g_cum, state = _chunk_inputs(1, 2, 16, 16, 16)
     with pytest.raises(ValueError, match="power of two >= 16"):
         gated_delta_chunk_scan(u[:, :, :12].contiguous(), w[:, :, :12].contiguous(), q[:, :, :12].contiguous(),

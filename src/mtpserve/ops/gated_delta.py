@@ -157,11 +157,7 @@ def gated_delta_chunk_scan(
     the twin's loop costs five launches a chunk) when the chunk is a power of two >= 16 and the GPU is sm_80+."""
     kernels = triton_kernels()
     C, K = w.shape[-2:]
-    fits = C >= 16 and not C & (C - 1)  # tl.dot's smallest tile, a power of two
-    if (
-        gpu_path(u) and triton_available(u) and kernels is not None and fits and K <= kernels.GATED_DELTA_MAX_K
-        and kernels.chunk_scan_supported(u.device)
-    ):  # fmt: skip
+    if gpu_path(u) and triton_available(u) and kernels is not None and kernels.chunk_scan_supported(u.device, C, K):
         inputs = (x.contiguous() for x in (u, w, q, k, qk, g_cum))
         return kernels.gated_delta_chunk_scan(*inputs, state, chunk_states)
     return gated_delta_chunk_scan_reference(u, w, q, k, qk, g_cum, state, chunk_states)

@@ -2,14 +2,12 @@
 nothing imports it unconditionally: callers go through `mtpserve.ops.quant_gemv`, which falls back to torch."""
 
 from .attention import ATTENTION_TYPES, auto_splits, decode_attention
-from .gated_delta import MAX_K as GATED_DELTA_MAX_K
 from .gated_delta import chunk_scan_supported, gated_delta_chunk_scan, gated_delta_rule_recurrent_batched
 from .gemm import GEMM_TYPES, quant_matmul
 from .gemv import GEMV_TYPES, MAX_ROWS, dequant_blocks, quant_gemv
 
 __all__ = [
     "ATTENTION_TYPES",
-    "GATED_DELTA_MAX_K",
     "GEMM_TYPES",
     "GEMV_TYPES",
     "MAX_ROWS",

@@ -202,8 +202,12 @@ _DOT_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 CHUNK_SCAN_MIN_CAPABILITY = (8, 0)
 
 
-def chunk_scan_supported(device: torch.device) -> bool:
-    """Whether `gated_delta_chunk_scan` runs well on `device`: CUDA from sm_80, or the interpreter (CPU)."""
+def chunk_scan_supported(device: torch.device, chunk: int, k_dim: int) -> bool:
+    """Whether `gated_delta_chunk_scan` takes chunks of `chunk` tokens and keys of `k_dim` (a power-of-two chunk
+    of at least 16, tl.dot's smallest tile; K up to MAX_K) and runs well on `device` (CUDA from sm_80, or the
+    interpreter on CPU)."""
+    if chunk < 16 or chunk & (chunk - 1) or not 1 <= k_dim <= MAX_K:
+        return False
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= CHUNK_SCAN_MIN_CAPABILITY
 
 
