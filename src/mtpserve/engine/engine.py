@@ -325,8 +325,7 @@ class Engine:
         # static steps on any device (off CUDA they run eagerly: how the tests hold them to the ordinary ones).
         wanted = os.environ.get("MTPSERVE_CUDA_GRAPHS", "auto")
         on_gpus = all(d.type == "cuda" for d in model.devices)  # a layer split too: one graph per GPU's blocks
-        unsplit = len(set(model.row_devices)) <= 1  # a row split's matmuls span GPUs: not captured
-        self._graphs = unsplit and (wanted == "1" or (wanted == "auto" and on_gpus))
+        self._graphs = not model.row_split and (wanted == "1" or (wanted == "auto" and on_gpus))
         self._mtp_graphs = self._graphs and self.mtp is not None and mtp_graphable(model)
         self._batch_graphs: OrderedDict[tuple[int, ...], StepGraph] = OrderedDict()  # several slots' decode steps
         self.n_busy_slots_total = 0  # slots served by those passes, summed

@@ -253,6 +253,11 @@ class CausalLM:
         self.row_devices = tuple(weights.row_devices)
 
     @property
+    def row_split(self) -> bool:
+        """Whether its matrices are split by rows over several devices (a step then spans them: not captured)."""
+        return len(set(self.row_devices)) > 1
+
+    @property
     def devices(self) -> set[torch.device]:
         """Every device that computes part of a forward pass."""
         return {self.device, *self.layer_devices.values(), *self.row_devices}

@@ -133,7 +133,7 @@ class StepGraph:
         capture: bool | None = None,
         split_at: Sequence[int] = (),
     ) -> None:
-        if len(set(model.row_devices)) > 1:
+        if model.row_split:
             raise ValueError("a step graph runs each device's blocks on their own; this model's matrices are split "
                              "over several devices")  # fmt: skip
         self.states = [states] if isinstance(states, ModelState) else list(states)
@@ -314,9 +314,7 @@ def mtp_graphable(model: CausalLM) -> bool:
     """Whether the MTP block and the LM head run on one device (their graphs need that; a layer split puts both
     on its last GPU unless --tensor-split gives the head a GPU of its own)."""
     index = getattr(model, "mtp_kv_index", None)
-    return (
-        index is not None and model.device_of(index) == model.output.data.device and len(set(model.row_devices)) <= 1
-    )
+    return index is not None and model.device_of(index) == model.output.data.device and not model.row_split
 
 
 def _mtp_device(model: CausalLM) -> torch.device:
