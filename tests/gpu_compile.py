@@ -26,7 +26,7 @@ re-executes itself without it. `--quick` compiles one configuration per kernel f
 check, about 5 s); `--only TEXT` keeps the configurations whose kernel or label contain TEXT. The full run
 (about 198 compiles) takes about 70 s on 2 cores. `--arch 86,89` checks the RTX 30xx/40xx parts, whose blocks
 have 99 KB of shared memory against the A100's 163 KB. Uses triton internals (the JIT binder, ASTSource,
-triton.compile with a GPUTarget) as of triton 3.9.
+triton.compile with a GPUTarget) as of triton 3.9, and runs on 3.6 too (the lent H200's version).
 """
 
 from __future__ import annotations
@@ -264,7 +264,8 @@ def _compile(job: tuple[int, int]) -> dict:
         # What JITFunction.run does before compiling, with the backend of the target rather than of a device.
         kwargs["debug"] = kwargs.get("debug", launch.fn.debug) or knobs.runtime.debug
         kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+        if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # triton 3.9; 3.6 (the H200 image's) lacks it
+            kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
         target = GPUTarget("cuda", arch, 32)
         backend = make_backend(target)
         binder = create_function_from_signature(launch.fn.signature, launch.fn.params, backend)
