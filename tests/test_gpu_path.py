@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +26,8 @@ from mtpserve.models.graphs import DecodeGraph, MTPDraftGraph, MTPRowsGraph, Ste
 from mtpserve.models.loader import load
 from mtpserve.ops.device import emulate_gpu
 
-from .conftest import default_model, shared_path, tinyqwen_path
+from .conftest import FIXTURES, default_model, shared_path, tinyqwen_path
+from .gguf_slice import slice_token_ids, slice_with_prompts
 
 ON_GPU = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(
@@ -91,6 +93,52 @@ def test_default_models_give_the_cpu_paths_greedy_tokens(key: str, ref_name: str
     model = load(path, device=DEVICE)
     with _gpu_path():
         assert _greedy(model, case["prompt_token_ids"], 3, "f32") == cpu
+
+
+GEMMA3_SLICE = "gemma-3-270m-q4_k_m.slice6.gguf"  # bench/gpu_check.sh carries it in .gpu/shared/fixtures
+
+
+def gemma3_slice(directory: Path) -> Path:
+    """Gemma 3's first 6 layers (sliding-window and global attention, Q5_0/Q8_0/Q4_K/Q6_K matrices) and 16384
+    tokens plus the fixture prompts' (tests/gguf_slice.py): the carried copy, else cut here from the default
+    model."""
+    carried = FIXTURES / GEMMA3_SLICE
+    if carried.exists():
+        return carried
+    ref = shared_path("fixtures", "refs", "gemma-3-270m-q4_k_m.json")
+    slice_with_prompts(default_model("gemma3"), directory / GEMMA3_SLICE, ref)
+    return directory / GEMMA3_SLICE
+
+
+def _greedy_with_margins(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and each position's top-1/top-2 log-probability margin (nats), f32 KV cache."""
+    state = model.new_state(1024, "f32", "f32")
+    logits = model.prefill(ids, state)
+    tokens, margins = [], []
+    for _ in range(n):
+        top = torch.log_softmax(logits.float(), -1).topk(2).values
+        tokens.append(int(logits.argmax()))
+        margins.append(float(top[0] - top[1]))
+        logits = model.decode(tokens[-1], state)
+    return tokens, margins
+
+
+def test_a_gemma3_slice_gives_the_cpu_paths_greedy_tokens(tmp_path: Path) -> None:
+    """The Gemma 3 check where the whole file cannot be (the lent GPU machine): the slice's greedy tokens on the
+    GPU path equal the CPU path's up to the CPU path's first near tie (< 0.05 nats), on the fixtures' `fib_def`
+    prompt (its first near tie is at token 11)."""
+    path = gemma3_slice(tmp_path)
+    kept = slice_token_ids(path)
+    ref = json.loads(shared_path("fixtures", "refs", "gemma-3-270m-q4_k_m.json").read_text())
+    case = next(c for c in ref["greedy"]["completions"] if c["name"] == "fib_def")
+    ids = [kept.index(i) for i in case["prompt_token_ids"]]
+    n = 12
+    cpu, margins = _greedy_with_margins(load(path), ids, n)
+    model = load(path, device=DEVICE)
+    with _gpu_path():
+        ours, _ = _greedy_with_margins(model, ids, n)
+    first_tie = next((i for i, m in enumerate(margins) if m < 0.05), n)
+    assert ours[:first_tie] == cpu[:first_tie], f"CPU path {cpu}, GPU path {ours} (first near tie at {first_tie})"
 
 
 def test_verification_equals_token_by_token_and_keeps_every_state() -> None:

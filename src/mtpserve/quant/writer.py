@@ -74,10 +74,7 @@ def _encode(value: Any, vtype: GGUFValueType) -> Any:
 
 
 def _copy_metadata(writer: GGUFWriter, src: GGUFFile, ftype: int) -> list[str]:
-    """Every key of `src` in order (GGUFWriter's own general.architecture replaced by the input's, in place);
-    returns keys skipped because GGUFWriter cannot write them (empty or nested arrays)."""
-    writer.kv_data[0].clear()
-    skipped = []
+    """Every key of `src` in order, with llama-quantize's two quantization keys; returns the keys skipped."""
     values = dict(src.metadata)
     # llama-quantize sets these two with gguf_set_val_u32, which drops an existing key and appends it.
     values.pop("general.quantization_version", None)
@@ -86,6 +83,15 @@ def _copy_metadata(writer: GGUFWriter, src: GGUFFile, ftype: int) -> list[str]:
     values["general.file_type"] = ftype
     types = dict(src.metadata_types)
     types["general.file_type"] = types["general.quantization_version"] = GGUFValueType.UINT32
+    return write_metadata(writer, values, types)
+
+
+def write_metadata(writer: GGUFWriter, values: dict[str, Any], types: dict[str, GGUFValueType]) -> list[str]:
+    """Write `values` (as `GGUFFile.metadata` holds them, typed by `types`) in order, in place of GGUFWriter's
+    own general.architecture; returns keys skipped because GGUFWriter cannot write them (empty or nested
+    arrays). Split-file keys are dropped."""
+    writer.kv_data[0].clear()
+    skipped = []
     for key, value in values.items():
         if key in _SPLIT_KEYS:
             continue
