@@ -3,6 +3,7 @@ seconds (no file, no network), measured the way the mission measures it.
 
     .venv/bin/python bench/gpu.py [--layers 64] [--contexts 4096,32768] [--acceptance 0.63] [--json out.json]
     .venv/bin/python bench/gpu.py --tiny --device cpu       # the same script on small shapes, on CPU (a smoke run)
+    .venv/bin/python bench/gpu.py --llama-bench llama.cpp/build/bin/llama-bench   # with llama.cpp side by side
 
 What it builds: `Qwen35Config` with the 27B's shapes (../shared/spec/qwen35-architecture.md §1: 64 trunk layers,
 48 Gated DeltaNet + 16 gated attention, one MTP block, n_embd 5120, n_ff 17408, vocab 248320), every tensor typed
@@ -26,7 +27,11 @@ What it measures (one table on stdout, everything in --json):
   PyTorch's loop;
 * the GEMV alone on the 27B's commonest matrices (Q4_K and Q6_K), 1 and 3 rows, as the type's word kernel (the
   default) and as the generic sub-tile kernel, as a fraction of the copy's bandwidth;
-* memory: weights, and the state of one sequence at 262144 tokens with a q8_0 KV cache (MTP cache included).
+* memory: weights, and the state of one sequence at 262144 tokens with a q8_0 KV cache (MTP cache included);
+* the peer, with `--llama-bench PATH`: the same random model written as a GGUF file (`write_gguf`: llama.cpp
+  reads the same shapes, types and bytes) and run by llama-bench with the same settings (every layer on the
+  GPU, flash attention, the same KV cache type): decode of 64 tokens at each depth and the same prefill, each
+  as ours / theirs. llama-bench has no speculative decoding, so the draft-mtp row has no peer here.
 
 The GPU's numbers go into the README's "CUDA backend" section with the date and the GPU's name.
 """
@@ -37,12 +42,16 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from mtpserve.engine.speculative import MTPDrafter, SpecConfig
 from mtpserve.models.base import Batch, WeightStore
@@ -53,6 +62,7 @@ from mtpserve.ops.gated_delta import gated_delta_chunk_scan_reference, gated_del
 from mtpserve.quant.mix import FILE_TYPES, ModelFacts, plan_types
 from mtpserve.quant.qtensor import QTensor
 from mtpserve.quant.types import GGMLType, block_geometry
+from mtpserve.quant.writer import write_metadata
 
 QWEN36_27B = Qwen35Config(
     architecture="qwen35", n_vocab=248320, n_embd=5120, n_layer=64, n_nextn=1, n_ff=17408, n_head=24, n_head_kv=4,
@@ -111,6 +121,49 @@ def random_weights(config: Qwen35Config, device: torch.device, seed: int = 0) ->
             rows, cols = spec.shape
             tensors[spec.name] = QTensor(random_blocks(t, rows, cols, device, gen), t, spec.shape, spec.name)
     return tensors
+
+
+def synthetic_vocab(n_vocab: int) -> dict[str, object]:
+    """A SentencePiece-style tokenizer of n_vocab pieces (<unk>, <s>, </s>, the 256 byte pieces llama.cpp looks
+    up at load time, then placeholders): a file llama.cpp loads, for benchmarks that feed token ids."""
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    types = [2, 3, 3, *([6] * 256)]  # llama.cpp's token types: unknown, control, byte, then normal
+    pieces += [f"piece{i}" for i in range(len(pieces), n_vocab)]
+    types += [1] * (n_vocab - len(types))
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": pieces,
+        "tokenizer.ggml.scores": np.zeros(n_vocab, dtype=np.float32),
+        "tokenizer.ggml.token_type": np.array(types, dtype=np.int32),
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+    }
+
+
+def write_gguf(config: Qwen35Config, tensors: dict[str, QTensor | torch.Tensor], path: str) -> int:
+    """The random model as a GGUF file, one tensor at a time (llama.cpp reads the same shapes, types and
+    bytes); returns the file's size."""
+    values = {**config.metadata(), "general.name": "random Qwen3.6-27B-shaped Q4_K_M (bench/gpu.py)",
+              **synthetic_vocab(config.n_vocab), "general.file_type": FILE_TYPES["Q4_K_M"].ftype}  # fmt: skip
+    kinds = {bool: GGUFValueType.BOOL, int: GGUFValueType.UINT32, float: GGUFValueType.FLOAT32,
+             str: GGUFValueType.STRING, list: GGUFValueType.ARRAY, np.ndarray: GGUFValueType.ARRAY}  # fmt: skip
+    writer = GGUFWriter(path, config.architecture)
+    write_metadata(writer, values, {k: kinds[type(v)] for k, v in values.items()})
+    for name, t in tensors.items():
+        if isinstance(t, QTensor):
+            qtype = GGMLQuantizationType(t.ggml_type)
+            writer.add_tensor_info(name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=qtype)
+        else:
+            writer.add_tensor_info(name, tuple(t.shape), np.dtype(np.float32), t.numel() * 4)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in tensors.values():
+        data = t.data if isinstance(t, QTensor) else t.float()
+        writer.write_tensor_data(data.contiguous().cpu().numpy())
+    writer.close()
+    return os.path.getsize(path)
 
 
 def decode_bytes(config: Qwen35Config, tensors: dict[str, QTensor | torch.Tensor]) -> tuple[int, int]:
@@ -360,6 +413,87 @@ def measure_gemv(config: Qwen35Config, device: torch.device, args: argparse.Name
     return out
 
 
+def wait_for(path: str, seconds: float) -> bool:
+    """Whether `path` exists, waiting up to `seconds` for it (a peer build still running in the background)."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(2)
+    return True
+
+
+def run_llama_bench(binary: str, args: list[str], timeout: float) -> dict[tuple[int, int, int], dict]:
+    """llama-bench's results keyed by (n_prompt, n_gen, n_depth)."""
+    run = subprocess.run([binary, *args, "-o", "json"], capture_output=True, text=True, timeout=timeout, check=False)
+    if run.returncode != 0:
+        raise RuntimeError(f"llama-bench exited with {run.returncode}: {run.stderr[-2000:]}")
+    return {(r["n_prompt"], r["n_gen"], r["n_depth"]): r for r in json.loads(run.stdout)}
+
+
+def measure_peer(config: Qwen35Config, tensors: dict, result: dict, args: argparse.Namespace,
+                 device: torch.device) -> dict:  # fmt: skip
+    """The peer's numbers (`_peer`), or what kept it from running."""
+    try:
+        return _peer(config, tensors, result, args, device)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired, KeyError, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _peer(config: Qwen35Config, tensors: dict, result: dict, args: argparse.Namespace, device: torch.device) -> dict:
+    """llama.cpp on the same model: the random weights written as a GGUF file and run by `--llama-bench` with the
+    deployment's settings (every layer on the GPU, flash attention, the same KV cache type): decode of 64 tokens
+    at each depth and the same prefill (ubatches of 512), each as ours / theirs."""
+    if not wait_for(args.llama_bench, args.peer_wait):
+        return {"error": f"{args.llama_bench} is missing (waited {args.peer_wait:.0f} s for its build)"}
+    path = args.gguf or os.path.join(tempfile.gettempdir(), "mtpserve-bench-random.gguf")
+    print(f"llama.cpp: writing the model to {path}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    size = write_gguf(config, tensors, path)
+    peer: dict = {"binary": args.llama_bench, "gguf_bytes": size, "write_s": time.perf_counter() - t0}
+    flags = ["-m", path, "-fa", "on", "-ctk", args.cache_type, "-ctv", args.cache_type, "-r", str(args.peer_reps)]
+    flags += ["-ngl", "99"] if device.type == "cuda" else ["-ngl", "0", "-t", str(os.cpu_count() or 1)]
+    depths = [row["depth"] for row in result["decode"]]
+    print("llama.cpp: decode", file=sys.stderr, flush=True)
+    decode = run_llama_bench(args.llama_bench, [*flags, "-p", "0", "-n", "64", "-d", ",".join(map(str, depths))],
+                             args.peer_timeout)  # fmt: skip
+    print("llama.cpp: prefill", file=sys.stderr, flush=True)
+    prefill = run_llama_bench(args.llama_bench, [*flags, "-p", str(args.prefill), "-n", "0", "-ub", "512"],
+                              args.peer_timeout)  # fmt: skip
+    any_row = next(iter(decode.values()))
+    peer.update(build_commit=any_row.get("build_commit"), backends=any_row.get("backends"), decode=[])
+    for row in result["decode"]:
+        theirs = decode[(0, 64, row["depth"])]
+        peer["decode"].append({
+            "depth": row["depth"], "tokens_per_s": theirs["avg_ts"], "stddev": theirs["stddev_ts"],
+            "ours_over_theirs": row["decode_tokens_per_s"] / theirs["avg_ts"],
+        })  # fmt: skip
+    theirs = prefill[(args.prefill, 0, 0)]
+    peer["prefill_tokens_per_s"] = theirs["avg_ts"]
+    peer["prefill_ours_over_theirs"] = result["prefill_tokens_per_s"] / theirs["avg_ts"]
+    if not args.gguf:
+        os.remove(path)
+    return peer
+
+
+def peer_only(config: Qwen35Config, args: argparse.Namespace, device: torch.device) -> int:
+    """The peer stage alone, against an earlier run's results (`--peer-only earlier.json`): the same random
+    weights (same seed, same device), for a second call when the first ran out of time before llama.cpp."""
+    with open(args.peer_only) as f:
+        result = json.load(f)
+    if result["config"]["n_layer"] != config.n_layer or result["shapes"] != ("tiny (smoke run)" if args.tiny else
+                                                                             "Qwen3.6-27B"):  # fmt: skip
+        print(f"bench/gpu.py: {args.peer_only} was measured on other shapes (pass the same --tiny/--layers)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    result["peer"] = measure_peer(config, random_weights(config, device), result, args, device)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    print(report(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -376,6 +510,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--memory-ctx", type=int, default=262144, help="context for the memory measurement (0: skip)")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--llama-bench", default=None, help="a llama-bench binary: run llama.cpp on the same model too")
+    p.add_argument("--gguf", default=None, help="where the model is written for llama.cpp (default: a temp file)")
+    p.add_argument("--peer-wait", type=float, default=0, help="seconds to wait for --llama-bench to appear")
+    p.add_argument("--peer-reps", type=int, default=3, help="llama-bench repetitions (-r)")
+    p.add_argument("--peer-timeout", type=float, default=300, help="seconds each llama-bench run may take")
+    p.add_argument("--peer-only", default=None, help="only the peer, against this earlier run's JSON")
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
@@ -395,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     config = TINY if args.tiny else QWEN36_27B
     if args.layers is not None:
         config = with_layers(config, args.layers)
+    if args.peer_only:
+        return peer_only(config, args, device)
     contexts = [int(c) for c in args.contexts.split(",") if c]
     timer = Timer(device)
     gen = torch.Generator(device=device).manual_seed(1)
@@ -464,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
             "peak_bytes": torch.cuda.max_memory_allocated(device),
         }
         del big
+    if args.llama_bench:
+        result["peer"] = measure_peer(config, tensors, result, args, device)
+        save()
     if emulation is not None:
         emulation.__exit__(None, None, None)
 
@@ -524,6 +669,15 @@ def report(r: dict) -> str:
             f"{c['scan_kernel_ms']:.3f} ms in Triton, {c['scan_loop_ms']:.3f} ms as PyTorch's loop; "
             f"whole chunked rule {c['chunked_rule_ms']:.3f} ms"
         )
+    peer = r.get("peer")
+    if peer and "error" in peer:
+        lines.append(f"llama.cpp: not measured ({peer['error']})")
+    elif peer:
+        lines.append(f"llama.cpp ({peer['backends']}, build {peer['build_commit']}), the same model and settings: "
+                     + ", ".join(f"decode at {d['depth']} {d['tokens_per_s']:.1f} tok/s (ours / theirs "
+                                 f"{d['ours_over_theirs']:.2f})" for d in peer["decode"])
+                     + f"; prefill {peer['prefill_tokens_per_s']:.0f} tok/s (ours / theirs "
+                     f"{peer['prefill_ours_over_theirs']:.2f})")  # fmt: skip
     if "memory" in r:
         m = r["memory"]
         lines.append(

@@ -100,6 +100,25 @@ def common_hparams(md: Metadata) -> dict[str, Any]:
     )
 
 
+def common_metadata(config: Any, block_count: int) -> dict[str, Any]:
+    """The keys common_hparams reads, from a config's fields (for writing a file of a config's shapes; the
+    vocabulary size is the tokenizer's, written with it)."""
+    p = config.architecture
+    return {
+        "general.architecture": p,
+        f"{p}.context_length": config.context_length,
+        f"{p}.embedding_length": config.n_embd,
+        f"{p}.block_count": block_count,
+        f"{p}.feed_forward_length": config.n_ff,
+        f"{p}.attention.head_count": config.n_head,
+        f"{p}.attention.head_count_kv": config.n_head_kv,
+        f"{p}.attention.key_length": config.head_dim,
+        f"{p}.attention.value_length": config.head_dim,
+        f"{p}.attention.layer_norm_rms_epsilon": float(config.rms_eps),
+        f"{p}.rope.freq_base": float(config.rope_base),
+    }
+
+
 def lm_tensor_specs(n_vocab: int, n_embd: int) -> list[TensorSpec]:
     """Embedding, final norm and LM head; a file without `output.weight` ties the head to the embedding."""
     return [

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -23,7 +25,15 @@ from ..ops.norm import gated_rms_norm, l2_norm, rms_norm
 from ..ops.rope import RopeTable, apply_rope
 from ..quant.qtensor import QTensor
 from .base import Batch, CausalLM, ModelState, Rope, WeightStore, new_kv_caches, padded_context
-from .config import AttentionCacheSpec, CacheLayout, RecurrentStateSpec, TensorSpec, common_hparams, lm_tensor_specs
+from .config import (
+    AttentionCacheSpec,
+    CacheLayout,
+    RecurrentStateSpec,
+    TensorSpec,
+    common_hparams,
+    common_metadata,
+    lm_tensor_specs,
+)
 
 ARCH = "qwen35"
 
@@ -108,6 +118,25 @@ class Qwen35Config:
             recurrent=tuple(recurrent),
             tied_embeddings="output.weight" not in tensor_names,
         )
+
+    def metadata(self) -> dict[str, Any]:
+        """The keys from_metadata reads (and llama.cpp's qwen35 loader), with this config's values; the tokenizer's
+        keys aside. For writing a file of these shapes (bench/gpu.py's random model, for llama.cpp to read)."""
+        p = self.architecture
+        first_attention = self.recurrent.index(False) if False in self.recurrent else self.n_layer
+        return {
+            **common_metadata(self, self.n_layer + self.n_nextn),
+            f"{p}.nextn_predict_layers": self.n_nextn,
+            f"{p}.rope.dimension_count": self.n_rot,
+            f"{p}.rope.dimension_sections": np.array(self.rope_sections, dtype=np.int32),
+            f"{p}.ssm.conv_kernel": self.d_conv,
+            f"{p}.ssm.state_size": self.ssm_head_dim,
+            f"{p}.ssm.group_count": self.n_k_heads,
+            f"{p}.ssm.time_step_rank": self.n_v_heads,
+            f"{p}.ssm.inner_size": self.value_dim,
+            f"{p}.attention.recurrent_layers": np.array(self.recurrent, dtype=bool),
+            f"{p}.full_attention_interval": first_attention + 1,
+        }
 
     def layer_kinds(self) -> list[str]:
         return ["gated_deltanet" if self.recurrent[i] else "attention" for i in range(self.n_layer)]
