@@ -476,13 +476,16 @@ def _peer(config: Qwen35Config, tensors: dict, result: dict, args: argparse.Name
     return peer
 
 
+def shapes_name(args: argparse.Namespace) -> str:
+    return "tiny (smoke run)" if args.tiny else "Qwen3.6-27B"
+
+
 def peer_only(config: Qwen35Config, args: argparse.Namespace, device: torch.device) -> int:
     """The peer stage alone, against an earlier run's results (`--peer-only earlier.json`): the same random
     weights (same seed, same device), for a second call when the first ran out of time before llama.cpp."""
     with open(args.peer_only) as f:
         result = json.load(f)
-    if result["config"]["n_layer"] != config.n_layer or result["shapes"] != ("tiny (smoke run)" if args.tiny else
-                                                                             "Qwen3.6-27B"):  # fmt: skip
+    if result["config"]["n_layer"] != config.n_layer or result["shapes"] != shapes_name(args):
         print(f"bench/gpu.py: {args.peer_only} was measured on other shapes (pass the same --tiny/--layers)",
               file=sys.stderr)  # fmt: skip
         return 2
@@ -544,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
         "torch": torch.__version__,
-        "shapes": "tiny (smoke run)" if args.tiny else "Qwen3.6-27B",
+        "shapes": shapes_name(args),
         "config": {k: v for k, v in asdict(config).items() if k != "recurrent"},
         "cache_type": args.cache_type,
         "n_max": args.n_max,

@@ -46,14 +46,23 @@ def _case(quant: str, index: int = 0) -> dict:
     return ref["greedy"]["completions"][index]
 
 
-def _greedy(model, ids: list[int], n: int, cache_type: str) -> list[int]:
+def _greedy_with_margins(
+    model, ids: list[int], n: int, cache_type: str = "f32"
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens and each position's top-1/top-2 log-probability margin (nats)."""
     state = model.new_state(1024, cache_type, cache_type)
     logits = model.prefill(ids, state)
-    out = []
+    tokens, margins = [], []
     for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = model.decode(out[-1], state)
-    return out
+        top = torch.log_softmax(logits.float(), -1).topk(2).values
+        tokens.append(int(logits.argmax()))
+        margins.append(float(top[0] - top[1]))
+        logits = model.decode(tokens[-1], state)
+    return tokens, margins
+
+
+def _greedy(model, ids: list[int], n: int, cache_type: str) -> list[int]:
+    return _greedy_with_margins(model, ids, n, cache_type)[0]
 
 
 def _agree_before_first_near_tie(ours: list[int], case: dict) -> None:
@@ -110,19 +119,6 @@ def gemma3_slice(directory: Path) -> Path:
     return directory / GEMMA3_SLICE
 
 
-def _greedy_with_margins(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens and each position's top-1/top-2 log-probability margin (nats), f32 KV cache."""
-    state = model.new_state(1024, "f32", "f32")
-    logits = model.prefill(ids, state)
-    tokens, margins = [], []
-    for _ in range(n):
-        top = torch.log_softmax(logits.float(), -1).topk(2).values
-        tokens.append(int(logits.argmax()))
-        margins.append(float(top[0] - top[1]))
-        logits = model.decode(tokens[-1], state)
-    return tokens, margins
-
-
 def test_a_gemma3_slice_gives_the_cpu_paths_greedy_tokens(tmp_path: Path) -> None:
     """The Gemma 3 check where the whole file cannot be (the lent GPU machine): the slice's greedy tokens on the
     GPU path equal the CPU path's up to the CPU path's first near tie (< 0.05 nats), on the fixtures' `fib_def`
@@ -138,6 +134,7 @@ def test_a_gemma3_slice_gives_the_cpu_paths_greedy_tokens(tmp_path: Path) -> Non
     with _gpu_path():
         ours, _ = _greedy_with_margins(model, ids, n)
     first_tie = next((i for i, m in enumerate(margins) if m < 0.05), n)
+    assert first_tie >= 8, f"the slice's margins {margins} leave too little to compare"
     assert ours[:first_tie] == cpu[:first_tie], f"CPU path {cpu}, GPU path {ours} (first near tie at {first_tie})"
 
 
