@@ -128,7 +128,6 @@ def test_word_kernels_and_sub_tile_kernel_match_reference(
     kernel."""
     from mtpserve.kernels.triton import gemv
 
-    name = {GGMLType.Q4_K: "_q4k_gemv_kernel", GGMLType.Q6_K: "_q6k_gemv_kernel"}[qtype]
     blocks = _weight(qtype, n, k, seed=k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n)).to(dtype)
     expected = quant_gemv_reference(x, blocks, qtype)
@@ -136,8 +135,9 @@ def test_word_kernels_and_sub_tile_kernel_match_reference(
     aligned = blocks.to(DEVICE)
     shifted = torch.cat((torch.zeros(n, 1, dtype=torch.uint8, device=DEVICE), aligned), dim=1)[:, 1:]  # 1 byte off
     for source, wide, word_launches in ((aligned, True, 1), (aligned, False, 0), (shifted, True, 0)):
-        counter = _LaunchCounter(getattr(gemv, name))
-        with mock.patch.object(gemv, name, counter):
+        kernel, *rest = gemv._WORD_KERNELS[qtype]
+        counter = _LaunchCounter(kernel)
+        with mock.patch.dict(gemv._WORD_KERNELS, {qtype: (counter, *rest)}):
             got = triton_gemv(x.to(DEVICE), source, qtype, wide_words=wide).cpu()
         assert counter.launches == word_launches
         assert ((got - expected).norm() / expected.norm()).item() <= tol

@@ -326,6 +326,7 @@ def _padded_ctx(config: ModelConfig, engine: EngineConfig) -> int:
 # A prompt's attention on a GPU reads its layer's K and V of one slot dequantized to a half type
 # (ops.attention.prompt_attention_dtype); the CPU path reads them as float32.
 PROMPT_KV_BYTES = 2
+HOST_PROMPT_KV_BYTES = 4
 
 
 def compute_reserve_bytes(config: ModelConfig, engine: EngineConfig, output: bool) -> int:
@@ -496,7 +497,7 @@ def _layout(
     for d in (host, *devices):
         t, is_host = tally[d.name], d is host
         limit = None if is_host and not host_checked else d.free_bytes - (0 if is_host else margin)
-        compute = (c.reserve_output if t.output else c.reserve) + t.prompt_kv * (4 if is_host else PROMPT_KV_BYTES)
+        compute = (c.reserve_output if t.output else c.reserve) + t.prompt_kv * (HOST_PROMPT_KV_BYTES if is_host else PROMPT_KV_BYTES)
         uses.append(
             DeviceUse(
                 device=d,

@@ -341,6 +341,14 @@ def _check(blocks: torch.Tensor, qtype: int, kernel: str = "GEMV") -> tuple[GGML
     return t, qk, type_size
 
 
+# Word kernels need Q4_K rows on 4-byte boundaries (whole 144-byte blocks have them unless sliced oddly) and
+# Q6_K rows on 2-byte ones (its 210-byte blocks alternate; the kernel joins half words).
+_WORD_KERNELS = {
+    GGMLQuantizationType.Q4_K: (_q4k_gemv_kernel, 4, 4),  # kernel, row alignment, default block_b
+    GGMLQuantizationType.Q6_K: (_q6k_gemv_kernel, 2, 2),
+}
+
+
 @on_input_device
 def quant_gemv(
     x: torch.Tensor,
@@ -366,15 +374,9 @@ def quant_gemv(
     x = x.contiguous()
     m = x.shape[0]
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    # Word kernels need Q4_K rows on 4-byte boundaries (whole 144-byte blocks have them unless sliced oddly) and
-    # Q6_K rows on 2-byte ones (its 210-byte blocks alternate; the kernel joins half words).
-    word_kernel = {
-        GGMLQuantizationType.Q4_K: (_q4k_gemv_kernel, 4, 4),  # kernel, row alignment, default block_b
-        GGMLQuantizationType.Q6_K: (_q6k_gemv_kernel, 2, 2),
-    }
     wide = False
-    if wide_words and t in word_kernel:
-        kernel, align, default_block_b = word_kernel[t]
+    if wide_words and t in _WORD_KERNELS:
+        kernel, align, default_block_b = _WORD_KERNELS[t]
         wide = blocks.data_ptr() % 4 == 0 and blocks.stride(0) % align == 0
         block_b = block_b or default_block_b
     block_n = block_n or (8 if wide else 32)
