@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test test-all install models browser bench lint clean
+.PHONY: serve test test-all install models browser bench lint format clean
 
 # The OpenAI-compatible server on the default model (SmolLM2-135M-Instruct); flags as llama-server's:
 # `make serve ARGS="--port 8000 --api-key secret"`.
@@ -13,13 +13,22 @@ PORT ?= 8080
 serve: install models
 	$(VENV)/bin/mtpserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
-test: install models browser
-	$(VENV)/bin/lint-imports
+test: lint models browser
 	MTPSERVE_REQUIRE_MODELS=1 $(PY) -m pytest -q
 
-# Everything, the tests marked slow included (the real models' perplexity runs, ...): about 5 minutes more.
-test-all: install models browser
+# Formatting, lint rules (ruff, configured in pyproject.toml) and the one-way layering (lint-imports).
+# `make format` rewrites the files ruff would change.
+lint: install
+	$(VENV)/bin/ruff format --check --quiet src tests bench
+	$(VENV)/bin/ruff check --quiet src tests bench
 	$(VENV)/bin/lint-imports
+
+format: install
+	$(VENV)/bin/ruff format --quiet src tests bench
+	$(VENV)/bin/ruff check --quiet --fix src tests bench
+
+# Everything, the tests marked slow included (the real models' perplexity runs, ...): about 5 minutes more.
+test-all: lint models browser
 	MTPSERVE_REQUIRE_MODELS=1 $(PY) -m pytest -q -m ''
 
 # The web page is tested in a real headless Chromium (Debian's chromium and chromium-driver).

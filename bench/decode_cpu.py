@@ -66,8 +66,21 @@ def bench_mtpserve(path: Path, repetitions: int) -> dict[str, tuple[float, float
 
 
 def bench_llama_cpp(binary: str, path: Path, threads: int, repetitions: int) -> dict[str, tuple[float, float]]:
-    cmd = [binary, "-m", str(path), "-t", str(threads), "-p", str(N_PROMPT), "-n", str(N_GEN),
-           "-r", str(repetitions), "-o", "json"]  # fmt: skip
+    cmd = [
+        binary,
+        "-m",
+        str(path),
+        "-t",
+        str(threads),
+        "-p",
+        str(N_PROMPT),
+        "-n",
+        str(N_GEN),
+        "-r",
+        str(repetitions),
+        "-o",
+        "json",
+    ]
     results = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     return from_llama_bench(results)
 
@@ -104,12 +117,27 @@ def main() -> None:
         if not path.exists():
             sys.exit(f"{path} is missing: run `make models` (and check that ../shared/fixtures is present)")
         ours = bench_mtpserve(path, args.repetitions)
-        theirs = bench_llama_cpp(args.llama_bench, path, args.threads, args.repetitions) if args.llama_bench else recorded_llama_cpp(path)
+        theirs = (
+            bench_llama_cpp(args.llama_bench, path, args.threads, args.repetitions)
+            if args.llama_bench
+            else recorded_llama_cpp(path)
+        )
         for test, (mean, std) in ours.items():
             peer_mean, peer_std = (theirs or {}).get(test, (float("nan"), 0.0))
             ratio = mean / peer_mean
-            rows.append({"model": path.name, "test": test, "mtpserve": [mean, std], "llama_cpp": [peer_mean, peer_std], "ratio": ratio})
-            print(f"{path.name:34} {test:6} {mean:9.1f} ± {std:5.1f} {peer_mean:9.1f} ± {peer_std:5.1f} {ratio:5.2f}x", flush=True)
+            rows.append(
+                {
+                    "model": path.name,
+                    "test": test,
+                    "mtpserve": [mean, std],
+                    "llama_cpp": [peer_mean, peer_std],
+                    "ratio": ratio,
+                }
+            )
+            print(
+                f"{path.name:34} {test:6} {mean:9.1f} ± {std:5.1f} {peer_mean:9.1f} ± {peer_std:5.1f} {ratio:5.2f}x",
+                flush=True,
+            )
     if args.json:
         args.json.write_text(json.dumps({"peer": peer, "threads": args.threads, "rows": rows}, indent=1))
 

@@ -72,8 +72,8 @@ def main() -> None:
         n_blocks = args.mib * 2**20 // type_size
         data = np.ascontiguousarray(np.resize(blocks, (n_blocks, type_size)))
         shape = (n_blocks, block_size)
-        ours = best_seconds(lambda: dequantize(data, ggml_type, shape), args.repeats)
-        ref = best_seconds(lambda: quants.dequantize(data, ggml_type), max(1, args.repeats // 2))
+        ours = best_seconds(lambda d=data, t=ggml_type, s=shape: dequantize(d, t, s), args.repeats)
+        ref = best_seconds(lambda d=data, t=ggml_type: quants.dequantize(d, t), max(1, args.repeats // 2))
         row = {
             "type": ggml_type.name,
             "bytes": data.nbytes,

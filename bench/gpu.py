@@ -15,12 +15,12 @@ What it measures (one table on stdout, everything in --json):
   embedding reads one row), and per MTP draft step;
 * a device-to-device copy's bandwidth (read + write bytes / time): the ceiling;
 * decode tokens/s at batch 1 at each context depth, replayed from a CUDA graph as the server does, and the
-  eager step's time beside it (the difference is Python and kernel launches) (the KV cache and recurrent state are filled to the depth
-  with random values rather than by a prefill: decode speed depends on the depth, not on the values), and the
-  achieved bandwidth (weight + KV bytes read per token / time) as a fraction of the copy's;
+  eager step's time beside it (the difference is Python and kernel launches) (the KV cache and recurrent state
+  are filled to the depth with random values rather than by a prefill: decode speed depends on the depth, not on
+  the values), and the achieved bandwidth (weight + KV bytes read per token / time) as a fraction of the copy's;
 * draft-mtp: the measured cost of a verification step (n_max + 1 tokens, per-token recurrent states kept), of
-  the MTP draft steps and of the MTP catch-up (all captured, as the server runs them), combined with a recorded acceptance rate (the deployment's 63% at
-  n_max 2, by default) into expected decode tokens/s;
+  the MTP draft steps and of the MTP catch-up (all captured, as the server runs them), combined with a recorded
+  acceptance rate (the deployment's 63% at n_max 2, by default) into expected decode tokens/s;
 * decode of `--batch` sequences together (4; --parallel without speculation), tokens/s in all;
 * prefill tokens/s (ubatches of 512 from an empty context);
 * one Gated DeltaNet layer's chunked rule over a 512-token ubatch, its chunk scan as the Triton kernel and as
@@ -65,22 +65,56 @@ from mtpserve.quant.types import GGMLType, block_geometry
 from mtpserve.quant.writer import write_metadata
 
 QWEN36_27B = Qwen35Config(
-    architecture="qwen35", n_vocab=248320, n_embd=5120, n_layer=64, n_nextn=1, n_ff=17408, n_head=24, n_head_kv=4,
-    head_dim=256, rms_eps=1e-6, n_rot=64, rope_base=1e7, rope_sections=(11, 11, 10, 0), context_length=262144,
-    d_conv=4, ssm_head_dim=128, n_k_heads=16, n_v_heads=48,
-    recurrent=tuple((i + 1) % 4 != 0 for i in range(64)) + (False,), tied_embeddings=False,
-)  # fmt: skip
+    architecture="qwen35",
+    n_vocab=248320,
+    n_embd=5120,
+    n_layer=64,
+    n_nextn=1,
+    n_ff=17408,
+    n_head=24,
+    n_head_kv=4,
+    head_dim=256,
+    rms_eps=1e-6,
+    n_rot=64,
+    rope_base=1e7,
+    rope_sections=(11, 11, 10, 0),
+    context_length=262144,
+    d_conv=4,
+    ssm_head_dim=128,
+    n_k_heads=16,
+    n_v_heads=48,
+    recurrent=tuple((i + 1) % 4 != 0 for i in range(64)) + (False,),
+    tied_embeddings=False,
+)
 TINY = replace(
-    QWEN36_27B, n_vocab=2048, n_embd=256, n_layer=4, n_ff=512, n_head=4, n_head_kv=2, head_dim=64, n_rot=16,
-    rope_sections=(3, 3, 2, 0), ssm_head_dim=32, n_k_heads=2, n_v_heads=4,
+    QWEN36_27B,
+    n_vocab=2048,
+    n_embd=256,
+    n_layer=4,
+    n_ff=512,
+    n_head=4,
+    n_head_kv=2,
+    head_dim=64,
+    n_rot=16,
+    rope_sections=(3, 3, 2, 0),
+    ssm_head_dim=32,
+    n_k_heads=2,
+    n_v_heads=4,
     recurrent=(True, True, True, False, False),
-)  # fmt: skip
+)
 # Byte offsets of each type's f16 scale fields (../shared/spec/gguf-quant-formats.md §3).
 F16_FIELDS = {
-    GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2), GGMLType.Q8_0: (0,),
-    GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2),
+    GGMLType.Q4_0: (0,),
+    GGMLType.Q4_1: (0, 2),
+    GGMLType.Q5_0: (0,),
+    GGMLType.Q5_1: (0, 2),
+    GGMLType.Q8_0: (0,),
+    GGMLType.Q2_K: (80, 82),
+    GGMLType.Q3_K: (108,),
+    GGMLType.Q4_K: (0, 2),
+    GGMLType.Q5_K: (0, 2),
     GGMLType.Q6_K: (208,),
-}  # fmt: skip
+}
 
 
 def with_layers(config: Qwen35Config, n_layer: int) -> Qwen35Config:
@@ -144,10 +178,20 @@ def synthetic_vocab(n_vocab: int) -> dict[str, object]:
 def write_gguf(config: Qwen35Config, tensors: dict[str, QTensor | torch.Tensor], path: str) -> int:
     """The random model as a GGUF file, one tensor at a time (llama.cpp reads the same shapes, types and
     bytes); returns the file's size."""
-    values = {**config.metadata(), "general.name": "random Qwen3.6-27B-shaped Q4_K_M (bench/gpu.py)",
-              **synthetic_vocab(config.n_vocab), "general.file_type": FILE_TYPES["Q4_K_M"].ftype}  # fmt: skip
-    kinds = {bool: GGUFValueType.BOOL, int: GGUFValueType.UINT32, float: GGUFValueType.FLOAT32,
-             str: GGUFValueType.STRING, list: GGUFValueType.ARRAY, np.ndarray: GGUFValueType.ARRAY}  # fmt: skip
+    values = {
+        **config.metadata(),
+        "general.name": "random Qwen3.6-27B-shaped Q4_K_M (bench/gpu.py)",
+        **synthetic_vocab(config.n_vocab),
+        "general.file_type": FILE_TYPES["Q4_K_M"].ftype,
+    }
+    kinds = {
+        bool: GGUFValueType.BOOL,
+        int: GGUFValueType.UINT32,
+        float: GGUFValueType.FLOAT32,
+        str: GGUFValueType.STRING,
+        list: GGUFValueType.ARRAY,
+        np.ndarray: GGUFValueType.ARRAY,
+    }
     writer = GGUFWriter(path, config.architecture)
     write_metadata(writer, values, {k: kinds[type(v)] for k, v in values.items()})
     for name, t in tensors.items():
@@ -240,8 +284,16 @@ def truncate(state, depth: int) -> None:
     state.n_past = depth
 
 
-def measure_decode(model, state, depth: int, args: argparse.Namespace, timer: Timer, gen: torch.Generator,
-                   weight_bytes: int, copy_bytes_per_s: float) -> dict:  # fmt: skip
+def measure_decode(
+    model,
+    state,
+    depth: int,
+    args: argparse.Namespace,
+    timer: Timer,
+    gen: torch.Generator,
+    weight_bytes: int,
+    copy_bytes_per_s: float,
+) -> dict:
     """Decode at `depth`: eager and graphed steps, and the draft-mtp estimate from its measured parts."""
     config, device = model.config, model.device
     token = 1000 % config.n_vocab
@@ -374,12 +426,23 @@ def measure_chunk_scan(config: Qwen35Config, device: torch.device, args: argpars
     g = -torch.nn.functional.softplus(randn(T, Hv))
     beta = torch.sigmoid(randn(T, Hv))
     rule_s = timer.median(lambda: gated_delta_rule_chunked(qh, kh, randn(T, Hv, K), g, beta, state), args.reps, warmup)
-    return {"tokens": T, "chunk": C, "scan_kernel_ms": 1e3 * kernel_s, "scan_loop_ms": 1e3 * loop_s,
-            "chunked_rule_ms": 1e3 * rule_s}  # fmt: skip
+    return {
+        "tokens": T,
+        "chunk": C,
+        "scan_kernel_ms": 1e3 * kernel_s,
+        "scan_loop_ms": 1e3 * loop_s,
+        "chunked_rule_ms": 1e3 * rule_s,
+    }
 
 
-def measure_gemv(config: Qwen35Config, device: torch.device, args: argparse.Namespace, timer: Timer,
-                 gen: torch.Generator, copy_bytes_per_s: float) -> list[dict]:  # fmt: skip
+def measure_gemv(
+    config: Qwen35Config,
+    device: torch.device,
+    args: argparse.Namespace,
+    timer: Timer,
+    gen: torch.Generator,
+    copy_bytes_per_s: float,
+) -> list[dict]:
     """The GEMV alone on the model's commonest matrices (Q4_K: the Gated DeltaNet input projection, the FFN
     gate/up; Q6_K: the FFN down projection, the LM head), 1 and 3 rows (decode, verification at n_max 2), as the
     type's word kernel and as the generic sub-tile kernel: time, and weight bytes read per second as a fraction
@@ -390,9 +453,11 @@ def measure_gemv(config: Qwen35Config, device: torch.device, args: argparse.Name
     qkv_rows = 2 * config.n_k_heads * config.ssm_head_dim + config.n_v_heads * config.ssm_head_dim
     matrices = [("attn_qkv", GGMLType.Q4_K, qkv_rows, config.n_embd)]
     if not args.tiny:  # the interpreter takes about a second a call: one case shows the wiring
-        matrices += [("ffn_up", GGMLType.Q4_K, config.n_ff, config.n_embd),
-                     ("ffn_down", GGMLType.Q6_K, config.n_embd, config.n_ff),
-                     ("output", GGMLType.Q6_K, config.n_vocab, config.n_embd)]  # fmt: skip
+        matrices += [
+            ("ffn_up", GGMLType.Q4_K, config.n_ff, config.n_embd),
+            ("ffn_down", GGMLType.Q6_K, config.n_embd, config.n_ff),
+            ("output", GGMLType.Q6_K, config.n_vocab, config.n_embd),
+        ]
     out = []
     for name, qtype, n, k in matrices:
         blocks = random_blocks(qtype, n, k, device, gen)
@@ -431,8 +496,9 @@ def run_llama_bench(binary: str, args: list[str], timeout: float) -> dict[tuple[
     return {(r["n_prompt"], r["n_gen"], r["n_depth"]): r for r in json.loads(run.stdout)}
 
 
-def measure_peer(config: Qwen35Config, tensors: dict, result: dict, args: argparse.Namespace,
-                 device: torch.device) -> dict:  # fmt: skip
+def measure_peer(
+    config: Qwen35Config, tensors: dict, result: dict, args: argparse.Namespace, device: torch.device
+) -> dict:
     """The peer's numbers (`_peer`), or what kept it from running."""
     try:
         return _peer(config, tensors, result, args, device)
@@ -455,19 +521,25 @@ def _peer(config: Qwen35Config, tensors: dict, result: dict, args: argparse.Name
     flags += ["-ngl", "99"] if device.type == "cuda" else ["-ngl", "0", "-t", str(os.cpu_count() or 1)]
     depths = [row["depth"] for row in result["decode"]]
     print("llama.cpp: decode", file=sys.stderr, flush=True)
-    decode = run_llama_bench(args.llama_bench, [*flags, "-p", "0", "-n", "64", "-d", ",".join(map(str, depths))],
-                             args.peer_timeout)  # fmt: skip
+    decode = run_llama_bench(
+        args.llama_bench, [*flags, "-p", "0", "-n", "64", "-d", ",".join(map(str, depths))], args.peer_timeout
+    )
     print("llama.cpp: prefill", file=sys.stderr, flush=True)
-    prefill = run_llama_bench(args.llama_bench, [*flags, "-p", str(args.prefill), "-n", "0", "-ub", "512"],
-                              args.peer_timeout)  # fmt: skip
+    prefill = run_llama_bench(
+        args.llama_bench, [*flags, "-p", str(args.prefill), "-n", "0", "-ub", "512"], args.peer_timeout
+    )
     any_row = next(iter(decode.values()))
     peer.update(build_commit=any_row.get("build_commit"), backends=any_row.get("backends"), decode=[])
     for row in result["decode"]:
         theirs = decode[(0, 64, row["depth"])]
-        peer["decode"].append({
-            "depth": row["depth"], "tokens_per_s": theirs["avg_ts"], "stddev": theirs["stddev_ts"],
-            "ours_over_theirs": row["decode_tokens_per_s"] / theirs["avg_ts"],
-        })  # fmt: skip
+        peer["decode"].append(
+            {
+                "depth": row["depth"],
+                "tokens_per_s": theirs["avg_ts"],
+                "stddev": theirs["stddev_ts"],
+                "ours_over_theirs": row["decode_tokens_per_s"] / theirs["avg_ts"],
+            }
+        )
     theirs = prefill[(args.prefill, 0, 0)]
     peer["prefill_tokens_per_s"] = theirs["avg_ts"]
     peer["prefill_ours_over_theirs"] = result["prefill_tokens_per_s"] / theirs["avg_ts"]
@@ -486,8 +558,10 @@ def peer_only(config: Qwen35Config, args: argparse.Namespace, device: torch.devi
     with open(args.peer_only) as f:
         result = json.load(f)
     if result["config"]["n_layer"] != config.n_layer or result["shapes"] != shapes_name(args):
-        print(f"bench/gpu.py: {args.peer_only} was measured on other shapes (pass the same --tiny/--layers)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"bench/gpu.py: {args.peer_only} was measured on other shapes (pass the same --tiny/--layers)",
+            file=sys.stderr,
+        )
         return 2
     result["peer"] = measure_peer(config, random_weights(config, device), result, args, device)
     if args.json:
@@ -528,8 +602,10 @@ def main(argv: list[str] | None = None) -> int:
     emulation = None
     if device.type == "cpu":  # the GPU path on CPU tensors: Triton's interpreter
         if os.environ.get("TRITON_INTERPRET") != "1":
-            print("bench/gpu.py: on CPU, run with TRITON_INTERPRET=1 (the GPU path under Triton's interpreter)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                "bench/gpu.py: on CPU, run with TRITON_INTERPRET=1 (the GPU path under Triton's interpreter)",
+                file=sys.stderr,
+            )
             return 2
         from mtpserve.ops.device import emulate_gpu
 
@@ -553,8 +629,12 @@ def main(argv: list[str] | None = None) -> int:
         "n_max": args.n_max,
         "acceptance": args.acceptance,
     }
-    print(f"building a random {'tiny' if args.tiny else 'Qwen3.6-27B-shaped'} Q4_K_M model, {config.n_layer} layers "
-          f"+ MTP, on {result['device']}", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"building a random {'tiny' if args.tiny else 'Qwen3.6-27B-shaped'} Q4_K_M model, {config.n_layer} layers "
+        f"+ MTP, on {result['device']}",
+        file=sys.stderr,
+        flush=True,
+    )
     t0 = time.perf_counter()
     tensors = random_weights(config, device)
     # The token table in host memory, where the server's placement keeps an untied one (llama.cpp does too).
@@ -651,7 +731,8 @@ def report(r: dict) -> str:
     ]
     for row in r["decode"]:
         lines.append(
-            f"| {row['depth']} | {row['decode_tokens_per_s']:.1f} | {row['decode_ms']:.2f} | {row['decode_eager_ms']:.2f} | "
+            f"| {row['depth']} | {row['decode_tokens_per_s']:.1f} | {row['decode_ms']:.2f} | "
+            f"{row['decode_eager_ms']:.2f} | "
             f"{row['kv_bytes_per_token'] / gib:.3f} | {100 * row['bandwidth_fraction']:.0f}% | "
             f"{row['draft_ms']:.2f} ({row['draft_step_eager_ms']:.2f}) | {row['catch_up_ms']:.2f} | "
             f"{row['verify_ms']:.2f} ({row['verify_eager_ms']:.2f}) | "
@@ -676,16 +757,21 @@ def report(r: dict) -> str:
     if peer and "error" in peer:
         lines.append(f"llama.cpp: not measured ({peer['error']})")
     elif peer:
-        lines.append(f"llama.cpp ({peer['backends']}, build {peer['build_commit']}), the same model and settings: "
-                     + ", ".join(f"decode at {d['depth']} {d['tokens_per_s']:.1f} tok/s (ours / theirs "
-                                 f"{d['ours_over_theirs']:.2f})" for d in peer["decode"])
-                     + f"; prefill {peer['prefill_tokens_per_s']:.0f} tok/s (ours / theirs "
-                     f"{peer['prefill_ours_over_theirs']:.2f})")  # fmt: skip
+        lines.append(
+            f"llama.cpp ({peer['backends']}, build {peer['build_commit']}), the same model and settings: "
+            + ", ".join(
+                f"decode at {d['depth']} {d['tokens_per_s']:.1f} tok/s (ours / theirs {d['ours_over_theirs']:.2f})"
+                for d in peer["decode"]
+            )
+            + f"; prefill {peer['prefill_tokens_per_s']:.0f} tok/s (ours / theirs "
+            f"{peer['prefill_ours_over_theirs']:.2f})"
+        )
     if "memory" in r:
         m = r["memory"]
         lines.append(
             f"memory at {m['ctx']} tokens, q8_0 KV: state {m['state_bytes'] / gib:.2f} GiB + weights "
-            f"{m['weights_bytes'] / gib:.2f} GiB; allocated {m['total_bytes'] / gib:.2f} GiB, peak {m['peak_bytes'] / gib:.2f} GiB"
+            f"{m['weights_bytes'] / gib:.2f} GiB; allocated {m['total_bytes'] / gib:.2f} GiB, "
+            f"peak {m['peak_bytes'] / gib:.2f} GiB"
         )
     return "\n".join(lines)
 

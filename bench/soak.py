@@ -1,7 +1,8 @@
 """Soak: the CI load test (tests/test_load.py) for as long as you like, against a server this script
 starts (`-m MODEL`, default the default model) or one already running (`--url`).
 
-    .venv/bin/python bench/soak.py --duration 3600 [--every 300] [--clients 64] [--parallel 4] [-m MODEL | --url URL --api-key K]
+    .venv/bin/python bench/soak.py --duration 3600 [--every 300] [--clients 64] [--parallel 4] \\
+        [-m MODEL | --url URL --api-key K]
 
 Runs the load in periods of `--every` seconds and prints the load report after each (requests started
 and completed by client kind, errors by kind, p50/p99 latency, the server's memory before and after,
@@ -32,7 +33,10 @@ def soak(url: str, pid: int | None, args: argparse.Namespace) -> int:
     end = rss_kib(pid) if pid else None
     if start is not None and end is not None:
         growth = (end - start) / 1024
-        print(f"soak: server memory {start / 1024:.0f} -> {end / 1024:.0f} MiB ({growth:+.0f} MiB, bound {args.rss_bound_mib:.0f})")
+        print(
+            f"soak: server memory {start / 1024:.0f} -> {end / 1024:.0f} MiB "
+            f"({growth:+.0f} MiB, bound {args.rss_bound_mib:.0f})"
+        )
         failed |= growth > args.rss_bound_mib
     if args.json:
         with open(args.json, "w") as f:

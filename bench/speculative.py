@@ -13,9 +13,9 @@ The machine is noisy (a shared 2-core VM drifts by +-30 % over minutes), so a sp
 rounds: for each configuration all servers run at the same time (mtpserve and llama-server, each with
 and without speculation; idle but for the request at hand), one round sends the request to each in turn
 (the order rotated every round), each round gives each engine one ratio of its speeds with and without
-speculation, and the table reports the median ratio over the rounds and its range. With `--peer-url` one running llama-server is measured
-as it was started (its n_max given by --peer-n-max), against a no-speculation llama-server this script
-cannot start, so only its speed is shown; without a peer, the llama-server numbers recorded in
+speculation, and the table reports the median ratio over the rounds and its range. With `--peer-url` one
+running llama-server is measured as it was started (its n_max given by --peer-n-max), against a no-speculation
+llama-server this script cannot start, so only its speed is shown; without a peer, the llama-server numbers recorded in
 ../shared/fixtures (no speculation and n_max 2) stand in.
 """
 
@@ -53,8 +53,24 @@ def completion(url: str, prompt: list[int]) -> dict:
 
 
 def mtpserve_cmd(n_max: str | None) -> list[str]:
-    cmd = [sys.executable, "-m", "mtpserve", "serve", "-m", str(MODEL), "-t", "2", "-c", "4096", "-np", "1",
-           "--no-webui", "--no-warmup", "-lv", "1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mtpserve",
+        "serve",
+        "-m",
+        str(MODEL),
+        "-t",
+        "2",
+        "-c",
+        "4096",
+        "-np",
+        "1",
+        "--no-webui",
+        "--no-warmup",
+        "-lv",
+        "1",
+    ]
     return cmd + (["--spec-type", "draft-mtp", "--spec-draft-n-max", n_max] if n_max else [])
 
 
@@ -79,9 +95,14 @@ def speedup(base: list[dict], spec: list[dict]) -> dict:
     """Per-round ratios of decode speed, with and without speculation; the median is reported."""
     tps = lambda runs: [t["predicted_per_second"] for t in runs]  # noqa: E731
     ratios = [s / b for s, b in zip(tps(spec), tps(base))]
-    return {"speedup": statistics.median(ratios), "base": statistics.median(tps(base)), "spec": statistics.median(tps(spec)),
-            "draft_n": spec[-1].get("draft_n", 0), "accepted": spec[-1].get("draft_n_accepted", 0),
-            "spread": (min(ratios), max(ratios))}  # fmt: skip
+    return {
+        "speedup": statistics.median(ratios),
+        "base": statistics.median(tps(base)),
+        "spec": statistics.median(tps(spec)),
+        "draft_n": spec[-1].get("draft_n", 0),
+        "accepted": spec[-1].get("draft_n_accepted", 0),
+        "spread": (min(ratios), max(ratios)),
+    }
 
 
 def recorded(n_max: str) -> dict | None:
@@ -90,15 +111,22 @@ def recorded(n_max: str) -> dict | None:
         return None
     tps = lambda key: statistics.mean(r["timings"]["predicted_per_second"] for r in speed[key]["runs"])  # noqa: E731
     timings = speed["draft_mtp_n_max_2"]["runs"][-1]["timings"]
-    return {"speedup": tps("draft_mtp_n_max_2") / tps("no_spec"), "base": tps("no_spec"), "spec": tps("draft_mtp_n_max_2"),
-            "draft_n": timings["draft_n"], "accepted": timings["draft_n_accepted"], "spread": None}  # fmt: skip
+    return {
+        "speedup": tps("draft_mtp_n_max_2") / tps("no_spec"),
+        "base": tps("no_spec"),
+        "spec": tps("draft_mtp_n_max_2"),
+        "draft_n": timings["draft_n"],
+        "accepted": timings["draft_n_accepted"],
+        "spread": None,
+    }
 
 
 def cell(result: dict | None) -> str:
     if result is None:
         return f"{'-':>8} {'':>13} {'':>10}"
     spread = f"{result['spread'][0]:.2f}-{result['spread'][1]:.2f}" if result["spread"] else "recorded"
-    return f"{result['speedup']:7.2f}x {result['spec']:6.0f}/{result['base']:<6.0f} {result['accepted']:4d}/{result['draft_n']:<5d} {spread:>9}"
+    speeds = f"{result['spec']:6.0f}/{result['base']:<6.0f}"
+    return f"{result['speedup']:7.2f}x {speeds} {result['accepted']:4d}/{result['draft_n']:<5d} {spread:>9}"
 
 
 def main() -> None:
@@ -110,8 +138,10 @@ def main() -> None:
     args = ap.parse_args()
     prompt = speed_prompt(Tokenizer.from_gguf(MODEL))
     peer_name = args.llama_server or args.peer_url or "llama-server numbers recorded in ../shared/fixtures"
-    print(f"{MODEL.name}, {len(prompt)}-token prompt, {N_PREDICT} greedy tokens, 2 threads, {args.rounds} paired rounds; "
-          f"peer: {peer_name}\n")  # fmt: skip
+    print(
+        f"{MODEL.name}, {len(prompt)}-token prompt, {N_PREDICT} greedy tokens, 2 threads, {args.rounds} paired rounds; "
+        f"peer: {peer_name}\n"
+    )
     head = f"{'speed-up':>8} {'spec/base t/s':>13} {'accepted':>10} {'range':>9}"
     print(f"{'configuration':20} | {'mtpserve':^44} | {'llama.cpp':^44} | ours >= peer")
     print(f"{'':20} | {head} | {head} |")
@@ -124,7 +154,9 @@ def main() -> None:
                 urls = dict(bases)
                 urls["ours_spec"] = config_servers.enter_context(managed_server(mtpserve_cmd(n_max)))
                 if args.llama_server and n_max != "auto":  # llama.cpp has no automatic length
-                    urls["peer_spec"] = config_servers.enter_context(managed_server(llama_cmd(args.llama_server, n_max)))
+                    urls["peer_spec"] = config_servers.enter_context(
+                        managed_server(llama_cmd(args.llama_server, n_max))
+                    )
                 else:
                     urls.pop("peer_base", None)
                 runs = measure_rounds(urls, prompt, args.rounds)
@@ -134,8 +166,14 @@ def main() -> None:
                 completion(args.peer_url, prompt)
                 timings = [completion(args.peer_url, prompt) for _ in range(args.rounds)]
                 tps = statistics.median(t["predicted_per_second"] for t in timings)
-                peer = {"speedup": float("nan"), "base": float("nan"), "spec": tps, "draft_n": timings[-1].get("draft_n", 0),
-                        "accepted": timings[-1].get("draft_n_accepted", 0), "spread": None}  # fmt: skip
+                peer = {
+                    "speedup": float("nan"),
+                    "base": float("nan"),
+                    "spec": tps,
+                    "draft_n": timings[-1].get("draft_n", 0),
+                    "accepted": timings[-1].get("draft_n_accepted", 0),
+                    "spread": None,
+                }
             elif not args.llama_server and not args.peer_url:
                 peer = recorded(n_max)
             comparable = peer is not None and peer["speedup"] == peer["speedup"]

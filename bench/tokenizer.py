@@ -75,19 +75,31 @@ def main() -> None:
 
     rows = []
     cases = [
-        ("encode (1 text)", lambda: tok.encode(text, add_special=False),
-         lambda: raw.encode(text, add_special_tokens=False).ids),
-        (f"encode_batch ({len(lines)} lines)", lambda: tok.encode_batch(lines, add_special=False),
-         lambda: [e.ids for e in raw.encode_batch(lines, add_special_tokens=False)]),
-    ]  # fmt: skip
-    print(f"tokenize {n_bytes / 1e6:.2f} MB ({len(tok.encode(text, add_special=False)):,} tokens) with the qwen35 "
-          f"vocab, best of {args.repeats}, {args.threads} library threads")  # fmt: skip
+        (
+            "encode (1 text)",
+            lambda: tok.encode(text, add_special=False),
+            lambda: raw.encode(text, add_special_tokens=False).ids,
+        ),
+        (
+            f"encode_batch ({len(lines)} lines)",
+            lambda: tok.encode_batch(lines, add_special=False),
+            lambda: [e.ids for e in raw.encode_batch(lines, add_special_tokens=False)],
+        ),
+    ]
+    print(
+        f"tokenize {n_bytes / 1e6:.2f} MB ({len(tok.encode(text, add_special=False)):,} tokens) with the qwen35 "
+        f"vocab, best of {args.repeats}, {args.threads} library threads"
+    )
     print(f"{'case':28s} {'mtpserve MB/s':>14s} {'tokenizers MB/s':>16s} {'ratio':>7s}")
     for name, ours, lib in cases:
         t_ours = best_seconds(ours, args.repeats)
         t_lib = best_seconds(lib, args.repeats)
-        row = {"case": name, "bytes": n_bytes, "mtpserve_mb_per_s": n_bytes / t_ours / 1e6,
-               "tokenizers_mb_per_s": n_bytes / t_lib / 1e6}  # fmt: skip
+        row = {
+            "case": name,
+            "bytes": n_bytes,
+            "mtpserve_mb_per_s": n_bytes / t_ours / 1e6,
+            "tokenizers_mb_per_s": n_bytes / t_lib / 1e6,
+        }
         row["ratio"] = row["mtpserve_mb_per_s"] / row["tokenizers_mb_per_s"]
         rows.append(row)
         print(f"{name:28s} {row['mtpserve_mb_per_s']:14.2f} {row['tokenizers_mb_per_s']:16.2f} {row['ratio']:6.2f}x")

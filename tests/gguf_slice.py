@@ -81,8 +81,9 @@ def slice_token_ids(path: str | Path) -> list[int]:
     return [int(i) for i in open_gguf(path).metadata[SLICE_IDS_KEY]]
 
 
-def slice_with_prompts(src: str | Path, dst: str | Path, ref: str | Path | None = None, *, n_layers: int = 6,
-                       n_tokens: int = 16384) -> list[int]:
+def slice_with_prompts(
+    src: str | Path, dst: str | Path, ref: str | Path | None = None, *, n_layers: int = 6, n_tokens: int = 16384
+) -> list[int]:
     """The slice the GPU check uses: the first `n_layers` blocks, ids 0..n_tokens-1, and every prompt id of a
     llama.cpp reference JSON of ../shared/fixtures/refs (so its prompts map into the slice)."""
     prompts = []

@@ -166,9 +166,18 @@ def launches() -> list[Launch]:
             cfg = f"{t.name} {str(dtype)[6:]} M={PROMPT_ROWS} {k['BLOCK_M']}x{k['BLOCK_N']}"
             note = "ops.quant_linear uses dequant + cuBLAS below sm_80" if dtype == torch.float16 else ""
             out.append(
-                Launch("gemm", cfg, f, a, k, min_arch, quick=t == Q.Q4_K and dtype == torch.bfloat16, note=note,
-                       fixups=[_gemm_num_warps])
-            )  # fmt: skip
+                Launch(
+                    "gemm",
+                    cfg,
+                    f,
+                    a,
+                    k,
+                    min_arch,
+                    quick=t == Q.Q4_K and dtype == torch.bfloat16,
+                    note=note,
+                    fixups=[_gemm_num_warps],
+                )
+            )
     # Decode / verification attention over the KV cache as stored; pass 2 (combine) comes with each call.
     combines: dict[str, tuple] = {}
     for kv in ((Q.Q8_0, Q.Q8_0), (Q.F16, Q.F16), (Q.Q4_0, Q.Q4_0)):
@@ -194,8 +203,10 @@ def launches() -> list[Launch]:
                         ),
                     )
                     (f, a, k), (cf, ca, ck) = rec
-                    cfg = (f"K={kv[0].name} V={kv[1].name} D={d} H={h} Hkv={hkv} T={n_tok} "
-                           f"window={window} BLOCK_M={k['BLOCK_M']} BLOCK_S={k['BLOCK_S']} warps={k['num_warps']}")  # fmt: skip
+                    cfg = (
+                        f"K={kv[0].name} V={kv[1].name} D={d} H={h} Hkv={hkv} T={n_tok} "
+                        f"window={window} BLOCK_M={k['BLOCK_M']} BLOCK_S={k['BLOCK_S']} warps={k['num_warps']}"
+                    )
                     quick = kv[0] == Q.Q8_0 and d == 256 and n_tok == 1 and window is None
                     out.append(Launch("attn_split", cfg, f, a, k, quick=quick, fixups=[_attention_precision]))
                     combines.setdefault(f"D={d} T={n_tok} H={h}", (cf, ca, ck, quick))
@@ -252,8 +263,18 @@ def _compile(job: tuple[int, int]) -> dict:
     from triton.runtime.jit import create_function_from_signature
 
     launch = _LAUNCHES[i]
-    res = {"kernel": launch.kernel, "config": launch.config, "arch": arch, "ok": False, "regs": None,
-           "spills": None, "stack": None, "shared": None, "error": "", "note": launch.note}  # fmt: skip
+    res = {
+        "kernel": launch.kernel,
+        "config": launch.config,
+        "arch": arch,
+        "ok": False,
+        "regs": None,
+        "spills": None,
+        "stack": None,
+        "shared": None,
+        "error": "",
+        "note": launch.note,
+    }
     start = time.perf_counter()
     log = io.StringIO()
     try:
@@ -322,8 +343,10 @@ def _row(r: dict, loads: bool = False) -> str:
     def num(v: int | None) -> str:
         return "-" if v is None else str(v)
 
-    line = (f"{r['kernel']:<13} sm_{r['arch']:<3} {status:<6} regs {num(r['regs']):>3}  spills {num(r['spills']):>4}  "
-            f"shared {num(r['shared']):>6}  {r['seconds']:5.1f}s  {r['config']}")  # fmt: skip
+    line = (
+        f"{r['kernel']:<13} sm_{r['arch']:<3} {status:<6} regs {num(r['regs']):>3}  spills {num(r['spills']):>4}  "
+        f"shared {num(r['shared']):>6}  {r['seconds']:5.1f}s  {r['config']}"
+    )
     if r["note"]:
         line += f"  ({r['note']})"
     if loads and r.get("loads") is not None:
@@ -362,8 +385,11 @@ def main(argv: list[str] | None = None) -> int:
             and (launch.quick or not args.quick)
             and (args.only in launch.kernel or args.only in launch.config)
         ]
-        print(f"triton {triton.__version__}, ptxas {get_ptxas(90).path} / {get_ptxas(80).path}: "
-              f"{len(jobs)} compiles for sm_{', sm_'.join(map(str, archs))}", flush=True)  # fmt: skip
+        print(
+            f"triton {triton.__version__}, ptxas {get_ptxas(90).path} / {get_ptxas(80).path}: "
+            f"{len(jobs)} compiles for sm_{', sm_'.join(map(str, archs))}",
+            flush=True,
+        )
         if args.jobs > 1 and len(jobs) > 1:
             ctx = multiprocessing.get_context("fork")  # the workers inherit _LAUNCHES
             with ctx.Pool(min(args.jobs, len(jobs))) as pool:
@@ -383,8 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     spilled = [r for r in results if r["ok"] and r["spills"]]
     for r in failed:
         print(f"FAILED: {r['kernel']} sm_{r['arch']} {r['config']}: {r['error'].strip().splitlines()[0]}")
-    print(f"{len(results) - len(failed)}/{len(results)} compiled, {len(failed)} failed, {len(spilled)} of them "
-          f"spill registers; {time.perf_counter() - start:.1f}s")  # fmt: skip
+    print(
+        f"{len(results) - len(failed)}/{len(results)} compiled, {len(failed)} failed, {len(spilled)} of them "
+        f"spill registers; {time.perf_counter() - start:.1f}s"
+    )
     return 1 if failed or not results else 0
 
 

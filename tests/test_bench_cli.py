@@ -19,10 +19,14 @@ from .server_process import ServerProcess
 def test_sweeps_are_cartesian_products_of_flags_and_request_keys():
     points = parse_sweep(["spec-draft-n-max=0,2", "enable_thinking=true,false"])
     assert [p.name for p in points] == [
-        "spec-draft-n-max=0 enable_thinking=true", "spec-draft-n-max=0 enable_thinking=false",
-        "spec-draft-n-max=2 enable_thinking=true", "spec-draft-n-max=2 enable_thinking=false",
-    ]  # fmt: skip
-    assert points[2].server_args() == ["--spec-draft-n-max", "2"] and dict(points[3].request) == {"enable_thinking": False}
+        "spec-draft-n-max=0 enable_thinking=true",
+        "spec-draft-n-max=0 enable_thinking=false",
+        "spec-draft-n-max=2 enable_thinking=true",
+        "spec-draft-n-max=2 enable_thinking=false",
+    ]
+    assert points[2].server_args() == ["--spec-draft-n-max", "2"] and dict(points[3].request) == {
+        "enable_thinking": False
+    }
     assert parse_sweep([]) == [Point()]
     with pytest.raises(ValueError, match="KEY=V1,V2"):
         parse_sweep(["spec-draft-n-max"])
@@ -30,8 +34,24 @@ def test_sweeps_are_cartesian_products_of_flags_and_request_keys():
 
 def test_summary_sums_as_the_guide_does():
     results = [
-        RequestResult("a", prompt_n=10, prompt_per_second=100, predicted_n=50, predicted_per_second=25, draft_n=40, draft_n_accepted=30),
-        RequestResult("b", prompt_n=30, prompt_per_second=300, predicted_n=50, predicted_per_second=50, draft_n=60, draft_n_accepted=30),
+        RequestResult(
+            "a",
+            prompt_n=10,
+            prompt_per_second=100,
+            predicted_n=50,
+            predicted_per_second=25,
+            draft_n=40,
+            draft_n_accepted=30,
+        ),
+        RequestResult(
+            "b",
+            prompt_n=30,
+            prompt_per_second=300,
+            predicted_n=50,
+            predicted_per_second=50,
+            draft_n=60,
+            draft_n_accepted=30,
+        ),
         RequestResult("c", ok=False, error="boom"),
     ]
     s = summarize(results)
@@ -44,17 +64,33 @@ def test_summary_sums_as_the_guide_does():
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mtpserve", "bench", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "mtpserve", "bench", *args], capture_output=True, text=True, timeout=600
+    )
 
 
 def test_bench_url_reports_per_request_and_cumulative_acceptance(tmp_path):
     model = tinyqwen_path("Q4_K_M")
-    server = ServerProcess(["-m", str(model), "--spec-type", "draft-mtp", "--spec-draft-n-max", "2", "--api-key", "k"],
-                           tmp_path / "server.log")  # fmt: skip
+    server = ServerProcess(
+        ["-m", str(model), "--spec-type", "draft-mtp", "--spec-draft-n-max", "2", "--api-key", "k"],
+        tmp_path / "server.log",
+    )
     peer = ServerProcess(["-m", str(model)], tmp_path / "peer.log")
     try:
-        result = _bench("--url", server.url, "--api-key", "k", "--peer-url", peer.url, "-n", "4", "--max-tokens", "12",
-                        "--out", str(tmp_path / "out"))  # fmt: skip
+        result = _bench(
+            "--url",
+            server.url,
+            "--api-key",
+            "k",
+            "--peer-url",
+            peer.url,
+            "-n",
+            "4",
+            "--max-tokens",
+            "12",
+            "--out",
+            str(tmp_path / "out"),
+        )
     finally:
         server.stop(), peer.stop()
     assert result.returncode == 0, result.stderr
@@ -66,14 +102,29 @@ def test_bench_url_reports_per_request_and_cumulative_acceptance(tmp_path):
     assert config["failed"] == 0 and 0 < config["acceptance"] <= 1 and config["tokens_per_step"] > 1
     assert config["peer"]["acceptance"] is None and config["vs_peer"] > 0  # the peer does not speculate
     requests = data["rounds"][0]["as started"]
-    assert sum(r["draft_n_accepted"] for r in requests) / sum(r["draft_n"] for r in requests) == pytest.approx(config["acceptance"])
+    assert sum(r["draft_n_accepted"] for r in requests) / sum(r["draft_n"] for r in requests) == pytest.approx(
+        config["acceptance"]
+    )
 
 
 def test_bench_sweep_restarts_the_server_and_writes_table_json_and_plots(tmp_path):
     out = tmp_path / "out"
-    result = _bench("-m", str(tinyqwen_path("Q4_K_M")), "--server-args", "--spec-type draft-mtp -c 4096",
-                    "--sweep", "spec-draft-n-max=0,1", "-n", "2", "--max-tokens", "8", "--depths", "300",
-                    "--out", str(out))  # fmt: skip
+    result = _bench(
+        "-m",
+        str(tinyqwen_path("Q4_K_M")),
+        "--server-args",
+        "--spec-type draft-mtp -c 4096",
+        "--sweep",
+        "spec-draft-n-max=0,1",
+        "-n",
+        "2",
+        "--max-tokens",
+        "8",
+        "--depths",
+        "300",
+        "--out",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     data = json.loads((out / "bench.json").read_text())
     names = [c["configuration"] for c in data["configurations"]]

@@ -42,9 +42,27 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
     fake.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable))
     fake.chmod(0o755)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, str(REPO / "bench" / "gpu.py"), "--tiny", "--device", "cpu", "--contexts", "256,384",
-           "--prefill", "96", "--reps", "1", "--batch", "2", "--json", str(out), "--llama-bench", str(fake),
-           "--gguf", str(tmp_path / "random.gguf")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "gpu.py"),
+        "--tiny",
+        "--device",
+        "cpu",
+        "--contexts",
+        "256,384",
+        "--prefill",
+        "96",
+        "--reps",
+        "1",
+        "--batch",
+        "2",
+        "--json",
+        str(out),
+        "--llama-bench",
+        str(fake),
+        "--gguf",
+        str(tmp_path / "random.gguf"),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "| depth | decode tok/s |" in run.stdout and "prefill:" in run.stdout
@@ -95,8 +113,9 @@ def test_the_random_model_written_as_gguf_is_the_model_benchmarked(tmp_path: Pat
     assert loaded.config.rms_eps == pytest.approx(gpu.TINY.rms_eps)
     built = build_model(WeightStore(tensors, torch.device("cpu")), gpu.TINY)
     ids = [5, 300, 1000, 7]
-    assert torch.equal(loaded.prefill(ids, loaded.new_state(64, "f16", "f16")),
-                       built.prefill(ids, built.new_state(64, "f16", "f16")))  # fmt: skip
+    assert torch.equal(
+        loaded.prefill(ids, loaded.new_state(64, "f16", "f16")), built.prefill(ids, built.new_state(64, "f16", "f16"))
+    )
 
 
 def test_bench_gpu_refuses_cuda_without_a_gpu() -> None:

@@ -35,7 +35,7 @@ QWEN36_TWO_TURN_REASONING = (
 )
 GEN_ON = "<|im_start|>assistant\n<think>\n"
 GEN_OFF = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
-TOOL_SYSTEM = "<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"Get the weather\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow the specified format: an inner <function=...></function> block must be nested within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n- You may provide optional reasoning for your function call in natural language BEFORE the function call, but NOT after\n- If there is no function call available, answer the question like normal with your current knowledge and do not tell the user about function calls\n</IMPORTANT><|im_end|>\n"  # noqa: E501
+TOOL_SYSTEM = '<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>\n{"type": "function", "function": {"name": "get_weather", "description": "Get the weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow the specified format: an inner <function=...></function> block must be nested within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n- You may provide optional reasoning for your function call in natural language BEFORE the function call, but NOT after\n- If there is no function call available, answer the question like normal with your current knowledge and do not tell the user about function calls\n</IMPORTANT><|im_end|>\n'  # noqa: E501
 TOOL_REST = "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<think>\nNeed the tool.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nSunny, 21 C\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n"  # noqa: E501
 
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -221,9 +221,13 @@ def test_message_normalisation():
     seen = ChatTemplate("{{ messages | tojson }}|{{ tools | tojson }}").apply(
         [
             {"role": "developer", "content": "rules"},
-            {"role": "assistant", "content": None, "reasoning_content": "", "tool_calls": [
-                {"type": "function", "function": {"name": "f", "arguments": '{"a": 1.0, "b": "é"}'}}]},
-        ],  # fmt: skip
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "",
+                "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '{"a": 1.0, "b": "é"}'}}],
+            },
+        ],
         tools=[{"type": "function", "function": {"name": "f"}}],
     )
     messages, tools = seen.prompt.split("|")
@@ -275,7 +279,7 @@ def test_loop_controls_and_namespace():
 
 
 def test_tojson_writes_what_llama_cpp_writes():
-    value = {"b": 1.0, "a": [0.1, 1e-7, 123456789.0, True, None], "é": "\"\n\x01"}
+    value = {"b": 1.0, "a": [0.1, 1e-7, 123456789.0, True, None], "é": '"\n\x01'}
     assert to_json(value) == '{"b": 1, "a": [0.1, 1e-07, 1.23457e+08, true, null], "é": "\\"\\n\\u0001"}'
     assert to_json([1, {"x": []}], indent=2) == '[\n  1,\n  {\n    "x": []\n  }\n]'
     assert to_json({"é": 1}, ensure_ascii=True) == '{"\\u00e9": 1}'

@@ -15,9 +15,22 @@ from mtpserve.quant import SUPPORTED_TYPES, UnsupportedQuantType, dequantize, de
 from .conftest import default_model, tinyqwen_path
 
 REQUIRED_TYPES = {
-    T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
-    T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
-}  # fmt: skip
+    T.F32,
+    T.F16,
+    T.BF16,
+    T.Q8_0,
+    T.Q4_0,
+    T.Q4_1,
+    T.Q5_0,
+    T.Q5_1,
+    T.Q2_K,
+    T.Q3_K,
+    T.Q4_K,
+    T.Q5_K,
+    T.Q6_K,
+    T.IQ4_NL,
+    T.IQ4_XS,
+}
 
 
 def assert_bit_exact(ours: torch.Tensor, reference: np.ndarray) -> None:
@@ -88,4 +101,3 @@ def test_unsupported_type_names_type_and_tensor():
 def test_wrong_byte_count_is_rejected():
     with pytest.raises(ValueError, match=r"tensor 'x': 30 bytes"):
         dequantize(np.zeros(30, dtype=np.uint8), T.Q8_0, (32,), name="x")
-

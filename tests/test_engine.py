@@ -78,7 +78,10 @@ def test_prefix_reuse_skips_the_shared_prompt_and_changes_no_token():
     prefix = tokenizer.encode(text)[:2000]
     first = prefix + tokenizer.encode("\ndef first_function(x):\n", add_special=False)
     second = prefix + tokenizer.encode("\nclass Second:\n    def __init__(self):\n", add_special=False)
-    request = lambda prompt, cache=True: Request(prompt, GREEDY, n_predict=16, n_probs=2, ignore_eos=True, cache_prompt=cache)  # noqa: E731
+
+    def request(prompt: list[int], cache: bool = True) -> Request:
+        return Request(prompt, GREEDY, n_predict=16, n_probs=2, ignore_eos=True, cache_prompt=cache)
+
     with _engine() as engine:
         cold_first, _ = _run(engine, request(first))
         warm, _ = _run(engine, request(second))
@@ -172,7 +175,11 @@ def test_seeded_sampling_is_reproducible():
 
 def test_timings_follow_llama_servers_definitions():
     with _engine() as engine:
-        t = engine.submit(Request(_cases()[0]["prompt_token_ids"], GREEDY, n_predict=10, ignore_eos=True)).result().timings
+        t = (
+            engine.submit(Request(_cases()[0]["prompt_token_ids"], GREEDY, n_predict=10, ignore_eos=True))
+            .result()
+            .timings
+        )
     d = t.as_dict()
     assert d["prompt_n"] == len(_cases()[0]["prompt_token_ids"]) and d["predicted_n"] == 10 and d["cache_n"] == 0
     assert d["prompt_per_second"] == pytest.approx(1000 * d["prompt_n"] / d["prompt_ms"])
@@ -253,13 +260,20 @@ def test_a_failing_request_fails_alone(spec):
     from mtpserve.engine.speculative import SpecConfig
 
     path, model, tokenizer = _model()
-    config = EngineConfig(n_parallel=4, ctx_size=4 * 2048, spec=SpecConfig("draft-mtp", n_max=2) if spec else SpecConfig())
+    config = EngineConfig(
+        n_parallel=4, ctx_size=4 * 2048, spec=SpecConfig("draft-mtp", n_max=2) if spec else SpecConfig()
+    )
     prompts = [c["prompt_token_ids"] for c in _cases()[:4]]
     with _Faulty(model, tokenizer, config, plan_for_file(path, config)) as engine:
         alone = [engine.submit(Request(p, GREEDY, n_predict=24, ignore_eos=True)).result().tokens for p in prompts[1:]]
-        streams = [engine.submit(Request(p, GREEDY, n_predict=13 if i == 0 else 24, ignore_eos=True)) for i, p in enumerate(prompts)]
+        streams = [
+            engine.submit(Request(p, GREEDY, n_predict=13 if i == 0 else 24, ignore_eos=True))
+            for i, p in enumerate(prompts)
+        ]
         with pytest.raises(Exception, match="injected fault"):
             streams[0].result()
         assert [s.result().tokens for s in streams[1:]] == alone  # the others finish, unchanged
-        assert engine.submit(Request(prompts[0], GREEDY, n_predict=4)).result().finish_reason == "length"  # still serving
+        assert (
+            engine.submit(Request(prompts[0], GREEDY, n_predict=4)).result().finish_reason == "length"
+        )  # still serving
         assert engine.memory_usage().busy_slots == 0

@@ -15,8 +15,23 @@ def test_generate_json_matches_llama_cpp(capsys):
     ref = reference("tinyqwen35-mtp-Q8_0")
     case = ref["greedy"]["completions"][0]
     n = 16
-    rc = main(["generate", "-m", str(tinyqwen_path("Q8_0")), "-p", case["prompt"], "-n", str(n), "--temp", "0",
-               "--json", "--n-probs", "5", "--ignore-eos"])  # fmt: skip
+    rc = main(
+        [
+            "generate",
+            "-m",
+            str(tinyqwen_path("Q8_0")),
+            "-p",
+            case["prompt"],
+            "-n",
+            str(n),
+            "--temp",
+            "0",
+            "--json",
+            "--n-probs",
+            "5",
+            "--ignore-eos",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     first_tie = min(case["near_tie_positions"] + [n])
     assert rc == 0 and out["prompt_ids"] == case["prompt_token_ids"]
@@ -36,8 +51,19 @@ def test_generate_rejects_a_prompt_longer_than_the_context(capsys):
 def test_perplexity_prints_chunks_and_final_estimate_like_llama_perplexity(capsys):
     ref = reference("tinyqwen35-mtp-Q4_K_M")["perplexity"]
     text = shared_path("fixtures", "eval", ref["text_file"])
-    rc = main(["perplexity", "-m", str(tinyqwen_path("Q4_K_M")), "-f", str(text), "--ctx-size", str(ref["ctx"]),
-               "--chunks", str(ref["chunks"])])  # fmt: skip
+    rc = main(
+        [
+            "perplexity",
+            "-m",
+            str(tinyqwen_path("Q4_K_M")),
+            "-f",
+            str(text),
+            "--ctx-size",
+            str(ref["ctx"]),
+            "--chunks",
+            str(ref["chunks"]),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     chunks = re.findall(r"\[(\d+)\]([\d.]+),", out)

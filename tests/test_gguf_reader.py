@@ -41,7 +41,7 @@ def write_everything(path: Path, rng: np.random.Generator) -> dict[str, tuple[np
     w.add_array("t.arr_bool", [True, False, True])
     w.add_array("t.arr_str", ["a", "", "ü<0x0A>"])
     written: dict[str, tuple[np.ndarray, T]] = {}
-    for i, ggml_type in enumerate(WRITABLE_TYPES):
+    for ggml_type in WRITABLE_TYPES:
         data = encode(rng.standard_normal((3, 64)), ggml_type)
         written[f"w.{ggml_type.name}"] = (data, ggml_type)
     # K-quants cannot be quantized by gguf-py: take real blocks from a llama.cpp-quantized fixture.
@@ -100,7 +100,10 @@ def test_agrees_with_gguf_reader(tmp_path):
         for t in theirs.tensors:
             mine = ours.tensors[t.name]
             assert (mine.ggml_type, mine.ne, mine.offset, mine.n_bytes) == (
-                t.tensor_type, tuple(int(d) for d in t.shape), t.data_offset, t.n_bytes
+                t.tensor_type,
+                tuple(int(d) for d in t.shape),
+                t.data_offset,
+                t.n_bytes,
             )
             np.testing.assert_array_equal(mine.numpy(), t.data)
 
@@ -117,7 +120,9 @@ def test_split_model_opens_as_one(tmp_path):
         assert g.metadata["llama.block_count"] == 1
         assert g.file_size == sum(p.stat().st_size for p in parts)
         for name, values, ggml_type in tensors:
-            np.testing.assert_array_equal(dequantize_tensor(g.tensors[name]).numpy(), quants.dequantize(encode(values, ggml_type), ggml_type))
+            np.testing.assert_array_equal(
+                dequantize_tensor(g.tensors[name]).numpy(), quants.dequantize(encode(values, ggml_type), ggml_type)
+            )
     parts[1].unlink()
     with pytest.raises(GGUFError, match=r"split part 2 of 3 is missing"):
         open_gguf(parts[0])
@@ -139,7 +144,9 @@ def raw_gguf(
     """A GGUF assembled byte by byte, so that any field can be made wrong."""
     kv = [(b"general.architecture", 8, struct.pack("<Q", 5) + b"llama")] if kv is None else kv
     tensors = [(b"a", (32,), int(T.F32), 0), (b"b", (32,), int(T.Q8_0), 128)] if tensors is None else tensors
-    out = magic + struct.pack("<IQQ", version, len(tensors) if n_tensors is None else n_tensors, len(kv) if n_kv is None else n_kv)
+    out = magic + struct.pack(
+        "<IQQ", version, len(tensors) if n_tensors is None else n_tensors, len(kv) if n_kv is None else n_kv
+    )
     for key, vtype, value in kv:
         out += struct.pack("<Q", len(key)) + key + struct.pack("<I", vtype) + value
     for name, ne, ggml_type, offset in tensors:
@@ -155,7 +162,10 @@ BAD_FILES = {
     "big endian": (raw_gguf(version=3 << 16), "big-endian GGUF files are not supported"),
     "header only": (b"GGUF\x03\0\0\0", "smaller than a GGUF header"),
     "truncated key": (raw_gguf(tensors=[])[:40], "file is truncated: metadata key #0 needs 20 bytes at offset 32"),
-    "truncated value": (raw_gguf(tensors=[])[:66], "file is truncated: metadata key 'general.architecture' needs 5 bytes at offset 64"),
+    "truncated value": (
+        raw_gguf(tensors=[])[:66],
+        "file is truncated: metadata key 'general.architecture' needs 5 bytes at offset 64",
+    ),
     "absurd metadata count": (raw_gguf(n_kv=2**40), "metadata count 1099511627776 cannot fit"),
     "absurd tensor count": (raw_gguf(n_tensors=2**50), "tensor count 1125899906842624 cannot fit"),
     "huge string length": (
@@ -173,15 +183,27 @@ BAD_FILES = {
         raw_gguf(tensors=[(b"a", (64,), int(T.F32), 0), (b"b", (32,), int(T.F32), 128)], data=bytes(512)),
         "tensors 'a' and 'b' overlap",
     ),
-    "misaligned offset": (raw_gguf(tensors=[(b"a", (8,), int(T.F32), 4)]), "tensor 'a' offset 4 is not a multiple of the alignment 32"),
-    "partial block": (raw_gguf(tensors=[(b"a", (33,), int(T.Q8_0), 0)]), "tensor 'a' row length 33 is not a multiple of the Q8_0 block size 32"),
+    "misaligned offset": (
+        raw_gguf(tensors=[(b"a", (8,), int(T.F32), 4)]),
+        "tensor 'a' offset 4 is not a multiple of the alignment 32",
+    ),
+    "partial block": (
+        raw_gguf(tensors=[(b"a", (33,), int(T.Q8_0), 0)]),
+        "tensor 'a' row length 33 is not a multiple of the Q8_0 block size 32",
+    ),
     "too many dims": (raw_gguf(tensors=[(b"a", (1, 1, 1, 1, 1), int(T.F32), 0)]), "tensor 'a' has 5 dimensions"),
-    "duplicate tensor": (raw_gguf(tensors=[(b"a", (8,), int(T.F32), 0), (b"a", (8,), int(T.F32), 32)]), "tensor 'a' appears twice"),
+    "duplicate tensor": (
+        raw_gguf(tensors=[(b"a", (8,), int(T.F32), 0), (b"a", (8,), int(T.F32), 32)]),
+        "tensor 'a' appears twice",
+    ),
     "duplicate key": (
         raw_gguf(kv=[(b"k", 4, struct.pack("<I", 1)), (b"k", 4, struct.pack("<I", 2))]),
         "metadata key 'k' appears twice",
     ),
-    "bad alignment": (raw_gguf(kv=[(b"general.alignment", 4, struct.pack("<I", 3))]), "general.alignment must be a power-of-two"),
+    "bad alignment": (
+        raw_gguf(kv=[(b"general.alignment", 4, struct.pack("<I", 3))]),
+        "general.alignment must be a power-of-two",
+    ),
 }
 
 

@@ -46,9 +46,7 @@ def _case(quant: str, index: int = 0) -> dict:
     return ref["greedy"]["completions"][index]
 
 
-def _greedy_with_margins(
-    model, ids: list[int], n: int, cache_type: str = "f32"
-) -> tuple[list[int], list[float]]:
+def _greedy_with_margins(model, ids: list[int], n: int, cache_type: str = "f32") -> tuple[list[int], list[float]]:
     """Greedy tokens and each position's top-1/top-2 log-probability margin (nats)."""
     state = model.new_state(1024, cache_type, cache_type)
     logits = model.prefill(ids, state)
@@ -85,11 +83,14 @@ def test_greedy_tokens_match_llama_cpp(quant: str, cache_type: str) -> None:
     _agree_before_first_near_tie(ours, case)
 
 
-@pytest.mark.parametrize(("key", "ref_name"), [
-    ("gemma3", "gemma-3-270m-q4_k_m"),  # sliding-window ring caches, GeGLU, logit softcap
-    # the llama family, Q4_1: slow (18 s) as the twin dequantizes 135M parameters a pass; `make test-all`
-    pytest.param("smollm2", "SmolLM2-135M-Instruct.Q4_1", marks=pytest.mark.slow),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("key", "ref_name"),
+    [
+        ("gemma3", "gemma-3-270m-q4_k_m"),  # sliding-window ring caches, GeGLU, logit softcap
+        # the llama family, Q4_1: slow (18 s) as the twin dequantizes 135M parameters a pass; `make test-all`
+        pytest.param("smollm2", "SmolLM2-135M-Instruct.Q4_1", marks=pytest.mark.slow),
+    ],
+)
 def test_default_models_give_the_cpu_paths_greedy_tokens(key: str, ref_name: str) -> None:
     """With an f32 KV cache, where the CPU path's attention is exact too. (With f16, llama.cpp's CPU attention
     rounds its value accumulator to f16 after every key: Gemma 3's 'english' prompt then picks another token at
@@ -357,11 +358,23 @@ class _NoHostTraffic(TorchFunctionMode):
     bool/int/float, cpu, numpy, nonzero, boolean-mask indexing) or making a tensor from Python data (on a GPU, a
     host-to-device copy). The Triton interpreter's own copies (it runs kernels on numpy) are not the step's."""
 
-    FORBIDDEN = frozenset({
-        torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
-        torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.nonzero, torch.nonzero,
-        torch.tensor, torch.as_tensor, torch.masked_select,
-    })  # fmt: skip
+    FORBIDDEN = frozenset(
+        {
+            torch.Tensor.item,
+            torch.Tensor.tolist,
+            torch.Tensor.__bool__,
+            torch.Tensor.__int__,
+            torch.Tensor.__float__,
+            torch.Tensor.__index__,
+            torch.Tensor.cpu,
+            torch.Tensor.numpy,
+            torch.Tensor.nonzero,
+            torch.nonzero,
+            torch.tensor,
+            torch.as_tensor,
+            torch.masked_select,
+        }
+    )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -448,8 +461,9 @@ def test_the_engine_speculates_through_step_graphs_as_without(monkeypatch: pytes
         _agree_before_first_near_tie(graphed.tokens, {**case, "generated_token_ids": plain.tokens})
         if graphed.tokens == plain.tokens:
             assert (graphed.timings.draft_n, graphed.timings.draft_n_accepted) == (
-                plain.timings.draft_n, plain.timings.draft_n_accepted,
-            )  # fmt: skip
+                plain.timings.draft_n,
+                plain.timings.draft_n_accepted,
+            )
         assert graphed.timings.draft_n > 0
 
 
@@ -572,14 +586,17 @@ def test_a_layer_split_is_captured_as_one_run_of_blocks_per_gpu() -> None:
 
     def split(head: torch.device):
         devices = {i: gpu0 if i < 3 else gpu1 for i in range(8)}
-        return SimpleNamespace(config=SimpleNamespace(n_layer=8), device_of=devices.__getitem__,
-                               output_norm=SimpleNamespace(device=head))  # fmt: skip
+        return SimpleNamespace(
+            config=SimpleNamespace(n_layer=8), device_of=devices.__getitem__, output_norm=SimpleNamespace(device=head)
+        )
 
     assert _runs(split(gpu1)) == [(gpu0, range(3), False), (gpu1, range(3, 8), True)]
     assert _runs(split(gpu2)) == [(gpu0, range(3), False), (gpu1, range(3, 8), False), (gpu2, range(8, 8), True)]
     assert _runs(split(gpu1), split_at=[5]) == [
-        (gpu0, range(3), False), (gpu1, range(3, 5), False), (gpu1, range(5, 8), True),
-    ]  # fmt: skip
+        (gpu0, range(3), False),
+        (gpu1, range(3, 5), False),
+        (gpu1, range(5, 8), True),
+    ]
     table = RopeTable(8, 10000.0)
     table.reserve(64, torch.device("meta"))
     cos, _ = table.gather(torch.tensor([3, 9], device="meta"))

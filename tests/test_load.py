@@ -17,8 +17,9 @@ RSS_GROWTH_BOUND_MIB = 256  # allocator high-water marks settle well below this;
 
 
 def test_64_clients_with_faults_on_4_slots(tmp_path):
-    server = ServerProcess(["-m", str(default_model("smollm2")), "-np", "4", "-c", "8192", "--api-key", "k"],
-                           tmp_path / "server.log")  # fmt: skip
+    server = ServerProcess(
+        ["-m", str(default_model("smollm2")), "-np", "4", "-c", "8192", "--api-key", "k"], tmp_path / "server.log"
+    )
     try:
         report = run_load(server.url, DURATION_S, clients=64, api_key="k", max_tokens=8, server_pid=server.proc.pid)
         print(report.text())
@@ -27,7 +28,9 @@ def test_64_clients_with_faults_on_4_slots(tmp_path):
             assert report.completed[kind] >= 1, report.text()
         assert report.slots_idle_at_end is True
         assert report.rss_after_kib - report.rss_before_kib < RSS_GROWTH_BOUND_MIB * 1024, report.text()
-        ok = httpx.post(f"{server.url}/completion", json={"prompt": "a", "n_predict": 4}, headers={"Authorization": "Bearer k"})
+        ok = httpx.post(
+            f"{server.url}/completion", json={"prompt": "a", "n_predict": 4}, headers={"Authorization": "Bearer k"}
+        )
         assert ok.status_code == 200
     finally:
         server.stop()

@@ -111,7 +111,13 @@ def test_greedy_tokens_and_top5_match_llama_cpp(name):
         for pos, top in enumerate(case["top_probs_first16"]):
             for entry in top["top"]:
                 ours_p = logprobs[pos][entry["id"]].exp().item()
-                assert abs(ours_p - entry["prob"]) <= TOP5_TOLERANCE, (case["name"], pos, entry["id"], ours_p, entry["prob"])
+                assert abs(ours_p - entry["prob"]) <= TOP5_TOLERANCE, (
+                    case["name"],
+                    pos,
+                    entry["id"],
+                    ours_p,
+                    entry["prob"],
+                )
 
 
 def test_chat_prompts_are_split_where_llama_server_splits_them():

@@ -37,8 +37,14 @@ def test_smollm2_config():
     c = config_from_gguf(open_gguf(default_model("smollm2")))
     assert isinstance(c, LlamaConfig)
     assert (c.architecture, c.n_vocab, c.n_embd, c.n_layer, c.n_head, c.n_head_kv, c.head_dim) == (
-        "llama", 49152, 576, 30, 9, 3, 64,
-    )  # fmt: skip
+        "llama",
+        49152,
+        576,
+        30,
+        9,
+        3,
+        64,
+    )
     assert c.tied_embeddings and not c.rope_neox and c.rope_base == 100000.0
     assert c.layer_kinds() == ["attention"] * 30
 
@@ -47,7 +53,15 @@ def test_gemma3_config():
     # Expected: ../shared/spec/qwen35-architecture.md §7 (270M: 18 layers, globals 5/11/17, bases 1e6/1e4).
     c = config_from_gguf(open_gguf(default_model("gemma3")))
     assert isinstance(c, Gemma3Config)
-    assert (c.n_layer, c.n_embd, c.n_head, c.n_head_kv, c.head_dim, c.n_ff, c.n_vocab) == (18, 640, 4, 1, 256, 2048, 262144)
+    assert (c.n_layer, c.n_embd, c.n_head, c.n_head_kv, c.head_dim, c.n_ff, c.n_vocab) == (
+        18,
+        640,
+        4,
+        1,
+        256,
+        2048,
+        262144,
+    )
     assert (c.sliding_window, c.rope_base, c.rope_base_swa) == (512, 1e6, 1e4)
     assert [i for i, k in enumerate(c.layer_kinds()) if k == "attention"] == [5, 11, 17]
     assert c.tied_embeddings
@@ -82,7 +96,9 @@ QWEN36_27B = {
 def test_qwen36_27b_memory_matches_hand_calculation():
     c = config_from_metadata(QWEN36_27B)
     assert c.layer_kinds().count("attention") == 16 and c.layer_kinds().count("gated_deltanet") == 48
-    est = estimate_memory(c, weights_bytes=0, mtp_weights_bytes=0, ctx_size=262144, cache_type_k="q8_0", cache_type_v="q8_0")
+    est = estimate_memory(
+        c, weights_bytes=0, mtp_weights_bytes=0, ctx_size=262144, cache_type_k="q8_0", cache_type_v="q8_0"
+    )
     # By hand. q8_0 stores 32 values in 34 bytes. One attention layer, one token:
     #   4 KV heads x (256 K + 256 V) values x 34/32 bytes = 2176 bytes.
     # 16 attention layers x 2176 B x 262144 tokens = 9,126,805,504 B = 8.5 GiB exactly.
@@ -116,7 +132,9 @@ def test_sliding_window_cache_is_bounded():
 def test_unknown_architecture(tmp_path):
     path = tmp_path / "m.gguf"
     write_gguf(path, "mamba9", {"mamba9.block_count": 1})
-    with pytest.raises(GGUFError, match=r"unknown architecture 'mamba9' \(supported: gemma3, llama, qwen2, qwen3, qwen35\)"):
+    with pytest.raises(
+        GGUFError, match=r"unknown architecture 'mamba9' \(supported: gemma3, llama, qwen2, qwen3, qwen35\)"
+    ):
         config_from_gguf(open_gguf(path))
 
 
@@ -134,7 +152,9 @@ def test_synthetic_llama_loads(tmp_path):
 
 def test_missing_required_tensor(tmp_path):
     _tiny_llama(tmp_path / "m.gguf", omit=["blk.1.attn_v.weight"])
-    with pytest.raises(GGUFError, match=r"m\.gguf: required tensor 'blk\.1\.attn_v\.weight' is missing \(architecture llama\)"):
+    with pytest.raises(
+        GGUFError, match=r"m\.gguf: required tensor 'blk\.1\.attn_v\.weight' is missing \(architecture llama\)"
+    ):
         config_from_gguf(open_gguf(tmp_path / "m.gguf"))
 
 
@@ -144,7 +164,9 @@ def test_tensor_shape_disagrees_with_metadata(tmp_path):
     _tiny_llama(tmp_path / "m2.gguf", metadata=md)
     g = open_gguf(tmp_path / "m2.gguf")
     g.metadata["llama.feed_forward_length"] = 96  # metadata that disagrees with the tensors
-    with pytest.raises(GGUFError, match=r"tensor 'blk\.0\.ffn_gate\.weight' has shape \[128, 64\], the metadata implies \[96, 64\]"):
+    with pytest.raises(
+        GGUFError, match=r"tensor 'blk\.0\.ffn_gate\.weight' has shape \[128, 64\], the metadata implies \[96, 64\]"
+    ):
         config_from_gguf(g)
 
 

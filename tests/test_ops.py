@@ -106,7 +106,10 @@ def _qkv(T, S, H, Hkv, D, dtype=torch.float32):
 
 
 @needs_kernels
-@pytest.mark.parametrize("T,S,H,Hkv,D,window", [(1, 40, 4, 2, 64, None), (5, 300, 9, 3, 64, None), (3, 700, 4, 1, 256, 512), (1, 600, 4, 2, 32, None)])
+@pytest.mark.parametrize(
+    "T,S,H,Hkv,D,window",
+    [(1, 40, 4, 2, 64, None), (5, 300, 9, 3, 64, None), (3, 700, 4, 1, 256, 512), (1, 600, 4, 2, 32, None)],
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["f16", "f32"])
 def test_online_attention_kernel_matches_its_twin(T, S, H, Hkv, D, window, dtype):
     q, k, v, qp, kp = _qkv(T, S, H, Hkv, D, dtype)
@@ -134,7 +137,9 @@ def test_attention_is_causal_and_grouped():
     q, k, v, qp, kp = _qkv(4, 4, 4, 2, 8)
     out = attention.attention_reference(q, k, v, qp, kp, 1.0)
     # The first query sees only the first key: its output is that key's value, per KV group.
-    assert torch.allclose(out[0, 0], v[0, 0]) and torch.allclose(out[0, 1], v[0, 0]) and torch.allclose(out[0, 2], v[0, 1])
+    assert (
+        torch.allclose(out[0, 0], v[0, 0]) and torch.allclose(out[0, 1], v[0, 0]) and torch.allclose(out[0, 2], v[0, 1])
+    )
 
 
 # --- Gated DeltaNet --------------------------------------------------------------------------------------
@@ -205,7 +210,9 @@ def test_gated_delta_net_step_kernel_matches_reference(T):
     ref = gated_delta.gated_delta_net_step_reference(
         mixed, conv_state.clone(), conv_w, z, beta, gate, ssm.clone(), norm_w, Hk, 1e-6
     )
-    out = gated_delta.gated_delta_net_step(mixed, conv_state.clone(), conv_w, z, beta, gate, ssm.clone(), norm_w, Hk, 1e-6)
+    out = gated_delta.gated_delta_net_step(
+        mixed, conv_state.clone(), conv_w, z, beta, gate, ssm.clone(), norm_w, Hk, 1e-6
+    )
     for got, want in zip(out, ref):
         assert got.shape == want.shape and (got - want).abs().max() < 1e-5
 
@@ -239,7 +246,13 @@ def test_activation_kernels_match_references():
 
 def _weights(ggml_type, n=48, k=512):
     values = np.random.default_rng(int(ggml_type)).standard_normal((n, k)).astype(np.float32)
-    raw = values if ggml_type == T.F32 else values.astype(np.float16) if ggml_type == T.F16 else quants.quantize(values, ggml_type)
+    raw = (
+        values
+        if ggml_type == T.F32
+        else values.astype(np.float16)
+        if ggml_type == T.F16
+        else quants.quantize(values, ggml_type)
+    )
     data = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8)).reshape(n, -1)
     return QTensor(data, ggml_type, (n, k), f"w.{ggml_type.name}")
 
@@ -349,8 +362,10 @@ def test_batched_sequences_compute_what_each_computes_alone(n):
         )
         assert torch.equal(together[rows], alone)
         assert torch.equal(conv_states[s], alone_states[0][s]) and torch.equal(ssms[s], alone_states[1][s])
-        assert torch.equal(activations.swiglu_ffn(x, ffn.gate, ffn.up, ffn.down, n)[rows],
-                           activations.swiglu_ffn(x[rows], ffn.gate, ffn.up, ffn.down))  # fmt: skip
+        assert torch.equal(
+            activations.swiglu_ffn(x, ffn.gate, ffn.up, ffn.down, n)[rows],
+            activations.swiglu_ffn(x[rows], ffn.gate, ffn.up, ffn.down),
+        )
     # Every weight type, and a batch long enough for the tiled paths (llama.cpp rounds those differently).
     for w in [_weights(t, k=256) for t in (T.Q8_0, T.Q4_1, T.Q5_0, T.F16)] + _fixture_weights():
         for seq_len in (n, 9):

@@ -169,8 +169,10 @@ def test_partial_offload_keeps_the_first_layers_on_the_cpu():
     assert host.recurrent_bytes == 20 * STATE_LAYER
     # -ngl 1 offloads only the output layer (position 0 of 1: GPU0); -ngl 0 keeps everything on the CPU.
     assert place(CONFIG, LAYER_BYTES, DEPLOY, fake_devices(2, 22), 1, "layer", [1, 1]).layer_ranges() == {
-        "CPU": [(0, 64)], "CUDA0": [(65, 65)], "CUDA1": [],
-    }  # fmt: skip
+        "CPU": [(0, 64)],
+        "CUDA0": [(65, 65)],
+        "CUDA1": [],
+    }
     p0 = place(CONFIG, LAYER_BYTES, DEPLOY, fake_devices(2, 22), 0)
     assert p0.layer_ranges()["CPU"] == [(0, 65)] and p0.use("CUDA0").total_bytes == 0
 
@@ -328,14 +330,15 @@ def test_serve_flags_become_gpu_requests():
     def parse(line: str):
         return build_parser().parse_args(["serve", "-m", "x.gguf", *line.split()])
 
-    args = parse("-ngl all -sm row -ts 3,1 -mg 1 -dev CUDA1,CUDA0 --spec-type draft-simple -md d.gguf -ngld 8 "
-                 "-devd CUDA0")  # fmt: skip
+    args = parse(
+        "-ngl all -sm row -ts 3,1 -mg 1 -dev CUDA1,CUDA0 --spec-type draft-simple -md d.gguf -ngld 8 -devd CUDA0"
+    )
     assert gpu_request(args, cuda=True) == GpuRequest("all", "row", (3.0, 1.0), 1, "CUDA1,CUDA0")
     assert draft_gpu_request(args, cuda=True) == GpuRequest("8", "layer", (3.0, 1.0), 1, "CUDA0")
     assert gpu_request(args, cuda=False) is None and draft_gpu_request(args, cuda=False) is None
     assert draft_gpu_request(parse("-ngl all -dev CUDA1 --spec-type draft-simple -md d.gguf -ngld all"), cuda=True) == (
         GpuRequest("all", "layer", None, 0, "CUDA1")
-    )  # fmt: skip
+    )
     assert draft_gpu_request(parse("-ngl all --spec-type draft-mtp -ngld all"), cuda=True) is None
     assert gpu_request(parse(""), cuda=True) is None
 

@@ -569,7 +569,12 @@ def test_serve_hf_pulls_then_serves(fake, tmp_path):
     from .server_process import ServerProcess
 
     fake.add("org/tiny", {"tiny-Q4_K_M.gguf": tinyqwen_path("Q4_K_M").read_bytes(), "tiny-Q8_0.gguf": random_bytes(64)})
-    env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": fake.url, "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env = {
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_ENDPOINT": fake.url,
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
     server = ServerProcess(["-hf", "org/tiny:Q4_K_M"], tmp_path / "server.log", env=env)
     try:
         assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == "tiny-Q4_K_M.gguf"

@@ -15,7 +15,9 @@ LOGITS = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.7, 0.3, 0.0, -0.4, -1.0, -2.0, -3.0
 N_DRAWS = 20_000
 
 
-def expected(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> np.ndarray:
+def expected(
+    logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> np.ndarray:
     """The distribution by the filters' definitions, written out independently of the sampler."""
     keep = np.ones(len(logits), dtype=bool)
     order = np.argsort(-logits, kind="stable")
@@ -88,9 +90,11 @@ def test_presence_and_frequency_penalties():
 
 
 def test_a_seed_reproduces_the_draws():
-    draws = lambda seed: [Sampler(SamplingParams(seed=seed)).sample(LOGITS) for _ in range(1)] + [  # noqa: E731
-        s.sample(LOGITS) for s in [Sampler(SamplingParams(seed=seed))] for _ in range(50)
-    ]
+    def draws(seed: int) -> list[int]:
+        return [Sampler(SamplingParams(seed=seed)).sample(LOGITS) for _ in range(1)] + [
+            s.sample(LOGITS) for s in [Sampler(SamplingParams(seed=seed))] for _ in range(50)
+        ]
+
     assert draws(5) == draws(5) and draws(5) != draws(6)
 
 

@@ -74,10 +74,16 @@ def test_chat_with_the_openai_client(oai):
 
 def test_streamed_chat_equals_the_whole_answer(oai):
     whole = oai.chat.completions.create(model=ALIAS, messages=CHAT["messages"], max_tokens=24, temperature=0)
-    chunks = list(oai.chat.completions.create(
-        model=ALIAS, messages=CHAT["messages"], max_tokens=24, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))  # fmt: skip
+    chunks = list(
+        oai.chat.completions.create(
+            model=ALIAS,
+            messages=CHAT["messages"],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -91,7 +97,9 @@ def test_streamed_chat_equals_the_whole_answer(oai):
 def test_text_completions_with_the_openai_client(oai):
     whole = oai.completions.create(model=ALIAS, prompt="def add(a, b):\n", max_tokens=20, temperature=0)
     assert whole.object == "text_completion" and whole.choices[0].text
-    streamed = list(oai.completions.create(model=ALIAS, prompt="def add(a, b):\n", max_tokens=20, temperature=0, stream=True))
+    streamed = list(
+        oai.completions.create(model=ALIAS, prompt="def add(a, b):\n", max_tokens=20, temperature=0, stream=True)
+    )
     assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
     assert streamed[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     assert streamed[-1].model_extra["timings"]["predicted_n"] == whole.usage.completion_tokens
@@ -166,18 +174,35 @@ def test_metrics_scrape_parses_and_counts(client):
     assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == 5
     assert after["llamacpp:prompt_tokens_total"] > before["llamacpp:prompt_tokens_total"]
     assert after["llamacpp:n_decode_total"] >= before["llamacpp:n_decode_total"] + 5
-    for name in ("llamacpp:requests_processing", "llamacpp:requests_deferred", "llamacpp:spec_decode_num_draft_tokens_total"):
+    for name in (
+        "llamacpp:requests_processing",
+        "llamacpp:requests_deferred",
+        "llamacpp:spec_decode_num_draft_tokens_total",
+    ):
         assert name in after
 
 
 # --- auth ----------------------------------------------------------------------------------------------
 
-PROTECTED = [("GET", "/props"), ("GET", "/slots"), ("GET", "/metrics"), ("GET", "/openapi.json"), ("POST", "/completion"), ("POST", "/completions"),
-             ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/chat/completions"),
-             ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template")]  # fmt: skip
+PROTECTED = [
+    ("GET", "/props"),
+    ("GET", "/slots"),
+    ("GET", "/metrics"),
+    ("GET", "/openapi.json"),
+    ("POST", "/completion"),
+    ("POST", "/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/chat/completions"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("POST", "/apply-template"),
+]
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"X-Api-Key": "wrong"}], ids=["none", "bearer", "x-api-key"])
+@pytest.mark.parametrize(
+    "headers", [{}, {"Authorization": "Bearer wrong"}, {"X-Api-Key": "wrong"}], ids=["none", "bearer", "x-api-key"]
+)
 def test_every_protected_endpoint_wants_the_key(server, headers):
     for method, path in PROTECTED:
         response = httpx.request(method, f"{server.url}{path}", json={}, headers=headers)
@@ -227,27 +252,52 @@ BAD_REQUESTS = [
     ("not an object", "/v1/chat/completions", b"[1, 2]", 400, "invalid_request_error", "JSON object"),
     ("invalid UTF-8", "/completion", b'{"prompt": "\xff\xfe"}', 400, "invalid_request_error", "Malformed JSON"),
     ("wrong type", "/v1/chat/completions", {**CHAT, "temperature": "hot"}, 400, "invalid_request_error", "temperature"),
-    ("NaN", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_p": NaN}', 400,
-     "invalid_request_error", "top_p"),
+    (
+        "NaN",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "top_p": NaN}',
+        400,
+        "invalid_request_error",
+        "top_p",
+    ),
     ("unknown model", "/v1/chat/completions", {**CHAT, "model": "gpt-4o"}, 404, "not_found_error", "gpt-4o"),
     ("no messages", "/v1/chat/completions", {"max_tokens": 4}, 400, "invalid_request_error", "messages"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "invalid_request_error", "messages"),
     ("bad message", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "invalid_request_error", ""),
     ("max_tokens 0", "/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "invalid_request_error", "max_tokens"),
     ("max_tokens -5", "/v1/completions", {"prompt": "a", "max_tokens": -5}, 400, "invalid_request_error", "max_tokens"),
-    ("json_object", "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400,
-     "invalid_request_error", "response_format"),
-    ("grammar", "/completion", {"prompt": "a", "grammar": "root ::= \"x\""}, 400, "invalid_request_error", "grammar"),
+    (
+        "json_object",
+        "/v1/chat/completions",
+        {**CHAT, "response_format": {"type": "json_object"}},
+        400,
+        "invalid_request_error",
+        "response_format",
+    ),
+    ("grammar", "/completion", {"prompt": "a", "grammar": 'root ::= "x"'}, 400, "invalid_request_error", "grammar"),
     ("mirostat", "/completion", {"prompt": "a", "mirostat": 2}, 400, "invalid_request_error", "mirostat"),
     ("n > 1", "/v1/chat/completions", {**CHAT, "n": 3}, 400, "invalid_request_error", "one choice"),
-    ("tool_choice", "/v1/chat/completions", {**CHAT, "tool_choice": "sometimes"}, 400, "invalid_request_error", "tool_choice"),
+    (
+        "tool_choice",
+        "/v1/chat/completions",
+        {**CHAT, "tool_choice": "sometimes"},
+        400,
+        "invalid_request_error",
+        "tool_choice",
+    ),
     ("no prompt", "/completion", {"n_predict": 3}, 400, "invalid_request_error", "prompt"),
     ("bad token", "/completion", {"prompt": [1, 2, 99999999]}, 400, "invalid_request_error", "invalid tokens"),
     ("bad slot", "/completion", {"prompt": "a", "id_slot": 9}, 400, "invalid_request_error", "slot"),
     ("too many probs", "/completion", {"prompt": "a", "n_probs": 100000}, 400, "invalid_request_error", "n_probs"),
-    ("thinking string", "/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"enable_thinking": "no"}}, 400,
-     "invalid_request_error", "enable_thinking"),
-]  # fmt: skip
+    (
+        "thinking string",
+        "/v1/chat/completions",
+        {**CHAT, "chat_template_kwargs": {"enable_thinking": "no"}},
+        400,
+        "invalid_request_error",
+        "enable_thinking",
+    ),
+]
 
 
 @pytest.mark.parametrize("path,body,status,kind,says", [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
@@ -279,7 +329,12 @@ def test_32_streaming_clients_on_4_slots(server):
 
     def one(i: int) -> None:
         try:
-            body = {"messages": [{"role": "user", "content": f"Count to {i + 3}."}], "max_tokens": 12, "temperature": 0, "stream": True}
+            body = {
+                "messages": [{"role": "user", "content": f"Count to {i + 3}."}],
+                "max_tokens": 12,
+                "temperature": 0,
+                "stream": True,
+            }
             text, n_final = "", 0
             with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=AUTH, timeout=300) as r:
                 assert r.status_code == 200

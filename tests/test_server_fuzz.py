@@ -21,8 +21,21 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # Small limits keep every generated request short: at most 8 tokens each, a 512-token context.
-    args = ["-m", str(default_model("smollm2")), "--api-key", KEY, "--metrics", "-np", "2", "-c", "1024",
-            "--max-predict", "8", "-t", "2"]  # fmt: skip
+    args = [
+        "-m",
+        str(default_model("smollm2")),
+        "--api-key",
+        KEY,
+        "--metrics",
+        "-np",
+        "2",
+        "-c",
+        "1024",
+        "--max-predict",
+        "8",
+        "-t",
+        "2",
+    ]
     process = ServerProcess(args, tmp_path_factory.mktemp("fuzz") / "server.log")
     yield process
     process.stop()
@@ -44,8 +57,13 @@ def test_no_input_makes_a_server_error(server):
         for mode in modes:  # (an operation without a body has no invalid input to draw)
 
             @given(case=operation.as_strategy(mode))
-            @settings(max_examples=CASES_PER_OPERATION, deadline=None, derandomize=True, database=None,
-                      suppress_health_check=list(HealthCheck))  # fmt: skip
+            @settings(
+                max_examples=CASES_PER_OPERATION,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            )
             def check(case) -> None:
                 nonlocal tried
                 tried += 1
@@ -62,8 +80,12 @@ def test_no_input_makes_a_server_error(server):
 
 
 def _post(server, path: str, content: bytes, headers: dict | None = None) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", content=content, headers={**AUTH, "Content-Type": "application/json", **(headers or {})},
-                      timeout=60)  # fmt: skip
+    return httpx.post(
+        f"{server.url}{path}",
+        content=content,
+        headers={**AUTH, "Content-Type": "application/json", **(headers or {})},
+        timeout=60,
+    )
 
 
 HOSTILE = [
@@ -78,8 +100,12 @@ HOSTILE = [
     ("Infinity top_p", "/completion", b'{"prompt": "a", "top_p": Infinity}', 400),
     ("negative repeat_penalty", "/completion", b'{"prompt": "a", "repeat_penalty": -1}', 400),
     ("unknown fields", "/completion", b'{"prompt": "a", "n_predict": 2, "whatever": {"x": [1]}}', 200),
-    ("model with CRLF", "/v1/chat/completions",
-     b'{"model": "x\\r\\nSet-Cookie: a=b", "messages": [{"role": "user", "content": "a"}]}', 404),
+    (
+        "model with CRLF",
+        "/v1/chat/completions",
+        b'{"model": "x\\r\\nSet-Cookie: a=b", "messages": [{"role": "user", "content": "a"}]}',
+        404,
+    ),
     ("prompt of null bytes", "/completion", b'{"prompt": "\\u0000\\u0000", "n_predict": 2}', 200),
     ("token id out of range", "/completion", b'{"prompt": [-1], "n_predict": 2}', 400),
     ("messages not a list", "/v1/chat/completions", b'{"messages": "hello"}', 400),
@@ -88,7 +114,7 @@ HOSTILE = [
     ("logit_bias garbage", "/completion", b'{"prompt": "a", "logit_bias": [[1]]}', 400),
     ("stop a number", "/completion", b'{"prompt": "a", "stop": 5}', 400),
     ("empty body", "/completion", b"", 400),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("path,content,status", [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
@@ -107,8 +133,10 @@ def test_a_declared_oversize_body_is_refused_before_it_is_read(server):
     import socket
 
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
-        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                  f"Content-Type: application/json\r\nContent-Length: {20 << 20}\r\n\r\n{{}}".encode())  # fmt: skip
+        s.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {20 << 20}\r\n\r\n{{}}".encode()
+        )
         answer = b""
         while b"request body too large" not in answer and (chunk := s.recv(4096)):
             answer += chunk
@@ -117,7 +145,12 @@ def test_a_declared_oversize_body_is_refused_before_it_is_read(server):
 
 
 def test_no_endpoint_reads_files(server):
-    for path in ("/../../etc/passwd", "/%2e%2e/%2e%2e/etc/passwd", "/static/../../../../etc/passwd", "/index.html/../../x"):
+    for path in (
+        "/../../etc/passwd",
+        "/%2e%2e/%2e%2e/etc/passwd",
+        "/static/../../../../etc/passwd",
+        "/index.html/../../x",
+    ):
         response = httpx.get(f"{server.url}{path}", headers=AUTH)
         assert response.status_code == 404 and "root:" not in response.text
     response = httpx.post(f"{server.url}/slots/0?action=save", json={"filename": "../../etc/passwd"}, headers=AUTH)

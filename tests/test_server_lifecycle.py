@@ -26,7 +26,12 @@ from .server_process import ServerProcess
 def test_every_endpoint_answers_503_while_the_model_loads(tmp_path):
     state = ServerState(ServerSettings(model=tmp_path / "not-loaded-yet.gguf", api_keys=["k"]))
     with TestClient(create_app(state)) as client:
-        for method, path in [("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/props")]:
+        for method, path in [
+            ("GET", "/health"),
+            ("GET", "/v1/models"),
+            ("POST", "/v1/chat/completions"),
+            ("GET", "/props"),
+        ]:
             response = client.request(method, path, json={})
             assert response.status_code == 503
             assert response.json() == {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
@@ -102,15 +107,32 @@ def test_sigterm_cancels_what_outlives_the_shutdown_timeout(tmp_path):
 
 # --- chat output: reasoning and tool calls, as a Qwen3.5 model writes them -----------------------------
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]  # fmt: skip
-OUTPUT = ("The user wants weather.\n</think>\n\nLet me check.\n\n<tool_call>\n<function=get_weather>\n"
-          "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+        },
+    }
+]
+OUTPUT = (
+    "The user wants weather.\n</think>\n\nLet me check.\n\n<tool_call>\n<function=get_weather>\n"
+    "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+)
 
 
 def _plan(tools=TOOLS) -> ChatPlan:
-    return ChatPlan(prompt=[], generation_prompt="<|im_start|>assistant\n<think>\n", extract_reasoning=True,
-                    tools=tools, parallel_tool_calls=True, logprobs=False, top_logprobs=0, last_user_start=None)  # fmt: skip
+    return ChatPlan(
+        prompt=[],
+        generation_prompt="<|im_start|>assistant\n<think>\n",
+        extract_reasoning=True,
+        tools=tools,
+        parallel_tool_calls=True,
+        logprobs=False,
+        top_logprobs=0,
+        last_user_start=None,
+    )
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, len(OUTPUT)])
@@ -140,8 +162,19 @@ def test_chat_output_without_tools_keeps_the_tags_as_content():
 
 def test_limits_queue_and_tokens_per_request(tmp_path):
     """--max-queue: beyond it 503 with Retry-After; --max-predict: a larger max_tokens is a 400."""
-    args = ["-m", str(default_model("smollm2")), "-np", "1", "--max-queue", "1", "--max-predict", "5000", "--shutdown-timeout", "1",
-            "--metrics"]  # fmt: skip
+    args = [
+        "-m",
+        str(default_model("smollm2")),
+        "-np",
+        "1",
+        "--max-queue",
+        "1",
+        "--max-predict",
+        "5000",
+        "--shutdown-timeout",
+        "1",
+        "--metrics",
+    ]
     server = ServerProcess(args, tmp_path / "log")
     try:
         too_many = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a", "max_tokens": 5001})
@@ -149,11 +182,17 @@ def test_limits_queue_and_tokens_per_request(tmp_path):
         long = {"prompt": "def main():\n", "n_predict": 5000, "ignore_eos": True, "temperature": 0, "stream": True}
         busy, out = _stream_in_thread(server.url, long)  # takes the only slot
         assert out["started"].wait(30)
-        waiting = threading.Thread(target=lambda: out.setdefault("queued", httpx.post(
-            f"{server.url}/completion", json={"prompt": "x", "n_predict": 2}, timeout=120)))  # fmt: skip
+        waiting = threading.Thread(
+            target=lambda: out.setdefault(
+                "queued", httpx.post(f"{server.url}/completion", json={"prompt": "x", "n_predict": 2}, timeout=120)
+            )
+        )
         waiting.start()
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and "llamacpp:requests_deferred 1.0" not in httpx.get(f"{server.url}/metrics").text:
+        while (
+            time.monotonic() < deadline
+            and "llamacpp:requests_deferred 1.0" not in httpx.get(f"{server.url}/metrics").text
+        ):
             time.sleep(0.05)  # until the second request waits in the queue
         refused = httpx.post(f"{server.url}/completion", json={"prompt": "y", "n_predict": 2})
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"

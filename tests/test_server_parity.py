@@ -36,8 +36,10 @@ def served(request, tmp_path_factory):
     path = MODELS[name]()
     ref = _ref(name)
     # llama-server's reference command: 2 threads, seed 42, 4096 context, one slot.
-    server = ServerProcess(["-m", str(path), "-t", "2", "--seed", "42", "-c", "4096", "-np", "1", "--no-webui"],
-                           tmp_path_factory.mktemp("server") / "server.log")  # fmt: skip
+    server = ServerProcess(
+        ["-m", str(path), "-t", "2", "--seed", "42", "-c", "4096", "-np", "1", "--no-webui"],
+        tmp_path_factory.mktemp("server") / "server.log",
+    )
     yield name, ref, server
     server.stop()
 
@@ -63,7 +65,10 @@ def test_replayed_requests_give_llama_cpp_tokens(served):
             assert response.status_code == 200, response.text
             body = response.json()
             if case["endpoint"] == "/completion":
-                top = [[(t["id"], math.exp(t["logprob"])) for t in p["top_logprobs"]] for p in body["completion_probabilities"]]
+                top = [
+                    [(t["id"], math.exp(t["logprob"])) for t in p["top_logprobs"]]
+                    for p in body["completion_probabilities"]
+                ]
                 _compare(case, body["tokens"], top)
                 assert body["timings"]["prompt_n"] == case["prompt_n_server"]
                 if not case["near_tie_positions"]:
@@ -112,8 +117,12 @@ def test_the_deployment_command_line_serves_tinyqwen_with_mtp(tmp_path):
     server = ServerProcess(args, tmp_path / "server.log")
     try:
         headers = {"Authorization": "Bearer local-qwopus-key"}
-        body = {"model": "Qwopus3.6-27B-v2-MTP", "messages": [{"role": "user", "content": "Write a function that parses a URL."}],
-                "max_tokens": 64, "temperature": 0}  # fmt: skip
+        body = {
+            "model": "Qwopus3.6-27B-v2-MTP",
+            "messages": [{"role": "user", "content": "Write a function that parses a URL."}],
+            "max_tokens": 64,
+            "temperature": 0,
+        }
         response = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=120)
         assert response.status_code == 200, response.text
         result = response.json()

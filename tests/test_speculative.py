@@ -42,11 +42,16 @@ def _reference(quant: str) -> dict:
 
 def _requests(quant: str, **kw) -> list[Request]:
     ref = _reference(quant)["greedy"]
-    return [Request(c["prompt_token_ids"], GREEDY, n_predict=64, cache_prompt=False, **kw) for c in ref["completions"] + ref["chat"]]
+    return [
+        Request(c["prompt_token_ids"], GREEDY, n_predict=64, cache_prompt=False, **kw)
+        for c in ref["completions"] + ref["chat"]
+    ]
 
 
 def _margins(events: list) -> list[float]:
-    return [math.log(e.top_probs[0][1] / e.top_probs[1][1]) for e in events if isinstance(e, TokenEvent) and e.top_probs]
+    return [
+        math.log(e.top_probs[0][1] / e.top_probs[1][1]) for e in events if isinstance(e, TokenEvent) and e.top_probs
+    ]
 
 
 @cache
@@ -73,7 +78,10 @@ def test_draft_mtp_changes_no_greedy_token_and_drafts_like_llama_cpp(quant):
             assert diverged is None or margins[diverged] < NEAR_TIE, (n_max, diverged, margins[diverged])
         # Draft counts: on every prompt where both produced the same tokens. Where they did not, the
         # outputs part at a near tie of llama.cpp's greedy run, after which the two texts (and drafts) differ.
-        ties = {c["name"]: c["near_tie_positions"] for c in _reference(quant)["greedy"]["completions"] + _reference(quant)["greedy"]["chat"]}
+        ties = {
+            c["name"]: c["near_tie_positions"]
+            for c in _reference(quant)["greedy"]["completions"] + _reference(quant)["greedy"]["chat"]
+        }
         ours = theirs = 0, 0
         compared = 0
         for result, run in zip(results, llama["results"]):
@@ -114,8 +122,14 @@ def test_speculation_keeps_the_sampling_distribution():
     for name, spec, first_seed in (("plain", SpecConfig(), 0), ("mtp", SpecConfig("draft-mtp", n_max=2), 10**6)):
         with _engine("Q4_K_M", spec) as engine:
             results = [
-                engine.submit(Request(prompt, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed),
-                                      n_predict=3, ignore_eos=True)).result()  # fmt: skip
+                engine.submit(
+                    Request(
+                        prompt,
+                        SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed),
+                        n_predict=3,
+                        ignore_eos=True,
+                    )
+                ).result()
                 for seed in range(first_seed, first_seed + n)  # independent seeds for the two samples
             ]
         samples[name] = [tuple(r.tokens) for r in results]
@@ -180,8 +194,23 @@ def test_generate_json_reports_drafts(capsys):
 
     path = str(tinyqwen_path("Q4_K_M"))
     case = _reference("Q4_K_M")["greedy"]["completions"][0]
-    rc = main(["generate", "-m", path, "-p", case["prompt"], "-n", "32", "--ignore-eos", "--json",
-               "--spec-type", "draft-mtp", "--spec-draft-n-max", "2"])  # fmt: skip
+    rc = main(
+        [
+            "generate",
+            "-m",
+            path,
+            "-p",
+            case["prompt"],
+            "-n",
+            "32",
+            "--ignore-eos",
+            "--json",
+            "--spec-type",
+            "draft-mtp",
+            "--spec-draft-n-max",
+            "2",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["draft_n"] > 0 and 0 < out["draft_n_accepted"] <= out["draft_n"]
     assert len(out["acceptance_per_position"]) == 2 and out["timings"]["draft_n"] == out["draft_n"]

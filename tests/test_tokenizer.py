@@ -39,8 +39,12 @@ def test_vector_vocabs_are_what_the_spec_says():
     assert qwen.token_id("<|im_start|>") == 151644 and qwen.is_special(151644)
     spm = vocab_tokenizer("llama-spm")
     assert (spm.vocab.model, spm.bos_id, spm.eos_id, spm.add_bos, spm.vocab.add_space_prefix) == (
-        "llama", 1, 2, True, True,
-    )  # fmt: skip
+        "llama",
+        1,
+        2,
+        True,
+        True,
+    )
 
 
 # -- llama-server's reference prompts and outputs ---------------------------------------------------

@@ -37,9 +37,18 @@ def _rows(rows, S: int) -> torch.Tensor:
 
 
 def _cache(
-    kt: str, vt: str, n: int, n_kv: int, dim: int, *, capacity: int | None = None, window: int | None = None,
-    ring: bool = False, chunk: int = 256, seed: int = 0,
-) -> KVCache:  # fmt: skip
+    kt: str,
+    vt: str,
+    n: int,
+    n_kv: int,
+    dim: int,
+    *,
+    capacity: int | None = None,
+    window: int | None = None,
+    ring: bool = False,
+    chunk: int = 256,
+    seed: int = 0,
+) -> KVCache:
     """A cache holding positions 0..n-1 of random K/V (keys of mixed norms, so some dominate the softmax)."""
     g = torch.Generator().manual_seed(seed)
     kv = KVCache(capacity or n, n_kv, dim, dim, kt, vt, window=window, ring=ring)
@@ -51,9 +60,16 @@ def _cache(
 
 
 def _check(
-    kv: KVCache, n_heads: int, T: int, *, n_splits: int | None = None, q_pos: torch.Tensor | None = None,
-    q_dtype: torch.dtype = torch.float32, seed: int = 1, ordered: bool = False,
-) -> torch.Tensor:  # fmt: skip
+    kv: KVCache,
+    n_heads: int,
+    T: int,
+    *,
+    n_splits: int | None = None,
+    q_pos: torch.Tensor | None = None,
+    q_dtype: torch.dtype = torch.float32,
+    seed: int = 1,
+    ordered: bool = False,
+) -> torch.Tensor:
     """decode_attention of T queries (by default the last T cached positions) against the twin."""
     dim = kv.k.dim
     S = kv.capacity
@@ -62,10 +78,20 @@ def _check(
         q_pos = torch.arange(kv.length - T, kv.length)
     scale = 1.0 / math.sqrt(dim)
     got = decode_attention(
-        q.to(DEVICE), kv.k.data.to(DEVICE), kv.v.data.to(DEVICE), int(kv.k.type), int(kv.v.type),
-        q_pos.to(DEVICE), kv.positions.to(DEVICE), kv.k.n_heads, dim, scale, window=kv.window, n_splits=n_splits,
+        q.to(DEVICE),
+        kv.k.data.to(DEVICE),
+        kv.v.data.to(DEVICE),
+        int(kv.k.type),
+        int(kv.v.type),
+        q_pos.to(DEVICE),
+        kv.positions.to(DEVICE),
+        kv.k.n_heads,
+        dim,
+        scale,
+        window=kv.window,
+        n_splits=n_splits,
         ordered=ordered,
-    ).cpu()  # fmt: skip
+    ).cpu()
     expected = decode_attention_reference(
         q, kv.k.data[:S], kv.v.data[:S], kv.k.type, kv.v.type, q_pos, kv.positions, kv.k.n_heads, scale, kv.window
     )
@@ -76,8 +102,16 @@ def _check(
     return got
 
 
-TYPE_PAIRS = [("f16", "f16"), ("f32", "f32"), ("bf16", "bf16"), ("q8_0", "q8_0"), ("q4_0", "q4_0"),
-              ("q8_0", "f16"), ("f16", "q4_0"), ("q4_0", "q8_0")]  # fmt: skip
+TYPE_PAIRS = [
+    ("f16", "f16"),
+    ("f32", "f32"),
+    ("bf16", "bf16"),
+    ("q8_0", "q8_0"),
+    ("q4_0", "q4_0"),
+    ("q8_0", "f16"),
+    ("f16", "q4_0"),
+    ("q4_0", "q8_0"),
+]
 
 
 @pytest.mark.parametrize(("kt", "vt"), TYPE_PAIRS, ids=lambda t: t)
@@ -141,11 +175,21 @@ def test_an_ordered_cache_is_read_only_up_to_the_last_query(T: int) -> None:
     q_pos = torch.arange(300 - T, 300)
     runs = [
         decode_attention(
-            q.to(DEVICE), kv.k.data.to(DEVICE), kv.v.data.to(DEVICE), int(kv.k.type), int(kv.v.type), q_pos.to(DEVICE),
-            positions.to(DEVICE), 2, 64, 0.125, n_splits=4, ordered=ordered,
+            q.to(DEVICE),
+            kv.k.data.to(DEVICE),
+            kv.v.data.to(DEVICE),
+            int(kv.k.type),
+            int(kv.v.type),
+            q_pos.to(DEVICE),
+            positions.to(DEVICE),
+            2,
+            64,
+            0.125,
+            n_splits=4,
+            ordered=ordered,
         ).cpu()
         for positions, ordered in ((planted, False), (planted, True), (kv.positions, False))
-    ]  # fmt: skip
+    ]
     assert not torch.allclose(runs[0], runs[2])  # the planted key counts without `ordered`
     torch.testing.assert_close(runs[1], runs[2], rtol=1e-5, atol=1e-6)  # and is never reached with it
 
@@ -185,11 +229,13 @@ def test_rejects_unsupported_type_and_bad_shapes() -> None:
     f16 = torch.zeros(4, 2, 64, dtype=torch.float16)
     k_pos = torch.zeros(4, dtype=torch.long)
     with pytest.raises(ValueError, match="no Triton attention for cache type"):
-        decode_attention(q, torch.zeros(4, 80, dtype=torch.uint8), f16, GGMLType.Q4_1, GGMLType.F16, pos, k_pos, 2,
-                         64, 1.0)  # fmt: skip
+        decode_attention(
+            q, torch.zeros(4, 80, dtype=torch.uint8), f16, GGMLType.Q4_1, GGMLType.F16, pos, k_pos, 2, 64, 1.0
+        )
     with pytest.raises(ValueError, match="a Q8_0 cache must be uint8"):
-        decode_attention(q, torch.zeros(4, 64, dtype=torch.uint8), f16, GGMLType.Q8_0, GGMLType.F16, pos, k_pos, 2,
-                         64, 1.0)  # fmt: skip
+        decode_attention(
+            q, torch.zeros(4, 64, dtype=torch.uint8), f16, GGMLType.Q8_0, GGMLType.F16, pos, k_pos, 2, 64, 1.0
+        )
     with pytest.raises(ValueError, match="a F32 cache must be"):
         decode_attention(q, f16, f16, GGMLType.F32, GGMLType.F16, pos, k_pos, 2, 64, 1.0)
     with pytest.raises(ValueError, match="cells but k_pos has"):

@@ -126,8 +126,9 @@ def test_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="state must be contiguous float32"):
         gated_delta_rule_recurrent_batched(q, k, v, g, beta, state.transpose(2, 3))
     with pytest.raises(ValueError, match="multiple of the 3 q/k heads"):
-        gated_delta_rule_recurrent_batched(q[:, :, :1].expand(1, 2, 3, 16), k[:, :, :1].expand(1, 2, 3, 16), v, g,
-                                           beta, state)  # fmt: skip
+        gated_delta_rule_recurrent_batched(
+            q[:, :, :1].expand(1, 2, 3, 16), k[:, :, :1].expand(1, 2, 3, 16), v, g, beta, state
+        )
     with pytest.raises(ValueError, match="beta must be"):
         gated_delta_rule_recurrent_batched(q, k, v, g, beta[:, :1], state)
     with pytest.raises(ValueError, match="state_steps must be"):
@@ -137,8 +138,9 @@ def test_rejects_bad_arguments() -> None:
         gated_delta_rule_recurrent_batched(strided, k, v, g, beta, state)
     with pytest.raises(ValueError, match="K <= 256"):
         big = torch.zeros(1, 1, 1, 512)
-        gated_delta_rule_recurrent_batched(big, big, torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1),
-                                           torch.zeros(1, 1, 1), torch.zeros(1, 1, 512, 4))  # fmt: skip
+        gated_delta_rule_recurrent_batched(
+            big, big, torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1), torch.zeros(1, 1, 1), torch.zeros(1, 1, 512, 4)
+        )
 
 
 # --- The chunked rule's chunk scan ---------------------------------------------------------------------------------
@@ -203,9 +205,12 @@ def test_chunked_rule_on_the_gpu_path_takes_the_kernel() -> None:
     o_ref, states_ref = gated_delta_rule_recurrent(q, k, v, g, beta, state, return_states=True)
     checkpoints: list[torch.Tensor] = []
     on_path = emulate_gpu(matmul="torch") if DEVICE == "cpu" else contextlib.nullcontext()
-    with on_path, mock.patch.object(
-        triton_kernels, "gated_delta_chunk_scan", wraps=triton_kernels.gated_delta_chunk_scan
-    ) as kernel:
+    with (
+        on_path,
+        mock.patch.object(
+            triton_kernels, "gated_delta_chunk_scan", wraps=triton_kernels.gated_delta_chunk_scan
+        ) as kernel,
+    ):
         inputs = (x.to(DEVICE) for x in (q, k, v, g, beta, state))
         o, final = gated_delta_rule_chunked(*inputs, chunk_size=64, chunk_states=checkpoints)
     # one launch for all three chunks (below sm_80 the PyTorch loop runs instead)
@@ -232,9 +237,15 @@ def test_chunk_scan_rejects_bad_arguments() -> None:
     assert not triton_kernels.chunk_scan_supported(cpu, 64, 512)  # K over MAX_K
     u, w, q, k, qk, g_cum, state = _chunk_inputs(1, 2, 16, 16, 16)
     with pytest.raises(ValueError, match="power of two >= 16"):
-        gated_delta_chunk_scan(u[:, :, :12].contiguous(), w[:, :, :12].contiguous(), q[:, :, :12].contiguous(),
-                               k[:, :, :12].contiguous(), qk[:, :, :12, :12].contiguous(),
-                               g_cum[:, :, :12].contiguous(), state)  # fmt: skip
+        gated_delta_chunk_scan(
+            u[:, :, :12].contiguous(),
+            w[:, :, :12].contiguous(),
+            q[:, :, :12].contiguous(),
+            k[:, :, :12].contiguous(),
+            qk[:, :, :12, :12].contiguous(),
+            g_cum[:, :, :12].contiguous(),
+            state,
+        )
     with pytest.raises(ValueError, match="qk must be contiguous float32"):
         gated_delta_chunk_scan(u, w, q, k, qk.transpose(-1, -2), g_cum, state)
     with pytest.raises(ValueError, match="state must be contiguous float32"):

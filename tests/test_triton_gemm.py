@@ -28,8 +28,9 @@ TYPES = tuple(GGMLType(int(t)) for t in GEMM_TYPES)
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-4}
 
 
-def _check_product(x: torch.Tensor, blocks: torch.Tensor, qtype: GGMLType, compute_dtype: torch.dtype,
-                   **tile: int) -> None:  # fmt: skip
+def _check_product(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: GGMLType, compute_dtype: torch.dtype, **tile: int
+) -> None:
     n = blocks.shape[0]
     qk, type_size = block_geometry(qtype)
     expected = x.float() @ dequantize(blocks, qtype, (n, blocks.shape[1] // type_size * qk)).T

@@ -33,10 +33,17 @@ IQ4_TYPES = (GGMLType.IQ4_NL, GGMLType.IQ4_XS)  # no quantizer writes these here
 TYPES = SUPER_TYPES + LEGACY_TYPES + IQ4_TYPES
 # The f16 fields of each block (d, and m or dmin), by byte offset.
 F16_OFFSETS = {
-    GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2),
-    GGMLType.Q8_0: (0,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,),
-    GGMLType.IQ4_NL: (0,), GGMLType.IQ4_XS: (0,),
-}  # fmt: skip
+    GGMLType.Q4_0: (0,),
+    GGMLType.Q4_1: (0, 2),
+    GGMLType.Q5_0: (0,),
+    GGMLType.Q5_1: (0, 2),
+    GGMLType.Q8_0: (0,),
+    GGMLType.Q4_K: (0, 2),
+    GGMLType.Q5_K: (0, 2),
+    GGMLType.Q6_K: (208,),
+    GGMLType.IQ4_NL: (0,),
+    GGMLType.IQ4_XS: (0,),
+}
 
 
 def _weight(qtype: GGMLType, n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -79,15 +86,22 @@ def _gemv_cases() -> list:
         pytest.param(t, n, k, m, dt, id=f"{t.name}-{n}x{k}-m{m}-{ds}")
         for t in SUPER_TYPES
         # each shape, row count (1, 3 and 8: one padded M tile each) and activation type at least once per type
-        for n, k, m, dt, ds in [(32, 256, 1, torch.float32, "f32"), (96, 512, 8, torch.float32, "f32"),
-                                (96, 512, 3, torch.float16, "f16"), (32, 256, 8, torch.float16, "f16")]
-    ]  # fmt: skip
+        for n, k, m, dt, ds in [
+            (32, 256, 1, torch.float32, "f32"),
+            (96, 512, 8, torch.float32, "f32"),
+            (96, 512, 3, torch.float16, "f16"),
+            (32, 256, 8, torch.float16, "f16"),
+        ]
+    ]
     legacy = [
         pytest.param(t, n, k, m, dt, id=f"{t.name}-{n}x{k}-m{m}-{ds}")
         for t in LEGACY_TYPES + IQ4_TYPES
-        for n, k, m, dt, ds in [(32, 256, 1, torch.float16, "f16"), (96, 512, 3, torch.float32, "f32"),
-                                (32, 256, 8, torch.float32, "f32")]
-    ]  # fmt: skip
+        for n, k, m, dt, ds in [
+            (32, 256, 1, torch.float16, "f16"),
+            (96, 512, 3, torch.float32, "f32"),
+            (32, 256, 8, torch.float32, "f32"),
+        ]
+    ]
     return full + legacy
 
 
@@ -117,8 +131,9 @@ class _LaunchCounter:
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize(("n", "k", "m", "dtype"), [(40, 768, 1, torch.float32), (24, 1280, 3, torch.float16),
-                                                   (16, 1024, 8, torch.float32)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("n", "k", "m", "dtype"), [(40, 768, 1, torch.float32), (24, 1280, 3, torch.float16), (16, 1024, 8, torch.float32)]
+)
 def test_word_kernels_and_sub_tile_kernel_match_reference(
     qtype: GGMLType, n: int, k: int, m: int, dtype: torch.dtype
 ) -> None:

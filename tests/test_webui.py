@@ -47,9 +47,18 @@ def driver() -> Iterator[WebDriver]:
     profile = tempfile.mkdtemp(prefix="mtpserve-chromium-")
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
-                f"--user-data-dir={profile}", "--window-size=1100,850"):  # fmt: skip
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--window-size=1100,850",
+    ):
         options.add_argument(arg)
     drv = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
     try:
@@ -316,8 +325,14 @@ def test_stream_parsing_and_errors(driver: WebDriver, smol: ServerProcess) -> No
     open_page(driver, smol)
     markup = "<b>bold</b><img src=x onerror=\"document.title='pwned'\">"
     call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": '}}
-    timings = {"prompt_n": 5, "prompt_per_second": 100.0, "predicted_n": 4, "predicted_per_second": 50.0,
-               "draft_n": 3, "draft_n_accepted": 2}  # fmt: skip
+    timings = {
+        "prompt_n": 5,
+        "prompt_per_second": 100.0,
+        "predicted_n": 4,
+        "predicted_per_second": 50.0,
+        "draft_n": 3,
+        "draft_n_accepted": 2,
+    }
     stream = sse(
         ": keep-alive\n\n",
         delta(role="assistant", content=None),

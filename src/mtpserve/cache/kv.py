@@ -90,7 +90,9 @@ class KVCache:
             cells: torch.Tensor | slice = slice(start, end)
         else:
             if n > self.capacity - self.window + 1:
-                raise ValueError(f"batch of {n} tokens does not fit a ring of {self.capacity} cells (window {self.window})")
+                raise ValueError(
+                    f"batch of {n} tokens does not fit a ring of {self.capacity} cells (window {self.window})"
+                )
             cells = torch.arange(start, end, device=self.device) % self.capacity
         self.k.write(cells, k)
         self.v.write(cells, v)
@@ -149,9 +151,18 @@ class KVCache:
     def _attend_stored(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float, cells: slice) -> torch.Tensor:
         """The GPU decode kernel over `cells` of the cache as stored (empty cells masked by position -1)."""
         return decode_attention_gpu(
-            q, self.k.data[cells], self.v.data[cells], self.k.type, self.v.type, q_pos, self.positions[cells],
-            self.k.n_heads, scale, self.window, ordered=not self.ring,
-        )  # fmt: skip
+            q,
+            self.k.data[cells],
+            self.v.data[cells],
+            self.k.type,
+            self.v.type,
+            q_pos,
+            self.positions[cells],
+            self.k.n_heads,
+            scale,
+            self.window,
+            ordered=not self.ring,
+        )
 
     def can_truncate(self, length: int) -> bool:
         """Whether `truncate(length)` leaves a usable cache: a ring may have overwritten positions the

@@ -5,7 +5,8 @@ verification step, then the sums; with `--sweep` a row per configuration; Markdo
 in `--out`.
 
     mtpserve bench --url http://127.0.0.1:8000 --api-key KEY
-    mtpserve bench -m model.gguf --server-args "--spec-type draft-mtp -c 8192" --sweep spec-draft-n-max=0,1,2,3 --rounds 3
+    mtpserve bench -m model.gguf --server-args "--spec-type draft-mtp -c 8192" \\
+        --sweep spec-draft-n-max=0,1,2,3 --rounds 3
 """
 
 from __future__ import annotations
@@ -27,12 +28,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a running OpenAI-compatible server (mtpserve or llama-server)")
     where.add_argument("-m", "--model", help="start `mtpserve serve -m MODEL` for each configuration")
-    p.add_argument("--server-args", default="", help="flags for the started server, e.g. \"--spec-type draft-mtp -c 8192\"")
+    p.add_argument(
+        "--server-args", default="", help='flags for the started server, e.g. "--spec-type draft-mtp -c 8192"'
+    )
     p.add_argument("--server-bin", help="start this binary (e.g. llama-server) instead of `mtpserve serve`")
     p.add_argument("--api-key", help="API key for --url (and --peer-url)")
     p.add_argument("--model-name", help="the `model` field to send (default: none)")
-    p.add_argument("--sweep", action="append", default=[], metavar="FLAG=V1,V2",
-                   help="server flag values to try (restarts the server), or enable_thinking=true,false; repeatable")  # fmt: skip
+    p.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="FLAG=V1,V2",
+        help="server flag values to try (restarts the server), or enable_thinking=true,false; repeatable",
+    )
     p.add_argument("--peer-url", help="a second server given the same requests, interleaved; reported as ratios")
     p.add_argument("-n", "--requests", type=int, default=4, help="requests from the prompt set (default 4, cycled)")
     p.add_argument("--prompts", help="a JSON file with a list of prompts (strings)")
@@ -56,15 +64,31 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     extra = shlex.split(args.server_args)
-    command = ([args.server_bin, "-m", args.model, *extra] if args.server_bin else mtpserve_command(args.model, extra)) if args.model else []
+    command = (
+        ([args.server_bin, "-m", args.model, *extra] if args.server_bin else mtpserve_command(args.model, extra))
+        if args.model
+        else []
+    )
     target = Target(url=args.url, command=command, api_key=args.api_key, model=args.model_name, log_dir=out)
     points = parse_sweep(args.sweep)
-    experiment = run_experiment(target, points, workload, args.rounds, args.peer_url,
-                                progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
+    experiment = run_experiment(
+        target,
+        points,
+        workload,
+        args.rounds,
+        args.peer_url,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
     title = Path(args.model).name if args.model else args.url
-    meta = {"date": dt.datetime.now().isoformat(timespec="seconds"), "target": args.url or " ".join(command),
-            "peer": args.peer_url, "rounds": args.rounds, "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "sweep": args.sweep}  # fmt: skip
+    meta = {
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "target": args.url or " ".join(command),
+        "peer": args.peer_url,
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "sweep": args.sweep,
+    }
     text, files = report.write(experiment, out, meta, title)
     print(text)
     print("wrote " + ", ".join(str(f) for f in files), file=sys.stderr)

@@ -56,6 +56,11 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
     except ValueError:
         raise ValueError(f"--spec-draft-n-max takes a number or 'auto', not '{args.spec_draft_n_max}'") from None
     return SpecConfig(
-        args.spec_type, n_max=n_max, n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, auto=auto,
-        draft_model=args.model_draft, draft_vocab=args.spec_draft_vocab,
-    )  # fmt: skip
+        args.spec_type,
+        n_max=n_max,
+        n_min=args.spec_draft_n_min,
+        p_min=args.spec_draft_p_min,
+        auto=auto,
+        draft_model=args.model_draft,
+        draft_vocab=args.spec_draft_vocab,
+    )

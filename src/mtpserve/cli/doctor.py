@@ -74,8 +74,13 @@ def nvidia_smi() -> list[str]:
         return []
     query = "name,driver_version,compute_cap,memory.total,memory.free"
     try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return [f"nvidia-smi failed: {e}"]
     return [line.strip() for line in out.splitlines() if line.strip()]
@@ -83,7 +88,9 @@ def nvidia_smi() -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     problems = 0
-    _line("ok" if sys.version_info >= (3, 11) else "problem", "python", f"{platform.python_version()} ({sys.executable})")
+    _line(
+        "ok" if sys.version_info >= (3, 11) else "problem", "python", f"{platform.python_version()} ({sys.executable})"
+    )
     cuda_build = torch.version.cuda
     _line("ok", "torch", f"{torch.__version__} ({'CUDA ' + cuda_build + ' build' if cuda_build else 'CPU build'})")
     triton = _version("triton")
@@ -96,24 +103,35 @@ def run(args: argparse.Namespace) -> int:
         _line("problem", "C compiler", "none: install gcc (the CPU kernels are compiled on first use)")
     flags = cpu_flags()
     have = [f for f in CPU_FLAGS if f in flags]
-    _line("ok" if "avx2" in flags else "note", "CPU", f"{platform.machine()}, {torch.get_num_threads()} threads, "
-          f"features: {' '.join(have) or 'none of ' + ' '.join(CPU_FLAGS)}")  # fmt: skip
+    _line(
+        "ok" if "avx2" in flags else "note",
+        "CPU",
+        f"{platform.machine()}, {torch.get_num_threads()} threads, "
+        f"features: {' '.join(have) or 'none of ' + ' '.join(CPU_FLAGS)}",
+    )
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for i in range(gpus):
         props = torch.cuda.get_device_properties(i)
         free, total = torch.cuda.mem_get_info(i)
-        _line("ok", f"GPU {i}", f"{props.name}, compute capability {props.major}.{props.minor}, "
-              f"{free / GIB:.1f} of {total / GIB:.1f} GiB free")  # fmt: skip
+        _line(
+            "ok",
+            f"GPU {i}",
+            f"{props.name}, compute capability {props.major}.{props.minor}, "
+            f"{free / GIB:.1f} of {total / GIB:.1f} GiB free",
+        )
     for line in nvidia_smi():
         _line("ok", "nvidia-smi", line)
     if not gpus:
         _line("note", "GPU", "none visible to torch: mtpserve runs on the CPU")
     else:
-        _line("note", "GPU backend", "the CUDA path (Triton kernels) runs the layers that --gpu-layers puts on the GPUs")
+        _line(
+            "note", "GPU backend", "the CUDA path (Triton kernels) runs the layers that --gpu-layers puts on the GPUs"
+        )
 
     path = model_path(args)
-    engine = EngineConfig(n_parallel=args.parallel, ctx_size=args.ctx_size, cache_type_k=args.cache_type_k,
-                          cache_type_v=args.cache_type_v)  # fmt: skip
+    engine = EngineConfig(
+        n_parallel=args.parallel, ctx_size=args.ctx_size, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v
+    )
     available = int(args.memory * GIB) if args.memory is not None else None
     rec = recommend(path, engine, "cpu", available)
     plan = rec.plan
@@ -122,23 +140,35 @@ def run(args: argparse.Namespace) -> int:
     if rec.fits and not rec.changes:
         _line("ok", "model", f"{path.name} fits with {asked}: needs {need:.2f} GiB, {free:.2f} GiB free")
     elif rec.fits:
-        _line("note", "model", f"{path.name} does not fit with {asked}; it fits with {' '.join(rec.changes)}: "
-              f"needs {need:.2f} GiB, {free:.2f} GiB free")  # fmt: skip
+        _line(
+            "note",
+            "model",
+            f"{path.name} does not fit with {asked}; it fits with {' '.join(rec.changes)}: "
+            f"needs {need:.2f} GiB, {free:.2f} GiB free",
+        )
     else:
         problems += 1
-        _line("problem", "model", f"{path.name} does not fit even with {' '.join(rec.changes) or asked}: needs "
-              f"{need:.2f} GiB, {free:.2f} GiB free")  # fmt: skip
+        _line(
+            "problem",
+            "model",
+            f"{path.name} does not fit even with {' '.join(rec.changes) or asked}: needs "
+            f"{need:.2f} GiB, {free:.2f} GiB free",
+        )
     e = plan.estimate
     c = rec.config
-    print(f"{'':10}memory: weights {e.weights_bytes / GIB:.2f} GiB, KV {e.kv_bytes / GIB:.2f} GiB, recurrent state "
-          f"{e.recurrent_bytes / GIB:.3f} GiB, checkpoints up to {plan.checkpoints_bytes_max / GIB:.3f} GiB")  # fmt: skip
+    print(
+        f"{'':10}memory: weights {e.weights_bytes / GIB:.2f} GiB, KV {e.kv_bytes / GIB:.2f} GiB, recurrent state "
+        f"{e.recurrent_bytes / GIB:.3f} GiB, checkpoints up to {plan.checkpoints_bytes_max / GIB:.3f} GiB"
+    )
     devices = _gpu_devices(args.gpus)
     gpu_flags = "--gpu-layers 0"
     if devices:
         failed, gpu_flags = _plan_gpus(path, rec.config, devices)
         problems += failed
-    print(f"{'':10}recommended: mtpserve serve -m {path} -c {c.ctx_size} -np {c.n_parallel} "
-          f"-ctk {c.cache_type_k} -ctv {c.cache_type_v} --ctx-checkpoints {c.ctx_checkpoints} {gpu_flags}")  # fmt: skip
+    print(
+        f"{'':10}recommended: mtpserve serve -m {path} -c {c.ctx_size} -np {c.n_parallel} "
+        f"-ctk {c.cache_type_k} -ctv {c.cache_type_v} --ctx-checkpoints {c.ctx_checkpoints} {gpu_flags}"
+    )
     return 1 if problems else 0
 
 
@@ -171,11 +201,18 @@ def _plan_gpus(path: Path, engine: EngineConfig, devices: list[Device]) -> tuple
     ranges = placement.layer_ranges()
     for use in placement.uses[1:]:
         spans = ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in ranges[use.device.name]) or "nothing"
-        _line("ok", use.device.name, f"layers {spans}: {use.total_bytes / GIB:.2f} GiB of {use.device.free_bytes / GIB:.2f} GiB free")
+        _line(
+            "ok",
+            use.device.name,
+            f"layers {spans}: {use.total_bytes / GIB:.2f} GiB of {use.device.free_bytes / GIB:.2f} GiB free",
+        )
     counts = [sum(1 for name in (*placement.block_device, placement.output_device) if name == d.name) for d in devices]
     split = ",".join(str(c) for c in counts)
     ngl = "all" if placement.n_gpu_layers == n_all else str(placement.n_gpu_layers)
     flags = f"--gpu-layers {ngl} --split-mode layer --tensor-split {split}"
-    _line("note" if placement.n_gpu_layers < n_all else "ok", "GPU plan",
-          f"{placement.n_gpu_layers} of {n_all} layers on the GPUs: {flags}")  # fmt: skip
+    _line(
+        "note" if placement.n_gpu_layers < n_all else "ok",
+        "GPU plan",
+        f"{placement.n_gpu_layers} of {n_all} layers on the GPUs: {flags}",
+    )
     return 0, flags

@@ -45,9 +45,13 @@ def run(args: argparse.Namespace) -> int:
     )
     prompt = Tokenizer.from_gguf(path).encode(args.prompt, add_special=True, parse_special=True)
     sampling = SamplingParams(
-        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repeat_penalty=args.repeat_penalty, seed=args.seed,
-    )  # fmt: skip
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=args.seed,
+    )
     request = Request(prompt, sampling, n_predict=args.n_predict, ignore_eos=args.ignore_eos, n_probs=args.n_probs)
     with Engine.from_file(path, config) as engine:
         stream = engine.submit(request)
@@ -57,8 +61,13 @@ def run(args: argparse.Namespace) -> int:
                 if isinstance(event, TokenEvent):
                     tokens.append(event)
                 else:
-                    result = {"prompt_ids": prompt, "generated_ids": event.tokens, "text": event.text,
-                              "finish_reason": event.finish_reason, "timings": event.timings.as_dict()}  # fmt: skip
+                    result = {
+                        "prompt_ids": prompt,
+                        "generated_ids": event.tokens,
+                        "text": event.text,
+                        "finish_reason": event.finish_reason,
+                        "timings": event.timings.as_dict(),
+                    }
                     if event.timings.draft_n:
                         result["draft_n"] = event.timings.draft_n
                         result["draft_n_accepted"] = event.timings.draft_n_accepted
@@ -75,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
             if isinstance(event, FinishEvent):
                 t = event.timings
                 drafts = f", draft {t.draft_n_accepted}/{t.draft_n} accepted" if t.draft_n else ""
-                print(f"\n[prompt {t.prompt_n} tokens at {t.prompt_per_second:.1f} t/s, generated {t.predicted_n} "
-                      f"at {t.predicted_per_second:.1f} t/s{drafts}, {event.finish_reason}]", file=sys.stderr)  # fmt: skip
+                print(
+                    f"\n[prompt {t.prompt_n} tokens at {t.prompt_per_second:.1f} t/s, generated {t.predicted_n} "
+                    f"at {t.predicted_per_second:.1f} t/s{drafts}, {event.finish_reason}]",
+                    file=sys.stderr,
+                )
     return 0

@@ -74,9 +74,7 @@ def inspect_model(
             n_mtp_params += t.n_elements
 
     total_w, mtp_w = weight_bytes(gguf, config)
-    est = estimate_memory(
-        config, total_w, mtp_w, ctx_size, parallel, cache_type_k, cache_type_v, kv_unified=kv_unified
-    )
+    est = estimate_memory(config, total_w, mtp_w, ctx_size, parallel, cache_type_k, cache_type_v, kv_unified=kv_unified)
     layout = config.cache_layout()
     file_type = gguf.metadata.get("general.file_type")
     try:
@@ -107,7 +105,11 @@ def inspect_model(
             "cache_type_v": est.cache_type_v,
             "kv_unified": kv_unified,
             "kv_bytes_per_token": round(
-                sum(kv_bytes_per_cell(s, cache_type_k, cache_type_v) for s in layout.attention if s.sliding_window is None)
+                sum(
+                    kv_bytes_per_cell(s, cache_type_k, cache_type_v)
+                    for s in layout.attention
+                    if s.sliding_window is None
+                )
             ),
             "weights_bytes": est.weights_bytes,
             "mtp_weights_bytes": est.mtp_weights_bytes,
@@ -175,7 +177,8 @@ def render(r: dict[str, Any]) -> str:
     lines.append("tensor types")
     for name, row in r["tensor_types"].items():
         lines.append(
-            f"  {name:7s} {row['tensors']:5d} tensors  {_count(row['parameters']):>10s} params  {_size(row['bytes']):>11s}"
+            f"  {name:7s} {row['tensors']:5d} tensors  {_count(row['parameters']):>10s} params  "
+            f"{_size(row['bytes']):>11s}"
         )
     m = r["memory"]
     lines += [
@@ -183,7 +186,8 @@ def render(r: dict[str, Any]) -> str:
         f"K {m['cache_type_k']}, V {m['cache_type_v']}" + (", unified KV" if m["kv_unified"] else ""),
         f"  weights          {_size(m['weights_bytes']):>11s}"
         + (f"  (MTP block {_size(m['mtp_weights_bytes'])})" if m["mtp_weights_bytes"] else ""),
-        f"  KV cache         {_size(m['kv_bytes']):>11s}  ({m['kv_bytes_per_token']:,} bytes per token in full-attention layers)",
+        f"  KV cache         {_size(m['kv_bytes']):>11s}  "
+        f"({m['kv_bytes_per_token']:,} bytes per token in full-attention layers)",
     ]
     if m["mtp_kv_bytes"]:
         lines.append(f"  MTP KV cache     {_size(m['mtp_kv_bytes']):>11s}")

@@ -48,9 +48,14 @@ def run(args: argparse.Namespace) -> int:
     file_type = parse_file_type(args.type)
     logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)  # its "Little Endian only" notice
     result = quantize_model(
-        args.input, args.output, file_type, allow_requantize=args.allow_requantize, threads=args.threads,
-        device=args.device, llama_order=args.llama_order,
-    )  # fmt: skip
+        args.input,
+        args.output,
+        file_type,
+        allow_requantize=args.allow_requantize,
+        threads=args.threads,
+        device=args.device,
+        llama_order=args.llama_order,
+    )
     counts = Counter(t.name for t in result.types.values())
     mib = 1024 * 1024
     print(

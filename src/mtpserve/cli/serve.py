@@ -48,34 +48,61 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-hf", "--hf-repo", help="pull REPO[:QUANT] from Hugging Face (cached), then serve it")
     p.add_argument("-hff", "--hf-file", help="with -hf: this file of the repo instead of choosing by QUANT")
     p.add_argument("-hft", "--hf-token", help="Hugging Face token (default: HF_TOKEN or the saved login)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on, or a path ending in .sock (default 127.0.0.1)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on, or a path ending in .sock (default 127.0.0.1)"
+    )
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("-a", "--alias", help="model name(s) for the API, comma-separated")
     p.add_argument("--api-key", help="API key(s), comma-separated")
     p.add_argument("--api-key-file", help="a file with one API key per line")
     p.add_argument("--api-prefix", default="", help="prefix for every path (e.g. /llm)")
     # placement (GPU flags: CPU machines note and ignore them)
-    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="gpu_layers", help="layers on the GPU: N, all or auto")
+    p.add_argument(
+        "-ngl", "--gpu-layers", "--n-gpu-layers", dest="gpu_layers", help="layers on the GPU: N, all or auto"
+    )
     p.add_argument("-sm", "--split-mode", choices=["none", "layer", "row", "tensor"], help="how to split over GPUs")
     p.add_argument("-ts", "--tensor-split", help="share of each GPU, e.g. 1,1")
     p.add_argument("-mg", "--main-gpu", type=int, help="the GPU for split-mode none")
     p.add_argument("-dev", "--device", help="devices to offload to, comma-separated (CUDA0,CUDA1), or none")
     p.add_argument("--list-devices", action="store_true", help="print the available devices and exit")
-    p.add_argument("-ngld", "--spec-draft-ngl", "--gpu-layers-draft", "--n-gpu-layers-draft", dest="spec_draft_ngl",
-                   help="draft-simple: the draft model's layers on the GPU: N, all or auto")  # fmt: skip
-    p.add_argument("-devd", "--spec-draft-device", "--device-draft", dest="spec_draft_device",
-                   help="draft-simple: devices for the draft model (default: --device)")  # fmt: skip
-    p.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto", help="flash attention (CPU: always tiled)")
-    p.add_argument("--no-mmproj", action="store_true", help="do not load a multimodal projector (none is loaded anyway)")
+    p.add_argument(
+        "-ngld",
+        "--spec-draft-ngl",
+        "--gpu-layers-draft",
+        "--n-gpu-layers-draft",
+        dest="spec_draft_ngl",
+        help="draft-simple: the draft model's layers on the GPU: N, all or auto",
+    )
+    p.add_argument(
+        "-devd",
+        "--spec-draft-device",
+        "--device-draft",
+        dest="spec_draft_device",
+        help="draft-simple: devices for the draft model (default: --device)",
+    )
+    p.add_argument(
+        "-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto", help="flash attention (CPU: always tiled)"
+    )
+    p.add_argument(
+        "--no-mmproj", action="store_true", help="do not load a multimodal projector (none is loaded anyway)"
+    )
     p.add_argument("--mmproj", help="multimodal projector (not supported)")
     # context and cache
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="total context over all slots, 0 = the model's (default 4096)")
+    p.add_argument(
+        "-c", "--ctx-size", type=int, default=4096, help="total context over all slots, 0 = the model's (default 4096)"
+    )
     p.add_argument("-np", "--parallel", type=int, default=1, help="slots: requests served at once (default 1)")
     p.add_argument("-ctk", "--cache-type-k", default="f16", choices=sorted(CACHE_TYPES))
     p.add_argument("-ctv", "--cache-type-v", default="f16", choices=sorted(CACHE_TYPES))
-    p.add_argument("-ctkd", "--cache-type-k-draft", default="f16", choices=sorted(CACHE_TYPES), help="(MTP cache: same as -ctk)")
-    p.add_argument("-ctvd", "--cache-type-v-draft", default="f16", choices=sorted(CACHE_TYPES), help="(MTP cache: same as -ctv)")
-    p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch (accepted; prompts go in -ub chunks)")
+    p.add_argument(
+        "-ctkd", "--cache-type-k-draft", default="f16", choices=sorted(CACHE_TYPES), help="(MTP cache: same as -ctk)"
+    )
+    p.add_argument(
+        "-ctvd", "--cache-type-v-draft", default="f16", choices=sorted(CACHE_TYPES), help="(MTP cache: same as -ctv)"
+    )
+    p.add_argument(
+        "-b", "--batch-size", type=int, default=2048, help="logical batch (accepted; prompts go in -ub chunks)"
+    )
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="prompt tokens per forward pass (default 512)")
     p.add_argument("--ctx-checkpoints", type=int, default=32, help="recurrent-state checkpoints per slot (default 32)")
     p.add_argument("-sps", "--slot-prompt-similarity", type=float, default=0.1)
@@ -97,8 +124,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-rea", "--reasoning", choices=["on", "off", "auto"], default="auto")
     p.add_argument("--reasoning-format", choices=REASONING_FORMATS, default="deepseek")
     p.add_argument("--reasoning-budget", type=int, default=-1, help="(only -1, unlimited, is supported)")
-    p.add_argument("--reasoning-preserve", action=argparse.BooleanOptionalAction, default=False,
-                   help="keep history reasoning in Qwen3.6 templates (preserve_thinking)")  # fmt: skip
+    p.add_argument(
+        "--reasoning-preserve",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="keep history reasoning in Qwen3.6 templates (preserve_thinking)",
+    )
     # sampling defaults
     p.add_argument("-n", "--n-predict", type=int, default=-1, help="default generation limit (-1: none)")
     p.add_argument("--temp", type=float, default=0.8)
@@ -120,7 +151,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--embeddings", action="store_true", help="(not supported)")
     p.add_argument("-to", "--timeout", type=int, default=3600, help="idle connection timeout, seconds")
     p.add_argument("--threads-http", type=int, default=-1, help="(accepted: one event loop serves HTTP)")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds running requests get to finish on SIGTERM")
+    p.add_argument(
+        "--shutdown-timeout", type=float, default=10.0, help="seconds running requests get to finish on SIGTERM"
+    )
     p.add_argument("--max-body-size", type=int, default=DEFAULT_MAX_BODY, help="largest request body, bytes")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 503 (0: no limit)")
     p.add_argument("--max-predict", type=int, default=0, help="most tokens one request may generate (0: the context)")
@@ -133,7 +166,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
     p.add_argument("-tb", "--threads-batch", type=int, default=0, help="(the same threads serve prompts)")
     # logging
-    p.add_argument("-lv", "--log-verbosity", "--verbosity", dest="verbosity", type=int, default=3, help="1 errors .. 4 debug")
+    p.add_argument(
+        "-lv", "--log-verbosity", "--verbosity", dest="verbosity", type=int, default=3, help="1 errors .. 4 debug"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="= -lv 4")
     p.add_argument("--log-file", help="also write the log to this file")
     p.add_argument("--log-disable", action="store_true")
@@ -174,15 +209,28 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     if args.chat_template_file:
         template = args.chat_template_file
     engine = EngineConfig(
-        n_parallel=args.parallel, ctx_size=args.ctx_size, ubatch=args.ubatch_size,
-        cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, ctx_checkpoints=args.ctx_checkpoints,
-        n_predict=args.n_predict, slot_prompt_similarity=args.slot_prompt_similarity, spec=spec_config(args),
-    )  # fmt: skip
+        n_parallel=args.parallel,
+        ctx_size=args.ctx_size,
+        ubatch=args.ubatch_size,
+        cache_type_k=args.cache_type_k,
+        cache_type_v=args.cache_type_v,
+        ctx_checkpoints=args.ctx_checkpoints,
+        n_predict=args.n_predict,
+        slot_prompt_similarity=args.slot_prompt_similarity,
+        spec=spec_config(args),
+    )
     sampling = SamplingParams(
-        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, typical_p=args.typical,
-        repeat_last_n=args.repeat_last_n, repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, seed=args.seed,
-    )  # fmt: skip
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        typical_p=args.typical,
+        repeat_last_n=args.repeat_last_n,
+        repeat_penalty=args.repeat_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+    )
     return ServerSettings(
         model=model_path(args),
         engine=engine,
@@ -272,10 +320,17 @@ def run(args: argparse.Namespace) -> int:
     uds = args.host if args.host.endswith(".sock") else None
     app = create_app(state)
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, uds=uds, log_config=None, access_log=verbosity >= 4,
-        timeout_keep_alive=min(args.timeout, 3600), timeout_graceful_shutdown=args.shutdown_timeout,
-        server_header=False, lifespan="on",
-    )  # fmt: skip
+        app,
+        host=args.host,
+        port=args.port,
+        uds=uds,
+        log_config=None,
+        access_log=verbosity >= 4,
+        timeout_keep_alive=min(args.timeout, 3600),
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        server_header=False,
+        lifespan="on",
+    )
     server = _server_class()(config)
     address = f"unix:{uds}" if uds else f"http://{args.host}:{args.port}"
 
@@ -296,7 +351,9 @@ def run(args: argparse.Namespace) -> int:
         state.close()
 
     # The lifespan starts loading; uvicorn binds the socket right after, so /health answers 503 meanwhile.
-    app.router.lifespan_context = lifespan(lambda: threading.Thread(target=load, name="mtpserve-load", daemon=True).start(), stop)
+    app.router.lifespan_context = lifespan(
+        lambda: threading.Thread(target=load, name="mtpserve-load", daemon=True).start(), stop
+    )
     server.run()
     if state.load_error is not None:
         return 1  # the log said why, in one line
@@ -311,8 +368,11 @@ def _server_class() -> type:
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.should_exit:
-                log.info("srv  llama_server: received signal %d: no new connections, running requests get %.0f s",
-                         sig, self.config.timeout_graceful_shutdown or 0)  # fmt: skip
+                log.info(
+                    "srv  llama_server: received signal %d: no new connections, running requests get %.0f s",
+                    sig,
+                    self.config.timeout_graceful_shutdown or 0,
+                )
             super().handle_exit(sig, frame)
             self._captured_signals.clear()  # a graceful stop exits 0 (uvicorn would re-raise the signal)
 
@@ -336,14 +396,26 @@ def _log_devices(args: argparse.Namespace) -> None:
     if cuda:
         for i in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(i)
-            log.info("device_info: CUDA%d: %s (%d MiB, %d MiB free)", i, torch.cuda.get_device_name(i), total >> 20, free >> 20)
+            log.info(
+                "device_info: CUDA%d: %s (%d MiB, %d MiB free)",
+                i,
+                torch.cuda.get_device_name(i),
+                total >> 20,
+                free >> 20,
+            )
     page, pages = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_AVPHYS_PAGES")
     log.info("device_info: CPU: %d threads, %d MiB free", torch.get_num_threads(), page * pages >> 20)
     given = [f"--{name.replace('_', '-')}" for name in GPU_FLAGS if getattr(args, name) is not None]
     if given and not cuda:
         log.warning("main: %s ignored (no CUDA device: everything runs on the CPU)", ", ".join(given))
-    draft = [f"--{n.replace('_', '-')}" for n in ("spec_draft_ngl", "spec_draft_device") if getattr(args, n) is not None]
+    draft = [
+        f"--{n.replace('_', '-')}" for n in ("spec_draft_ngl", "spec_draft_device") if getattr(args, n) is not None
+    ]
     if cuda and draft and args.spec_type != "draft-simple":
-        log.warning("main: %s ignored (they place draft-simple's model; %s)", ", ".join(draft),
-                    "draft-mtp's MTP block is a layer of the model: --gpu-layers places it"
-                    if args.spec_type == "draft-mtp" else f"--spec-type is {args.spec_type}")  # fmt: skip
+        log.warning(
+            "main: %s ignored (they place draft-simple's model; %s)",
+            ", ".join(draft),
+            "draft-mtp's MTP block is a layer of the model: --gpu-layers places it"
+            if args.spec_type == "draft-mtp"
+            else f"--spec-type is {args.spec_type}",
+        )

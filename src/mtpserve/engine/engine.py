@@ -307,18 +307,31 @@ class Engine:
         self.stats = SpecStats()
         if spec.enabled:  # llama-server's start-up lines
             if self.mtp:
-                log.info("common_speculative_init_result: creating MTP draft context against the target model '%s'", name)
+                log.info(
+                    "common_speculative_init_result: creating MTP draft context against the target model '%s'", name
+                )
             if self.draft_model:
                 log.info("srv    load_model: loaded draft model '%s'", spec.draft_model)
-            log.info("srv    load_model: initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = 'false'",
-                     config.n_parallel, plan.slot_ctx)  # fmt: skip
+            log.info(
+                "srv    load_model: initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = 'false'",
+                config.n_parallel,
+                plan.slot_ctx,
+            )
             log.info("spec common_specu: adding speculative implementation '%s'", spec.type)
-            log.info("spec common_specu: - n_max=%s, n_min=%d, p_min=%.2f, n_embd=%d",
-                     "auto" if spec.auto else spec.n_max, spec.n_min, spec.p_min, model.config.n_embd)  # fmt: skip
+            log.info(
+                "spec common_specu: - n_max=%s, n_min=%d, p_min=%.2f, n_embd=%d",
+                "auto" if spec.auto else spec.n_max,
+                spec.n_min,
+                spec.p_min,
+                model.config.n_embd,
+            )
             log.info("srv    load_model: speculative decoding context initialized")
         else:
-            log.info("srv    load_model: initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = 'false'",
-                     config.n_parallel, plan.slot_ctx)  # fmt: skip
+            log.info(
+                "srv    load_model: initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = 'false'",
+                config.n_parallel,
+                plan.slot_ctx,
+            )
         self.n_decode_total = 0  # model passes (llama-server's n_decode_total)
         # Decode, verification and MTP steps of a model wholly on GPUs replay CUDA graphs (models/graphs.py).
         # MTPSERVE_CUDA_GRAPHS=0 turns them off (to measure the difference, or to rule them out); =1 takes the
@@ -414,16 +427,22 @@ class Engine:
             out = []
             for slot in self.slots:
                 job = slot.job
-                out.append(SlotInfo(
-                    id=slot.id, n_ctx=self.plan.slot_ctx, is_processing=job is not None,
-                    id_task=job.stream.id if job else -1,
-                    n_prompt_tokens=len(job.request.prompt) if job else 0,
-                    n_prompt_tokens_cache=job.timings.cache_n if job else 0,
-                    n_prompt_tokens_processed=max(slot.state.n_past - job.timings.cache_n, 0) if job else 0,
-                    n_decoded=len(job.generated) if job else 0,
-                    n_remain=max(self._limit(job) - len(job.generated), -1) if job and self._limit(job) >= 0 else -1,
-                    n_cached=len(slot.tokens),
-                ))  # fmt: skip
+                out.append(
+                    SlotInfo(
+                        id=slot.id,
+                        n_ctx=self.plan.slot_ctx,
+                        is_processing=job is not None,
+                        id_task=job.stream.id if job else -1,
+                        n_prompt_tokens=len(job.request.prompt) if job else 0,
+                        n_prompt_tokens_cache=job.timings.cache_n if job else 0,
+                        n_prompt_tokens_processed=max(slot.state.n_past - job.timings.cache_n, 0) if job else 0,
+                        n_decoded=len(job.generated) if job else 0,
+                        n_remain=max(self._limit(job) - len(job.generated), -1)
+                        if job and self._limit(job) >= 0
+                        else -1,
+                        n_cached=len(slot.tokens),
+                    )
+                )
             return out
 
     def close(self) -> None:
@@ -487,26 +506,31 @@ class Engine:
             for slot in generating:  # one verification pass per slot: drafts differ in length
                 try:
                     self._speculate(slot)
-                except Exception as e:  # a failed pass fails its requests, never the engine
+                except Exception as e:  # noqa: BLE001 - a failed pass fails its requests, never the engine
                     self._fail([slot], e)
         elif generating:
             try:
                 self._decode(generating)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001
                 self._fail(generating, e)
         prompting = [s for s in self.slots if s.job and s.job.phase is Phase.PROMPT]
         if prompting:
             slot = min(prompting, key=lambda s: s.job.t_last_chunk)  # round robin over waiting prompts
             try:
                 self._prompt_chunk(slot)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001
                 self._fail([slot], e)
 
     def _fail(self, slots: list[Slot], error: Exception) -> None:
         for slot in slots:
             if slot.job:
-                log.error("slot update_slots: id %2d | task %d | failed: %s: %s", slot.id, slot.job.stream.id,
-                          type(error).__name__, error)  # fmt: skip
+                log.error(
+                    "slot update_slots: id %2d | task %d | failed: %s: %s",
+                    slot.id,
+                    slot.job.stream.id,
+                    type(error).__name__,
+                    error,
+                )
                 stream, slot.job = slot.job.stream, None
                 self._reset(slot)
                 stream.put(error if isinstance(error, EngineError) else ServerError(f"{type(error).__name__}: {error}"))
@@ -559,12 +583,19 @@ class Engine:
         job.batch_ends, job.checkpoint_at = self._prompt_schedule(prompt, n_past, request.checkpoint_at)
         params = request.sampling
         if request.ignore_eos:  # llama-server: a -inf bias on every end-of-generation token
-            params = replace(params, logit_bias={**params.logit_bias, **{t: float("-inf") for t in self.tokenizer.eog_ids}})
+            params = replace(
+                params, logit_bias={**params.logit_bias, **{t: float("-inf") for t in self.tokenizer.eog_ids}}
+            )
         job.sampler = Sampler(params, history=prompt)
         job.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special=True, keep_special=request.keep_special)
         slot.job = job
-        log.info("slot launch_slot_: id %2d | task %d | processing task, n_tokens = %d, cache_n = %d",
-                 slot.id, job.stream.id, len(prompt), n_past)  # fmt: skip
+        log.info(
+            "slot launch_slot_: id %2d | task %d | processing task, n_tokens = %d, cache_n = %d",
+            slot.id,
+            job.stream.id,
+            len(prompt),
+            n_past,
+        )
 
     def _reuse_prefix(self, slot: Slot, prompt: list[int]) -> None:
         """Keep the longest usable part of what the slot holds; at least one prompt token stays to evaluate."""
@@ -596,7 +627,9 @@ class Engine:
         slot.pending_h = None
         slot.mtp_backlog.clear()
 
-    def _prompt_schedule(self, prompt: list[int], start: int, hints: tuple[int, ...]) -> tuple[list[int], frozenset[int]]:
+    def _prompt_schedule(
+        self, prompt: list[int], start: int, hints: tuple[int, ...]
+    ) -> tuple[list[int], frozenset[int]]:
         """Where the prompt's forward passes end, and which of those ends are checkpoints."""
         n, ubatch = len(prompt), self.config.ubatch
         cuts: set[int] = set()

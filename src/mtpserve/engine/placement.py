@@ -148,9 +148,14 @@ class DeviceUse:
     @property
     def total_bytes(self) -> int:
         return (
-            self.weights_bytes + self.kv_bytes + self.recurrent_bytes + self.mtp_kv_bytes + self.compute_bytes
-            + self.checkpoint_bytes + self.rollback_bytes
-        )  # fmt: skip
+            self.weights_bytes
+            + self.kv_bytes
+            + self.recurrent_bytes
+            + self.mtp_kv_bytes
+            + self.compute_bytes
+            + self.checkpoint_bytes
+            + self.rollback_bytes
+        )
 
     @property
     def fits(self) -> bool:
@@ -497,7 +502,9 @@ def _layout(
     for d in (host, *devices):
         t, is_host = tally[d.name], d is host
         limit = None if is_host and not host_checked else d.free_bytes - (0 if is_host else margin)
-        compute = (c.reserve_output if t.output else c.reserve) + t.prompt_kv * (HOST_PROMPT_KV_BYTES if is_host else PROMPT_KV_BYTES)
+        compute = (c.reserve_output if t.output else c.reserve) + t.prompt_kv * (
+            HOST_PROMPT_KV_BYTES if is_host else PROMPT_KV_BYTES
+        )
         uses.append(
             DeviceUse(
                 device=d,
@@ -766,7 +773,15 @@ class GpuRequest:
         config = config_from_gguf(gguf)
         devices = select_devices(self.devices, cuda_devices() if available is None else available)
         ngl = _gpu_layers(self.gpu_layers)
-        planned = place(config, layer_bytes_from_gguf(gguf, config), engine, devices, ngl, self.split_mode,
-                        self.tensor_split, self.main_gpu)  # fmt: skip
+        planned = place(
+            config,
+            layer_bytes_from_gguf(gguf, config),
+            engine,
+            devices,
+            ngl,
+            self.split_mode,
+            self.tensor_split,
+            self.main_gpu,
+        )
         planned.check()
         return planned

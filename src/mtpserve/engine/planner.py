@@ -109,9 +109,15 @@ def plan(
     available_bytes: int | None = None,
 ) -> MemoryPlan:
     estimate = estimate_memory(
-        config, weights_bytes, mtp_weights_bytes, engine.ctx_size, engine.n_parallel, engine.cache_type_k,
-        engine.cache_type_v, ubatch=engine.ubatch,
-    )  # fmt: skip
+        config,
+        weights_bytes,
+        mtp_weights_bytes,
+        engine.ctx_size,
+        engine.n_parallel,
+        engine.cache_type_k,
+        engine.cache_type_v,
+        ubatch=engine.ubatch,
+    )
     layout = config.cache_layout()
     per_token = sum(kv_bytes_per_cell(s, engine.cache_type_k, engine.cache_type_v) for s in layout.attention)
     checkpoint = sum(4 * (r.conv_state_elements + r.ssm_state_elements) for r in layout.recurrent)
@@ -146,7 +152,9 @@ class Recommendation:
         return self.plan.available_bytes is None or self.plan.required_bytes <= self.plan.available_bytes
 
 
-def recommend(path: str | Path, engine: EngineConfig, device: str = "cpu", available_bytes: int | None = None) -> Recommendation:
+def recommend(
+    path: str | Path, engine: EngineConfig, device: str = "cpu", available_bytes: int | None = None
+) -> Recommendation:
     """The configuration to run `path` with: the one asked for if it fits, else the nearest that does, by
     the server's own planner -- first a q8_0 KV cache, then fewer checkpoints, then a halved context down
     to 4096 tokens per slot. `available_bytes` overrides the free memory measured now (for what-ifs)."""

@@ -157,7 +157,9 @@ def _min_p(values: torch.Tensor, ids: torch.Tensor, min_p: float, min_keep: int)
     return values[keep], ids[keep]
 
 
-def _typical(values: torch.Tensor, ids: torch.Tensor, typical_p: float, min_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _typical(
+    values: torch.Tensor, ids: torch.Tensor, typical_p: float, min_keep: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Locally typical sampling: order by |-log p - entropy|, keep until the mass exceeds typical_p."""
     probs = torch.softmax(values, 0)
     logp = torch.log(probs)

@@ -149,11 +149,15 @@ def check_draft_vocab(target: Tokenizer, draft: Tokenizer) -> None:
             f"{draft.bos_id}/{draft.eos_id}/{draft.add_bos})"
         )
     if abs(target.n_vocab - draft.n_vocab) > VOCAB_MAX_SIZE_DIFFERENCE:
-        problems.append(f"vocabulary sizes {target.n_vocab} and {draft.n_vocab} differ by more than {VOCAB_MAX_SIZE_DIFFERENCE}")
+        problems.append(
+            f"vocabulary sizes {target.n_vocab} and {draft.n_vocab} differ by more than {VOCAB_MAX_SIZE_DIFFERENCE}"
+        )
     else:
         for i in range(VOCAB_CHECK_START, min(target.n_vocab, draft.n_vocab)):
             if target.token_text(i) != draft.token_text(i):
-                problems.append(f"token {i} is {target.token_text(i)!r} in the target, {draft.token_text(i)!r} in the draft")
+                problems.append(
+                    f"token {i} is {target.token_text(i)!r} in the target, {draft.token_text(i)!r} in the draft"
+                )
                 break
     if problems:
         raise InvalidRequest("the draft model's vocabulary does not match the target's: " + "; ".join(problems))

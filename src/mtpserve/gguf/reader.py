@@ -226,7 +226,9 @@ def _parse_file(path: Path) -> _ParsedFile:
     if version not in SUPPORTED_VERSIONS:
         if version & 0xFFFF == 0 and (version >> 16) in SUPPORTED_VERSIONS:
             raise GGUFError(path, "big-endian GGUF files are not supported")
-        raise GGUFError(path, f"unsupported GGUF version {version} (supported: {', '.join(map(str, SUPPORTED_VERSIONS))})")
+        raise GGUFError(
+            path, f"unsupported GGUF version {version} (supported: {', '.join(map(str, SUPPORTED_VERSIONS))})"
+        )
     n_tensors = cur.scalar("<Q", "tensor count")
     n_kv = cur.scalar("<Q", "metadata count")
     # Each key/value takes at least 8+4+1 bytes and each tensor info at least 8+4+4+8 bytes.
@@ -280,7 +282,8 @@ def _parse_file(path: Path) -> _ParsedFile:
         block_size, type_size = GGML_QUANT_SIZES[ggml_type]
         if ne[0] % block_size:
             raise GGUFError(
-                path, f"tensor '{name}' row length {ne[0]} is not a multiple of the {ggml_type.name} block size {block_size}"
+                path,
+                f"tensor '{name}' row length {ne[0]} is not a multiple of the {ggml_type.name} block size {block_size}",
             )
         n_elements = 1
         for d in ne:
@@ -322,7 +325,9 @@ def _read_value(cur: _Cursor, vtype: GGUFValueType, what: str, depth: int = 0) -
     if etype == GGUFValueType.ARRAY and depth + 1 >= MAX_ARRAY_DEPTH:
         raise GGUFError(cur.path, f"{what} nests arrays more than {MAX_ARRAY_DEPTH} deep")
     count = cur.scalar("<Q", f"length of {what}")
-    min_size = _SCALAR_DTYPES[etype].itemsize if etype in _SCALAR_DTYPES else (8 if etype == GGUFValueType.STRING else 12)
+    min_size = (
+        _SCALAR_DTYPES[etype].itemsize if etype in _SCALAR_DTYPES else (8 if etype == GGUFValueType.STRING else 12)
+    )
     if count * min_size > cur.size - cur.pos:
         raise GGUFError(cur.path, f"{what} claims {count} elements, more than the file can hold")
     if etype in _SCALAR_DTYPES:

@@ -141,9 +141,16 @@ def new_kv_caches(
         if spec.sliding_window is not None:
             capacity = min(ctx, -(-(spec.sliding_window + ubatch) // CTX_PAD) * CTX_PAD)
         caches[spec.layer] = KVCache(
-            capacity, spec.n_kv_heads, spec.k_dim, spec.v_dim, cache_type_k, cache_type_v, spec.sliding_window,
-            ring=capacity < ctx, device=(devices or {}).get(spec.layer, torch.device("cpu")),
-        )  # fmt: skip
+            capacity,
+            spec.n_kv_heads,
+            spec.k_dim,
+            spec.v_dim,
+            cache_type_k,
+            cache_type_v,
+            spec.sliding_window,
+            ring=capacity < ctx,
+            device=(devices or {}).get(spec.layer, torch.device("cpu")),
+        )
     return caches
 
 

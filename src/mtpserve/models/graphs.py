@@ -134,8 +134,10 @@ class StepGraph:
         split_at: Sequence[int] = (),
     ) -> None:
         if model.row_split:
-            raise ValueError("a step graph runs each device's blocks on their own; this model's matrices are split "
-                             "over several devices")  # fmt: skip
+            raise ValueError(
+                "a step graph runs each device's blocks on their own; this model's matrices are split "
+                "over several devices"
+            )
         self.states = [states] if isinstance(states, ModelState) else list(states)
         self.model, self.n_tokens, self.keep_steps = model, n_tokens, keep_steps
         self.segments = [

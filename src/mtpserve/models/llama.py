@@ -101,7 +101,9 @@ class LlamaConfig:
         return specs
 
     def cache_layout(self) -> CacheLayout:
-        return CacheLayout(tuple(AttentionCacheSpec(i, self.n_head_kv, self.head_dim, self.head_dim) for i in range(self.n_layer)), ())
+        return CacheLayout(
+            tuple(AttentionCacheSpec(i, self.n_head_kv, self.head_dim, self.head_dim) for i in range(self.n_layer)), ()
+        )
 
 
 # --- blocks -------------------------------------------------------------------------------------------
@@ -124,7 +126,11 @@ class Attention:
         q, k, v = linear_many(x, self.qkv, seq_len)
         if self.bq is not None:  # qwen2: biases on q, k and v
             q, k, v = q + self.bq, k + self.bk, v + self.bv
-        q, k, v = q.view(T, c.n_head, c.head_dim), k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
+        q, k, v = (
+            q.view(T, c.n_head, c.head_dim),
+            k.view(T, c.n_head_kv, c.head_dim),
+            v.view(T, c.n_head_kv, c.head_dim),
+        )
         if c.qk_norm:
             q, k = rms_norm(q, self.q_norm, c.rms_eps), rms_norm(k, self.k_norm, c.rms_eps)
         q, k = apply_rope(q, rope.cos, rope.sin, c.rope_neox), apply_rope(k, rope.cos, rope.sin, c.rope_neox)

@@ -51,7 +51,9 @@ def kv_bytes_per_cell(spec: AttentionCacheSpec, cache_type_k: str, cache_type_v:
     return k + v
 
 
-def kv_cells(spec: AttentionCacheSpec, ctx_size: int, parallel: int, kv_unified: bool = False, ubatch: int = 512) -> int:
+def kv_cells(
+    spec: AttentionCacheSpec, ctx_size: int, parallel: int, kv_unified: bool = False, ubatch: int = 512
+) -> int:
     """Cells (token slots) llama.cpp allocates for one attention layer, summed over streams."""
     n_ctx = _pad(ctx_size)
     streams, ctx_per_stream = (1, n_ctx) if kv_unified else (parallel, _pad(n_ctx // parallel))
@@ -84,7 +86,9 @@ def estimate_memory(
 
     def kv_total(specs: tuple[AttentionCacheSpec, ...]) -> int:
         return sum(
-            round(kv_cells(s, ctx_size, parallel, kv_unified, ubatch) * kv_bytes_per_cell(s, cache_type_k, cache_type_v))
+            round(
+                kv_cells(s, ctx_size, parallel, kv_unified, ubatch) * kv_bytes_per_cell(s, cache_type_k, cache_type_v)
+            )
             for s in specs
         )
 

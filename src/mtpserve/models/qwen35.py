@@ -207,7 +207,6 @@ class Qwen35Config:
         return CacheLayout(attention, recurrent, tuple(kv(i) for i in self.mtp_layers()))
 
 
-
 # --- blocks -------------------------------------------------------------------------------------------
 
 
@@ -273,11 +272,24 @@ class GatedDeltaNet:
                 conv_steps = [torch.empty(seq_len, *st.conv.shape, device=st.conv.device) for st in states]
                 ssm_steps = [torch.empty(seq_len, *st.ssm.shape, device=st.ssm.device) for st in states]
             out = gated_delta_net_decode(
-                x, self.projections, self.dt_bias, self.a, self.conv_weight, self.norm, self.w_out,
-                [st.conv for st in states], [st.ssm for st in states], c.n_k_heads, c.rms_eps, conv_steps, ssm_steps,
-            )  # fmt: skip
+                x,
+                self.projections,
+                self.dt_bias,
+                self.a,
+                self.conv_weight,
+                self.norm,
+                self.w_out,
+                [st.conv for st in states],
+                [st.ssm for st in states],
+                c.n_k_heads,
+                c.rms_eps,
+                conv_steps,
+                ssm_steps,
+            )
             if steps is not None and conv_steps is not None and ssm_steps is not None:
-                steps.extend([RecurrentState(cs[t], ss[t]) for t in range(seq_len)] for cs, ss in zip(conv_steps, ssm_steps))
+                steps.extend(
+                    [RecurrentState(cs[t], ss[t]) for t in range(seq_len)] for cs, ss in zip(conv_steps, ssm_steps)
+                )
             return out, kept
         if steps is not None:
             raise ValueError(f"per-token states are kept for up to {RECURRENT_MAX_TOKENS} tokens, not {seq_len}")
@@ -419,7 +431,9 @@ class Qwen35ForCausalLM(CausalLM):
         device = self.device_of(head.block.index)
         e = (self.mtp_embed(tokens) if embeddings is None else embeddings).to(device)
         hidden = hidden.to(device)
-        u = linear(torch.cat((rms_norm(e, head.enorm, c.rms_eps), rms_norm(hidden, head.hnorm, c.rms_eps)), -1), head.eh_proj)
+        u = linear(
+            torch.cat((rms_norm(e, head.enorm, c.rms_eps), rms_norm(hidden, head.hnorm, c.rms_eps)), -1), head.eh_proj
+        )
         start = kv.length if positions is None else -1  # MTP positions follow its own cache
         batch = Batch(tokens, [state], len(tokens), [start], positions=positions)
         u = head.block(u, batch.rope(self.rope_table).to(device), batch)

@@ -70,10 +70,20 @@ def swiglu_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, seq_l
     M, E = x2.shape
     out = torch.empty(M, down.shape[0])
     rc = lib.mtp_swiglu_ffn(
-        x2.data_ptr(), M, seq_len or max(M, 1), E, int(gate.ggml_type), gate.data.data_ptr(), int(up.ggml_type),
-        up.data.data_ptr(), gate.shape[0], int(down.ggml_type), down.data.data_ptr(), out.data_ptr(),
+        x2.data_ptr(),
+        M,
+        seq_len or max(M, 1),
+        E,
+        int(gate.ggml_type),
+        gate.data.data_ptr(),
+        int(up.ggml_type),
+        up.data.data_ptr(),
+        gate.shape[0],
+        int(down.ggml_type),
+        down.data.data_ptr(),
+        out.data_ptr(),
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     if rc != 0:
         raise RuntimeError(f"mtp_swiglu_ffn failed ({rc}) for {down.name}")
     return out.view(*lead, -1)

@@ -114,8 +114,10 @@ def attention(
     lib = cpu_kernels.load()
     tiled = q.shape[0] >= ONLINE_MAX_QUERIES
     if lib is None or k.dtype not in (torch.float16, torch.float32) or k.dtype != v.dtype:
-        return _attention_tiled_torch(q, k, v, q_pos, k_pos, scale, window) if tiled else (
-            attention_online_reference(q, k, v, q_pos, k_pos, scale, window)
+        return (
+            _attention_tiled_torch(q, k, v, q_pos, k_pos, scale, window)
+            if tiled
+            else (attention_online_reference(q, k, v, q_pos, k_pos, scale, window))
         )
     T, H, D = q.shape
     q = q.float().contiguous()
@@ -125,17 +127,35 @@ def attention(
     common = (k.shape[0], H, k.shape[1], D, scale, window or 0)
     if tiled:
         rc = lib.mtp_attention_tiled(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.float16), q_pos.data_ptr(), k_pos.data_ptr(),
-            T, *common, out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            int(k.dtype == torch.float16),
+            q_pos.data_ptr(),
+            k_pos.data_ptr(),
+            T,
+            *common,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
     else:
         n_cells = max(KV_VIEW_PAD, -(-k.shape[0] // KV_VIEW_PAD) * KV_VIEW_PAD)
         split = T == 1 and n_cells >= SPLIT_KV_MIN_CELLS
         rc = lib.mtp_attention(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.float16), q_pos.data_ptr(), k_pos.data_ptr(),
-            T, *common, int(v.dtype == torch.float16), n_cells, SPLIT_KV_CHUNKS if split else 1, out.data_ptr(),
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            int(k.dtype == torch.float16),
+            q_pos.data_ptr(),
+            k_pos.data_ptr(),
+            T,
+            *common,
+            int(v.dtype == torch.float16),
+            n_cells,
+            SPLIT_KV_CHUNKS if split else 1,
+            out.data_ptr(),
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
     if rc != 0:
         raise RuntimeError(f"CPU attention kernel failed ({rc})")
     return out
@@ -261,7 +281,17 @@ def decode_attention_gpu(
     kernels = triton_kernels()
     if triton_available(q) and kernels is not None:
         return kernels.decode_attention(
-            q.float().contiguous(), k_store, v_store, int(k_type), int(v_type), q_pos, k_pos, n_kv_heads,
-            q.shape[-1], scale, window, ordered=ordered,
-        )  # fmt: skip
+            q.float().contiguous(),
+            k_store,
+            v_store,
+            int(k_type),
+            int(v_type),
+            q_pos,
+            k_pos,
+            n_kv_heads,
+            q.shape[-1],
+            scale,
+            window,
+            ordered=ordered,
+        )
     return decode_attention_reference(q, k_store, v_store, k_type, v_type, q_pos, k_pos, n_kv_heads, scale, window)

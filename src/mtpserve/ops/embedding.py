@@ -32,7 +32,9 @@ def embedding(weight: QTensor, tokens: torch.Tensor) -> torch.Tensor:
     if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= weight.shape[0]):
         raise IndexError(f"token id out of range [0, {weight.shape[0]}) for {weight.name}")
     out = torch.empty(len(idx), weight.shape[1])
-    rc = lib.mtp_get_rows(int(weight.ggml_type), weight.data.data_ptr(), weight.shape[1], idx.data_ptr(), len(idx), out.data_ptr())
+    rc = lib.mtp_get_rows(
+        int(weight.ggml_type), weight.data.data_ptr(), weight.shape[1], idx.data_ptr(), len(idx), out.data_ptr()
+    )
     if rc != 0:
         raise RuntimeError(f"mtp_get_rows failed ({rc}) for {weight.name}")
     return out

@@ -205,7 +205,9 @@ def gated_delta_net_step(
     """`gated_delta_net_step_reference` as one C kernel call (states updated in place and returned)."""
     lib = cpu_kernels.load()
     if lib is None:
-        return gated_delta_net_step_reference(mixed, conv_state, conv_weight, z, beta, g, ssm, norm_weight, n_k_heads, eps)
+        return gated_delta_net_step_reference(
+            mixed, conv_state, conv_weight, z, beta, g, ssm, norm_weight, n_k_heads, eps
+        )
     T = mixed.shape[0]
     n_v_heads, K, V = ssm.shape
     args = [t.float().contiguous() for t in (mixed, conv_weight, z, beta, g, norm_weight)]
@@ -213,10 +215,25 @@ def gated_delta_net_step(
     conv_state, ssm = conv_state.contiguous(), ssm.contiguous()
     y = torch.empty(T, n_v_heads * V)
     lib.mtp_gdn_step(
-        mixed.data_ptr(), conv_state.data_ptr(), conv_weight.data_ptr(), z.data_ptr(), beta.data_ptr(), g.data_ptr(),
-        ssm.data_ptr(), norm_weight.data_ptr(), y.data_ptr(), None, None,
-        T, n_k_heads, n_v_heads, K, V, conv_weight.shape[1], eps,
-    )  # fmt: skip
+        mixed.data_ptr(),
+        conv_state.data_ptr(),
+        conv_weight.data_ptr(),
+        z.data_ptr(),
+        beta.data_ptr(),
+        g.data_ptr(),
+        ssm.data_ptr(),
+        norm_weight.data_ptr(),
+        y.data_ptr(),
+        None,
+        None,
+        T,
+        n_k_heads,
+        n_v_heads,
+        K,
+        V,
+        conv_weight.shape[1],
+        eps,
+    )
     return y, conv_state, ssm
 
 
@@ -278,9 +295,20 @@ def gated_delta_net_decode(
     On the GPU path (ops.device): `gated_delta_net_decode_gpu`."""
     if gpu_path(h):
         return gated_delta_net_decode_gpu(
-            h, projections, dt_bias, a, conv_weight, norm_weight, w_out, conv_states, ssms, n_k_heads, eps,
-            conv_steps, ssm_steps,
-        )  # fmt: skip
+            h,
+            projections,
+            dt_bias,
+            a,
+            conv_weight,
+            norm_weight,
+            w_out,
+            conv_states,
+            ssms,
+            n_k_heads,
+            eps,
+            conv_steps,
+            ssm_steps,
+        )
     lib = cpu_kernels.load()
     n_seq = len(ssms)
     T = h.shape[0] // n_seq
@@ -295,9 +323,17 @@ def gated_delta_net_decode(
             rows = slice(s * T, (s + 1) * T)
             for t in range(T):  # token by token, to keep every intermediate state
                 y, new_conv, new_ssm = gated_delta_net_step(
-                    mixed[rows][t : t + 1], conv_state, conv_weight, z[rows][t : t + 1], beta[rows][t : t + 1],
-                    g[rows][t : t + 1], ssm, norm_weight, n_k_heads, eps,
-                )  # fmt: skip
+                    mixed[rows][t : t + 1],
+                    conv_state,
+                    conv_weight,
+                    z[rows][t : t + 1],
+                    beta[rows][t : t + 1],
+                    g[rows][t : t + 1],
+                    ssm,
+                    norm_weight,
+                    n_k_heads,
+                    eps,
+                )
                 conv_state.copy_(new_conv)
                 ssm.copy_(new_ssm)
                 if conv_steps is not None and ssm_steps is not None:
@@ -324,11 +360,30 @@ def gated_delta_net_decode(
         )
     out = torch.empty(x.shape[0], w_out.shape[0])
     rc = lib.mtp_gdn_mixer(
-        x.data_ptr(), x.shape[0], T, x.shape[1], projections.c_types, projections.c_data, dt_bias.data_ptr(),
-        a.data_ptr(), conv_ptrs, conv_weight.data_ptr(), ssm_ptrs, norm_weight.data_ptr(), n_k_heads, n_v_heads, K, V,
-        conv_weight.shape[1], eps, int(w_out.ggml_type), w_out.data.data_ptr(), out.data_ptr(), *steps,
+        x.data_ptr(),
+        x.shape[0],
+        T,
+        x.shape[1],
+        projections.c_types,
+        projections.c_data,
+        dt_bias.data_ptr(),
+        a.data_ptr(),
+        conv_ptrs,
+        conv_weight.data_ptr(),
+        ssm_ptrs,
+        norm_weight.data_ptr(),
+        n_k_heads,
+        n_v_heads,
+        K,
+        V,
+        conv_weight.shape[1],
+        eps,
+        int(w_out.ggml_type),
+        w_out.data.data_ptr(),
+        out.data_ptr(),
+        *steps,
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     if rc != 0:
         raise RuntimeError(f"mtp_gdn_mixer failed ({rc}) for {w_out.name}")
     return out

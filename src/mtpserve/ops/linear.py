@@ -182,9 +182,17 @@ def linear_many(x: torch.Tensor, weights: Sequence[QTensor], seq_len: int | None
     outs = [torch.empty(M, w.shape[0]) for w in group]
     ys = (ctypes.c_void_p * len(group))(*(y.data_ptr() for y in outs))
     rc = lib.mtp_matmul_many(
-        len(group), group.c_types, group.c_data, group.c_rows, K, x2.data_ptr(), M, seq_len or max(M, 1), ys,
+        len(group),
+        group.c_types,
+        group.c_data,
+        group.c_rows,
+        K,
+        x2.data_ptr(),
+        M,
+        seq_len or max(M, 1),
+        ys,
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     if rc != 0:
         raise RuntimeError(f"mtp_matmul_many failed ({rc}) for {[w.name for w in group]}")
     return [y.view(*lead, y.shape[-1]) for y in outs]
@@ -220,9 +228,16 @@ def linear(
     N = weight.shape[0]
     y = torch.empty(M, N)
     rc = lib.mtp_matmul(
-        int(weight.ggml_type), weight.data.data_ptr(), N, K, x2.data_ptr(), M, seq_len or max(M, 1), y.data_ptr(),
+        int(weight.ggml_type),
+        weight.data.data_ptr(),
+        N,
+        K,
+        x2.data_ptr(),
+        M,
+        seq_len or max(M, 1),
+        y.data_ptr(),
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     if rc != 0:
         raise RuntimeError(f"mtp_matmul failed ({rc}) for {weight.name}")
     y = y.view(*lead, N)

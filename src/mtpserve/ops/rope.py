@@ -91,9 +91,15 @@ def rope_cos_sin(
     T = positions.shape[0]
     cos, sin = torch.empty(T, n_pairs), torch.empty(T, n_pairs)
     lib.mtp_rope_cache(
-        start.data_ptr(), None if stream is None else stream.data_ptr(), T, n_rot, base, freq_scale,
-        cos.data_ptr(), sin.data_ptr(),
-    )  # fmt: skip
+        start.data_ptr(),
+        None if stream is None else stream.data_ptr(),
+        T,
+        n_rot,
+        base,
+        freq_scale,
+        cos.data_ptr(),
+        sin.data_ptr(),
+    )
     return cos, sin
 
 

@@ -109,7 +109,9 @@ def _dequant_q3_k(b: torch.Tensor, out: torch.Tensor) -> None:
     sc = ((low & 0x0F) | ((high & 0x03) << 4)).to(torch.int8) - 32
     dl = (_f16(b, 108) * sc.float()).unsqueeze(-1)  # [n, 16, 1]
     ql = (qs.reshape(n, 2, 1, 32) >> _const([0, 2, 4, 6], b.device).view(1, 1, 4, 1)) & 3
-    qh = (hmask.reshape(n, 1, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 1, 8, 1)).reshape(n, 2, 4, 32) & 1
+    qh = (hmask.reshape(n, 1, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 1, 8, 1)).reshape(
+        n, 2, 4, 32
+    ) & 1
     # A set hmask bit means "no offset"; a clear one subtracts 4.
     out.view(n, 2, 4, 32).copy_(ql.to(torch.int8) - ((qh ^ 1) << 2).to(torch.int8))
     out.view(n, 16, 16).mul_(dl)
@@ -139,7 +141,9 @@ def _dequant_q5_k(b: torch.Tensor, out: torch.Tensor) -> None:
     d = (_f16(b, 0) * sc.float()).unsqueeze(-1)
     dm = (_f16(b, 2) * mn.float()).unsqueeze(-1)
     qs = b[:, 48:176].reshape(n, 4, 1, 32)
-    qh = ((b[:, 16:48].reshape(n, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)) & 1).view(n, 4, 2, 32)
+    qh = (
+        (b[:, 16:48].reshape(n, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)) & 1
+    ).view(n, 4, 2, 32)
     nibbles = torch.cat((qs & 0x0F, qs >> 4), dim=2)  # [n, 4, 2, 32]
     out.view(n, 4, 2, 32).copy_(nibbles | (qh << 4))
     out.view(n, 8, 32).mul_(d).sub_(dm)
@@ -169,7 +173,9 @@ def _dequant_iq4_xs(b: torch.Tensor, out: torch.Tensor) -> None:
     ls = (low.to(torch.int32) | (high << 4)) - 32
     dl = (_f16(b, 0) * ls.float()).unsqueeze(-1)  # [n, 8, 1]
     qs = b[:, 8:136].reshape(n, 8, 1, 16)
-    out.view(n, 8, 2, 16).copy_(_const(IQ4_VALUES, b.device, torch.float32)[torch.cat((qs & 0x0F, qs >> 4), dim=2).int()])
+    out.view(n, 8, 2, 16).copy_(
+        _const(IQ4_VALUES, b.device, torch.float32)[torch.cat((qs & 0x0F, qs >> 4), dim=2).int()]
+    )
     out.view(n, 8, 32).mul_(dl)
 
 

@@ -67,8 +67,14 @@ class RowSplitQTensor(QTensor):
     shards: tuple[QTensor, ...] = ()
 
     @classmethod
-    def split(cls, q: QTensor, devices: Sequence[torch.device | str], shares: Sequence[float], home: torch.device | str,
-              granularity: int = ROW_SPLIT_GRANULARITY) -> QTensor:  # fmt: skip
+    def split(
+        cls,
+        q: QTensor,
+        devices: Sequence[torch.device | str],
+        shares: Sequence[float],
+        home: torch.device | str,
+        granularity: int = ROW_SPLIT_GRANULARITY,
+    ) -> QTensor:
         """q's rows over `devices` in proportion to `shares` (cumulative boundaries rounded down to multiples of
         `granularity` rows, the last device taking the rest); devices whose share rounds to no rows get no
         shard, and a matrix too small to split stays whole at home, a plain QTensor."""

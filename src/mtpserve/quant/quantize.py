@@ -176,21 +176,21 @@ def _make_qx_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Ten
 
     def candidate(numerator: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         iscale = _div(-numerator, mx)  # the C code negates the float numerator, then divides
-        l = torch.round(iscale * x).clamp_(-nmax, nmax - 1)
-        return l, _seq_sum(wx * l), _seq_sum(w * l * l)
+        q = torch.round(iscale * x).clamp_(-nmax, nmax - 1)
+        return q, _seq_sum(wx * q), _seq_sum(w * q * q)
 
-    l, sumlx, suml2 = candidate(float(nmax))
+    q, sumlx, suml2 = candidate(float(nmax))
     scale = torch.where(suml2 != 0, sumlx / suml2, torch.zeros_like(sumlx))
     best = scale * sumlx
-    levels = l
+    levels = q
     for step in range(-9, 10):
         if step == 0:
             continue
-        l, sumlx, suml2 = candidate(_f32(nmax + _f32(_f32(0.1) * step)))
+        q, sumlx, suml2 = candidate(_f32(nmax + _f32(_f32(0.1) * step)))
         better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
         scale = torch.where(better, sumlx / suml2, scale)
         best = torch.where(better, scale * sumlx, best)
-        levels = torch.where(better, l, levels)
+        levels = torch.where(better, q, levels)
     levels = torch.where(zero, torch.full_like(levels, -nmax), levels)  # all-zero group: L = 0
     return torch.where(zero, torch.zeros_like(scale), scale), (levels + nmax).to(torch.uint8)
 

@@ -2,11 +2,11 @@
 request, hands it to the engine, and streams the engine's events back; it holds no model logic.
 
 Tokenizing and rendering templates run in a worker thread (a megabyte of prompt must not stall the event
-loop, and every other stream with it). Every request passes, in order: CORS (the request's Origin echoed), readiness (503 `Loading model` until
-the model is loaded, /health included, the web page excepted), the API key (all but /health, /v1/health,
-/v1/models, /models and the web page -- llama-server's public set; keys compared in constant time), then
-the handler. Client mistakes are 4xx in OpenAI's error shape (errors.py); a client that goes away cancels
-its request and frees its slot.
+loop, and every other stream with it). Every request passes, in order: CORS (the request's Origin echoed),
+readiness (503 `Loading model` until the model is loaded, /health included, the web page excepted), the API key (all but
+/health, /v1/health, /v1/models, /models and the web page -- llama-server's public set; keys compared in constant time),
+then the handler. Client mistakes are 4xx in OpenAI's error shape (errors.py); a client that goes away cancels its
+request and frees its slot.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ def create_app(state: ServerState) -> FastAPI:
     settings = state.settings
     app = FastAPI(title="mtpserve", version=state.fingerprint, docs_url=None, redoc_url=None)
     app.state.server = state
-    app.add_middleware(CORSMiddleware, allow_origin_regex=".*", allow_credentials=True, allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(
+        CORSMiddleware, allow_origin_regex=".*", allow_credentials=True, allow_methods=["*"], allow_headers=["*"]
+    )
     prefix = settings.api_prefix.rstrip("/")
     router = APIRouter()
 
@@ -103,14 +105,43 @@ def create_app(state: ServerState) -> FastAPI:
         engine = _engine(state)
         config = engine.model.config
         name = settings.model_name
-        meta = {"vocab_type": 2, "n_vocab": config.n_vocab, "n_ctx": engine.slot_ctx, "n_ctx_train": config.context_length,
-                "n_embd": config.n_embd, "size": settings.model.stat().st_size}  # fmt: skip
-        entry = {"id": name, "aliases": sorted(settings.aliases), "tags": [], "object": "model", "created": int(time.time()),
-                 "owned_by": "llamacpp", "meta": meta}  # fmt: skip
-        listing = {"name": name, "model": name, "modified_at": "", "size": "", "digest": "", "type": "model",
-                   "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
-                   "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
-                               "parameter_size": "", "quantization_level": ""}}  # fmt: skip
+        meta = {
+            "vocab_type": 2,
+            "n_vocab": config.n_vocab,
+            "n_ctx": engine.slot_ctx,
+            "n_ctx_train": config.context_length,
+            "n_embd": config.n_embd,
+            "size": settings.model.stat().st_size,
+        }
+        entry = {
+            "id": name,
+            "aliases": sorted(settings.aliases),
+            "tags": [],
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "llamacpp",
+            "meta": meta,
+        }
+        listing = {
+            "name": name,
+            "model": name,
+            "modified_at": "",
+            "size": "",
+            "digest": "",
+            "type": "model",
+            "description": "",
+            "tags": [""],
+            "capabilities": ["completion"],
+            "parameters": "",
+            "details": {
+                "parent_model": "",
+                "format": "gguf",
+                "family": "",
+                "families": [""],
+                "parameter_size": "",
+                "quantization_level": "",
+            },
+        }
         return {"models": [listing], "object": "list", "data": [entry]}
 
     @router.get("/props")
@@ -138,24 +169,36 @@ def create_app(state: ServerState) -> FastAPI:
     @router.get("/slots")
     async def slots(request: Request) -> list[dict[str, Any]]:
         if not settings.slots_endpoint:
-            raise APIError("This server does not support slots endpoint. Start it without `--no-slots`", "not_supported_error", 501)
+            raise APIError(
+                "This server does not support slots endpoint. Start it without `--no-slots`", "not_supported_error", 501
+            )
         info = _engine(state).slots_info()
         if request.query_params.get("fail_on_no_slot") and not any(not s.is_processing for s in info):
             raise APIError("no slot available", "unavailable_error", 503)
         spec = settings.engine.spec
         return [
-            {"id": s.id, "n_ctx": s.n_ctx, "speculative": spec.enabled, "is_processing": s.is_processing,
-             "id_task": s.id_task, "n_prompt_tokens": s.n_prompt_tokens,
-             "n_prompt_tokens_processed": s.n_prompt_tokens_processed, "n_prompt_tokens_cache": s.n_prompt_tokens_cache,
-             "n_cached_tokens": s.n_cached, "params": {**_settings_dict(state), "speculative.types": spec.type},
-             "next_token": [{"has_next_token": s.is_processing, "n_remain": s.n_remain, "n_decoded": s.n_decoded}]}
+            {
+                "id": s.id,
+                "n_ctx": s.n_ctx,
+                "speculative": spec.enabled,
+                "is_processing": s.is_processing,
+                "id_task": s.id_task,
+                "n_prompt_tokens": s.n_prompt_tokens,
+                "n_prompt_tokens_processed": s.n_prompt_tokens_processed,
+                "n_prompt_tokens_cache": s.n_prompt_tokens_cache,
+                "n_cached_tokens": s.n_cached,
+                "params": {**_settings_dict(state), "speculative.types": spec.type},
+                "next_token": [{"has_next_token": s.is_processing, "n_remain": s.n_remain, "n_decoded": s.n_decoded}],
+            }
             for s in info
-        ]  # fmt: skip
+        ]
 
     @router.get("/metrics")
     async def metrics() -> Response:
         if not settings.metrics:
-            raise APIError("This server does not support metrics endpoint. Start it with `--metrics`", "not_supported_error", 501)
+            raise APIError(
+                "This server does not support metrics endpoint. Start it with `--metrics`", "not_supported_error", 501
+            )
         headers = {"Process-Start-Time-Unix": str(int(state.metrics.start_time))}
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4", headers=headers)
 
@@ -211,8 +254,9 @@ def create_app(state: ServerState) -> FastAPI:
             raise invalid(f"Field '{n_probs_field}': expected an integer (the number of top tokens)")
         prompt = await run_in_threadpool(params.prompt_tokens, body.raw("prompt"), tokenizer)
         n_probs = params.n_probs(body, n_probs_field)
-        return params.completion(body, prompt, tokenizer, settings.sampling, settings.engine.n_predict, n_probs,
-                                 settings.max_predict), tokenizer
+        return params.completion(
+            body, prompt, tokenizer, settings.sampling, settings.engine.n_predict, n_probs, settings.max_predict
+        ), tokenizer
 
     @router.post("/completion", openapi_extra=schema.body(schema.NATIVE))
     @router.post("/completions", include_in_schema=False)
@@ -232,8 +276,12 @@ def create_app(state: ServerState) -> FastAPI:
         if job.stream:
             return _sse(_text_stream(state, request, stream, job, cid))
         finish, tokens = await _collect(request, stream)
-        choice = {"text": finish.text, "index": 0, "logprobs": _logprobs(tokenizer, tokens) if job.n_probs else None,
-                  "finish_reason": finish.finish_reason}  # fmt: skip
+        choice = {
+            "text": finish.text,
+            "index": 0,
+            "logprobs": _logprobs(tokenizer, tokens) if job.n_probs else None,
+            "finish_reason": finish.finish_reason,
+        }
         return JSONResponse(_envelope(state, cid, "text_completion", [choice], finish))
 
     @router.post("/v1/chat/completions", openapi_extra=schema.body(schema.CHAT))
@@ -244,8 +292,9 @@ def create_app(state: ServerState) -> FastAPI:
         tokenizer, template = _tokenizer(state), _template(state)
         plan = await run_in_threadpool(plan_chat, body, template, tokenizer, settings.chat)
         n_probs = max(plan.top_logprobs, 1) if plan.logprobs else 0  # 1 at least: the token's own logprob
-        job = params.completion(body, plan.prompt, tokenizer, settings.sampling, settings.engine.n_predict, n_probs,
-                                settings.max_predict)
+        job = params.completion(
+            body, plan.prompt, tokenizer, settings.sampling, settings.engine.n_predict, n_probs, settings.max_predict
+        )
         job.request.keep_special = state.keep_special
         if plan.last_user_start:
             job.request.checkpoint_at = (plan.last_user_start,)
@@ -257,7 +306,11 @@ def create_app(state: ServerState) -> FastAPI:
         finish, tokens = await _collect(request, stream)
         output.feed(finish.text)
         output.finish()
-        choice: dict[str, Any] = {"finish_reason": _chat_finish_reason(finish, output), "index": 0, "message": output.message()}
+        choice: dict[str, Any] = {
+            "finish_reason": _chat_finish_reason(finish, output),
+            "index": 0,
+            "message": output.message(),
+        }
         if plan.logprobs:
             choice["logprobs"] = _logprobs(tokenizer, tokens, plan.top_logprobs)
         return JSONResponse(_envelope(state, cid, "chat.completion", [choice], finish))
@@ -332,8 +385,11 @@ def _check_model(body: Body, state: ServerState) -> None:
         raise invalid("Field 'model': expected a string")
     if not state.settings.accepts_model(name):
         served = state.settings.model_name
-        raise APIError(f"The model '{name[:200]}' does not exist: this server serves '{served}' (see GET /v1/models)",
-                       "not_found_error", 404)  # fmt: skip
+        raise APIError(
+            f"The model '{name[:200]}' does not exist: this server serves '{served}' (see GET /v1/models)",
+            "not_found_error",
+            404,
+        )
 
 
 def _submit(state: ServerState, job: Completion) -> RequestStream:
@@ -341,8 +397,12 @@ def _submit(state: ServerState, job: Completion) -> RequestStream:
     EngineErrors (context size, bad slot) become their 4xx."""
     engine, limit = _engine(state), state.settings.max_queue
     if limit and engine.queued >= limit:
-        raise APIError(f"the server is busy: {limit} requests are already waiting for a slot (--max-queue); retry later",
-                       "unavailable_error", 503, headers={"Retry-After": "1"})  # fmt: skip
+        raise APIError(
+            f"the server is busy: {limit} requests are already waiting for a slot (--max-queue); retry later",
+            "unavailable_error",
+            503,
+            headers={"Retry-After": "1"},
+        )
     return engine.submit(job.request)
 
 
@@ -352,9 +412,19 @@ def _random_id() -> str:
 
 def _settings_dict(state: ServerState) -> dict[str, Any]:
     s = state.settings.sampling
-    return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p, "typical_p": s.typical_p,
-            "repeat_last_n": s.repeat_last_n, "repeat_penalty": s.repeat_penalty, "presence_penalty": s.presence_penalty,
-            "frequency_penalty": s.frequency_penalty, "n_predict": state.settings.engine.n_predict, "seed": s.seed}  # fmt: skip
+    return {
+        "temperature": s.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "min_p": s.min_p,
+        "typical_p": s.typical_p,
+        "repeat_last_n": s.repeat_last_n,
+        "repeat_penalty": s.repeat_penalty,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "n_predict": state.settings.engine.n_predict,
+        "seed": s.seed,
+    }
 
 
 async def _watch(request: Request, stream: RequestStream) -> None:
@@ -406,30 +476,63 @@ def _log_timings(state: ServerState, event: FinishEvent, task: int) -> None:
     if not state.settings.perf:
         return
     t, head = event.timings, f"slot print_timing: id {event.id_slot:2d} | task {task} | "
-    log.info(head + "prompt eval time = %10.2f ms / %5d tokens (%8.2f ms per token, %8.2f tokens per second)",
-             t.prompt_ms, t.prompt_n, t.prompt_per_token_ms, t.prompt_per_second)  # fmt: skip
-    log.info(head + "       eval time = %10.2f ms / %5d tokens (%8.2f ms per token, %8.2f tokens per second)",
-             t.predicted_ms, t.predicted_n, t.predicted_per_token_ms, t.predicted_per_second)  # fmt: skip
-    log.info(head + "      total time = %10.2f ms / %5d tokens", t.prompt_ms + t.predicted_ms, t.prompt_n + t.predicted_n)
+    log.info(
+        head + "prompt eval time = %10.2f ms / %5d tokens (%8.2f ms per token, %8.2f tokens per second)",
+        t.prompt_ms,
+        t.prompt_n,
+        t.prompt_per_token_ms,
+        t.prompt_per_second,
+    )
+    log.info(
+        head + "       eval time = %10.2f ms / %5d tokens (%8.2f ms per token, %8.2f tokens per second)",
+        t.predicted_ms,
+        t.predicted_n,
+        t.predicted_per_token_ms,
+        t.predicted_per_second,
+    )
+    log.info(
+        head + "      total time = %10.2f ms / %5d tokens", t.prompt_ms + t.predicted_ms, t.prompt_n + t.predicted_n
+    )
     if t.draft_n:
         steps = max(event.verify_steps, 1)
-        log.info(head + "draft acceptance = %7.5f (%5d accepted / %5d generated), mean len = %5.2f",
-                 t.draft_n_accepted / t.draft_n, t.draft_n_accepted, t.draft_n, (t.draft_n_accepted + steps) / steps)  # fmt: skip
+        log.info(
+            head + "draft acceptance = %7.5f (%5d accepted / %5d generated), mean len = %5.2f",
+            t.draft_n_accepted / t.draft_n,
+            t.draft_n_accepted,
+            t.draft_n,
+            (t.draft_n_accepted + steps) / steps,
+        )
     n_tokens = event.n_prompt_tokens + len(event.tokens)
-    log.info("slot      release: id %2d | task %d | stop processing: n_tokens = %d, truncated = %d",
-             event.id_slot, task, n_tokens, int(event.truncated))  # fmt: skip
+    log.info(
+        "slot      release: id %2d | task %d | stop processing: n_tokens = %d, truncated = %d",
+        event.id_slot,
+        task,
+        n_tokens,
+        int(event.truncated),
+    )
 
 
 def _usage(finish: FinishEvent) -> dict[str, Any]:
     t = finish.timings
     n_prompt = finish.n_prompt_tokens
-    return {"completion_tokens": len(finish.tokens), "prompt_tokens": n_prompt, "total_tokens": n_prompt + len(finish.tokens),
-            "prompt_tokens_details": {"cached_tokens": t.cache_n}}  # fmt: skip
+    return {
+        "completion_tokens": len(finish.tokens),
+        "prompt_tokens": n_prompt,
+        "total_tokens": n_prompt + len(finish.tokens),
+        "prompt_tokens_details": {"cached_tokens": t.cache_n},
+    }
 
 
-def _envelope(state: ServerState, cid: str, obj: str, choices: list[dict[str, Any]], finish: FinishEvent | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"choices": choices, "created": int(time.time()), "model": state.settings.model_name,
-                           "system_fingerprint": state.fingerprint, "object": obj}  # fmt: skip
+def _envelope(
+    state: ServerState, cid: str, obj: str, choices: list[dict[str, Any]], finish: FinishEvent | None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "choices": choices,
+        "created": int(time.time()),
+        "model": state.settings.model_name,
+        "system_fingerprint": state.fingerprint,
+        "object": obj,
+    }
     if finish is not None:
         out["usage"] = _usage(finish)
     out["id"] = cid
@@ -440,8 +543,12 @@ def _envelope(state: ServerState, cid: str, obj: str, choices: list[dict[str, An
 
 def _token_entry(tokenizer: Tokenizer, token: int, prob: float) -> dict[str, Any]:
     raw = tokenizer.token_bytes(token)
-    return {"id": token, "token": raw.decode("utf-8", errors="replace"), "bytes": list(raw),
-            "logprob": math.log(prob) if prob > 0 else -9999.0}  # fmt: skip
+    return {
+        "id": token,
+        "token": raw.decode("utf-8", errors="replace"),
+        "bytes": list(raw),
+        "logprob": math.log(prob) if prob > 0 else -9999.0,
+    }
 
 
 def _probabilities(tokenizer: Tokenizer, event: TokenEvent, top: int | None = None) -> dict[str, Any]:
@@ -479,12 +586,23 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 async def _chat_stream(
-    state: ServerState, request: Request, stream: RequestStream, job: Completion, plan: ChatPlan, output: ChatOutput, cid: str
+    state: ServerState,
+    request: Request,
+    stream: RequestStream,
+    job: Completion,
+    plan: ChatPlan,
+    output: ChatOutput,
+    cid: str,
 ) -> AsyncIterator[str]:
     async def chunks() -> AsyncIterator[str]:
         created = int(time.time())
-        base = {"created": created, "id": cid, "model": state.settings.model_name,
-                "system_fingerprint": state.fingerprint, "object": "chat.completion.chunk"}  # fmt: skip
+        base = {
+            "created": created,
+            "id": cid,
+            "model": state.settings.model_name,
+            "system_fingerprint": state.fingerprint,
+            "object": "chat.completion.chunk",
+        }
 
         def chunk(delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> str:
             return _data({"choices": [{"finish_reason": finish_reason, "index": 0, "delta": delta, **extra}], **base})
@@ -509,8 +627,13 @@ async def _chat_stream(
             for delta in output.feed(event.tail) + output.finish():
                 yield chunk(delta)
             timings = {"timings": event.timings.as_dict()}
-            last = _data({"choices": [{"finish_reason": _chat_finish_reason(event, output), "index": 0, "delta": {}}], **base,
-                          **({} if job.include_usage else timings)})  # fmt: skip
+            last = _data(
+                {
+                    "choices": [{"finish_reason": _chat_finish_reason(event, output), "index": 0, "delta": {}}],
+                    **base,
+                    **({} if job.include_usage else timings),
+                }
+            )
             yield last
             if job.include_usage:
                 yield _data({"choices": [], **base, "usage": _usage(event), **timings})
@@ -542,7 +665,9 @@ async def _text_stream(
         yield piece
 
 
-def _native_final(state: ServerState, job: Completion, finish: FinishEvent, tokens: list[TokenEvent], content: str) -> dict[str, Any]:
+def _native_final(
+    state: ServerState, job: Completion, finish: FinishEvent, tokens: list[TokenEvent], content: str
+) -> dict[str, Any]:
     tokenizer = _tokenizer(state)
     out: dict[str, Any] = {
         "index": 0,
@@ -567,7 +692,9 @@ def _native_final(state: ServerState, job: Completion, finish: FinishEvent, toke
     return out
 
 
-async def _native_stream(state: ServerState, request: Request, stream: RequestStream, job: Completion) -> AsyncIterator[str]:
+async def _native_stream(
+    state: ServerState, request: Request, stream: RequestStream, job: Completion
+) -> AsyncIterator[str]:
     async def chunks() -> AsyncIterator[str]:
         tokenizer = _tokenizer(state)
         n = 0
@@ -576,15 +703,29 @@ async def _native_stream(state: ServerState, request: Request, stream: RequestSt
                 yield ":\n\n"
             elif isinstance(event, TokenEvent):
                 n += 1
-                piece = {"index": 0, "content": event.text, "tokens": [event.token] if job.return_tokens else [], "stop": False,
-                         "id_slot": -1, "tokens_predicted": n, "tokens_evaluated": len(job.request.prompt)}  # fmt: skip
+                piece = {
+                    "index": 0,
+                    "content": event.text,
+                    "tokens": [event.token] if job.return_tokens else [],
+                    "stop": False,
+                    "id_slot": -1,
+                    "tokens_predicted": n,
+                    "tokens_evaluated": len(job.request.prompt),
+                }
                 if job.n_probs:
                     piece["completion_probabilities"] = [_probabilities(tokenizer, event)]
                 yield _data(piece)
             else:
                 if event.tail:
-                    piece = {"index": 0, "content": event.tail, "tokens": [], "stop": False, "id_slot": -1,
-                             "tokens_predicted": n, "tokens_evaluated": len(job.request.prompt)}  # fmt: skip
+                    piece = {
+                        "index": 0,
+                        "content": event.tail,
+                        "tokens": [],
+                        "stop": False,
+                        "id_slot": -1,
+                        "tokens_predicted": n,
+                        "tokens_evaluated": len(job.request.prompt),
+                    }
                     yield _data(piece)
                 yield _data(_native_final(state, job, event, [], ""))
 

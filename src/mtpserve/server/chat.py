@@ -69,7 +69,9 @@ def plan_chat(body: Body, template: ChatTemplate, tokenizer: Tokenizer, settings
     if response_format.get("type", "text") != "text":
         kind = response_format.get("type")
         if kind in ("json_object", "json_schema"):
-            raise unsupported(f"Field 'response_format': '{kind}' is not supported yet (constrained decoding); use 'text'")
+            raise unsupported(
+                f"Field 'response_format': '{kind}' is not supported yet (constrained decoding); use 'text'"
+            )
         raise invalid(f"Field 'response_format': type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
     reasoning_format = body.str("reasoning_format", settings.reasoning_format)
     if reasoning_format not in REASONING_FORMATS:
@@ -85,9 +87,12 @@ def plan_chat(body: Body, template: ChatTemplate, tokenizer: Tokenizer, settings
     add_generation_prompt = body.bool("add_generation_prompt", True)
     try:
         rendered = template.apply(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt,
-            enable_thinking=enable_thinking, chat_template_kwargs=kwargs,
-        )  # fmt: skip
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            enable_thinking=enable_thinking,
+            chat_template_kwargs=kwargs,
+        )
     except ChatTemplateError as e:
         raise invalid(str(e)) from None
     prompt = tokenizer.encode(rendered.prompt, add_special=True, parse_special=True)
@@ -108,9 +113,14 @@ def plan_chat(body: Body, template: ChatTemplate, tokenizer: Tokenizer, settings
 
 
 def _last_user_start(
-    messages: list[Any], prompt: list[int], template: ChatTemplate, tokenizer: Tokenizer,
-    tools: Any, enable_thinking: bool, kwargs: dict[str, Any],
-) -> int | None:  # fmt: skip
+    messages: list[Any],
+    prompt: list[int],
+    template: ChatTemplate,
+    tokenizer: Tokenizer,
+    tools: Any,
+    enable_thinking: bool,
+    kwargs: dict[str, Any],
+) -> int | None:
     """Where the last user message starts in the prompt's tokens: llama-server ends a prompt batch there
     (and keeps a recurrent checkpoint), so a follow-up turn reuses everything before it."""
     last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), default=0)
@@ -118,9 +128,12 @@ def _last_user_start(
         return None
     try:
         head = template.apply(
-            messages[:last], tools=tools, add_generation_prompt=False, enable_thinking=enable_thinking,
+            messages[:last],
+            tools=tools,
+            add_generation_prompt=False,
+            enable_thinking=enable_thinking,
             chat_template_kwargs=kwargs,
-        ).prompt  # fmt: skip
+        ).prompt
     except ChatTemplateError:
         return None
     ids = tokenizer.encode(head, add_special=True, parse_special=True)

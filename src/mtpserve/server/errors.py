@@ -14,9 +14,13 @@ class APIError(Exception):
     """A request the server refuses or could not serve; carries its HTTP status and error type."""
 
     def __init__(
-        self, message: str, type: str = "invalid_request_error", code: int = 400, headers: dict[str, str] | None = None,
+        self,
+        message: str,
+        type: str = "invalid_request_error",
+        code: int = 400,
+        headers: dict[str, str] | None = None,
         **extra: Any,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(message)
         self.message, self.type, self.code, self.extra = message, type, code, extra
         self.headers = headers or {}

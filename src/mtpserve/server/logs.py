@@ -45,15 +45,23 @@ class JSONFormatter(logging.Formatter):
         self.start = start
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"t": round(record.created - self.start, 6), "level": record.levelname.lower(), "logger": record.name,
-                 "message": record.getMessage()}  # fmt: skip
+        entry = {
+            "t": round(record.created - self.start, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
 
 
 def setup_logging(
-    verbosity: int = 3, log_file: str | None = None, prefix: bool = True, timestamps: bool = True, json_lines: bool = False
+    verbosity: int = 3,
+    log_file: str | None = None,
+    prefix: bool = True,
+    timestamps: bool = True,
+    json_lines: bool = False,
 ) -> None:
     """Route `mtpserve.*` loggers (and uvicorn's errors) through llama-server's format (or JSON lines)."""
     start = time.time()

@@ -70,7 +70,9 @@ class ServerMetrics:
             return GaugeMetricFamily(PREFIX + name, doc, value=value)
 
         yield counter("prompt_tokens", "Number of prompt tokens processed.", totals.prompt_tokens)
-        yield counter("prompt_tokens_cached", "Number of prompt tokens reused from the cache.", totals.prompt_tokens_cached)
+        yield counter(
+            "prompt_tokens_cached", "Number of prompt tokens reused from the cache.", totals.prompt_tokens_cached
+        )
         yield counter("prompt_seconds", "Prompt process time.", totals.prompt_seconds)
         yield counter("tokens_predicted", "Number of generation tokens processed.", totals.tokens_predicted)
         yield counter("tokens_predicted_seconds", "Predict process time.", totals.tokens_predicted_seconds)
@@ -82,7 +84,9 @@ class ServerMetrics:
         yield gauge("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call.", busy_per_decode)
         prompt_rate = recent.prompt_tokens / recent.prompt_seconds if recent.prompt_seconds else 0.0
         yield gauge("prompt_tokens_seconds", "Average prompt throughput in tokens/s.", prompt_rate)
-        predicted_rate = recent.tokens_predicted / recent.tokens_predicted_seconds if recent.tokens_predicted_seconds else 0.0
+        predicted_rate = (
+            recent.tokens_predicted / recent.tokens_predicted_seconds if recent.tokens_predicted_seconds else 0.0
+        )
         yield gauge("predicted_tokens_seconds", "Average generation throughput in tokens/s.", predicted_rate)
         usage = engine.memory_usage() if engine else None
         yield gauge("requests_processing", "Number of requests processing.", usage.busy_slots if usage else 0)
@@ -92,7 +96,9 @@ class ServerMetrics:
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.accepted_tokens if spec else 0)
         yield counter("spec_decode_num_drafts", "Verification steps with a draft.", spec.drafts if spec else 0)
         per_pos = CounterMetricFamily(
-            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position.", labels=["position"]
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by draft position.",
+            labels=["position"],
         )
         for position, n in enumerate(spec.accepted_per_position if spec else []):
             per_pos.add_metric([str(position)], n)

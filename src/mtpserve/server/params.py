@@ -79,8 +79,15 @@ class Body:
 
 
 def _kind(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
-            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)  # fmt: skip
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def _check_range(key: str, value: float, lo: float | None, hi: float | None) -> None:
@@ -91,11 +98,26 @@ def _check_range(key: str, value: float, lo: float | None, hi: float | None) -> 
 
 # Known, not implemented: (field, its no-op default). A request may send the default.
 UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "mirostat": 0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "dynatemp_range": 0.0, "dry_multiplier": 0.0,
-    "grammar": "", "json_schema": None, "grammar_lazy": False, "n_cmpl": 1, "n": 1, "best_of": 1,
-    "post_sampling_probs": False, "lora": None, "n_keep": 0, "n_discard": 0, "n_cache_reuse": 0, "suffix": None,
-    "echo": False, "t_max_predict_ms": 0,
-}  # fmt: skip
+    "mirostat": 0,
+    "top_n_sigma": -1.0,
+    "xtc_probability": 0.0,
+    "dynatemp_range": 0.0,
+    "dry_multiplier": 0.0,
+    "grammar": "",
+    "json_schema": None,
+    "grammar_lazy": False,
+    "n_cmpl": 1,
+    "n": 1,
+    "best_of": 1,
+    "post_sampling_probs": False,
+    "lora": None,
+    "n_keep": 0,
+    "n_discard": 0,
+    "n_cache_reuse": 0,
+    "suffix": None,
+    "echo": False,
+    "t_max_predict_ms": 0,
+}
 
 
 def check_unsupported(body: Body) -> None:
@@ -108,7 +130,9 @@ def check_unsupported(body: Body) -> None:
         raise unsupported(f"Field '{key}' is not supported by this server (remove it or send {default!r})")
     samplers = body.raw("samplers")
     if samplers is not None:
-        raise unsupported("Field 'samplers': custom sampler orders are not supported (llama-server's default order is used)")
+        raise unsupported(
+            "Field 'samplers': custom sampler orders are not supported (llama-server's default order is used)"
+        )
 
 
 def sampling_params(body: Body, tokenizer: Tokenizer, defaults: SamplingParams) -> SamplingParams:
@@ -153,7 +177,9 @@ def logit_bias(value: Any, tokenizer: Tokenizer) -> dict[int, float]:
                 raise invalid(f"Field 'logit_bias': bad token {token!r}") from None
         for i in ids:
             if not 0 <= i < tokenizer.n_vocab:
-                raise invalid(f"Field 'logit_bias': token id {i} is outside the vocabulary (0..{tokenizer.n_vocab - 1})")
+                raise invalid(
+                    f"Field 'logit_bias': token id {i} is outside the vocabulary (0..{tokenizer.n_vocab - 1})"
+                )
             out[i] = float(bias)
 
     if isinstance(value, dict):
@@ -208,7 +234,10 @@ def prompt_tokens(value: Any, tokenizer: Tokenizer, field_name: str = "prompt") 
                 raise invalid(f"Field '{field_name}': expected token ids or strings")
             if isinstance(part, int):
                 if not 0 <= part < tokenizer.n_vocab:
-                    raise invalid(f"Prompt contains invalid tokens: id {part} is outside the vocabulary (0..{tokenizer.n_vocab - 1})")
+                    raise invalid(
+                        f"Prompt contains invalid tokens: id {part} is outside the vocabulary "
+                        f"(0..{tokenizer.n_vocab - 1})"
+                    )
                 out.append(part)
             elif isinstance(part, str):
                 out += tokenizer.encode(part, add_special=i == 0, parse_special=True)
@@ -238,9 +267,14 @@ def n_probs(body: Body, key: str = "n_probs") -> int:
 
 
 def completion(
-    body: Body, prompt: list[int], tokenizer: Tokenizer, defaults: SamplingParams, server_n_predict: int, n_probs: int,
+    body: Body,
+    prompt: list[int],
+    tokenizer: Tokenizer,
+    defaults: SamplingParams,
+    server_n_predict: int,
+    n_probs: int,
     max_predict: int = 0,
-) -> Completion:  # fmt: skip
+) -> Completion:
     """The completion fields shared by /completion, /v1/completions and /v1/chat/completions; `n_probs`:
     top probabilities to report per token (the endpoints name that field differently)."""
     check_unsupported(body)

@@ -13,11 +13,24 @@ BOOLEAN = {"type": "boolean"}
 STOP = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
 
 SAMPLING: dict[str, Any] = {
-    "temperature": NUMBER, "top_k": INTEGER, "top_p": NUMBER, "min_p": NUMBER, "typical_p": NUMBER,
-    "repeat_penalty": NUMBER, "repeat_last_n": INTEGER, "presence_penalty": NUMBER, "frequency_penalty": NUMBER,
-    "seed": INTEGER, "stop": STOP, "stream": BOOLEAN, "cache_prompt": BOOLEAN, "ignore_eos": BOOLEAN,
-    "id_slot": INTEGER, "logit_bias": {"type": "object"}, "model": {"type": "string"},
-}  # fmt: skip
+    "temperature": NUMBER,
+    "top_k": INTEGER,
+    "top_p": NUMBER,
+    "min_p": NUMBER,
+    "typical_p": NUMBER,
+    "repeat_penalty": NUMBER,
+    "repeat_last_n": INTEGER,
+    "presence_penalty": NUMBER,
+    "frequency_penalty": NUMBER,
+    "seed": INTEGER,
+    "stop": STOP,
+    "stream": BOOLEAN,
+    "cache_prompt": BOOLEAN,
+    "ignore_eos": BOOLEAN,
+    "id_slot": INTEGER,
+    "logit_bias": {"type": "object"},
+    "model": {"type": "string"},
+}
 
 PROMPT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"oneOf": [INTEGER, {"type": "string"}]}}]}
 MESSAGE = {
@@ -39,8 +52,11 @@ CHAT = {
     "properties": {
         **SAMPLING,
         "messages": {"type": "array", "items": MESSAGE},
-        "max_tokens": INTEGER, "max_completion_tokens": INTEGER, "n": INTEGER,
-        "logprobs": BOOLEAN, "top_logprobs": INTEGER,
+        "max_tokens": INTEGER,
+        "max_completion_tokens": INTEGER,
+        "n": INTEGER,
+        "logprobs": BOOLEAN,
+        "top_logprobs": INTEGER,
         "tools": {"type": "array", "items": {"type": "object"}},
         "tool_choice": {"oneOf": [{"type": "string"}, {"type": "object"}]},
         "parallel_tool_calls": BOOLEAN,
@@ -48,14 +64,23 @@ CHAT = {
         "chat_template_kwargs": {"type": "object"},
         "reasoning_format": {"type": "string"},
         "stream_options": {"type": "object", "properties": {"include_usage": BOOLEAN}},
-    },  # fmt: skip
+    },
 }
-COMPLETION = {"type": "object", "required": ["prompt"],
-              "properties": {**SAMPLING, "prompt": PROMPT, "max_tokens": INTEGER, "logprobs": INTEGER, "n": INTEGER}}  # fmt: skip
-NATIVE = {"type": "object", "required": ["prompt"],
-          "properties": {**SAMPLING, "prompt": PROMPT, "n_predict": INTEGER, "n_probs": INTEGER, "return_tokens": BOOLEAN}}  # fmt: skip
-TOKENIZE = {"type": "object", "required": ["content"],
-            "properties": {"content": PROMPT, "add_special": BOOLEAN, "parse_special": BOOLEAN, "with_pieces": BOOLEAN}}  # fmt: skip
+COMPLETION = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {**SAMPLING, "prompt": PROMPT, "max_tokens": INTEGER, "logprobs": INTEGER, "n": INTEGER},
+}
+NATIVE = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {**SAMPLING, "prompt": PROMPT, "n_predict": INTEGER, "n_probs": INTEGER, "return_tokens": BOOLEAN},
+}
+TOKENIZE = {
+    "type": "object",
+    "required": ["content"],
+    "properties": {"content": PROMPT, "add_special": BOOLEAN, "parse_special": BOOLEAN, "with_pieces": BOOLEAN},
+}
 DETOKENIZE = {"type": "object", "required": ["tokens"], "properties": {"tokens": {"type": "array", "items": INTEGER}}}
 
 

@@ -96,7 +96,10 @@ class ServerState:
             self.keep_special = keep_special_ids(tokenizer)
             example = template.apply([{"role": "user", "content": "Hello"}], add_generation_prompt=True).prompt
             log.info("srv          init: chat template, example_format: %r", example)
-            log.info("srv          init: chat template, thinking = %d", int(template.supports_thinking and s.chat.reasoning != "off"))
+            log.info(
+                "srv          init: chat template, thinking = %d",
+                int(template.supports_thinking and s.chat.reasoning != "off"),
+            )
             self.engine = engine
         except BaseException as e:  # noqa: BLE001 - reported by the caller, which exits
             self.load_error = e
@@ -115,9 +118,12 @@ def warm_page_cache(path: Path, chunk: int = 64 << 20) -> None:
     size = path.stat().st_size
     tty = os.isatty(2)
     done, quarter = 0, 0
-    with open(path, "rb", buffering=0) as f, tqdm(
-        total=size, unit="B", unit_scale=True, unit_divisor=1024, desc="loading model", leave=False, disable=not tty
-    ) as bar:
+    with (
+        open(path, "rb", buffering=0) as f,
+        tqdm(
+            total=size, unit="B", unit_scale=True, unit_divisor=1024, desc="loading model", leave=False, disable=not tty
+        ) as bar,
+    ):
         while data := f.read(chunk):
             bar.update(len(data))
             done += len(data)

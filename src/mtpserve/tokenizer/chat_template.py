@@ -268,7 +268,7 @@ class _Variant:
             raise ChatTemplateError(str(e)) from None
         except ChatTemplateError:
             raise
-        except Exception as e:  # any template runtime error is the request's problem, never a crash
+        except Exception as e:  # noqa: BLE001 - any template runtime error is the request's problem, never a crash
             raise ChatTemplateError(f"chat template rendering error: {type(e).__name__}: {e}") from None
         finally:
             _BUDGET.reset(token)
@@ -475,7 +475,7 @@ def _cpp_float(x: float) -> str:
     """A double as `std::ostream << double` writes it (%g, 6 significant digits)."""
     if math.isnan(x):
         return "nan" if math.copysign(1.0, x) > 0 else "-nan"
-    return "%g" % x
+    return f"{x:g}"
 
 
 def _string(value: Any) -> str:
@@ -508,11 +508,36 @@ _WIDTH_FILTERS = frozenset({"center", "indent", "batch", "slice", "tojson"})  # 
 # must not measure the messages each time): no size checks for them.
 _SIZE_NEUTRAL_FILTERS = frozenset(
     {
-        "abs", "attr", "batch", "count", "d", "default", "dictsort", "first", "float", "groupby", "int", "items",
-        "last", "length", "list", "map", "max", "min", "random", "reject", "rejectattr", "reverse", "round",
-        "select", "selectattr", "slice", "sort", "unique",
+        "abs",
+        "attr",
+        "batch",
+        "count",
+        "d",
+        "default",
+        "dictsort",
+        "first",
+        "float",
+        "groupby",
+        "int",
+        "items",
+        "last",
+        "length",
+        "list",
+        "map",
+        "max",
+        "min",
+        "random",
+        "reject",
+        "rejectattr",
+        "reverse",
+        "round",
+        "select",
+        "selectattr",
+        "slice",
+        "sort",
+        "unique",
     }
-)  # fmt: skip
+)
 _WIDTH_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs"})
 _NUMBERS = re.compile(r"\d+")
 _END = object()

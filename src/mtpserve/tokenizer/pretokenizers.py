@@ -20,8 +20,7 @@ GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 QWEN35 = (
-    _CONTRACTIONS
-    + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", "[0-9][0-9][0-9]")
 
@@ -38,22 +37,58 @@ class PreTokenizer:
 _FAMILIES: dict[PreTokenizer, tuple[str, ...]] = {
     PreTokenizer(DEFAULT): ("default",),
     PreTokenizer((GPT2,)): (
-        "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",
-        "modern-bert", "mpt", "olmo", "jais", "trillion", "granite-docling", "exaone4",
+        "gpt-2",
+        "phi-2",
+        "jina-es",
+        "jina-de",
+        "gigachat",
+        "jina-v2-es",
+        "jina-v2-de",
+        "a.x-4.0",
+        "mellum",
+        "modern-bert",
+        "mpt",
+        "olmo",
+        "jais",
+        "trillion",
+        "granite-docling",
+        "exaone4",
     ),
     PreTokenizer((LLAMA3,), ignore_merges=True, add_bos=True): (
-        "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano",
+        "llama3",
+        "llama-v3",
+        "llama-bpe",
+        "falcon3",
+        "falcon-h1",
+        "pixtral",
+        "midm-2.0",
+        "lfm2",
+        "jina-v5-nano",
     ),
     PreTokenizer((LLAMA3,)): ("dbrx", "smaug-bpe"),
     PreTokenizer((QWEN2,)): (
-        "qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open",
+        "qwen2",
+        "deepseek-r1-qwen",
+        "kormo",
+        "f2llmv2",
+        "megrez",
+        "stablelm2",
+        "hunyuan",
+        "solar-open",
     ),
     PreTokenizer((QWEN35,)): ("qwen35",),
     # StarCoder family: every digit on its own, then the GPT-2 regex.
     PreTokenizer((r"\p{N}", GPT2)): (
-        "starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2",
+        "starcoder",
+        "refact",
+        "command-r",
+        "smollm",
+        "codeshell",
+        "exaone",
+        "minerva-7b",
+        "mellum2",
     ),
-}  # fmt: skip
+}
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {name: pre for pre, names in _FAMILIES.items() for name in names}
 

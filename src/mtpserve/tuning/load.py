@@ -55,21 +55,33 @@ class LoadReport:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"duration_s": self.duration_s, "clients": self.clients, "started": dict(self.started),
-                "completed": dict(self.completed), "errors": dict(self.errors), "p50_ms": self.percentile(0.5),
-                "p99_ms": self.percentile(0.99), "rss_before_kib": self.rss_before_kib,
-                "rss_after_kib": self.rss_after_kib, "slots_idle_at_end": self.slots_idle_at_end}  # fmt: skip
+        return {
+            "duration_s": self.duration_s,
+            "clients": self.clients,
+            "started": dict(self.started),
+            "completed": dict(self.completed),
+            "errors": dict(self.errors),
+            "p50_ms": self.percentile(0.5),
+            "p99_ms": self.percentile(0.99),
+            "rss_before_kib": self.rss_before_kib,
+            "rss_after_kib": self.rss_after_kib,
+            "slots_idle_at_end": self.slots_idle_at_end,
+        }
 
     def text(self) -> str:
-        lines = [f"load: {self.clients} concurrent clients for {self.duration_s:.0f} s",
-                 f"  requests started:   {sum(self.started.values())} ({_counts(self.started)})",
-                 f"  completed as meant: {sum(self.completed.values())} ({_counts(self.completed)})",
-                 f"  errors:             {self.error_count}" + (f" ({_counts(self.errors)})" if self.errors else ""),
-                 f"  latency (full streams): p50 {self.percentile(0.5):.0f} ms, p99 {self.percentile(0.99):.0f} ms"]  # fmt: skip
+        lines = [
+            f"load: {self.clients} concurrent clients for {self.duration_s:.0f} s",
+            f"  requests started:   {sum(self.started.values())} ({_counts(self.started)})",
+            f"  completed as meant: {sum(self.completed.values())} ({_counts(self.completed)})",
+            f"  errors:             {self.error_count}" + (f" ({_counts(self.errors)})" if self.errors else ""),
+            f"  latency (full streams): p50 {self.percentile(0.5):.0f} ms, p99 {self.percentile(0.99):.0f} ms",
+        ]
         if self.rss_before_kib is not None and self.rss_after_kib is not None:
             growth = self.rss_after_kib - self.rss_before_kib
-            lines.append(f"  server memory (RSS): {self.rss_before_kib / 1024:.0f} MiB before, "
-                         f"{self.rss_after_kib / 1024:.0f} MiB after ({growth / 1024:+.0f} MiB)")  # fmt: skip
+            lines.append(
+                f"  server memory (RSS): {self.rss_before_kib / 1024:.0f} MiB before, "
+                f"{self.rss_after_kib / 1024:.0f} MiB after ({growth / 1024:+.0f} MiB)"
+            )
         if self.slots_idle_at_end is not None:
             lines.append(f"  all slots idle at the end: {'yes' if self.slots_idle_at_end else 'NO'}")
         return "\n".join(lines)
@@ -97,8 +109,13 @@ class _Client:
         question = QUESTIONS[i % len(QUESTIONS)]
         if long_prompt:
             question = ("Summarise this. " + "The quick brown fox jumps over the lazy dog. " * 150)[:6000]
-        return {"messages": [{"role": "user", "content": question}], "max_tokens": self.max_tokens,
-                "temperature": 0.7, "seed": i, "stream": True}  # fmt: skip
+        return {
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": self.max_tokens,
+            "temperature": 0.7,
+            "seed": i,
+            "stream": True,
+        }
 
     async def run(self, client: httpx.AsyncClient, kind: str, i: int) -> None:
         self.report.started[kind] += 1
@@ -149,9 +166,12 @@ class _Client:
     async def _half_close(self, i: int) -> None:
         parsed = urlparse(self.url)
         payload = json.dumps({**self.body(i), "stream": False}).encode()
-        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parsed.hostname}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(payload)}\r\nConnection: close\r\n"
-                + "".join(f"{k}: {v}\r\n" for k, v in self.headers.items()) + "\r\n").encode()  # fmt: skip
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parsed.hostname}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in self.headers.items())
+            + "\r\n"
+        ).encode()
         reader, writer = await asyncio.open_connection(parsed.hostname, parsed.port)
         try:
             writer.write(head + payload)
@@ -168,7 +188,9 @@ class _Client:
         json.loads(data.split(b"\r\n\r\n", 1)[1])
 
 
-async def _run(url: str, duration: float, clients: int, api_key: str | None, max_tokens: int, report: LoadReport) -> None:
+async def _run(
+    url: str, duration: float, clients: int, api_key: str | None, max_tokens: int, report: LoadReport
+) -> None:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     worker = _Client(url.rstrip("/"), headers, max_tokens, report)
     deadline = time.monotonic() + duration
@@ -184,8 +206,15 @@ async def _run(url: str, duration: float, clients: int, api_key: str | None, max
         await asyncio.gather(*(loop() for _ in range(clients)))
 
 
-def run_load(url: str, duration: float, clients: int = 64, api_key: str | None = None, max_tokens: int = 32,
-             server_pid: int | None = None, settle: float = 10.0) -> LoadReport:  # fmt: skip
+def run_load(
+    url: str,
+    duration: float,
+    clients: int = 64,
+    api_key: str | None = None,
+    max_tokens: int = 32,
+    server_pid: int | None = None,
+    settle: float = 10.0,
+) -> LoadReport:
     """Hold `clients` concurrent clients against `url` for `duration` seconds; report what happened."""
     report = LoadReport(duration_s=duration, clients=clients)
     if server_pid:
@@ -205,4 +234,3 @@ def run_load(url: str, duration: float, clients: int = 64, api_key: str | None =
     if server_pid:
         report.rss_after_kib = rss_kib(server_pid)
     return report
-

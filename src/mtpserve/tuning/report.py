@@ -18,17 +18,26 @@ def _f(x: float | None, fmt: str = ".1f") -> str:
 
 
 def request_table(results: list[RequestResult]) -> str:
-    head = "| request | prompt tokens | prompt t/s | generated | decode t/s | accepted / drafted | acceptance | TTFT ms | tokens/step |"
+    head = (
+        "| request | prompt tokens | prompt t/s | generated | decode t/s | accepted / drafted | acceptance | TTFT ms "
+        "| tokens/step |"
+    )
     rows = [head, "|" + "---|" * 9]
     for r in results:
         if not r.ok:
             rows.append(f"| {r.label} | failed: {r.error[:60]} |" + " |" * 7)
             continue
-        rows.append(f"| {r.label} | {r.prompt_n} | {r.prompt_per_second:.1f} | {r.predicted_n} | {r.predicted_per_second:.1f} | "
-                    f"{r.draft_n_accepted} / {r.draft_n} | {_f(r.acceptance, '.3f')} | {r.ttft_ms:.0f} | {r.tokens_per_step:.2f} |")  # fmt: skip
+        rows.append(
+            f"| {r.label} | {r.prompt_n} | {r.prompt_per_second:.1f} | {r.predicted_n} | "
+            f"{r.predicted_per_second:.1f} | {r.draft_n_accepted} / {r.draft_n} | {_f(r.acceptance, '.3f')} | "
+            f"{r.ttft_ms:.0f} | {r.tokens_per_step:.2f} |"
+        )
     s = summarize(results)
-    rows.append(f"| **all** | | {s.prompt_per_second:.1f} | | {s.predicted_per_second:.1f} | {s.draft_n_accepted} / {s.draft_n} | "
-                f"**{_f(s.acceptance, '.3f')}** | {s.ttft_ms:.0f} | {s.tokens_per_step:.2f} |")  # fmt: skip
+    rows.append(
+        f"| **all** | | {s.prompt_per_second:.1f} | | {s.predicted_per_second:.1f} | "
+        f"{s.draft_n_accepted} / {s.draft_n} | "
+        f"**{_f(s.acceptance, '.3f')}** | {s.ttft_ms:.0f} | {s.tokens_per_step:.2f} |"
+    )
     return "\n".join(rows)
 
 
@@ -38,7 +47,10 @@ def _median_summary(per_round: list[Summary]) -> dict[str, Any]:
         return statistics.median(values) if values else None
 
     keys = ("prompt_per_second", "predicted_per_second", "acceptance", "ttft_ms", "tokens_per_step")
-    return {k: med(k) for k in keys} | {"failed": sum(s.failed for s in per_round), "requests": sum(s.requests for s in per_round)}
+    return {k: med(k) for k in keys} | {
+        "failed": sum(s.failed for s in per_round),
+        "requests": sum(s.requests for s in per_round),
+    }
 
 
 def configurations(run: Run) -> list[dict[str, Any]]:
@@ -49,13 +61,20 @@ def configurations(run: Run) -> list[dict[str, Any]]:
     for point in run.points:
         summaries = [summarize(r[point.name]) for r in run.rounds]
         row = {"configuration": point.name, **_median_summary(summaries)}
-        ratios = [summarize(r[point.name]).predicted_per_second / summarize(r[base]).predicted_per_second
-                  for r in run.rounds if summarize(r[base]).predicted_per_second]  # fmt: skip
+        ratios = [
+            summarize(r[point.name]).predicted_per_second / summarize(r[base]).predicted_per_second
+            for r in run.rounds
+            if summarize(r[base]).predicted_per_second
+        ]
         row["vs_first"] = statistics.median(ratios) if ratios else None
         if run.peer_rounds:
             peer = [summarize(r[point.name]) for r in run.peer_rounds]
             row["peer"] = _median_summary(peer)
-            peer_ratios = [o.predicted_per_second / p.predicted_per_second for o, p in zip(summaries, peer) if p.predicted_per_second]
+            peer_ratios = [
+                o.predicted_per_second / p.predicted_per_second
+                for o, p in zip(summaries, peer)
+                if p.predicted_per_second
+            ]
             row["vs_peer"] = statistics.median(peer_ratios) if peer_ratios else None
         out.append(row)
     return out
@@ -67,11 +86,14 @@ def configuration_table(rows: list[dict[str, Any]], peer: bool) -> str:
         head += " peer decode t/s | peer acceptance | ours / peer |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        line = (f"| {r['configuration']} | {_f(r['predicted_per_second'])} | {_f(r['vs_first'], '.2f')}x | "
-                f"{_f(r['prompt_per_second'])} | {_f(r['acceptance'], '.3f')} | {_f(r['tokens_per_step'], '.2f')} | "
-                f"{_f(r['ttft_ms'], '.0f')} | {r['failed']}/{r['requests']} |")  # fmt: skip
+        line = (
+            f"| {r['configuration']} | {_f(r['predicted_per_second'])} | {_f(r['vs_first'], '.2f')}x | "
+            f"{_f(r['prompt_per_second'])} | {_f(r['acceptance'], '.3f')} | {_f(r['tokens_per_step'], '.2f')} | "
+            f"{_f(r['ttft_ms'], '.0f')} | {r['failed']}/{r['requests']} |"
+        )
         if peer:
-            line += f" {_f(r['peer']['predicted_per_second'])} | {_f(r['peer']['acceptance'], '.3f')} | {_f(r['vs_peer'], '.2f')}x |"
+            peer_rate, peer_acceptance = _f(r["peer"]["predicted_per_second"]), _f(r["peer"]["acceptance"], ".3f")
+            line += f" {peer_rate} | {peer_acceptance} | {_f(r['vs_peer'], '.2f')}x |"
         lines.append(line)
     return "\n".join(lines)
 
@@ -81,14 +103,24 @@ def depth_rows(run: Run) -> list[dict[str, Any]]:
     for point in run.points:
         depths = sorted({r.depth for r in run.rounds[0][point.name] if r.label.startswith("depth")})
         for depth in depths:
-            picked = [r for rnd in run.rounds for r in rnd[point.name] if r.depth == depth and r.label.startswith("depth") and r.ok]
+            picked = [
+                r
+                for rnd in run.rounds
+                for r in rnd[point.name]
+                if r.depth == depth and r.label.startswith("depth") and r.ok
+            ]
             if not picked:
                 continue
             drafted = sum(r.draft_n for r in picked)
-            rows.append({"configuration": point.name, "depth": depth,
-                         "prompt_n": statistics.median(r.prompt_n for r in picked),
-                         "predicted_per_second": statistics.median(r.predicted_per_second for r in picked),
-                         "acceptance": sum(r.draft_n_accepted for r in picked) / drafted if drafted else None})  # fmt: skip
+            rows.append(
+                {
+                    "configuration": point.name,
+                    "depth": depth,
+                    "prompt_n": statistics.median(r.prompt_n for r in picked),
+                    "predicted_per_second": statistics.median(r.predicted_per_second for r in picked),
+                    "acceptance": sum(r.draft_n_accepted for r in picked) / drafted if drafted else None,
+                }
+            )
     return rows
 
 
@@ -99,13 +131,25 @@ def markdown(run: Run) -> str:
         if run.peer_rounds:
             parts += ["### peer, same requests (round 1)", "", request_table(run.peer_rounds[0][point.name]), ""]
     rounds = len(run.rounds)
-    parts += [f"## Configurations (median of {rounds} round{'s' * (rounds > 1)}; ratios per round, then median)", "",
-              configuration_table(configurations(run), bool(run.peer_rounds)), ""]  # fmt: skip
+    parts += [
+        f"## Configurations (median of {rounds} round{'s' * (rounds > 1)}; ratios per round, then median)",
+        "",
+        configuration_table(configurations(run), bool(run.peer_rounds)),
+        "",
+    ]
     depth = depth_rows(run)
     if depth:
-        parts += ["## By context depth", "", "| configuration | depth (prompt tokens) | decode t/s | acceptance |", "|---|---|---|---|"]
-        parts += [f"| {d['configuration']} | {d['prompt_n']:.0f} | {d['predicted_per_second']:.1f} | {_f(d['acceptance'], '.3f')} |"
-                  for d in depth]  # fmt: skip
+        parts += [
+            "## By context depth",
+            "",
+            "| configuration | depth (prompt tokens) | decode t/s | acceptance |",
+            "|---|---|---|---|",
+        ]
+        parts += [
+            f"| {d['configuration']} | {d['prompt_n']:.0f} | {d['predicted_per_second']:.1f} | "
+            f"{_f(d['acceptance'], '.3f')} |"
+            for d in depth
+        ]
         parts.append("")
     return "\n".join(parts)
 
@@ -116,7 +160,9 @@ def to_json(run: Run, meta: dict[str, Any]) -> dict[str, Any]:
         "configurations": configurations(run),
         "depth": depth_rows(run),
         "rounds": [{name: [r.as_dict() for r in results] for name, results in rnd.items()} for rnd in run.rounds],
-        "peer_rounds": [{name: [r.as_dict() for r in results] for name, results in rnd.items()} for rnd in run.peer_rounds],
+        "peer_rounds": [
+            {name: [r.as_dict() for r in results] for name, results in rnd.items()} for rnd in run.peer_rounds
+        ],
     }
 
 
@@ -135,10 +181,21 @@ def plots(run: Run, out_dir: Path, title: str) -> list[Path]:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows) + 4), 4.5))
     x = range(len(rows))
     width = 0.38 if run.peer_rounds else 0.6
-    ax1.bar([i - (width / 2 if run.peer_rounds else 0) for i in x], [r["predicted_per_second"] or 0 for r in rows], width,
-            label="mtpserve" if run.peer_rounds else None, color="#2b6cb0")  # fmt: skip
+    ax1.bar(
+        [i - (width / 2 if run.peer_rounds else 0) for i in x],
+        [r["predicted_per_second"] or 0 for r in rows],
+        width,
+        label="mtpserve" if run.peer_rounds else None,
+        color="#2b6cb0",
+    )
     if run.peer_rounds:
-        ax1.bar([i + width / 2 for i in x], [r["peer"]["predicted_per_second"] or 0 for r in rows], width, label="peer", color="#a0aec0")
+        ax1.bar(
+            [i + width / 2 for i in x],
+            [r["peer"]["predicted_per_second"] or 0 for r in rows],
+            width,
+            label="peer",
+            color="#a0aec0",
+        )
         ax1.legend()
     ax1.set_title("Decode speed")
     ax1.set_ylabel("tokens / s (median over rounds)")
@@ -165,7 +222,9 @@ def plots(run: Run, out_dir: Path, title: str) -> list[Path]:
         window = max(4, longest // 16)
         xs, ys = [], []
         for end in range(window, longest + 1, max(1, window // 2)):
-            rates = [window / (t[end - 1] - t[end - window]) for t in times if len(t) >= end and t[end - 1] > t[end - window]]
+            rates = [
+                window / (t[end - 1] - t[end - window]) for t in times if len(t) >= end and t[end - 1] > t[end - window]
+            ]
             if rates:
                 xs.append(end)
                 ys.append(statistics.median(rates))

@@ -79,12 +79,16 @@ def free_port() -> int:
 
 
 @contextmanager
-def managed_server(command: list[str], log_path: Path | None = None, info: dict[str, Any] | None = None) -> Iterator[str]:
+def managed_server(
+    command: list[str], log_path: Path | None = None, info: dict[str, Any] | None = None
+) -> Iterator[str]:
     """Start `command --host 127.0.0.1 --port P`, wait for /health, yield its URL, stop it. `info`, if
     given, receives the process id as info["pid"]."""
     port = free_port()
     log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [*command, "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT
+    )
     if info is not None:
         info["pid"] = proc.pid
     url = f"http://127.0.0.1:{port}"
@@ -92,8 +96,10 @@ def managed_server(command: list[str], log_path: Path | None = None, info: dict[
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}: {' '.join(command)}"
-                                   + (f" (log: {log_path})" if log_path else ""))  # fmt: skip
+                raise RuntimeError(
+                    f"the server exited with {proc.returncode}: {' '.join(command)}"
+                    + (f" (log: {log_path})" if log_path else "")
+                )
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
@@ -139,9 +145,13 @@ def mtpserve_command(model: str, extra: list[str]) -> list[str]:
 
 
 def run_experiment(
-    target: Target, points: list[Point], workload: Workload, rounds: int = 1, peer_url: str | None = None,
+    target: Target,
+    points: list[Point],
+    workload: Workload,
+    rounds: int = 1,
+    peer_url: str | None = None,
     progress: Callable[[str], None] = print,
-) -> Run:  # fmt: skip
+) -> Run:
     if target.url and any(p.flags for p in points):
         raise ValueError("--sweep over server flags needs a server to restart: give -m MODEL instead of --url")
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
@@ -155,7 +165,9 @@ def run_experiment(
             ours: dict[str, list[RequestResult]] = {}
             theirs: dict[str, list[RequestResult]] = {}
             for point in order:
-                point_workload = replace(workload, chat_template_kwargs={**workload.chat_template_kwargs, **dict(point.request)})
+                point_workload = replace(
+                    workload, chat_template_kwargs={**workload.chat_template_kwargs, **dict(point.request)}
+                )
                 with _serving(target, point, r) as url:
                     ours[point.name], theirs[point.name] = [], []
                     for i, (label, depth, messages) in enumerate(requests):

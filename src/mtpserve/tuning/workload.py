@@ -86,13 +86,25 @@ def filler(tokens: int) -> str:
     return (text * (n_chars // len(text) + 1))[:n_chars]
 
 
-def run_request(client: httpx.Client, url: str, messages: list[dict[str, str]], workload: Workload, label: str,
-                depth: int = 0, model: str | None = None) -> RequestResult:  # fmt: skip
+def run_request(
+    client: httpx.Client,
+    url: str,
+    messages: list[dict[str, str]],
+    workload: Workload,
+    label: str,
+    depth: int = 0,
+    model: str | None = None,
+) -> RequestResult:
     """One streamed chat completion; errors are recorded, not raised (a benchmark reports them)."""
     body: dict[str, Any] = {
-        "messages": messages, "max_tokens": workload.max_tokens, "temperature": workload.temperature,
-        "stream": True, "stream_options": {"include_usage": True}, "seed": workload.seed, "cache_prompt": False,
-    }  # fmt: skip
+        "messages": messages,
+        "max_tokens": workload.max_tokens,
+        "temperature": workload.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "seed": workload.seed,
+        "cache_prompt": False,
+    }
     if model:
         body["model"] = model
     if workload.chat_template_kwargs:

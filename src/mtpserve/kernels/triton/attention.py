@@ -80,13 +80,37 @@ def _load_tile(base, d, ok, TYPE: tl.constexpr):
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr, acc_ptr,
-    T, H, S, G, keys_per_split, window, qk_scale,
-    sq_t, sq_h, sk_s, sk_h, sv_s, sv_h,
-    K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    qpos_ptr,
+    kpos_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    T,
+    H,
+    S,
+    G,
+    keys_per_split,
+    window,
+    qk_scale,
+    sq_t,
+    sq_h,
+    sk_s,
+    sk_h,
+    sv_s,
+    sv_h,
+    K_TYPE: tl.constexpr,
+    V_TYPE: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
     ORDERED: tl.constexpr,
-):  # fmt: skip
+):
     """Pass 1: program (row block, KV head hk, split) -> partial max / sum / acc of its rows over its keys."""
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -138,8 +162,9 @@ def _split_kernel(
 
 
 @triton.jit
-def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, n_rows, n_splits, D: tl.constexpr, D_PAD: tl.constexpr,
-                    CHUNK: tl.constexpr):  # fmt: skip
+def _combine_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr, n_rows, n_splits, D: tl.constexpr, D_PAD: tl.constexpr, CHUNK: tl.constexpr
+):
     """Pass 2: program r merges the n_splits partials of (token, head) row r into out[r] (0 if no key is seen)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNK)
@@ -179,12 +204,16 @@ def _check_cache(name: str, cache: torch.Tensor, qtype: int, S: int, n_kv_heads:
     except ValueError:
         t = None
     if t not in ATTENTION_TYPES:
-        raise ValueError(f"{name}: no Triton attention for cache type {qtype} (supported: "
-                         f"{', '.join(q.name for q in ATTENTION_TYPES)})")  # fmt: skip
+        raise ValueError(
+            f"{name}: no Triton attention for cache type {qtype} (supported: "
+            f"{', '.join(q.name for q in ATTENTION_TYPES)})"
+        )
     if t in _TORCH_DTYPES:
         if cache.dtype != _TORCH_DTYPES[t] or cache.dim() != 3 or tuple(cache.shape[1:]) != (n_kv_heads, head_dim):
-            raise ValueError(f"{name}: a {t.name} cache must be {_TORCH_DTYPES[t]} [S, {n_kv_heads}, {head_dim}], "
-                             f"got {cache.dtype} {list(cache.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{name}: a {t.name} cache must be {_TORCH_DTYPES[t]} [S, {n_kv_heads}, {head_dim}], "
+                f"got {cache.dtype} {list(cache.shape)}"
+            )
         if cache.stride(2) != 1:
             raise ValueError(f"{name}: cache rows must be contiguous along the head dim")
         return cache.stride(0), cache.stride(1)
@@ -193,8 +222,10 @@ def _check_cache(name: str, cache: torch.Tensor, qtype: int, S: int, n_kv_heads:
         raise ValueError(f"{name}: head dim {head_dim} is not a multiple of the {t.name} block size {qk}")
     head_bytes = head_dim // qk * type_size
     if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != n_kv_heads * head_bytes:
-        raise ValueError(f"{name}: a {t.name} cache must be uint8 [S, {n_kv_heads * head_bytes}], got {cache.dtype} "
-                         f"{list(cache.shape)}")  # fmt: skip
+        raise ValueError(
+            f"{name}: a {t.name} cache must be uint8 [S, {n_kv_heads * head_bytes}], got {cache.dtype} "
+            f"{list(cache.shape)}"
+        )
     if cache.stride(1) != 1:
         raise ValueError(f"{name}: cache rows must be contiguous")
     return cache.stride(0), head_bytes
@@ -264,11 +295,35 @@ def decode_attention(
     out = torch.empty(T, H, D, dtype=torch.float32, device=device)
     grid = (triton.cdiv(T * G, block_m), n_kv_heads, splits)  # row blocks of one tile are neighbours: L2 hits
     _split_kernel[grid](
-        q, k_cache, v_cache, q_pos, k_pos, m, lsum, acc,
-        T, H, S, G, keys_per_split, 0 if window is None else int(window), scale * _LOG2E,
-        q.stride(0), q.stride(1), *sk, *sv,
-        K_TYPE=int(k_type), V_TYPE=int(v_type), D=D, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_S=block_s,
-        HAS_WINDOW=window is not None, PRECISION=precision, ORDERED=ordered, num_warps=8 if d_pad >= 256 else 4,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        q_pos,
+        k_pos,
+        m,
+        lsum,
+        acc,
+        T,
+        H,
+        S,
+        G,
+        keys_per_split,
+        0 if window is None else int(window),
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        *sk,
+        *sv,
+        K_TYPE=int(k_type),
+        V_TYPE=int(v_type),
+        D=D,
+        D_PAD=d_pad,
+        BLOCK_M=block_m,
+        BLOCK_S=block_s,
+        HAS_WINDOW=window is not None,
+        PRECISION=precision,
+        ORDERED=ordered,
+        num_warps=8 if d_pad >= 256 else 4,
+    )
     _combine_kernel[(T * H,)](m, lsum, acc, out, T * H, splits, D=D, D_PAD=d_pad, CHUNK=_COMBINE_CHUNK)
     return out

@@ -42,11 +42,39 @@ _TILE = 4096  # float32 state values per program: 32 registers a thread at 4 war
 
 @triton.jit
 def _gated_delta_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, steps_ptr, o_ptr,
-    T, HV, HK, K, V, scale,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
-    K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, STORE_STEPS: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    s_ptr,
+    steps_ptr,
+    o_ptr,
+    T,
+    HV,
+    HK,
+    K,
+    V,
+    scale,
+    sq_b,
+    sq_t,
+    sq_h,
+    sk_b,
+    sk_t,
+    sk_h,
+    sv_b,
+    sv_t,
+    sv_h,
+    sg_b,
+    sg_t,
+    sg_h,
+    sb_b,
+    sb_t,
+    sb_h,
+    K_PAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    STORE_STEPS: tl.constexpr,
+):
     bh = tl.program_id(0)
     b = bh // HV
     h = bh % HV
@@ -126,13 +154,17 @@ def gated_delta_rule_recurrent_batched(
         raise ValueError(f"head sizes must be 1 <= K <= {MAX_K} and V >= 1, got K={K}, V={V}")
     expected = (n_seq, n_v_heads, K, V)
     if state.shape != expected or state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError(f"state must be contiguous float32 {list(expected)} (it is updated in place), "
-                         f"got {state.dtype} {list(state.shape)}")  # fmt: skip
+        raise ValueError(
+            f"state must be contiguous float32 {list(expected)} (it is updated in place), "
+            f"got {state.dtype} {list(state.shape)}"
+        )
     if state_steps is not None:
         expected = (n_seq, n_tok, n_v_heads, K, V)
         if state_steps.shape != expected or state_steps.dtype != torch.float32 or not state_steps.is_contiguous():
-            raise ValueError(f"state_steps must be contiguous float32 {list(expected)}, "
-                             f"got {state_steps.dtype} {list(state_steps.shape)}")  # fmt: skip
+            raise ValueError(
+                f"state_steps must be contiguous float32 {list(expected)}, "
+                f"got {state_steps.dtype} {list(state_steps.shape)}"
+            )
     tensors = (q, k, v, g, beta, state) + (() if state_steps is None else (state_steps,))
     if len({x.device for x in tensors}) != 1:
         raise ValueError("q, k, v, g, beta, state and state_steps must be on one device")
@@ -147,21 +179,53 @@ def gated_delta_rule_recurrent_batched(
     steps = state if state_steps is None else state_steps  # never written when STORE_STEPS is off
     grid = (n_seq * n_v_heads, triton.cdiv(V, block_v))
     _gated_delta_kernel[grid](
-        q, k, v, g, beta, state, steps, o,
-        n_tok, n_v_heads, n_k_heads, K, V, scale,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
-        K_PAD=triton.next_power_of_2(K), BLOCK_V=block_v, STORE_STEPS=state_steps is not None,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        steps,
+        o,
+        n_tok,
+        n_v_heads,
+        n_k_heads,
+        K,
+        V,
+        scale,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *g.stride(),
+        *beta.stride(),
+        K_PAD=triton.next_power_of_2(K),
+        BLOCK_V=block_v,
+        STORE_STEPS=state_steps is not None,
         num_warps=4,
-    )  # fmt: skip
+    )
     return o
 
 
 @triton.jit
 def _chunk_scan_kernel(
-    u_ptr, w_ptr, q_ptr, k_ptr, qk_ptr, g_ptr, s_ptr, states_ptr, o_ptr,
-    N, K, V,
-    C: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, STORE_STATES: tl.constexpr, DOT: tl.constexpr,
-):  # fmt: skip
+    u_ptr,
+    w_ptr,
+    q_ptr,
+    k_ptr,
+    qk_ptr,
+    g_ptr,
+    s_ptr,
+    states_ptr,
+    o_ptr,
+    N,
+    K,
+    V,
+    C: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    STORE_STATES: tl.constexpr,
+    DOT: tl.constexpr,
+):
     h = tl.program_id(0)
     h64 = h.to(tl.int64)
     HV = tl.num_programs(0)
@@ -271,9 +335,24 @@ def gated_delta_chunk_scan(
         raise ValueError(f"dot_dtype must be one of {list(_DOT_TYPES)}, got {dot_dtype}")
     grid = (n_v_heads, triton.cdiv(V, block_v))
     _chunk_scan_kernel[grid](
-        u, w, q, k, qk, g_cum, state, state if chunk_states is None else chunk_states, o,
-        n_chunks, K, V,
-        C=C, K_PAD=max(16, triton.next_power_of_2(K)), BLOCK_V=block_v, STORE_STATES=chunk_states is not None,
-        DOT=_DOT_TYPES[dot_dtype], num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+        u,
+        w,
+        q,
+        k,
+        qk,
+        g_cum,
+        state,
+        state if chunk_states is None else chunk_states,
+        o,
+        n_chunks,
+        K,
+        V,
+        C=C,
+        K_PAD=max(16, triton.next_power_of_2(K)),
+        BLOCK_V=block_v,
+        STORE_STATES=chunk_states is not None,
+        DOT=_DOT_TYPES[dot_dtype],
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return o

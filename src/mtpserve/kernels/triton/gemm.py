@@ -49,13 +49,25 @@ NUM_WARPS = 4
 
 @triton.jit
 def _gemm_kernel(
-    x_ptr, w_ptr, y_ptr,
-    M, N, n_blocks,
-    stride_xm, stride_wn, stride_ym,
-    QTYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr,
-    COMPUTE: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    n_blocks,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    QTYPE: tl.constexpr,
+    QK: tl.constexpr,
+    TYPE_SIZE: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     # Grouped order: GROUP_M row tiles of x go through one column tile of W before the next, so both stay in L2.
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -138,9 +150,24 @@ def quant_matmul(
     x = x.contiguous()
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, block_n),)
     _gemm_kernel[grid](
-        x, blocks, y, m, n, n_blocks, x.stride(0), blocks.stride(0), y.stride(0),
-        QTYPE=int(t), QK=qk, TYPE_SIZE=type_size,
-        COMPUTE=COMPUTE_DTYPES[compute_dtype], IEEE=compute_dtype == torch.float32,
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=SUB, GROUP_M=GROUP_M, num_warps=_num_warps(x.device),
-    )  # fmt: skip
+        x,
+        blocks,
+        y,
+        m,
+        n,
+        n_blocks,
+        x.stride(0),
+        blocks.stride(0),
+        y.stride(0),
+        QTYPE=int(t),
+        QK=qk,
+        TYPE_SIZE=type_size,
+        COMPUTE=COMPUTE_DTYPES[compute_dtype],
+        IEEE=compute_dtype == torch.float32,
+        BLOCK_M=bm,
+        BLOCK_N=block_n,
+        BLOCK_K=SUB,
+        GROUP_M=GROUP_M,
+        num_warps=_num_warps(x.device),
+    )
     return y

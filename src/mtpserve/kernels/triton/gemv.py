@@ -152,12 +152,21 @@ def _dequant_sub(bp, offs, J, QTYPE: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, y_ptr,
-    M, N, n_blocks,
-    stride_xm, stride_wn, stride_ym,
-    QTYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr,
-    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    n_blocks,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    QTYPE: tl.constexpr,
+    QK: tl.constexpr,
+    TYPE_SIZE: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -180,11 +189,19 @@ def _gemv_kernel(
 
 @triton.jit
 def _q4k_gemv_kernel(
-    x_ptr, w_ptr, y_ptr,
-    M, N, n_blocks,
-    stride_xm, stride_w_words, stride_ym,
-    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    n_blocks,
+    stride_xm,
+    stride_w_words,
+    stride_ym,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
     """Q4_K x M rows, reading the weights as 32-bit words: each step takes BLOCK_B super-blocks (144 bytes = 36
     words: d|dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles) of BLOCK_N rows. Sub-block J (values
     32J .. 32J+31) has its nibbles in words 4 + 8(J // 2) .. +7, value 32J + 4j + k in byte k of word j, low nibble
@@ -262,11 +279,19 @@ def _half_at(words, byte_off):
 
 @triton.jit
 def _q6k_gemv_kernel(
-    x_ptr, w_ptr, y_ptr,
-    M, N, n_blocks,
-    stride_xm, stride_wn, stride_ym,
-    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    n_blocks,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
     """Q6_K x M rows, reading the weights as 32-bit words (a 210-byte block starts 2 bytes off a word boundary
     every other block: `_words_at` joins halves). Sub-tile J = 4H + G (values 128H + 32G .. +31) takes 8 words
     of low nibbles (ql[64H + 32(G % 2) ..], shifted by 4(G // 2)), 8 words of high bit pairs (qh[32H ..], shifted
@@ -312,8 +337,17 @@ def _q6k_gemv_kernel(
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, out_ptr, N, n_blocks, stride_wn, QTYPE: tl.constexpr, QK: tl.constexpr,
-                    TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _dequant_kernel(
+    w_ptr,
+    out_ptr,
+    N,
+    n_blocks,
+    stride_wn,
+    QTYPE: tl.constexpr,
+    QK: tl.constexpr,
+    TYPE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """The same unpacking as _gemv_kernel, written out: program (i, b) dequantizes block b of rows tile i."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     b = tl.program_id(1)
@@ -334,8 +368,9 @@ def _check(blocks: torch.Tensor, qtype: int, kernel: str = "GEMV") -> tuple[GGML
         raise ValueError(f"no Triton {kernel} for {t.name} (supported: {', '.join(q.name for q in GEMV_TYPES)})")
     qk, type_size = GGML_QUANT_SIZES[t]
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % type_size:
-        raise ValueError(f"{t.name} blocks must be uint8 [rows, n_blocks * {type_size}], got {blocks.dtype} "
-                         f"{list(blocks.shape)}")  # fmt: skip
+        raise ValueError(
+            f"{t.name} blocks must be uint8 [rows, n_blocks * {type_size}], got {blocks.dtype} {list(blocks.shape)}"
+        )
     if blocks.stride(1) != 1:
         raise ValueError("blocks must be contiguous along the row")
     return t, qk, type_size
@@ -387,14 +422,37 @@ def quant_gemv(
         if wide:
             stride_w = blocks.stride(0) // 4 if t == GGMLQuantizationType.Q4_K else blocks.stride(0)  # words, bytes
             kernel[grid](
-                xs, blocks, ys, rows, n, n_blocks, xs.stride(0), stride_w, ys.stride(0),
-                M_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_B=block_b, num_warps=2,
-            )  # fmt: skip
+                xs,
+                blocks,
+                ys,
+                rows,
+                n,
+                n_blocks,
+                xs.stride(0),
+                stride_w,
+                ys.stride(0),
+                M_PAD=triton.next_power_of_2(rows),
+                BLOCK_N=block_n,
+                BLOCK_B=block_b,
+                num_warps=2,
+            )
             continue
         _gemv_kernel[grid](
-            xs, blocks, ys, rows, n, n_blocks, xs.stride(0), blocks.stride(0), ys.stride(0),
-            QTYPE=int(t), QK=qk, TYPE_SIZE=type_size, M_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n,
-        )  # fmt: skip
+            xs,
+            blocks,
+            ys,
+            rows,
+            n,
+            n_blocks,
+            xs.stride(0),
+            blocks.stride(0),
+            ys.stride(0),
+            QTYPE=int(t),
+            QK=qk,
+            TYPE_SIZE=type_size,
+            M_PAD=triton.next_power_of_2(rows),
+            BLOCK_N=block_n,
+        )
     return y
 
 
@@ -406,7 +464,15 @@ def dequant_blocks(blocks: torch.Tensor, qtype: int, *, block_n: int = 32) -> to
     out = torch.empty(n, n_blocks * qk, dtype=torch.float32, device=blocks.device)
     # No fused multiply-add here (on by default for CUDA): q * d + m must round twice, as in mtpserve.quant.
     _dequant_kernel[(triton.cdiv(n, block_n), n_blocks)](
-        blocks, out, n, n_blocks, blocks.stride(0), QTYPE=int(t), QK=qk, TYPE_SIZE=type_size, BLOCK_N=block_n,
+        blocks,
+        out,
+        n,
+        n_blocks,
+        blocks.stride(0),
+        QTYPE=int(t),
+        QK=qk,
+        TYPE_SIZE=type_size,
+        BLOCK_N=block_n,
         enable_fp_fusion=False,
-    )  # fmt: skip
+    )
     return out
