@@ -53,9 +53,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from mtpserve.engine.speculative import MTPDrafter, SpecConfig
+from mtpserve.engine.drafters import DRAFT_TOP_K
 from mtpserve.models.base import Batch, WeightStore
-from mtpserve.models.graphs import DecodeGraph, StepGraph
+from mtpserve.models.graphs import DecodeGraph, MTPDraftGraph, MTPRowsGraph, StepGraph
 from mtpserve.models.loader import build_model
 from mtpserve.models.qwen35 import Qwen35Config
 from mtpserve.ops.gated_delta import gated_delta_chunk_scan_reference, gated_delta_rule_chunked
@@ -316,12 +316,11 @@ def measure_decode(
     # draft-mtp: n_max chained MTP draft steps (each with the LM head), one verification of n_max + 1 tokens
     # keeping per-token recurrent states, one MTP catch-up pass over the accepted tokens (timed at its longest,
     # n_max + 1 rows), each a captured step as the server runs them; an eager draft step beside them.
-    drafter = MTPDrafter(model, SpecConfig("draft-mtp", n_max=args.n_max))
     mtp_kv = state.kv[model.mtp_kv_index]
     hidden = torch.zeros(1, config.n_embd, device=device)
     rows_in = torch.zeros(args.n_max + 1, config.n_embd, device=device)
-    draft_graph = drafter.draft_graph(state, args.n_max)
-    rows_graph = drafter.rows_graph(state, args.n_max + 1)
+    draft_graph = MTPDraftGraph(model, state, args.n_max, model.mtp_head, DRAFT_TOP_K)
+    rows_graph = MTPRowsGraph(model, state, args.n_max + 1)
 
     def draft_step_eager() -> None:
         mtp_kv.truncate(min(mtp_kv.length, depth))
@@ -329,11 +328,11 @@ def measure_decode(
 
     def draft_chain() -> None:
         mtp_kv.truncate(min(mtp_kv.length, depth))
-        drafter.draft(state, hidden[0], token, args.n_max, draft_graph)
+        draft_graph.propose(hidden[0], token)
 
     def catch_up() -> None:
         mtp_kv.truncate(min(mtp_kv.length, depth))
-        drafter.write_rows(state, rows_in, [token] * (args.n_max + 1), rows_graph)
+        rows_graph.write(rows_in, [token] * (args.n_max + 1))
 
     def verify_eager() -> None:
         truncate(state, depth)

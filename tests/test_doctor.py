@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from mtpserve.cli import main
-from mtpserve.engine.planner import EngineConfig, recommend
+from mtpserve.engine import EngineConfig
+from mtpserve.engine.planner import recommend
 
 from .conftest import default_model, tinyqwen_path
 

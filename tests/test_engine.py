@@ -9,9 +9,19 @@ from functools import cache
 
 import pytest
 
-from mtpserve.engine import ContextSizeExceeded, Engine, EngineConfig, FinishEvent, Request, SamplingParams, TokenEvent
-from mtpserve.engine.planner import InsufficientMemory, plan, plan_for_file
-from mtpserve.engine.request import Cancelled
+from mtpserve.engine import (
+    Cancelled,
+    ContextSizeExceeded,
+    Engine,
+    EngineConfig,
+    FinishEvent,
+    InsufficientMemory,
+    Request,
+    SamplingParams,
+    TokenEvent,
+)
+from mtpserve.engine.job import Job
+from mtpserve.engine.planner import plan, plan_for_file
 from mtpserve.models.loader import load
 from mtpserve.tokenizer import Tokenizer
 
@@ -246,25 +256,28 @@ def test_the_deployments_262144_token_context_is_plannable():
         plan(config, weights, 0, deployment, device="cuda:0", available_bytes=16 * 1024**3).check()
 
 
-class _Faulty(Engine):
-    """An engine whose sampler fails for requests that ask for exactly 13 tokens (an injected fault)."""
+def _faulty_sample(real):
+    """A job's sampler that fails for requests that ask for exactly 13 tokens (an injected fault)."""
 
-    def _sample(self, job, logits):
-        if job.request.n_predict == 13 and len(job.generated) >= 5:
+    def sample(job: Job, logits):
+        if job.request.n_predict == 13 and job.output is not None and len(job.output.tokens) >= 5:
             raise RuntimeError("injected fault")
-        return super()._sample(job, logits)
+        return real(job, logits)
+
+    return sample
 
 
 @pytest.mark.parametrize("spec", [False, True], ids=["batched", "speculative"])
-def test_a_failing_request_fails_alone(spec):
-    from mtpserve.engine.speculative import SpecConfig
+def test_a_failing_request_fails_alone(spec, monkeypatch):
+    from mtpserve.engine import SpecConfig
 
     path, model, tokenizer = _model()
     config = EngineConfig(
         n_parallel=4, ctx_size=4 * 2048, spec=SpecConfig("draft-mtp", n_max=2) if spec else SpecConfig()
     )
     prompts = [c["prompt_token_ids"] for c in _cases()[:4]]
-    with _Faulty(model, tokenizer, config, plan_for_file(path, config)) as engine:
+    monkeypatch.setattr(Job, "sample", _faulty_sample(Job.sample))
+    with Engine(model, tokenizer, config, plan_for_file(path, config)) as engine:
         alone = [engine.submit(Request(p, GREEDY, n_predict=24, ignore_eos=True)).result().tokens for p in prompts[1:]]
         streams = [
             engine.submit(Request(p, GREEDY, n_predict=13 if i == 0 else 24, ignore_eos=True))

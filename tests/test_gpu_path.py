@@ -296,7 +296,8 @@ def test_the_static_mtp_steps_equal_the_eager_ones(chained: bool) -> None:
     draft (MTPDraftGraph: chained, tokens chosen and embedded on the device; or one step at a time, as with the
     token table in host memory) proposes the eager draft's tokens with their top-10 probabilities, round after
     round, with the draft-time rows truncated away in between."""
-    from mtpserve.engine.speculative import MTPDrafter, SpecConfig
+    from mtpserve.engine import SpecConfig
+    from mtpserve.engine.drafters import MTPDrafter
 
     model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
     case = _case("Q4_K_M", 1)
@@ -306,9 +307,9 @@ def test_the_static_mtp_steps_equal_the_eager_ones(chained: bool) -> None:
         eager, graphed = (model.new_state(256, "f16", "f16", mtp=True) for _ in range(2))
         for st in (eager, graphed):
             hidden = model.forward(torch.tensor(prompt), st)
-            drafter.write_rows(st, hidden[:-1], prompt[1:])
-        rows = drafter.rows_graph(graphed, 2)
-        draft = MTPDraftGraph(model, graphed, 3, model.mtp[0].head, 10, chained=chained)
+            model.mtp_step(hidden[:-1], torch.tensor(prompt[1:]), st, with_logits=False)
+        rows = MTPRowsGraph(model, graphed, 2)
+        draft = MTPDraftGraph(model, graphed, 3, model.mtp_head, 10, chained=chained)
         pending = hidden[-1]
         for t in range(0, 6, 2):  # three rounds as the engine's: draft, a trunk pass of two tokens, its catch-up
             tokens = rest[t : t + 2]
@@ -321,7 +322,7 @@ def test_the_static_mtp_steps_equal_the_eager_ones(chained: bool) -> None:
             hidden = model.forward(torch.tensor(tokens), eager)
             model.forward(torch.tensor(tokens), graphed)
             inputs = torch.cat((pending[None], hidden[:-1]))
-            drafter.write_rows(eager, inputs, tokens)
+            model.mtp_step(inputs, torch.tensor(tokens), eager, with_logits=False)
             rows.write(inputs, tokens)
             pending = hidden[-1]
     kv_eager, kv_graphed = eager.kv[drafter.kv_index], graphed.kv[drafter.kv_index]
@@ -415,8 +416,8 @@ def test_the_captured_step_reads_nothing_back_to_the_host(monkeypatch: pytest.Mo
         DecodeGraph(model, state, capture=False),
         StepGraph(model, state, 3, True, capture=False, split_at=[2]),
         MTPRowsGraph(model, state, 3, capture=False),
-        MTPDraftGraph(model, state, 2, model.mtp[0].head, 10, capture=False),
-        MTPDraftGraph(model, state, 2, model.mtp[0].head, 10, capture=False, chained=False),
+        MTPDraftGraph(model, state, 2, model.mtp_head, 10, capture=False),
+        MTPDraftGraph(model, state, 2, model.mtp_head, 10, capture=False, chained=False),
     )
     for graph in graphs:
         with _gpu_path(matmul="triton" if graph is graphs[0] else "torch"):  # the GEMV's wrapper once
@@ -437,9 +438,8 @@ def test_the_engine_speculates_through_step_graphs_as_without(monkeypatch: pytes
     """draft-mtp n_max 2 in the engine on the GPU path: with the captured steps (decode, verification, MTP draft
     and catch-up graphs, forced on off CUDA, where they run eagerly) the tokens and draft counts of the ordinary
     steps."""
-    from mtpserve.engine import Engine, EngineConfig, Request, SamplingParams
+    from mtpserve.engine import Engine, EngineConfig, Request, SamplingParams, SpecConfig
     from mtpserve.engine.planner import plan_for_file
-    from mtpserve.engine.speculative import SpecConfig
     from mtpserve.tokenizer import Tokenizer
 
     path = tinyqwen_path("Q4_K_M")
@@ -450,13 +450,13 @@ def test_the_engine_speculates_through_step_graphs_as_without(monkeypatch: pytes
     for graphs in ("0", "1"):
         monkeypatch.setenv("MTPSERVE_CUDA_GRAPHS", graphs)
         with _gpu_path(), Engine(model, tokenizer, config, plan_for_file(path, config)) as engine:
-            assert engine._graphs == (graphs == "1")
+            assert engine.runner.graphs == (graphs == "1")
             runs[graphs] = [
                 engine.submit(Request(c["prompt_token_ids"], SamplingParams(temperature=0.0), n_predict=10)).result()
                 for c in cases
             ]
-            slot = engine.slots[0]
-            assert bool(slot.step_graphs and slot.mtp_draft_graphs and slot.mtp_rows_graphs) == (graphs == "1")
+            captured = engine.runner.graph_shapes(), *engine.drafter.graph_counts()
+            assert all(captured) == (graphs == "1") and any(captured) == (graphs == "1")
     for case, plain, graphed in zip(cases, runs["0"], runs["1"]):
         _agree_before_first_near_tie(graphed.tokens, {**case, "generated_token_ids": plain.tokens})
         if graphed.tokens == plain.tokens:
@@ -488,7 +488,7 @@ def test_the_engine_decodes_several_slots_through_their_graph(monkeypatch: pytes
                 for c in cases
             ]
             runs[graphs] = [stream.result().tokens for stream in streams]
-            assert (0, 1) in engine._batch_graphs if graphs == "1" else not engine._batch_graphs
+            assert ((2, 1, False) in engine.runner.graph_shapes()) == (graphs == "1")
     for case, plain, graphed in zip(cases, runs["0"], runs["1"]):
         _agree_before_first_near_tie(graphed, {**case, "generated_token_ids": plain})
 

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 
+from mtpserve.engine import EngineConfig, InsufficientMemory, SpecConfig
 from mtpserve.engine.placement import (
     Device,
     GpuRequest,
@@ -26,8 +27,6 @@ from mtpserve.engine.placement import (
     to_torch,
     torch_device_name,
 )
-from mtpserve.engine.planner import EngineConfig, InsufficientMemory
-from mtpserve.engine.speculative import SpecConfig
 from mtpserve.gguf import open_gguf
 from mtpserve.models import config_from_gguf, config_from_metadata, estimate_memory
 from mtpserve.models.memory import weight_bytes
@@ -350,6 +349,7 @@ def test_the_engine_plans_each_model_right_before_loading_it(caplog: pytest.LogC
     import logging
 
     from mtpserve.engine import Engine, Request, SamplingParams
+    from mtpserve.engine.drafters import DraftModelDrafter
 
     spec = SpecConfig("draft-simple", n_max=2, draft_model=str(tinyqwen_path("Q8_0")))
     config = EngineConfig(ctx_size=512, spec=spec)
@@ -357,7 +357,7 @@ def test_the_engine_plans_each_model_right_before_loading_it(caplog: pytest.LogC
     with caplog.at_level(logging.INFO, logger="mtpserve.engine"):
         engine = Engine.from_file(tinyqwen_path("Q4_K_M"), config, gpu=request, draft_gpu=request)
     with engine:
-        assert engine.draft_model is not None and engine.draft_model.model.device.type == "cpu"
+        assert isinstance(engine.drafter, DraftModelDrafter) and engine.drafter.model.device.type == "cpu"
         result = engine.submit(Request([1, 2, 3, 4], SamplingParams(temperature=0.0), n_predict=6)).result()
     assert len(result.tokens) == 6 and result.timings.draft_n > 0
     planned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("load_tensors: CPU")]

@@ -58,8 +58,8 @@ def test_draft_mtp_without_an_mtp_block_is_refused_at_start_up():
 
 
 def test_unbuilt_features_are_refused_not_ignored():
-    result = _serve(["-m", str(default_model("smollm2")), "--kv-unified"])
-    assert result.returncode != 0 and "--kv-unified is not supported" in result.stderr
+    result = _serve(["-m", str(default_model("smollm2")), "--embeddings"])
+    assert result.returncode != 0 and "--embeddings is not supported" in result.stderr
 
 
 def _stream_in_thread(url: str, body: dict) -> tuple[threading.Thread, dict]:

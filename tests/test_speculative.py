@@ -11,9 +11,9 @@ from functools import cache
 import numpy as np
 import pytest
 
-from mtpserve.engine import Engine, EngineConfig, EngineError, Request, SamplingParams, TokenEvent
+from mtpserve.engine import Engine, EngineConfig, EngineError, Request, SamplingParams, SpecConfig, TokenEvent
+from mtpserve.engine.config import AUTO_N_MAX
 from mtpserve.engine.planner import plan_for_file
-from mtpserve.engine.speculative import SpecConfig
 from mtpserve.models.loader import load
 from mtpserve.tokenizer import Tokenizer
 
@@ -105,9 +105,13 @@ def test_four_concurrent_speculative_streams_match_each_alone():
     requests = _requests("Q4_K_M")[:4] * 2
     with _engine("Q4_K_M", spec) as engine:
         alone = [engine.submit(r).result() for r in requests]
+        passes_alone = engine.counters().n_decode_total
     with _engine("Q4_K_M", spec, n_parallel=4) as engine:
         streams = [engine.submit(r) for r in requests]
         together = [s.result() for s in streams]
+        counters = engine.counters()
+    # Verified together: the drafts of one length share a pass.
+    assert counters.n_busy_slots_total > 2 * counters.n_decode_total and counters.n_decode_total < passes_alone / 2
     assert [r.tokens for r in together] == [r.tokens for r in alone]
     key = lambda r: (r.timings.draft_n, r.timings.draft_n_accepted, r.accepted_per_position)  # noqa: E731
     assert [key(r) for r in together] == [key(r) for r in alone]
@@ -248,3 +252,59 @@ def test_a_trimmed_draft_vocabulary_changes_no_token():
         diverged = next((i for i, (a, b) in enumerate(zip(tokens, result.tokens)) if a != b), None)
         assert diverged is None or margins[diverged] < NEAR_TIE
     assert sum(r.timings.draft_n_accepted for r in results) > 0.5 * sum(r.timings.draft_n for r in results)
+
+
+@pytest.mark.parametrize("n_predict", range(4, 10))
+def test_a_continuation_reuses_as_much_of_the_cache_with_draft_mtp_as_without(n_predict):
+    """A request that ends with MTP rows still deferred (its last steps had no draft) leaves the MTP cache where
+    the trunk's ends, so the next turn's prefix reuse keeps what it keeps without speculation."""
+    case = _reference("Q4_K_M")["greedy"]["chat"][0]
+    prompt = case["prompt_token_ids"]
+    cached = {}
+    for spec in (SpecConfig(), SpecConfig("draft-mtp", n_max=2)):
+        with _engine("Q4_K_M", spec) as engine:
+            first = engine.submit(Request(prompt, GREEDY, n_predict=n_predict, ignore_eos=True)).result()
+            slot = engine.slots[0]
+            assert all(kv.length == slot.n_past for kv in slot.state.kv.values())  # the MTP cache included
+            follow = prompt + first.tokens + prompt[-8:]
+            second = engine.submit(Request(follow, GREEDY, n_predict=4, ignore_eos=True)).result()
+            cached[spec.type] = second.timings.cache_n
+    assert cached["draft-mtp"] == cached["none"] >= len(prompt)
+
+
+def test_draft_lengths_are_learned_per_slot():
+    """--spec-draft-n-max auto: each slot learns its own acceptance and costs, so a request's draft lengths do
+    not follow what other slots accepted."""
+    prompts = [r.prompt for r in _requests("Q4_K_M")[:2]]
+    with _engine("Q4_K_M", SpecConfig("draft-mtp", n_max=AUTO_N_MAX, auto=True), n_parallel=2) as engine:
+        engine.submit(Request(prompts[0], GREEDY, n_predict=40, ignore_eos=True, id_slot=0)).result()
+        engine.submit(Request(prompts[1], GREEDY, n_predict=8, ignore_eos=True, id_slot=1)).result()
+        lengths = engine.speculator.lengths
+    assert sorted(lengths) == [0, 1] and lengths[0] is not lengths[1] and lengths[0].steps > lengths[1].steps
+
+
+def test_a_context_that_fills_during_a_multi_token_accept_keeps_every_accepted_token():
+    case = _reference("Q4_K_M")["greedy"]["completions"][0]
+    prompt = (case["prompt_token_ids"] * 40)[:200]
+    results = {}
+    for spec in (SpecConfig(), SpecConfig("draft-mtp", n_max=3)):
+        path, model, tokenizer = _model("Q4_K_M")
+        config = EngineConfig(ctx_size=256, spec=spec)
+        with Engine(model, tokenizer, config, plan_for_file(path, config)) as engine:
+            events = list(engine.submit(Request(prompt, GREEDY, ignore_eos=True, n_probs=2)))
+            results[spec.type] = events[-1]
+            if spec.type == "none":
+                margins = _margins(events)
+    plain, spec = results["none"], results["draft-mtp"]
+    assert plain.truncated and spec.truncated and len(plain.tokens) == len(spec.tokens) == 256 - 200
+    assert spec.timings.draft_n_accepted > 0
+    first_tie = next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(plain.tokens))
+    assert spec.tokens[:first_tie] == plain.tokens[:first_tie]
+
+
+def test_a_bad_draft_vocabulary_is_refused_at_start_up():
+    with pytest.raises(EngineError, match="--spec-draft-vocab must be >= 0"):
+        SpecConfig("draft-mtp", draft_vocab=-3)
+    for size in (5, 10**6):
+        with pytest.raises(EngineError, match=f"--spec-draft-vocab {size}: use 0"):
+            _engine("Q4_K_M", SpecConfig("draft-mtp", n_max=2, draft_vocab=size))

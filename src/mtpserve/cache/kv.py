@@ -54,10 +54,73 @@ class _Rows:
         return self.data.numel() * self.data.element_size()
 
 
+class KVPool:
+    """--kv-unified: one attention layer's K/V cells, shared by several sequences (each a `KVCache` over it)."""
+
+    def __init__(
+        self,
+        n_cells: int,
+        n_kv_heads: int,
+        k_dim: int,
+        v_dim: int,
+        cache_type_k: str = "f16",
+        cache_type_v: str = "f16",
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.n_cells, self.device = n_cells, torch.device(device)
+        self.k = _Rows(n_cells, n_kv_heads, k_dim, parse_cache_type(cache_type_k), self.device)
+        self.v = _Rows(n_cells, n_kv_heads, v_dim, parse_cache_type(cache_type_v), self.device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class CellTable:
+    """Which cells of the pools hold one sequence's positions (--kv-unified): the blocks of `block` cells it was
+    given, in position order, so position p sits in cell blocks[p // block] * block + p % block. All of the
+    sequence's attention layers share it (their pools are laid out alike); whoever owns the pools hands the
+    blocks out (engine.slots). `rows_on(device)` maps every position to its cell (-1 past the blocks held) as a
+    tensor that is updated in place, so a captured step can index by it."""
+
+    def __init__(self, capacity: int, block: int) -> None:
+        self.capacity, self.block = capacity, block
+        self.blocks: list[int] = []
+        self._rows: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def n_cells(self) -> int:
+        """Positions the blocks held cover."""
+        return len(self.blocks) * self.block
+
+    def add_block(self, block: int) -> None:
+        start = self.n_cells
+        self.blocks.append(block)
+        for rows in self._rows.values():
+            rows[start : start + self.block] = torch.arange(block * self.block, (block + 1) * self.block)
+
+    def trim(self, n_blocks: int) -> list[int]:
+        """Keep the first `n_blocks` blocks; the others are returned."""
+        freed, self.blocks = self.blocks[n_blocks:], self.blocks[:n_blocks]
+        for rows in self._rows.values():
+            rows[self.n_cells :] = -1
+        return freed
+
+    def rows_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._rows:
+            rows = torch.full((self.capacity,), -1, dtype=torch.long, device=device)
+            for i, block in enumerate(self.blocks):
+                rows[i * self.block : (i + 1) * self.block] = torch.arange(block * self.block, (block + 1) * self.block)
+            self._rows[device] = rows
+        return self._rows[device]
+
+
 class KVCache:
     """Cells hold the K/V of one position each: cell i holds position i up to `capacity`. With `ring`, a
     sliding-window cache reuses cells once their position has left the `window`, so it needs only
-    window + (largest batch) cells for any context length."""
+    window + (largest batch) cells for any context length. Over a shared `pool` (--kv-unified) a position's cell
+    is the one `table` gives, and `positions` covers every cell of the pool (-1 for cells that are not this
+    sequence's): attention over the pool then sees exactly this sequence's keys."""
 
     def __init__(
         self,
@@ -70,30 +133,45 @@ class KVCache:
         window: int | None = None,
         ring: bool = False,
         device: torch.device | str = "cpu",
+        *,
+        pool: KVPool | None = None,
+        table: CellTable | None = None,
     ) -> None:
         if ring and window is None:
             raise ValueError("a ring KV cache needs a sliding window")
+        if (pool is None) != (table is None) or (pool is not None and ring):
+            raise ValueError("a cache over a shared pool needs its cell table, and cannot be a ring")
         self.capacity, self.window, self.ring = capacity, window, ring
-        self.device = torch.device(device)
-        self.k = _Rows(capacity, n_kv_heads, k_dim, parse_cache_type(cache_type_k), self.device)
-        self.v = _Rows(capacity, n_kv_heads, v_dim, parse_cache_type(cache_type_v), self.device)
-        self.positions = torch.full((capacity,), -1, dtype=torch.long, device=self.device)  # -1: empty cell
+        self.pool, self.table = pool, table
+        if pool is not None:
+            self.device, self.k, self.v = pool.device, pool.k, pool.v
+        else:
+            self.device = torch.device(device)
+            self.k = _Rows(capacity, n_kv_heads, k_dim, parse_cache_type(cache_type_k), self.device)
+            self.v = _Rows(capacity, n_kv_heads, v_dim, parse_cache_type(cache_type_v), self.device)
+        n_cells = pool.n_cells if pool is not None else capacity
+        self.positions = torch.full((n_cells,), -1, dtype=torch.long, device=self.device)  # -1: empty, or not ours
         self.length = 0  # positions 0..length-1 have been written
+
+    def _cells(self, start: int, end: int) -> torch.Tensor | slice:
+        """The cells of positions start..end-1, in position order."""
+        if self.table is not None:
+            if end > self.table.n_cells:
+                raise ValueError(f"no KV cells reserved for position {end - 1} ({self.table.n_cells} held)")
+            return self.table.rows_on(self.device)[start:end]
+        if self.ring:
+            return torch.arange(start, end, device=self.device) % self.capacity
+        return slice(start, end)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the K/V [T, Hkv, D] of positions length..length+T-1."""
         n = k.shape[0]
         start, end = self.length, self.length + n
-        if not self.ring:
-            if end > self.capacity:
-                raise ValueError(f"KV cache is full: {end} positions > capacity {self.capacity}")
-            cells: torch.Tensor | slice = slice(start, end)
-        else:
-            if n > self.capacity - self.window + 1:
-                raise ValueError(
-                    f"batch of {n} tokens does not fit a ring of {self.capacity} cells (window {self.window})"
-                )
-            cells = torch.arange(start, end, device=self.device) % self.capacity
+        if not self.ring and end > self.capacity:
+            raise ValueError(f"KV cache is full: {end} positions > capacity {self.capacity}")
+        if self.ring and n > self.capacity - self.window + 1:
+            raise ValueError(f"batch of {n} tokens does not fit a ring of {self.capacity} cells (window {self.window})")
+        cells = self._cells(start, end)
         self.k.write(cells, k)
         self.v.write(cells, v)
         if isinstance(cells, slice):
@@ -105,10 +183,7 @@ class KVCache:
     def read(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(K [S, Hkv, D], V [S, Hkv, Dv], positions [S]) of every filled cell (f16 caches as float16,
         others as float32; or both as `dtype`)."""
-        if not self.ring:
-            cells: torch.Tensor | slice = slice(0, self.length)
-            return self.k.read(cells, dtype), self.v.read(cells, dtype), self.positions[: self.length]
-        cells = (self.positions >= 0).nonzero().squeeze(1)
+        cells = (self.positions >= 0).nonzero().squeeze(1) if self.ring else self._cells(0, self.length)
         return self.k.read(cells, dtype), self.v.read(cells, dtype), self.positions[cells]
 
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
@@ -121,7 +196,7 @@ class KVCache:
         cache as stored by the Triton decode kernel, prompts go through dequantized rows and fused attention."""
         if gpu_path(q):
             if q.shape[0] <= DECODE_MAX_QUERIES:
-                return self._attend_stored(q, q_pos, scale, slice(0, self.capacity if self.ring else self.length))
+                return self._attend_stored(q, q_pos, scale, slice(0, self.length) if self._ordered else slice(None))
             # Straight to the attention's half type: at 262144 cells a float32 copy of K and V would be 2 GB.
             keys, values, key_pos = self.read(prompt_attention_dtype(q.device))
             return attention_gpu(q, keys, values, q_pos, key_pos, scale, self.window, in_order=not self.ring)
@@ -136,7 +211,10 @@ class KVCache:
         """Write the K/V [T, Hkv, D] of `positions` (a device tensor) into their cells, without reading any value
         on the host (a CUDA graph replays this at whatever position the tensor holds). `length` is the caller's
         to advance."""
-        cells = positions % self.capacity if self.ring else positions
+        if self.table is not None:
+            cells = self.table.rows_on(self.device)[positions]
+        else:
+            cells = positions % self.capacity if self.ring else positions
         for rows, values in ((self.k, k), (self.v, v)):
             if rows.type in QUANTIZERS:
                 values = QUANTIZERS[rows.type](values.reshape(values.shape[0], -1))
@@ -161,8 +239,13 @@ class KVCache:
             self.k.n_heads,
             scale,
             self.window,
-            ordered=not self.ring,
+            ordered=self._ordered,
         )
+
+    @property
+    def _ordered(self) -> bool:
+        """Whether cell i holds position i (or nothing)."""
+        return not self.ring and self.table is None
 
     def can_truncate(self, length: int) -> bool:
         """Whether `truncate(length)` leaves a usable cache: a ring may have overwritten positions the
@@ -183,7 +266,11 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        """Bytes of the cells it holds: all of its own, or its share of a pool."""
+        own = self.k.nbytes + self.v.nbytes
+        if self.table is None or self.pool is None:
+            return own
+        return own * min(self.table.n_cells, self.pool.n_cells) // self.pool.n_cells
 
 
 def append_and_attend(

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from .. import __version__
-from ..engine.request import EngineError
+from ..engine.errors import EngineError
 from ..gguf import GGUFError
 from . import bench, doctor, fetch_defaults, generate, inspect_model, perplexity, pull, quantize, serve, tokenize
 

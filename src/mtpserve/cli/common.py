@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.speculative import AUTO_N_MAX, SPEC_TYPES, SpecConfig
+from ..engine.config import AUTO_N_MAX, SPEC_TYPES, SpecConfig
 from ..models.base import CausalLM
 from ..models.loader import load
 from ..tokenizer import Tokenizer

@@ -24,8 +24,10 @@ from pathlib import Path
 
 import torch
 
+from ..engine.config import EngineConfig
+from ..engine.errors import InsufficientMemory
 from ..engine.placement import Device, layer_bytes_from_gguf, place
-from ..engine.planner import EngineConfig, InsufficientMemory, recommend
+from ..engine.planner import recommend
 from ..gguf import open_gguf
 from ..models import config_from_gguf
 from ..quant import CACHE_TYPES

@@ -6,9 +6,7 @@ import argparse
 import json
 import sys
 
-from ..engine.engine import Engine
-from ..engine.planner import EngineConfig
-from ..engine.request import FinishEvent, Request, TokenEvent
+from ..engine import Engine, EngineConfig, FinishEvent, Request, TokenEvent
 from ..engine.sampling import RANDOM_SEED, SamplingParams
 from ..quant import CACHE_TYPES
 from ..tokenizer import Tokenizer

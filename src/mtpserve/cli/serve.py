@@ -6,7 +6,7 @@ place work on GPUs (`--gpu-layers`, `--split-mode`, `--tensor-split`, `--main-gp
 CUDA device (`--list-devices` then lists none); flags
 that are llama-server defaults here anyway (`--jinja`, `--perf`, `--cont-batching`, `--flash-attn`,
 `--no-mmproj`, `--cache-prompt`) are accepted as they are. Features that are not built
-(`--kv-unified`, `--context-shift`, `--embeddings`, `--reasoning-budget` other than -1, `--lora`) stop
+(`--context-shift`, `--embeddings`, `--reasoning-budget` other than -1, `--lora`) stop
 the start with one line saying so, rather than serving something else than asked.
 
 Start-up runs as llama-server's does: the HTTP listener first (answering 503 `Loading model`), then the
@@ -106,7 +106,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="prompt tokens per forward pass (default 512)")
     p.add_argument("--ctx-checkpoints", type=int, default=32, help="recurrent-state checkpoints per slot (default 32)")
     p.add_argument("-sps", "--slot-prompt-similarity", type=float, default=0.1)
-    p.add_argument("-kvu", "--kv-unified", action="store_true", help="(not supported: each slot owns its cells)")
+    p.add_argument(
+        "-kvu", "--kv-unified", action="store_true", help="one pool of --ctx-size KV cells shared by all slots"
+    )
     p.add_argument("--cache-idle-slots", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--cache-prompt", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--cache-reuse", type=int, default=0, help="(KV shifting: not supported, 0)")
@@ -180,7 +182,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def refuse_unbuilt(args: argparse.Namespace) -> None:
     problems = {
-        "--kv-unified is not supported (each slot owns ctx-size/parallel cells); drop it": args.kv_unified,
         "--context-shift is not supported (qwen35's cache cannot be shifted either); drop it": args.context_shift,
         "--embeddings is not supported by this server": args.embeddings,
         "--reasoning-budget other than -1 is not supported yet": args.reasoning_budget != -1,
@@ -217,6 +218,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         ctx_checkpoints=args.ctx_checkpoints,
         n_predict=args.n_predict,
         slot_prompt_similarity=args.slot_prompt_similarity,
+        kv_unified=args.kv_unified,
         spec=spec_config(args),
     )
     sampling = SamplingParams(
@@ -340,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
             log.error("srv    load_model: failed to load model '%s': %s", settings.model, state.load_error)
             server.should_exit = True
             return
-        if args.cache_idle_slots:  # on by default in llama-server, which then refuses it without unified KV
+        if args.cache_idle_slots and not args.kv_unified:  # llama-server's default, refused without unified KV
             log.warning("srv          init: --cache-idle-slots requires --kv-unified, disabling")
         log.info("srv  llama_server: model loaded")
         log.info("srv  llama_server: server is listening on %s", address)

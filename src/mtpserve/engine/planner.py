@@ -4,39 +4,19 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..gguf import open_gguf
 from ..models import config_from_gguf, estimate_memory
-from ..models.config import ModelConfig
+from ..models.config import AttentionCacheSpec, ModelConfig
 from ..models.memory import CTX_PAD, MemoryEstimate, kv_bytes_per_cell, weight_bytes
-from .request import EngineError
-from .speculative import SpecConfig
+from .config import EngineConfig
+from .errors import InsufficientMemory
 
 GIB = 1024**3
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """llama-server's slot and cache flags."""
-
-    n_parallel: int = 1  # -np: slots
-    ctx_size: int = 4096  # -c: total context over all slots, 0 = the model's trained context
-    ubatch: int = 512  # -ub: prompt tokens per forward pass
-    cache_type_k: str = "f16"
-    cache_type_v: str = "f16"
-    ctx_checkpoints: int = 32  # per slot: recurrent-state checkpoints kept for prompt reuse
-    n_predict: int = -1  # server-wide default limit
-    slot_prompt_similarity: float = 0.1  # -sps
-    spec: SpecConfig = field(default_factory=SpecConfig)  # --spec-type and --spec-draft-*
-
-
-class InsufficientMemory(EngineError):
-    type = "insufficient_memory"
-    code = 500
 
 
 @dataclass(frozen=True)
@@ -94,10 +74,25 @@ def available_memory(device: str) -> int | None:
 
 
 def slot_context(config: ModelConfig, engine: EngineConfig) -> int:
-    """Cells per slot, as llama-server splits -c over -np (each share padded to 256)."""
+    """The context one slot may use: -c split over -np as llama-server splits it (each share padded to 256), or
+    with --kv-unified all of it."""
     total = engine.ctx_size or config.context_length
     total = -(-total // CTX_PAD) * CTX_PAD
+    if engine.kv_unified:
+        return total
     return -(-(total // engine.n_parallel) // CTX_PAD) * CTX_PAD
+
+
+def _unified_kv_bytes(specs: tuple[AttentionCacheSpec, ...], engine: EngineConfig, ctx: int) -> int:
+    """--kv-unified as engine.slots allocates it: one pool of `ctx` cells per full-attention layer, and each slot's
+    own sliding-window ring (the size `new_kv_caches` gives it)."""
+    total = 0
+    for spec in specs:
+        cells = ctx
+        if spec.sliding_window is not None:
+            cells = engine.n_parallel * min(ctx, -(-(spec.sliding_window + engine.ubatch) // CTX_PAD) * CTX_PAD)
+        total += round(cells * kv_bytes_per_cell(spec, engine.cache_type_k, engine.cache_type_v))
+    return total
 
 
 def plan(
@@ -119,11 +114,15 @@ def plan(
         ubatch=engine.ubatch,
     )
     layout = config.cache_layout()
+    slot_ctx = slot_context(config, engine)
+    if engine.kv_unified:
+        kv, mtp_kv = (_unified_kv_bytes(specs, engine, slot_ctx) for specs in (layout.attention, layout.mtp_attention))
+        estimate = replace(estimate, kv_bytes=kv, mtp_kv_bytes=mtp_kv)
     per_token = sum(kv_bytes_per_cell(s, engine.cache_type_k, engine.cache_type_v) for s in layout.attention)
     checkpoint = sum(4 * (r.conv_state_elements + r.ssm_state_elements) for r in layout.recurrent)
     return MemoryPlan(
         estimate=estimate,
-        slot_ctx=slot_context(config, engine),
+        slot_ctx=slot_ctx,
         kv_bytes_per_token=per_token,
         checkpoint_bytes=checkpoint,
         max_checkpoints=engine.ctx_checkpoints if layout.recurrent else 0,

@@ -1,4 +1,4 @@
-"""What a request asks of the engine, what comes back, and the errors it can end with."""
+"""What a request asks of the engine and what comes back (the errors it can end with: errors.py)."""
 
 from __future__ import annotations
 
@@ -98,38 +98,3 @@ class FinishEvent:
     id_slot: int = -1
     accepted_per_position: list[int] = field(default_factory=list)  # speculative: accepted drafts per position
     verify_steps: int = 0  # speculative: verification passes with a draft
-
-
-class EngineError(Exception):
-    """A request the engine cannot run; `type` and `code` are llama-server's error fields."""
-
-    type = "invalid_request_error"
-    code = 400
-
-    def to_dict(self) -> dict[str, object]:
-        return {"code": self.code, "message": str(self), "type": self.type}
-
-
-class ContextSizeExceeded(EngineError):
-    type = "exceed_context_size_error"
-
-    def __init__(self, n_prompt_tokens: int, n_ctx: int) -> None:
-        super().__init__(
-            f"request ({n_prompt_tokens} tokens) exceeds the available context size ({n_ctx} tokens), try increasing it"
-        )
-        self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
-
-    def to_dict(self) -> dict[str, object]:
-        return {**super().to_dict(), "n_prompt_tokens": self.n_prompt_tokens, "n_ctx": self.n_ctx}
-
-
-class InvalidRequest(EngineError):
-    pass
-
-
-class Cancelled(EngineError):
-    type = "cancelled"
-    code = 499
-
-    def __init__(self) -> None:
-        super().__init__("the request was cancelled")

@@ -9,7 +9,7 @@ from types import MappingProxyType
 
 import torch
 
-from ..cache import KVCache, RecurrentState
+from ..cache import CellTable, KVCache, KVPool, RecurrentState
 from ..gguf import GGUFFile, TensorInfo
 from ..ops.device import canonical_device
 from ..ops.embedding import embedding
@@ -118,6 +118,26 @@ class ModelState:
             state.ssm.zero_()
         self.n_past = 0
 
+    def truncate(self, n: int) -> None:
+        """Forget positions >= n of the attention caches (a rejected draft, a prompt that parts from what the
+        cache holds); a cache that holds fewer (an MTP block's, behind by rows it defers) keeps what it has.
+        Recurrent state cannot be cut: the caller restores it from a snapshot."""
+        if n > self.n_past:
+            raise ValueError(f"cannot truncate a sequence of {self.n_past} positions to {n}")
+        for kv in self.kv.values():
+            if kv.length > n:
+                kv.truncate(n)
+        self.n_past = n
+
+
+@dataclass(frozen=True)
+class SharedKV:
+    """--kv-unified: the full-attention layers' pools, shared by every sequence, and the cells one sequence's
+    positions sit in (`CellTable`, filled by whoever hands the pools' cells out)."""
+
+    pools: Mapping[int, KVPool]
+    table: CellTable
+
 
 def padded_context(ctx_size: int, config: ModelConfig) -> int:
     ctx = ctx_size or config.context_length
@@ -132,11 +152,17 @@ def new_kv_caches(
     ubatch: int = DEFAULT_UBATCH,
     mtp: bool = False,
     devices: Mapping[int, torch.device] | None = None,
+    shared: SharedKV | None = None,
 ) -> dict[int, KVCache]:
-    """Each attention layer's cache, on `devices[layer]` (CPU when not given)."""
+    """Each attention layer's cache, on `devices[layer]` (CPU when not given); with `shared`, the full-attention
+    layers' over the shared pools (sliding-window rings stay the sequence's own)."""
     layout = config.cache_layout()
     caches = {}
     for spec in layout.mtp_attention if mtp else layout.attention:
+        if shared is not None and spec.layer in shared.pools:
+            pool = shared.pools[spec.layer]
+            caches[spec.layer] = KVCache(ctx, spec.n_kv_heads, spec.k_dim, spec.v_dim, pool=pool, table=shared.table)
+            continue
         capacity = ctx
         if spec.sliding_window is not None:
             capacity = min(ctx, -(-(spec.sliding_window + ubatch) // CTX_PAD) * CTX_PAD)
@@ -305,8 +331,23 @@ class CausalLM:
         """Evaluate tokens [T] of one sequence at positions state.n_past.. (hidden states [T, n_embd])."""
         return self.forward_batch(Batch.of(torch.as_tensor(tokens, dtype=torch.long), [state]))
 
-    def new_state(self, ctx_size: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16") -> ModelState:
+    def new_state(
+        self, ctx_size: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16", *, shared: SharedKV | None = None
+    ) -> ModelState:
         raise NotImplementedError
+
+    def new_kv_pools(
+        self, n_cells: int, cache_type_k: str = "f16", cache_type_v: str = "f16", mtp: bool = False
+    ) -> dict[int, KVPool]:
+        """--kv-unified: a pool of `n_cells` for each full-attention layer (and the MTP block's, with `mtp`), each on
+        its layer's device; `new_state(shared=...)` makes sequences over them."""
+        layout = self.config.cache_layout()  # type: ignore[attr-defined]
+        devices = self._layer_device_map()
+        return {
+            s.layer: KVPool(n_cells, s.n_kv_heads, s.k_dim, s.v_dim, cache_type_k, cache_type_v, devices[s.layer])
+            for s in (*layout.attention, *(layout.mtp_attention if mtp else ()))
+            if s.sliding_window is None
+        }
 
     def logits(self, hidden: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         """Logits [rows, V] on the CPU, where the sampler runs."""

@@ -20,7 +20,7 @@ from ..ops.embedding import embedding
 from ..ops.linear import WeightGroup, linear, linear_many
 from ..ops.norm import rms_norm
 from ..ops.rope import RopeTable, apply_rope
-from .base import Batch, CausalLM, ModelState, Rope, WeightStore, new_kv_caches, padded_context
+from .base import Batch, CausalLM, ModelState, Rope, SharedKV, WeightStore, new_kv_caches, padded_context
 from .config import AttentionCacheSpec, CacheLayout, TensorSpec, common_hparams, lm_tensor_specs
 
 ARCH = "gemma3"
@@ -183,9 +183,12 @@ class Gemma3ForCausalLM(CausalLM):
         self.output_norm = w.dense("output_norm.weight")
         self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")
 
-    def new_state(self, ctx_size: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16") -> ModelState:
+    def new_state(
+        self, ctx_size: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16", *, shared: SharedKV | None = None
+    ) -> ModelState:
         ctx = padded_context(ctx_size, self.config)
-        kv = new_kv_caches(self.config, ctx, cache_type_k, cache_type_v, self.ubatch, devices=self._layer_device_map())
+        devices = self._layer_device_map()
+        kv = new_kv_caches(self.config, ctx, cache_type_k, cache_type_v, self.ubatch, devices=devices, shared=shared)
         return ModelState(kv, capacity=ctx)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from ..cache import RecurrentState
 from ..ops.linear import linear
 from ..quant.qtensor import QTensor
 from .base import Batch, CausalLM, ModelState
+from .mtp import MTPModel, mtp_cache_index, mtp_graphable, mtp_model
 
 
 class CapturedStep:
@@ -167,7 +168,7 @@ class StepGraph:
             x, logits, kept = segment._run()
             steps.update(kept)
         assert logits is not None
-        mtp = getattr(self.model, "mtp_kv_index", None)
+        mtp = mtp_cache_index(self.model)
         for state in self.states:
             for layer, kv in state.kv.items():
                 if layer != mtp:  # the MTP block's cache keeps its own length
@@ -200,11 +201,11 @@ class MTPRowsGraph(CapturedStep):
     before the replay."""
 
     def __init__(self, model: CausalLM, state: ModelState, n_tokens: int, capture: bool | None = None) -> None:
-        device = _mtp_device(model)
+        mtp, device = _mtp_on_one_device(model)
         super().__init__(device, capture)
         self.model, self.state, self.n_tokens = model, state, n_tokens
-        self.kv = state.kv[model.mtp_kv_index]  # type: ignore[attr-defined]
-        self.mtp_step, self.mtp_embed = model.mtp_step, model.mtp_embed  # type: ignore[attr-defined]
+        self.kv = state.kv[_index(mtp)]
+        self.mtp_step, self.mtp_embed = mtp.mtp_step, mtp.mtp_embed
         self.inputs = torch.zeros(n_tokens, model.config.n_embd, device=device)
         self.embeddings = torch.zeros(n_tokens, model.config.n_embd, device=device)
         self.tokens = torch.zeros(n_tokens, dtype=torch.long, device=device)
@@ -253,12 +254,12 @@ class MTPDraftGraph(CapturedStep):
         capture: bool | None = None,
         chained: bool | None = None,
     ) -> None:
-        device = _mtp_device(model)
+        mtp, device = _mtp_on_one_device(model)
         super().__init__(device, capture)
         self.model, self.state, self.n_max, self.head, self.top_k = model, state, n_max, head, top_k
-        self.kv = state.kv[model.mtp_kv_index]  # type: ignore[attr-defined]
-        self.mtp_step, self.mtp_embed = model.mtp_step, model.mtp_embed  # type: ignore[attr-defined]
-        table_device = model.mtp_table.data.device  # type: ignore[attr-defined]
+        self.kv = state.kv[_index(mtp)]
+        self.mtp_step, self.mtp_embed = mtp.mtp_step, mtp.mtp_embed
+        table_device = mtp.mtp_table.data.device
         self.chained = table_device == device if chained is None else chained
         n_steps = n_max if self.chained else 1
         self.hidden = torch.zeros(1, model.config.n_embd, device=device)
@@ -312,17 +313,16 @@ class DecodeGraph(StepGraph):
         return self.step([token])[1][0]
 
 
-def mtp_graphable(model: CausalLM) -> bool:
-    """Whether the MTP block and the LM head run on one device (their graphs need that; a layer split puts both
-    on its last GPU unless --tensor-split gives the head a GPU of its own)."""
-    index = getattr(model, "mtp_kv_index", None)
-    return index is not None and model.device_of(index) == model.output.data.device and not model.row_split
-
-
-def _mtp_device(model: CausalLM) -> torch.device:
-    if not mtp_graphable(model):
+def _mtp_on_one_device(model: CausalLM) -> tuple[MTPModel, torch.device]:
+    mtp = mtp_model(model)
+    if mtp is None or not mtp_graphable(model):
         raise ValueError("the MTP graphs run the MTP block and the LM head on one device; this model splits them")
-    return model.device_of(model.mtp_kv_index)  # type: ignore[attr-defined]
+    return mtp, model.device_of(_index(mtp))
+
+
+def _index(mtp: MTPModel) -> int:
+    assert mtp.mtp_kv_index is not None
+    return mtp.mtp_kv_index
 
 
 def _check_tokens(tokens: list[int], vocab: int) -> None:

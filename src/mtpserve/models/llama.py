@@ -18,7 +18,7 @@ from ..ops.activations import swiglu_ffn
 from ..ops.linear import WeightGroup, linear, linear_many
 from ..ops.norm import rms_norm
 from ..ops.rope import RopeTable, apply_rope
-from .base import Batch, CausalLM, ModelState, Rope, WeightStore, new_kv_caches, padded_context
+from .base import Batch, CausalLM, ModelState, Rope, SharedKV, WeightStore, new_kv_caches, padded_context
 from .config import AttentionCacheSpec, CacheLayout, TensorSpec, common_hparams, lm_tensor_specs
 
 ARCHES = ("llama", "qwen2", "qwen3")
@@ -167,7 +167,10 @@ class LlamaForCausalLM(CausalLM):
         self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")
         self.rope_table = RopeTable(c.n_rot, c.rope_base, 1.0 / c.rope_scale, device=self.device)
 
-    def new_state(self, ctx_size: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16") -> ModelState:
+    def new_state(
+        self, ctx_size: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16", *, shared: SharedKV | None = None
+    ) -> ModelState:
         ctx = padded_context(ctx_size, self.config)
-        kv = new_kv_caches(self.config, ctx, cache_type_k, cache_type_v, devices=self._layer_device_map())
+        devices = self._layer_device_map()
+        kv = new_kv_caches(self.config, ctx, cache_type_k, cache_type_v, devices=devices, shared=shared)
         return ModelState(kv, capacity=ctx)

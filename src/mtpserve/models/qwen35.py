@@ -24,7 +24,7 @@ from ..ops.linear import WeightGroup, linear, linear_many
 from ..ops.norm import gated_rms_norm, l2_norm, rms_norm
 from ..ops.rope import RopeTable, apply_rope
 from ..quant.qtensor import QTensor
-from .base import Batch, CausalLM, ModelState, Rope, WeightStore, new_kv_caches, padded_context
+from .base import Batch, CausalLM, ModelState, Rope, SharedKV, WeightStore, new_kv_caches, padded_context
 from .config import (
     AttentionCacheSpec,
     CacheLayout,
@@ -392,7 +392,13 @@ class Qwen35ForCausalLM(CausalLM):
         self.rope_table = RopeTable(c.n_rot, c.rope_base, sections=c.rope_sections, device=self.device)
 
     def new_state(
-        self, ctx_size: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16", mtp: bool = False
+        self,
+        ctx_size: int = 0,
+        cache_type_k: str = "f16",
+        cache_type_v: str = "f16",
+        mtp: bool = False,
+        *,
+        shared: SharedKV | None = None,
     ) -> ModelState:
         """`mtp` also allocates the MTP block's KV cache (kept in `state.kv` under the block's index)."""
         c = self.config
@@ -403,11 +409,11 @@ class Qwen35ForCausalLM(CausalLM):
             if c.recurrent[i]
         }
         devices = self._layer_device_map()
-        kv = new_kv_caches(c, ctx, cache_type_k, cache_type_v, devices=devices)
+        kv = new_kv_caches(c, ctx, cache_type_k, cache_type_v, devices=devices, shared=shared)
         if mtp:
             if not self.mtp:
                 raise ValueError("this model has no MTP block (nextn_predict_layers = 0)")
-            kv.update(new_kv_caches(c, ctx, cache_type_k, cache_type_v, mtp=True, devices=devices))
+            kv.update(new_kv_caches(c, ctx, cache_type_k, cache_type_v, mtp=True, devices=devices, shared=shared))
         return ModelState(kv, recurrent, capacity=ctx)
 
     @torch.inference_mode()
@@ -445,6 +451,10 @@ class Qwen35ForCausalLM(CausalLM):
     def mtp_embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The MTP block's token rows: its own table, or the trunk's."""
         return embedding(self.mtp_table, tokens)
+
+    @property
+    def mtp_head(self) -> QTensor:
+        return self.mtp[0].head
 
     @property
     def mtp_table(self) -> QTensor:

@@ -30,7 +30,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import Engine, EngineError, FinishEvent, RequestStream, TokenEvent
+from ..engine import EngineClient, EngineError, FinishEvent, RequestStream, TokenEvent
 from ..tokenizer import ChatTemplate, Tokenizer
 from . import params, schema
 from .chat import ChatOutput, ChatPlan, plan_chat
@@ -102,15 +102,14 @@ def create_app(state: ServerState) -> FastAPI:
     @router.get("/v1/models")
     @router.get("/models", include_in_schema=False)
     async def models() -> dict[str, Any]:
-        engine = _engine(state)
-        config = engine.model.config
+        info = _engine(state).info
         name = settings.model_name
         meta = {
             "vocab_type": 2,
-            "n_vocab": config.n_vocab,
-            "n_ctx": engine.slot_ctx,
-            "n_ctx_train": config.context_length,
-            "n_embd": config.n_embd,
+            "n_vocab": info.n_vocab,
+            "n_ctx": info.n_ctx_slot,
+            "n_ctx_train": info.n_ctx_train,
+            "n_embd": info.n_embd,
             "size": settings.model.stat().st_size,
         }
         entry = {
@@ -146,12 +145,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @router.get("/props")
     async def props() -> dict[str, Any]:
-        engine = _engine(state)
+        info = _engine(state).info
         tokenizer, template = _tokenizer(state), _template(state)
         piece = lambda i: tokenizer.token_to_piece(i) if i is not None else ""  # noqa: E731
         return {
-            "default_generation_settings": {"params": _settings_dict(state), "n_ctx": engine.slot_ctx},
-            "total_slots": len(engine.slots),
+            "default_generation_settings": {"params": _settings_dict(state), "n_ctx": info.n_ctx_slot},
+            "total_slots": info.n_slots,
             "model_alias": settings.model_name,
             "model_path": str(settings.model),
             "modalities": {"vision": False, "video": False, "audio": False},
@@ -359,7 +358,7 @@ async def _body(request: Request, limit: int) -> Body:
     return Body(data)
 
 
-def _engine(state: ServerState) -> Engine:
+def _engine(state: ServerState) -> EngineClient:
     if state.engine is None:
         raise LOADING
     return state.engine

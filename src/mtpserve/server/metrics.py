@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..engine import Engine, FinishEvent
+from ..engine import EngineClient, FinishEvent
 
 PREFIX = "llamacpp:"
 
@@ -33,7 +33,7 @@ class ServerMetrics:
     """Totals since start-up; `prompt_tokens_seconds`/`predicted_tokens_seconds` are averaged over what
     finished since the previous scrape, as llama-server's are."""
 
-    def __init__(self, engine: Callable[[], Engine | None]) -> None:
+    def __init__(self, engine: Callable[[], EngineClient | None]) -> None:
         self._engine = engine
         self._lock = threading.Lock()
         self.totals = RequestTotals()
@@ -62,6 +62,7 @@ class ServerMetrics:
             totals, recent = self.totals, self._since_scrape
             self._since_scrape = RequestTotals()
         engine = self._engine()
+        counters = engine.counters() if engine else None
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(PREFIX + name, doc, value=value)
@@ -77,10 +78,10 @@ class ServerMetrics:
         yield counter("tokens_predicted", "Number of generation tokens processed.", totals.tokens_predicted)
         yield counter("tokens_predicted_seconds", "Predict process time.", totals.tokens_predicted_seconds)
         yield counter("requests_finished", "Requests that ended (any reason but an error).", totals.requests_finished)
-        n_decode = engine.n_decode_total if engine else 0
+        n_decode = counters.n_decode_total if counters else 0
         yield counter("n_decode", "Total number of llama_decode() calls.", n_decode)
         yield gauge("n_tokens_max", "Largest observed n_tokens.", totals.n_tokens_max)
-        busy_per_decode = engine.n_busy_slots_total / n_decode if engine and n_decode else 0.0
+        busy_per_decode = counters.n_busy_slots_total / n_decode if counters and n_decode else 0.0
         yield gauge("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call.", busy_per_decode)
         prompt_rate = recent.prompt_tokens / recent.prompt_seconds if recent.prompt_seconds else 0.0
         yield gauge("prompt_tokens_seconds", "Average prompt throughput in tokens/s.", prompt_rate)
@@ -91,7 +92,7 @@ class ServerMetrics:
         usage = engine.memory_usage() if engine else None
         yield gauge("requests_processing", "Number of requests processing.", usage.busy_slots if usage else 0)
         yield gauge("requests_deferred", "Number of requests deferred.", usage.queued if usage else 0)
-        spec = engine.stats if engine else None
+        spec = counters.spec if counters else None
         yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.draft_tokens if spec else 0)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.accepted_tokens if spec else 0)
         yield counter("spec_decode_num_drafts", "Verification steps with a draft.", spec.drafts if spec else 0)

@@ -16,7 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .. import __version__
-from ..engine import Engine, EngineConfig, SamplingParams
+from ..engine import Engine, EngineClient, EngineConfig, SamplingParams
 from ..engine.placement import GpuRequest
 from ..engine.planner import plan_for_file
 from ..tokenizer import ChatTemplate, Tokenizer
@@ -67,7 +67,7 @@ class ServerSettings:
 class ServerState:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
-        self.engine: Engine | None = None
+        self.engine: EngineClient | None = None
         self.tokenizer: Tokenizer | None = None
         self.template: ChatTemplate | None = None
         self.keep_special: frozenset[int] = frozenset()

@@ -1,0 +1,163 @@
+"""What the HTTP layer needs from an engine (`EngineClient`), and the stream a request's events come back on.
+
+`Engine` (engine.py) implements the protocol on this machine; an engine on other machines implements the same
+one, so the server never knows which it talks to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from .errors import EngineError, ServerError
+from .request import FinishEvent, Request, TokenEvent
+
+if TYPE_CHECKING:
+    from .speculative import SpecStats
+
+Event = TokenEvent | FinishEvent | EngineError
+
+
+class RequestStream:
+    """The events of one request: iterate it (sync or async) until a FinishEvent; an EngineError (cancellation,
+    a failure) is raised from the iteration instead. Any thread may `put`; `cancel` asks the engine to stop the
+    request at its next step and free its slot."""
+
+    _ids = itertools.count()
+
+    def __init__(self) -> None:
+        self.id = next(self._ids)
+        self.cancelled = threading.Event()
+        self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._async_queue: asyncio.Queue[Event] | None = None
+        try:
+            self._loop = asyncio.get_running_loop()
+            self._async_queue = asyncio.Queue()
+        except RuntimeError:
+            pass
+
+    def put(self, event: Event) -> None:
+        if self._loop is not None and self._async_queue is not None:
+            self._loop.call_soon_threadsafe(self._async_queue.put_nowait, event)
+        else:
+            self._queue.put(event)
+
+    def cancel(self) -> None:
+        """Stop this request at the engine's next step and free its slot."""
+        self.cancelled.set()
+
+    def __iter__(self) -> Iterator[TokenEvent | FinishEvent]:
+        if self._async_queue is not None:
+            raise RuntimeError("this stream was created inside an event loop: iterate it with `async for`")
+        while True:
+            event = self._queue.get()
+            if isinstance(event, EngineError):
+                raise event
+            yield event
+            if isinstance(event, FinishEvent):
+                return
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent | FinishEvent]:
+        if self._async_queue is None:
+            raise RuntimeError("this stream was created outside an event loop: iterate it with `for`")
+        while True:
+            event = await self._async_queue.get()
+            if isinstance(event, EngineError):
+                raise event
+            yield event
+            if isinstance(event, FinishEvent):
+                return
+
+    async def next_event(self, timeout: float | None = None) -> TokenEvent | FinishEvent | None:
+        """The next event of an async stream, or None after `timeout` seconds of silence (for keep-alives)."""
+        assert self._async_queue is not None, "this stream was created outside an event loop"
+        try:
+            event = await asyncio.wait_for(self._async_queue.get(), timeout)
+        except TimeoutError:
+            return None
+        if isinstance(event, EngineError):
+            raise event
+        return event
+
+    def result(self) -> FinishEvent:
+        """Wait for the end (sync streams)."""
+        for event in self:
+            if isinstance(event, FinishEvent):
+                return event
+        raise ServerError("the stream ended without a result")
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine serves, fixed at start-up."""
+
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_ctx_slot: int  # the context one request may use
+    n_slots: int
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    """What the slots hold now: a cancelled or finished request's share shows up here."""
+
+    busy_slots: int
+    queued: int
+    tokens_cached: int  # positions held across all slots
+    kv_bytes_in_use: int
+    checkpoints: int
+    checkpoint_bytes: int
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    id: int
+    n_ctx: int
+    is_processing: bool
+    id_task: int
+    n_prompt_tokens: int
+    n_prompt_tokens_cache: int
+    n_prompt_tokens_processed: int
+    n_decoded: int
+    n_remain: int
+    n_cached: int  # tokens the slot holds for reuse
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """Totals since start-up (llama-server's /metrics): forward passes, sequences they evaluated, and the
+    speculative counters (None without speculation)."""
+
+    n_decode_total: int
+    n_busy_slots_total: int
+    spec: SpecStats | None = None
+
+
+class EngineClient(Protocol):
+    """What the server needs from an engine: submit requests and get their events, and what it reports."""
+
+    info: EngineInfo
+
+    def submit(self, request: Request) -> RequestStream:
+        """Queue a request (refusing what can never run with an EngineError); its events come on the stream."""
+        ...
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        ...
+
+    def slots_info(self) -> list[SlotInfo]: ...
+
+    def memory_usage(self) -> MemoryUsage: ...
+
+    def counters(self) -> EngineCounters: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,54 @@
+"""The engine's configuration: llama-server's slot, cache and speculative flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import InvalidRequest
+
+SPEC_TYPES = ("none", "draft-mtp", "draft-simple", "ngram")
+AUTO_N_MAX = 4  # --spec-draft-n-max auto tries drafts of up to this many tokens
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """llama-server's --spec-* flags."""
+
+    type: str = "none"
+    n_max: int = 3  # --spec-draft-n-max (llama.cpp's default)
+    n_min: int = 0
+    p_min: float = 0.0
+    auto: bool = False  # --spec-draft-n-max auto: n_max is then the longest draft tried
+    ngram_size: int = 3
+    draft_model: str | None = None  # --model-draft: the GGUF of draft-simple
+    draft_vocab: int = 0  # draft-mtp: score only the first N token ids when drafting (0: all)
+
+    def __post_init__(self) -> None:
+        if self.type not in SPEC_TYPES:
+            raise InvalidRequest(f"unknown --spec-type '{self.type}' (use one of {', '.join(SPEC_TYPES)})")
+        if self.n_max < 0 or self.n_min < 0:
+            raise InvalidRequest("--spec-draft-n-max and --spec-draft-n-min must be >= 0")
+        if self.draft_vocab < 0:
+            raise InvalidRequest(f"--spec-draft-vocab must be >= 0 (0: the whole vocabulary), not {self.draft_vocab}")
+        if self.type == "draft-simple" and not self.draft_model:
+            raise InvalidRequest("--spec-type draft-simple needs a draft model (--model-draft FILE)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.type != "none" and self.n_max > 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """llama-server's slot and cache flags."""
+
+    n_parallel: int = 1  # -np: slots
+    ctx_size: int = 4096  # -c: total context over all slots, 0 = the model's trained context
+    ubatch: int = 512  # -ub: prompt tokens per forward pass
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    ctx_checkpoints: int = 32  # per slot: recurrent-state checkpoints kept for prompt reuse
+    n_predict: int = -1  # server-wide default limit
+    slot_prompt_similarity: float = 0.1  # -sps
+    kv_unified: bool = False  # --kv-unified: one pool of -c cells shared by all slots
+    spec: SpecConfig = field(default_factory=SpecConfig)  # --spec-type and --spec-draft-*

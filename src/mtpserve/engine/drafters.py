@@ -1,0 +1,341 @@
+"""Drafters: what proposes the tokens a speculative step verifies (../shared/spec/mtp-speculative-decoding.md).
+Each implements `Drafter` and owns whatever state it keeps per slot; the engine holds one drafter or none.
+
+* `draft-mtp` (`MTPDrafter`): the model's own MTP block, chained: step 0 reads (sampled token, trunk hidden state
+  of the position before it), each next step the MTP's own output hidden state; the draft is the argmax of each
+  step (a draft stops early when that token's probability, renormalised over the top 10, is below `p_min`;
+  drafts shorter than `n_min` are dropped). The MTP KV cache only ever keeps rows computed from the trunk's
+  hidden states (the "catch-up" pass after every trunk pass); draft-time rows are removed. Passes without a
+  draft defer their catch-up rows, written in one pass before the next draft -- or before the slot's cache is
+  reused or cut, so that the MTP cache always ends where the trunk's does when a request starts.
+* `draft-simple` (`DraftModelDrafter`): a separate small model with the same vocabulary (`--model-draft`),
+  greedy, one token at a time from its own state, which catches up on the accepted tokens before each draft
+  and returns to them afterwards (its recurrent state, if any, from a snapshot).
+* `ngram` (`NGramDrafter`): prompt lookup: the continuation of the latest earlier occurrence of the context's
+  last n tokens (n from `ngram_size` down to 1). No model, no state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..models.base import CausalLM, ModelState
+from ..models.graphs import MTPDraftGraph, MTPRowsGraph
+from ..models.mtp import mtp_graphable, mtp_model
+from ..ops.linear import linear
+from ..tokenizer import Tokenizer
+from .config import SpecConfig
+from .errors import InvalidRequest
+from .slots import Reuse, Slot
+
+DRAFT_TOP_K = 10  # p_min is measured against the draft's top-10, renormalised (llama.cpp)
+
+
+class Drafter(Protocol):
+    """Proposes tokens for a slot's next verification and keeps its own per-slot state in step with the slot."""
+
+    def draft(self, slot: Slot, n_max: int) -> list[int]:
+        """Up to n_max tokens to follow the slot's sampled, not yet evaluated token (`slot.job.pending`)."""
+        ...
+
+    def after_prompt(self, slot: Slot, hidden: torch.Tensor, tokens: list[int]) -> None:
+        """A prompt chunk of the slot was evaluated: `tokens`, with the trunk's final hidden states [T, E]."""
+        ...
+
+    def after_verify(self, slot: Slot, hidden: torch.Tensor, tokens: list[int], n_accepted: int) -> None:
+        """A verification evaluated `tokens` ([sampled, *draft]; hidden [T, E]) and kept `n_accepted` drafts;
+        the trunk's caches are already cut back to them."""
+        ...
+
+    def finish(self, slot: Slot) -> None:
+        """The slot's request ended: what the slot holds stays for the next request's prefix reuse."""
+        ...
+
+    def rewind(self, slot: Slot, reuse: Reuse) -> None:
+        """The slot's caches were cut back to `reuse.keep` tokens for a new request (0: cleared)."""
+        ...
+
+
+class NullHooks:
+    """The hooks of a drafter that keeps nothing in step with the slots."""
+
+    def after_prompt(self, slot: Slot, hidden: torch.Tensor, tokens: list[int]) -> None:
+        pass
+
+    def after_verify(self, slot: Slot, hidden: torch.Tensor, tokens: list[int], n_accepted: int) -> None:
+        pass
+
+    def finish(self, slot: Slot) -> None:
+        pass
+
+    def rewind(self, slot: Slot, reuse: Reuse) -> None:
+        pass
+
+
+def make_drafter(
+    spec: SpecConfig, model: CausalLM, tokenizer: Tokenizer, graphs: bool, draft_model: CausalLM | None, ubatch: int
+) -> Drafter | None:
+    """The drafter `spec` asks for (None: no speculation). draft-simple's model is loaded here unless given."""
+    if not spec.enabled:
+        return None
+    if spec.type == "draft-mtp":
+        return MTPDrafter(model, spec, graphs)
+    if spec.type == "ngram":
+        return NGramDrafter(spec)
+    assert spec.draft_model is not None  # SpecConfig checks it
+    from ..models.loader import load
+
+    check_draft_vocab(tokenizer, Tokenizer.from_gguf(spec.draft_model))
+    return DraftModelDrafter(draft_model or load(spec.draft_model), spec, ubatch)
+
+
+# --- draft-mtp -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _MTPSlot:
+    """What the MTP drafter keeps for one slot."""
+
+    pending_h: torch.Tensor | None = None  # the trunk's hidden state at position n_past - 1
+    backlog: list[tuple[torch.Tensor, list[int]]] = field(default_factory=list)  # catch-up rows not written yet
+    draft_graphs: dict[int, MTPDraftGraph] = field(default_factory=dict)  # chained draft steps, by n_max
+    rows_graphs: dict[int, MTPRowsGraph] = field(default_factory=dict)  # catch-up passes, by rows
+
+
+class MTPDrafter:
+    def __init__(self, model: CausalLM, config: SpecConfig, graphs: bool = False) -> None:
+        mtp = mtp_model(model)
+        if mtp is None:
+            raise InvalidRequest(
+                "--spec-type draft-mtp needs a model with an MTP block (nextn_predict_layers > 0); this one has none"
+            )
+        n_vocab = model.config.n_vocab
+        if config.draft_vocab and not DRAFT_TOP_K <= config.draft_vocab <= n_vocab:
+            raise InvalidRequest(
+                f"--spec-draft-vocab {config.draft_vocab}: use 0 (the whole vocabulary) or {DRAFT_TOP_K}..{n_vocab} "
+                f"(drafts are scored over their top {DRAFT_TOP_K})"
+            )
+        assert mtp.mtp_kv_index is not None
+        self.model, self.mtp, self.config, self.kv_index = model, mtp, config, mtp.mtp_kv_index
+        self.graphs = graphs and mtp_graphable(model)
+        # A trimmed draft vocabulary: the MTP head's first rows (BPE vocabularies put frequent tokens first), a
+        # view of the same weights. The trunk still verifies over the whole vocabulary.
+        self.head = mtp.mtp_head.first_rows(config.draft_vocab) if config.draft_vocab else mtp.mtp_head
+        self._slots: dict[int, _MTPSlot] = {}
+
+    def _of(self, slot: Slot) -> _MTPSlot:
+        return self._slots.setdefault(slot.id, _MTPSlot())
+
+    def draft(self, slot: Slot, n_max: int) -> list[int]:
+        """Up to n_max chained draft tokens after the sampled token (at position n_past). Captured, all n_max
+        steps run, and the tokens after the first one below p_min are dropped on the host: the same draft, as
+        later steps cannot change earlier ones."""
+        assert slot.job is not None
+        mine = self._of(slot)
+        self._flush(slot, mine)
+        kv = slot.state.kv[self.kv_index]
+        start, sampled = kv.length, slot.job.pending
+        pending_h = mine.pending_h if mine.pending_h is not None else torch.zeros(self.model.config.n_embd)
+        proposals: Iterable[tuple[int, float]]
+        if self.graphs:
+            if n_max not in mine.draft_graphs:
+                mine.draft_graphs[n_max] = MTPDraftGraph(self.model, slot.state, n_max, self.head, DRAFT_TOP_K)
+            proposals = mine.draft_graphs[n_max].propose(pending_h, sampled)
+        else:
+            proposals = self._proposals(slot.state, pending_h, sampled, n_max)
+        tokens: list[int] = []
+        for token, p_top in proposals:
+            if self.config.p_min > 0 and p_top < self.config.p_min:
+                break
+            tokens.append(token)
+        kv.truncate(start)  # draft-time rows go: the catch-up pass rewrites them from the trunk's states
+        return tokens if len(tokens) >= self.config.n_min else []
+
+    def _proposals(
+        self, state: ModelState, pending_h: torch.Tensor, sampled: int, n_max: int
+    ) -> Iterator[tuple[int, float]]:
+        """Eager draft steps, one at a time (the caller stops pulling at the first token below p_min): each
+        step's argmax and its probability over the top DRAFT_TOP_K."""
+        hidden, token = pending_h[None], sampled
+        for _ in range(n_max):
+            _, hidden = self.mtp.mtp_step(hidden, torch.tensor([token]), state, with_logits=False)
+            top = linear(hidden.to(self.head.data.device), self.head)[0].float().topk(DRAFT_TOP_K)
+            token = int(top.indices[0])
+            yield token, float(torch.softmax(top.values, 0)[0])
+
+    def after_prompt(self, slot: Slot, hidden: torch.Tensor, tokens: list[int]) -> None:
+        self._catch_up(slot, hidden, tokens, defer=False)
+
+    def after_verify(self, slot: Slot, hidden: torch.Tensor, tokens: list[int], n_accepted: int) -> None:
+        """The catch-up of the verified tokens (the rows past the kept ones were cut with the trunk's), and the
+        hidden state the next row reads: the trunk's at the last kept position. A step without a draft defers
+        its rows."""
+        self._catch_up(slot, hidden, tokens, defer=len(tokens) == 1)
+        kv = slot.state.kv[self.kv_index]
+        if kv.length > slot.n_past:  # the rows of rejected drafts
+            kv.truncate(slot.n_past)
+        self._of(slot).pending_h = hidden[n_accepted].clone()
+
+    def finish(self, slot: Slot) -> None:
+        """Write the deferred rows: between requests the MTP cache ends where the trunk's does, so a prefix reuse
+        cuts both alike."""
+        self._flush(slot, self._of(slot))
+
+    def rewind(self, slot: Slot, reuse: Reuse) -> None:
+        """The next row reads the hidden state of the restored checkpoint (nothing, on a cleared slot)."""
+        mine = self._of(slot)
+        if reuse.keep == 0:
+            mine.backlog.clear()
+            mine.pending_h = None
+        elif reuse.checkpoint is not None:
+            mine.pending_h = reuse.checkpoint.hidden
+
+    def _catch_up(self, slot: Slot, hidden: torch.Tensor, tokens: list[int], defer: bool) -> None:
+        """MTP cache rows for tokens the trunk evaluated: row i pairs token i with the trunk's hidden state at the
+        position before it. Deferred rows are written, in one pass, before the next draft or the next rows."""
+        mine = self._of(slot)
+        previous = mine.pending_h if mine.pending_h is not None else hidden.new_zeros(hidden.shape[-1])
+        mine.pending_h = hidden[-1].clone()
+        inputs = torch.cat((previous[None], hidden[:-1]))
+        if defer:
+            mine.backlog.append((inputs, tokens))
+            return
+        self._flush(slot, mine)
+        self._write(slot, mine, inputs, tokens)
+
+    def _flush(self, slot: Slot, mine: _MTPSlot) -> None:
+        if mine.backlog:
+            inputs = torch.cat([h for h, _ in mine.backlog])
+            tokens = [t for _, ts in mine.backlog for t in ts]
+            mine.backlog.clear()
+            self._write(slot, mine, inputs, tokens)
+
+    def _write(self, slot: Slot, mine: _MTPSlot, inputs: torch.Tensor, tokens: list[int]) -> None:
+        n = len(tokens)
+        if self.graphs and n <= self.config.n_max + 1:  # a longer backlog (steps without drafts) is rare
+            if n not in mine.rows_graphs:
+                mine.rows_graphs[n] = MTPRowsGraph(self.model, slot.state, n)
+            mine.rows_graphs[n].write(inputs, tokens)
+        else:
+            self.mtp.mtp_step(inputs, torch.tensor(tokens), slot.state, with_logits=False)
+
+    def graph_counts(self) -> tuple[int, int]:
+        """Captured steps it holds: (draft chains, catch-up passes)."""
+        mine = self._slots.values()
+        return sum(len(m.draft_graphs) for m in mine), sum(len(m.rows_graphs) for m in mine)
+
+
+# --- draft-simple --------------------------------------------------------------------------------------
+
+VOCAB_CHECK_START = 5  # llama.cpp compares token texts from this id on (the first ids are often specials)
+VOCAB_MAX_SIZE_DIFFERENCE = 128
+
+
+def check_draft_vocab(target: Tokenizer, draft: Tokenizer) -> None:
+    """llama.cpp's compatibility rule for a draft model: same special tokens, vocabulary sizes within
+    128, the same text for every shared token id from 5 on."""
+    problems = []
+    if (target.bos_id, target.eos_id, target.add_bos) != (draft.bos_id, draft.eos_id, draft.add_bos):
+        problems.append(
+            f"special tokens differ (bos/eos/add_bos {target.bos_id}/{target.eos_id}/{target.add_bos} vs "
+            f"{draft.bos_id}/{draft.eos_id}/{draft.add_bos})"
+        )
+    if abs(target.n_vocab - draft.n_vocab) > VOCAB_MAX_SIZE_DIFFERENCE:
+        problems.append(
+            f"vocabulary sizes {target.n_vocab} and {draft.n_vocab} differ by more than {VOCAB_MAX_SIZE_DIFFERENCE}"
+        )
+    else:
+        for i in range(VOCAB_CHECK_START, min(target.n_vocab, draft.n_vocab)):
+            if target.token_text(i) != draft.token_text(i):
+                problems.append(
+                    f"token {i} is {target.token_text(i)!r} in the target, {draft.token_text(i)!r} in the draft"
+                )
+                break
+    if problems:
+        raise InvalidRequest("the draft model's vocabulary does not match the target's: " + "; ".join(problems))
+
+
+@dataclass
+class DraftState:
+    state: ModelState
+    tokens: list[int] = field(default_factory=list)  # what `state` holds
+
+
+class DraftModelDrafter(NullHooks):
+    """draft-simple: per slot, a state of the draft model that holds the slot's accepted tokens (it catches up
+    lazily, at the next draft)."""
+
+    def __init__(self, model: CausalLM, config: SpecConfig, ubatch: int) -> None:
+        self.model, self.config, self.ubatch = model, config, ubatch
+        self._states: dict[int, DraftState] = {}
+
+    def draft(self, slot: Slot, n_max: int) -> list[int]:
+        """Up to n_max greedy tokens after the slot's tokens + [sampled]; the draft state ends holding the
+        slot's tokens."""
+        assert slot.job is not None
+        if slot.id not in self._states:
+            self._states[slot.id] = DraftState(self.model.new_state(slot.state.capacity))
+        draft, accepted, sampled = self._states[slot.id], slot.tokens, slot.job.pending
+        state = draft.state
+        keep = 0
+        for a, b in zip(draft.tokens, accepted):
+            if a != b:
+                break
+            keep += 1
+        if keep < len(draft.tokens) and not self._rewind(draft, keep):
+            draft.state.clear()
+            draft.tokens.clear()
+        for start in range(len(draft.tokens), len(accepted), self.ubatch):
+            chunk = accepted[start : start + self.ubatch]
+            self.model.forward(torch.tensor(chunk), state)
+            draft.tokens.extend(chunk)
+        base = len(draft.tokens)
+        snapshot = {i: s.snapshot() for i, s in state.recurrent.items()}
+        tokens: list[int] = []
+        token = sampled
+        for _ in range(n_max):
+            if state.n_past + 1 >= state.capacity:
+                break
+            logits = self.model.decode(token, state).float()
+            top = logits.topk(DRAFT_TOP_K)
+            if self.config.p_min > 0 and float(torch.softmax(top.values, 0)[0]) < self.config.p_min:
+                break
+            token = int(top.indices[0])
+            tokens.append(token)
+        for i, s in state.recurrent.items():  # back to the accepted tokens
+            s.restore(snapshot[i])
+        state.truncate(base)
+        return tokens if len(tokens) >= self.config.n_min else []
+
+    def _rewind(self, draft: DraftState, keep: int) -> bool:
+        if draft.state.recurrent:  # a recurrent draft model cannot truncate: start over
+            return False
+        if not all(kv.can_truncate(keep) for kv in draft.state.kv.values()):
+            return False
+        draft.state.truncate(keep)
+        del draft.tokens[keep:]
+        return True
+
+
+# --- ngram ---------------------------------------------------------------------------------------------
+
+
+class NGramDrafter(NullHooks):
+    def __init__(self, config: SpecConfig) -> None:
+        self.config = config
+
+    def draft(self, slot: Slot, n_max: int) -> list[int]:
+        """The tokens that followed the latest earlier occurrence of the context's last n tokens."""
+        assert slot.job is not None
+        context = [*slot.tokens, slot.job.pending]
+        for n in range(min(self.config.ngram_size, len(context) - 1), 0, -1):
+            key = context[-n:]
+            for start in range(len(context) - n - 1, -1, -1):
+                if context[start : start + n] == key:
+                    follow = context[start + n : start + n + n_max]
+                    return follow if len(follow) >= max(self.config.n_min, 1) else []
+        return []

@@ -1,0 +1,97 @@
+"""One request on its way through a slot: its sampler, its output, its timings and its stream."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+import torch
+
+from ..tokenizer import Tokenizer
+from .client import RequestStream
+from .output import RequestOutput, Stop
+from .request import FinishEvent, Request, Timings, TokenEvent
+from .sampling import Sampler, top_probabilities
+
+Probs = tuple[list[tuple[int, float]], float]  # with n_probs: the top tokens, and the sampled one's probability
+NO_PROBS: Probs = ([], 0.0)
+
+
+class Phase(Enum):
+    PROMPT = 1
+    GENERATE = 2
+
+
+@dataclass
+class Job:
+    request: Request
+    stream: RequestStream
+    sampler: Sampler | None = None
+    output: RequestOutput | None = None
+    phase: Phase = Phase.PROMPT
+    batch_ends: list[int] = field(default_factory=list)  # prompt positions where a forward pass ends
+    checkpoint_at: frozenset[int] = frozenset()  # prompt positions to snapshot the recurrent state at
+    pending: int = -1  # sampled, not yet evaluated
+    timings: Timings = field(default_factory=Timings)
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_last_chunk: float = 0.0
+    verify_steps: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def begin(self, tokenizer: Tokenizer, n_predict: int, n_ctx: int) -> None:
+        """Set up the sampler and the output (`n_predict`: the server's default limit; `n_ctx`: the slot's)."""
+        request = self.request
+        params = request.sampling
+        if request.ignore_eos:  # llama-server: a -inf bias on every end-of-generation token
+            bias = {t: float("-inf") for t in tokenizer.eog_ids}
+            params = replace(params, logit_bias={**params.logit_bias, **bias})
+        self.sampler = Sampler(params, history=request.prompt)
+        limit = request.n_predict if request.n_predict >= 0 else n_predict
+        self.output = RequestOutput(tokenizer, request.stop, limit, n_ctx, request.keep_special)
+
+    def sample(self, logits: torch.Tensor) -> tuple[int, Probs]:
+        """The next token from `logits` [V] with the request's sampler, and its probabilities with n_probs."""
+        assert self.sampler is not None
+        token = self.sampler.sample(logits)
+        self.sampler.accept(token)
+        n_probs = self.request.n_probs
+        return token, top_probabilities(logits, n_probs, token) if n_probs else NO_PROBS
+
+    def deliver(self, token: int, probs: Probs, position: int) -> Stop | None:
+        """Send a sampled token that takes context `position`; why the request ends there, if it does."""
+        assert self.output is not None
+        text, stop = self.output.add(token, position)
+        self.timings.predicted_n = len(self.output.tokens)
+        self.timings.predicted_ms = max(1000.0 * (time.perf_counter() - self.t_first), 0.001)
+        self.stream.put(TokenEvent(token, text, *probs))
+        self.pending = token
+        return stop
+
+    def count_verification(self, n_drafted: int, n_accepted: int) -> None:
+        self.timings.draft_n += n_drafted
+        self.timings.draft_n_accepted += n_accepted
+        self.verify_steps += 1
+        self.accepted_per_position.extend([0] * (n_drafted - len(self.accepted_per_position)))
+        for i in range(n_accepted):
+            self.accepted_per_position[i] += 1
+
+    def finished(self, stop: Stop, id_slot: int) -> FinishEvent:
+        """The request's last event."""
+        assert self.output is not None
+        tail = self.output.finish(stop)
+        return FinishEvent(
+            finish_reason=stop.reason,
+            stop_type=stop.stop_type,
+            text=self.output.text,
+            tokens=list(self.output.tokens),
+            tail=tail,
+            timings=self.timings,
+            stopping_word=stop.word,
+            truncated=stop.truncated,
+            n_prompt_tokens=len(self.request.prompt),
+            id_slot=id_slot,
+            accepted_per_position=list(self.accepted_per_position),
+            verify_steps=self.verify_steps,
+        )
