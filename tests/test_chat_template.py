@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from mtpserve.tokenizer import CHATML_TEMPLATE, ChatPrompt, ChatTemplate, ChatTemplateError, resolve_chat_template
-from mtpserve.tokenizer.chat_template import to_json
+from mtpserve.chat import CHATML_TEMPLATE, ChatPrompt, ChatTemplate, ChatTemplateError, resolve_chat_template
+from mtpserve.chat.sandbox import to_json
 
 from .vocabs import REF_MODELS, model_tokenizer, reference
 

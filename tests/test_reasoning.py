@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtpserve.tokenizer import ChatTemplate, ReasoningSplit, ReasoningStream, ThinkTags, split_reasoning
+from mtpserve.chat import ChatTemplate, ReasoningSplit, ReasoningStream, ThinkTags, split_reasoning
 
 from .vocabs import REF_MODELS, model_tokenizer, reference
 

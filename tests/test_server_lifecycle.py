@@ -14,10 +14,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from mtpserve.chat import ChatTemplate
 from mtpserve.server.app import create_app
 from mtpserve.server.chat import ChatOutput, ChatPlan
 from mtpserve.server.state import ServerSettings, ServerState
-from mtpserve.tokenizer import ChatTemplate
 
 from .conftest import default_model
 from .server_process import ServerProcess

@@ -13,12 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from mtpserve.tokenizer import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError, Tokenizer, chat_template
-from mtpserve.tokenizer.chat_template import (
-    MAX_OUTPUT_CHARS,
-    MAX_RENDER_SECONDS,
-    ChatTemplateLimitError,
-)
+from mtpserve.chat import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError, ChatTemplateLimitError, sandbox
+from mtpserve.chat.sandbox import MAX_OUTPUT_CHARS, MAX_RENDER_SECONDS
+from mtpserve.tokenizer import Tokenizer
 
 from .ggufgen import write_gguf
 
@@ -43,7 +40,7 @@ def stopped(source: str, match: str) -> tuple[float, int]:
         tracemalloc.stop()
     assert isinstance(err.value, ChatTemplateError) and isinstance(err.value, ValueError)
     assert str(err.value).startswith("chat template rendering stopped: ")
-    assert chat_template._BUDGET.get() is None  # the per-render budget was reset
+    assert sandbox._BUDGET.get() is None  # the per-render budget was reset
     return elapsed, peak
 
 
@@ -51,9 +48,9 @@ def stopped(source: str, match: str) -> tuple[float, int]:
 
 
 def test_the_limits_are_documented_constants():
-    assert (MAX_RENDER_SECONDS, MAX_OUTPUT_CHARS, chat_template.MAX_INT_BITS) == (2.0, 4 * 2**20, 2**16)
-    assert chat_template.MAX_PRINTED_CHARS == 4 * MAX_OUTPUT_CHARS
-    doc = chat_template.__doc__
+    assert (MAX_RENDER_SECONDS, MAX_OUTPUT_CHARS, sandbox.MAX_INT_BITS) == (2.0, 4 * 2**20, 2**16)
+    assert sandbox.MAX_PRINTED_CHARS == 4 * MAX_OUTPUT_CHARS
+    doc = sandbox.__doc__
     assert all(name in doc for name in ("MAX_RENDER_SECONDS", "MAX_OUTPUT_CHARS", "MAX_PRINTED_CHARS", "MAX_INT_BITS"))
 
 
@@ -79,7 +76,7 @@ def test_a_loop_that_never_ends_is_stopped_within_3_s():
     ids=["nested list loops", "computing loops", "recursive loop", "filters in a loop"],
 )
 def test_slow_templates_are_stopped(monkeypatch, source):
-    monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 0.3)
+    monkeypatch.setattr(sandbox, "MAX_RENDER_SECONDS", 0.3)
     elapsed, _ = stopped(source, r"it ran for more than 0.3 s|would exceed")
     assert elapsed < 1.5
 
@@ -246,7 +243,7 @@ def test_a_prompt_near_the_limit_still_renders():
 def test_renders_in_threads_have_their_own_deadline(monkeypatch):
     """The deadline lives in a context variable: a hostile render in one thread does not cut another short,
     and each render starts with a fresh budget."""
-    monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 0.5)
+    monkeypatch.setattr(sandbox, "MAX_RENDER_SECONDS", 0.5)
     slow = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
     fast = ChatTemplate(CHATML_TEMPLATE)
 

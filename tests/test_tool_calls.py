@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtpserve.tokenizer.tool_calls import (
+from mtpserve.chat.tool_calls import (
     ToolCallDelta,
     ToolCallSplit,
     ToolCallStream,

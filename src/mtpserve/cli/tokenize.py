@@ -11,7 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..tokenizer import ChatTemplate, ChatTemplateError, Tokenizer
+from ..chat import ChatTemplate, ChatTemplateError
+from ..tokenizer import Tokenizer
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

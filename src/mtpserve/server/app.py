@@ -30,8 +30,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..chat import ChatTemplate
 from ..engine import EngineClient, EngineError, FinishEvent, RequestStream, TokenEvent
-from ..tokenizer import ChatTemplate, Tokenizer
+from ..tokenizer import Tokenizer
 from . import params, schema
 from .chat import ChatOutput, ChatPlan, plan_chat
 from .errors import LOADING, NOT_FOUND, UNAUTHORIZED, APIError, invalid

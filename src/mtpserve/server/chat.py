@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..tokenizer import ChatTemplate, ChatTemplateError, ReasoningStream, Tokenizer
-from ..tokenizer.tool_calls import ToolCallStream
+from ..chat import ChatTemplate, ChatTemplateError, ReasoningStream, ToolCallStream
+from ..tokenizer import Tokenizer
 from .errors import invalid, unsupported
 from .params import Body
 

@@ -16,10 +16,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .. import __version__
+from ..chat import ChatTemplate
 from ..engine import Engine, EngineClient, EngineConfig, SamplingParams
 from ..engine.placement import GpuRequest
 from ..engine.planner import plan_for_file
-from ..tokenizer import ChatTemplate, Tokenizer
+from ..tokenizer import Tokenizer
 from .chat import ChatSettings, keep_special_ids
 from .metrics import ServerMetrics
 

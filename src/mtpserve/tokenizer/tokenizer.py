@@ -12,7 +12,7 @@ clean-up of spaces before punctuation (those belong to `llama_detokenize`, which
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -86,6 +86,16 @@ class Tokenizer:
     @property
     def add_eos(self) -> bool:
         return self.vocab.add_eos
+
+    @property
+    def chat_template(self) -> str | None:
+        """The GGUF's default chat template (`tokenizer.chat_template`), None when it has none."""
+        return self.vocab.chat_template
+
+    @property
+    def named_chat_templates(self) -> Mapping[str, str]:
+        """The GGUF's named chat templates (`tokenizer.chat_template.NAME`, such as `tool_use`)."""
+        return self.vocab.named_chat_templates
 
     def is_eog(self, token_id: int) -> bool:
         return token_id in self.vocab.eog_ids
