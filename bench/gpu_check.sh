@@ -12,7 +12,7 @@
 # gguf, which travels as a wheel. ../shared does not travel: the fixtures the GPU tests read (tinyqwen35 Q4_K_M
 # and Q8_0 and llama.cpp's references, about 17 MB) are copied into .gpu/shared. Gemma 3's file (250 MB) is too
 # big to carry: a slice of it travels instead (its first 6 layers and 16384 tokens plus the fixture prompts',
-# 34 MB, tests/gguf_slice.py), held on the GPU to the CPU path by
+# 34 MB, tests/support/gguf_slice.py), held on the GPU to the CPU path by
 # test_a_gemma3_slice_gives_the_cpu_paths_greedy_tokens; the whole-file tests skip there. llama.cpp's source
 # (the version our references were made with, from the llama-cpp-python sdist, without the other backends,
 # tests and docs: 4 MB) travels as .gpu/llama.cpp.tar.xz.
@@ -49,7 +49,7 @@ prepare)
     GEMMA=$($PY -c 'from mtpserve.default_models import DEFAULT_MODELS, model_path
 print(model_path(DEFAULT_MODELS["gemma3"]))')
     [ -f "$GEMMA" ] || { echo "$GEMMA is missing: run make models first" >&2; exit 1; }
-    $PY -m tests.gguf_slice "$GEMMA" \
+    $PY -m tests.support.gguf_slice "$GEMMA" \
         .gpu/shared/fixtures/gemma-3-270m-q4_k_m.slice6.gguf --ref "$SHARED"/fixtures/refs/gemma-3-270m-q4_k_m.json
     python3 -m pip download -q --no-deps --no-binary :all: -d .gpu/sdist "llama-cpp-python==$LLAMA_CPP_PYTHON"
     tar -xzf .gpu/sdist/llama_cpp_python-*.tar.gz -C .gpu/sdist
@@ -77,8 +77,8 @@ run)
     # Triton compiles each kernel configuration on the CPU, once a process, and there are 16 cores.
     XDIST=(); python3 -c 'import xdist' 2>/dev/null && XDIST=(-n 8)
     timeout 180 python3 -m pytest -q -p no:cacheprovider -o addopts='-ra' "${XDIST[@]}" --durations=15 \
-        tests/test_gpu_path.py tests/test_triton_gemv.py tests/test_triton_gemm.py tests/test_triton_attention.py \
-        tests/test_triton_gated_delta.py 2>&1 | tee "$OUT/tests.log"
+        tests/models/test_gpu_path.py tests/kernels/test_triton_gemv.py tests/kernels/test_triton_gemm.py \
+        tests/kernels/test_triton_attention.py tests/kernels/test_triton_gated_delta.py 2>&1 | tee "$OUT/tests.log"
     timeout 380 python3 bench/gpu.py --json "$OUT/gpu.json" "${PEER[@]}" 2>&1 | tee "$OUT/bench.log"
     cp "$OUT/gpu.json" "$RESULTS" 2>/dev/null
     cp "$BUILD_LOG" "$OUT/llama.cpp-build.log" 2>/dev/null

@@ -1,4 +1,4 @@
-"""Soak: the CI load test (tests/test_load.py) for as long as you like, against a server this script
+"""Soak: the CI load test (tests/server/test_load.py) for as long as you like, against a server this script
 starts (`-m MODEL`, default the default model) or one already running (`--url`).
 
     .venv/bin/python bench/soak.py --duration 3600 [--every 300] [--clients 64] [--parallel 4] \\

@@ -36,7 +36,7 @@ from mtpserve.cli import main
 from mtpserve.gguf import open_gguf
 from mtpserve.hub import HubError, select_model
 
-from .ggufgen import write_gguf
+from .support.ggufgen import write_gguf
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -566,7 +566,7 @@ def test_offline_from_the_environment_in_a_fresh_process(tmp_path):
 def test_serve_hf_pulls_then_serves(fake, tmp_path):
     """`mtpserve serve -hf REPO:QUANT`, as llama-server's -hf: the file comes from the (fake) hub."""
     from .conftest import tinyqwen_path
-    from .server_process import ServerProcess
+    from .support.server_process import ServerProcess
 
     fake.add("org/tiny", {"tiny-Q4_K_M.gguf": tinyqwen_path("Q4_K_M").read_bytes(), "tiny-Q8_0.gguf": random_bytes(64)})
     env = {

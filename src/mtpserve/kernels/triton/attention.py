@@ -17,7 +17,7 @@ row with the log-sum-exp rule. Loads of keys no row of the block can see (empty 
 the future of every row) are masked off, so they cost no memory traffic.
 
 This module stays a leaf (kernels may import only torch, triton and gguf); the PyTorch twin is in
-tests/test_triton_attention.py.
+tests/kernels/test_triton_attention.py.
 """
 
 from __future__ import annotations
@@ -276,7 +276,8 @@ def decode_attention(
     G = H // n_kv_heads
     d_pad = max(16, triton.next_power_of_2(D))
     # At D = 256, 32-key/32-row tiles need 69,760 B of shared memory (over sm_75's 64 KiB) and a q4_0 cache 102,912 B
-    # (over sm_86/89's 99 KiB), and spill KBs of registers; 16 x 16 fits every target (ptxas, tests/gpu_compile.py).
+    # (over sm_86/89's 99 KiB), and spill KBs of registers; 16 x 16 fits every target (ptxas,
+    # tests/support/gpu_compile.py).
     # At D = 64, 64-key tiles spilled up to 2.8 KB a thread on sm_75 (250 B on sm_80); 32-key tiles spill nothing.
     block_s = 32 if d_pad <= 128 else 16
     block_m = min(max(16, triton.next_power_of_2(T * G)), 64 if d_pad <= 128 else 16)  # tl.dot needs >= 16 rows

@@ -24,7 +24,7 @@ chunks, per V head:
 Each program owns one (V head, tile of BLOCK_V value columns), holds its [K, BLOCK_V] state slice in registers
 across every chunk, and does the four products as tl.dot with bf16 operands and float32 accumulation (the state
 itself stays float32: only the copies fed to the tensor cores are rounded). float32 operands ("ieee" or tf32x3)
-spill or overflow shared memory at K=V=128 on sm_80/sm_90 (tests/gpu_compile.py). Its twin is
+spill or overflow shared memory at K=V=128 on sm_80/sm_90 (tests/support/gpu_compile.py). Its twin is
 mtpserve.ops.gated_delta.gated_delta_chunk_scan_reference.
 """
 
@@ -261,8 +261,8 @@ def _chunk_scan_kernel(
 
 
 _DOT_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-# Below sm_80 Triton's fp16 tl.dot at the 27B's shapes spills 2.7-10 KB a thread (tests/gpu_compile.py on sm_75);
-# there the chunk scan stays PyTorch's loop (cuBLAS, float32), a few percent of a prompt's time.
+# Below sm_80 Triton's fp16 tl.dot at the 27B's shapes spills 2.7-10 KB a thread (tests/support/gpu_compile.py on
+# sm_75); there the chunk scan stays PyTorch's loop (cuBLAS, float32), a few percent of a prompt's time.
 CHUNK_SCAN_MIN_CAPABILITY = (8, 0)
 
 

@@ -1,0 +1,129 @@
+"""bench/gpu.py, the CUDA backend's benchmark, runs end to end: on CPU with tiny shapes under the Triton
+interpreter (the same code a GPU runs, minus the GPU), writing its table and JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed: the GPU path cannot run"
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# Stands in for llama-bench in the smoke run: checks the flags it is given and the model file, then answers in
+# llama-bench's JSON with 100 tokens/s for every test.
+FAKE_LLAMA_BENCH = """#!{python}
+import json, sys
+args = sys.argv[1:]
+flag = lambda name: args[args.index(name) + 1]
+assert (flag("-fa"), flag("-ctk"), flag("-ctv"), flag("-o")) == ("on", "q8_0", "q8_0", "json"), args
+assert open(flag("-m"), "rb").read(4) == b"GGUF"
+rows = [dict(n_prompt=int(flag("-p")), n_gen=int(flag("-n")), n_depth=int(d), avg_ts=100.0, stddev_ts=1.0,
+             build_commit="fake", backends="CPU") for d in flag("-d").split(",")] if "-d" in args else [
+        dict(n_prompt=int(flag("-p")), n_gen=int(flag("-n")), n_depth=0, avg_ts=100.0, stddev_ts=1.0,
+             build_commit="fake", backends="CPU")]
+print(json.dumps(rows))
+"""
+
+
+def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "gpu.py"),
+        "--tiny",
+        "--device",
+        "cpu",
+        "--contexts",
+        "256,384",
+        "--prefill",
+        "96",
+        "--reps",
+        "1",
+        "--batch",
+        "2",
+        "--json",
+        str(out),
+        "--llama-bench",
+        str(fake),
+        "--gguf",
+        str(tmp_path / "random.gguf"),
+    ]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "| depth | decode tok/s |" in run.stdout and "prefill:" in run.stdout
+    result = json.loads(out.read_text())
+    assert [row["depth"] for row in result["decode"]] == [256, 384]
+    for row in result["decode"]:
+        assert row["decode_tokens_per_s"] > 0 and row["verify_ms"] > 0
+        assert row["draft_ms"] > 0 and row["catch_up_ms"] > 0
+        # n_max 2 at 63% accepted: 1 + 1.26 tokens per verification step
+        assert row["mtp_tokens_per_step"] == pytest.approx(2.26)
+        assert row["kv_bytes_per_token"] > 0
+    # Bytes a token reads: every trunk matrix and the head, far more than one MTP step's block + head.
+    assert result["weight_bytes_per_token"] > result["weight_bytes_per_draft_step"] > 0
+    assert result["prefill_tokens_per_s"] > 0
+    assert result["batch_decode"]["sequences"] == 2 and result["batch_decode"]["tokens_per_s"] > 0
+    assert [(g["matrix"], g["rows"]) for g in result["gemv"]] == [("attn_qkv", 1)]  # --tiny: one case
+    assert all(g["words_us"] > 0 and g["sub_tile_us"] > 0 for g in result["gemv"])
+    scan = result["chunk_scan"]
+    assert scan["tokens"] == 512 and min(scan["scan_kernel_ms"], scan["scan_loop_ms"], scan["chunked_rule_ms"]) > 0
+    assert "chunk scan" in run.stdout
+    # The peer ran on the model written as a GGUF file, at our depths, and the ratios are ours over theirs.
+    peer = result["peer"]
+    assert "error" not in peer, peer
+    assert peer["gguf_bytes"] == (tmp_path / "random.gguf").stat().st_size
+    assert [d["depth"] for d in peer["decode"]] == [256, 384]
+    for ours, theirs in zip(result["decode"], peer["decode"]):
+        assert theirs["ours_over_theirs"] == pytest.approx(ours["decode_tokens_per_s"] / 100.0)
+    assert peer["prefill_ours_over_theirs"] == pytest.approx(result["prefill_tokens_per_s"] / 100.0)
+    assert "llama.cpp (CPU, build fake)" in run.stdout
+
+
+def test_the_random_model_written_as_gguf_is_the_model_benchmarked(tmp_path: Path) -> None:
+    """What llama.cpp is given (write_gguf) is what was measured: our loader reads back the same config and
+    tensors, so the same logits. (llama.cpp's own llama-bench loads it too: checked by hand with its CPU build.)"""
+    import torch
+
+    from mtpserve.models.base import WeightStore
+    from mtpserve.models.loader import build_model, load
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "bench" / "gpu.py")
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    tensors = gpu.random_weights(gpu.TINY, torch.device("cpu"))
+    size = gpu.write_gguf(gpu.TINY, tensors, str(tmp_path / "r.gguf"))
+    assert size == (tmp_path / "r.gguf").stat().st_size
+    loaded = load(tmp_path / "r.gguf")
+    assert loaded.config == dataclasses.replace(gpu.TINY, rms_eps=loaded.config.rms_eps)
+    assert loaded.config.rms_eps == pytest.approx(gpu.TINY.rms_eps)
+    built = build_model(WeightStore(tensors, torch.device("cpu")), gpu.TINY)
+    ids = [5, 300, 1000, 7]
+    assert torch.equal(
+        loaded.prefill(ids, loaded.new_state(64, "f16", "f16")), built.prefill(ids, built.new_state(64, "f16", "f16"))
+    )
+
+
+def test_bench_gpu_refuses_cuda_without_a_gpu() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu.py")], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert run.returncode == 2 and "no CUDA GPU" in run.stderr

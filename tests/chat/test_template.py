@@ -1,0 +1,286 @@
+"""Chat templates rendered as llama-server renders them: the exact Qwen3.5 prompts of
+../shared/spec/chat-template.md §5, the reference prompts of every model, ChatML fallback, overrides,
+and template errors as one clear exception."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import pytest
+
+from mtpserve.chat import CHATML_TEMPLATE, ChatPrompt, ChatTemplate, ChatTemplateError, resolve_chat_template
+from mtpserve.chat.sandbox import to_json
+
+from ..support.vocabs import REF_MODELS, model_tokenizer, reference
+
+# Expected strings copied from ../shared/spec/chat-template.md §5 (llama.cpp's renders; the reference).
+ONE_TURN_ON = "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n<think>\n"
+ONE_TURN_OFF = "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+SYSTEM_ON = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n"
+)
+TWO_TURN_ON = (
+    "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\nHi there! How can I help?<|im_end|>\n"
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+)
+QWEN36_TWO_TURN_NO_REASONING = (
+    "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHi there! How can I "
+    "help?<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+)
+QWEN36_TWO_TURN_REASONING = (
+    "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n<think>\nThe user greets me.\n</think>\n\nHi "
+    "there! How can I help?<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+)
+GEN_ON = "<|im_start|>assistant\n<think>\n"
+GEN_OFF = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+TOOL_SYSTEM = '<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>\n{"type": "function", "function": {"name": "get_weather", "description": "Get the weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow the specified format: an inner <function=...></function> block must be nested within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n- You may provide optional reasoning for your function call in natural language BEFORE the function call, but NOT after\n- If there is no function call available, answer the question like normal with your current knowledge and do not tell the user about function calls\n</IMPORTANT><|im_end|>\n'  # noqa: E501
+TOOL_REST = "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<think>\nNeed the tool.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nSunny, 21 C\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n"  # noqa: E501
+
+HELLO = [{"role": "user", "content": "Hello"}]
+SYSTEM = [{"role": "system", "content": "You are a helpful assistant."}, *HELLO]
+TWO_TURN = [
+    {"role": "user", "content": "Hello"},
+    {"role": "assistant", "content": "Hi there! How can I help?"},
+    {"role": "user", "content": "What is 2+2?"},
+]
+TWO_TURN_REASONING = [TWO_TURN[0], {**TWO_TURN[1], "reasoning_content": "The user greets me."}, TWO_TURN[2]]
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TOOL_ROUND_TRIP = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "Need the tool.",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+]
+
+
+@pytest.fixture(scope="module")
+def qwen35() -> ChatTemplate:
+    """llama.cpp's Qwen3.5-4B template, as the tinyqwen35 GGUF carries it."""
+    return ChatTemplate.for_tokenizer(model_tokenizer("tinyqwen35-mtp-F16"))
+
+
+@pytest.mark.parametrize(
+    ("messages", "thinking", "expected", "generation_prompt"),
+    [
+        (HELLO, True, ONE_TURN_ON, GEN_ON),
+        (HELLO, False, ONE_TURN_OFF, GEN_OFF),
+        (SYSTEM, True, SYSTEM_ON, GEN_ON),
+        (SYSTEM, False, SYSTEM_ON.removesuffix(GEN_ON) + GEN_OFF, GEN_OFF),
+        (TWO_TURN, True, TWO_TURN_ON, GEN_ON),
+        (TWO_TURN_REASONING, True, TWO_TURN_ON, GEN_ON),  # Qwen3.5 never shows history reasoning
+        (TWO_TURN, False, TWO_TURN_ON.removesuffix(GEN_ON) + GEN_OFF, GEN_OFF),
+    ],
+    ids=["1turn-on", "1turn-off", "system-on", "system-off", "2turn-on", "2turn-reasoning-on", "2turn-off"],
+)
+def test_qwen35_prompts_match_llama_cpp(qwen35, messages, thinking, expected, generation_prompt):
+    out = qwen35.apply(messages, enable_thinking=thinking)
+    assert out.prompt == expected
+    assert out.generation_prompt == generation_prompt
+
+
+def test_qwen35_thinking_is_on_by_default_and_off_through_kwargs(qwen35):
+    assert qwen35.supports_thinking and qwen35.apply(HELLO).prompt == ONE_TURN_ON
+    assert qwen35.apply(HELLO, chat_template_kwargs={"enable_thinking": False}).prompt == ONE_TURN_OFF
+
+
+def test_qwen35_tool_call_round_trip(qwen35):
+    out = qwen35.apply(TOOL_ROUND_TRIP, tools=[WEATHER_TOOL])
+    assert out.prompt == TOOL_SYSTEM + TOOL_REST
+    assert qwen35.apply(TOOL_ROUND_TRIP, tools=[{**WEATHER_TOOL, "extra": 1}]).prompt == out.prompt
+
+
+def test_qwen36_preserved_thinking(qwen35):
+    """The Qwen3.6 change (history keeps its think block when preserve_thinking is true), applied to the
+    3.5 template, gives the spec's Qwen3.6 strings; `preserve_reasoning` sets `preserve_thinking`."""
+    old = "{%- if loop.index0 > ns.last_query_index %}"
+    assert old in qwen35.source
+    new = "{%- if (preserve_thinking is defined and preserve_thinking is true) or loop.index0 > ns.last_query_index %}"
+    qwen36 = ChatTemplate(qwen35.source.replace(old, new))
+    keep = {"preserve_reasoning": True}
+    assert qwen36.apply(TWO_TURN, chat_template_kwargs=keep).prompt == QWEN36_TWO_TURN_NO_REASONING
+    assert qwen36.apply(TWO_TURN_REASONING, chat_template_kwargs=keep).prompt == QWEN36_TWO_TURN_REASONING
+    assert qwen36.apply(TWO_TURN_REASONING, chat_template_kwargs={"preserve_reasoning": False}).prompt == TWO_TURN_ON
+    assert qwen36.apply(TWO_TURN_REASONING).prompt == TWO_TURN_ON  # the deployment: preserve_thinking undefined
+
+
+def test_qwen35_template_errors_are_clear(qwen35):
+    with pytest.raises(ChatTemplateError, match="^No user query found in messages.$"):
+        qwen35.apply([{"role": "assistant", "content": "hi"}])
+    with pytest.raises(ChatTemplateError, match="^System message must be at the beginning.$"):
+        qwen35.apply([*HELLO, {"role": "system", "content": "late"}])
+
+
+@pytest.mark.parametrize("ref", REF_MODELS)
+def test_reference_chat_prompts(ref):
+    """Every model's /apply-template output; Gemma 3 has no template, so llama-server's ChatML."""
+    tok = model_tokenizer(ref)
+    data = reference(ref)
+    tmpl = ChatTemplate.for_tokenizer(tok)
+    assert tmpl.source == data["server_props_chat_template"]
+    for case in data["greedy"]["chat"]:
+        prompt = tmpl.apply(case["messages"]).prompt
+        assert prompt == case["rendered_prompt"], case["name"]
+        assert tok.encode(prompt, add_special=True, parse_special=True) == case["prompt_token_ids"], case["name"]
+
+
+def test_gguf_without_template_falls_back_to_chatml():
+    tok = model_tokenizer("gemma-3-270m-q4_k_m")
+    assert tok.vocab.chat_template is None
+    tmpl = ChatTemplate.for_tokenizer(tok)
+    assert tmpl.source == CHATML_TEMPLATE and not tmpl.supports_thinking and tmpl.think_tags is None
+    assert tmpl.apply(HELLO).prompt == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_chat_template_override(tmp_path):
+    tok = model_tokenizer("tinyqwen35-mtp-F16")
+    assert ChatTemplate.for_tokenizer(tok, "chatml").source == CHATML_TEMPLATE
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")
+    assert ChatTemplate.for_tokenizer(tok, str(path)).apply(HELLO).prompt == "[user]Hello"
+    assert resolve_chat_template("{{ 'x' }}") == "{{ 'x' }}"
+    with pytest.raises(ChatTemplateError, match="not a built-in name"):
+        ChatTemplate.for_tokenizer(tok, "no-such-template")
+
+
+def test_bos_text_is_stripped_when_the_tokenizer_adds_bos():
+    src = "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{{ eos_token }}"
+    adds = ChatTemplate(src, bos_token="<s>", eos_token="</s>", add_bos=True, add_eos=True)
+    keeps = ChatTemplate(src, bos_token="<s>", eos_token="</s>")
+    assert adds.apply(HELLO).prompt == "<user>Hello"
+    assert keeps.apply(HELLO).prompt == "<s><user>Hello</s>"
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("{% if %}", "chat template parsing error"),
+        ("{{ raise_exception('Only user and assistant roles are supported!') }}", "^Only user and assistant roles"),
+        ("{{ messages[0].nope.deeper }}", "chat template rendering error: UndefinedError"),
+        ("{{ messages.append(1) }}", "chat template rendering error: SecurityError"),
+        ("{{ ().__class__.__bases__ }}", "chat template rendering error"),
+        ("{{ 1 / 0 }}", "chat template rendering error: ZeroDivisionError"),
+    ],
+)
+def test_template_errors_are_one_exception(source, message):
+    with pytest.raises(ChatTemplateError, match=message):
+        ChatTemplate(source).apply(HELLO)
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        ("hello", "'messages' must be an array"),
+        ([{"content": "x"}], "Missing 'role'"),
+        ([{"role": "user"}], "Expected 'content' or 'tool_calls'"),
+        ([{"role": "user", "content": 3}], "Invalid 'content' type"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "Unsupported content part type"),
+        (
+            [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{x"}}]}],
+            "Failed to parse tool call arguments as JSON",
+        ),
+    ],
+)
+def test_bad_messages_are_clear_errors(messages, message):
+    with pytest.raises(ChatTemplateError, match=message):
+        ChatTemplate(CHATML_TEMPLATE).apply(messages)
+
+
+def test_enable_thinking_must_be_a_bool(qwen35):
+    with pytest.raises(ChatTemplateError, match='invalid type for "enable_thinking"'):
+        qwen35.apply(HELLO, chat_template_kwargs={"enable_thinking": "false"})
+
+
+def test_generation_prompt_when_the_prompt_is_not_a_prefix():
+    """The suffix after the longest common prefix, as llama.cpp computes it."""
+    src = "{% if add_generation_prompt %}AB{% else %}AC{% endif %}"
+    assert ChatTemplate(src).apply(HELLO) == ChatPrompt("AB", "B")
+
+
+def test_bad_tools_are_clear_errors():
+    with pytest.raises(ChatTemplateError, match="Failed to parse tools"):
+        ChatTemplate(CHATML_TEMPLATE).apply(HELLO, tools=[{"type": "retrieval"}])
+
+
+def test_message_normalisation():
+    """What the template sees: developer -> system, content "" when absent, arguments as objects."""
+    seen = ChatTemplate("{{ messages | tojson }}|{{ tools | tojson }}").apply(
+        [
+            {"role": "developer", "content": "rules"},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "",
+                "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '{"a": 1.0, "b": "é"}'}}],
+            },
+        ],
+        tools=[{"type": "function", "function": {"name": "f"}}],
+    )
+    messages, tools = seen.prompt.split("|")
+    assert messages == (
+        '[{"role": "system", "content": "rules"}, {"role": "assistant", "content": "", "tool_calls": '
+        '[{"type": "function", "function": {"name": "f", "arguments": {"a": 1, "b": "é"}}}]}]'
+    )
+    assert tools == '[{"type": "function", "function": {"name": "f", "description": "", "parameters": {}}}]'
+
+
+def test_typed_content_parts():
+    """Parts stay a list for a template that reads them (Qwen3.5 joins their texts); ChatML reads only
+    strings, so parts are joined with newlines first, as llama.cpp does."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}]
+    chatml = ChatTemplate(CHATML_TEMPLATE).apply(parts).prompt
+    assert chatml == "<|im_start|>user\nHel\nlo<|im_end|>\n<|im_start|>assistant\n"
+    qwen = ChatTemplate.for_tokenizer(model_tokenizer("tinyqwen35-mtp-F16"))
+    assert qwen.apply(parts).prompt == ONE_TURN_ON
+
+
+def test_template_without_system_role_gets_it_folded_into_the_first_message():
+    src = "{% for m in messages %}{% if m.role != 'system' %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}"
+    out = ChatTemplate(src).apply([{"role": "system", "content": "Be brief."}, *HELLO]).prompt
+    assert out == "<user>Be brief.\nHello"
+
+
+def test_template_variables():
+    src = (
+        "{{ bos_token }}|{{ eos_token }}|{{ enable_thinking }}|{{ add_generation_prompt is defined }}|"
+        "{{ tools is defined }}|{{ date_string }}|{{ strftime_now('%Y-%m-%d') }}|{{ custom }}|"
+        "{{ preserve_thinking }}|{{ clear_thinking }}|{{ reasoning_strength }}"
+    )
+    tmpl = ChatTemplate(src, bos_token="<s>", eos_token="</s>")
+    now = dt.datetime(2026, 3, 4, 5, 6, 7)
+    kwargs = {"custom": [1, "x"], "preserve_reasoning": True, "reasoning_effort": "high"}
+    out = tmpl.apply(HELLO, chat_template_kwargs=kwargs, now=now, add_generation_prompt=False)
+    assert out.prompt == "<s>|</s>|False|False|False|04 Mar 2026|2026-03-04|[1, 'x']|True|False|high"
+    assert tmpl.apply(HELLO, now=now).prompt.split("|")[3] == "True"
+
+
+def test_loop_controls_and_namespace():
+    src = (
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% if loop.index0 == 1 %}{% continue %}{% endif %}"
+        "{% set ns.n = ns.n + 1 %}{{ m.content }}{% if loop.index0 == 2 %}{% break %}{% endif %}{% endfor %}"
+        "={{ ns.n }}"
+    )
+    msgs = [{"role": "user", "content": c} for c in "abcd"]
+    assert ChatTemplate(src).apply(msgs).prompt == "ac=2"
+
+
+def test_tojson_writes_what_llama_cpp_writes():
+    value = {"b": 1.0, "a": [0.1, 1e-7, 123456789.0, True, None], "é": '"\n\x01'}
+    assert to_json(value) == '{"b": 1, "a": [0.1, 1e-07, 1.23457e+08, true, null], "é": "\\"\\n\\u0001"}'
+    assert to_json([1, {"x": []}], indent=2) == '[\n  1,\n  {\n    "x": []\n  }\n]'
+    assert to_json({"é": 1}, ensure_ascii=True) == '{"\\u00e9": 1}'
+    assert json.loads(to_json(value)) == {"b": 1, "a": [0.1, 1e-07, 1.23457e08, True, None], "é": '"\n\x01'}

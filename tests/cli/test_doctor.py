@@ -1,0 +1,52 @@
+"""`mtpserve doctor` and the planner's recommendation behind it."""
+
+from __future__ import annotations
+
+from mtpserve.cli import main
+from mtpserve.engine import EngineConfig
+from mtpserve.engine.planner import recommend
+
+from ..conftest import default_model, tinyqwen_path
+
+GIB = 1 << 30
+
+
+def test_recommend_keeps_what_fits_and_lowers_what_does_not():
+    path = tinyqwen_path("Q4_K_M")
+    asked = EngineConfig(ctx_size=262144, cache_type_k="f16", cache_type_v="f16")
+    roomy = recommend(path, asked, available_bytes=64 * GIB)
+    assert roomy.fits and roomy.changes == () and roomy.config == asked
+    tight = recommend(path, asked, available_bytes=int(0.2 * GIB))  # f16 KV needs 0.26 GiB, q8_0 0.14
+    assert tight.fits and tight.changes == ("-ctk q8_0 -ctv q8_0",) and tight.config.ctx_size == 262144
+    tighter = recommend(path, asked, available_bytes=int(0.05 * GIB))
+    assert tighter.fits and tighter.changes[0] == "-ctk q8_0 -ctv q8_0" and tighter.changes[-1].startswith("-c ")
+    assert tighter.config.ctx_size < 262144 and tighter.plan.required_bytes <= 0.05 * GIB
+    hopeless = recommend(path, asked, available_bytes=1 << 20)
+    assert not hopeless.fits
+
+
+def test_doctor_reports_the_machine_and_the_model(capsys):
+    assert main(["doctor", "-m", str(default_model("smollm2"))]) == 0
+    out = capsys.readouterr().out
+    for what in ("python", "torch", "C compiler", "CPU", "model"):
+        assert f"] {what}" in out
+    assert "fits with -c 4096" in out and "recommended: mtpserve serve -m" in out
+
+
+def test_doctor_says_what_to_change_and_fails_when_nothing_fits(capsys):
+    path = str(tinyqwen_path("Q4_K_M"))
+    assert main(["doctor", "-m", path, "-c", "262144", "--memory", "0.2"]) == 0
+    assert "it fits with -ctk q8_0 -ctv q8_0" in capsys.readouterr().out
+    assert main(["doctor", "-m", path, "-c", "262144", "--memory", "0.001"]) == 1
+    assert "[problem] model" in capsys.readouterr().out
+
+
+def test_doctor_plans_layers_over_what_if_gpus(capsys):
+    """--gpus: the placement planner's auto fit over hypothetical GPUs, as flags for the server."""
+    path = str(tinyqwen_path("Q4_K_M"))
+    assert main(["doctor", "-m", path, "--gpus", "2,2"]) == 0
+    out = capsys.readouterr().out
+    assert "] CUDA0" in out and "] CUDA1" in out
+    assert "--gpu-layers all --split-mode layer --tensor-split 5,5" in out  # 8 blocks + MTP + output, halved
+    assert main(["doctor", "-m", path, "--gpus", "0.5"]) == 0  # less than llama.cpp's 1 GiB fit margin
+    assert "--gpu-layers 0 --split-mode layer" in capsys.readouterr().out

@@ -1,0 +1,77 @@
+"""--kv-unified: one pool of -c cells shared by all slots (llama.cpp's unified KV cache). A long conversation may use
+the whole context while the others are short, and every request gets the tokens it gets alone."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+
+import pytest
+
+from mtpserve.engine import ContextSizeExceeded, Engine, EngineConfig, Request, SamplingParams, SpecConfig
+from mtpserve.engine.planner import plan_for_file
+from mtpserve.models.loader import load
+from mtpserve.tokenizer import Tokenizer
+
+from ..conftest import shared_path, tinyqwen_path
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@cache
+def _model():
+    path = tinyqwen_path("Q4_K_M")
+    return path, load(path), Tokenizer.from_gguf(path)
+
+
+def _engine(**kw) -> Engine:
+    path, model, tokenizer = _model()
+    config = EngineConfig(**kw)
+    return Engine(model, tokenizer, config, plan_for_file(path, config))
+
+
+def _cases() -> list[dict]:
+    ref = json.loads(shared_path("fixtures", "refs", "tinyqwen35-mtp-Q4_K_M.json").read_text())["greedy"]
+    return ref["completions"] + ref["chat"]
+
+
+def _long_prompt(n: int) -> list[int]:
+    _, _, tokenizer = _model()
+    text = shared_path("fixtures", "eval", "eval_code_public.txt").read_text(encoding="utf-8")
+    return tokenizer.encode(text)[:n]
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(), SpecConfig("draft-mtp", n_max=2)], ids=["plain", "draft-mtp"])
+def test_one_long_request_and_three_short_ones_share_the_context(spec):
+    """-np 4 -c 4096: a 3,000-token prompt does not fit a slot's 1024 cells, but fits the unified pool beside
+    three short requests, all running together; each gets the tokens it gets alone."""
+    requests = [Request(_long_prompt(3000), GREEDY, n_predict=16, ignore_eos=True)]
+    requests += [Request(c["prompt_token_ids"], GREEDY, n_predict=16, ignore_eos=True) for c in _cases()[:3]]
+    with _engine(n_parallel=4, ctx_size=4096, spec=spec) as engine, pytest.raises(ContextSizeExceeded):
+        engine.submit(requests[0])
+    with _engine(n_parallel=1, ctx_size=4096, spec=spec) as engine:
+        alone = [engine.submit(r).result().tokens for r in requests]
+    with _engine(n_parallel=4, ctx_size=4096, kv_unified=True, spec=spec) as engine:
+        streams = [engine.submit(r) for r in requests]
+        together = [s.result() for s in streams]
+        assert engine.info.n_ctx_slot == 4096 and engine.memory_usage().busy_slots == 0
+    assert [r.tokens for r in together] == alone
+    assert len({r.id_slot for r in together}) == 4
+
+
+def test_a_full_pool_ends_the_request_that_finds_no_cell_and_gives_its_cells_to_the_other():
+    """Two requests generating in a pool of 256 cells: when it is full, the one whose next token finds no cell
+    ends as at a full context (truncated); its cache, kept for reuse, is taken back by the other, which goes on
+    to the slot's context. Each gets the tokens it gets alone."""
+    text = _long_prompt(80)
+    prompts = [text[:40], text[40:]]
+    with _engine(n_parallel=1, ctx_size=256) as engine:
+        alone = [engine.submit(Request(p, GREEDY, ignore_eos=True)).result().tokens for p in prompts]
+    with _engine(n_parallel=2, ctx_size=256, kv_unified=True) as engine:
+        streams = [engine.submit(Request(p, GREEDY, ignore_eos=True)) for p in prompts]
+        results = [s.result() for s in streams]
+        usage, slots = engine.memory_usage(), engine.slots_info()
+    assert all(r.truncated and r.finish_reason == "length" for r in results)
+    assert sorted(len(r.tokens) for r in results) == [128 + 1 - 40, 256 - 40]  # full pool, full context
+    assert [r.tokens for r in results] == [tokens[: len(r.tokens)] for tokens, r in zip(alone, results)]
+    assert usage.tokens_cached == 255 and sorted(s.n_cached for s in slots) == [0, 255]

@@ -1,0 +1,310 @@
+"""Speculative decoding: draft-mtp changes no greedy token, drafts and accepts what llama.cpp does,
+keeps the sampling distribution; the n-gram drafter; errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from functools import cache
+
+import numpy as np
+import pytest
+
+from mtpserve.engine import Engine, EngineConfig, EngineError, Request, SamplingParams, SpecConfig, TokenEvent
+from mtpserve.engine.config import AUTO_N_MAX
+from mtpserve.engine.planner import plan_for_file
+from mtpserve.models.loader import load
+from mtpserve.tokenizer import Tokenizer
+
+from ..conftest import TINYQWEN_QUANTS, default_model, shared_path, tinyqwen_path
+
+GREEDY = SamplingParams(temperature=0.0)
+NEAR_TIE = 0.05
+DRAFT_COUNT_TOLERANCE = 0.02
+
+
+@cache
+def _model(quant: str):
+    path = tinyqwen_path(quant)
+    return path, load(path), Tokenizer.from_gguf(path)
+
+
+def _engine(quant: str, spec: SpecConfig, n_parallel: int = 1) -> Engine:
+    path, model, tokenizer = _model(quant)
+    config = EngineConfig(n_parallel=n_parallel, ctx_size=4096 * n_parallel, spec=spec)
+    return Engine(model, tokenizer, config, plan_for_file(path, config))
+
+
+def _reference(quant: str) -> dict:
+    return json.loads(shared_path("fixtures", "refs", f"tinyqwen35-mtp-{quant}.json").read_text())
+
+
+def _requests(quant: str, **kw) -> list[Request]:
+    ref = _reference(quant)["greedy"]
+    return [
+        Request(c["prompt_token_ids"], GREEDY, n_predict=64, cache_prompt=False, **kw)
+        for c in ref["completions"] + ref["chat"]
+    ]
+
+
+def _margins(events: list) -> list[float]:
+    return [
+        math.log(e.top_probs[0][1] / e.top_probs[1][1]) for e in events if isinstance(e, TokenEvent) and e.top_probs
+    ]
+
+
+@cache
+def _plain(quant: str) -> list[tuple[list[int], list[float]]]:
+    """Tokens and top-1/top-2 margins of every reference prompt without speculation."""
+    with _engine(quant, SpecConfig()) as engine:
+        out = []
+        for r in _requests(quant, n_probs=2):
+            events = list(engine.submit(r))
+            out.append((events[-1].tokens, _margins(events)))
+        return out
+
+
+@pytest.mark.parametrize("quant", TINYQWEN_QUANTS)
+def test_draft_mtp_changes_no_greedy_token_and_drafts_like_llama_cpp(quant):
+    plain = _plain(quant)
+    for n_max in (1, 2, 3):
+        llama = _reference(quant)["speculative"][f"draft-mtp n_max={n_max}"]
+        with _engine(quant, SpecConfig("draft-mtp", n_max=n_max)) as engine:
+            results = [engine.submit(r).result() for r in _requests(quant)]
+        for (tokens, margins), result in zip(plain, results):
+            diverged = next((i for i, (a, b) in enumerate(zip(tokens, result.tokens)) if a != b), None)
+            # Verification evaluates several tokens in one pass (llama.cpp does too): only a near tie may flip.
+            assert diverged is None or margins[diverged] < NEAR_TIE, (n_max, diverged, margins[diverged])
+        # Draft counts: on every prompt where both produced the same tokens. Where they did not, the
+        # outputs part at a near tie of llama.cpp's greedy run, after which the two texts (and drafts) differ.
+        ties = {
+            c["name"]: c["near_tie_positions"]
+            for c in _reference(quant)["greedy"]["completions"] + _reference(quant)["greedy"]["chat"]
+        }
+        ours = theirs = 0, 0
+        compared = 0
+        for result, run in zip(results, llama["results"]):
+            if result.tokens == run["generated_token_ids"]:
+                ours = (ours[0] + result.timings.draft_n, ours[1] + result.timings.draft_n_accepted)
+                theirs = (theirs[0] + run["draft_n"], theirs[1] + run["draft_n_accepted"])
+                compared += 1
+            else:
+                parted = next(i for i, (a, b) in enumerate(zip(result.tokens, run["generated_token_ids"])) if a != b)
+                assert min(ties[run["name"]], default=64) <= parted, (run["name"], parted)
+        assert compared >= 6
+        for mine, peer in zip(ours, theirs):
+            assert abs(mine - peer) <= DRAFT_COUNT_TOLERANCE * peer, (n_max, ours, theirs)
+        for r in results:  # llama-server's identity: first token + one per verification + accepted drafts
+            plain_steps = r.timings.predicted_n - 1 - r.verify_steps - r.timings.draft_n_accepted
+            assert plain_steps >= 0 and sum(r.accepted_per_position) == r.timings.draft_n_accepted
+
+
+def test_four_concurrent_speculative_streams_match_each_alone():
+    spec = SpecConfig("draft-mtp", n_max=2)
+    requests = _requests("Q4_K_M")[:4] * 2
+    with _engine("Q4_K_M", spec) as engine:
+        alone = [engine.submit(r).result() for r in requests]
+        passes_alone = engine.counters().n_decode_total
+    with _engine("Q4_K_M", spec, n_parallel=4) as engine:
+        streams = [engine.submit(r) for r in requests]
+        together = [s.result() for s in streams]
+        counters = engine.counters()
+    # Verified together: the drafts of one length share a pass.
+    assert counters.n_busy_slots_total > 2 * counters.n_decode_total and counters.n_decode_total < passes_alone / 2
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    key = lambda r: (r.timings.draft_n, r.timings.draft_n_accepted, r.accepted_per_position)  # noqa: E731
+    assert [key(r) for r in together] == [key(r) for r in alone]
+
+
+def test_speculation_keeps_the_sampling_distribution():
+    """At temperature 1 the first three tokens are distributed as without speculation (chi-square test
+    of homogeneity over the first token and over the whole 3-token prefix)."""
+    prompt = _reference("Q4_K_M")["greedy"]["completions"][0]["prompt_token_ids"]
+    n = 1000  # per arm: a first token off by 0.05 in probability fails the test (z = 3.29) most of the time
+    samples, accepted = {}, 0
+    for name, spec, first_seed in (("plain", SpecConfig(), 0), ("mtp", SpecConfig("draft-mtp", n_max=2), 10**6)):
+        with _engine("Q4_K_M", spec) as engine:
+            results = [
+                engine.submit(
+                    Request(
+                        prompt,
+                        SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed),
+                        n_predict=3,
+                        ignore_eos=True,
+                    )
+                ).result()
+                for seed in range(first_seed, first_seed + n)  # independent seeds for the two samples
+            ]
+        samples[name] = [tuple(r.tokens) for r in results]
+        accepted += sum(r.timings.draft_n_accepted for r in results) if name == "mtp" else 0
+    assert accepted > n / 4  # the drafts were in play
+    for project in (lambda t: t[0], lambda t: t[:3]):
+        a, b = Counter(map(project, samples["plain"])), Counter(map(project, samples["mtp"]))
+        stat, df = _homogeneity(a, b)
+        assert df == 0 or stat < _chi2_critical(df), (stat, df)
+
+
+def _homogeneity(a: Counter, b: Counter) -> tuple[float, int]:
+    """Chi-square statistic of a 2 x k contingency table, categories seen fewer than 10 times pooled."""
+    keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
+    rows = np.array([[a[k], b[k]] for k in keys], dtype=float)
+    common = rows.sum(1) >= 10
+    table = np.vstack([rows[common], rows[~common].sum(0, keepdims=True)]) if (~common).any() else rows[common]
+    table = table[table.sum(1) > 0]
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    return float(((table - expected) ** 2 / expected).sum()), len(table) - 1
+
+
+def _chi2_critical(df: int, z: float = 3.29) -> float:
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_ngram_drafter_changes_no_greedy_token():
+    requests = _requests("Q8_0")
+    plain = [tokens for tokens, _ in _plain("Q8_0")]
+    with _engine("Q8_0", SpecConfig("ngram", n_max=4)) as engine:
+        results = [engine.submit(r).result() for r in requests]
+    for tokens, result, (_, margins) in zip(plain, results, _plain("Q8_0")):
+        diverged = next((i for i, (a, b) in enumerate(zip(tokens, result.tokens)) if a != b), None)
+        assert diverged is None or margins[diverged] < NEAR_TIE
+    assert sum(r.timings.draft_n_accepted for r in results) > 0  # repetitive code: lookups hit
+
+
+def test_draft_mtp_on_a_model_without_mtp_fails_at_start_up():
+    path = default_model("smollm2")
+    config = EngineConfig(spec=SpecConfig("draft-mtp"))
+    with pytest.raises(EngineError, match="needs a model with an MTP block"):
+        Engine(load(path), Tokenizer.from_gguf(path), config, plan_for_file(path, config))
+    with pytest.raises(EngineError, match="unknown --spec-type"):
+        SpecConfig("eagle")
+
+
+def test_start_up_logs_name_the_speculative_setup(caplog):
+    with caplog.at_level("INFO", logger="mtpserve.engine"), _engine("Q4_K_M", SpecConfig("draft-mtp", n_max=2)):
+        pass
+    lines = [r.getMessage() for r in caplog.records][:5]
+    assert lines[0].startswith("common_speculative_init_result: creating MTP draft context against the target model")
+    assert lines[1:] == [
+        "srv    load_model: initializing, n_slots = 1, n_ctx_slot = 4096, kv_unified = 'false'",
+        "spec common_specu: adding speculative implementation 'draft-mtp'",
+        "spec common_specu: - n_max=2, n_min=0, p_min=0.00, n_embd=256",
+        "srv    load_model: speculative decoding context initialized",
+    ]
+
+
+def test_generate_json_reports_drafts(capsys):
+    from mtpserve.cli import main
+
+    path = str(tinyqwen_path("Q4_K_M"))
+    case = _reference("Q4_K_M")["greedy"]["completions"][0]
+    rc = main(
+        [
+            "generate",
+            "-m",
+            path,
+            "-p",
+            case["prompt"],
+            "-n",
+            "32",
+            "--ignore-eos",
+            "--json",
+            "--spec-type",
+            "draft-mtp",
+            "--spec-draft-n-max",
+            "2",
+        ]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["draft_n"] > 0 and 0 < out["draft_n_accepted"] <= out["draft_n"]
+    assert len(out["acceptance_per_position"]) == 2 and out["timings"]["draft_n"] == out["draft_n"]
+    first_tie = min(case["near_tie_positions"], default=32)
+    assert out["generated_ids"][: min(32, first_tie)] == case["generated_token_ids"][: min(32, first_tie)]
+
+
+def test_draft_simple_with_a_separate_model_changes_no_greedy_token():
+    spec = SpecConfig("draft-simple", n_max=3, draft_model=str(tinyqwen_path("F16")))
+    _, draft_model, _ = _model("F16")
+    path, model, tokenizer = _model("Q4_K_M")
+    config = EngineConfig(ctx_size=4096, spec=spec)
+    with Engine(model, tokenizer, config, plan_for_file(path, config), draft_model=draft_model) as engine:
+        results = [engine.submit(r).result() for r in _requests("Q4_K_M")]
+    for (tokens, margins), result in zip(_plain("Q4_K_M"), results):
+        diverged = next((i for i, (a, b) in enumerate(zip(tokens, result.tokens)) if a != b), None)
+        assert diverged is None or margins[diverged] < NEAR_TIE
+    drafted = sum(r.timings.draft_n for r in results)
+    assert sum(r.timings.draft_n_accepted for r in results) > 0.8 * drafted  # the same model, another quant
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused():
+    path, model, tokenizer = _model("Q4_K_M")
+    config = EngineConfig(spec=SpecConfig("draft-simple", draft_model=str(default_model("smollm2"))))
+    with pytest.raises(EngineError, match="vocabulary does not match"):
+        Engine(model, tokenizer, config, plan_for_file(path, config))
+    with pytest.raises(EngineError, match="needs a draft model"):
+        SpecConfig("draft-simple")
+
+
+def test_a_trimmed_draft_vocabulary_changes_no_token():
+    with _engine("Q4_K_M", SpecConfig("draft-mtp", n_max=2, draft_vocab=1024)) as engine:
+        results = [engine.submit(r).result() for r in _requests("Q4_K_M")]
+    for (tokens, margins), result in zip(_plain("Q4_K_M"), results):
+        diverged = next((i for i, (a, b) in enumerate(zip(tokens, result.tokens)) if a != b), None)
+        assert diverged is None or margins[diverged] < NEAR_TIE
+    assert sum(r.timings.draft_n_accepted for r in results) > 0.5 * sum(r.timings.draft_n for r in results)
+
+
+@pytest.mark.parametrize("n_predict", range(4, 10))
+def test_a_continuation_reuses_as_much_of_the_cache_with_draft_mtp_as_without(n_predict):
+    """A request that ends with MTP rows still deferred (its last steps had no draft) leaves the MTP cache where
+    the trunk's ends, so the next turn's prefix reuse keeps what it keeps without speculation."""
+    case = _reference("Q4_K_M")["greedy"]["chat"][0]
+    prompt = case["prompt_token_ids"]
+    cached = {}
+    for spec in (SpecConfig(), SpecConfig("draft-mtp", n_max=2)):
+        with _engine("Q4_K_M", spec) as engine:
+            first = engine.submit(Request(prompt, GREEDY, n_predict=n_predict, ignore_eos=True)).result()
+            slot = engine.slots[0]
+            assert all(kv.length == slot.n_past for kv in slot.state.kv.values())  # the MTP cache included
+            follow = prompt + first.tokens + prompt[-8:]
+            second = engine.submit(Request(follow, GREEDY, n_predict=4, ignore_eos=True)).result()
+            cached[spec.type] = second.timings.cache_n
+    assert cached["draft-mtp"] == cached["none"] >= len(prompt)
+
+
+def test_draft_lengths_are_learned_per_slot():
+    """--spec-draft-n-max auto: each slot learns its own acceptance and costs, so a request's draft lengths do
+    not follow what other slots accepted."""
+    prompts = [r.prompt for r in _requests("Q4_K_M")[:2]]
+    with _engine("Q4_K_M", SpecConfig("draft-mtp", n_max=AUTO_N_MAX, auto=True), n_parallel=2) as engine:
+        engine.submit(Request(prompts[0], GREEDY, n_predict=40, ignore_eos=True, id_slot=0)).result()
+        engine.submit(Request(prompts[1], GREEDY, n_predict=8, ignore_eos=True, id_slot=1)).result()
+        lengths = engine.speculator.lengths
+    assert sorted(lengths) == [0, 1] and lengths[0] is not lengths[1] and lengths[0].steps > lengths[1].steps
+
+
+def test_a_context_that_fills_during_a_multi_token_accept_keeps_every_accepted_token():
+    case = _reference("Q4_K_M")["greedy"]["completions"][0]
+    prompt = (case["prompt_token_ids"] * 40)[:200]
+    results = {}
+    for spec in (SpecConfig(), SpecConfig("draft-mtp", n_max=3)):
+        path, model, tokenizer = _model("Q4_K_M")
+        config = EngineConfig(ctx_size=256, spec=spec)
+        with Engine(model, tokenizer, config, plan_for_file(path, config)) as engine:
+            events = list(engine.submit(Request(prompt, GREEDY, ignore_eos=True, n_probs=2)))
+            results[spec.type] = events[-1]
+            if spec.type == "none":
+                margins = _margins(events)
+    plain, spec = results["none"], results["draft-mtp"]
+    assert plain.truncated and spec.truncated and len(plain.tokens) == len(spec.tokens) == 256 - 200
+    assert spec.timings.draft_n_accepted > 0
+    first_tie = next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(plain.tokens))
+    assert spec.tokens[:first_tie] == plain.tokens[:first_tie]
+
+
+def test_a_bad_draft_vocabulary_is_refused_at_start_up():
+    with pytest.raises(EngineError, match="--spec-draft-vocab must be >= 0"):
+        SpecConfig("draft-mtp", draft_vocab=-3)
+    for size in (5, 10**6):
+        with pytest.raises(EngineError, match=f"--spec-draft-vocab {size}: use 0"):
+            _engine("Q4_K_M", SpecConfig("draft-mtp", n_max=2, draft_vocab=size))

@@ -1,0 +1,604 @@
+"""The GPU path (ops.device) of whole models: on a machine without a GPU it runs on CPU tensors with the Triton
+kernels under the interpreter (emulate_gpu); on a CUDA machine the same checks run on the GPU, plus the
+comparison with the CPU path that the CUDA backend's acceptance asks for.
+
+Emulated runs keep the quantized matmuls on their PyTorch twins (matmul="torch": the interpreter's GEMV costs
+~10 s a token here; tests/kernels/test_triton_gemv.py and test_triton_gemm.py hold the kernels to those twins), except
+`test_every_kernel_together`, which runs them all for a few tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+pytest.importorskip("triton", reason="triton is not installed: the GPU path's kernels cannot run")
+
+from mtpserve.cache import KVCache
+from mtpserve.models.base import Batch
+from mtpserve.models.graphs import DecodeGraph, MTPDraftGraph, MTPRowsGraph, StepGraph
+from mtpserve.models.loader import load
+from mtpserve.ops.device import emulate_gpu
+
+from ..conftest import FIXTURES, default_model, shared_path, tinyqwen_path
+from ..support.gguf_slice import slice_token_ids, slice_with_prompts
+
+ON_GPU = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(
+    not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="no GPU, and TRITON_INTERPRET was set to something other than 1 (the interpreter is needed on CPU)",
+)
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def _gpu_path(matmul: str = "torch"):
+    return nullcontext() if ON_GPU else emulate_gpu(matmul=matmul)
+
+
+def _case(quant: str, index: int = 0) -> dict:
+    ref = json.loads(shared_path("fixtures", "refs", f"tinyqwen35-mtp-{quant}.json").read_text())
+    return ref["greedy"]["completions"][index]
+
+
+def _greedy_with_margins(model, ids: list[int], n: int, cache_type: str = "f32") -> tuple[list[int], list[float]]:
+    """Greedy tokens and each position's top-1/top-2 log-probability margin (nats)."""
+    state = model.new_state(1024, cache_type, cache_type)
+    logits = model.prefill(ids, state)
+    tokens, margins = [], []
+    for _ in range(n):
+        top = torch.log_softmax(logits.float(), -1).topk(2).values
+        tokens.append(int(logits.argmax()))
+        margins.append(float(top[0] - top[1]))
+        logits = model.decode(tokens[-1], state)
+    return tokens, margins
+
+
+def _greedy(model, ids: list[int], n: int, cache_type: str) -> list[int]:
+    return _greedy_with_margins(model, ids, n, cache_type)[0]
+
+
+def _agree_before_first_near_tie(ours: list[int], case: dict) -> None:
+    ref = case["generated_token_ids"][: len(ours)]
+    first_tie = min(case["near_tie_positions"], default=len(ours))
+    diverged = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+    assert diverged is None or diverged >= first_tie, (
+        f"token {diverged} differs before the first near tie ({first_tie})"
+    )
+
+
+@pytest.mark.parametrize(("quant", "cache_type"), [("Q4_K_M", "q8_0"), ("Q8_0", "f16")])
+def test_greedy_tokens_match_llama_cpp(quant: str, cache_type: str) -> None:
+    """Prompt (the chunked gated delta rule, fused prompt attention) then decode (the recurrent kernel, the
+    decode attention kernel over the cache as stored): llama.cpp's tokens up to its first near tie."""
+    case = _case(quant)
+    model = load(tinyqwen_path(quant), device=DEVICE)
+    with _gpu_path():
+        ours = _greedy(model, case["prompt_token_ids"], 12, cache_type)
+    _agree_before_first_near_tie(ours, case)
+
+
+@pytest.mark.parametrize(
+    ("key", "ref_name"),
+    [
+        ("gemma3", "gemma-3-270m-q4_k_m"),  # sliding-window ring caches, GeGLU, logit softcap
+        # the llama family, Q4_1: slow (18 s) as the twin dequantizes 135M parameters a pass; `make test-all`
+        pytest.param("smollm2", "SmolLM2-135M-Instruct.Q4_1", marks=pytest.mark.slow),
+    ],
+)
+def test_default_models_give_the_cpu_paths_greedy_tokens(key: str, ref_name: str) -> None:
+    """With an f32 KV cache, where the CPU path's attention is exact too. (With f16, llama.cpp's CPU attention
+    rounds its value accumulator to f16 after every key: Gemma 3's 'english' prompt then picks another token at
+    position 4, a 0.19-nat margin, exactly as the CPU path does with an f32 cache: a rounding the GPU does not
+    make, not a GPU path error.)"""
+    ref = json.loads(shared_path("fixtures", "refs", f"{ref_name}.json").read_text())
+    case = next(c for c in ref["greedy"]["completions"] if c["name"] == "english")
+    path = default_model(key)
+    cpu = _greedy(load(path), case["prompt_token_ids"], 3, "f32")
+    model = load(path, device=DEVICE)
+    with _gpu_path():
+        assert _greedy(model, case["prompt_token_ids"], 3, "f32") == cpu
+
+
+GEMMA3_SLICE = "gemma-3-270m-q4_k_m.slice6.gguf"  # bench/gpu_check.sh carries it in .gpu/shared/fixtures
+
+
+def gemma3_slice(directory: Path) -> Path:
+    """Gemma 3's first 6 layers (sliding-window and global attention, Q5_0/Q8_0/Q4_K/Q6_K matrices) and 16384
+    tokens plus the fixture prompts' (tests/support/gguf_slice.py): the carried copy, else cut here from the default
+    model."""
+    carried = FIXTURES / GEMMA3_SLICE
+    if carried.exists():
+        return carried
+    ref = shared_path("fixtures", "refs", "gemma-3-270m-q4_k_m.json")
+    slice_with_prompts(default_model("gemma3"), directory / GEMMA3_SLICE, ref)
+    return directory / GEMMA3_SLICE
+
+
+def test_a_gemma3_slice_gives_the_cpu_paths_greedy_tokens(tmp_path: Path) -> None:
+    """The Gemma 3 check where the whole file cannot be (the lent GPU machine): the slice's greedy tokens on the
+    GPU path equal the CPU path's up to the CPU path's first near tie (< 0.05 nats), on the fixtures' `fib_def`
+    prompt (its first near tie is at token 11)."""
+    path = gemma3_slice(tmp_path)
+    kept = slice_token_ids(path)
+    ref = json.loads(shared_path("fixtures", "refs", "gemma-3-270m-q4_k_m.json").read_text())
+    case = next(c for c in ref["greedy"]["completions"] if c["name"] == "fib_def")
+    ids = [kept.index(i) for i in case["prompt_token_ids"]]
+    n = 12
+    cpu, margins = _greedy_with_margins(load(path), ids, n)
+    model = load(path, device=DEVICE)
+    with _gpu_path():
+        ours, _ = _greedy_with_margins(model, ids, n)
+    first_tie = next((i for i, m in enumerate(margins) if m < 0.05), n)
+    assert first_tie >= 8, f"the slice's margins {margins} leave too little to compare"
+    assert ours[:first_tie] == cpu[:first_tie], f"CPU path {cpu}, GPU path {ours} (first near tie at {first_tie})"
+
+
+def test_verification_equals_token_by_token_and_keeps_every_state() -> None:
+    """Three tokens verified in one pass give the logits and per-token recurrent states of three decodes."""
+    case = _case("Q4_K_M", 1)
+    model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
+    ids, draft = case["prompt_token_ids"], case["generated_token_ids"][:3]
+    with _gpu_path():
+        one = model.new_state(512, "q8_0", "q8_0")
+        model.prefill(ids, one)
+        stepwise, states = [], []
+        for token in draft:
+            stepwise.append(model.decode(token, one))
+            states.append({i: st.snapshot() for i, st in one.recurrent.items()})
+        many = model.new_state(512, "q8_0", "q8_0")
+        model.prefill(ids, many)
+        batch = Batch.of(torch.tensor(draft), [many])
+        batch.keep_steps = True
+        logits = model.logits(model.forward_batch(batch), seq_len=3)
+    torch.testing.assert_close(logits, torch.stack(stepwise), rtol=1e-3, atol=1e-3)
+    for layer, steps in batch.steps.items():
+        for t, st in enumerate(steps[0]):
+            torch.testing.assert_close(st.ssm, states[t][layer].ssm, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(st.conv, states[t][layer].conv, rtol=1e-5, atol=1e-6)
+
+
+def test_mtp_head_drafts_on_the_gpu_path_as_on_the_cpu() -> None:
+    """The MTP block (its own KV cache, the shared head) gives the CPU path's draft from the same hidden state."""
+    case = _case("Q4_K_M")
+    ids = case["prompt_token_ids"]
+    drafts = []
+    for device, ctx in (("cpu", nullcontext()), (DEVICE, None)):
+        model = load(tinyqwen_path("Q4_K_M"), device=device)
+        with ctx or _gpu_path():
+            state = model.new_state(512, "f16", "f16", mtp=True)
+            hidden = model.forward(torch.tensor(ids), state)
+            model.mtp_step(hidden[:-1], torch.tensor(ids[1:]), state, with_logits=False)  # catch the MTP cache up
+            logits, _ = model.mtp_step(hidden[-1:], torch.tensor([case["generated_token_ids"][0]]), state)
+        assert logits is not None and logits.device.type == "cpu"
+        drafts.append(logits[0])
+    assert int(drafts[0].argmax()) == int(drafts[1].argmax())
+    torch.testing.assert_close(drafts[1].softmax(-1), drafts[0].softmax(-1), rtol=0, atol=2e-2)
+
+
+def test_every_kernel_together() -> None:
+    """All Triton kernels at once, matmuls included (GEMV for decode, GEMM for the prompt): a few tokens."""
+    case = _case("Q4_K_M")
+    model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
+    with _gpu_path(matmul="triton"):
+        ours = _greedy(model, case["prompt_token_ids"], 3, "q8_0")
+    _agree_before_first_near_tie(ours, case)
+
+
+def test_a_missing_gpu_is_a_clear_error() -> None:
+    if ON_GPU:
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="torch sees no CUDA GPU"):
+        load(tinyqwen_path("Q4_K_M"), device="cuda")
+    with pytest.raises(ValueError, match="not supported"):
+        load(tinyqwen_path("Q4_K_M"), device="meta")
+
+
+def test_the_static_decode_step_equals_the_ordinary_one() -> None:
+    """DecodeGraph's step (what a CUDA graph captures: positions from device tensors, K/V written with
+    index_copy_, attention over every cell) gives the ordinary step's logits and leaves the same state; on a
+    GPU it is captured and replayed."""
+    model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
+    prompt = _case("Q4_K_M")["prompt_token_ids"]
+    with _gpu_path():
+        ordinary = model.new_state(256, "q8_0", "q8_0")
+        model.prefill(prompt, ordinary)
+        graphed = model.new_state(256, "q8_0", "q8_0")
+        model.prefill(prompt, graphed)
+        runner = DecodeGraph(model, graphed)
+        token = 5
+        for _ in range(6):
+            a = model.decode(token, ordinary)
+            b = runner.decode(token)
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+            token = int(a.argmax())
+    assert graphed.n_past == ordinary.n_past
+    for layer, kv in ordinary.kv.items():
+        assert graphed.kv[layer].length == kv.length
+        assert torch.equal(graphed.kv[layer].positions, kv.positions)
+    for layer, st in ordinary.recurrent.items():
+        torch.testing.assert_close(graphed.recurrent[layer].ssm, st.ssm, rtol=1e-4, atol=1e-5)
+
+
+def test_the_static_verification_step_equals_the_ordinary_one() -> None:
+    """StepGraph of n_max + 1 = 3 tokens keeping per-token states (a speculative verification): the ordinary
+    pass's hidden states, logits and kept states, twice in a row (the second replays on a GPU), with a rollback
+    in between as the engine does it; cut into three runs of blocks, as a layer split over three GPUs is (the
+    hidden state handed from run to run, the kept states gathered from all). One run: the decode-step test."""
+    split_at = (1, 3)
+    model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
+    case = _case("Q4_K_M", 1)
+    prompt, rest = case["prompt_token_ids"], case["generated_token_ids"]
+    with _gpu_path():
+        ordinary = model.new_state(256, "q8_0", "q8_0")
+        graphed = model.new_state(256, "q8_0", "q8_0")
+        for st in (ordinary, graphed):
+            model.prefill(prompt, st)
+        verify = StepGraph(model, graphed, 3, keep_steps=True, split_at=split_at)
+        assert len(verify.segments) == len(split_at) + 1
+        for tokens in (rest[0:3], rest[3:6]):
+            batch = Batch.of(torch.tensor(tokens), [ordinary])
+            batch.keep_steps = True
+            hidden = model.forward_batch(batch)
+            logits = model.logits(hidden, seq_len=3)
+            g_hidden, g_logits, g_steps = verify.step(tokens)
+            torch.testing.assert_close(g_hidden, hidden, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(g_logits, logits, rtol=1e-4, atol=1e-4)
+            for layer, per_sequence in batch.steps.items():
+                for ours, theirs in zip(g_steps[layer][0], per_sequence[0]):
+                    torch.testing.assert_close(ours.ssm, theirs.ssm, rtol=1e-4, atol=1e-5)
+                    torch.testing.assert_close(ours.conv, theirs.conv, rtol=1e-5, atol=1e-6)
+            # Keep the first token only (a rejected draft), on both: truncate and restore, as the engine does.
+            for st, steps in ((ordinary, batch.steps), (graphed, g_steps)):
+                keep = st.n_past - 2
+                for kv in st.kv.values():
+                    kv.truncate(keep)
+                for layer, per_sequence in steps.items():
+                    st.recurrent[layer].restore(per_sequence[0][0])
+                st.n_past = keep
+    for layer, st in ordinary.recurrent.items():
+        torch.testing.assert_close(graphed.recurrent[layer].ssm, st.ssm, rtol=1e-4, atol=1e-5)
+
+
+def test_a_static_step_of_several_sequences_equals_decode_batch() -> None:
+    """StepGraph over three sequences at different depths (the engine's graph for a set of slots): decode_batch's
+    logits, and the same caches and recurrent states after it."""
+    model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
+    prompts = [c["prompt_token_ids"] for c in (_case("Q4_K_M", i) for i in range(3))]
+    with _gpu_path():
+        ordinary, graphed = ([model.new_state(256, "q8_0", "q8_0") for _ in prompts] for _ in range(2))
+        for states in (ordinary, graphed):
+            for prompt, st in zip(prompts, states):
+                model.prefill(prompt, st)
+        assert len({st.n_past for st in ordinary}) > 1
+        graph = StepGraph(model, graphed, split_at=[2])
+        tokens = [5, 6, 7]
+        for _ in range(3):
+            logits = model.decode_batch(tokens, ordinary)
+            torch.testing.assert_close(graph.step(tokens)[1], logits, rtol=1e-4, atol=1e-4)
+            tokens = logits.argmax(-1).tolist()
+    for a, b in zip(ordinary, graphed):
+        assert a.n_past == b.n_past
+        for layer, kv in a.kv.items():
+            assert b.kv[layer].length == kv.length and torch.equal(b.kv[layer].positions, kv.positions)
+        for layer, st in a.recurrent.items():
+            torch.testing.assert_close(b.recurrent[layer].ssm, st.ssm, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("chained", [True, False], ids=["chained", "host-table"])
+def test_the_static_mtp_steps_equal_the_eager_ones(chained: bool) -> None:
+    """The MTP block's captured steps: a catch-up pass (MTPRowsGraph) writes the eager pass's cache rows, and the
+    draft (MTPDraftGraph: chained, tokens chosen and embedded on the device; or one step at a time, as with the
+    token table in host memory) proposes the eager draft's tokens with their top-10 probabilities, round after
+    round, with the draft-time rows truncated away in between."""
+    from mtpserve.engine import SpecConfig
+    from mtpserve.engine.drafters import MTPDrafter
+
+    model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
+    case = _case("Q4_K_M", 1)
+    prompt, rest = case["prompt_token_ids"], case["generated_token_ids"]
+    drafter = MTPDrafter(model, SpecConfig("draft-mtp", n_max=3))
+    with _gpu_path():
+        eager, graphed = (model.new_state(256, "f16", "f16", mtp=True) for _ in range(2))
+        for st in (eager, graphed):
+            hidden = model.forward(torch.tensor(prompt), st)
+            model.mtp_step(hidden[:-1], torch.tensor(prompt[1:]), st, with_logits=False)
+        rows = MTPRowsGraph(model, graphed, 2)
+        draft = MTPDraftGraph(model, graphed, 3, model.mtp_head, 10, chained=chained)
+        pending = hidden[-1]
+        for t in range(0, 6, 2):  # three rounds as the engine's: draft, a trunk pass of two tokens, its catch-up
+            tokens = rest[t : t + 2]
+            plain = list(drafter._proposals(eager, pending, tokens[0], 3))
+            eager.kv[drafter.kv_index].truncate(eager.kv[drafter.kv_index].length - 3)
+            proposed = draft.propose(pending, tokens[0])
+            graphed.kv[drafter.kv_index].truncate(graphed.kv[drafter.kv_index].length)
+            assert [tok for tok, _ in proposed] == [tok for tok, _ in plain]
+            torch.testing.assert_close(torch.tensor([p for _, p in proposed]), torch.tensor([p for _, p in plain]))
+            hidden = model.forward(torch.tensor(tokens), eager)
+            model.forward(torch.tensor(tokens), graphed)
+            inputs = torch.cat((pending[None], hidden[:-1]))
+            model.mtp_step(inputs, torch.tensor(tokens), eager, with_logits=False)
+            rows.write(inputs, tokens)
+            pending = hidden[-1]
+    kv_eager, kv_graphed = eager.kv[drafter.kv_index], graphed.kv[drafter.kv_index]
+    assert kv_graphed.length == kv_eager.length == len(prompt) - 1 + 6
+    assert torch.equal(kv_graphed.positions, kv_eager.positions)
+    torch.testing.assert_close(kv_graphed.k.data, kv_eager.k.data, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(kv_graphed.v.data, kv_eager.v.data, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("cache_type", ["q8_0", "f16"])
+def test_static_writes_wrap_a_sliding_window_ring(cache_type: str) -> None:
+    """write_at + attend_static on a ring cache (Gemma 3's sliding-window layers) past its capacity: the same
+    cells, positions and attention as append + attend."""
+    gen = torch.Generator().manual_seed(0)
+    appended, written = (
+        KVCache(48, 2, 32, 32, cache_type, cache_type, window=16, ring=True, device=DEVICE) for _ in range(2)
+    )
+    with _gpu_path():
+        for pos in range(54):  # wraps the 48 cells
+            k, v, q = (torch.randn(1, n, 32, generator=gen).to(DEVICE) for n in (2, 2, 4))
+            p = torch.tensor([pos], device=DEVICE)
+            appended.append(k, v)
+            written.write_at(p, k, v)
+            written.length += 1
+            torch.testing.assert_close(
+                written.attend_static(q, p, 0.2), appended.attend(q, p, 0.2), rtol=1e-5, atol=1e-6
+            )
+    assert torch.equal(written.positions, appended.positions)
+    assert torch.equal(written.k.data, appended.k.data) and torch.equal(written.v.data, appended.v.data)
+
+
+class _NoHostTraffic(TorchFunctionMode):
+    """Fails on what a CUDA graph capture cannot contain: reading a tensor's value on the host (item, tolist,
+    bool/int/float, cpu, numpy, nonzero, boolean-mask indexing) or making a tensor from Python data (on a GPU, a
+    host-to-device copy). The Triton interpreter's own copies (it runs kernels on numpy) are not the step's."""
+
+    FORBIDDEN = frozenset(
+        {
+            torch.Tensor.item,
+            torch.Tensor.tolist,
+            torch.Tensor.__bool__,
+            torch.Tensor.__int__,
+            torch.Tensor.__float__,
+            torch.Tensor.__index__,
+            torch.Tensor.cpu,
+            torch.Tensor.numpy,
+            torch.Tensor.nonzero,
+            torch.nonzero,
+            torch.tensor,
+            torch.as_tensor,
+            torch.masked_select,
+        }
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bad = func in self.FORBIDDEN
+        if func in (torch.tensor, torch.as_tensor) and args and isinstance(args[0], torch.Tensor):
+            bad = func is torch.tensor  # as_tensor of a tensor is the tensor itself
+        if func is torch.Tensor.__getitem__ and len(args) > 1:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            bad = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+        if bad and not _called_from_triton():
+            raise AssertionError(f"{getattr(func, '__qualname__', func)} in a step meant for CUDA graph capture")
+        return func(*args, **kwargs)
+
+
+def _called_from_triton() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if f"{os.sep}triton{os.sep}" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _no_lookup(*args, **kwargs):
+    raise AssertionError("a token table read in a step meant for CUDA graph capture")
+
+
+def test_the_captured_step_reads_nothing_back_to_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What makes the graphs capturable, checked without a GPU: their steps (the whole model's forward pass and
+    the LM head, the MTP steps) make no host round trip, and read no token table, which may sit in host memory
+    (only the chained draft, made when the MTP table is on the GPU, looks rows up inside). Then the checker is
+    shown to catch one."""
+    model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
+    with _gpu_path():
+        state = model.new_state(256, "q8_0", "q8_0", mtp=True)
+        model.prefill(_case("Q4_K_M")["prompt_token_ids"][:8], state)
+    graphs = (
+        DecodeGraph(model, state, capture=False),
+        StepGraph(model, state, 3, True, capture=False, split_at=[2]),
+        MTPRowsGraph(model, state, 3, capture=False),
+        MTPDraftGraph(model, state, 2, model.mtp_head, 10, capture=False),
+        MTPDraftGraph(model, state, 2, model.mtp_head, 10, capture=False, chained=False),
+    )
+    for graph in graphs:
+        with _gpu_path(matmul="triton" if graph is graphs[0] else "torch"):  # the GEMV's wrapper once
+            for part in getattr(graph, "segments", [graph]):
+                part.positions.copy_(torch.arange(len(part.positions)) + state.n_past)
+                with _NoHostTraffic(), monkeypatch.context() as m:
+                    if not getattr(part, "chained", False):
+                        m.setattr("mtpserve.models.base.embedding", _no_lookup)
+                        m.setattr("mtpserve.models.qwen35.embedding", _no_lookup)
+                    part._step()
+            for kv in state.kv.values():
+                kv.truncate(kv.length)  # forget what the step wrote
+    with pytest.raises(AssertionError, match="item"), _NoHostTraffic():
+        torch.zeros(1).item()
+
+
+def test_the_engine_speculates_through_step_graphs_as_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    """draft-mtp n_max 2 in the engine on the GPU path: with the captured steps (decode, verification, MTP draft
+    and catch-up graphs, forced on off CUDA, where they run eagerly) the tokens and draft counts of the ordinary
+    steps."""
+    from mtpserve.engine import Engine, EngineConfig, Request, SamplingParams, SpecConfig
+    from mtpserve.engine.planner import plan_for_file
+    from mtpserve.tokenizer import Tokenizer
+
+    path = tinyqwen_path("Q4_K_M")
+    model, tokenizer = load(path, device=DEVICE), Tokenizer.from_gguf(path)
+    config = EngineConfig(n_parallel=1, ctx_size=1024, spec=SpecConfig("draft-mtp", n_max=2))
+    cases = [_case("Q4_K_M", 1)]
+    runs = {}
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("MTPSERVE_CUDA_GRAPHS", graphs)
+        with _gpu_path(), Engine(model, tokenizer, config, plan_for_file(path, config)) as engine:
+            assert engine.runner.graphs == (graphs == "1")
+            runs[graphs] = [
+                engine.submit(Request(c["prompt_token_ids"], SamplingParams(temperature=0.0), n_predict=10)).result()
+                for c in cases
+            ]
+            captured = engine.runner.graph_shapes(), *engine.drafter.graph_counts()
+            assert all(captured) == (graphs == "1") and any(captured) == (graphs == "1")
+    for case, plain, graphed in zip(cases, runs["0"], runs["1"]):
+        _agree_before_first_near_tie(graphed.tokens, {**case, "generated_token_ids": plain.tokens})
+        if graphed.tokens == plain.tokens:
+            assert (graphed.timings.draft_n, graphed.timings.draft_n_accepted) == (
+                plain.timings.draft_n,
+                plain.timings.draft_n_accepted,
+            )
+        assert graphed.timings.draft_n > 0
+
+
+@pytest.mark.slow  # the step itself: test_a_static_step_of_several_sequences_equals_decode_batch
+def test_the_engine_decodes_several_slots_through_their_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests decoding together on --parallel 2 (no speculation): with the captured steps (the two slots'
+    batch graph, forced on off CUDA) each gets the tokens it gets without them."""
+    from mtpserve.engine import Engine, EngineConfig, Request, SamplingParams
+    from mtpserve.engine.planner import plan_for_file
+    from mtpserve.tokenizer import Tokenizer
+
+    path = tinyqwen_path("Q4_K_M")
+    model, tokenizer = load(path, device=DEVICE), Tokenizer.from_gguf(path)
+    config = EngineConfig(n_parallel=2, ctx_size=1024)
+    cases = [_case("Q4_K_M", i) for i in range(2)]
+    runs = {}
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("MTPSERVE_CUDA_GRAPHS", graphs)
+        with _gpu_path(), Engine(model, tokenizer, config, plan_for_file(path, config)) as engine:
+            streams = [
+                engine.submit(Request(c["prompt_token_ids"], SamplingParams(temperature=0.0), n_predict=5))
+                for c in cases
+            ]
+            runs[graphs] = [stream.result().tokens for stream in streams]
+            assert ((2, 1, False) in engine.runner.graph_shapes()) == (graphs == "1")
+    for case, plain, graphed in zip(cases, runs["0"], runs["1"]):
+        _agree_before_first_near_tie(graphed, {**case, "generated_token_ids": plain})
+
+
+def test_a_row_split_model_on_the_gpu_path_gives_the_same_logits() -> None:
+    """--split-mode row on the GPU path: every matrix split 1:1 over two devices (both the CPU when emulated, the
+    first GPU twice on a GPU machine), the unsplit model's logits exactly (each output row is its own product)."""
+    path = tinyqwen_path("Q4_K_M")
+    plain, split = load(path, device=DEVICE), load(path, device=DEVICE, row_split=[(DEVICE, 1), (DEVICE, 1)])
+    ids = _case("Q4_K_M")["prompt_token_ids"]
+    with _gpu_path():
+        states = [m.new_state(256, "q8_0", "q8_0") for m in (plain, split)]
+        a, b = (m.prefill(ids, st) for m, st in zip((plain, split), states))
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+        for token in (5, 6):
+            torch.testing.assert_close(split.decode(token, states[1]), plain.decode(token, states[0]), rtol=0, atol=0)
+    assert len(split.devices) == 1
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q4_1", "F16"])
+def test_gpu_linear_is_the_cpu_numerics_up_to_summation_order(qtype: str) -> None:
+    """The GPU path's matmul (activations rounded to the vec_dot type, then the Triton GEMV / GEMM on float values)
+    against linear_reference, llama.cpp's CPU numerics in plain PyTorch: equal up to float32 summation order
+    (measured ~2e-7), and the GEMM's fp16 inputs (~3e-4); Q4_1's min term takes the exact block sum where the
+    CPU takes its f16 rounding (~4e-4)."""
+    from gguf.quants import quantize as gguf_quantize
+
+    from mtpserve.ops.linear import linear, linear_reference
+    from mtpserve.quant.qtensor import QTensor
+    from mtpserve.quant.quantize import quantize
+    from mtpserve.quant.types import GGMLType
+
+    t = GGMLType[qtype]
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 512, generator=g) * 0.05
+    if t == GGMLType.F16:
+        blocks = w.half().view(torch.uint8).reshape(48, -1)
+    else:
+        # mtpserve quantizes these types byte-identically to llama.cpp; gguf-py has the Q4_1 quantizer it lacks
+        blocks = torch.from_numpy(gguf_quantize(w.numpy(), t)).reshape(48, -1) if t == GGMLType.Q4_1 else quantize(w, t)
+    weight = QTensor(blocks.contiguous().to(DEVICE), t, (48, 512), "w")
+    for rows in (1, 3, 24):  # the GEMV, a verification, the GEMM
+        x = torch.randn(rows, 512, generator=g)
+        expected = linear_reference(x, QTensor(blocks.contiguous(), t, (48, 512), "w"))
+        with _gpu_path(matmul="triton"):
+            got = linear(x.to(DEVICE), weight).cpu()
+        rel = ((got - expected).norm() / expected.norm()).item()
+        assert rel <= (1e-3 if t == GGMLType.Q4_1 else 2e-3 if rows > 8 else 1e-5), (rows, rel)
+
+
+def test_kernels_launch_on_their_inputs_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton launches on torch's current GPU: the wrappers make their input's GPU current first (a layer split's
+    second GPU), and leave it alone when it already is (or off CUDA). Checked on a stand-in tensor here."""
+    from types import SimpleNamespace
+
+    from mtpserve.kernels.triton._device import on_input_device
+
+    entered = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: entered.append(d) or nullcontext())
+    kernel = on_input_device(lambda x, y: (x, y))
+    on_second = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))
+    assert kernel(on_second, 2) == (on_second, 2) and entered == [torch.device("cuda", 1)]
+    kernel(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0)), 2)
+    kernel(torch.zeros(1), 2)
+    assert len(entered) == 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (a GEMV on the second, the first current)")
+def test_a_gemv_on_the_second_gpu_matches_the_first() -> None:
+    from mtpserve.ops.quant_gemv import quant_linear
+    from mtpserve.quant.qtensor import QTensor
+    from mtpserve.quant.quantize import quantize
+    from mtpserve.quant.types import GGMLType
+
+    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
+    q = QTensor(quantize(w, GGMLType.Q8_0), GGMLType.Q8_0, (256, 512), "w")
+    x = torch.randn(2, 512)
+    with torch.cuda.device(0):
+        first = quant_linear(x.to("cuda:0"), q.to("cuda:0")).cpu()
+        second = quant_linear(x.to("cuda:1"), q.to("cuda:1")).cpu()
+    torch.testing.assert_close(second, first)
+
+
+def test_a_layer_split_is_captured_as_one_run_of_blocks_per_gpu() -> None:
+    """How StepGraph cuts a layer split: one run per GPU in block order, the head (final norm, LM head) with the
+    last run when it shares its GPU, else alone; and each run's rope gathers from a copy of the table on its own
+    GPU (the meta device stands in for one here)."""
+    from types import SimpleNamespace
+
+    from mtpserve.models.graphs import _runs
+    from mtpserve.ops.rope import RopeTable
+
+    gpu0, gpu1, gpu2 = (torch.device("cuda", i) for i in range(3))
+
+    def split(head: torch.device):
+        devices = {i: gpu0 if i < 3 else gpu1 for i in range(8)}
+        return SimpleNamespace(
+            config=SimpleNamespace(n_layer=8), device_of=devices.__getitem__, output_norm=SimpleNamespace(device=head)
+        )
+
+    assert _runs(split(gpu1)) == [(gpu0, range(3), False), (gpu1, range(3, 8), True)]
+    assert _runs(split(gpu2)) == [(gpu0, range(3), False), (gpu1, range(3, 8), False), (gpu2, range(8, 8), True)]
+    assert _runs(split(gpu1), split_at=[5]) == [
+        (gpu0, range(3), False),
+        (gpu1, range(3, 5), False),
+        (gpu1, range(5, 8), True),
+    ]
+    table = RopeTable(8, 10000.0)
+    table.reserve(64, torch.device("meta"))
+    cos, _ = table.gather(torch.tensor([3, 9], device="meta"))
+    assert cos.device.type == "meta" and cos.shape == (2, 4)
+    torch.testing.assert_close(table.gather(torch.tensor([3, 9]))[0], table.cos[[3, 9]])

@@ -1,0 +1,158 @@
+"""Hostile HTTP input against the real server: schemathesis over the OpenAPI schema (every documented
+endpoint, bodies valid and invalid), and hand-written cases. A client mistake is never a 5xx, and the
+server keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+
+from ..conftest import default_model
+from ..support.server_process import ServerProcess
+
+KEY = "fuzz-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # Small limits keep every generated request short: at most 8 tokens each, a 512-token context.
+    args = [
+        "-m",
+        str(default_model("smollm2")),
+        "--api-key",
+        KEY,
+        "--metrics",
+        "-np",
+        "2",
+        "-c",
+        "1024",
+        "--max-predict",
+        "8",
+        "-t",
+        "2",
+    ]
+    process = ServerProcess(args, tmp_path_factory.mktemp("fuzz") / "server.log")
+    yield process
+    process.stop()
+
+
+CASES_PER_OPERATION = 25  # per generation mode (valid bodies, invalid bodies)
+
+
+def test_no_input_makes_a_server_error(server):
+    """schemathesis draws bodies from every operation of /openapi.json, schema-valid and schema-invalid."""
+    from schemathesis import GenerationMode
+
+    api = schemathesis.openapi.from_url(f"{server.url}/openapi.json", headers=AUTH)
+    operations = [result.ok() for result in api.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/completion", "/tokenize"}
+    tried = 0
+    for operation in operations:
+        modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if operation.method.upper() == "POST" else [])
+        for mode in modes:  # (an operation without a body has no invalid input to draw)
+
+            @given(case=operation.as_strategy(mode))
+            @settings(
+                max_examples=CASES_PER_OPERATION,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            )
+            def check(case) -> None:
+                nonlocal tried
+                tried += 1
+                response = case.call(headers=AUTH, timeout=60)
+                what = f"{case.method} {case.path} {case.body!r}"[:300]
+                assert response.status_code < 500, f"{what} -> {response.status_code} {response.text[:300]}"
+                if response.status_code >= 400:
+                    error = response.json()["error"]
+                    assert error["code"] == response.status_code and error["message"] and error["type"]
+
+            check()
+    print(f"schemathesis: {tried} requests over {len(operations)} operations, no 5xx")
+    assert httpx.post(f"{server.url}/completion", json={"prompt": "a", "n_predict": 2}, headers=AUTH).status_code == 200
+
+
+def _post(server, path: str, content: bytes, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(
+        f"{server.url}{path}",
+        content=content,
+        headers={**AUTH, "Content-Type": "application/json", **(headers or {})},
+        timeout=60,
+    )
+
+
+HOSTILE = [
+    ("10 MB body", "/completion", b'{"prompt": "' + b"a" * (10 << 20) + b'"}', 413),
+    ("deep nesting", "/completion", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
+    ("invalid UTF-8", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}', 400),
+    ("n_probs huge", "/completion", b'{"prompt": "a", "n_probs": 1000000000}', 400),
+    ("max_tokens huge", "/v1/completions", b'{"prompt": "a", "max_tokens": 99999999999999999999}', 400),
+    ("n huge", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "n": 1000000}', 400),
+    ("negative temperature", "/completion", b'{"prompt": "a", "temperature": -5, "n_predict": 2}', 200),  # greedy
+    ("NaN top_k", "/completion", b'{"prompt": "a", "top_k": NaN}', 400),
+    ("Infinity top_p", "/completion", b'{"prompt": "a", "top_p": Infinity}', 400),
+    ("negative repeat_penalty", "/completion", b'{"prompt": "a", "repeat_penalty": -1}', 400),
+    ("unknown fields", "/completion", b'{"prompt": "a", "n_predict": 2, "whatever": {"x": [1]}}', 200),
+    (
+        "model with CRLF",
+        "/v1/chat/completions",
+        b'{"model": "x\\r\\nSet-Cookie: a=b", "messages": [{"role": "user", "content": "a"}]}',
+        404,
+    ),
+    ("prompt of null bytes", "/completion", b'{"prompt": "\\u0000\\u0000", "n_predict": 2}', 200),
+    ("token id out of range", "/completion", b'{"prompt": [-1], "n_predict": 2}', 400),
+    ("messages not a list", "/v1/chat/completions", b'{"messages": "hello"}', 400),
+    ("content an object", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": {"a": 1}}]}', 400),
+    ("unknown role", "/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "a"}]}', 400),
+    ("logit_bias garbage", "/completion", b'{"prompt": "a", "logit_bias": [[1]]}', 400),
+    ("stop a number", "/completion", b'{"prompt": "a", "stop": 5}', 400),
+    ("empty body", "/completion", b"", 400),
+]
+
+
+@pytest.mark.parametrize("path,content,status", [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
+def test_hostile_bodies_get_4xx_and_the_server_keeps_serving(server, path, content, status):
+    response = _post(server, path, content)
+    assert response.status_code == status, response.text[:300]
+    if status >= 400:
+        assert response.json()["error"]["code"] == status
+    assert "set-cookie" not in response.headers
+    ok = httpx.post(f"{server.url}/completion", json={"prompt": "a", "n_predict": 2}, headers=AUTH, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_a_declared_oversize_body_is_refused_before_it_is_read(server):
+    """Content-Length over the limit: 413 at once, without waiting for (or reading) the body."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {20 << 20}\r\n\r\n{{}}".encode()
+        )
+        answer = b""
+        while b"request body too large" not in answer and (chunk := s.recv(4096)):
+            answer += chunk
+    text = answer.decode(errors="replace")
+    assert text.startswith("HTTP/1.1 413") and "request body too large" in text
+
+
+def test_no_endpoint_reads_files(server):
+    for path in (
+        "/../../etc/passwd",
+        "/%2e%2e/%2e%2e/etc/passwd",
+        "/static/../../../../etc/passwd",
+        "/index.html/../../x",
+    ):
+        response = httpx.get(f"{server.url}{path}", headers=AUTH)
+        assert response.status_code == 404 and "root:" not in response.text
+    response = httpx.post(f"{server.url}/slots/0?action=save", json={"filename": "../../etc/passwd"}, headers=AUTH)
+    assert response.status_code in (404, 405, 501) and "root:" not in response.text
+    assert json.loads(response.text)["error"]

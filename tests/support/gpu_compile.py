@@ -1,0 +1,420 @@
+"""Compile the Triton kernels for real NVIDIA GPUs without one: `python tests/support/gpu_compile.py [--arch 90,80,75]`.
+
+The kernels' tests run under TRITON_INTERPRET=1, which is lenient: a kernel can pass there and still fail to
+compile for a GPU (tl.dot operand types or shapes, unsupported casts) or spill registers. This script runs
+Triton's whole ahead-of-time pipeline (ttir -> ttgir -> llir -> PTX -> cubin by the ptxas bundled with triton)
+for each requested compute capability, with no GPU and no CUDA driver, and prints one line per compile:
+kernel, configuration, arch, ok/FAILED, registers a thread, spill bytes (stores + loads, from `ptxas -v`) and
+shared memory. It exits 1 if any compile fails, or if a kernel would be refused at load time on that arch (more
+shared memory than a block may have, or more registers than a block of num_warps can hold).
+
+Which configurations: the ones the wrappers (quant_gemv, dequant_blocks, quant_matmul, decode_attention,
+gated_delta_rule_recurrent_batched, gated_delta_chunk_scan) launch at the deployment's shapes (Qwen3.6-27B:
+n_embd 5120, attention H=24 Hkv=4 D=256, Gated DeltaNet Hk=16 Hv=48 K=V=128, prompt chunks of 512 tokens;
+SmolLM2-135M for D=64: H=9 Hkv=3). Nothing is copied from the
+wrappers: each wrapper is called on CPU tensors of those shapes (allocated, never read) with its kernels' `run`
+swapped for a recorder, and each recorded launch goes through the same specialization as a real one (Triton's
+binder: constexprs, dtypes, ints equal to 1, 16-divisibility of pointers and ints). Three choices the wrappers make
+from the CUDA device are redone here for the target, as they would be on it: quant_matmul's num_warps (8 below
+sm_80), decode_attention's default tl.dot precision ("tf32x3" on NVIDIA) and the chunk scan's bf16 operands.
+
+`--loads` also lists each kernel's global loads by width, read off its PTX (a memory-bound kernel should read in
+16-byte vectors, "v4.b32", rather than byte by byte, "b8").
+
+TRITON_INTERPRET must not be set when compiling (triton.jit makes interpreter functions then): the script
+re-executes itself without it. `--quick` compiles one configuration per kernel for sm_90 (the test suite's
+check, about 5 s); `--only TEXT` keeps the configurations whose kernel or label contain TEXT. The full run
+(about 198 compiles) takes about 70 s on 2 cores. `--arch 86,89` checks the RTX 30xx/40xx parts, whose blocks
+have 99 KB of shared memory against the A100's 163 KB. Uses triton internals (the JIT binder, ASTSource,
+triton.compile with a GPUTarget) as of triton 3.9, and runs on 3.6 too (the lent H200's version).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__" and "TRITON_INTERPRET" in os.environ:  # before anything imports triton
+    os.environ.pop("TRITON_INTERPRET")
+    os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]])
+
+import argparse
+import contextlib
+import io
+import multiprocessing
+import re
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from unittest import mock
+
+ARCHS = (90, 80, 75)
+# cudaDevAttrMaxSharedMemoryPerBlockOptin, what Triton compares a kernel's shared memory with before loading it.
+MAX_SHARED = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
+REGISTERS_PER_SM_BLOCK = 65536  # 32-bit registers a block may use, sm_75..sm_90
+
+# Deployment shapes (../shared/spec/qwen35-architecture.md: Qwen3.6-27B).
+N_EMBD = 5120
+QKV_ROWS = 10240  # the GDN attn_qkv projection: [10240, 5120]
+PROMPT_ROWS = 512  # a prompt chunk through the GEMM
+CACHE_CELLS = 4096
+GDN_HK, GDN_HV, GDN_DIM = 16, 48, 128
+ATTN_SHAPES = {256: (24, 4), 64: (9, 3)}  # head dim -> (H, Hkv): Qwen3.6-27B, SmolLM2-135M
+
+
+@dataclass
+class Launch:
+    """One recorded kernel launch: the JIT function and the arguments the wrapper passed it."""
+
+    kernel: str
+    config: str
+    fn: object
+    args: tuple
+    kwargs: dict
+    min_arch: int = 0  # bf16 needs sm_80
+    quick: bool = False
+    note: str = ""
+    fixups: list[Callable[[dict, int], None]] = field(default_factory=list)
+
+
+def _recorded(fn, call: Callable[[], object]) -> list[tuple[object, tuple, dict]]:
+    """The launches `call` makes, by any of the kernels in fn (a list), without running them."""
+    seen: list[tuple[object, tuple, dict]] = []
+    saved = {id(f): f.__dict__.get("run") for f in fn}
+    try:
+        for f in fn:
+
+            def run(*args, grid, warmup, _f=f, **kwargs):
+                seen.append((_f, args, kwargs))
+
+            f.run = run  # JITFunction.__getitem__ calls self.run: the instance attribute shadows the method
+        call()
+    finally:
+        for f in fn:
+            if saved[id(f)] is None:
+                del f.run
+            else:
+                f.run = saved[id(f)]
+    return seen
+
+
+def _gemm_num_warps(kwargs: dict, arch: int) -> None:
+    """quant_matmul's num_warps on a CUDA device of this arch (its `_num_warps` asks the device)."""
+    import torch
+
+    from mtpserve.kernels.triton import gemm
+
+    with mock.patch.object(torch.cuda, "get_device_capability", return_value=(arch // 10, arch % 10)):
+        kwargs["num_warps"] = gemm._num_warps(torch.device("cuda", 0))
+
+
+def _chunk_scan_dot(kwargs: dict, arch: int) -> None:
+    """gated_delta_chunk_scan's tl.dot operand type on CUDA (kernels.triton.gated_delta.default_dot_dtype)."""
+    import triton.language as tl
+
+    kwargs["DOT"] = tl.bfloat16
+
+
+def _attention_precision(kwargs: dict, arch: int) -> None:
+    """decode_attention's default precision on an NVIDIA device ("ieee" is its choice off CUDA)."""
+    kwargs["PRECISION"] = "tf32x3"
+
+
+def launches() -> list[Launch]:
+    """Every configuration to compile, recorded from the wrappers at the deployment's shapes."""
+    import torch
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.constants import GGMLQuantizationType as Q
+
+    from mtpserve.kernels.triton import attention, gated_delta, gemm, gemv
+
+    out: list[Launch] = []
+
+    def weight(t: Q, rows: int = QKV_ROWS, cols: int = N_EMBD) -> torch.Tensor:
+        qk, size = GGML_QUANT_SIZES[t]
+        return torch.empty(rows, cols // qk * size, dtype=torch.uint8)
+
+    # Decode and verification: quant_gemv, 8 rows a launch; the GPU path passes float32 activations.
+    kernels = [gemv._gemv_kernel, gemv._q4k_gemv_kernel, gemv._q6k_gemv_kernel]
+    for t in gemv.GEMV_TYPES:
+        w = weight(t)
+        for m in (1, 4):
+            x = torch.empty(m, N_EMBD)
+            for wide in (True, False) if t in (Q.Q4_K, Q.Q6_K) else (True,):
+                ((f, a, k),) = _recorded(
+                    kernels, lambda x=x, w=w, t=t, wide=wide: gemv.quant_gemv(x, w, t, wide_words=wide)
+                )
+                words = f" words BLOCK_B={k['BLOCK_B']}" if "BLOCK_B" in k else ""
+                cfg = f"{t.name}{words} M={m} M_PAD={k['M_PAD']} BLOCK_N={k['BLOCK_N']}"
+                out.append(Launch("gemv", cfg, f, a, k, quick=t == Q.Q4_K and m == 1 and wide))
+    # dequant_blocks: the prefill path below sm_80 (dequantize, then cuBLAS in fp16).
+    for t in (Q.Q4_K, Q.Q6_K):
+        w = weight(t)
+        ((f, a, k),) = _recorded([gemv._dequant_kernel], lambda w=w, t=t: gemv.dequant_blocks(w, t))
+        out.append(Launch("dequant", f"{t.name} BLOCK_N={k['BLOCK_N']}", f, a, k, quick=t == Q.Q6_K))
+    # Prefill: quant_matmul, float32 activations; bf16 compute from sm_80 (ops.gemm_compute_dtype), fp16 on all.
+    for t in (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS):
+        w = weight(t)
+        x = torch.empty(PROMPT_ROWS, N_EMBD)
+        for dtype, min_arch in ((torch.bfloat16, 80), (torch.float16, 0)):
+            ((f, a, k),) = _recorded(
+                [gemm._gemm_kernel], lambda x=x, w=w, t=t, d=dtype: gemm.quant_matmul(x, w, t, compute_dtype=d)
+            )
+            cfg = f"{t.name} {str(dtype)[6:]} M={PROMPT_ROWS} {k['BLOCK_M']}x{k['BLOCK_N']}"
+            note = "ops.quant_linear uses dequant + cuBLAS below sm_80" if dtype == torch.float16 else ""
+            out.append(
+                Launch(
+                    "gemm",
+                    cfg,
+                    f,
+                    a,
+                    k,
+                    min_arch,
+                    quick=t == Q.Q4_K and dtype == torch.bfloat16,
+                    note=note,
+                    fixups=[_gemm_num_warps],
+                )
+            )
+    # Decode / verification attention over the KV cache as stored; pass 2 (combine) comes with each call.
+    combines: dict[str, tuple] = {}
+    for kv in ((Q.Q8_0, Q.Q8_0), (Q.F16, Q.F16), (Q.Q4_0, Q.Q4_0)):
+        for d, (h, hkv) in ATTN_SHAPES.items():
+            caches = []
+            for t in kv:
+                if t == Q.F16:
+                    caches.append(torch.empty(CACHE_CELLS, hkv, d, dtype=torch.float16))
+                else:
+                    qk, size = GGML_QUANT_SIZES[t]
+                    caches.append(torch.empty(CACHE_CELLS, hkv * d // qk * size, dtype=torch.uint8))
+            k_pos = torch.arange(CACHE_CELLS)
+            for n_tok in (1, 3):
+                q = torch.empty(n_tok, h, d)
+                q_pos = torch.arange(n_tok) + CACHE_CELLS - n_tok
+                for window in (None, 1024):
+                    rec = _recorded(
+                        [attention._split_kernel, attention._combine_kernel],
+                        lambda q=q, c=caches, kv=kv, q_pos=q_pos, k_pos=k_pos, hkv=hkv, d=d, window=window: (
+                            attention.decode_attention(
+                                q, *c, *kv, q_pos, k_pos, hkv, d, d**-0.5, window, ordered=window is None
+                            )
+                        ),
+                    )
+                    (f, a, k), (cf, ca, ck) = rec
+                    cfg = (
+                        f"K={kv[0].name} V={kv[1].name} D={d} H={h} Hkv={hkv} T={n_tok} "
+                        f"window={window} BLOCK_M={k['BLOCK_M']} BLOCK_S={k['BLOCK_S']} warps={k['num_warps']}"
+                    )
+                    quick = kv[0] == Q.Q8_0 and d == 256 and n_tok == 1 and window is None
+                    out.append(Launch("attn_split", cfg, f, a, k, quick=quick, fixups=[_attention_precision]))
+                    combines.setdefault(f"D={d} T={n_tok} H={h}", (cf, ca, ck, quick))
+    for cfg, (cf, ca, ck, quick) in combines.items():
+        out.append(Launch("attn_combine", f"{cfg} CHUNK={ck['CHUNK']}", cf, ca, ck, quick=quick))
+    # Gated DeltaNet recurrence: q, k L2-normalised (contiguous), v a slice of the conv output, g/beta [B, T, Hv].
+    for n_seq, n_tok, steps in ((1, 1, False), (1, 3, False), (1, 3, True), (4, 3, True)):
+        key_dim = GDN_HK * GDN_DIM
+        u = torch.empty(n_seq, n_tok, 2 * key_dim + GDN_HV * GDN_DIM)
+        q = torch.empty(n_seq, n_tok, GDN_HK, GDN_DIM)
+        k = torch.empty(n_seq, n_tok, GDN_HK, GDN_DIM)
+        v = u[..., 2 * key_dim :].reshape(n_seq, n_tok, GDN_HV, GDN_DIM)
+        g = torch.empty(n_seq, n_tok, GDN_HV)
+        beta = torch.empty(n_seq, n_tok, GDN_HV)
+        state = torch.empty(n_seq, GDN_HV, GDN_DIM, GDN_DIM)
+        st = torch.empty(n_seq, n_tok, GDN_HV, GDN_DIM, GDN_DIM) if steps else None
+        ((f, a, kw),) = _recorded(
+            [gated_delta._gated_delta_kernel],
+            lambda q=q, k=k, v=v, g=g, beta=beta, state=state, st=st: gated_delta.gated_delta_rule_recurrent_batched(
+                q, k, v, g, beta, state, state_steps=st
+            ),
+        )
+        cfg = f"K=V={GDN_DIM} B={n_seq} T={n_tok} STORE_STEPS={steps} BLOCK_V={kw['BLOCK_V']}"
+        out.append(Launch("gated_delta", cfg, f, a, kw, quick=steps and n_seq == 1))
+    # The chunked rule's scan over a prompt chunk of PROMPT_ROWS tokens (ops.gated_delta: chunks of 64).
+    n_chunks, chunk = PROMPT_ROWS // 64, 64
+    for store in (False, True):
+        kq = [torch.empty(GDN_HV, n_chunks, chunk, GDN_DIM) for _ in range(4)]  # u, w, q, k (K = V)
+        qk = torch.empty(GDN_HV, n_chunks, chunk, chunk)
+        g_cum = torch.empty(GDN_HV, n_chunks, chunk)
+        state = torch.empty(GDN_HV, GDN_DIM, GDN_DIM)
+        states = torch.empty(n_chunks, GDN_HV, GDN_DIM, GDN_DIM) if store else None
+        ((f, a, kw),) = _recorded(
+            [gated_delta._chunk_scan_kernel],
+            lambda kq=kq, qk=qk, g_cum=g_cum, state=state, states=states: gated_delta.gated_delta_chunk_scan(
+                *kq, qk, g_cum, state, states
+            ),
+        )
+        cfg = f"K=V={GDN_DIM} N={n_chunks} C={chunk} STORE_STATES={store} BLOCK_V={kw['BLOCK_V']}"
+        note = "below sm_80 ops.gated_delta keeps PyTorch's chunk loop"
+        out.append(Launch("gdn_chunk_scan", cfg, f, a, kw, 80, quick=not store, note=note, fixups=[_chunk_scan_dot]))
+    return out
+
+
+_LAUNCHES: list[Launch] = []  # filled in the parent before the worker processes fork
+
+
+def _compile(job: tuple[int, int]) -> dict:
+    """Compile launch i for compute capability `arch`: a dict of the outcome."""
+    i, arch = job
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    launch = _LAUNCHES[i]
+    res = {
+        "kernel": launch.kernel,
+        "config": launch.config,
+        "arch": arch,
+        "ok": False,
+        "regs": None,
+        "spills": None,
+        "stack": None,
+        "shared": None,
+        "error": "",
+        "note": launch.note,
+    }
+    start = time.perf_counter()
+    log = io.StringIO()
+    try:
+        kwargs = dict(launch.kwargs)
+        for fix in launch.fixups:
+            fix(kwargs, arch)
+        res["warps"] = kwargs.get("num_warps", 4)
+        # What JITFunction.run does before compiling, with the backend of the target rather than of a device.
+        kwargs["debug"] = kwargs.get("debug", launch.fn.debug) or knobs.runtime.debug
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # triton 3.9; 3.6 (the H200 image's) lacks it
+            kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+        target = GPUTarget("cuda", arch, 32)
+        backend = make_backend(target)
+        binder = create_function_from_signature(launch.fn.signature, launch.fn.params, backend)
+        bound, spec, options = binder(*launch.args, **kwargs)
+        options, signature, constexprs, attrs = launch.fn._pack_args(backend, kwargs, bound, spec, options)
+        src = ASTSource(launch.fn, signature, constexprs, attrs)
+        knobs.nvidia.dump_ptxas_log = True  # ptxas -v's report, printed: captured below
+        knobs.compilation.always_compile = True
+        with contextlib.redirect_stdout(log):
+            kernel = compile(src, target=target, options=options.__dict__)
+        text = log.getvalue()
+        regs = re.search(r"Used (\d+) registers", text)
+        spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)
+        res["regs"] = int(regs.group(1)) if regs else None
+        if spill:
+            res["stack"] = int(spill.group(1))
+            res["spills"] = int(spill.group(2)) + int(spill.group(3))
+        res["shared"] = kernel.metadata.shared
+        res["loads"] = global_loads(kernel.asm["ptx"])
+        problems = []
+        limit = MAX_SHARED.get(arch)
+        if limit is not None and kernel.metadata.shared > limit:
+            problems.append(f"out of resources: {kernel.metadata.shared} bytes of shared memory, sm_{arch} has {limit}")
+        if res["regs"] is not None:
+            per_warp = -(-res["regs"] * 32 // 256) * 256  # registers are allocated per warp in units of 256
+            if per_warp * res["warps"] > REGISTERS_PER_SM_BLOCK:
+                problems.append(f"out of resources: {res['regs']} registers x {res['warps']} warps")
+        res["ok"] = not problems
+        res["error"] = "; ".join(problems)
+    except Exception as e:  # noqa: BLE001 - every failure is a result to report
+        res["error"] = f"{type(e).__name__}: {e}"
+    res["seconds"] = time.perf_counter() - start
+    return res
+
+
+def global_loads(ptx: str) -> str:
+    """The kinds of global-memory load in the PTX with their counts, widest first ("v4.b32 x12  u8 x40"): a
+    memory-bound kernel should read its weights in 16-byte vectors, not byte by byte."""
+    counts: dict[str, int] = {}
+    for m in re.finditer(r"\bld\.global(?:\.[a-z]+)*?((?:\.v[248])?\.[busf]\d+)\b", ptx):
+        kind = m.group(1).lstrip(".")
+        counts[kind] = counts.get(kind, 0) + 1
+
+    def width(kind: str) -> int:
+        lanes = int(kind[1]) if kind.startswith("v") else 1
+        return lanes * int(re.sub(r"\D", "", kind.split(".")[-1]))
+
+    return "  ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: -width(kv[0])))
+
+
+def _row(r: dict, loads: bool = False) -> str:
+    status = "ok" if r["ok"] else "FAILED"
+
+    def num(v: int | None) -> str:
+        return "-" if v is None else str(v)
+
+    line = (
+        f"{r['kernel']:<13} sm_{r['arch']:<3} {status:<6} regs {num(r['regs']):>3}  spills {num(r['spills']):>4}  "
+        f"shared {num(r['shared']):>6}  {r['seconds']:5.1f}s  {r['config']}"
+    )
+    if r["note"]:
+        line += f"  ({r['note']})"
+    if loads and r.get("loads") is not None:
+        line += f"\n    global loads: {r['loads'] or 'none'}"
+    if not r["ok"]:
+        line += "\n    " + "\n    ".join(r["error"].strip().splitlines()[:40])
+    return line
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", default=",".join(map(str, ARCHS)), help="compute capabilities (default 90,80,75)")
+    parser.add_argument("--quick", action="store_true", help="sm_90 only, one configuration per kernel")
+    parser.add_argument("--only", default="", help="only configurations whose kernel or label contain this")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel")
+    parser.add_argument("--loads", action="store_true", help="also list each kernel's global loads by width (PTX)")
+    args = parser.parse_args(argv)
+    archs = (90,) if args.quick else tuple(int(a) for a in args.arch.split(",") if a.strip())
+
+    start = time.perf_counter()
+    cache = tempfile.mkdtemp(prefix="mtpserve-gpu-compile-")
+    os.environ["TRITON_CACHE_DIR"] = cache  # a fresh cache: every configuration really compiles, none is kept
+    try:
+        import triton
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        # Fusion stays on by default in 3.9, as at run time; its notice (once per worker) is noise here.
+        warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION is unset")
+
+        _LAUNCHES[:] = launches()
+        jobs = [
+            (i, arch)
+            for arch in archs
+            for i, launch in enumerate(_LAUNCHES)
+            if arch >= launch.min_arch
+            and (launch.quick or not args.quick)
+            and (args.only in launch.kernel or args.only in launch.config)
+        ]
+        print(
+            f"triton {triton.__version__}, ptxas {get_ptxas(90).path} / {get_ptxas(80).path}: "
+            f"{len(jobs)} compiles for sm_{', sm_'.join(map(str, archs))}",
+            flush=True,
+        )
+        if args.jobs > 1 and len(jobs) > 1:
+            ctx = multiprocessing.get_context("fork")  # the workers inherit _LAUNCHES
+            with ctx.Pool(min(args.jobs, len(jobs))) as pool:
+                results = []
+                for r in pool.imap(_compile, jobs):
+                    print(_row(r, args.loads), flush=True)
+                    results.append(r)
+        else:
+            results = []
+            for job in jobs:
+                r = _compile(job)
+                print(_row(r, args.loads), flush=True)
+                results.append(r)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    failed = [r for r in results if not r["ok"]]
+    spilled = [r for r in results if r["ok"] and r["spills"]]
+    for r in failed:
+        print(f"FAILED: {r['kernel']} sm_{r['arch']} {r['config']}: {r['error'].strip().splitlines()[0]}")
+    print(
+        f"{len(results) - len(failed)}/{len(results)} compiled, {len(failed)} failed, {len(spilled)} of them "
+        f"spill registers; {time.perf_counter() - start:.1f}s"
+    )
+    return 1 if failed or not results else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
