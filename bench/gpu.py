@@ -33,7 +33,7 @@ What it measures (one table on stdout, everything in --json):
   GPU, flash attention, the same KV cache type): decode of 64 tokens at each depth and the same prefill, each
   as ours / theirs. llama-bench has no speculative decoding, so the draft-mtp row has no peer here.
 
-The GPU's numbers go into the README's "CUDA backend" section with the date and the GPU's name.
+The GPU's numbers go into docs/performance.md (a dated entry with the GPU's name), the headline into the README.
 """
 
 from __future__ import annotations

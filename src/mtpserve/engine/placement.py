@@ -1,99 +1,15 @@
-"""Which device holds each layer: llama-server's `--gpu-layers`, `--split-mode`, `--tensor-split` and
-`--main-gpu`, planned before anything is loaded, for any list of devices (CUDA GPUs, or CPU "devices" in
-tests: nothing here depends on the kind of device).
+"""Which device holds each layer: llama-server's `--gpu-layers`, `--split-mode`, `--tensor-split` and `--main-gpu`,
+planned before anything is loaded, for any list of devices (CUDA GPUs, or CPU "devices" in tests).
 
-Layers and their numbering (llama.cpp's, src/llama-model.cpp `load_tensors`)
--------------------------------------------------------------------------------
-`n = n_layer_all` counts the trunk blocks and the MTP/NextN blocks (`block_count`: 64 + 1 = 65 for
-Qwen3.6-27B); the output layer (final norm + LM head) is "layer" `n`, so there are `n + 1` offloadable layers
-(66 for the 27B: `--gpu-layers all` means `n + 1`). The token embedding is never offloaded: llama.cpp keeps
-the input layer on the CPU ("very little benefit"), and so does this planner. A block's KV cache (attention)
-or recurrent state (Gated DeltaNet) lives on the block's device; the MTP block's KV with the MTP block.
+Layers 0..n-1 are the trunk and MTP blocks, layer n the output layer; the token embedding stays on the host. The
+layer rule is llama.cpp's: the last N = --gpu-layers layers are offloaded (from i_gpu_start = max(n + 1 - N, 0),
+act = min(N, n + 1)), layer il to the first device d whose cumulative split share s_d exceeds
+(il - i_gpu_start) / act. Split modes: `layer` (whole layers), `none` (every offloaded layer on --main-gpu), `row`
+(homes on --main-gpu, matrices split by rows). A device counts weights, KV, recurrent state, the MTP block, the
+states a verification keeps and a compute reserve (`DeviceUse`). `auto`: (1) `all` if it leaves a 1 GiB margin;
+(2) with `layer` and no --tensor-split, fill the devices back to front; (3) else the largest N that fits.
 
-The layer rule (`assign_layers`), with `N` = --gpu-layers and `D` devices:
-
-    i_gpu_start = max(n + 1 - N, 0)          # the LAST N layers are offloaded, the output layer counted
-    act         = min(N, n + 1)               # (0 when there are no devices)
-    s_d         = (w_0 + ... + w_d) / (w_0 + ... + w_{D-1})       for d = 0 .. D-1, in float32
-    layer il < i_gpu_start                -> CPU (host)
-    layer il >= i_gpu_start               -> device upper_bound(s, (il - i_gpu_start) / act)
-                                             = the first d with s_d > (il - i_gpu_start) / act
-
-where `w` is --tensor-split, or, when it is absent or all zero, each device's free memory (llama.cpp:
-"default split, by free memory"). Entries of --tensor-split beyond the device count are ignored (llama.cpp
-copies only `n_devices` of them). Example, the 27B with `-ngl all -ts 1,1`: s = (0.5, 1.0), act = 66, so
-layer il goes to GPU0 iff il / 66 < 0.5, i.e. il <= 32: GPU0 holds blocks 0-32 (33 blocks), GPU1 blocks
-33-63, the MTP block 64 and the output layer.
-
-Split modes
------------
-* `layer`: whole layers by the rule above; only the hidden state crosses devices.
-* `none`: the device list is reduced to `devices[main_gpu]` (llama.cpp src/llama.cpp), so every offloaded
-  layer lands there.
-* `row`: every offloaded layer's home (its small tensors, its KV cache and recurrent state, the compute
-  buffers) is `devices[main_gpu]` ("-mg: the GPU ... for intermediate results and KV (with split-mode =
-  row)", llama-server's help), and the weights of the layers and of the output layer are split by rows
-  across all devices in the ratio of --tensor-split (all zero: of each device's total memory, as ggml-cuda's
-  default split). The planner counts a layer's whole weight bytes as split (its norms and biases are under
-  0.1% of it); `Placement.row_shares` records each device's fraction. Note: the llama.cpp tree vendored here
-  no longer ships a CUDA split buffer (row mode throws "does not support split buffers" there), so `row`
-  follows the classic behaviour its help still describes.
-* `tensor` (llama.cpp's experimental weight+KV split) is not planned.
-
-What is counted on each device (`DeviceUse`)
---------------------------------------------
-weights (from the GGUF's tensor sizes, `layer_bytes_from_gguf`), KV cache of its attention blocks (as
-`models.memory`: cells padded to 256 per slot, `-ctk/-ctv` types), recurrent state of its Gated DeltaNet
-blocks (float32, one row per slot), the MTP block's weights and KV (only with `--spec-type draft-mtp`:
-llama.cpp loads the MTP tensors only then, `load_mtp`), the states a speculative verification keeps for
-rollback (each Gated DeltaNet block's state after each of the n_max + 1 tokens it verifies, per slot: about
-450 MB a slot on the 27B at n_max 2; llama.cpp keeps its own copies too), and a compute reserve
-(`compute_reserve_bytes`):
-`4 B x ubatch x (3 n_ff + 4 n_embd)` of activations on every device that runs part of the graph, plus the
-logits of a whole micro-batch, `4 B x n_vocab x ubatch`, on the output layer's device (llama.cpp reserves
-its graphs for `n_outputs = n_ubatch`), plus one slot's K and V of its largest attention block dequantized for a
-prompt's attention (2 B an element on a GPU, 4 B on the host: 1 GiB for the 27B at 262144 tokens; llama.cpp's
-CUDA flash attention reserves the same f16 copy of a quantized cache in its compute buffer, fattn-common.cuh).
-The host also holds the token embedding and the recurrent-state checkpoints of prompt reuse
-(`--ctx-checkpoints`, host memory in llama-server). A device fits when its
-total is at most its free memory; the host is checked only when it is given.
-
-`--gpu-layers auto` (llama.cpp's `--fit`, common/fit.cpp, without its context shrinking: see
-`planner.recommend` for that)
-------------------------------------------------------------------------------------------------------
-1. If `-ngl all` with the given split leaves `fit_margin_bytes` (1 GiB, llama.cpp's `--fit-target`) free on
-   every device, that is the answer.
-2. Otherwise, with `--split-mode layer` and no --tensor-split: fill the devices back to front. The last
-   device takes the largest k_{D-1} of the last layers (the output layer first) whose bytes (weights + KV +
-   state + reserve) fit its free memory less the margin; the device before it the largest k_{D-2} of the
-   layers before those, and so on. Then N = sum k_d and --tensor-split = (k_0, ..., k_{D-1}), which the layer
-   rule maps back to exactly these contiguous ranges.
-3. Otherwise (an explicit --tensor-split, `none` or `row`): the largest N from `n + 1` down to 0 whose
-   placement by the rule fits every device less the margin (a linear scan: at most `n + 2` cheap placements,
-   no monotonicity assumed).
-With nothing offloadable, N = 0 and everything stays on the host.
-
-What the server does with a Placement
--------------------------------------
-Built (`to_torch`, `models.loader.load(device, layer_devices, token_embd_device)`, `serve -ngl ...` on a machine
-with CUDA): each block's weights and caches on its device, the output layer on `output_device`, an untied
-`token_embd` on the host; the hidden state moves at device boundaries; CPU-resident blocks run the CPU path.
-`--device` narrows and orders the GPUs (`select_devices`); `GpuRequest` holds one model's flags and plans it
-right before it loads (draft-simple's model after the target). CUDA graphs are built for a model wholly on
-GPUs, one per GPU's run of blocks (models/graphs.py). `row` gives `TorchPlacement.row_split`, with which the
-loader splits the matrices (quant.qtensor.RowSplitQTensor). Not built yet: per-device streams. The design as
-planned:
-
-At startup the server resolves `--device` to a device list (free memory from the driver), calls `place()`
-and logs the plan like llama.cpp ("offloaded 66/66 layers", per-device buffer sizes); an
-`InsufficientMemory` stops it before any weight is read. The loader then reads each tensor straight into
-its device: `token_embd` into host memory, block `il`'s tensors to `block_device[il]` (in `row` mode its
-matrices sliced by rows into `row_shares`), the output layer to `output_device`; each device allocates the
-KV cache and recurrent state of its own blocks (the MTP block's with it). A forward pass embeds on the host,
-runs each device's contiguous range of blocks on that device's stream, copies only the hidden state
-(n_tokens x n_embd) at each device boundary, and computes logits on the output device; CPU-resident blocks
-(partial offload) run on the existing CPU path. Decode and verification steps per device are captured as
-CUDA graphs.
+Details: docs/gpu-placement.md.
 """
 
 from __future__ import annotations
