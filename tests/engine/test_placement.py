@@ -13,19 +13,15 @@ import numpy as np
 import pytest
 
 from mtpserve.engine import EngineConfig, InsufficientMemory, SpecConfig
+from mtpserve.engine.devices import GpuRequest, list_devices_text, select_devices, to_torch, torch_device_name
 from mtpserve.engine.placement import (
     Device,
-    GpuRequest,
     assign_layers,
     compute_reserve_bytes,
     layer_bytes_from_gguf,
     layer_bytes_from_sizes,
-    list_devices_text,
     place,
-    select_devices,
     split_points,
-    to_torch,
-    torch_device_name,
 )
 from mtpserve.gguf import open_gguf
 from mtpserve.models import config_from_gguf, config_from_metadata, estimate_memory

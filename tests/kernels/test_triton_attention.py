@@ -85,15 +85,24 @@ def _check(
         int(kv.v.type),
         q_pos.to(DEVICE),
         kv.positions.to(DEVICE),
-        kv.k.n_heads,
-        dim,
-        scale,
+        n_kv_heads=kv.k.n_heads,
+        head_dim=dim,
+        scale=scale,
         window=kv.window,
         n_splits=n_splits,
         ordered=ordered,
     ).cpu()
     expected = decode_attention_reference(
-        q, kv.k.data[:S], kv.v.data[:S], kv.k.type, kv.v.type, q_pos, kv.positions, kv.k.n_heads, scale, kv.window
+        q,
+        kv.k.data[:S],
+        kv.v.data[:S],
+        kv.k.type,
+        kv.v.type,
+        q_pos,
+        kv.positions,
+        n_kv_heads=kv.k.n_heads,
+        scale=scale,
+        window=kv.window,
     )
     assert got.dtype == torch.float32 and got.shape == (T, n_heads, dim)
     assert torch.isfinite(got).all()
@@ -182,9 +191,9 @@ def test_an_ordered_cache_is_read_only_up_to_the_last_query(T: int) -> None:
             int(kv.v.type),
             q_pos.to(DEVICE),
             positions.to(DEVICE),
-            2,
-            64,
-            0.125,
+            n_kv_heads=2,
+            head_dim=64,
+            scale=0.125,
             n_splits=4,
             ordered=ordered,
         ).cpu()
@@ -212,10 +221,12 @@ def test_no_visible_key_gives_zeros() -> None:
     k, v = kv.k.data.to(DEVICE), kv.v.data.to(DEVICE)
     args = (q, k, v, int(kv.k.type), int(kv.v.type))
     empty = torch.full((96,), -1, dtype=torch.long, device=DEVICE)
-    out = decode_attention(*args, torch.tensor([5, 6], device=DEVICE), empty, 2, 64, 0.125)
+    out = decode_attention(*args, torch.tensor([5, 6], device=DEVICE), empty, n_kv_heads=2, head_dim=64, scale=0.125)
     assert torch.equal(out.cpu(), torch.zeros(2, 4, 64))
     # Row 0 at position -1 sees nothing; row 1 sees position 0 only and returns its value exactly.
-    out = decode_attention(*args, torch.tensor([-1, 0], device=DEVICE), kv.positions.to(DEVICE), 2, 64, 0.125)
+    out = decode_attention(
+        *args, torch.tensor([-1, 0], device=DEVICE), kv.positions.to(DEVICE), n_kv_heads=2, head_dim=64, scale=0.125
+    )
     assert torch.equal(out[0].cpu(), torch.zeros(4, 64))
     torch.testing.assert_close(out[1].cpu(), _rows(kv.v, 1)[0].repeat_interleave(2, dim=0), rtol=1e-6, atol=1e-6)
 
@@ -230,15 +241,44 @@ def test_rejects_unsupported_type_and_bad_shapes() -> None:
     k_pos = torch.zeros(4, dtype=torch.long)
     with pytest.raises(ValueError, match="no Triton attention for cache type"):
         decode_attention(
-            q, torch.zeros(4, 80, dtype=torch.uint8), f16, GGMLType.Q4_1, GGMLType.F16, pos, k_pos, 2, 64, 1.0
+            q,
+            torch.zeros(4, 80, dtype=torch.uint8),
+            f16,
+            GGMLType.Q4_1,
+            GGMLType.F16,
+            pos,
+            k_pos,
+            n_kv_heads=2,
+            head_dim=64,
+            scale=1.0,
         )
     with pytest.raises(ValueError, match="a Q8_0 cache must be uint8"):
         decode_attention(
-            q, torch.zeros(4, 64, dtype=torch.uint8), f16, GGMLType.Q8_0, GGMLType.F16, pos, k_pos, 2, 64, 1.0
+            q,
+            torch.zeros(4, 64, dtype=torch.uint8),
+            f16,
+            GGMLType.Q8_0,
+            GGMLType.F16,
+            pos,
+            k_pos,
+            n_kv_heads=2,
+            head_dim=64,
+            scale=1.0,
         )
     with pytest.raises(ValueError, match="a F32 cache must be"):
-        decode_attention(q, f16, f16, GGMLType.F32, GGMLType.F16, pos, k_pos, 2, 64, 1.0)
+        decode_attention(q, f16, f16, GGMLType.F32, GGMLType.F16, pos, k_pos, n_kv_heads=2, head_dim=64, scale=1.0)
     with pytest.raises(ValueError, match="cells but k_pos has"):
-        decode_attention(q, f16, f16, GGMLType.F16, GGMLType.F16, pos, k_pos[:3], 2, 64, 1.0)
+        decode_attention(q, f16, f16, GGMLType.F16, GGMLType.F16, pos, k_pos[:3], n_kv_heads=2, head_dim=64, scale=1.0)
     with pytest.raises(ValueError, match="q must be"):
-        decode_attention(torch.zeros(1, 3, 64), f16, f16, GGMLType.F16, GGMLType.F16, pos, k_pos, 2, 64, 1.0)
+        decode_attention(
+            torch.zeros(1, 3, 64),
+            f16,
+            f16,
+            GGMLType.F16,
+            GGMLType.F16,
+            pos,
+            k_pos,
+            n_kv_heads=2,
+            head_dim=64,
+            scale=1.0,
+        )

@@ -170,10 +170,14 @@ def _chunk_inputs(Hv: int, N: int, C: int, K: int, V: int, seed: int = 0) -> tup
 def test_chunk_scan_matches_reference(Hv: int, N: int, C: int, K: int, V: int, block_v: int) -> None:
     u, w, q, k, qk, g_cum, state = _chunk_inputs(Hv, N, C, K, V, seed=C + K)
     s_ref, states_ref = state.clone(), torch.zeros(N, Hv, K, V)
-    o_ref = gated_delta_chunk_scan_reference(u, w, q, k, qk, g_cum, s_ref, states_ref)
+    o_ref = gated_delta_chunk_scan_reference(u, w, q, k, qk, g_cum, s_ref, chunk_states=states_ref)
     s, states = state.clone().to(DEVICE), torch.full((N, Hv, K, V), float("nan"), device=DEVICE)
     o = gated_delta_chunk_scan(
-        *(x.to(DEVICE) for x in (u, w, q, k, qk, g_cum)), s, states, block_v=block_v, dot_dtype=torch.float32
+        *(x.to(DEVICE) for x in (u, w, q, k, qk, g_cum)),
+        s,
+        chunk_states=states,
+        block_v=block_v,
+        dot_dtype=torch.float32,
     )
     _close(o.cpu(), o_ref)
     _close(states.cpu(), states_ref)
@@ -251,6 +255,6 @@ def test_chunk_scan_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="state must be contiguous float32"):
         gated_delta_chunk_scan(u, w, q, k, qk, g_cum, state.double())
     with pytest.raises(ValueError, match="chunk_states must be"):
-        gated_delta_chunk_scan(u, w, q, k, qk, g_cum, state, torch.zeros(1, 1, 16, 16))
+        gated_delta_chunk_scan(u, w, q, k, qk, g_cum, state, chunk_states=torch.zeros(1, 1, 16, 16))
     with pytest.raises(ValueError, match="dot_dtype"):
         gated_delta_chunk_scan(u, w, q, k, qk, g_cum, state, dot_dtype=torch.float64)

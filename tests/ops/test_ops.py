@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from mtpserve.kernels import cpu as cpu_kernels
 from mtpserve.ops import activations, attention, conv, embedding, gated_delta, linear, norm, rope
-from mtpserve.quant.qtensor import QTensor
+from mtpserve.quant.qtensor import QTensor, RowSplitQTensor
 from mtpserve.quant.quantize import quantize_q4_0, quantize_q8_0
 
 from ..conftest import default_model, tinyqwen_path
@@ -113,9 +115,9 @@ def _qkv(T, S, H, Hkv, D, dtype=torch.float32):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["f16", "f32"])
 def test_online_attention_kernel_matches_its_twin(T, S, H, Hkv, D, window, dtype):
     q, k, v, qp, kp = _qkv(T, S, H, Hkv, D, dtype)
-    fast = attention.attention(q, k, v, qp, kp, D**-0.5, window)
-    slow = attention.attention_online_reference(q, k, v, qp, kp, D**-0.5, window)
-    exact = attention.attention_reference(q, k, v, qp, kp, D**-0.5, window)
+    fast = attention.attention(q, k, v, qp, kp, D**-0.5, window=window)
+    slow = attention.attention_online_reference(q, k, v, qp, kp, D**-0.5, window=window)
+    exact = attention.attention_reference(q, k, v, qp, kp, D**-0.5, window=window)
     tol = 1.5e-2 if dtype == torch.float16 else 1e-5  # an f16 accumulator drifts with the number of keys
     assert rel_err(slow, exact) < tol and rel_err(fast, exact) < tol
     if S < 512:  # long single queries are split across chunks in the kernel, not in the twin
@@ -130,7 +132,7 @@ def test_tiled_attention_kernel_matches_exact_softmax(dtype):
     fast = attention.attention(q, k, v, qp, kp, 0.125)
     assert rel_err(fast, attention.attention_reference(q, k, v, qp, kp, 0.125)) < 1e-5
     windowed = attention.attention(q, k, v, qp, kp, 0.125, window=50)
-    assert rel_err(windowed, attention.attention_reference(q, k, v, qp, kp, 0.125, 50)) < 1e-5
+    assert rel_err(windowed, attention.attention_reference(q, k, v, qp, kp, 0.125, window=50)) < 1e-5
 
 
 def test_attention_is_causal_and_grouped():
@@ -207,12 +209,9 @@ def test_gated_delta_net_step_kernel_matches_reference(T):
     gate = -torch.nn.functional.softplus(torch.randn(T, Hv, generator=g))
     conv_w, norm_w = torch.randn(C, W, generator=g), torch.randn(V, generator=g)
     conv_state, ssm = torch.randn(C, W - 1, generator=g), torch.randn(Hv, K, V, generator=g) * 0.1
-    ref = gated_delta.gated_delta_net_step_reference(
-        mixed, conv_state.clone(), conv_w, z, beta, gate, ssm.clone(), norm_w, Hk, 1e-6
-    )
-    out = gated_delta.gated_delta_net_step(
-        mixed, conv_state.clone(), conv_w, z, beta, gate, ssm.clone(), norm_w, Hk, 1e-6
-    )
+    layer = {"conv_weight": conv_w, "norm_weight": norm_w, "n_k_heads": Hk, "eps": 1e-6}
+    ref = gated_delta.gated_delta_net_step_reference(mixed, z, beta, gate, conv_state.clone(), ssm.clone(), **layer)
+    out = gated_delta.gated_delta_net_step(mixed, z, beta, gate, conv_state.clone(), ssm.clone(), **layer)
     for got, want in zip(out, ref):
         assert got.shape == want.shape and (got - want).abs().max() < 1e-5
 
@@ -324,23 +323,61 @@ def _gdn_decode_args(mixer, n_seq, seed=0):
     g = torch.Generator().manual_seed(seed)
     conv_states = [torch.randn(c.conv_dim, c.d_conv - 1, generator=g) for _ in range(n_seq)]
     ssms = [torch.randn(c.n_v_heads, c.ssm_head_dim, c.ssm_head_dim, generator=g) * 0.1 for _ in range(n_seq)]
-    weights = (mixer.projections, mixer.dt_bias, mixer.a, mixer.conv_weight, mixer.norm, mixer.w_out)
-    return weights, conv_states, ssms
+    return mixer.w, conv_states, ssms
 
 
 @needs_kernels
 @pytest.mark.parametrize("T", [1, 4])
 def test_gated_delta_net_decode_kernel_matches_reference(T):
+    """The C kernel and its twin: outputs, final states, and the states after every token (a verification's)."""
     mixer = _tinyqwen_layers().mixer
-    c = mixer.c
     weights, conv_states, ssms = _gdn_decode_args(mixer, 2)
-    h = torch.randn(2 * T, mixer.w_qkv.shape[1])
+    h = torch.randn(2 * T, weights.projections[0].shape[1])
     fast_states = [t.clone() for t in conv_states], [t.clone() for t in ssms]
-    fast = gated_delta.gated_delta_net_decode(h, *weights, *fast_states, c.n_k_heads, c.rms_eps)
-    ref = gated_delta.gated_delta_net_decode_reference(h, *weights, conv_states, ssms, c.n_k_heads, c.rms_eps)
+
+    def buffers() -> dict:
+        return {
+            "conv_steps": [torch.empty(T, *conv_states[0].shape) for _ in range(2)],
+            "ssm_steps": [torch.empty(T, *ssms[0].shape) for _ in range(2)],
+        }
+
+    fast_steps, ref_steps = buffers(), buffers()
+    fast = gated_delta.gated_delta_net_decode_cpu(h, weights, *fast_states, **fast_steps)
+    ref = gated_delta.gated_delta_net_decode_reference(h, weights, conv_states, ssms, **ref_steps)
     assert fast.shape == ref.shape and rel_err(fast, ref) < 1e-4
     for got, want in zip(fast_states[0] + fast_states[1], conv_states + ssms):
         assert rel_err(got, want) < 1e-4
+    for kind in ("conv_steps", "ssm_steps"):
+        for got, want in zip(fast_steps[kind], ref_steps[kind]):
+            assert rel_err(got, want) < 1e-4
+    assert torch.equal(ref_steps["ssm_steps"][1][-1], ssms[1]) and torch.equal(
+        ref_steps["conv_steps"][0][-1], conv_states[0]
+    )
+
+
+@needs_kernels
+def test_gated_delta_net_decode_of_matrices_split_by_rows_is_the_fused_kernels():
+    """Split by rows over devices (--split-mode row), the matrices go through the kernels one call each instead of
+    the fused mixer: the same values bit for bit, per-token states included."""
+    weights, conv_states, ssms = _gdn_decode_args(_tinyqwen_layers().mixer, 2)
+    split = dataclasses.replace(
+        weights,
+        projections=[RowSplitQTensor.split(p, ["cpu", "cpu"], [1, 1], "cpu", 64) for p in weights.projections],
+        w_out=RowSplitQTensor.split(weights.w_out, ["cpu", "cpu"], [1, 1], "cpu", 64),
+    )
+    assert any(isinstance(p, RowSplitQTensor) for p in split.projections)
+    h = torch.randn(2 * 3, weights.projections[0].shape[1])
+    runs = []
+    for w in (weights, split):
+        states = [t.clone() for t in conv_states], [t.clone() for t in ssms]
+        steps = (
+            [torch.empty(3, *conv_states[0].shape) for _ in range(2)],
+            [torch.empty(3, *ssms[0].shape) for _ in range(2)],
+        )
+        out = gated_delta.gated_delta_net_decode(h, w, *states, conv_steps=steps[0], ssm_steps=steps[1])
+        runs.append([out, *states[0], *states[1], *steps[0], *steps[1]])
+    for fused, unfused in zip(*runs):
+        assert torch.equal(fused, unfused)
 
 
 @needs_kernels
@@ -349,17 +386,14 @@ def test_batched_sequences_compute_what_each_computes_alone(n):
     """Several sequences in one call give bit-for-bit the results of one call per sequence."""
     layer = _tinyqwen_layers()
     mixer, ffn = layer.mixer, layer.ffn
-    c = mixer.c
     n_seq = 5
-    x = torch.randn(n_seq * n, mixer.w_qkv.shape[1])
+    x = torch.randn(n_seq * n, mixer.w.projections[0].shape[1])
     weights, conv_states, ssms = _gdn_decode_args(mixer, n_seq)
     alone_states = [t.clone() for t in conv_states], [t.clone() for t in ssms]
-    together = gated_delta.gated_delta_net_decode(x, *weights, conv_states, ssms, c.n_k_heads, c.rms_eps)
+    together = gated_delta.gated_delta_net_decode(x, weights, conv_states, ssms)
     for s in range(n_seq):
         rows = slice(s * n, (s + 1) * n)
-        alone = gated_delta.gated_delta_net_decode(
-            x[rows], *weights, [alone_states[0][s]], [alone_states[1][s]], c.n_k_heads, c.rms_eps
-        )
+        alone = gated_delta.gated_delta_net_decode(x[rows], weights, [alone_states[0][s]], [alone_states[1][s]])
         assert torch.equal(together[rows], alone)
         assert torch.equal(conv_states[s], alone_states[0][s]) and torch.equal(ssms[s], alone_states[1][s])
         assert torch.equal(

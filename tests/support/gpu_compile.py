@@ -198,7 +198,16 @@ def launches() -> list[Launch]:
                         [attention._split_kernel, attention._combine_kernel],
                         lambda q=q, c=caches, kv=kv, q_pos=q_pos, k_pos=k_pos, hkv=hkv, d=d, window=window: (
                             attention.decode_attention(
-                                q, *c, *kv, q_pos, k_pos, hkv, d, d**-0.5, window, ordered=window is None
+                                q,
+                                *c,
+                                *kv,
+                                q_pos,
+                                k_pos,
+                                n_kv_heads=hkv,
+                                head_dim=d,
+                                scale=d**-0.5,
+                                window=window,
+                                ordered=window is None,
                             )
                         ),
                     )
@@ -242,7 +251,7 @@ def launches() -> list[Launch]:
         ((f, a, kw),) = _recorded(
             [gated_delta._chunk_scan_kernel],
             lambda kq=kq, qk=qk, g_cum=g_cum, state=state, states=states: gated_delta.gated_delta_chunk_scan(
-                *kq, qk, g_cum, state, states
+                *kq, qk, g_cum, state, chunk_states=states
             ),
         )
         cfg = f"K=V={GDN_DIM} N={n_chunks} C={chunk} STORE_STATES={store} BLOCK_V={kw['BLOCK_V']}"

@@ -130,10 +130,10 @@ class KVCache:
         v_dim: int,
         cache_type_k: str = "f16",
         cache_type_v: str = "f16",
+        *,
         window: int | None = None,
         ring: bool = False,
         device: torch.device | str = "cpu",
-        *,
         pool: KVPool | None = None,
         table: CellTable | None = None,
     ) -> None:
@@ -199,13 +199,13 @@ class KVCache:
                 return self._attend_stored(q, q_pos, scale, slice(0, self.length) if self._ordered else slice(None))
             # Straight to the attention's half type: at 262144 cells a float32 copy of K and V would be 2 GB.
             keys, values, key_pos = self.read(prompt_attention_dtype(q.device))
-            return attention_gpu(q, keys, values, q_pos, key_pos, scale, self.window, in_order=not self.ring)
+            return attention_gpu(q, keys, values, q_pos, key_pos, scale, window=self.window, in_order=not self.ring)
         keys, values, key_pos = self.read()
         if self.k.type in QUANTIZERS:
             q = _round_q8_0(q)
         elif self.k.type == GGMLType.BF16:
             q = q.bfloat16().float()
-        return attention(q, keys, values, q_pos, key_pos, scale, self.window)
+        return attention(q, keys, values, q_pos, key_pos, scale, window=self.window)
 
     def write_at(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the K/V [T, Hkv, D] of `positions` (a device tensor) into their cells, without reading any value
@@ -236,9 +236,9 @@ class KVCache:
             self.v.type,
             q_pos,
             self.positions[cells],
-            self.k.n_heads,
-            scale,
-            self.window,
+            n_kv_heads=self.k.n_heads,
+            scale=scale,
+            window=self.window,
             ordered=self._ordered,
         )
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..engine import EngineConfig, SamplingParams
-from ..engine.placement import GpuRequest, cuda_devices, list_devices_text
+from ..engine.devices import GpuRequest, cuda_devices, list_devices_text
 from ..engine.sampling import RANDOM_SEED
 from ..quant import CACHE_TYPES
 from ..server.chat import REASONING_FORMATS, ChatSettings

@@ -27,11 +27,11 @@ from ..models.base import CausalLM
 from ..tokenizer import Tokenizer
 from .client import EngineCounters, EngineInfo, MemoryUsage, RequestStream, SlotInfo
 from .config import EngineConfig
+from .devices import GpuRequest
 from .drafters import make_drafter
 from .errors import Cancelled, ContextSizeExceeded, EngineError, InvalidRequest, ServerError
 from .job import Job, Phase, Probs
 from .output import Stop
-from .placement import GpuRequest
 from .planner import MemoryPlan
 from .request import Request
 from .runner import ModelRunner

@@ -10,7 +10,7 @@ from ..models.base import CausalLM
 from ..models.loader import load
 from ..tokenizer import Tokenizer
 from .config import EngineConfig
-from .placement import GpuRequest, to_torch
+from .devices import GpuRequest, to_torch
 from .planner import MemoryPlan, plan_for_file
 
 log = logging.getLogger("mtpserve.engine")

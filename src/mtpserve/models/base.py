@@ -149,6 +149,7 @@ def new_kv_caches(
     ctx: int,
     cache_type_k: str,
     cache_type_v: str,
+    *,
     ubatch: int = DEFAULT_UBATCH,
     mtp: bool = False,
     devices: Mapping[int, torch.device] | None = None,
@@ -173,7 +174,7 @@ def new_kv_caches(
             spec.v_dim,
             cache_type_k,
             cache_type_v,
-            spec.sliding_window,
+            window=spec.sliding_window,
             ring=capacity < ctx,
             device=(devices or {}).get(spec.layer, torch.device("cpu")),
         )

@@ -188,7 +188,9 @@ class Gemma3ForCausalLM(CausalLM):
     ) -> ModelState:
         ctx = padded_context(ctx_size, self.config)
         devices = self._layer_device_map()
-        kv = new_kv_caches(self.config, ctx, cache_type_k, cache_type_v, self.ubatch, devices=devices, shared=shared)
+        kv = new_kv_caches(
+            self.config, ctx, cache_type_k, cache_type_v, ubatch=self.ubatch, devices=devices, shared=shared
+        )
         return ModelState(kv, capacity=ctx)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

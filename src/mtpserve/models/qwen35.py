@@ -19,7 +19,7 @@ from ..gguf import GGUFError, Metadata
 from ..ops.activations import swiglu_ffn
 from ..ops.conv import causal_conv1d
 from ..ops.embedding import embedding
-from ..ops.gated_delta import gated_delta_net_decode, gated_delta_rule_chunked
+from ..ops.gated_delta import GatedDeltaNetWeights, gated_delta_net_decode, gated_delta_rule_chunked
 from ..ops.linear import WeightGroup, linear, linear_many
 from ..ops.norm import gated_rms_norm, l2_norm, rms_norm
 from ..ops.rope import RopeTable, apply_rope
@@ -242,16 +242,18 @@ class GatedDeltaNet:
 
     def __init__(self, w: WeightStore, b: str, c: Qwen35Config) -> None:
         self.c = c
-        self.w_qkv = w.matrix(f"{b}.attn_qkv.weight")  # q | k | v rows, V heads in tiled order
-        self.w_gate = w.matrix(f"{b}.attn_gate.weight")  # z
-        self.w_beta = w.matrix(f"{b}.ssm_beta.weight")
-        self.w_alpha = w.matrix(f"{b}.ssm_alpha.weight")
-        self.projections = WeightGroup((self.w_qkv, self.w_gate, self.w_beta, self.w_alpha))
-        self.dt_bias = w.dense(f"{b}.ssm_dt.bias")
-        self.a = w.dense(f"{b}.ssm_a")  # already -exp(A_log)
-        self.conv_weight = w.dense(f"{b}.ssm_conv1d.weight")  # [conv_dim, d_conv]
-        self.norm = w.dense(f"{b}.ssm_norm.weight")
-        self.w_out = w.matrix(f"{b}.ssm_out.weight")
+        qkv = w.matrix(f"{b}.attn_qkv.weight")  # q | k | v rows, V heads in tiled order
+        gate = w.matrix(f"{b}.attn_gate.weight")  # z
+        self.w = GatedDeltaNetWeights(
+            projections=WeightGroup((qkv, gate, w.matrix(f"{b}.ssm_beta.weight"), w.matrix(f"{b}.ssm_alpha.weight"))),
+            dt_bias=w.dense(f"{b}.ssm_dt.bias"),
+            a=w.dense(f"{b}.ssm_a"),  # already -exp(A_log)
+            conv_weight=w.dense(f"{b}.ssm_conv1d.weight"),  # [conv_dim, d_conv]
+            norm_weight=w.dense(f"{b}.ssm_norm.weight"),
+            w_out=w.matrix(f"{b}.ssm_out.weight"),
+            n_k_heads=c.n_k_heads,
+            eps=c.rms_eps,
+        )
 
     def __call__(
         self,
@@ -271,21 +273,8 @@ class GatedDeltaNet:
             if steps is not None:
                 conv_steps = [torch.empty(seq_len, *st.conv.shape, device=st.conv.device) for st in states]
                 ssm_steps = [torch.empty(seq_len, *st.ssm.shape, device=st.ssm.device) for st in states]
-            out = gated_delta_net_decode(
-                x,
-                self.projections,
-                self.dt_bias,
-                self.a,
-                self.conv_weight,
-                self.norm,
-                self.w_out,
-                [st.conv for st in states],
-                [st.ssm for st in states],
-                c.n_k_heads,
-                c.rms_eps,
-                conv_steps,
-                ssm_steps,
-            )
+            conv_states, ssms = [st.conv for st in states], [st.ssm for st in states]
+            out = gated_delta_net_decode(x, self.w, conv_states, ssms, conv_steps=conv_steps, ssm_steps=ssm_steps)
             if steps is not None and conv_steps is not None and ssm_steps is not None:
                 steps.extend(
                     [RecurrentState(cs[t], ss[t]) for t in range(seq_len)] for cs, ss in zip(conv_steps, ssm_steps)
@@ -293,14 +282,15 @@ class GatedDeltaNet:
             return out, kept
         if steps is not None:
             raise ValueError(f"per-token states are kept for up to {RECURRENT_MAX_TOKENS} tokens, not {seq_len}")
-        mixed, z, beta, alpha = linear_many(x, self.projections, seq_len)  # mixed: [T, conv_dim]
+        w = self.w
+        mixed, z, beta, alpha = linear_many(x, w.projections, seq_len)  # mixed: [T, conv_dim]
         z = z.view(-1, c.n_v_heads, c.ssm_head_dim)
         beta = torch.sigmoid(beta)  # [T, Hv]
-        g = self.a * F.softplus(alpha + self.dt_bias)  # log of the per-step decay
+        g = w.a * F.softplus(alpha + w.dt_bias)  # log of the per-step decay
         outs = []
         for s, state in enumerate(states):  # the chunked rule, one prompt at a time
             rows = slice(s * seq_len, (s + 1) * seq_len)
-            conv, new_conv = causal_conv1d(mixed[rows], self.conv_weight, state.conv)
+            conv, new_conv = causal_conv1d(mixed[rows], w.conv_weight, state.conv)
             u = F.silu(conv)
             q = l2_norm(u[:, : c.key_dim].view(seq_len, c.n_k_heads, c.ssm_head_dim), c.rms_eps)
             k = l2_norm(u[:, c.key_dim : 2 * c.key_dim].view(seq_len, c.n_k_heads, c.ssm_head_dim), c.rms_eps)
@@ -317,8 +307,8 @@ class GatedDeltaNet:
                         kept[n] = RecurrentState(inputs[:, n : n + c.d_conv - 1].clone(), ssm)
             state.conv.copy_(new_conv)  # in place: the state's tensors are the slot's memory
             state.ssm.copy_(new_ssm)
-            outs.append(gated_rms_norm(o, z[rows], self.norm, c.rms_eps).reshape(seq_len, -1))
-        return linear(torch.cat(outs), self.w_out, seq_len=seq_len), kept
+            outs.append(gated_rms_norm(o, z[rows], w.norm_weight, c.rms_eps).reshape(seq_len, -1))
+        return linear(torch.cat(outs), w.w_out, seq_len=seq_len), kept
 
 
 class SwiGLU:

@@ -48,6 +48,7 @@ def attention_reference(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     scale: float,
+    *,
     window: int | None = None,
 ) -> torch.Tensor:
     """Plain softmax(q k^T * scale + mask) v in float32."""
@@ -66,6 +67,7 @@ def attention_online_reference(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     scale: float,
+    *,
     window: int | None = None,
 ) -> torch.Tensor:
     """The online path, one key at a time in PyTorch (slow): f16 keys round the query to f16; f16 values
@@ -106,6 +108,7 @@ def attention(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     scale: float,
+    *,
     window: int | None = None,
 ) -> torch.Tensor:
     """The result llama.cpp computes: the online path below 64 query rows (and for quantized caches),
@@ -115,9 +118,9 @@ def attention(
     tiled = q.shape[0] >= ONLINE_MAX_QUERIES
     if lib is None or k.dtype not in (torch.float16, torch.float32) or k.dtype != v.dtype:
         return (
-            _attention_tiled_torch(q, k, v, q_pos, k_pos, scale, window)
+            _attention_tiled_torch(q, k, v, q_pos, k_pos, scale, window=window)
             if tiled
-            else (attention_online_reference(q, k, v, q_pos, k_pos, scale, window))
+            else (attention_online_reference(q, k, v, q_pos, k_pos, scale, window=window))
         )
     T, H, D = q.shape
     q = q.float().contiguous()
@@ -168,6 +171,7 @@ def _attention_tiled_torch(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     scale: float,
+    *,
     window: int | None,
 ) -> torch.Tensor:
     """Long prompts without the C kernels: PyTorch's fused attention in float32, queries in chunks."""
@@ -199,6 +203,7 @@ def attention_gpu(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     scale: float,
+    *,
     window: int | None = None,
     in_order: bool = False,
 ) -> torch.Tensor:
@@ -237,6 +242,7 @@ def decode_attention_reference(
     v_type: int,
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
+    *,
     n_kv_heads: int,
     scale: float,
     window: int | None = None,
@@ -269,6 +275,7 @@ def decode_attention_gpu(
     v_type: int,
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
+    *,
     n_kv_heads: int,
     scale: float,
     window: int | None = None,
@@ -288,10 +295,12 @@ def decode_attention_gpu(
             int(v_type),
             q_pos,
             k_pos,
-            n_kv_heads,
-            q.shape[-1],
-            scale,
-            window,
+            n_kv_heads=n_kv_heads,
+            head_dim=q.shape[-1],
+            scale=scale,
+            window=window,
             ordered=ordered,
         )
-    return decode_attention_reference(q, k_store, v_store, k_type, v_type, q_pos, k_pos, n_kv_heads, scale, window)
+    return decode_attention_reference(
+        q, k_store, v_store, k_type, v_type, q_pos, k_pos, n_kv_heads=n_kv_heads, scale=scale, window=window
+    )

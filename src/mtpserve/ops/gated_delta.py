@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,7 @@ def gated_delta_rule_recurrent(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    *,
     scale: float | None = None,
     return_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +73,7 @@ def gated_delta_rule_chunked(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    *,
     scale: float | None = None,
     chunk_size: int = 64,
     chunk_states: list[torch.Tensor] | None = None,
@@ -108,7 +111,7 @@ def gated_delta_rule_chunked(
 
     s = state.float().clone().contiguous()
     steps = torch.empty(n_chunks, *s.shape, device=s.device) if chunk_states is not None else None
-    o = gated_delta_chunk_scan(U, W, Q, K, QK, G, s, steps)
+    o = gated_delta_chunk_scan(U, W, Q, K, QK, G, s, chunk_states=steps)
     if chunk_states is not None and steps is not None:
         chunk_states.extend(steps[n].clone() for n in range(n_chunks) if (n + 1) * C < T)
     return o.reshape(n_v_heads, n_chunks * C, V)[:, :T].transpose(0, 1), s
@@ -122,6 +125,7 @@ def gated_delta_chunk_scan_reference(
     qk: torch.Tensor,
     g_cum: torch.Tensor,
     state: torch.Tensor,
+    *,
     chunk_states: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The sequential half of the chunked rule, chunk by chunk: u [Hv, N, C, V], w, q (scaled), k [Hv, N, C, K],
@@ -151,6 +155,7 @@ def gated_delta_chunk_scan(
     qk: torch.Tensor,
     g_cum: torch.Tensor,
     state: torch.Tensor,
+    *,
     chunk_states: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`gated_delta_chunk_scan_reference`; on the GPU path the Triton kernel (one launch for all chunks, where
@@ -159,60 +164,107 @@ def gated_delta_chunk_scan(
     C, K = w.shape[-2:]
     if gpu_path(u) and triton_available(u) and kernels is not None and kernels.chunk_scan_supported(u.device, C, K):
         inputs = (x.contiguous() for x in (u, w, q, k, qk, g_cum))
-        return kernels.gated_delta_chunk_scan(*inputs, state, chunk_states)
-    return gated_delta_chunk_scan_reference(u, w, q, k, qk, g_cum, state, chunk_states)
+        return kernels.gated_delta_chunk_scan(*inputs, state, chunk_states=chunk_states)
+    return gated_delta_chunk_scan_reference(u, w, q, k, qk, g_cum, state, chunk_states=chunk_states)
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetWeights:
+    """One Gated DeltaNet layer past its input norm: the input projections (qkv | z | beta | alpha, read as one
+    group), the decay's dt_bias and a (= -exp(A_log)), the causal conv [C, W], the gated norm and the output
+    projection; n_k_heads and eps of its shapes."""
+
+    projections: WeightGroup
+    dt_bias: torch.Tensor
+    a: torch.Tensor
+    conv_weight: torch.Tensor
+    norm_weight: torch.Tensor
+    w_out: QTensor
+    n_k_heads: int
+    eps: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.projections, WeightGroup):  # the C kernel reads the group's ctypes arrays
+            object.__setattr__(self, "projections", WeightGroup(self.projections))
 
 
 def gated_delta_net_step_reference(
     mixed: torch.Tensor,
-    conv_state: torch.Tensor,
-    conv_weight: torch.Tensor,
     z: torch.Tensor,
     beta: torch.Tensor,
     g: torch.Tensor,
+    conv_state: torch.Tensor,
     ssm: torch.Tensor,
+    *,
+    conv_weight: torch.Tensor,
     norm_weight: torch.Tensor,
     n_k_heads: int,
     eps: float,
+    conv_steps: torch.Tensor | None = None,
+    ssm_steps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Gated DeltaNet layer's core for a few tokens, from the projections on: conv update, SiLU, L2-norm
     of q/k, the recurrence, gated RMSNorm. mixed [T, 2 Hk K + Hv V], z [T, Hv, V], beta/g [T, Hv].
-    Returns (y [T, Hv V], new conv_state, new ssm)."""
+    Returns (y [T, Hv V], new conv_state, new ssm). With `conv_steps` [T, C, W-1] and `ssm_steps` [T, Hv, K, V] the
+    states after every token are written there too."""
     T = mixed.shape[0]
     n_v_heads, K, V = ssm.shape
+    inputs = torch.cat((conv_state, mixed.T), dim=1)  # [C, W-1+T]: the conv state after token t is inputs t+1..
     conv, conv_state = causal_conv1d(mixed, conv_weight, conv_state)
     u = F.silu(conv)
     key_dim = n_k_heads * K
     q = l2_norm(u[:, :key_dim].view(T, n_k_heads, K), eps)
     k = l2_norm(u[:, key_dim : 2 * key_dim].view(T, n_k_heads, K), eps)
     v = u[:, 2 * key_dim :].view(T, n_v_heads, V)
-    o, ssm = gated_delta_rule_recurrent(q, k, v, g, beta, ssm)
-    return gated_rms_norm(o, z, norm_weight, eps).reshape(T, -1), conv_state, ssm
+    o, states = gated_delta_rule_recurrent(q, k, v, g, beta, ssm, return_states=ssm_steps is not None)
+    if ssm_steps is not None:
+        ssm_steps.copy_(states)
+        states = states[-1]
+    if conv_steps is not None:
+        conv_steps.copy_(inputs.unfold(1, conv_state.shape[1], 1)[:, 1:].transpose(0, 1))
+    return gated_rms_norm(o, z, norm_weight, eps).reshape(T, -1), conv_state, states
 
 
 def gated_delta_net_step(
     mixed: torch.Tensor,
-    conv_state: torch.Tensor,
-    conv_weight: torch.Tensor,
     z: torch.Tensor,
     beta: torch.Tensor,
     g: torch.Tensor,
+    conv_state: torch.Tensor,
     ssm: torch.Tensor,
+    *,
+    conv_weight: torch.Tensor,
     norm_weight: torch.Tensor,
     n_k_heads: int,
     eps: float,
+    conv_steps: torch.Tensor | None = None,
+    ssm_steps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`gated_delta_net_step_reference` as one C kernel call (states updated in place and returned)."""
+    """`gated_delta_net_step_reference` as one C kernel call (states updated in place and returned): the routine
+    the fused mixer (`gated_delta_net_decode_cpu`) runs per sequence; without the library, the reference."""
     lib = cpu_kernels.load()
     if lib is None:
         return gated_delta_net_step_reference(
-            mixed, conv_state, conv_weight, z, beta, g, ssm, norm_weight, n_k_heads, eps
+            mixed,
+            z,
+            beta,
+            g,
+            conv_state,
+            ssm,
+            conv_weight=conv_weight,
+            norm_weight=norm_weight,
+            n_k_heads=n_k_heads,
+            eps=eps,
+            conv_steps=conv_steps,
+            ssm_steps=ssm_steps,
         )
     T = mixed.shape[0]
     n_v_heads, K, V = ssm.shape
+    for t in (conv_state, ssm, conv_steps, ssm_steps):
+        if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()):
+            raise ValueError("recurrent states must be contiguous float32 (they are updated in place)")
     args = [t.float().contiguous() for t in (mixed, conv_weight, z, beta, g, norm_weight)]
     mixed, conv_weight, z, beta, g, norm_weight = args
-    conv_state, ssm = conv_state.contiguous(), ssm.contiguous()
     y = torch.empty(T, n_v_heads * V)
     lib.mtp_gdn_step(
         mixed.data_ptr(),
@@ -224,8 +276,8 @@ def gated_delta_net_step(
         ssm.data_ptr(),
         norm_weight.data_ptr(),
         y.data_ptr(),
-        None,
-        None,
+        ssm_steps.data_ptr() if ssm_steps is not None else None,
+        conv_steps.data_ptr() if conv_steps is not None else None,
         T,
         n_k_heads,
         n_v_heads,
@@ -239,114 +291,96 @@ def gated_delta_net_step(
 
 def gated_delta_net_decode_reference(
     h: torch.Tensor,
-    projections: Sequence[QTensor],
-    dt_bias: torch.Tensor,
-    a: torch.Tensor,
-    conv_weight: torch.Tensor,
-    norm_weight: torch.Tensor,
-    w_out: QTensor,
+    weights: GatedDeltaNetWeights,
     conv_states: Sequence[torch.Tensor],
     ssms: Sequence[torch.Tensor],
-    n_k_heads: int,
-    eps: float,
+    *,
+    conv_steps: Sequence[torch.Tensor] | None = None,
+    ssm_steps: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Gated DeltaNet mixers of a few tokens for one or more sequences, in plain PyTorch, from the normed
-    input h [n_seq * T, E] (sequence s owns rows s*T .. s*T + T - 1 and the states conv_states[s], ssms[s],
-    updated in place): projections (qkv | z | beta | alpha), beta = sigmoid, g = a * softplus(alpha +
-    dt_bias) (the log decay; a = -exp(A_log)), `gated_delta_net_step_reference`, output projection [n_seq * T, E]."""
+    """Gated DeltaNet mixers of a few tokens for one or more sequences, in plain PyTorch, from the normed input
+    h [n_seq * T, E] (sequence s owns rows s*T .. s*T + T - 1 and the states conv_states[s], ssms[s], updated in
+    place): projections (qkv | z | beta | alpha), beta = sigmoid, g = a * softplus(alpha + dt_bias) (the log
+    decay; a = -exp(A_log)), `gated_delta_net_step_reference`, output projection [n_seq * T, E]. With `conv_steps`
+    [T, C, W-1] and `ssm_steps` [T, Hv, K, V] per sequence, the states after every token are written there too
+    (a rejected draft rolls back to one of them)."""
+    w = weights
     T = h.shape[0] // len(ssms)
     n_v_heads, _, V = ssms[0].shape
-    mixed, z, beta, alpha = (linear_reference(h, w) for w in projections)
-    g = a * F.softplus(alpha + dt_bias)
+    mixed, z, beta, alpha = (linear_reference(h, p) for p in w.projections)
+    g = w.a * F.softplus(alpha + w.dt_bias)
     beta, z = torch.sigmoid(beta), z.view(-1, n_v_heads, V)
     ys = []
     for s, (conv_state, ssm) in enumerate(zip(conv_states, ssms)):
         rows = slice(s * T, (s + 1) * T)
         y, new_conv, new_ssm = gated_delta_net_step_reference(
-            mixed[rows], conv_state, conv_weight, z[rows], beta[rows], g[rows], ssm, norm_weight, n_k_heads, eps
+            mixed[rows],
+            z[rows],
+            beta[rows],
+            g[rows],
+            conv_state,
+            ssm,
+            conv_weight=w.conv_weight,
+            norm_weight=w.norm_weight,
+            n_k_heads=w.n_k_heads,
+            eps=w.eps,
+            conv_steps=conv_steps[s] if conv_steps is not None else None,
+            ssm_steps=ssm_steps[s] if ssm_steps is not None else None,
         )
         conv_state.copy_(new_conv)
         ssm.copy_(new_ssm)
         ys.append(y)
-    return linear_reference(torch.cat(ys), w_out)
+    return linear_reference(torch.cat(ys), w.w_out)
 
 
 def gated_delta_net_decode(
     h: torch.Tensor,
-    projections: Sequence[QTensor],
-    dt_bias: torch.Tensor,
-    a: torch.Tensor,
-    conv_weight: torch.Tensor,
-    norm_weight: torch.Tensor,
-    w_out: QTensor,
+    weights: GatedDeltaNetWeights,
     conv_states: Sequence[torch.Tensor],
     ssms: Sequence[torch.Tensor],
-    n_k_heads: int,
-    eps: float,
+    *,
     conv_steps: Sequence[torch.Tensor] | None = None,
     ssm_steps: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """`gated_delta_net_decode_reference` in one C call, for decode and draft verification, where a
-    layer's dozen small ops would each cost more in Python than in arithmetic. The states must be
-    contiguous float32 (they are updated in place); each sequence is rounded as if alone (see `linear`).
-    With `conv_steps` [T, C, W-1] and `ssm_steps` [T, Hv, K, V] per sequence, the states after every
-    token are written there too (a rejected draft rolls back to one of them).
-
-    On the GPU path (ops.device): `gated_delta_net_decode_gpu`."""
+    """`gated_delta_net_decode_reference`, for decode and draft verification: on the GPU path
+    `gated_delta_net_decode_gpu`, else the C kernel (`gated_delta_net_decode_cpu`) where it multiplies these
+    weights, else the reference."""
+    steps = {"conv_steps": conv_steps, "ssm_steps": ssm_steps}
     if gpu_path(h):
-        return gated_delta_net_decode_gpu(
-            h,
-            projections,
-            dt_bias,
-            a,
-            conv_weight,
-            norm_weight,
-            w_out,
-            conv_states,
-            ssms,
-            n_k_heads,
-            eps,
-            conv_steps,
-            ssm_steps,
-        )
+        return gated_delta_net_decode_gpu(h, weights, conv_states, ssms, **steps)
+    if all(kernel_supports(w, split=True) for w in (*weights.projections, weights.w_out)):
+        return gated_delta_net_decode_cpu(h, weights, conv_states, ssms, **steps)
+    return gated_delta_net_decode_reference(h, weights, conv_states, ssms, **steps)
+
+
+def gated_delta_net_decode_cpu(
+    h: torch.Tensor,
+    weights: GatedDeltaNetWeights,
+    conv_states: Sequence[torch.Tensor],
+    ssms: Sequence[torch.Tensor],
+    *,
+    conv_steps: Sequence[torch.Tensor] | None = None,
+    ssm_steps: Sequence[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """`gated_delta_net_decode_reference` in one C call (the fused mixer), where a layer's dozen small ops would
+    each cost more in Python than in arithmetic. The states must be contiguous float32 (they are updated in place);
+    each sequence is rounded as if alone (see `linear`). Matrices split by rows over devices, which the fused
+    kernel cannot read, go through the same kernels one call each: the same values."""
     lib = cpu_kernels.load()
+    assert lib is not None
     n_seq = len(ssms)
     T = h.shape[0] // n_seq
-    projections = projections if isinstance(projections, WeightGroup) else WeightGroup(projections)
-    if lib is None or not (projections.on_kernels and kernel_supports(w_out)):
-        n_v_heads, _, V = ssms[0].shape
-        mixed, z, beta, alpha = linear_many(h, projections, T)
-        g = a * F.softplus(alpha + dt_bias)
-        beta, z = torch.sigmoid(beta), z.view(-1, n_v_heads, V)
-        ys = []
-        for s, (conv_state, ssm) in enumerate(zip(conv_states, ssms)):
-            rows = slice(s * T, (s + 1) * T)
-            for t in range(T):  # token by token, to keep every intermediate state
-                y, new_conv, new_ssm = gated_delta_net_step(
-                    mixed[rows][t : t + 1],
-                    conv_state,
-                    conv_weight,
-                    z[rows][t : t + 1],
-                    beta[rows][t : t + 1],
-                    g[rows][t : t + 1],
-                    ssm,
-                    norm_weight,
-                    n_k_heads,
-                    eps,
-                )
-                conv_state.copy_(new_conv)
-                ssm.copy_(new_ssm)
-                if conv_steps is not None and ssm_steps is not None:
-                    conv_steps[s][t].copy_(conv_state)
-                    ssm_steps[s][t].copy_(ssm)
-                ys.append(y)
-        return linear(torch.cat(ys), w_out, seq_len=T)
+    w, projections = weights, weights.projections
+    if not (projections.on_kernels and kernel_supports(w.w_out)):
+        return _gated_delta_net_decode_unfused(h, w, conv_states, ssms, conv_steps, ssm_steps)
     n_v_heads, K, V = ssms[0].shape
     for t in (*conv_states, *ssms):
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError("recurrent states must be contiguous float32 (they are updated in place)")
     x = as_rows(h)
-    dt_bias, a, conv_weight, norm_weight = (t.float().contiguous() for t in (dt_bias, a, conv_weight, norm_weight))
+    dt_bias, a, conv_weight, norm_weight = (
+        t.float().contiguous() for t in (w.dt_bias, w.a, w.conv_weight, w.norm_weight)
+    )
     conv_ptrs = (ctypes.c_void_p * n_seq)(*(t.data_ptr() for t in conv_states))
     ssm_ptrs = (ctypes.c_void_p * n_seq)(*(t.data_ptr() for t in ssms))
     steps = None, None
@@ -358,7 +392,7 @@ def gated_delta_net_decode(
             (ctypes.c_void_p * n_seq)(*(t.data_ptr() for t in ssm_steps)),
             (ctypes.c_void_p * n_seq)(*(t.data_ptr() for t in conv_steps)),
         )
-    out = torch.empty(x.shape[0], w_out.shape[0])
+    out = torch.empty(x.shape[0], w.w_out.shape[0])
     rc = lib.mtp_gdn_mixer(
         x.data_ptr(),
         x.shape[0],
@@ -372,35 +406,66 @@ def gated_delta_net_decode(
         conv_weight.data_ptr(),
         ssm_ptrs,
         norm_weight.data_ptr(),
-        n_k_heads,
+        w.n_k_heads,
         n_v_heads,
         K,
         V,
         conv_weight.shape[1],
-        eps,
-        int(w_out.ggml_type),
-        w_out.data.data_ptr(),
+        w.eps,
+        int(w.w_out.ggml_type),
+        w.w_out.data.data_ptr(),
         out.data_ptr(),
         *steps,
         torch.get_num_threads(),
     )
     if rc != 0:
-        raise RuntimeError(f"mtp_gdn_mixer failed ({rc}) for {w_out.name}")
+        raise RuntimeError(f"mtp_gdn_mixer failed ({rc}) for {w.w_out.name}")
     return out
+
+
+def _gated_delta_net_decode_unfused(
+    h: torch.Tensor,
+    w: GatedDeltaNetWeights,
+    conv_states: Sequence[torch.Tensor],
+    ssms: Sequence[torch.Tensor],
+    conv_steps: Sequence[torch.Tensor] | None,
+    ssm_steps: Sequence[torch.Tensor] | None,
+) -> torch.Tensor:
+    """The fused mixer's steps as separate kernel calls (for matrices split by rows: `linear` multiplies each shard
+    with the C kernel, whole rows the same as the fused call's)."""
+    n_seq = len(ssms)
+    T = h.shape[0] // n_seq
+    n_v_heads, _, V = ssms[0].shape
+    mixed, z, beta, alpha = linear_many(h, w.projections, T)
+    g = w.a * F.softplus(alpha + w.dt_bias)
+    beta, z = torch.sigmoid(beta), z.view(-1, n_v_heads, V)
+    ys = []
+    for s, (conv_state, ssm) in enumerate(zip(conv_states, ssms)):
+        rows = slice(s * T, (s + 1) * T)
+        y, _, _ = gated_delta_net_step(
+            mixed[rows],
+            z[rows],
+            beta[rows],
+            g[rows],
+            conv_state,
+            ssm,
+            conv_weight=w.conv_weight,
+            norm_weight=w.norm_weight,
+            n_k_heads=w.n_k_heads,
+            eps=w.eps,
+            conv_steps=conv_steps[s] if conv_steps is not None else None,
+            ssm_steps=ssm_steps[s] if ssm_steps is not None else None,
+        )
+        ys.append(y)
+    return linear(torch.cat(ys), w.w_out, seq_len=T)
 
 
 def gated_delta_net_decode_gpu(
     h: torch.Tensor,
-    projections: Sequence[QTensor],
-    dt_bias: torch.Tensor,
-    a: torch.Tensor,
-    conv_weight: torch.Tensor,
-    norm_weight: torch.Tensor,
-    w_out: QTensor,
+    weights: GatedDeltaNetWeights,
     conv_states: Sequence[torch.Tensor],
     ssms: Sequence[torch.Tensor],
-    n_k_heads: int,
-    eps: float,
+    *,
     conv_steps: Sequence[torch.Tensor] | None = None,
     ssm_steps: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
@@ -411,13 +476,14 @@ def gated_delta_net_decode_gpu(
     n_seq = len(ssms)
     T = h.shape[0] // n_seq
     n_v_heads, K, V = ssms[0].shape
-    mixed, z, beta, alpha = linear_many(h, projections)
-    g = (a * F.softplus(alpha + dt_bias)).view(n_seq, T, n_v_heads)
+    mixed, z, beta, alpha = linear_many(h, weights.projections)
+    g = (weights.a * F.softplus(alpha + weights.dt_bias)).view(n_seq, T, n_v_heads)
     beta = torch.sigmoid(beta).view(n_seq, T, n_v_heads)
-    C, W = conv_weight.shape
+    C, W = weights.conv_weight.shape
     xs = torch.cat((torch.stack(list(conv_states)), mixed.view(n_seq, T, C).transpose(1, 2)), dim=2)  # [B, C, W-1+T]
-    conv = (xs.unfold(2, W, 1) * conv_weight[None, :, None, :]).sum(-1)  # [B, C, T]
+    conv = (xs.unfold(2, W, 1) * weights.conv_weight[None, :, None, :]).sum(-1)  # [B, C, T]
     u = F.silu(conv.transpose(1, 2).contiguous())  # [B, T, C]
+    n_k_heads, eps = weights.n_k_heads, weights.eps
     key_dim = n_k_heads * K
     q = l2_norm(u[..., :key_dim].reshape(n_seq, T, n_k_heads, K), eps)
     k = l2_norm(u[..., key_dim : 2 * key_dim].reshape(n_seq, T, n_k_heads, K), eps)
@@ -436,8 +502,8 @@ def gated_delta_net_decode_gpu(
             ssm_steps[s].copy_(steps[s])
             # conv state after token t: inputs t+1 .. t+W-1 of [state | new inputs], every t in one copy
             conv_steps[s].copy_(xs[s].unfold(1, W - 1, 1)[:, 1:].transpose(0, 1))
-    y = gated_rms_norm(o, z.view(n_seq, T, n_v_heads, V), norm_weight, eps).reshape(n_seq * T, -1)
-    return linear(y, w_out)
+    y = gated_rms_norm(o, z.view(n_seq, T, n_v_heads, V), weights.norm_weight, eps).reshape(n_seq * T, -1)
+    return linear(y, weights.w_out)
 
 
 def gated_delta_rule_recurrent_batched(
@@ -447,6 +513,7 @@ def gated_delta_rule_recurrent_batched(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    *,
     scale: float | None = None,
     state_steps: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -456,10 +523,12 @@ def gated_delta_rule_recurrent_batched(
     `gated_delta_rule_recurrent` per sequence."""
     kernels = triton_kernels()
     if triton_available(q) and kernels is not None:
-        return kernels.gated_delta_rule_recurrent_batched(q, k, v, g, beta, state, scale, state_steps)
+        return kernels.gated_delta_rule_recurrent_batched(q, k, v, g, beta, state, scale=scale, state_steps=state_steps)
     outs = []
     for b in range(q.shape[0]):
-        o, states = gated_delta_rule_recurrent(q[b], k[b], v[b], g[b], beta[b], state[b], scale, return_states=True)
+        o, states = gated_delta_rule_recurrent(
+            q[b], k[b], v[b], g[b], beta[b], state[b], scale=scale, return_states=True
+        )
         state[b].copy_(states[-1])
         if state_steps is not None:
             state_steps[b].copy_(states)

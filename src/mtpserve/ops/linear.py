@@ -135,10 +135,10 @@ def _kernel_type(ggml_type: GGMLType) -> bool:
     return lib is not None and bool(lib.mtp_matmul_supported(int(ggml_type)))
 
 
-def kernel_supports(weight: QTensor) -> bool:
+def kernel_supports(weight: QTensor, split: bool = False) -> bool:
     """Whether the C kernel library is loaded and multiplies this weight: its type, stored whole (not split by
-    rows over devices)."""
-    return _kernel_type(weight.ggml_type) and not isinstance(weight, RowSplitQTensor)
+    rows over devices; with `split`, also a split one, whose shards `linear` multiplies one by one)."""
+    return _kernel_type(weight.ggml_type) and (split or not isinstance(weight, RowSplitQTensor))
 
 
 class WeightGroup(tuple):

@@ -11,39 +11,46 @@ request and frees its slot.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
-import math
 import secrets
 import string
 import time
-from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..chat import ChatTemplate
-from ..engine import EngineClient, EngineError, FinishEvent, RequestStream, TokenEvent
+from ..engine import EngineError, RequestStream
 from ..tokenizer import Tokenizer
 from . import params, schema
-from .chat import ChatOutput, ChatPlan, plan_chat
+from .chat import ChatOutput, plan_chat
 from .errors import LOADING, NOT_FOUND, UNAUTHORIZED, APIError, invalid
 from .params import Body, Completion
+from .responses import (
+    chat_finish_reason,
+    chat_stream,
+    collect,
+    envelope,
+    generation_settings,
+    native_final,
+    native_stream,
+    sse,
+    text_stream,
+    token_logprobs,
+)
 from .state import ServerState
 
 log = logging.getLogger("mtpserve.server")
 
 PUBLIC_PATHS = {"/health", "/v1/health", "/v1/models", "/models"}
 ID_ALPHABET = string.ascii_letters + string.digits
-WATCH_INTERVAL = 0.25  # seconds between checks for a client that went away
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -103,7 +110,7 @@ def create_app(state: ServerState) -> FastAPI:
     @router.get("/v1/models")
     @router.get("/models", include_in_schema=False)
     async def models() -> dict[str, Any]:
-        info = _engine(state).info
+        info = state.loaded_engine().info
         name = settings.model_name
         meta = {
             "vocab_type": 2,
@@ -146,11 +153,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @router.get("/props")
     async def props() -> dict[str, Any]:
-        info = _engine(state).info
-        tokenizer, template = _tokenizer(state), _template(state)
+        info = state.loaded_engine().info
+        tokenizer, template = state.loaded_tokenizer(), state.loaded_template()
         piece = lambda i: tokenizer.token_to_piece(i) if i is not None else ""  # noqa: E731
         return {
-            "default_generation_settings": {"params": _settings_dict(state), "n_ctx": info.n_ctx_slot},
+            "default_generation_settings": {"params": generation_settings(state), "n_ctx": info.n_ctx_slot},
             "total_slots": info.n_slots,
             "model_alias": settings.model_name,
             "model_path": str(settings.model),
@@ -172,7 +179,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(
                 "This server does not support slots endpoint. Start it without `--no-slots`", "not_supported_error", 501
             )
-        info = _engine(state).slots_info()
+        info = state.loaded_engine().slots_info()
         if request.query_params.get("fail_on_no_slot") and not any(not s.is_processing for s in info):
             raise APIError("no slot available", "unavailable_error", 503)
         spec = settings.engine.spec
@@ -187,7 +194,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "n_prompt_tokens_processed": s.n_prompt_tokens_processed,
                 "n_prompt_tokens_cache": s.n_prompt_tokens_cache,
                 "n_cached_tokens": s.n_cached,
-                "params": {**_settings_dict(state), "speculative.types": spec.type},
+                "params": {**generation_settings(state), "speculative.types": spec.type},
                 "next_token": [{"has_next_token": s.is_processing, "n_remain": s.n_remain, "n_decoded": s.n_decoded}],
             }
             for s in info
@@ -205,7 +212,7 @@ def create_app(state: ServerState) -> FastAPI:
     @router.post("/tokenize", openapi_extra=schema.body(schema.TOKENIZE))
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await _body(request, settings.max_body_bytes)
-        tokenizer = _tokenizer(state)
+        tokenizer = state.loaded_tokenizer()
         content = body.raw("content")
         if content is None:
             raise invalid("'content' is required")
@@ -230,7 +237,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def detokenize(request: Request) -> dict[str, str]:
         body = await _body(request, settings.max_body_bytes)
         tokens = body.raw("tokens", [])
-        tokenizer = _tokenizer(state)
+        tokenizer = state.loaded_tokenizer()
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise invalid("Field 'tokens': expected an array of token ids")
         if any(not 0 <= t < tokenizer.n_vocab for t in tokens):
@@ -240,8 +247,10 @@ def create_app(state: ServerState) -> FastAPI:
     @router.post("/apply-template", openapi_extra=schema.body(schema.CHAT))
     async def apply_template(request: Request) -> dict[str, str]:
         body = await _body(request, settings.max_body_bytes)
-        plan = await run_in_threadpool(plan_chat, body, _template(state), _tokenizer(state), settings.chat)
-        return {"prompt": _tokenizer(state).decode(plan.prompt)}
+        plan = await run_in_threadpool(
+            plan_chat, body, state.loaded_template(), state.loaded_tokenizer(), settings.chat
+        )
+        return {"prompt": state.loaded_tokenizer().decode(plan.prompt)}
 
     # --- generation -----------------------------------------------------------------------------------
 
@@ -249,7 +258,7 @@ def create_app(state: ServerState) -> FastAPI:
         """A prompt completion's request (/completion, /v1/completions): n_probs_field names the top-N field."""
         body = await _body(request, settings.max_body_bytes)
         _check_model(body, state)
-        tokenizer = _tokenizer(state)
+        tokenizer = state.loaded_tokenizer()
         if isinstance(body.raw(n_probs_field), bool):
             raise invalid(f"Field '{n_probs_field}': expected an integer (the number of top tokens)")
         prompt = await run_in_threadpool(params.prompt_tokens, body.raw("prompt"), tokenizer)
@@ -264,9 +273,9 @@ def create_app(state: ServerState) -> FastAPI:
         job, _ = await text_job(request, "n_probs")
         stream = _submit(state, job)
         if job.stream:
-            return _sse(_native_stream(state, request, stream, job))
-        finish, tokens = await _collect(request, stream)
-        return JSONResponse(_native_final(state, job, finish, tokens, finish.text))
+            return sse(native_stream(state, request, stream, job))
+        finish, tokens = await collect(request, stream)
+        return JSONResponse(native_final(state, job, finish, tokens, finish.text))
 
     @router.post("/v1/completions", openapi_extra=schema.body(schema.COMPLETION))
     async def completion_openai(request: Request) -> Response:
@@ -274,22 +283,22 @@ def create_app(state: ServerState) -> FastAPI:
         stream = _submit(state, job)
         cid = "cmpl-" + _random_id()
         if job.stream:
-            return _sse(_text_stream(state, request, stream, job, cid))
-        finish, tokens = await _collect(request, stream)
+            return sse(text_stream(state, request, stream, job, cid))
+        finish, tokens = await collect(request, stream)
         choice = {
             "text": finish.text,
             "index": 0,
-            "logprobs": _logprobs(tokenizer, tokens) if job.n_probs else None,
+            "logprobs": token_logprobs(tokenizer, tokens) if job.n_probs else None,
             "finish_reason": finish.finish_reason,
         }
-        return JSONResponse(_envelope(state, cid, "text_completion", [choice], finish))
+        return JSONResponse(envelope(state, cid, "text_completion", [choice], finish))
 
     @router.post("/v1/chat/completions", openapi_extra=schema.body(schema.CHAT))
     @router.post("/chat/completions", include_in_schema=False)
     async def chat_completion(request: Request) -> Response:
         body = await _body(request, settings.max_body_bytes)
         _check_model(body, state)
-        tokenizer, template = _tokenizer(state), _template(state)
+        tokenizer, template = state.loaded_tokenizer(), state.loaded_template()
         plan = await run_in_threadpool(plan_chat, body, template, tokenizer, settings.chat)
         n_probs = max(plan.top_logprobs, 1) if plan.logprobs else 0  # 1 at least: the token's own logprob
         job = params.completion(
@@ -302,18 +311,18 @@ def create_app(state: ServerState) -> FastAPI:
         cid = "chatcmpl-" + _random_id()
         output = ChatOutput(plan, template)
         if job.stream:
-            return _sse(_chat_stream(state, request, stream, job, plan, output, cid))
-        finish, tokens = await _collect(request, stream)
+            return sse(chat_stream(state, request, stream, job, plan, output, cid))
+        finish, tokens = await collect(request, stream)
         output.feed(finish.text)
         output.finish()
         choice: dict[str, Any] = {
-            "finish_reason": _chat_finish_reason(finish, output),
+            "finish_reason": chat_finish_reason(finish, output),
             "index": 0,
             "message": output.message(),
         }
         if plan.logprobs:
-            choice["logprobs"] = _logprobs(tokenizer, tokens, plan.top_logprobs)
-        return JSONResponse(_envelope(state, cid, "chat.completion", [choice], finish))
+            choice["logprobs"] = token_logprobs(tokenizer, tokens, plan.top_logprobs)
+        return JSONResponse(envelope(state, cid, "chat.completion", [choice], finish))
 
     # --- web page -------------------------------------------------------------------------------------
 
@@ -359,24 +368,6 @@ async def _body(request: Request, limit: int) -> Body:
     return Body(data)
 
 
-def _engine(state: ServerState) -> EngineClient:
-    if state.engine is None:
-        raise LOADING
-    return state.engine
-
-
-def _tokenizer(state: ServerState) -> Tokenizer:
-    if state.tokenizer is None:
-        raise LOADING
-    return state.tokenizer
-
-
-def _template(state: ServerState) -> ChatTemplate:
-    if state.template is None:
-        raise LOADING
-    return state.template
-
-
 def _check_model(body: Body, state: ServerState) -> None:
     name = body.raw("model")
     if name is None or name == "":
@@ -395,7 +386,7 @@ def _check_model(body: Body, state: ServerState) -> None:
 def _submit(state: ServerState, job: Completion) -> RequestStream:
     """Queue a request; refused with 503 + Retry-After when --max-queue requests already wait for a slot.
     EngineErrors (context size, bad slot) become their 4xx."""
-    engine, limit = _engine(state), state.settings.max_queue
+    engine, limit = state.loaded_engine(), state.settings.max_queue
     if limit and engine.queued >= limit:
         raise APIError(
             f"the server is busy: {limit} requests are already waiting for a slot (--max-queue); retry later",
@@ -408,326 +399,3 @@ def _submit(state: ServerState, job: Completion) -> RequestStream:
 
 def _random_id() -> str:
     return "".join(secrets.choice(ID_ALPHABET) for _ in range(32))
-
-
-def _settings_dict(state: ServerState) -> dict[str, Any]:
-    s = state.settings.sampling
-    return {
-        "temperature": s.temperature,
-        "top_k": s.top_k,
-        "top_p": s.top_p,
-        "min_p": s.min_p,
-        "typical_p": s.typical_p,
-        "repeat_last_n": s.repeat_last_n,
-        "repeat_penalty": s.repeat_penalty,
-        "presence_penalty": s.presence_penalty,
-        "frequency_penalty": s.frequency_penalty,
-        "n_predict": state.settings.engine.n_predict,
-        "seed": s.seed,
-    }
-
-
-async def _watch(request: Request, stream: RequestStream) -> None:
-    """Cancel the request when its client goes away (the slot is freed at the engine's next step)."""
-    while True:
-        await asyncio.sleep(WATCH_INTERVAL)
-        if await request.is_disconnected():
-            stream.cancel()
-            return
-
-
-async def _events(
-    state: ServerState, request: Request, stream: RequestStream, ping: float | None = None
-) -> AsyncIterator[TokenEvent | FinishEvent | None]:
-    """The engine's events for one request; None after `ping` seconds of silence (time for a keep-alive).
-    The request is cancelled if the client leaves or the consumer stops early."""
-    watcher = asyncio.create_task(_watch(request, stream))
-    finished = False
-    try:
-        while True:
-            event = await stream.next_event(ping)
-            if isinstance(event, FinishEvent):
-                finished = True
-                _log_timings(state, event, stream.id)
-                state.metrics.record(event)
-            yield event
-            if finished:
-                return
-    finally:
-        watcher.cancel()
-        if not finished:  # the client left (or the response failed): free the slot
-            log.warning("srv  cancel_tasks: cancel task, id_task = %d", stream.id)
-            stream.cancel()
-
-
-async def _collect(request: Request, stream: RequestStream) -> tuple[FinishEvent, list[TokenEvent]]:
-    state: ServerState = request.app.state.server
-    tokens: list[TokenEvent] = []
-    async for event in _events(state, request, stream):
-        if isinstance(event, TokenEvent):
-            tokens.append(event)
-        elif isinstance(event, FinishEvent):
-            return event, tokens
-    raise APIError("the request ended without a result", "server_error", 500)
-
-
-def _log_timings(state: ServerState, event: FinishEvent, task: int) -> None:
-    """llama-server's print_timing lines (--perf, on by default)."""
-    if not state.settings.perf:
-        return
-    t, head = event.timings, f"slot print_timing: id {event.id_slot:2d} | task {task} | "
-    log.info(
-        head + "prompt eval time = %10.2f ms / %5d tokens (%8.2f ms per token, %8.2f tokens per second)",
-        t.prompt_ms,
-        t.prompt_n,
-        t.prompt_per_token_ms,
-        t.prompt_per_second,
-    )
-    log.info(
-        head + "       eval time = %10.2f ms / %5d tokens (%8.2f ms per token, %8.2f tokens per second)",
-        t.predicted_ms,
-        t.predicted_n,
-        t.predicted_per_token_ms,
-        t.predicted_per_second,
-    )
-    log.info(
-        head + "      total time = %10.2f ms / %5d tokens", t.prompt_ms + t.predicted_ms, t.prompt_n + t.predicted_n
-    )
-    if t.draft_n:
-        steps = max(event.verify_steps, 1)
-        log.info(
-            head + "draft acceptance = %7.5f (%5d accepted / %5d generated), mean len = %5.2f",
-            t.draft_n_accepted / t.draft_n,
-            t.draft_n_accepted,
-            t.draft_n,
-            (t.draft_n_accepted + steps) / steps,
-        )
-    n_tokens = event.n_prompt_tokens + len(event.tokens)
-    log.info(
-        "slot      release: id %2d | task %d | stop processing: n_tokens = %d, truncated = %d",
-        event.id_slot,
-        task,
-        n_tokens,
-        int(event.truncated),
-    )
-
-
-def _usage(finish: FinishEvent) -> dict[str, Any]:
-    t = finish.timings
-    n_prompt = finish.n_prompt_tokens
-    return {
-        "completion_tokens": len(finish.tokens),
-        "prompt_tokens": n_prompt,
-        "total_tokens": n_prompt + len(finish.tokens),
-        "prompt_tokens_details": {"cached_tokens": t.cache_n},
-    }
-
-
-def _envelope(
-    state: ServerState, cid: str, obj: str, choices: list[dict[str, Any]], finish: FinishEvent | None
-) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "choices": choices,
-        "created": int(time.time()),
-        "model": state.settings.model_name,
-        "system_fingerprint": state.fingerprint,
-        "object": obj,
-    }
-    if finish is not None:
-        out["usage"] = _usage(finish)
-    out["id"] = cid
-    if finish is not None:
-        out["timings"] = finish.timings.as_dict()
-    return out
-
-
-def _token_entry(tokenizer: Tokenizer, token: int, prob: float) -> dict[str, Any]:
-    raw = tokenizer.token_bytes(token)
-    return {
-        "id": token,
-        "token": raw.decode("utf-8", errors="replace"),
-        "bytes": list(raw),
-        "logprob": math.log(prob) if prob > 0 else -9999.0,
-    }
-
-
-def _probabilities(tokenizer: Tokenizer, event: TokenEvent, top: int | None = None) -> dict[str, Any]:
-    entry = _token_entry(tokenizer, event.token, event.prob)
-    entry["top_logprobs"] = [_token_entry(tokenizer, i, p) for i, p in event.top_probs[:top]]
-    return entry
-
-
-def _logprobs(tokenizer: Tokenizer, tokens: list[TokenEvent], top: int | None = None) -> dict[str, Any]:
-    return {"content": [_probabilities(tokenizer, e, top) for e in tokens]}
-
-
-def _chat_finish_reason(finish: FinishEvent, output: ChatOutput) -> str:
-    return "tool_calls" if finish.finish_reason == "stop" and output.calls else finish.finish_reason
-
-
-def _sse(events: AsyncIterator[str]) -> StreamingResponse:
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-
-
-def _data(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """An error after the stream started: one `data: {"error": ...}` event, then the stream ends."""
-    try:
-        async for chunk in events:
-            yield chunk
-    except EngineError as e:
-        yield _data({"error": e.to_dict()})
-    except APIError as e:
-        yield _data(e.body())
-
-
-async def _chat_stream(
-    state: ServerState,
-    request: Request,
-    stream: RequestStream,
-    job: Completion,
-    plan: ChatPlan,
-    output: ChatOutput,
-    cid: str,
-) -> AsyncIterator[str]:
-    async def chunks() -> AsyncIterator[str]:
-        created = int(time.time())
-        base = {
-            "created": created,
-            "id": cid,
-            "model": state.settings.model_name,
-            "system_fingerprint": state.fingerprint,
-            "object": "chat.completion.chunk",
-        }
-
-        def chunk(delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> str:
-            return _data({"choices": [{"finish_reason": finish_reason, "index": 0, "delta": delta, **extra}], **base})
-
-        first = True
-        tokenizer = _tokenizer(state)
-        async for event in _events(state, request, stream, state.settings.sse_ping_interval):
-            if event is None:
-                yield ":\n\n"
-                continue
-            if first:
-                first = False
-                yield chunk({"role": "assistant", "content": None})
-            if isinstance(event, TokenEvent):
-                logprobs = {"logprobs": _logprobs(tokenizer, [event], plan.top_logprobs)} if plan.logprobs else {}
-                deltas = output.feed(event.text)
-                for i, delta in enumerate(deltas):
-                    yield chunk(delta, **(logprobs if i == 0 else {}))
-                if logprobs and not deltas:
-                    yield chunk({}, **logprobs)
-                continue
-            for delta in output.feed(event.tail) + output.finish():
-                yield chunk(delta)
-            timings = {"timings": event.timings.as_dict()}
-            last = _data(
-                {
-                    "choices": [{"finish_reason": _chat_finish_reason(event, output), "index": 0, "delta": {}}],
-                    **base,
-                    **({} if job.include_usage else timings),
-                }
-            )
-            yield last
-            if job.include_usage:
-                yield _data({"choices": [], **base, "usage": _usage(event), **timings})
-            yield "data: [DONE]\n\n"
-
-    async for piece in _guarded(chunks()):
-        yield piece
-
-
-async def _text_stream(
-    state: ServerState, request: Request, stream: RequestStream, job: Completion, cid: str
-) -> AsyncIterator[str]:
-    async def chunks() -> AsyncIterator[str]:
-        tokenizer = _tokenizer(state)
-        async for event in _events(state, request, stream, state.settings.sse_ping_interval):
-            if event is None:
-                yield ":\n\n"
-            elif isinstance(event, TokenEvent):
-                if event.text or job.n_probs:
-                    logprobs = _logprobs(tokenizer, [event]) if job.n_probs else None
-                    choice = {"text": event.text, "index": 0, "logprobs": logprobs, "finish_reason": None}
-                    yield _data(_envelope(state, cid, "text_completion", [choice], None))
-            else:
-                choice = {"text": event.tail, "index": 0, "logprobs": None, "finish_reason": event.finish_reason}
-                yield _data(_envelope(state, cid, "text_completion", [choice], event))
-                yield "data: [DONE]\n\n"
-
-    async for piece in _guarded(chunks()):
-        yield piece
-
-
-def _native_final(
-    state: ServerState, job: Completion, finish: FinishEvent, tokens: list[TokenEvent], content: str
-) -> dict[str, Any]:
-    tokenizer = _tokenizer(state)
-    out: dict[str, Any] = {
-        "index": 0,
-        "content": content,
-        "tokens": finish.tokens if job.return_tokens else [],
-        "id_slot": finish.id_slot,
-        "stop": True,
-        "model": state.settings.model_name,
-        "tokens_predicted": len(finish.tokens),
-        "tokens_evaluated": finish.n_prompt_tokens,
-        "generation_settings": _settings_dict(state),
-        "prompt": tokenizer.decode(job.request.prompt),
-        "has_new_line": "\n" in finish.text,
-        "truncated": finish.truncated,
-        "stop_type": finish.stop_type,
-        "stopping_word": finish.stopping_word,
-        "tokens_cached": finish.timings.cache_n + finish.timings.prompt_n + len(finish.tokens),
-        "timings": finish.timings.as_dict(),
-    }
-    if job.n_probs and tokens:
-        out["completion_probabilities"] = [_probabilities(tokenizer, e) for e in tokens]
-    return out
-
-
-async def _native_stream(
-    state: ServerState, request: Request, stream: RequestStream, job: Completion
-) -> AsyncIterator[str]:
-    async def chunks() -> AsyncIterator[str]:
-        tokenizer = _tokenizer(state)
-        n = 0
-        async for event in _events(state, request, stream, state.settings.sse_ping_interval):
-            if event is None:
-                yield ":\n\n"
-            elif isinstance(event, TokenEvent):
-                n += 1
-                piece = {
-                    "index": 0,
-                    "content": event.text,
-                    "tokens": [event.token] if job.return_tokens else [],
-                    "stop": False,
-                    "id_slot": -1,
-                    "tokens_predicted": n,
-                    "tokens_evaluated": len(job.request.prompt),
-                }
-                if job.n_probs:
-                    piece["completion_probabilities"] = [_probabilities(tokenizer, event)]
-                yield _data(piece)
-            else:
-                if event.tail:
-                    piece = {
-                        "index": 0,
-                        "content": event.tail,
-                        "tokens": [],
-                        "stop": False,
-                        "id_slot": -1,
-                        "tokens_predicted": n,
-                        "tokens_evaluated": len(job.request.prompt),
-                    }
-                    yield _data(piece)
-                yield _data(_native_final(state, job, event, [], ""))
-
-    async for piece in _guarded(chunks()):
-        yield piece

@@ -18,10 +18,11 @@ from tqdm import tqdm
 from .. import __version__
 from ..chat import ChatTemplate
 from ..engine import Engine, EngineClient, EngineConfig, SamplingParams
-from ..engine.placement import GpuRequest
+from ..engine.devices import GpuRequest
 from ..engine.planner import plan_for_file
 from ..tokenizer import Tokenizer
 from .chat import ChatSettings, keep_special_ids
+from .errors import LOADING
 from .metrics import ServerMetrics
 
 log = logging.getLogger("mtpserve.server")
@@ -80,6 +81,22 @@ class ServerState:
     @property
     def ready(self) -> bool:
         return self.engine is not None
+
+    def loaded_engine(self) -> EngineClient:
+        """The engine; 503 `Loading model` until it is loaded."""
+        if self.engine is None:
+            raise LOADING
+        return self.engine
+
+    def loaded_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise LOADING
+        return self.tokenizer
+
+    def loaded_template(self) -> ChatTemplate:
+        if self.template is None:
+            raise LOADING
+        return self.template
 
     def load(self) -> None:
         """Load the model and start the engine; on failure remember why (the server then exits)."""

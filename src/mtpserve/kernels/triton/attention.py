@@ -240,12 +240,12 @@ def decode_attention(
     v_type: int,
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
+    *,
     n_kv_heads: int,
     head_dim: int,
     scale: float,
     window: int | None = None,
     n_splits: int | None = None,
-    *,
     precision: str | None = None,
     ordered: bool = False,
 ) -> torch.Tensor:

@@ -124,9 +124,9 @@ def gated_delta_rule_recurrent_batched(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    *,
     scale: float | None = None,
     state_steps: torch.Tensor | None = None,
-    *,
     block_v: int | None = None,
 ) -> torch.Tensor:
     """q, k [B, T, Hk, K]; v [B, T, Hv, V]; g (log decay), beta [B, T, Hv] (any float dtype, computed in float32);
@@ -290,8 +290,8 @@ def gated_delta_chunk_scan(
     qk: torch.Tensor,
     g_cum: torch.Tensor,
     state: torch.Tensor,
-    chunk_states: torch.Tensor | None = None,
     *,
+    chunk_states: torch.Tensor | None = None,
     block_v: int = 16,
     num_warps: int = 8,
     num_stages: int = 1,

@@ -1,0 +1,350 @@
+"""What goes back to a client: the engine's events for one request (cancelled when the client leaves), and the
+response bodies and server-sent-event streams of llama-server's and OpenAI's endpoints built from them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from ..engine import EngineError, FinishEvent, RequestStream, TokenEvent
+from ..tokenizer import Tokenizer
+from .chat import ChatOutput, ChatPlan
+from .errors import APIError
+from .params import Completion
+from .state import ServerState
+
+log = logging.getLogger("mtpserve.server")
+
+WATCH_INTERVAL = 0.25  # seconds between checks for a client that went away
+
+
+def generation_settings(state: ServerState) -> dict[str, Any]:
+    """The server's default generation settings, as llama-server reports them (/props, /slots, /completion)."""
+    s = state.settings.sampling
+    return {
+        "temperature": s.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "min_p": s.min_p,
+        "typical_p": s.typical_p,
+        "repeat_last_n": s.repeat_last_n,
+        "repeat_penalty": s.repeat_penalty,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "n_predict": state.settings.engine.n_predict,
+        "seed": s.seed,
+    }
+
+
+async def _watch(request: Request, stream: RequestStream) -> None:
+    """Cancel the request when its client goes away (the slot is freed at the engine's next step)."""
+    while True:
+        await asyncio.sleep(WATCH_INTERVAL)
+        if await request.is_disconnected():
+            stream.cancel()
+            return
+
+
+async def events(
+    state: ServerState, request: Request, stream: RequestStream, ping: float | None = None
+) -> AsyncIterator[TokenEvent | FinishEvent | None]:
+    """The engine's events for one request; None after `ping` seconds of silence (time for a keep-alive).
+    The request is cancelled if the client leaves or the consumer stops early."""
+    watcher = asyncio.create_task(_watch(request, stream))
+    finished = False
+    try:
+        while True:
+            event = await stream.next_event(ping)
+            if isinstance(event, FinishEvent):
+                finished = True
+                _log_timings(state, event, stream.id)
+                state.metrics.record(event)
+            yield event
+            if finished:
+                return
+    finally:
+        watcher.cancel()
+        if not finished:  # the client left (or the response failed): free the slot
+            log.warning("srv  cancel_tasks: cancel task, id_task = %d", stream.id)
+            stream.cancel()
+
+
+async def collect(request: Request, stream: RequestStream) -> tuple[FinishEvent, list[TokenEvent]]:
+    state: ServerState = request.app.state.server
+    tokens: list[TokenEvent] = []
+    async for event in events(state, request, stream):
+        if isinstance(event, TokenEvent):
+            tokens.append(event)
+        elif isinstance(event, FinishEvent):
+            return event, tokens
+    raise APIError("the request ended without a result", "server_error", 500)
+
+
+def _log_timings(state: ServerState, event: FinishEvent, task: int) -> None:
+    """llama-server's print_timing lines (--perf, on by default)."""
+    if not state.settings.perf:
+        return
+    t, head = event.timings, f"slot print_timing: id {event.id_slot:2d} | task {task} | "
+    log.info(
+        head + "prompt eval time = %10.2f ms / %5d tokens (%8.2f ms per token, %8.2f tokens per second)",
+        t.prompt_ms,
+        t.prompt_n,
+        t.prompt_per_token_ms,
+        t.prompt_per_second,
+    )
+    log.info(
+        head + "       eval time = %10.2f ms / %5d tokens (%8.2f ms per token, %8.2f tokens per second)",
+        t.predicted_ms,
+        t.predicted_n,
+        t.predicted_per_token_ms,
+        t.predicted_per_second,
+    )
+    log.info(
+        head + "      total time = %10.2f ms / %5d tokens", t.prompt_ms + t.predicted_ms, t.prompt_n + t.predicted_n
+    )
+    if t.draft_n:
+        steps = max(event.verify_steps, 1)
+        log.info(
+            head + "draft acceptance = %7.5f (%5d accepted / %5d generated), mean len = %5.2f",
+            t.draft_n_accepted / t.draft_n,
+            t.draft_n_accepted,
+            t.draft_n,
+            (t.draft_n_accepted + steps) / steps,
+        )
+    n_tokens = event.n_prompt_tokens + len(event.tokens)
+    log.info(
+        "slot      release: id %2d | task %d | stop processing: n_tokens = %d, truncated = %d",
+        event.id_slot,
+        task,
+        n_tokens,
+        int(event.truncated),
+    )
+
+
+def _usage(finish: FinishEvent) -> dict[str, Any]:
+    t = finish.timings
+    n_prompt = finish.n_prompt_tokens
+    return {
+        "completion_tokens": len(finish.tokens),
+        "prompt_tokens": n_prompt,
+        "total_tokens": n_prompt + len(finish.tokens),
+        "prompt_tokens_details": {"cached_tokens": t.cache_n},
+    }
+
+
+def envelope(
+    state: ServerState, cid: str, obj: str, choices: list[dict[str, Any]], finish: FinishEvent | None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "choices": choices,
+        "created": int(time.time()),
+        "model": state.settings.model_name,
+        "system_fingerprint": state.fingerprint,
+        "object": obj,
+    }
+    if finish is not None:
+        out["usage"] = _usage(finish)
+    out["id"] = cid
+    if finish is not None:
+        out["timings"] = finish.timings.as_dict()
+    return out
+
+
+def _token_entry(tokenizer: Tokenizer, token: int, prob: float) -> dict[str, Any]:
+    raw = tokenizer.token_bytes(token)
+    return {
+        "id": token,
+        "token": raw.decode("utf-8", errors="replace"),
+        "bytes": list(raw),
+        "logprob": math.log(prob) if prob > 0 else -9999.0,
+    }
+
+
+def _probabilities(tokenizer: Tokenizer, event: TokenEvent, top: int | None = None) -> dict[str, Any]:
+    entry = _token_entry(tokenizer, event.token, event.prob)
+    entry["top_logprobs"] = [_token_entry(tokenizer, i, p) for i, p in event.top_probs[:top]]
+    return entry
+
+
+def token_logprobs(tokenizer: Tokenizer, tokens: list[TokenEvent], top: int | None = None) -> dict[str, Any]:
+    return {"content": [_probabilities(tokenizer, e, top) for e in tokens]}
+
+
+def chat_finish_reason(finish: FinishEvent, output: ChatOutput) -> str:
+    return "tool_calls" if finish.finish_reason == "stop" and output.calls else finish.finish_reason
+
+
+def sse(events: AsyncIterator[str]) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+def _data(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """An error after the stream started: one `data: {"error": ...}` event, then the stream ends."""
+    try:
+        async for chunk in events:
+            yield chunk
+    except EngineError as e:
+        yield _data({"error": e.to_dict()})
+    except APIError as e:
+        yield _data(e.body())
+
+
+async def chat_stream(
+    state: ServerState,
+    request: Request,
+    stream: RequestStream,
+    job: Completion,
+    plan: ChatPlan,
+    output: ChatOutput,
+    cid: str,
+) -> AsyncIterator[str]:
+    async def chunks() -> AsyncIterator[str]:
+        created = int(time.time())
+        base = {
+            "created": created,
+            "id": cid,
+            "model": state.settings.model_name,
+            "system_fingerprint": state.fingerprint,
+            "object": "chat.completion.chunk",
+        }
+
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> str:
+            return _data({"choices": [{"finish_reason": finish_reason, "index": 0, "delta": delta, **extra}], **base})
+
+        first = True
+        tokenizer = state.loaded_tokenizer()
+        async for event in events(state, request, stream, state.settings.sse_ping_interval):
+            if event is None:
+                yield ":\n\n"
+                continue
+            if first:
+                first = False
+                yield chunk({"role": "assistant", "content": None})
+            if isinstance(event, TokenEvent):
+                logprobs = {"logprobs": token_logprobs(tokenizer, [event], plan.top_logprobs)} if plan.logprobs else {}
+                deltas = output.feed(event.text)
+                for i, delta in enumerate(deltas):
+                    yield chunk(delta, **(logprobs if i == 0 else {}))
+                if logprobs and not deltas:
+                    yield chunk({}, **logprobs)
+                continue
+            for delta in output.feed(event.tail) + output.finish():
+                yield chunk(delta)
+            timings = {"timings": event.timings.as_dict()}
+            last = _data(
+                {
+                    "choices": [{"finish_reason": chat_finish_reason(event, output), "index": 0, "delta": {}}],
+                    **base,
+                    **({} if job.include_usage else timings),
+                }
+            )
+            yield last
+            if job.include_usage:
+                yield _data({"choices": [], **base, "usage": _usage(event), **timings})
+            yield "data: [DONE]\n\n"
+
+    async for piece in _guarded(chunks()):
+        yield piece
+
+
+async def text_stream(
+    state: ServerState, request: Request, stream: RequestStream, job: Completion, cid: str
+) -> AsyncIterator[str]:
+    async def chunks() -> AsyncIterator[str]:
+        tokenizer = state.loaded_tokenizer()
+        async for event in events(state, request, stream, state.settings.sse_ping_interval):
+            if event is None:
+                yield ":\n\n"
+            elif isinstance(event, TokenEvent):
+                if event.text or job.n_probs:
+                    logprobs = token_logprobs(tokenizer, [event]) if job.n_probs else None
+                    choice = {"text": event.text, "index": 0, "logprobs": logprobs, "finish_reason": None}
+                    yield _data(envelope(state, cid, "text_completion", [choice], None))
+            else:
+                choice = {"text": event.tail, "index": 0, "logprobs": None, "finish_reason": event.finish_reason}
+                yield _data(envelope(state, cid, "text_completion", [choice], event))
+                yield "data: [DONE]\n\n"
+
+    async for piece in _guarded(chunks()):
+        yield piece
+
+
+def native_final(
+    state: ServerState, job: Completion, finish: FinishEvent, tokens: list[TokenEvent], content: str
+) -> dict[str, Any]:
+    tokenizer = state.loaded_tokenizer()
+    out: dict[str, Any] = {
+        "index": 0,
+        "content": content,
+        "tokens": finish.tokens if job.return_tokens else [],
+        "id_slot": finish.id_slot,
+        "stop": True,
+        "model": state.settings.model_name,
+        "tokens_predicted": len(finish.tokens),
+        "tokens_evaluated": finish.n_prompt_tokens,
+        "generation_settings": generation_settings(state),
+        "prompt": tokenizer.decode(job.request.prompt),
+        "has_new_line": "\n" in finish.text,
+        "truncated": finish.truncated,
+        "stop_type": finish.stop_type,
+        "stopping_word": finish.stopping_word,
+        "tokens_cached": finish.timings.cache_n + finish.timings.prompt_n + len(finish.tokens),
+        "timings": finish.timings.as_dict(),
+    }
+    if job.n_probs and tokens:
+        out["completion_probabilities"] = [_probabilities(tokenizer, e) for e in tokens]
+    return out
+
+
+async def native_stream(
+    state: ServerState, request: Request, stream: RequestStream, job: Completion
+) -> AsyncIterator[str]:
+    async def chunks() -> AsyncIterator[str]:
+        tokenizer = state.loaded_tokenizer()
+        n = 0
+        async for event in events(state, request, stream, state.settings.sse_ping_interval):
+            if event is None:
+                yield ":\n\n"
+            elif isinstance(event, TokenEvent):
+                n += 1
+                piece = {
+                    "index": 0,
+                    "content": event.text,
+                    "tokens": [event.token] if job.return_tokens else [],
+                    "stop": False,
+                    "id_slot": -1,
+                    "tokens_predicted": n,
+                    "tokens_evaluated": len(job.request.prompt),
+                }
+                if job.n_probs:
+                    piece["completion_probabilities"] = [_probabilities(tokenizer, event)]
+                yield _data(piece)
+            else:
+                if event.tail:
+                    piece = {
+                        "index": 0,
+                        "content": event.tail,
+                        "tokens": [],
+                        "stop": False,
+                        "id_slot": -1,
+                        "tokens_predicted": n,
+                        "tokens_evaluated": len(job.request.prompt),
+                    }
+                    yield _data(piece)
+                yield _data(native_final(state, job, event, [], ""))
+
+    async for piece in _guarded(chunks()):
+        yield piece
