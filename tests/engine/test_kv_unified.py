@@ -10,10 +10,11 @@ import pytest
 
 from mtpserve.engine import ContextSizeExceeded, Engine, EngineConfig, Request, SamplingParams, SpecConfig
 from mtpserve.engine.planner import plan_for_file
+from mtpserve.engine.slots import Slots
 from mtpserve.models.loader import load
 from mtpserve.tokenizer import Tokenizer
 
-from ..conftest import shared_path, tinyqwen_path
+from ..conftest import default_model, shared_path, tinyqwen_path
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -75,3 +76,17 @@ def test_a_full_pool_ends_the_request_that_finds_no_cell_and_gives_its_cells_to_
     assert sorted(len(r.tokens) for r in results) == [128 + 1 - 40, 256 - 40]  # full pool, full context
     assert [r.tokens for r in results] == [tokens[: len(r.tokens)] for tokens, r in zip(alone, results)]
     assert usage.tokens_cached == 255 and sorted(s.n_cached for s in slots) == [0, 255]
+
+
+@pytest.mark.parametrize("name", ["tinyqwen35", "gemma3"])
+def test_the_plan_counts_what_the_unified_pool_and_the_slots_rings_allocate(name):
+    """A pool of -c cells per full-attention layer, and (Gemma 3) each slot's own sliding-window ring."""
+    path = tinyqwen_path("Q4_K_M") if name == "tinyqwen35" else default_model("gemma3")
+    config = EngineConfig(n_parallel=3, ctx_size=2048, kv_unified=True)
+    plan = plan_for_file(path, config)
+    slots = Slots(load(path), config, plan.slot_ctx, mtp=False)
+    caches = [kv for slot in slots for kv in slot.state.kv.values()]
+    pools = {id(kv.pool): kv.pool for kv in caches if kv.pool is not None}
+    rings = [kv for kv in caches if kv.pool is None]
+    assert plan.slot_ctx == 2048 and len(pools) > 0 and (len(rings) > 0) == (name == "gemma3")
+    assert sum(p.nbytes for p in pools.values()) + sum(kv.nbytes for kv in rings) == plan.estimate.kv_bytes
