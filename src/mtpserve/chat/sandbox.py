@@ -9,8 +9,9 @@ tools of the wrong shape -- is one `ChatTemplateError` (a ValueError) that a ser
 
 Limits. A GGUF's template is untrusted code: besides the sandbox, every render is bounded in time and size
 (`ChatTemplateLimitError`, a ChatTemplateError, says which limit stopped it):
-* `MAX_RENDER_SECONDS` (2 s) per render, checked at every loop iteration (each `{% for %}` iterates through
-  a guard), call, filter, intercepted operator and output chunk; jinja2's `range` stays capped at 100000.
+* `MAX_RENDER_SECONDS` (2 s) per render, checked at every loop iteration (each `{% for %}`, and each
+  `loop(items)` of a recursive one, iterates through a guard), call, filter, intercepted operator and output
+  chunk; jinja2's `range` stays capped at 100000.
 * `MAX_OUTPUT_CHARS` (4 Mi characters, about 1M tokens, well above any context served here): for the
   rendered prompt, for any value an expression prints, for every concatenation (`~`, `+`, joined buffers
   of macros and `{% set %}` blocks) and for what filters and calls take and give; `MAX_PRINTED_CHARS`
@@ -480,6 +481,8 @@ class _LimitedEnvironment(ImmutableSandboxedEnvironment):
 
     def call(self, context: jinja2.runtime.Context, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
         _check_time()
+        if isinstance(obj, jinja2.runtime.LoopContext) and args:  # `loop(items)` of a recursive for: guarded too
+            args = (self.guarded_iter(args[0]), *args[1:])
         owner = getattr(getattr(obj, "__wrapped__", obj), "__self__", None)
         if isinstance(owner, str):  # a str method
             name = getattr(obj, "__name__", "")
