@@ -290,3 +290,24 @@ def test_a_failing_request_fails_alone(spec, monkeypatch):
             engine.submit(Request(prompts[0], GREEDY, n_predict=4)).result().finish_reason == "length"
         )  # still serving
         assert engine.memory_usage().busy_slots == 0
+
+
+def test_a_request_that_fails_to_start_fails_alone(monkeypatch):
+    """A failure while a request is admitted (an injected fault in its prompt's schedule) ends that request with a
+    server error; the engine goes on serving."""
+    from mtpserve.engine import ServerError
+    from mtpserve.engine.slots import Slots
+
+    schedule = Slots.schedule
+
+    def faulty(self, prompt, start, hints):
+        if len(prompt) == 7:
+            raise RuntimeError("injected fault")
+        return schedule(self, prompt, start, hints)
+
+    monkeypatch.setattr(Slots, "schedule", faulty)
+    with _engine() as engine:
+        with pytest.raises(ServerError, match="injected fault"):
+            engine.submit(Request(list(range(10, 17)), GREEDY, n_predict=2)).result()
+        assert len(engine.submit(Request(list(range(10, 18)), GREEDY, n_predict=2)).result().tokens) == 2
+        assert engine.memory_usage().busy_slots == 0

@@ -90,3 +90,19 @@ def test_the_plan_counts_what_the_unified_pool_and_the_slots_rings_allocate(name
     rings = [kv for kv in caches if kv.pool is None]
     assert plan.slot_ctx == 2048 and len(pools) > 0 and (len(rings) > 0) == (name == "gemma3")
     assert sum(p.nbytes for p in pools.values()) + sum(kv.nbytes for kv in rings) == plan.estimate.kv_bytes
+
+
+def test_a_slot_that_needs_more_cells_takes_them_from_the_other_idle_slots_not_its_own_cache():
+    """Pool of 4 blocks (256 cells): slot 0 keeps a 100-token conversation, slot 1 a 60-token one, newer. The
+    conversation's continuation on slot 0 needs all 4 blocks: slot 1's cache is taken back, slot 0's is reused."""
+    text = _long_prompt(300)
+    first, other, follow = text[:100], text[200:260], text[:250]
+    with _engine(n_parallel=1, ctx_size=256) as engine:
+        alone = engine.submit(Request(follow, GREEDY, n_predict=4, ignore_eos=True)).result().tokens
+    with _engine(n_parallel=3, ctx_size=256, kv_unified=True) as engine:
+        engine.submit(Request(first, GREEDY, n_predict=1, id_slot=0)).result()
+        engine.submit(Request(other, GREEDY, n_predict=1, id_slot=1)).result()
+        result = engine.submit(Request(follow, GREEDY, n_predict=4, ignore_eos=True, id_slot=0)).result()
+        cached = [s.n_cached for s in engine.slots_info()]
+    assert result.tokens == alone and result.timings.cache_n > 0
+    assert cached[1] == 0 and cached[0] >= 250

@@ -161,6 +161,12 @@ class Engine:
             self._ready.set()
         for slot in self.slots:
             log.info("slot   load_model: id %2d | task -1 | new slot, n_ctx = %d", slot.id, self.info.n_ctx_slot)
+        self._serve()
+        for job in [*(s.job for s in self.slots.busy()), *self._queue]:
+            job.stream.put(ServerError("the server is shutting down"))
+
+    @torch.inference_mode()  # admission and steps alike: tensors a step makes (cell maps) change at admission
+    def _serve(self) -> None:
         busy = False  # "all slots are idle" after work, as llama-server's loop says it
         while True:
             with self._wake:
@@ -175,10 +181,7 @@ class Engine:
                 self._drop_cancelled()
                 self._admit()
             self._step()
-        for job in [*(s.job for s in self.slots.busy()), *self._queue]:
-            job.stream.put(ServerError("the server is shutting down"))
 
-    @torch.inference_mode()
     def _step(self) -> None:
         generating = self.slots.in_phase(Phase.GENERATE)
         if generating:
@@ -196,7 +199,11 @@ class Engine:
             slot = self.slots.choose(job.request)
             if slot is not None:
                 self._queue.remove(job)
-                self._start(slot, job)
+                try:
+                    self._start(slot, job)
+                except Exception as e:  # noqa: BLE001 - this request's failure, never the engine's
+                    slot.job = job
+                    self._fail([slot], e)
 
     def _start(self, slot: Slot, job: Job) -> None:
         request, prompt = job.request, job.request.prompt

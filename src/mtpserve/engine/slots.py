@@ -130,9 +130,6 @@ class Slots:
     def __iter__(self) -> Iterator[Slot]:
         return iter(self.slots)
 
-    def __len__(self) -> int:
-        return len(self.slots)
-
     def __getitem__(self, i: int) -> Slot:
         return self.slots[i]
 
@@ -248,26 +245,27 @@ class Slots:
         --kv-unified, blocks come from the free pool, then from idle slots' kept caches."""
         if slot.cells is None:
             return n
-        needed = -(-(slot.n_past + n) // BLOCK) - len(slot.cells.blocks)
-        while needed > len(self.free) and self._evict_idle():
-            pass
-        for _ in range(min(needed, len(self.free))):
+        wanted = -(-(slot.n_past + n) // BLOCK)
+        while len(slot.cells.blocks) < wanted and (self.free or self._evict_idle(but=slot)):
             slot.cells.add_block(self.free.pop())
-        return min(n, len(slot.cells.blocks) * BLOCK - slot.n_past)
+        return min(n, slot.cells.n_cells - slot.n_past)
 
     def _can_hold(self, slot: Slot, n_tokens: int) -> bool:
-        """Whether the pool can give `slot` cells for `n_tokens` positions, idle slots' caches taken back."""
+        """Whether the pool can give `slot` cells for `n_tokens` positions, other idle slots' caches taken back."""
         assert slot.cells is not None
-        idle = sum(len(s.cells.blocks) for s in self.slots if s.job is None and s is not slot and s.cells)
-        return -(-n_tokens // BLOCK) <= len(slot.cells.blocks) + len(self.free) + idle
+        others = sum(len(s.cells.blocks) for s in self._idle_holders(but=slot))  # type: ignore[union-attr]
+        return -(-n_tokens // BLOCK) <= len(slot.cells.blocks) + len(self.free) + others
 
-    def _evict_idle(self) -> bool:
-        """Take back the blocks of the least recently used idle slot that holds any."""
-        holders = [s for s in self.slots if s.job is None and s.cells and s.cells.blocks]
-        if not holders:
-            return False
-        self.reset(min(holders, key=lambda s: s.t_last_used))
-        return True
+    def _evict_idle(self, but: Slot) -> bool:
+        """Take back the blocks of the least recently used idle slot that holds any, `but` excepted."""
+        holders = self._idle_holders(but)
+        if holders:
+            self.reset(min(holders, key=lambda s: s.t_last_used))
+        return bool(holders)
+
+    def _idle_holders(self, but: Slot) -> list[Slot]:
+        """Idle slots other than `but` whose kept caches hold pool cells."""
+        return [s for s in self.slots if s.job is None and s is not but and s.cells and s.cells.blocks]
 
     def _trim(self, slot: Slot) -> None:
         """Return the blocks past the slot's positions to the pool."""
