@@ -47,8 +47,8 @@ class Drafter(Protocol):
         ...
 
     def after_verify(self, slot: Slot, hidden: torch.Tensor, tokens: list[int], n_accepted: int) -> None:
-        """A verification evaluated `tokens` ([sampled, *draft]; hidden [T, E]) and kept `n_accepted` drafts;
-        the trunk's caches are already cut back to them."""
+        """A verification evaluated `tokens` ([sampled, *draft]; hidden [T, E]), of whose drafts `n_accepted` are
+        kept; the caller then cuts the slot's caches back to them."""
         ...
 
     def finish(self, slot: Slot) -> None:
@@ -171,13 +171,10 @@ class MTPDrafter:
         self._catch_up(slot, hidden, tokens, defer=False)
 
     def after_verify(self, slot: Slot, hidden: torch.Tensor, tokens: list[int], n_accepted: int) -> None:
-        """The catch-up of the verified tokens (the rows past the kept ones were cut with the trunk's), and the
-        hidden state the next row reads: the trunk's at the last kept position. A step without a draft defers
-        its rows."""
+        """The catch-up of the verified tokens (the rows of rejected drafts go with the trunk's, cut by the caller),
+        and the hidden state the next row reads: the trunk's at the last kept position. A step without a draft
+        defers its rows."""
         self._catch_up(slot, hidden, tokens, defer=len(tokens) == 1)
-        kv = slot.state.kv[self.kv_index]
-        if kv.length > slot.n_past:  # the rows of rejected drafts
-            kv.truncate(slot.n_past)
         self._of(slot).pending_h = hidden[n_accepted].clone()
 
     def finish(self, slot: Slot) -> None:

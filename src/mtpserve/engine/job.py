@@ -18,6 +18,13 @@ Probs = tuple[list[tuple[int, float]], float]  # with n_probs: the top tokens, a
 NO_PROBS: Probs = ([], 0.0)
 
 
+def count_accepted(per_position: list[int], n_drafted: int, n_accepted: int) -> None:
+    """Count a verification's accepted drafts by position (the list grows to the longest draft seen)."""
+    per_position.extend([0] * (n_drafted - len(per_position)))
+    for i in range(n_accepted):
+        per_position[i] += 1
+
+
 class Phase(Enum):
     PROMPT = 1
     GENERATE = 2
@@ -73,9 +80,7 @@ class Job:
         self.timings.draft_n += n_drafted
         self.timings.draft_n_accepted += n_accepted
         self.verify_steps += 1
-        self.accepted_per_position.extend([0] * (n_drafted - len(self.accepted_per_position)))
-        for i in range(n_accepted):
-            self.accepted_per_position[i] += 1
+        count_accepted(self.accepted_per_position, n_drafted, n_accepted)
 
     def finished(self, stop: Stop, id_slot: int) -> FinishEvent:
         """The request's last event."""

@@ -3,10 +3,10 @@ captured step, and owns every graph cache that takes (nano-vllm's ModelRunner).
 
 Decode and verification passes of a model wholly on GPUs replay CUDA graphs (models/graphs.py): one per state
 and step shape (tokens, per-token states kept), and one per set of states decoding together, the
-`MAX_BATCH_GRAPHS` sets used most recently kept (each holds its own activation memory). Prompt chunks run
-eagerly (their length changes from chunk to chunk). MTPSERVE_CUDA_GRAPHS=0 turns graphs off (to measure the
-difference, or to rule them out); =1 takes the static steps on any device (off CUDA they run eagerly: how the
-tests hold them to the ordinary ones).
+`MAX_BATCH_GRAPHS` sets used most recently kept (each holds its own activation memory). Prompt chunks (which ask for no
+logits: the last row's come from `logits`) run eagerly, their length changing from chunk to chunk.
+MTPSERVE_CUDA_GRAPHS=0 turns graphs off (to measure the difference, or to rule them out); =1 takes the static steps on
+any device (off CUDA they run eagerly: how the tests hold them to the ordinary ones).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from ..models.base import Batch, CausalLM, ModelState
 from ..models.graphs import StepGraph
 
 MAX_BATCH_GRAPHS = 16  # captured steps of sets of several states kept
-STATIC_MAX_TOKENS = 16  # passes of up to this many tokens a sequence are captured (decode, verification)
 
 
 @dataclass
@@ -70,7 +69,7 @@ class ModelRunner:
         self.n_passes += 1
         self.n_sequences += len(states)
         n_tokens = len(tokens) // len(states)
-        if self.graphs and logits and not checkpoint_every and n_tokens <= STATIC_MAX_TOKENS:
+        if self.graphs and logits and not checkpoint_every:  # decode and verification (prompts ask no logits)
             hidden, out, steps = self._graph(states, n_tokens, keep_steps).step(tokens)
             return Forward(hidden, out, steps)
         batch = Batch.of(torch.tensor(tokens), states, checkpoint_every, next_checkpoint)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from .config import SpecConfig
 from .drafters import Drafter
-from .job import Probs
+from .job import Probs, count_accepted
 from .runner import Forward, ModelRunner
 from .slots import Outcome, Slot
 
@@ -44,9 +44,7 @@ class SpecStats:
         self.draft_tokens += n_drafted
         self.accepted_tokens += n_accepted
         self.drafts += 1
-        self.accepted_per_position.extend([0] * (n_drafted - len(self.accepted_per_position)))
-        for i in range(n_accepted):
-            self.accepted_per_position[i] += 1
+        count_accepted(self.accepted_per_position, n_drafted, n_accepted)
 
 
 class Speculator:
@@ -126,12 +124,12 @@ class Speculator:
             if i == len(draft) or token != draft[i] or token in self.eog_ids:
                 break
         n_accepted = len(accepted) - 1
-        if n_accepted < len(draft):  # roll back what the trunk did not confirm
+        self.drafter.after_verify(slot, hidden, tokens, n_accepted)
+        if n_accepted < len(draft):  # roll back what the trunk did not confirm (the drafter's cache rows too)
             for layer, per_sequence in forward.steps.items():
                 slot.state.recurrent[layer].restore(per_sequence[s][n_accepted])
             slot.state.truncate(n_past + 1 + n_accepted)
         slot.tokens.extend(tokens[: 1 + n_accepted])
-        self.drafter.after_verify(slot, hidden, tokens, n_accepted)
         if draft:
             job.count_verification(len(draft), n_accepted)
             self.stats.add(len(draft), n_accepted)

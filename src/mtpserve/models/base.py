@@ -120,13 +120,11 @@ class ModelState:
 
     def truncate(self, n: int) -> None:
         """Forget positions >= n of the attention caches (a rejected draft, a prompt that parts from what the
-        cache holds); a cache that holds fewer (an MTP block's, behind by rows it defers) keeps what it has.
-        Recurrent state cannot be cut: the caller restores it from a snapshot."""
+        cache holds). Recurrent state cannot be cut: the caller restores it from a snapshot."""
         if n > self.n_past:
             raise ValueError(f"cannot truncate a sequence of {self.n_past} positions to {n}")
         for kv in self.kv.values():
-            if kv.length > n:
-                kv.truncate(n)
+            kv.truncate(n)
         self.n_past = n
 
 
