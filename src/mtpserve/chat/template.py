@@ -1,10 +1,7 @@
 """Chat templates: a GGUF's `tokenizer.chat_template` (Jinja) rendered as llama-server renders it.
 
-llama.cpp has its own C++ Jinja engine; here jinja2's `ImmutableSandboxedEnvironment` runs the template
-(a template can read but not change what it is given, nor reach Python internals) with the block
-trimming llama.cpp and Hugging Face use (`trim_blocks`, `lstrip_blocks`), loop controls, and llama.cpp's
-helpers: `raise_exception`, `strftime_now`, and a `tojson` that writes what llama.cpp's does (", " and
-": " separators, key order kept, non-ASCII raw, floats as C++ prints them: 6 significant digits).
+llama.cpp has its own C++ Jinja engine; here jinja2 runs the template in a sandbox with llama.cpp's helpers and
+bounds (sandbox.py).
 
 What a render gets (../shared/spec/chat-template.md §1, llama.cpp common/chat.cpp): `messages`
 normalised as llama.cpp does (role `developer` -> `system`; content always a string, "" when absent;
@@ -19,9 +16,8 @@ type/function/name/description/parameters), `bos_token`/`eos_token` text, `enabl
 text is stripped when the tokenizer adds BOS itself (likewise a trailing EOS). The `tool_use` variant is
 used when a request has tools and the GGUF has one.
 
-Rendering runs in a sandbox bounded in time and size (sandbox.py); every failure -- a template that does not
-compile, a render error, `raise_exception(...)`, messages or tools of the wrong shape -- is one
-`ChatTemplateError` (a ValueError) that a server turns into HTTP 400.
+Every failure -- a template that does not compile, a render error, `raise_exception(...)`, messages or tools of the
+wrong shape -- is one `ChatTemplateError` (a ValueError) that a server turns into HTTP 400.
 """
 
 from __future__ import annotations

@@ -340,7 +340,7 @@ class CausalLM:
     ) -> dict[int, KVPool]:
         """--kv-unified: a pool of `n_cells` for each full-attention layer (and the MTP block's, with `mtp`), each on
         its layer's device; `new_state(shared=...)` makes sequences over them."""
-        layout = self.config.cache_layout()  # type: ignore[attr-defined]
+        layout = self.config.cache_layout()
         devices = self._layer_device_map()
         return {
             s.layer: KVPool(n_cells, s.n_kv_heads, s.k_dim, s.v_dim, cache_type_k, cache_type_v, devices[s.layer])
