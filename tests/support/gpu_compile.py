@@ -78,6 +78,11 @@ class Launch:
     quick: bool = False
     note: str = ""
     fixups: list[Callable[[dict, int], None]] = field(default_factory=list)
+    rows: int | None = None  # activation rows (decode 1, verification n_max + 1) where that is a kernel's shape
+    # Weight (or KV) bytes one program reads per iteration of its hot loop: with the SASS instructions of that loop,
+    # the kernel's instruction-issue bound (bench/gpu_static.py). None where no loop streams memory.
+    bytes_per_iteration: int | None = None
+    decode: bool = False  # launched by a decode or verification step (bench/gpu_static.py reports these)
 
 
 def _recorded(fn, call: Callable[[], object]) -> list[tuple[object, tuple, dict]]:
