@@ -33,6 +33,14 @@ What it measures (one table on stdout, everything in --json):
   GPU, flash attention, the same KV cache type): decode of 64 tokens at each depth and the same prefill, each
   as ours / theirs. llama-bench has no speculative decoding, so the draft-mtp row has no peer here.
 
+Parts and switches (bench/gpu_check.sh's bench stage runs `--parts decode --contexts 4096 --split-matmuls`):
+`--parts` picks among gemv, decode, mtp (the draft-mtp row of each depth), batch, prefill, chunk_scan, memory (all by
+default). `--split-matmuls` splits a decode step's time between the GEMVs and everything else: the captured step is
+timed again with every matmul of the GPU path (ops.quant_gemv's entries and the Triton wrappers, wherever a module
+holds them) replaced by a no-op returning an empty output of the same shape, so the graph holds only the small
+kernels (norms, roundings, rope, attention, the recurrence, ...); the difference is the matmuls' time. Each eager
+step's GPU kernels are also counted with and without them (torch.profiler), the launches a token costs.
+
 The GPU's numbers go into docs/performance.md (a dated entry with the GPU's name), the headline into the README.
 """
 
@@ -46,7 +54,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 
 import numpy as np
@@ -284,6 +293,79 @@ def truncate(state, depth: int) -> None:
     state.n_past = depth
 
 
+PARTS = ("gemv", "decode", "mtp", "batch", "prefill", "chunk_scan", "memory")
+MATMULS = ("quant_linear", "quant_gemv", "quant_gemv_q8", "quant_matmul")  # the GPU path's and the kernels' entries
+
+
+def _no_matmul(*args, **kwargs) -> torch.Tensor:
+    """A matmul that launches nothing: an empty float32 [rows..., n] for (x, weight or blocks, ...) arguments."""
+    if kwargs.get("out") is not None:
+        return kwargs["out"]
+    x = args[0]
+    w = next(a for a in args[1:] if isinstance(a, QTensor) or (isinstance(a, torch.Tensor) and a.dtype == torch.uint8))
+    return torch.empty(*x.shape[:-1], w.shape[0], dtype=torch.float32, device=x.device)
+
+
+@contextmanager
+def matmuls_skipped() -> Iterator[None]:
+    """Every matmul entry (MATMULS of mtpserve.ops.quant_gemv and mtpserve.kernels.triton) replaced by `_no_matmul`
+    in every mtpserve module that holds it (callers import them by name), restored after."""
+    from mtpserve.kernels import triton as kernels
+    from mtpserve.ops import quant_gemv
+
+    originals = {id(f): f for m in (quant_gemv, kernels) for n in MATMULS if (f := getattr(m, n, None)) is not None}
+    patched = []
+    for module in [m for name, m in sys.modules.items() if name.startswith("mtpserve") and m is not None]:
+        for name, value in list(vars(module).items()):
+            if id(value) in originals and value is originals[id(value)]:
+                setattr(module, name, _no_matmul)
+                patched.append((module, name, value))
+    try:
+        yield
+    finally:
+        for module, name, value in patched:
+            setattr(module, name, value)
+
+
+def count_kernels(fn: Callable[[], object], device: torch.device) -> int | None:
+    """GPU kernels one call of fn launches (torch.profiler's CUDA events); None off CUDA or without the profiler."""
+    if device.type != "cuda":
+        return None
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize(device)
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    except Exception as e:  # noqa: BLE001 - a count is a nicety; the timings stand without it
+        print(f"kernel count failed: {e!r}", file=sys.stderr, flush=True)
+        return None
+
+
+def measure_without_matmuls(model, state, depth: int, token: int, args: argparse.Namespace, timer: Timer) -> dict:
+    """The decode step with and without its matmuls (`matmuls_skipped`): graphed times and eager kernel counts."""
+
+    def eager() -> None:
+        truncate(state, depth)
+        model.decode(token, state)
+
+    counted = count_kernels(eager, model.device)
+    with matmuls_skipped():
+        graph = DecodeGraph(model, state)
+
+        def graphed() -> None:
+            truncate(state, depth)
+            graph.decode(token)
+
+        t = timer.median(graphed, args.reps, warmup=3)
+        counted_without = count_kernels(eager, model.device)
+    truncate(state, depth)
+    return {
+        "decode_no_matmul_ms": 1e3 * t,
+        "kernels_per_token": counted,
+        "kernels_per_token_no_matmul": counted_without,
+    }
+
+
 def measure_decode(
     model,
     state,
@@ -312,6 +394,19 @@ def measure_decode(
 
     t_eager = timer.median(decode_eager, args.reps)
     t_decode = timer.median(decode_graphed, args.reps, warmup=3)
+    row = {
+        "depth": depth,
+        "decode_ms": 1e3 * t_decode,
+        "decode_eager_ms": 1e3 * t_eager,  # without the CUDA graph: the difference is Python and launches
+        "decode_tokens_per_s": 1 / t_decode,
+        "kv_bytes_per_token": kv_bytes,
+        "bandwidth_fraction": (weight_bytes + kv_bytes) / t_decode / copy_bytes_per_s,
+    }
+    if args.split_matmuls:
+        row.update(measure_without_matmuls(model, state, depth, token, args, timer))
+        row["matmul_ms"] = row["decode_ms"] - row["decode_no_matmul_ms"]
+    if "mtp" not in args.parts:
+        return row
 
     # draft-mtp: n_max chained MTP draft steps (each with the LM head), one verification of n_max + 1 tokens
     # keeping per-token recurrent states, one MTP catch-up pass over the accepted tokens (timed at its longest,
@@ -355,12 +450,7 @@ def measure_decode(
     accepted = args.acceptance * args.n_max
     t_step = t_verify + t_drafts + t_catch_up
     return {
-        "depth": depth,
-        "decode_ms": 1e3 * t_decode,
-        "decode_eager_ms": 1e3 * t_eager,  # without the CUDA graph: the difference is Python and launches
-        "decode_tokens_per_s": 1 / t_decode,
-        "kv_bytes_per_token": kv_bytes,
-        "bandwidth_fraction": (weight_bytes + kv_bytes) / t_decode / copy_bytes_per_s,
+        **row,
         "draft_ms": 1e3 * t_drafts,  # all n_max draft steps, captured
         "draft_step_eager_ms": 1e3 * t_draft_eager,  # one draft step without the graph
         "catch_up_ms": 1e3 * t_catch_up,
@@ -592,7 +682,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-reps", type=int, default=3, help="llama-bench repetitions (-r)")
     p.add_argument("--peer-timeout", type=float, default=300, help="seconds each llama-bench run may take")
     p.add_argument("--peer-only", default=None, help="only the peer, against this earlier run's JSON")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"what to measure, comma-separated (of {','.join(PARTS)})")
+    p.add_argument("--split-matmuls", action="store_true", help="decode also without the matmuls, kernels counted")
     args = p.parse_args(argv)
+    args.parts = set(args.parts.split(","))
+    if args.parts - set(PARTS):
+        p.error(f"unknown --parts {sorted(args.parts - set(PARTS))}")
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -652,30 +747,33 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
 
-    print("the GEMV alone", file=sys.stderr, flush=True)
-    result["gemv"] = measure_gemv(config, device, args, timer, gen, result["copy_bytes_per_s"])
-    save()
-
-    max_ctx = max(contexts) + 256
-    state = model.new_state(max_ctx, args.cache_type, args.cache_type, mtp=True)
-    result["decode"] = []
-    for depth in contexts:
-        result["decode"].append(
-            measure_decode(model, state, depth, args, timer, gen, per_token, result["copy_bytes_per_s"])
-        )
+    if "gemv" in args.parts:
+        print("the GEMV alone", file=sys.stderr, flush=True)
+        result["gemv"] = measure_gemv(config, device, args, timer, gen, result["copy_bytes_per_s"])
         save()
-    del state
-    if args.batch > 1:
+
+    result["decode"] = []
+    if "decode" in args.parts:
+        state = model.new_state(max(contexts) + 256, args.cache_type, args.cache_type, mtp=True)
+        for depth in contexts:
+            result["decode"].append(
+                measure_decode(model, state, depth, args, timer, gen, per_token, result["copy_bytes_per_s"])
+            )
+            save()
+        del state
+    if args.batch > 1 and "batch" in args.parts:
         depth = min(contexts)
         print(f"decode {args.batch} sequences together at depth {depth}", file=sys.stderr, flush=True)
         result["batch_decode"] = measure_batch_decode(model, depth, args, timer, gen)
         save()
-    print(f"prefill {args.prefill} tokens", file=sys.stderr, flush=True)
-    result["prefill_tokens_per_s"] = measure_prefill(model, args, timer)
-    result["chunk_scan"] = measure_chunk_scan(config, device, args, timer)
+    if "prefill" in args.parts:
+        print(f"prefill {args.prefill} tokens", file=sys.stderr, flush=True)
+        result["prefill_tokens_per_s"] = measure_prefill(model, args, timer)
+    if "chunk_scan" in args.parts:
+        result["chunk_scan"] = measure_chunk_scan(config, device, args, timer)
     save()
 
-    if args.memory_ctx and device.type == "cuda":
+    if args.memory_ctx and device.type == "cuda" and "memory" in args.parts:
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         big = model.new_state(args.memory_ctx, "q8_0", "q8_0", mtp=True)
@@ -688,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
             "peak_bytes": torch.cuda.max_memory_allocated(device),
         }
         del big
-    if args.llama_bench:
+    if args.llama_bench and {"decode", "mtp", "prefill"} <= args.parts:  # the peer's rows compare with these
         result["peer"] = measure_peer(config, tensors, result, args, device)
         save()
     if emulation is not None:
@@ -733,10 +831,20 @@ def report(r: dict) -> str:
             f"| {row['depth']} | {row['decode_tokens_per_s']:.1f} | {row['decode_ms']:.2f} | "
             f"{row['decode_eager_ms']:.2f} | "
             f"{row['kv_bytes_per_token'] / gib:.3f} | {100 * row['bandwidth_fraction']:.0f}% | "
-            f"{row['draft_ms']:.2f} ({row['draft_step_eager_ms']:.2f}) | {row['catch_up_ms']:.2f} | "
-            f"{row['verify_ms']:.2f} ({row['verify_eager_ms']:.2f}) | "
-            f"{row['mtp_tokens_per_s']:.1f} |"
+            + (
+                f"{row['draft_ms']:.2f} ({row['draft_step_eager_ms']:.2f}) | {row['catch_up_ms']:.2f} | "
+                f"{row['verify_ms']:.2f} ({row['verify_eager_ms']:.2f}) | {row['mtp_tokens_per_s']:.1f} |"
+                if "draft_ms" in row
+                else "- | - | - | - |"
+            )
         )
+    for row in r["decode"]:
+        if "decode_no_matmul_ms" in row:
+            lines.append(
+                f"depth {row['depth']}: the captured step without its matmuls {row['decode_no_matmul_ms']:.2f} ms, "
+                f"the matmuls {row['matmul_ms']:.2f} ms of {row['decode_ms']:.2f}; GPU kernels an eager step "
+                f"{row['kernels_per_token']} ({row['kernels_per_token_no_matmul']} without the matmuls)"
+            )
     lines.append("")
     if "batch_decode" in r:
         b = r["batch_decode"]
@@ -744,7 +852,8 @@ def report(r: dict) -> str:
             f"decode of {b['sequences']} sequences together at depth {b['depth']}: {b['step_ms']:.2f} ms a step, "
             f"{b['tokens_per_s']:.1f} tokens/s in all"
         )
-    lines.append(f"prefill: {r['prefill_tokens_per_s']:.0f} tokens/s")
+    if "prefill_tokens_per_s" in r:
+        lines.append(f"prefill: {r['prefill_tokens_per_s']:.0f} tokens/s")
     if "chunk_scan" in r:
         c = r["chunk_scan"]
         lines.append(

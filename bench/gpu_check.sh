@@ -1,11 +1,39 @@
 #!/usr/bin/env bash
-# The CUDA backend's check on a lent GPU machine (issue #8), prepared so that one call does the essentials:
-# the Triton kernels' and the GPU path's tests on the GPU, then bench/gpu.py on the Qwen3.6-27B shapes, with
-# llama.cpp built there meanwhile and run on the same random model if time allows (else by a second call).
+# The CUDA backend's check on a lent GPU machine (issues #8, #19), in stages that cannot waste the window: each runs
+# under its own `timeout`, in its own error boundary (a failing or timed-out stage records its exit, its
+# traceback and log in its file, and the next stage still runs), and writes its results under $OUT as they come.
 #
 #   bash bench/gpu_check.sh prepare   # here, with network: wheel, fixtures, Gemma 3 slice, llama.cpp -> .gpu/
 #   bash bench/gpu_check.sh run       # there (device run, carry [".gpu"], timeout_s 600); results under $OUT
 #   bash bench/gpu_check.sh peer      # there, right after, on the still-warm machine, if `run` left the peer out
+#   OUT=/tmp/x bash bench/gpu_check.sh run   # here: a stand-in run, every GPU stage skipped ("no CUDA device")
+#
+# `run`'s stages, in order (limit: its `timeout`, each also cut to what is left of the call's budget, 560 s):
+#   env    30 s  env.txt    nvidia-smi, python/torch/triton/CUDA versions, the device, its capability, free memory and
+#                           L2, the git commit when .git travelled, the stage plan; each stage's outcome is appended
+#                           as it ends, so env.txt is also the run's index. llama.cpp's build starts here (setsid, in
+#                           the background: it outlives the call, log /tmp/llama.cpp-build.log).
+#   smoke 150 s  smoke.txt  bench/gpu_smoke.py: every Triton wrapper of mtpserve.kernels.triton once at the 27B's
+#                           shapes against its PyTorch twin, and one CUDA graph capture + replay of a small model's
+#                           decode step against eager: a PASS/FAIL/SKIP line per case (~60 s, most of it compiling).
+#   bench 200 s  bench.txt  bench/gemv_l2.py -> gemv.json: the GEMVs with weights rotated through > 2x L2, timed in a
+#                gemv.json  CUDA graph (GB/s, fraction of a copy's); then bench/gpu.py -> decode.json: decode at depth
+#                decode.json 4096 with and without the matmuls (their time apart from the small kernels'), kernels
+#                           launched per token.
+#   tests 170 s  tests.txt  pytest -m 'not slow' on tests/kernels, tests/models/test_gpu_path.py, tests/ops (8 xdist
+#                           workers when the image has xdist; --timeout per test when it has pytest-timeout); the -ra
+#                           summary names every failure.
+#   rest  (what is left)    rest.txt, gpu.json: the whole bench/gpu.py (its JSON saved after each part), with
+#                           llama.cpp's llama-bench only if its build has already finished (else "peer skipped: build
+#                           not finished"; no waiting), and the build log's tail.
+# At most 8 files come back (the device's limit). The first four stages should take ~350 s (not yet measured on a
+# GPU) and take 550 s at their limits; `rest` gets the remainder and, from a first call, rarely finishes: a second
+# call, on the still-warm machine (the build kept running), runs it alone with the whole budget:
+# GPU_CHECK_STAGES="env rest" bash bench/gpu_check.sh run (then `peer` if llama.cpp was still building).
+#
+# Switches (environment): GPU_CHECK_STAGES (default "env smoke bench tests rest"), GPU_CHECK_TIMEOUT_<STAGE> (seconds,
+# e.g. GPU_CHECK_TIMEOUT_SMOKE=60), GPU_CHECK_BUDGET (560: the call's seconds in all), GPU_CHECK_FAIL (stages that
+# fail on purpose, "smoke" or "smoke:hang", comma-separated: the error boundaries' test), GPU_CHECK_PYTHON.
 #
 # The GPU machine has no network and its own python3 with torch and triton (2.11 and 3.6 in the H200 image, not
 # our pinned versions), nvcc, cmake and ninja, and every other package mtpserve's model path imports except
@@ -16,11 +44,6 @@
 # test_a_gemma3_slice_gives_the_cpu_paths_greedy_tokens; the whole-file tests skip there. llama.cpp's source
 # (the version our references were made with, from the llama-cpp-python sdist, without the other backends,
 # tests and docs: 4 MB) travels as .gpu/llama.cpp.tar.xz.
-#
-# `run` keeps within one 600 s call: it starts llama.cpp's build in the background (setsid: it outlives the call,
-# log in /tmp/llama.cpp-build.log, copied to $OUT), runs the tests (180 s), then the bench (380 s), whose last
-# stage waits for llama-bench and runs it on the same weights. bench/gpu.py saves its JSON after each stage (and
-# `run` keeps a copy in /tmp), so a cut-short run still returns what it measured, and `peer` can add llama.cpp.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GGUF_VERSION=$(sed -n 's/^ *"gguf==\([0-9.]*\)".*/\1/p' pyproject.toml)
@@ -29,12 +52,147 @@ SHARED=${MTPSERVE_SHARED:-../shared}
 LLAMA_BENCH=/tmp/llama.cpp/build/bin/llama-bench
 BUILD_LOG=/tmp/llama.cpp-build.log
 RESULTS=/tmp/mtpserve-gpu.json
+STAGES=${GPU_CHECK_STAGES:-env smoke bench tests rest}
+GPU_CHECK_FAIL=${GPU_CHECK_FAIL:-}
+BUDGET=${GPU_CHECK_BUDGET:-560}
+declare -A LIMIT=([env]=30 [smoke]=150 [bench]=200 [tests]=170 [rest]=0)  # rest: whatever the budget has left
+declare -A FILE=([env]=env.txt [smoke]=smoke.txt [bench]=bench.txt [tests]=tests.txt [rest]=rest.txt)
+declare -A NEEDS_GPU=([env]=0 [smoke]=1 [bench]=1 [tests]=1 [rest]=1)
 
-environment() { # there: the carried gguf wheel, mtpserve's source, the carried fixtures
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .gpu/whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD/src MTPSERVE_SHARED=$PWD/.gpu/shared PYTHONUNBUFFERED=1
+# The python that holds torch: the image's python3 there; here (a stand-in run) the venv's when python3 has none.
+PY=${GPU_CHECK_PYTHON:-python3}
+if [ -z "${GPU_CHECK_PYTHON:-}" ] && ! python3 -c 'import torch' 2>/dev/null && [ -x .venv/bin/python ]; then
+    PY=.venv/bin/python
+fi
+
+environment() { # there: the carried gguf wheel, mtpserve's source, the carried fixtures (when they travelled)
+    if ! "$PY" -c 'import gguf' 2>/dev/null; then
+        if [ -z "$(ls .gpu/whl/*.whl 2>/dev/null)" ]; then
+            echo "no gguf for $PY and no .gpu/whl: run prepare here" >&2
+            return 1
+        fi
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .gpu/whl/*.whl || return 1
+        export PYTHONPATH=/tmp/site
+    fi
+    export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src PYTHONUNBUFFERED=1
+    [ -d .gpu/shared ] && export MTPSERVE_SHARED=$PWD/.gpu/shared
     export LD_LIBRARY_PATH=/tmp/cublas${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}  # llama-bench on torch's pip cuBLAS
+    return 0
+}
+
+now() { date -u +%FT%TZ; }
+
+injected() { # whether GPU_CHECK_FAIL names stage $1 (prints "fail" or "hang")
+    local item
+    for item in ${GPU_CHECK_FAIL//,/ }; do
+        [ "${item%%:*}" = "$1" ] && { [ "$item" = "$1:hang" ] && echo hang || echo fail; return 0; }
+    done
+    return 1
+}
+
+stage_body() { # one stage's work, run by `run` as `bash bench/gpu_check.sh stage NAME` under its timeout
+    local how
+    if how=$(injected "$1"); then
+        echo "GPU_CHECK_FAIL=$GPU_CHECK_FAIL: stage $1 fails on purpose ($how)"
+        [ "$how" = hang ] && exec sleep 3600
+        exec "$PY" -c "raise RuntimeError('injected failure in stage $1 (GPU_CHECK_FAIL)')"
+    fi
+    case "$1" in
+    env)
+        echo "date $(now)  host $(uname -srm)  python $PY: $("$PY" -V 2>&1)"
+        if [ -d .git ] && command -v git >/dev/null; then
+            echo "git commit $(git rev-parse HEAD 2>&1), $(git status --short 2>/dev/null | wc -l) paths changed"
+        else
+            echo "git commit: unavailable (the tree was copied without .git)"
+        fi
+        echo "stages (limit in s): $(for s in $STAGES; do echo -n "$s ${LIMIT[$s]/#0/what is left}, "; done)" \
+            "budget ${BUDGET} s"
+        echo "pytest plugins: xdist $("$PY" -c 'import xdist' 2>/dev/null && echo yes || echo no), pytest-timeout $(
+            "$PY" -c 'import pytest_timeout' 2>/dev/null && echo yes || echo no)"
+        if [ -e "$LLAMA_BENCH" ]; then echo "llama.cpp peer: built ($LLAMA_BENCH)"
+        elif [ -f .gpu/llama.cpp.tar.xz ]; then echo "llama.cpp peer: building in the background (log $BUILD_LOG)"
+        else echo "llama.cpp peer: no .gpu/llama.cpp.tar.xz: not run"; fi
+        "$PY" - <<'PY'
+import torch
+print("torch", torch.__version__, "CUDA", torch.version.cuda, "cuDNN", torch.backends.cudnn.version())
+try:
+    import triton
+    print("triton", triton.__version__)
+except ImportError as e:
+    print("triton: not importable:", e)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    free, total = torch.cuda.mem_get_info(0)
+    print(f"device {p.name}, capability {p.major}.{p.minor}, {p.multi_processor_count} SMs, "
+          f"L2 {getattr(p, 'L2_cache_size', 0) / 2**20:.0f} MiB, memory {free / 2**30:.1f} GiB free of "
+          f"{total / 2**30:.1f} GiB, {torch.cuda.device_count()} device(s)")
+else:
+    print("device: none visible to torch")
+PY
+        echo "--- nvidia-smi"
+        if command -v nvidia-smi >/dev/null; then nvidia-smi 2>&1; else echo "nvidia-smi: not found"; fi
+        ;;
+    smoke)
+        "$PY" bench/gpu_smoke.py
+        ;;
+    bench)
+        # Two programs, each run whatever the other did; the stage fails if either does.
+        local rc=0
+        "$PY" bench/gemv_l2.py --json "$OUT/gemv.json" || rc=$?
+        "$PY" bench/gpu.py --parts decode --contexts 4096 --split-matmuls --json "$OUT/decode.json" || rc=$?
+        return $rc
+        ;;
+    tests)
+        local args=(-q -p no:cacheprovider -m 'not slow' -ra --durations=15)
+        "$PY" -c 'import xdist' 2>/dev/null && args+=(-n 8)  # Triton compiles each configuration once a process
+        "$PY" -c 'import pytest_timeout' 2>/dev/null && args+=(--timeout=120)  # else only the stage's own timeout
+        "$PY" -m pytest "${args[@]}" tests/kernels tests/models/test_gpu_path.py tests/ops
+        ;;
+    rest)
+        local peer=()
+        if [ -x "$LLAMA_BENCH" ]; then
+            peer=(--llama-bench "$LLAMA_BENCH" --peer-reps 2 --peer-timeout 100)
+        elif [ -f .gpu/llama.cpp.tar.xz ]; then
+            echo "peer skipped: build not finished (no $LLAMA_BENCH yet; a later \`peer\` call adds it)"
+        else
+            echo "peer skipped: no .gpu/llama.cpp.tar.xz (run prepare here)"
+        fi
+        "$PY" bench/gpu.py --json "$OUT/gpu.json" "${peer[@]}"
+        local rc=$?
+        cp "$OUT/gpu.json" "$RESULTS" 2>/dev/null
+        [ -f "$BUILD_LOG" ] && { echo "--- llama.cpp build log, last lines"; tail -n 15 "$BUILD_LOG"; }
+        return $rc
+        ;;
+    *)
+        echo "unknown stage $1" >&2
+        return 2
+        ;;
+    esac
+}
+
+run_stage() { # runs stage $1 in its own error boundary: its outcome is the last line of its file and a line of env.txt
+    local name=$1 file=$OUT/${FILE[$1]} start=$SECONDS limit left outcome rc
+    left=$((BUDGET - (SECONDS - RUN_START)))
+    limit=${LIMIT[$name]}
+    limit=$(eval echo "\${GPU_CHECK_TIMEOUT_${name^^}:-$limit}")
+    [ "$limit" -le 0 ] || [ "$limit" -gt "$left" ] && limit=$left
+    echo "== $name: started $(now), limit ${limit} s" >>"$file"
+    if ! injected "$name" >/dev/null && [ "${NEEDS_GPU[$name]}" = 1 ] && [ -n "$NO_GPU" ]; then
+        outcome="SKIPPED: $NO_GPU"
+    elif [ "$left" -lt 10 ]; then
+        outcome="SKIPPED: no time left (${left} s of the ${BUDGET} s budget)"
+    else
+        timeout -k 10 "$limit" bash bench/gpu_check.sh stage "$name" >>"$file" 2>&1 </dev/null
+        rc=$?
+        case $rc in
+        0) outcome="PASSED in $((SECONDS - start)) s" ;;
+        124 | 137) outcome="TIMED OUT after $((SECONDS - start)) s (its limit ${limit} s); its log is above" ;;
+        *) outcome="FAILED (exit $rc) after $((SECONDS - start)) s; its traceback/log is above" ;;
+        esac
+    fi
+    echo "== $name: $outcome" >>"$file"
+    [ "$name" = env ] || echo "stage $name: $outcome" >>"$OUT/env.txt"
 }
 
 case "${1:-}" in
@@ -64,25 +222,28 @@ print(model_path(DEFAULT_MODELS["gemma3"]))')
     ;;
 run)
     : "${OUT:?run on the GPU machine, where \$OUT is the folder that comes back}"
-    environment
-    nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
-    python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
-        torch.cuda.get_device_name(), torch.cuda.get_device_capability())' 2>&1 | tee "$OUT/versions.txt"
-    PEER=()
-    if [ -f .gpu/llama.cpp.tar.xz ] && [ ! -e "$LLAMA_BENCH" ]; then
+    RUN_START=$SECONDS
+    if environment >>"$OUT/env.txt" 2>&1; then
+        NO_GPU=$(timeout 60 "$PY" -c 'import torch
+print("" if torch.cuda.is_available() else "no CUDA device (torch %s sees none)" % torch.__version__)' 2>&1 |
+            tail -n 1)
+        [ -n "$NO_GPU" ] && [[ "$NO_GPU" != "no CUDA device"* ]] &&
+            NO_GPU="no CUDA device (torch did not load: $NO_GPU)"
+    else
+        NO_GPU="no CUDA device checked: the environment failed (env.txt)"
+    fi
+    # llama.cpp builds beside the stages (its log there already: a build this machine started earlier).
+    if [ -z "$NO_GPU" ] && [ -f .gpu/llama.cpp.tar.xz ] && [ ! -e "$LLAMA_BENCH" ] && [ ! -f "$BUILD_LOG" ]; then
         setsid nohup bash bench/gpu_check.sh build-peer >"$BUILD_LOG" 2>&1 </dev/null &
     fi
-    [ -f .gpu/llama.cpp.tar.xz ] && PEER=(--llama-bench "$LLAMA_BENCH" --peer-wait 150 --peer-reps 2 --peer-timeout 120)
-    # The GPU path's tests first (token identity); workers in parallel when pytest-xdist is there (the image has it):
-    # Triton compiles each kernel configuration on the CPU, once a process, and there are 16 cores.
-    XDIST=(); python3 -c 'import xdist' 2>/dev/null && XDIST=(-n 8)
-    timeout 180 python3 -m pytest -q -p no:cacheprovider -o addopts='-ra' "${XDIST[@]}" --durations=15 \
-        tests/models/test_gpu_path.py tests/kernels/test_triton_gemv.py tests/kernels/test_triton_gemm.py \
-        tests/kernels/test_triton_attention.py tests/kernels/test_triton_gated_delta.py 2>&1 | tee "$OUT/tests.log"
-    timeout 380 python3 bench/gpu.py --json "$OUT/gpu.json" "${PEER[@]}" 2>&1 | tee "$OUT/bench.log"
-    cp "$OUT/gpu.json" "$RESULTS" 2>/dev/null
-    cp "$BUILD_LOG" "$OUT/llama.cpp-build.log" 2>/dev/null
+    export OUT PY STAGES BUDGET
+    for stage in env smoke bench tests rest; do
+        [[ " $STAGES " == *" $stage "* ]] && run_stage "$stage"
+    done
     true
+    ;;
+stage) # one of run's stages (run calls it under the stage's timeout)
+    stage_body "$2"
     ;;
 peer)
     : "${OUT:?run on the GPU machine, where \$OUT is the folder that comes back}"

@@ -11,30 +11,26 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.support.compiler import require_compiler
 
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "gpu_compile.py"
-KERNELS = ("gemv", "dequant", "gemm", "attn_split", "attn_combine", "gated_delta", "gdn_chunk_scan")
-
-
-def _require_compiler() -> None:
-    """Skips unless triton, its NVIDIA backend and its bundled ptxas (for sm_90) are here."""
-    pytest.importorskip("triton", reason="triton is not installed: nothing to compile the kernels with")
-    try:
-        from triton import knobs
-        from triton.backends import backends
-    except ImportError as e:  # pragma: no cover - a triton too old or too new for this check
-        pytest.skip(f"this triton has no knobs/backends API: {e}")
-    if "nvidia" not in backends:
-        pytest.skip("this triton build has no NVIDIA backend")
-    try:
-        _ = knobs.nvidia.ptxas_blackwell  # runs `ptxas --version`; raises when there is none
-    except RuntimeError as e:
-        pytest.skip(f"triton's bundled ptxas is unavailable: {e}")
+KERNELS = (
+    "gemv",
+    "gemv_q8",
+    "dequant",
+    "gemm",
+    "attn_split",
+    "attn_combine",
+    "gated_delta",
+    "gdn_chunk_scan",
+    "gdn_glue",
+    "rowwise_norm",
+    "rope_kv",
+)
 
 
 def test_kernels_compile_for_sm90() -> None:
-    _require_compiler()
+    require_compiler()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiling needs real jit functions
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick"], check=False, env=env, capture_output=True, text=True, timeout=300

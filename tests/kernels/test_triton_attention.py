@@ -215,6 +215,13 @@ def test_f16_queries_and_head_dim_256_f16_cache() -> None:
     _check(kv, 2, 2, q_dtype=torch.float16)
 
 
+@pytest.mark.parametrize(("kt", "vt"), [("f32", "f16"), ("bf16", "f32")], ids=lambda t: t)
+def test_head_dim_not_a_power_of_two(kt: str, vt: str) -> None:
+    """D = 80 pads to 128: the kernel's two half-D tiles (16-runs of each 32) mask dims 80..127 in both halves."""
+    kv = _cache(kt, vt, 90, 1, 80, seed=10)
+    _check(kv, 2, 3, n_splits=2)
+
+
 def test_no_visible_key_gives_zeros() -> None:
     kv = _cache("q8_0", "f16", 64, 2, 64, capacity=96)
     q = torch.randn(2, 4, 64, device=DEVICE)
@@ -232,7 +239,48 @@ def test_no_visible_key_gives_zeros() -> None:
 
 
 def test_auto_splits_rule() -> None:
-    assert [auto_splits(s) for s in (1, 300, 512, 513, 4096, 131072, 262144, 10**6)] == [1, 1, 1, 2, 8, 256, 256, 256]
+    cells = (1, 256, 257, 4096, 65536, 131072, 262144, 10**6)
+    assert [auto_splits(s) for s in cells] == [1, 1, 2, 16, 256, 256, 256, 256]
+
+
+def _ordered_run(kv: KVCache, capacity: int, n_splits: int | None, min_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """decode_attention of the last 3 positions over the first `capacity` cells of kv, `ordered`; (out, cells each
+    split walked)."""
+    q = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(8))
+    splits = n_splits or auto_splits(capacity)
+    counts = torch.full((splits,), -1, dtype=torch.int32, device=DEVICE)
+    out = decode_attention(
+        q.to(DEVICE),
+        kv.k.data[:capacity].to(DEVICE),
+        kv.v.data[:capacity].to(DEVICE),
+        int(kv.k.type),
+        int(kv.v.type),
+        torch.arange(kv.length - 3, kv.length, device=DEVICE),
+        kv.positions[:capacity].to(DEVICE),
+        n_kv_heads=2,
+        head_dim=64,
+        scale=0.125,
+        n_splits=n_splits,
+        ordered=True,
+        min_keys=min_keys,
+        split_counts=counts,
+    )
+    return out.cpu(), counts.cpu()
+
+
+def test_ordered_splits_share_the_filled_cells() -> None:
+    """An ordered cache splits the cells up to the last query position, read on the device, not its capacity: 250
+    filled cells over 8 splits give every split a 32-key tile (the last 26), at a capacity of 256, 1024 or 4096 cells
+    alike, with the same result bit for bit; and with the default minimum of 256 keys a split, one split has work."""
+    kv = _cache("q8_0", "f16", 250, 2, 64, capacity=4096, seed=9)
+    runs = [_ordered_run(kv, capacity, 8, 16) for capacity in (256, 1024, 4096)]
+    for out, counts in runs:
+        assert counts.tolist() == [32] * 7 + [26]
+        assert torch.equal(out, runs[0][0])
+    _check(kv, 4, 3, n_splits=8, ordered=True)
+    out, counts = _ordered_run(kv, 4096, None, 256)
+    assert counts.tolist() == [250] + [0] * (auto_splits(4096) - 1)
+    torch.testing.assert_close(out, runs[0][0], rtol=1e-5, atol=1e-6)
 
 
 def test_rejects_unsupported_type_and_bad_shapes() -> None:

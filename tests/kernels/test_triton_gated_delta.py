@@ -21,8 +21,10 @@ from mtpserve.kernels.triton import gated_delta_chunk_scan, gated_delta_rule_rec
 from mtpserve.ops.device import emulate_gpu
 from mtpserve.ops.gated_delta import (
     gated_delta_chunk_scan_reference,
+    gated_delta_decode_reference,
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
+    gdn_decode_inputs_reference,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -258,3 +260,146 @@ def test_chunk_scan_rejects_bad_arguments() -> None:
         gated_delta_chunk_scan(u, w, q, k, qk, g_cum, state, chunk_states=torch.zeros(1, 1, 16, 16))
     with pytest.raises(ValueError, match="dot_dtype"):
         gated_delta_chunk_scan(u, w, q, k, qk, g_cum, state, dot_dtype=torch.float64)
+
+
+# --- The fused decode launches: glue (conv, SiLU, L2-norms) and recurrence with gates and gated RMSNorm ----------
+
+
+def _glue_inputs(B: int, T: int, Hk: int, Hv: int, K: int, V: int, W: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """mixed [B, T, C] as a column slice of a wider projection output (strided rows), conv weight, conv state."""
+    gen = torch.Generator().manual_seed(seed)
+    C = 2 * Hk * K + Hv * V
+    wide = torch.randn(B, T, C + 7, generator=gen)
+    mixed = wide[..., 3 : 3 + C]
+    conv_weight = torch.randn(C, W, generator=gen) * 0.5
+    conv_state = torch.randn(B, C, W - 1, generator=gen)
+    return mixed, conv_weight, conv_state
+
+
+@pytest.mark.parametrize(
+    ("B", "T", "Hk", "Hv", "K", "V", "W"),
+    [
+        (1, 1, 2, 4, 32, 32, 4),  # decode
+        (1, 3, 2, 6, 16, 32, 4),  # verification; K != V
+        (2, 3, 1, 2, 24, 40, 4),  # two sequences; head sizes not powers of two
+        (2, 5, 2, 2, 16, 16, 2),  # more tokens than the state's columns; a conv of width 2
+    ],
+)
+@pytest.mark.parametrize("steps", [False, True])
+def test_decode_inputs_match_twin(B: int, T: int, Hk: int, Hv: int, K: int, V: int, W: int, steps: bool) -> None:
+    """gdn_decode_inputs: q | k | v after conv, SiLU and L2-norms, the conv state updated in place, the per-token
+    conv states, against the ops twin (causal_conv1d, silu, l2_norm per sequence)."""
+    mixed, conv_weight, conv_state = _glue_inputs(B, T, Hk, Hv, K, V, W, seed=B * 10 + T)
+    C = mixed.shape[-1]
+    assert mixed.stride(1) > C  # rows of a wider buffer
+    args = {"n_k_heads": Hk, "head_k": K, "head_v": V, "eps": 1e-6}
+    state_ref = conv_state.clone()
+    steps_ref = torch.zeros(B, T, C, W - 1) if steps else None
+    out_ref = gdn_decode_inputs_reference(mixed, conv_weight, state_ref, conv_steps=steps_ref, **args)
+    state = conv_state.clone().to(DEVICE)
+    st = torch.full((B, T, C, W - 1), float("nan"), device=DEVICE) if steps else None
+    out = triton_kernels.gated_delta.gdn_decode_inputs(
+        _on_device(mixed),
+        conv_weight.to(DEVICE),
+        state,
+        conv_steps=st,
+        **args,
+    )
+    _close(out.cpu(), out_ref)
+    assert torch.equal(state.cpu(), state_ref)  # the state is inputs, copied: exact
+    if steps:
+        assert torch.equal(st.cpu(), steps_ref)
+        assert torch.equal(st[:, -1], state)
+
+
+def _decode_inputs(B: int, T: int, Hk: int, Hv: int, K: int, V: int, seed: int) -> dict[str, torch.Tensor]:
+    """Inputs of gated_delta_decode as the GPU path makes them: q, k, v slices of one glue output, alpha, beta and
+    z column slices of one projection buffer (strided rows), per-head dt_bias and a, a norm weight, a state."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, _, _, state = _inputs(B, T, Hk, Hv, K, V, seed=seed)
+    qkv = torch.cat((q.flatten(2), k.flatten(2), v.flatten(2)), dim=-1)
+    key_dim = Hk * K
+    proj = torch.randn(B, T, Hv * V + 2 * Hv, generator=gen)  # z | beta | alpha
+    proj[..., Hv * V + Hv :] *= 3  # alpha wide enough to reach softplus's linear branch (> 20) now and then
+    return {
+        "q": qkv[..., :key_dim].unflatten(-1, (Hk, K)),
+        "k": qkv[..., key_dim : 2 * key_dim].unflatten(-1, (Hk, K)),
+        "v": qkv[..., 2 * key_dim :].unflatten(-1, (Hv, V)),
+        "alpha": proj[..., Hv * V + Hv :],
+        "beta": proj[..., Hv * V : Hv * V + Hv],
+        "z": proj[..., : Hv * V].unflatten(-1, (Hv, V)),
+        "state": state,
+        "dt_bias": torch.randn(Hv, generator=gen) * 10,
+        "a": -torch.rand(Hv, generator=gen) * 2,
+        "norm_weight": torch.randn(V, generator=gen),
+    }
+
+
+_TENSORS = ("q", "k", "v", "alpha", "beta", "z", "state")  # gated_delta_decode's positional arguments
+
+
+def _decode(x: dict[str, torch.Tensor], **kw) -> torch.Tensor:
+    """gated_delta_decode of _decode_inputs' dict (its launcher takes the tensors by position)."""
+    rest = {name: t for name, t in x.items() if name not in _TENSORS}
+    return triton_kernels.gated_delta.gated_delta_decode(*(x[name] for name in _TENSORS), **rest, **kw)
+
+
+def _on_device(x: torch.Tensor) -> torch.Tensor:
+    """x on DEVICE as the same view (strides, offset) of a copy of its whole storage."""
+    if DEVICE == "cpu":
+        return x
+    base = x.new_empty(x.untyped_storage().nbytes() // x.element_size()).to(DEVICE)
+    view = base.as_strided(x.shape, x.stride(), x.storage_offset())
+    view.copy_(x)
+    return view
+
+
+@pytest.mark.parametrize(
+    ("B", "T", "Hk", "Hv", "K", "V"),
+    [
+        (1, 1, 2, 4, 32, 32),  # decode
+        (1, 3, 2, 6, 32, 16),  # verification; K != V
+        (2, 3, 1, 3, 24, 40),  # two sequences; sizes not powers of two
+        (2, 1, 4, 4, 16, 16),  # Hk == Hv
+    ],
+)
+@pytest.mark.parametrize("steps", [False, True])
+def test_fused_decode_matches_twin(B: int, T: int, Hk: int, Hv: int, K: int, V: int, steps: bool) -> None:
+    """gated_delta_decode (gates from the projections, the recurrence, RMSNorm * weight * silu(z)) against its
+    twin: y, the state updated in place, the per-token states."""
+    x = _decode_inputs(B, T, Hk, Hv, K, V, seed=B * 100 + T + K)
+    assert B * T == 1 or not any(x[name].is_contiguous() for name in ("q", "alpha", "z"))  # rows of wider buffers
+    ref = {**x, "state": x["state"].clone()}
+    steps_ref = torch.zeros(B, T, Hv, K, V) if steps else None
+    y_ref = gated_delta_decode_reference(**ref, eps=1e-6, state_steps=steps_ref)
+    got = {name: _on_device(t) for name, t in x.items()}
+    got["state"] = x["state"].clone().to(DEVICE)
+    st = torch.full((B, T, Hv, K, V), float("nan"), device=DEVICE) if steps else None
+    y = _decode(got, eps=1e-6, state_steps=st)
+    assert y.dtype == torch.float32 and y.shape == (B, T, Hv, V)
+    _close(y.cpu(), y_ref)
+    _close(got["state"].cpu(), ref["state"])
+    if steps:
+        _close(st.cpu(), steps_ref)
+        assert torch.equal(st[:, -1], got["state"])
+
+
+def test_fused_decode_rejects_bad_arguments() -> None:
+    x = _decode_inputs(1, 2, 2, 4, 16, 16, seed=1)
+    with pytest.raises(ValueError, match="z must be"):
+        _decode({**x, "z": x["z"][..., :8]}, eps=1e-6)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        _decode({**x, "norm_weight": torch.ones(4 * 16)}, eps=1e-6)
+    with pytest.raises(ValueError, match="dt_bias must be"):
+        _decode({**x, "dt_bias": torch.ones(2)}, eps=1e-6)
+    with pytest.raises(ValueError, match="state must be contiguous float32"):
+        _decode({**x, "state": x["state"].double()}, eps=1e-6)
+    mixed, conv_weight, conv_state = _glue_inputs(1, 2, 2, 4, 16, 16, 4, seed=0)
+    glue = triton_kernels.gated_delta.gdn_decode_inputs
+    args = {"n_k_heads": 2, "head_k": 16, "head_v": 16, "eps": 1e-6}
+    with pytest.raises(ValueError, match="channels are not"):
+        glue(mixed, conv_weight, conv_state, **{**args, "head_v": 24})
+    with pytest.raises(ValueError, match="conv_state must be contiguous float32"):
+        glue(mixed, conv_weight, conv_state.transpose(1, 2).contiguous().transpose(1, 2), **args)
+    with pytest.raises(ValueError, match="conv_steps must be"):
+        glue(mixed, conv_weight, conv_state, conv_steps=torch.zeros(1, 1, mixed.shape[-1], 3), **args)

@@ -14,9 +14,9 @@ n_embd 5120, attention H=24 Hkv=4 D=256, Gated DeltaNet Hk=16 Hv=48 K=V=128, pro
 SmolLM2-135M for D=64: H=9 Hkv=3). Nothing is copied from the
 wrappers: each wrapper is called on CPU tensors of those shapes (allocated, never read) with its kernels' `run`
 swapped for a recorder, and each recorded launch goes through the same specialization as a real one (Triton's
-binder: constexprs, dtypes, ints equal to 1, 16-divisibility of pointers and ints). Three choices the wrappers make
+binder: constexprs, dtypes, ints equal to 1, 16-divisibility of pointers and ints). Two choices the wrappers make
 from the CUDA device are redone here for the target, as they would be on it: quant_matmul's num_warps (8 below
-sm_80), decode_attention's default tl.dot precision ("tf32x3" on NVIDIA) and the chunk scan's bf16 operands.
+sm_80) and the chunk scan's bf16 operands.
 
 `--loads` also lists each kernel's global loads by width, read off its PTX (a memory-bound kernel should read in
 16-byte vectors, "v4.b32", rather than byte by byte, "b8").
@@ -123,11 +123,6 @@ def _chunk_scan_dot(kwargs: dict, arch: int) -> None:
     kwargs["DOT"] = tl.bfloat16
 
 
-def _attention_precision(kwargs: dict, arch: int) -> None:
-    """decode_attention's default precision on an NVIDIA device ("ieee" is its choice off CUDA)."""
-    kwargs["PRECISION"] = "tf32x3"
-
-
 def launches() -> list[Launch]:
     """Every configuration to compile, recorded from the wrappers at the deployment's shapes."""
     import torch
@@ -154,7 +149,10 @@ def launches() -> list[Launch]:
                 )
                 words = f" words BLOCK_B={k['BLOCK_B']}" if "BLOCK_B" in k else ""
                 cfg = f"{t.name}{words} M={m} M_PAD={k['M_PAD']} BLOCK_N={k['BLOCK_N']}"
-                out.append(Launch("gemv", cfg, f, a, k, quick=t == Q.Q4_K and m == 1 and wide))
+                # one step of the loop over K: BLOCK_B super-blocks of BLOCK_N rows (word kernels), else one block
+                per_step = k["BLOCK_N"] * k.get("BLOCK_B", 1) * GGML_QUANT_SIZES[t][1]
+                quick = t == Q.Q4_K and m == 1 and wide
+                out.append(Launch("gemv", cfg, f, a, k, quick=quick, rows=m, bytes_per_iteration=per_step, decode=True))
     # dequant_blocks: the prefill path below sm_80 (dequantize, then cuBLAS in fp16).
     for t in (Q.Q4_K, Q.Q6_K):
         w = weight(t)
@@ -222,10 +220,27 @@ def launches() -> list[Launch]:
                         f"window={window} BLOCK_M={k['BLOCK_M']} BLOCK_S={k['BLOCK_S']} warps={k['num_warps']}"
                     )
                     quick = kv[0] == Q.Q8_0 and d == 256 and n_tok == 1 and window is None
-                    out.append(Launch("attn_split", cfg, f, a, k, quick=quick, fixups=[_attention_precision]))
-                    combines.setdefault(f"D={d} T={n_tok} H={h}", (cf, ca, ck, quick))
-    for cfg, (cf, ca, ck, quick) in combines.items():
-        out.append(Launch("attn_combine", f"{cfg} CHUNK={ck['CHUNK']}", cf, ca, ck, quick=quick))
+                    # a K tile and a V tile of BLOCK_S keys of one KV head a step
+                    head_bytes = [c.shape[1] // hkv if c.dtype == torch.uint8 else d * c.element_size() for c in caches]
+                    tiles = k["BLOCK_S"] * sum(head_bytes)
+                    out.append(
+                        Launch(
+                            "attn_split",
+                            cfg,
+                            f,
+                            a,
+                            k,
+                            quick=quick,
+                            rows=n_tok,
+                            bytes_per_iteration=tiles,
+                            decode=True,
+                        )
+                    )
+                    combines.setdefault(f"D={d} T={n_tok} H={h}", (cf, ca, ck, quick, n_tok))
+    for cfg, (cf, ca, ck, quick, n_tok) in combines.items():
+        out.append(
+            Launch("attn_combine", f"{cfg} CHUNK={ck['CHUNK']}", cf, ca, ck, quick=quick, rows=n_tok, decode=True)
+        )
     # Gated DeltaNet recurrence: q, k L2-normalised (contiguous), v a slice of the conv output, g/beta [B, T, Hv].
     for n_seq, n_tok, steps in ((1, 1, False), (1, 3, False), (1, 3, True), (4, 3, True)):
         key_dim = GDN_HK * GDN_DIM
@@ -244,7 +259,13 @@ def launches() -> list[Launch]:
             ),
         )
         cfg = f"K=V={GDN_DIM} B={n_seq} T={n_tok} STORE_STEPS={steps} BLOCK_V={kw['BLOCK_V']}"
-        out.append(Launch("gated_delta", cfg, f, a, kw, quick=steps and n_seq == 1))
+        # The state is read before the loop over tokens and written after it; only the kept per-token states stream.
+        stored = GDN_DIM * kw["BLOCK_V"] * 4 if steps else None
+        quick = steps and n_seq == 1
+        rows = n_seq * n_tok
+        out.append(
+            Launch("gated_delta", cfg, f, a, kw, quick=quick, rows=rows, bytes_per_iteration=stored, decode=True)
+        )
     # The chunked rule's scan over a prompt chunk of PROMPT_ROWS tokens (ops.gated_delta: chunks of 64).
     n_chunks, chunk = PROMPT_ROWS // 64, 64
     for store in (False, True):
@@ -262,20 +283,154 @@ def launches() -> list[Launch]:
         cfg = f"K=V={GDN_DIM} N={n_chunks} C={chunk} STORE_STATES={store} BLOCK_V={kw['BLOCK_V']}"
         note = "below sm_80 ops.gated_delta keeps PyTorch's chunk loop"
         out.append(Launch("gdn_chunk_scan", cfg, f, a, kw, 80, quick=not store, note=note, fixups=[_chunk_scan_dot]))
+    # Decode matmul inputs in one launch (kernels.triton.rowwise): add + RMSNorm + Q8_K, Q8_K / Q8_0 alone, and the
+    # gated activations over the gate/up halves of one [M, 2 * n_ff] GEMV output.
+    from mtpserve.kernels.triton import rowwise
+
+    n_ff = 17408  # Qwen3.6-27B's feed-forward width
+    for m in (1, 3):
+        x, res, nw = torch.empty(m, N_EMBD), torch.empty(m, N_EMBD), torch.empty(N_EMBD)
+        ((f, a, k),) = _recorded(
+            [rowwise._norm_kernel], lambda x=x, r=res, w=nw: rowwise.rms_norm_quantize(x, w, 1e-6, add=r, block=256)
+        )
+        cfg = f"add Q8_K M={m} K={N_EMBD} CHUNK={k['CHUNK']} warps={k['num_warps']}"
+        out.append(Launch("rowwise_norm", cfg, f, a, k, quick=m == 1, rows=m, decode=True))
+        for block in rowwise.QUANT_BLOCKS:
+            ((f, a, k),) = _recorded([rowwise._quant_kernel], lambda x=x, b=block: rowwise.quantize_rows(x, b))
+            cfg = f"block={block} M={m} K={N_EMBD} CHUNK={k['CHUNK']}"
+            out.append(Launch("rowwise_quant", cfg, f, a, k, rows=m, decode=True))
+        gate_up = torch.empty(m, 2 * n_ff)
+        for act, block in (("silu", 256), ("gelu_f16", 256), ("sigmoid", 32)):
+            ((f, a, k),) = _recorded(
+                [rowwise._glu_kernel],
+                lambda g=gate_up[:, :n_ff], u=gate_up[:, n_ff:], act=act, b=block: rowwise.glu_quantize(
+                    g, u, act, block=b
+                ),
+            )
+            cfg = f"{act} block={block} M={m} F={n_ff} CHUNK={k['CHUNK']}"
+            out.append(Launch("rowwise_glu", cfg, f, a, k, rows=m, decode=True))
+    # The attention input of a full-attention layer (q/k norms, RoPE, K/V into the cache): one launch a cache.
+    rope_kv = sys.modules["mtpserve.kernels.triton.rope_kv"]  # the package's `norm_rope_store` shadows nothing
+    d, (h, hkv) = 256, ATTN_SHAPES[256]
+    for kv_type in (Q.Q8_0, Q.F16, Q.Q4_0):
+        if kv_type == Q.F16:
+            kv_caches = [torch.empty(CACHE_CELLS, hkv, d, dtype=torch.float16) for _ in range(2)]
+        else:
+            qk, size = GGML_QUANT_SIZES[kv_type]
+            kv_caches = [torch.empty(CACHE_CELLS, hkv * d // qk * size, dtype=torch.uint8) for _ in range(2)]
+        for n_tok in (1, 3):
+            qg, k, v = torch.empty(n_tok, h, 2, d), torch.empty(n_tok, hkv, d), torch.empty(n_tok, hkv, d)
+            cos, pos, norm = torch.empty(n_tok, 32), torch.zeros(n_tok, dtype=torch.long), torch.empty(d)
+            ((f, a, kw),) = _recorded(
+                [rope_kv._rope_kv_kernel],
+                lambda qg=qg, k=k, v=v, cos=cos, pos=pos, norm=norm, c=kv_caches, t=kv_type: rope_kv.norm_rope_store(
+                    qg[:, :, 0], k, v, cos, cos, pos, pos, *c, t, t, torch.empty(CACHE_CELLS, dtype=torch.long),
+                    q_norm=norm, k_norm=norm, eps=1e-6,
+                ),
+            )  # fmt: skip
+            cfg = f"K=V={kv_type.name} D={d} H={h} Hkv={hkv} n_rot=64 T={n_tok} NB={kw['NB']} warps={kw['num_warps']}"
+            quick = kv_type == Q.Q8_0 and n_tok == 1
+            out.append(Launch("rope_kv", cfg, f, a, kw, quick=quick, rows=n_tok, decode=True))
+    # The fused Gated DeltaNet decode (ops.gated_delta.gated_delta_net_decode_gpu): the glue launch (conv, SiLU,
+    # L2-norms) over the projections' column slices of one GEMV output, then the recurrence with the gates and the
+    # gated RMSNorm fused. Decode (T=1) without per-token states, verification (T=3) with them.
+    widths = (QKV_ROWS, GDN_HV * GDN_DIM, GDN_HV, GDN_HV)  # mixed | z | beta | alpha
+    heads, head = torch.empty(GDN_HV), torch.empty(GDN_DIM)  # dt_bias and a; the norm weight
+    for n_tok in (1, 3):
+        steps = n_tok > 1
+        mixed, z, beta, alpha = torch.empty(1, n_tok, sum(widths)).split(widths, dim=2)
+        conv_w, conv_state = torch.empty(QKV_ROWS, 4), torch.empty(1, QKV_ROWS, 3)
+        conv_steps = torch.empty(1, n_tok, QKV_ROWS, 3) if steps else None
+        ((f, a, kw),) = _recorded(
+            [gated_delta._gdn_glue_kernel],
+            lambda x=mixed, w=conv_w, s=conv_state, st=conv_steps: gated_delta.gdn_decode_inputs(
+                x, w, s, n_k_heads=GDN_HK, head_k=GDN_DIM, head_v=GDN_DIM, eps=1e-6, conv_steps=st
+            ),
+        )
+        cfg = f"C={QKV_ROWS} W=4 T={n_tok} STORE_STEPS={steps} BLOCK={kw['BLOCK']} warps={kw['num_warps']}"
+        out.append(Launch("gdn_glue", cfg, f, a, kw, quick=not steps, rows=n_tok, decode=True))
+        key_dim = GDN_HK * GDN_DIM
+        qkv = torch.empty(1, n_tok, QKV_ROWS)
+        q, k = (qkv[..., i * key_dim : (i + 1) * key_dim].unflatten(-1, (GDN_HK, GDN_DIM)) for i in (0, 1))
+        v = qkv[..., 2 * key_dim :].unflatten(-1, (GDN_HV, GDN_DIM))
+        z = z.unflatten(-1, (GDN_HV, GDN_DIM))
+        state = torch.empty(1, GDN_HV, GDN_DIM, GDN_DIM)
+        st = torch.empty(1, n_tok, GDN_HV, GDN_DIM, GDN_DIM) if steps else None
+        ((f, a, kw),) = _recorded(
+            [gated_delta._gated_delta_kernel],
+            lambda q=q, k=k, v=v, al=alpha, be=beta, z=z, s=state, st=st: gated_delta.gated_delta_decode(
+                q, k, v, al, be, z, s, dt_bias=heads, a=heads, norm_weight=head, eps=1e-6, state_steps=st
+            ),
+        )
+        cfg = f"gdn fused gates+norm K=V={GDN_DIM} B=1 T={n_tok} STORE_STEPS={steps} BLOCK_V={kw['BLOCK_V']}"
+        cfg += f" warps={kw['num_warps']}"
+        out.append(Launch("gated_delta", cfg, f, a, kw, quick=not steps, rows=n_tok, decode=True))
+    # Decode / verification over quantized activations (quant_gemv_q8): ffn_down [5120, 17408], attn_qkv [10240, 5120].
+    from mtpserve.kernels.triton import gemv_q8
+
+    q8_kernels = [gemv_q8._kquant_kernel, gemv_q8._q6k_kernel, gemv_q8._q8_0_kernel, gemv_q8._iq4xs_kernel]
+    for t in gemv_q8.Q8_GEMV_TYPES:
+        for n_rows, n_cols in ((N_EMBD, 17408), (QKV_ROWS, N_EMBD)):
+            w = weight(t, n_rows, n_cols)
+            for m in (1, 3):
+                xq = torch.empty(m, n_cols, dtype=torch.int8)
+                xd = torch.empty(m, n_cols // gemv_q8.act_block(t))
+                ((f, a, k),) = _recorded(q8_kernels, lambda xq=xq, xd=xd, w=w, t=t: gemv_q8.quant_gemv_q8(xq, xd, w, t))
+                cfg = f"{t.name} {n_rows}x{n_cols} M={m} BLOCK_N={k['BLOCK_N']}"
+                quick = t == Q.Q4_K and m == 1 and n_rows == N_EMBD
+                per_iteration = gemv_q8.bytes_per_iteration(t, k)
+                out.append(
+                    Launch("gemv_q8", cfg, f, a, k, quick=quick, rows=m, bytes_per_iteration=per_iteration, decode=True)
+                )
     return out
 
 
 _LAUNCHES: list[Launch] = []  # filled in the parent before the worker processes fork
 
 
-def _compile(job: tuple[int, int]) -> dict:
-    """Compile launch i for compute capability `arch`: a dict of the outcome."""
-    i, arch = job
+def compile_launch(launch: Launch, arch: int) -> tuple[object, str, int]:
+    """Compile a recorded launch for compute capability `arch` without a GPU: (triton's CompiledKernel, the ptxas -v
+    report, num_warps). Raises what the compiler raises."""
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile, make_backend
     from triton.runtime.jit import create_function_from_signature
 
+    kwargs = dict(launch.kwargs)
+    for fix in launch.fixups:
+        fix(kwargs, arch)
+    warps = kwargs.get("num_warps", 4)
+    # What JITFunction.run does before compiling, with the backend of the target rather than of a device.
+    kwargs["debug"] = kwargs.get("debug", launch.fn.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # triton 3.9; 3.6 (the H200 image's) lacks it
+        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(launch.fn.signature, launch.fn.params, backend)
+    bound, spec, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = launch.fn._pack_args(backend, kwargs, bound, spec, options)
+    src = ASTSource(launch.fn, signature, constexprs, attrs)
+    knobs.nvidia.dump_ptxas_log = True  # ptxas -v's report, printed: captured below
+    knobs.compilation.always_compile = True
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        kernel = compile(src, target=target, options=options.__dict__)
+    return kernel, log.getvalue(), warps
+
+
+def ptxas_usage(report: str) -> tuple[int | None, int | None, int | None]:
+    """(registers a thread, stack frame bytes, spill bytes: stores + loads) from ptxas -v's report."""
+    regs = re.search(r"Used (\d+) registers", report)
+    spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    stack = int(spill.group(1)) if spill else None
+    spills = int(spill.group(2)) + int(spill.group(3)) if spill else None
+    return (int(regs.group(1)) if regs else None), stack, spills
+
+
+def _compile(job: tuple[int, int]) -> dict:
+    """Compile launch i for compute capability `arch`: a dict of the outcome."""
+    i, arch = job
     launch = _LAUNCHES[i]
     res = {
         "kernel": launch.kernel,
@@ -290,34 +445,9 @@ def _compile(job: tuple[int, int]) -> dict:
         "note": launch.note,
     }
     start = time.perf_counter()
-    log = io.StringIO()
     try:
-        kwargs = dict(launch.kwargs)
-        for fix in launch.fixups:
-            fix(kwargs, arch)
-        res["warps"] = kwargs.get("num_warps", 4)
-        # What JITFunction.run does before compiling, with the backend of the target rather than of a device.
-        kwargs["debug"] = kwargs.get("debug", launch.fn.debug) or knobs.runtime.debug
-        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # triton 3.9; 3.6 (the H200 image's) lacks it
-            kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
-        target = GPUTarget("cuda", arch, 32)
-        backend = make_backend(target)
-        binder = create_function_from_signature(launch.fn.signature, launch.fn.params, backend)
-        bound, spec, options = binder(*launch.args, **kwargs)
-        options, signature, constexprs, attrs = launch.fn._pack_args(backend, kwargs, bound, spec, options)
-        src = ASTSource(launch.fn, signature, constexprs, attrs)
-        knobs.nvidia.dump_ptxas_log = True  # ptxas -v's report, printed: captured below
-        knobs.compilation.always_compile = True
-        with contextlib.redirect_stdout(log):
-            kernel = compile(src, target=target, options=options.__dict__)
-        text = log.getvalue()
-        regs = re.search(r"Used (\d+) registers", text)
-        spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)
-        res["regs"] = int(regs.group(1)) if regs else None
-        if spill:
-            res["stack"] = int(spill.group(1))
-            res["spills"] = int(spill.group(2)) + int(spill.group(3))
+        kernel, text, res["warps"] = compile_launch(launch, arch)
+        res["regs"], res["stack"], res["spills"] = ptxas_usage(text)
         res["shared"] = kernel.metadata.shared
         res["loads"] = global_loads(kernel.asm["ptx"])
         problems = []

@@ -21,8 +21,6 @@ _BRANCH = re.compile(r"^(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:`\(\.L_x_\d+\)|0x([0
 
 
 def cuobjdump() -> str:
-    from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401 - proves the NVIDIA backend is there
-
     import triton
 
     path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -112,5 +110,7 @@ def loops(sass: str) -> list[Loop]:
 def hot_loop(sass: str) -> Loop | None:
     """The innermost loop (containing no other) with the most instructions; None for straight-line code."""
     all_loops = loops(sass)
-    inner = [lp for lp in all_loops if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in all_loops)]
+    inner = [
+        lp for lp in all_loops if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in all_loops)
+    ]
     return max(inner, key=len, default=None)

@@ -8,6 +8,8 @@ import torch
 
 from ..ops.attention import attention, attention_gpu, decode_attention_gpu, prompt_attention_dtype
 from ..ops.device import gpu_path
+from ..ops.norm import rms_norm
+from ..ops.rope import apply_rope, norm_rope_store
 from ..quant.dequant import dequantize
 from ..quant.quantize import QUANTIZERS, quantize_q8_0
 from ..quant.types import GGMLType, block_geometry, parse_cache_type
@@ -163,14 +165,21 @@ class KVCache:
             return torch.arange(start, end, device=self.device) % self.capacity
         return slice(start, end)
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the K/V [T, Hkv, D] of positions length..length+T-1."""
-        n = k.shape[0]
-        start, end = self.length, self.length + n
+    def _check_room(self, n: int) -> None:
+        """Raise unless positions length..length+n-1 can be written."""
+        end = self.length + n
         if not self.ring and end > self.capacity:
             raise ValueError(f"KV cache is full: {end} positions > capacity {self.capacity}")
         if self.ring and n > self.capacity - self.window + 1:
             raise ValueError(f"batch of {n} tokens does not fit a ring of {self.capacity} cells (window {self.window})")
+        if self.table is not None and end > self.table.n_cells:
+            raise ValueError(f"no KV cells reserved for position {end - 1} ({self.table.n_cells} held)")
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the K/V [T, Hkv, D] of positions length..length+T-1."""
+        n = k.shape[0]
+        start, end = self.length, self.length + n
+        self._check_room(n)
         cells = self._cells(start, end)
         self.k.write(cells, k)
         self.v.write(cells, v)
@@ -211,15 +220,61 @@ class KVCache:
         """Write the K/V [T, Hkv, D] of `positions` (a device tensor) into their cells, without reading any value
         on the host (a CUDA graph replays this at whatever position the tensor holds). `length` is the caller's
         to advance."""
-        if self.table is not None:
-            cells = self.table.rows_on(self.device)[positions]
-        else:
-            cells = positions % self.capacity if self.ring else positions
+        cells = self._cells_at(positions)
         for rows, values in ((self.k, k), (self.v, v)):
             if rows.type in QUANTIZERS:
                 values = QUANTIZERS[rows.type](values.reshape(values.shape[0], -1))
             rows.data.index_copy_(0, cells, values.reshape(len(positions), *rows.data.shape[1:]).to(rows.data.dtype))
         self.positions.index_copy_(0, cells, positions)
+
+    def _cells_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """The cells of `positions` (a device tensor), computed on the device."""
+        if self.table is not None:
+            return self.table.rows_on(self.device)[positions]
+        return positions % self.capacity if self.ring else positions
+
+    def write_roped(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        static: bool,
+        neox: bool = True,
+    ) -> torch.Tensor:
+        """The GPU path's attention input in one launch (ops.rope.norm_rope_store): q [T, H, D] and k [T, Hkv, D]
+        normalized per head and rotated, k and v written into the cells of `positions` (a device tensor) -> q,
+        float32.
+        `static`: as `write_at` (the caller advances `length`); otherwise as `append` (positions length..)."""
+        if not static:
+            self._check_room(k.shape[0])
+        q = norm_rope_store(
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            self._cells_at(positions),
+            positions,
+            self.k.data,
+            self.v.data,
+            self.k.type,
+            self.v.type,
+            self.positions,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            eps=eps,
+            neox=neox,
+        )
+        if not static:
+            self.length += k.shape[0]
+        return q
 
     def attend_static(self, q: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
         """`attend` for the GPU path's captured steps: every cell of the cache, the empty ones masked by position
@@ -294,6 +349,39 @@ def append_and_attend(
         rows = slice(s * T, (s + 1) * T)
         out.append(_append_and_attend_one(kv, q[rows], k[rows], v[rows], positions[rows], scale, static))
     return torch.cat(out)
+
+
+def rope_append_and_attend(
+    caches: list[KVCache],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    scale: float,
+    static: bool = False,
+    *,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    neox: bool = True,
+) -> torch.Tensor:
+    """`append_and_attend` of q and k before their per-head RMSNorm (`q_norm`, `k_norm`; None: none) and RoPE (cos,
+    sin [rows, n_rot / 2]). On the GPU path the norms, the rotation and the cache write are one launch per cache
+    (`KVCache.write_roped`); on the CPU, `rms_norm` and `apply_rope` as ever."""
+    if not gpu_path(q):
+        q = apply_rope(rms_norm(q, q_norm, eps), cos, sin, neox=neox)
+        k = apply_rope(rms_norm(k, k_norm, eps), cos, sin, neox=neox)
+        return append_and_attend(caches, q, k, v, positions, scale, static)
+    T = q.shape[0] // len(caches)
+    out = []
+    for s, kv in enumerate(caches):
+        rows = slice(s * T, (s + 1) * T)
+        norms = {"q_norm": q_norm, "k_norm": k_norm, "eps": eps, "static": static, "neox": neox}
+        qs = kv.write_roped(q[rows], k[rows], v[rows], positions[rows], cos[rows], sin[rows], **norms)
+        out.append(kv.attend_static(qs, positions[rows], scale) if static else kv.attend(qs, positions[rows], scale))
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def _append_and_attend_one(

@@ -15,10 +15,10 @@ import torch
 
 from ..cache import KVCache, append_and_attend
 from ..gguf import GGUFError, Metadata
-from ..ops.activations import geglu
+from ..ops.activations import geglu_ffn
 from ..ops.embedding import embedding
 from ..ops.linear import WeightGroup, linear, linear_many
-from ..ops.norm import rms_norm
+from ..ops.norm import rms_norm, rms_norm_for
 from ..ops.rope import RopeTable, apply_rope
 from .base import Batch, CausalLM, ModelState, Rope, SharedKV, WeightStore, new_kv_caches, padded_context
 from .config import AttentionCacheSpec, CacheLayout, TensorSpec, common_hparams, lm_tensor_specs
@@ -158,10 +158,11 @@ class DecoderLayer:
 
     def __call__(self, x: torch.Tensor, ropes: dict[bool, Rope], batch: Batch) -> torch.Tensor:
         caches = [state.kv[self.index] for state in batch.states]
-        a = self.attn(rms_norm(x, self.attn_norm, self.eps), ropes[self.sliding], caches, batch.n_tokens)
+        h = rms_norm_for(x, self.attn_norm, self.eps, matmul=self.attn.wq)
+        a = self.attn(h, ropes[self.sliding], caches, batch.n_tokens)
         x = x + rms_norm(a, self.attn_post_norm, self.eps)
-        h = rms_norm(x, self.ffn_norm, self.eps)
-        f = linear(geglu(*linear_many(h, self.gate_up, batch.n_tokens)), self.down, seq_len=batch.n_tokens)
+        h = rms_norm_for(x, self.ffn_norm, self.eps, matmul=self.gate)  # GPU path: quantized rows
+        f = geglu_ffn(h, self.gate_up, self.down, batch.n_tokens)
         return x + rms_norm(f, self.ffn_post_norm, self.eps)
 
 

@@ -16,7 +16,7 @@ from ..cache import KVCache, append_and_attend
 from ..gguf import GGUFError, Metadata
 from ..ops.activations import swiglu_ffn
 from ..ops.linear import WeightGroup, linear, linear_many
-from ..ops.norm import rms_norm
+from ..ops.norm import rms_norm, rms_norm_for
 from ..ops.rope import RopeTable, apply_rope
 from .base import Batch, CausalLM, ModelState, Rope, SharedKV, WeightStore, new_kv_caches, padded_context
 from .config import AttentionCacheSpec, CacheLayout, TensorSpec, common_hparams, lm_tensor_specs
@@ -146,12 +146,14 @@ class DecoderLayer:
         self.attn = Attention(w, b, c)
         self.ffn_norm = w.dense(f"{b}.ffn_norm.weight")
         self.gate, self.up, self.down = (w.matrix(f"{b}.ffn_{n}.weight") for n in ("gate", "up", "down"))
+        self.gate_up = WeightGroup((self.gate, self.up))  # one GEMV launch on the GPU path
 
     def __call__(self, x: torch.Tensor, rope: Rope, batch: Batch) -> torch.Tensor:
         caches = [state.kv[self.index] for state in batch.states]
-        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), rope, caches, batch.n_tokens)
-        h = rms_norm(x, self.ffn_norm, self.eps)
-        return x + swiglu_ffn(h, self.gate, self.up, self.down, batch.n_tokens)
+        h = rms_norm_for(x, self.attn_norm, self.eps, matmul=self.attn.wq)  # GPU path: quantized rows
+        x = x + self.attn(h, rope, caches, batch.n_tokens)
+        h = rms_norm_for(x, self.ffn_norm, self.eps, matmul=self.gate)
+        return x + swiglu_ffn(h, self.gate, self.up, self.down, batch.n_tokens, gate_up=self.gate_up)
 
 
 # --- model --------------------------------------------------------------------------------------------

@@ -14,15 +14,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..cache import KVCache, RecurrentState, append_and_attend
+from ..cache import KVCache, RecurrentState
+from ..cache.kv import rope_append_and_attend
 from ..gguf import GGUFError, Metadata
-from ..ops.activations import swiglu_ffn
+from ..ops.activations import sigmoid_gate_for, swiglu_ffn
 from ..ops.conv import causal_conv1d
 from ..ops.embedding import embedding
 from ..ops.gated_delta import GatedDeltaNetWeights, gated_delta_net_decode, gated_delta_rule_chunked
 from ..ops.linear import WeightGroup, linear, linear_many
-from ..ops.norm import gated_rms_norm, l2_norm, rms_norm
-from ..ops.rope import RopeTable, apply_rope
+from ..ops.linear_gpu import QuantizedRows
+from ..ops.norm import add_rms_norm_for, gated_rms_norm, l2_norm, rms_norm, rms_norm_for
+from ..ops.rope import RopeTable
 from ..quant.qtensor import QTensor
 from .base import Batch, CausalLM, ModelState, Rope, SharedKV, WeightStore, new_kv_caches, padded_context
 from .config import (
@@ -220,6 +222,7 @@ class GatedAttention:
         self.wk = w.matrix(f"{b}.attn_k.weight")
         self.wv = w.matrix(f"{b}.attn_v.weight")
         self.qkv = WeightGroup((self.wq, self.wk, self.wv))  # one kernel call for the three
+        self.input_weight = self.wq  # the first matmul of the block's input
         self.wo = w.matrix(f"{b}.attn_output.weight")
         self.q_norm = w.dense(f"{b}.attn_q_norm.weight")
         self.k_norm = w.dense(f"{b}.attn_k_norm.weight")
@@ -230,10 +233,12 @@ class GatedAttention:
         qg = qg.view(T, c.n_head, 2, c.head_dim)
         q, gate = qg[:, :, 0], qg[:, :, 1].reshape(T, -1)
         k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
-        q = apply_rope(rms_norm(q, self.q_norm, c.rms_eps), rope.cos, rope.sin, neox=True)
-        k = apply_rope(rms_norm(k, self.k_norm, c.rms_eps), rope.cos, rope.sin, neox=True)
-        o = append_and_attend(caches, q, k, v, rope.positions, c.head_dim**-0.5, rope.static).reshape(T, -1)
-        return linear(o * torch.sigmoid(gate), self.wo, seq_len=seq_len)
+        # q/k norms, RoPE and the cache write: one launch per cache on the GPU path
+        norms = {"q_norm": self.q_norm, "k_norm": self.k_norm, "eps": c.rms_eps}
+        o = rope_append_and_attend(
+            caches, q, k, v, rope.positions, rope.cos, rope.sin, c.head_dim**-0.5, rope.static, **norms
+        ).reshape(T, -1)
+        return linear(sigmoid_gate_for(o, gate, matmul=self.wo), self.wo, seq_len=seq_len)
 
 
 class GatedDeltaNet:
@@ -254,6 +259,7 @@ class GatedDeltaNet:
             n_k_heads=c.n_k_heads,
             eps=c.rms_eps,
         )
+        self.input_weight = qkv  # the first matmul of the block's input
 
     def __call__(
         self,
@@ -315,10 +321,11 @@ class SwiGLU:
     def __init__(self, w: WeightStore, b: str) -> None:
         self.gate = w.matrix(f"{b}.ffn_gate.weight")
         self.up = w.matrix(f"{b}.ffn_up.weight")
+        self.gate_up = WeightGroup((self.gate, self.up))  # one GEMV launch on the GPU path
         self.down = w.matrix(f"{b}.ffn_down.weight")
 
-    def __call__(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
-        return swiglu_ffn(x, self.gate, self.up, self.down, seq_len)
+    def __call__(self, x: torch.Tensor | QuantizedRows, seq_len: int) -> torch.Tensor:
+        return swiglu_ffn(x, self.gate, self.up, self.down, seq_len, gate_up=self.gate_up)
 
 
 class DecoderLayer:
@@ -335,17 +342,18 @@ class DecoderLayer:
         self.ffn = SwiGLU(w, b)
 
     def __call__(self, x: torch.Tensor, rope: Rope, batch: Batch) -> torch.Tensor:
-        h = rms_norm(x, self.attn_norm, self.eps)
+        # On the GPU path the norms hand their matmuls quantized rows (ops.norm.rms_norm_for); on the CPU, floats.
+        h = rms_norm_for(x, self.attn_norm, self.eps, matmul=self.mixer.input_weight)
         if self.recurrent:
             states = [state.recurrent[self.index] for state in batch.states]
             steps = batch.steps.setdefault(self.index, []) if batch.keep_steps else None
             out, kept = self.mixer(h, states, batch.n_tokens, batch.checkpoint_offsets(GDN_CHUNK), steps)
             for n, snapshot in kept.items():
                 batch.checkpoints.setdefault(batch.starts[0] + n, {})[self.index] = snapshot
-            x = x + out
         else:
-            x = x + self.mixer(h, rope, [state.kv[self.index] for state in batch.states], batch.n_tokens)
-        return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps), batch.n_tokens)
+            out = self.mixer(h, rope, [state.kv[self.index] for state in batch.states], batch.n_tokens)
+        x, h = add_rms_norm_for(x, out, self.ffn_norm, self.eps, matmul=self.ffn.gate)  # x + out, normed
+        return x + self.ffn(h, batch.n_tokens)
 
 
 class MTPHead:

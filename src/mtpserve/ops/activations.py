@@ -7,6 +7,8 @@ algorithm llama.cpp uses; GELU is looked up by the f16 rounding of the input), b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +16,9 @@ from ..kernels import cpu as cpu_kernels
 from ..quant.qtensor import QTensor
 from .device import gpu_path
 from .linear import as_rows, kernel_supports, linear, linear_many, linear_reference
+from .linear_gpu import QuantizedRows, integer_block
+from .quant_gemv import GEMV_MAX_ROWS
+from .rowwise import glu_quantize
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -60,11 +65,57 @@ def swiglu_ffn_reference(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTen
     return linear_reference(swiglu_reference(linear_reference(x, gate), linear_reference(x, up)), down)
 
 
-def swiglu_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, seq_len: int | None = None) -> torch.Tensor:
+def gated_ffn_gpu(x: torch.Tensor | QuantizedRows, gate_up: Sequence[QTensor], down: QTensor, act: str) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)) on the GPU path: gate and up in one GEMV launch (a merged WeightGroup), the
+    activation product and the down projection's input quantization in one more (ops.rowwise.glu_quantize), act
+    "silu" (SwiGLU) or "gelu_f16" (Gemma's GeGLU as llama.cpp's CPU computes it)."""
+    gate, up = linear_many(x, gate_up)
+    rows = gate.shape[:-1].numel()
+    block = integer_block(down) if rows <= GEMV_MAX_ROWS else None
+    y, q, d = glu_quantize(gate.reshape(rows, -1), up.reshape(rows, -1), act, block=block)
+    y = y.reshape(*gate.shape)
+    return linear(y if block is None else QuantizedRows(y, block, q, d), down)
+
+
+def sigmoid_gate_for(x: torch.Tensor, gate: torch.Tensor, *, matmul: QTensor) -> torch.Tensor | QuantizedRows:
+    """x * sigmoid(gate) as the input of a matmul by `matmul` (Qwen3.5's gated attention output): on the GPU path
+    one launch that also quantizes decode rows for that weight's integer GEMV."""
+    if not gpu_path(x):
+        return x * torch.sigmoid(gate)
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = lead.numel()
+    block = integer_block(matmul) if rows <= GEMV_MAX_ROWS else None
+    y, q, d = glu_quantize(gate.reshape(rows, k), x.reshape(rows, k), "sigmoid", block=block)
+    y = y.reshape(*lead, k)
+    return y if block is None else QuantizedRows(y, block, q, d)
+
+
+def geglu_ffn(
+    x: torch.Tensor | QuantizedRows, gate_up: Sequence[QTensor], down: QTensor, seq_len: int | None = None
+) -> torch.Tensor:
+    """Gemma's GeGLU FFN, down(gelu(gate(x)) * up(x)): the C kernels' GELU on the CPU, `gated_ffn_gpu` on the GPU
+    path."""
+    if isinstance(x, QuantizedRows) or gpu_path(x):
+        return gated_ffn_gpu(x, gate_up, down, "gelu_f16")
+    return linear(geglu(*linear_many(x, gate_up, seq_len)), down, seq_len=seq_len)
+
+
+def swiglu_ffn(
+    x: torch.Tensor | QuantizedRows,
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+    seq_len: int | None = None,
+    *,
+    gate_up: Sequence[QTensor] | None = None,
+) -> torch.Tensor:
     """The SwiGLU FFN in one kernel call: bit-identical to `linear(swiglu(gate(x), up(x)), down)` on the
-    kernels (it runs the same ones), without the three round trips through Python. `seq_len` as in `linear`."""
+    kernels (it runs the same ones), without the three round trips through Python. `seq_len` as in `linear`.
+    `gate_up`: (gate, up) as the model's WeightGroup, which the GPU path multiplies in one launch."""
+    if isinstance(x, QuantizedRows) or gpu_path(x):
+        return gated_ffn_gpu(x, gate_up or (gate, up), down, "silu")
     lib = cpu_kernels.load()
-    if lib is None or gpu_path(x) or not all(kernel_supports(w) for w in (gate, up, down)):
+    if lib is None or not all(kernel_supports(w) for w in (gate, up, down)):
         return linear(swiglu(*linear_many(x, (gate, up), seq_len)), down, seq_len=seq_len)
     lead, x2 = x.shape[:-1], as_rows(x)
     M, E = x2.shape

@@ -17,7 +17,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+from torch.backends.cuda import SDPAParams
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from ..kernels import cpu as cpu_kernels
 from ..quant.dequant import dequantize
@@ -25,6 +26,7 @@ from ..quant.types import GGMLType
 from .quant_gemv import triton_available, triton_kernels
 
 QUERY_CHUNK = 256  # bounds the [H, T, S] score matrix of the tiled path for long prompts
+MASK_ELEMENTS = 1 << 24  # an explicit [T, S] mask of the GPU path (~14 bytes an element as built: ~230 MB) at most
 ONLINE_MAX_QUERIES = 64  # llama.cpp's flash-attention query tile: fewer rows take the online path
 # llama.cpp sees the KV cache in views padded to 256 cells, and splits a single query over a view of
 # 512+ cells into one chunk per thread, merging the partial softmaxes; the references ran 2 threads.
@@ -208,30 +210,66 @@ def attention_gpu(
     in_order: bool = False,
 ) -> torch.Tensor:
     """Prompt attention on the GPU path: PyTorch's fused attention over the dequantized keys/values, float32 out.
-    Inputs go in `prompt_attention_dtype` (the GPU's half type; float32 off CUDA).
+    Inputs go in `prompt_attention_dtype` (the GPU's half type; float32 off CUDA), as 4-D [1, heads, rows, D]
+    tensors: with any other rank PyTorch takes its math kernel, which builds the [T, S] scores (26 GB for a
+    2048-token chunk over 262144 keys).
 
     `in_order`: key i is position i (all filled) and the queries are the last T positions, as a prompt chunk over
-    a cache that is not a ring sees it. The mask is then causal aligned to the bottom right, which PyTorch's
-    flash attention applies itself (`causal_lower_right`: no [T, S] mask is built, so a 262144-token context
-    stays in flash attention's memory); otherwise an explicit mask (no flash kernel takes one)."""
+    a cache that is not a ring sees it. Without a window the mask is then causal aligned to the bottom right,
+    which the fused kernels apply themselves (`causal_lower_right`: no [T, S] mask is built); otherwise an
+    explicit mask, built for as many queries at a time as keep it under MASK_ELEMENTS (and, in order, over only
+    the keys the window lets them see)."""
     half = prompt_attention_dtype(q.device)
-    qh = q.to(half).transpose(0, 1)  # [H, T, D]
-    kh, vh = k.to(half).transpose(0, 1), v.to(half).transpose(0, 1)  # [Hkv, S, D]
+    qh = q.to(half).transpose(0, 1)[None]  # [1, H, T, D]
+    kh, vh = k.to(half).transpose(0, 1)[None], v.to(half).transpose(0, 1)[None]  # [1, Hkv, S, D]
     T, S = q.shape[0], k.shape[0]
     outs = []
-    for start in range(0, T, QUERY_CHUNK * 8):
-        chunk = slice(start, start + QUERY_CHUNK * 8)
-        if in_order and window is None:
-            n_keys = S - T + min(T, chunk.stop)  # the chunk's last query sees exactly these keys
-            causal = causal_lower_right(len(range(*chunk.indices(T))), n_keys)
-            out = F.scaled_dot_product_attention(
-                qh[:, chunk], kh[:, :n_keys], vh[:, :n_keys], attn_mask=causal, scale=scale, enable_gqa=True
-            )
-        else:
-            mask = _mask(q_pos[chunk], k_pos, window) & (k_pos >= 0)[None, :]
-            out = F.scaled_dot_product_attention(qh[:, chunk], kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-        outs.append(out)
-    return torch.cat(outs, dim=1).transpose(0, 1).float()
+    if in_order and window is None:
+        for start in range(0, T, QUERY_CHUNK * 8):
+            stop = min(T, start + QUERY_CHUNK * 8)
+            n_keys = S - T + stop  # the chunk's last query sees exactly these keys
+            causal = causal_lower_right(stop - start, n_keys)
+            outs.append(_fused_attention(qh[:, :, start:stop], kh[:, :, :n_keys], vh[:, :, :n_keys], causal, scale))
+    else:
+        rows = max(1, min(QUERY_CHUNK * 8, MASK_ELEMENTS // max(1, S)))
+        for start in range(0, T, rows):
+            stop = min(T, start + rows)
+            keys = slice(None)
+            if in_order and window is not None:  # the window's keys for these queries (positions S - T + row)
+                keys = slice(max(0, S - T + start - window + 1), S - T + stop)
+            mask = _mask(q_pos[start:stop], k_pos[keys], window) & (k_pos[keys] >= 0)[None, :]
+            outs.append(_fused_attention(qh[:, :, start:stop], kh[:, :, keys], vh[:, :, keys], mask, scale))
+    return torch.cat(outs, dim=2)[0].transpose(0, 1).float()
+
+
+def _fused_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | CausalBias, scale: float
+) -> torch.Tensor:
+    """SDPA of q [1, H, T, D] over k, v [1, Hkv, S, D] by a fused kernel. Grouped heads go to the kernel as such
+    where it takes them (CPU; flash attention on CUDA, which takes no explicit mask); otherwise each KV head's
+    query heads in turn, the KV head broadcast as a stride-0 view (CUDA's memory-efficient and cuDNN kernels
+    need as many KV heads as query heads, and enable_gqa would send them to the math kernel)."""
+    n_heads, n_kv = q.shape[1], k.shape[1]
+    if n_heads == n_kv or _takes_grouped_heads(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=n_heads != n_kv)
+    group = n_heads // n_kv
+    outs = []
+    for h in range(n_kv):
+        kh, vh = (t[:, h : h + 1].expand(-1, group, -1, -1) for t in (k, v))
+        outs.append(
+            F.scaled_dot_product_attention(q[:, h * group : (h + 1) * group], kh, vh, attn_mask=mask, scale=scale)
+        )
+    return torch.cat(outs, dim=1)
+
+
+def _takes_grouped_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | CausalBias) -> bool:
+    """Whether a fused kernel takes fewer KV heads than query heads here: always on the CPU; on CUDA only flash
+    attention, with no explicit mask (asked as `causal_lower_right` asks it)."""
+    if q.device.type != "cuda":
+        return True
+    if isinstance(mask, torch.Tensor):
+        return False
+    return bool(torch.backends.cuda.can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True)))
 
 
 def decode_attention_reference(

@@ -7,6 +7,7 @@ import torch
 from ..kernels import cpu as cpu_kernels
 from ..quant.qtensor import QTensor
 from .device import gpu_path
+from .quant_gemv import triton_available, triton_kernels
 
 
 def embedding_reference(weight: QTensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -24,7 +25,12 @@ def embedding(weight: QTensor, tokens: torch.Tensor) -> torch.Tensor:
         crossing = idx.device != weight.data.device
         if crossing and len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= weight.shape[0]):
             raise IndexError(f"token id out of range [0, {weight.shape[0]}) for {weight.name}")
-        return weight.rows(idx.to(weight.data.device))
+        idx = idx.to(weight.data.device)
+        kernels = triton_kernels()
+        if triton_available(weight.data) and kernels is not None and weight.ggml_type in kernels.GEMV_TYPES:
+            # Two launches (gather the rows' blocks, unpack them), where the PyTorch dequantizers take a dozen.
+            return kernels.dequant_blocks(weight.data[idx], int(weight.ggml_type))
+        return weight.rows(idx)
     lib = cpu_kernels.load()
     if lib is None or not lib.mtp_matmul_supported(int(weight.ggml_type)):
         return embedding_reference(weight, tokens)

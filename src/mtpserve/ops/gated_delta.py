@@ -469,41 +469,171 @@ def gated_delta_net_decode_gpu(
     conv_steps: Sequence[torch.Tensor] | None = None,
     ssm_steps: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """`gated_delta_net_decode` on the GPU path, all sequences of the batch at once: the projections (GEMV
-    kernel), the conv over [state | new inputs] as one unfold, the recurrence in the Triton kernel (which also
-    writes the per-token states), the gated norm and the output projection. Same arguments and in-place state
-    updates as `gated_delta_net_decode`."""
+    """`gated_delta_net_decode` on the GPU path, all sequences of the batch at once, in four launches: the
+    projections, `gdn_decode_inputs` (conv, SiLU, L2-norms), `gated_delta_decode` (gates, recurrence, gated norm;
+    it also writes the per-token states) and the output projection. Same arguments and in-place state updates as
+    `gated_delta_net_decode`: one sequence's states (and step buffers) are the kernels' own, updated where they lie
+    (3 MB a layer on the 27B, never copied); several sequences' are stacked and copied back."""
+    w = weights
     n_seq = len(ssms)
     T = h.shape[0] // n_seq
     n_v_heads, K, V = ssms[0].shape
+    C, W = w.conv_weight.shape
     mixed, z, beta, alpha = linear_many(h, weights.projections)
-    g = (weights.a * F.softplus(alpha + weights.dt_bias)).view(n_seq, T, n_v_heads)
-    beta = torch.sigmoid(beta).view(n_seq, T, n_v_heads)
-    C, W = weights.conv_weight.shape
-    xs = torch.cat((torch.stack(list(conv_states)), mixed.view(n_seq, T, C).transpose(1, 2)), dim=2)  # [B, C, W-1+T]
-    conv = (xs.unfold(2, W, 1) * weights.conv_weight[None, :, None, :]).sum(-1)  # [B, C, T]
-    u = F.silu(conv.transpose(1, 2).contiguous())  # [B, T, C]
-    n_k_heads, eps = weights.n_k_heads, weights.eps
+    buffers = [*conv_states, *ssms, *(conv_steps or ()), *(ssm_steps or ())]
+    alone = n_seq == 1 and all(t.dtype == torch.float32 and t.is_contiguous() for t in buffers)
+    conv_step = ssm_step = None
+    if alone:
+        conv_state, state = conv_states[0][None], ssms[0][None]
+        conv_step = conv_steps[0][None] if conv_steps is not None else None
+        ssm_step = ssm_steps[0][None] if ssm_steps is not None else None
+    else:
+        conv_state, state = torch.stack(list(conv_states)).float(), torch.stack(list(ssms)).float()
+        if conv_steps is not None:
+            conv_step = torch.empty(n_seq, T, C, W - 1, device=state.device)
+        if ssm_steps is not None:
+            ssm_step = torch.empty(n_seq, T, n_v_heads, K, V, device=state.device)
+    n_k_heads, eps = w.n_k_heads, w.eps
+    qkv = gdn_decode_inputs(
+        mixed.view(n_seq, T, C),
+        w.conv_weight,
+        conv_state,
+        n_k_heads=n_k_heads,
+        head_k=K,
+        head_v=V,
+        eps=eps,
+        conv_steps=conv_step,
+    )
     key_dim = n_k_heads * K
-    q = l2_norm(u[..., :key_dim].reshape(n_seq, T, n_k_heads, K), eps)
-    k = l2_norm(u[..., key_dim : 2 * key_dim].reshape(n_seq, T, n_k_heads, K), eps)
-    v = u[..., 2 * key_dim :].reshape(n_seq, T, n_v_heads, V)
-    # [B, Hv, K, V], updated in place: one sequence's own state as a view (3 MB a layer on the 27B not copied
-    # twice a token); several sequences' stacked and copied back.
-    in_place = n_seq == 1 and ssms[0].is_contiguous()
-    state = ssms[0][None] if in_place else torch.stack(list(ssms))
-    steps = torch.empty(n_seq, T, n_v_heads, K, V, device=h.device) if ssm_steps is not None else None
-    o = gated_delta_rule_recurrent_batched(q, k, v, g, beta, state, state_steps=steps)
-    for s in range(n_seq):
-        conv_states[s].copy_(xs[s, :, T:])
-        if not in_place:
+    y = gated_delta_decode(
+        qkv[..., :key_dim].unflatten(-1, (n_k_heads, K)),
+        qkv[..., key_dim : 2 * key_dim].unflatten(-1, (n_k_heads, K)),
+        qkv[..., 2 * key_dim :].unflatten(-1, (n_v_heads, V)),
+        alpha.view(n_seq, T, n_v_heads),
+        beta.view(n_seq, T, n_v_heads),
+        z.view(n_seq, T, n_v_heads, V),
+        state,
+        dt_bias=w.dt_bias,
+        a=w.a,
+        norm_weight=w.norm_weight,
+        eps=eps,
+        state_steps=ssm_step,
+    )
+    if not alone:
+        for s in range(n_seq):
+            conv_states[s].copy_(conv_state[s])
             ssms[s].copy_(state[s])
-        if conv_steps is not None and ssm_steps is not None and steps is not None:
-            ssm_steps[s].copy_(steps[s])
-            # conv state after token t: inputs t+1 .. t+W-1 of [state | new inputs], every t in one copy
-            conv_steps[s].copy_(xs[s].unfold(1, W - 1, 1)[:, 1:].transpose(0, 1))
-    y = gated_rms_norm(o, z.view(n_seq, T, n_v_heads, V), weights.norm_weight, eps).reshape(n_seq * T, -1)
-    return linear(y, weights.w_out)
+            if conv_steps is not None and conv_step is not None:
+                conv_steps[s].copy_(conv_step[s])
+            if ssm_steps is not None and ssm_step is not None:
+                ssm_steps[s].copy_(ssm_step[s])
+    return linear(y.view(n_seq * T, n_v_heads * V), w.w_out)
+
+
+def gdn_decode_inputs(
+    mixed: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    *,
+    n_k_heads: int,
+    head_k: int,
+    head_v: int,
+    eps: float,
+    conv_steps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The recurrence's q | k | v [B, T, C] from the qkv projection mixed [B, T, C]: causal conv over [conv_state |
+    mixed], SiLU, L2-norms of q and k; conv_state [B, C, W-1] updated in place (and the per-token states written to
+    `conv_steps` [B, T, C, W-1]). The Triton kernel (one launch) where it runs, else `gdn_decode_inputs_reference`."""
+    kernels = triton_kernels()
+    args = {"n_k_heads": n_k_heads, "head_k": head_k, "head_v": head_v, "eps": eps, "conv_steps": conv_steps}
+    if triton_available(mixed) and kernels is not None:
+        return kernels.gated_delta.gdn_decode_inputs(mixed, conv_weight.float().contiguous(), conv_state, **args)
+    return gdn_decode_inputs_reference(mixed, conv_weight, conv_state, **args)
+
+
+def gdn_decode_inputs_reference(
+    mixed: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    *,
+    n_k_heads: int,
+    head_k: int,
+    head_v: int,
+    eps: float,
+    conv_steps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`gdn_decode_inputs` in plain PyTorch, one sequence at a time (`gated_delta_net_step_reference`'s first half)."""
+    key_dim = n_k_heads * head_k
+    W = conv_weight.shape[1]
+    outs = []
+    for b in range(mixed.shape[0]):
+        x = mixed[b].float()
+        conv, new_state = causal_conv1d(x, conv_weight.float(), conv_state[b])
+        if conv_steps is not None:  # the state after token t: inputs t+1 .. t+W-1 of [state | new inputs]
+            inputs = torch.cat((conv_state[b], x.T), dim=1)
+            conv_steps[b].copy_(inputs.unfold(1, W - 1, 1)[:, 1:].transpose(0, 1))
+        conv_state[b].copy_(new_state)
+        u = F.silu(conv)
+        q = l2_norm(u[:, :key_dim].unflatten(-1, (n_k_heads, head_k)), eps).flatten(-2)
+        k = l2_norm(u[:, key_dim : 2 * key_dim].unflatten(-1, (n_k_heads, head_k)), eps).flatten(-2)
+        outs.append(torch.cat((q, k, u[:, 2 * key_dim :]), dim=-1))
+    return torch.stack(outs)
+
+
+def gated_delta_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    z: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    dt_bias: torch.Tensor,
+    a: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    state_steps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A Gated DeltaNet layer from its normalised q, k [B, T, Hk, K] and v [B, T, Hv, V] to its normed output
+    y [B, T, Hv, V]: gates from the projections alpha, beta [B, T, Hv], the recurrence on state [B, Hv, K, V]
+    (updated in place; per-token states to `state_steps` [B, T, Hv, K, V]), RMSNorm * norm_weight * silu(z). The
+    Triton kernel (one launch) where it runs, else `gated_delta_decode_reference`."""
+    kernels = triton_kernels()
+    args = {"dt_bias": dt_bias, "a": a, "norm_weight": norm_weight, "eps": eps, "state_steps": state_steps}
+    if triton_available(q) and kernels is not None:
+        return kernels.gated_delta.gated_delta_decode(q, k, v, alpha, beta, z, state, **args)
+    return gated_delta_decode_reference(q, k, v, alpha, beta, z, state, **args)
+
+
+def gated_delta_decode_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    z: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    dt_bias: torch.Tensor,
+    a: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    state_steps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`gated_delta_decode` in plain PyTorch, one sequence at a time: g = a * softplus(alpha + dt_bias), beta =
+    sigmoid(beta), `gated_delta_rule_recurrent`, then the GPU path's RMSNorm (torch's reduction) * weight * silu(z)."""
+    g = a * F.softplus(alpha.float() + dt_bias)
+    beta = torch.sigmoid(beta.float())
+    outs = []
+    for b in range(q.shape[0]):
+        o, states = gated_delta_rule_recurrent(q[b], k[b], v[b], g[b], beta[b], state[b], return_states=True)
+        state[b].copy_(states[-1])
+        if state_steps is not None:
+            state_steps[b].copy_(states)
+        outs.append(o)
+    o = torch.stack(outs)
+    return o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * norm_weight * F.silu(z.float())
 
 
 def gated_delta_rule_recurrent_batched(

@@ -28,45 +28,15 @@ from ..kernels import cpu as cpu_kernels
 from ..quant.dequant import dequantize
 from ..quant.qtensor import QTensor, RowSplitQTensor
 from ..quant.types import GGMLType
+from .activation_rounding import (
+    Q8_0_ACTIVATIONS,
+    Q8_1_ACTIVATIONS,
+    Q8_K_ACTIVATIONS,
+    quantize_activations_q8_0,
+    quantize_activations_q8_k,
+)
 from .device import gpu_path
-from .quant_gemv import quant_linear
-
-Q8_0_ACTIVATIONS = {GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.IQ4_NL}
-Q8_1_ACTIVATIONS = {GGMLType.Q4_1, GGMLType.Q5_1}
-Q8_K_ACTIVATIONS = {GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_XS}
-
-
-def _round_half_even(x: torch.Tensor) -> torch.Tensor:
-    return torch.round(x)  # torch.round rounds half to even, like _mm256_round_ps(_MM_ROUND_NEAREST)
-
-
-def _div(numerator: float, x: torch.Tensor) -> torch.Tensor:
-    """numerator / x, correctly rounded: torch evaluates `scalar / tensor` as scalar * (1 / x), which is
-    off by an ulp often enough to flip the rounding of quantized activations."""
-    return torch.full_like(x, numerator) / x
-
-
-def quantize_activations_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M, K/32, 32] as float, d_f32 [M, K/32], d_f16 [M, K/32]) as llama.cpp's x86
-    quantize_row_q8_0/q8_1: d = amax/127, q = round_half_even(x * (127/amax))."""
-    blocks = x.reshape(x.shape[0], -1, 32)
-    amax = blocks.abs().amax(-1)
-    inv = torch.where(amax > 0, _div(127.0, amax), torch.zeros_like(amax))
-    q = _round_half_even(blocks * inv[..., None])
-    d = amax / 127.0
-    return q, d, d.half().float()
-
-
-def quantize_activations_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M, K/256, 256] as float, d [M, K/256] f32) as llama.cpp's quantize_row_q8_K:
-    iscale = -127 / (the signed element of largest magnitude), q = min(127, round(iscale * x)), d = 1/iscale."""
-    blocks = x.reshape(x.shape[0], -1, 256)
-    idx = blocks.abs().argmax(-1, keepdim=True)
-    peak = blocks.gather(-1, idx).squeeze(-1)
-    iscale = torch.where(peak != 0, _div(-127.0, peak), torch.zeros_like(peak))
-    q = torch.clamp(_round_half_even(blocks * iscale[..., None]), max=127)
-    d = torch.where(peak != 0, _div(1.0, iscale), torch.zeros_like(iscale))
-    return q, d
+from .linear_gpu import QuantizedRows, linear_gpu, linear_many_gpu, merge_rows
 
 
 def linear_reference(x: torch.Tensor, weight: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -90,27 +60,6 @@ def linear_reference(x: torch.Tensor, weight: QTensor, bias: torch.Tensor | None
         y = x2 @ weight.dequantize().T
     y = y.reshape(*lead, -1)
     return y if bias is None else y + bias
-
-
-def round_activations(x: torch.Tensor, ggml_type: GGMLType) -> torch.Tensor:
-    """x [..., K] rounded to the weight type's vec_dot type and back to float32: what llama.cpp's CPU multiplies
-    the weight by. The GPU path multiplies these rounded values in float, so its logits stay within float32
-    summation noise of the CPU path (unrounded activations moved Gemma 3's logits by up to 0.9 nats and flipped
-    a greedy token at a 0.19-nat margin). Q4_1/Q5_1 weights get the Q8_0 rounding; their min term then uses the
-    exact block sum, where the CPU uses its f16 rounding (~4e-4 relative on a random matrix)."""
-    lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K).float()
-    if ggml_type in Q8_0_ACTIVATIONS or ggml_type in Q8_1_ACTIVATIONS:
-        q, _, d16 = quantize_activations_q8_0(x2)
-        x2 = (q * d16[..., None]).reshape(x2.shape)
-    elif ggml_type in Q8_K_ACTIVATIONS:
-        q, d = quantize_activations_q8_k(x2)
-        x2 = (q * d[..., None]).reshape(x2.shape)
-    elif ggml_type == GGMLType.F16:
-        x2 = x2.half().float()
-    elif ggml_type == GGMLType.BF16:
-        x2 = x2.bfloat16().float()
-    return x2.reshape(*lead, K)
 
 
 def _linear_q8_1(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
@@ -153,7 +102,18 @@ class WeightGroup(tuple):
         group.c_data = (ctypes.c_void_p * n)(*(w.data.data_ptr() for w in group))
         group.c_rows = (ctypes.c_int64 * n)(*(w.shape[0] for w in group))
         group.on_kernels = all(kernel_supports(w) for w in group)
+        group._merged = None
+        if all(w.data.is_cuda for w in group):  # before any graph capture: merging allocates
+            group.merged()
         return group
+
+    def merged(self) -> list[tuple[QTensor, list[int]]]:
+        """The GPU path's launches for the group: same-type members concatenated by rows (`merge_rows`: the
+        members then view the concatenation), once."""
+        if self._merged is None:
+            self._merged = merge_rows(self)
+            self.c_data = (ctypes.c_void_p * len(self))(*(w.data.data_ptr() for w in self))  # the new views
+        return self._merged
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -162,17 +122,15 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
 
 
-def linear_many(x: torch.Tensor, weights: Sequence[QTensor], seq_len: int | None = None) -> list[torch.Tensor]:
+def linear_many(
+    x: torch.Tensor | QuantizedRows, weights: Sequence[QTensor], seq_len: int | None = None
+) -> list[torch.Tensor]:
     """[linear(x, w, seq_len=seq_len) for w in weights], in one kernel call: one activation rounding and
-    one parallel region for all of them."""
+    one parallel region for all of them (on the GPU path: ops.linear_gpu, one launch per weight type of a group)."""
     if any(isinstance(w, RowSplitQTensor) for w in weights):
         return [linear(x, w, seq_len=seq_len) for w in weights]
-    if gpu_path(x):
-        rounded: dict[GGMLType, torch.Tensor] = {}
-        for w in weights:
-            if w.ggml_type not in rounded:
-                rounded[w.ggml_type] = round_activations(x, w.ggml_type)
-        return [quant_linear(rounded[w.ggml_type], w) for w in weights]
+    if isinstance(x, QuantizedRows) or gpu_path(x):
+        return linear_many_gpu(x, weights)
     lib = cpu_kernels.load()
     group = weights if isinstance(weights, WeightGroup) else WeightGroup(weights)
     if lib is None or not group.on_kernels:
@@ -199,7 +157,7 @@ def linear_many(x: torch.Tensor, weights: Sequence[QTensor], seq_len: int | None
 
 
 def linear(
-    x: torch.Tensor, weight: QTensor, bias: torch.Tensor | None = None, seq_len: int | None = None
+    x: torch.Tensor | QuantizedRows, weight: QTensor, bias: torch.Tensor | None = None, seq_len: int | None = None
 ) -> torch.Tensor:
     """`linear_reference`'s result from the C kernel library (same rounding rules, integer block dots);
     types the library lacks, or machines without it, take the reference.
@@ -208,17 +166,18 @@ def linear(
     llama.cpp's float association depends on the batch size, so each sequence is rounded as if it were
     evaluated alone: batching sequences together changes no result.
 
-    On the GPU path (ops.device): `quant_linear` of the activations rounded as here (`round_activations`),
-    summed in float32 in the kernels' order.
+    On the GPU path (ops.device): `linear_gpu`, the activations rounded as here once (or already, as the
+    `QuantizedRows` a fused norm made), integer GEMVs for decode, summed in float32 in the kernels' order.
 
     A matrix split by rows over devices (`RowSplitQTensor`, --split-mode row): each device multiplies its rows
     (the input copied to it), and the outputs are gathered on the input's device."""
     if isinstance(weight, RowSplitQTensor):
+        x = x.x if isinstance(x, QuantizedRows) else x
         parts = [linear(x.to(s.data.device), s, seq_len=seq_len).to(x.device) for s in weight.shards]
         y = torch.cat(parts, dim=-1)
         return y if bias is None else y + bias
-    if gpu_path(x):
-        y = quant_linear(round_activations(x, weight.ggml_type), weight)
+    if isinstance(x, QuantizedRows) or gpu_path(x):
+        y = linear_gpu(x, weight)
         return y if bias is None else y + bias
     lib = cpu_kernels.load()
     if lib is None or not kernel_supports(weight):

@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 
 from ..kernels import cpu as cpu_kernels
+from ..quant.qtensor import QTensor
 from .device import gpu_path
+from .linear_gpu import QuantizedRows, integer_block
+from .quant_gemv import GEMV_MAX_ROWS
+from .rowwise import rms_norm_quantize
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -34,10 +38,39 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float)
 
 
 def rms_norm_gpu(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """The GPU path's RMSNorm: float32 throughout, torch's own reduction order."""
-    x = x.float()
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return y if weight is None else y * weight
+    """The GPU path's RMSNorm: float32 throughout, one launch (ops.rowwise.rms_norm_quantize, with its twin)."""
+    lead = x.shape[:-1]
+    return rms_norm_quantize(x.reshape(-1, x.shape[-1]).float(), weight, eps)[1].reshape(*lead, x.shape[-1])
+
+
+def rms_norm_for(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, matmul: QTensor
+) -> torch.Tensor | QuantizedRows:
+    """`rms_norm(x, weight, eps)` as the input of a matmul by `matmul` (the first weight that reads it). On the GPU
+    path, decode rows come out already quantized for that weight's integer GEMV, in the norm's own launch; elsewhere
+    (the CPU, prompts) the plain norm."""
+    if not gpu_path(x):
+        return rms_norm(x, weight, eps)
+    lead, k = x.shape[:-1], x.shape[-1]
+    block = integer_block(matmul) if lead.numel() <= GEMV_MAX_ROWS else None
+    _, y, q, d = rms_norm_quantize(x.reshape(-1, k).float(), weight, eps, block=block)
+    y = y.reshape(*lead, k)
+    return y if block is None else QuantizedRows(y, block, q, d)
+
+
+def add_rms_norm_for(
+    x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor | None, eps: float, *, matmul: QTensor
+) -> tuple[torch.Tensor, torch.Tensor | QuantizedRows]:
+    """(x + add, `rms_norm_for(x + add, ...)`): a residual add and the next block's input norm, one launch on the
+    GPU path (decode rows quantized for `matmul` as in rms_norm_for)."""
+    if not gpu_path(x):
+        s = x + add
+        return s, rms_norm(s, weight, eps)
+    lead, k = x.shape[:-1], x.shape[-1]
+    block = integer_block(matmul) if lead.numel() <= GEMV_MAX_ROWS else None
+    s, y, q, d = rms_norm_quantize(x.reshape(-1, k).float(), weight, eps, add=add.reshape(-1, k).float(), block=block)
+    s, y = s.reshape(*lead, k), y.reshape(*lead, k)
+    return s, (y if block is None else QuantizedRows(y, block, q, d))
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -50,6 +50,18 @@ def triton_kernels() -> ModuleType | None:
     return kernels
 
 
+def quant_gemv_q8_reference(
+    xq: torch.Tensor, xd: torch.Tensor, blocks: torch.Tensor, qtype: GGMLType | int
+) -> torch.Tensor:
+    """The integer GEMV's twin: activation quants xq int8 [m, k] with their block scales xd float32 [m, k / block]
+    times the matrix W [n, k] in `blocks` -> float32 [m, n] = (q * d) @ W.T."""
+    t = GGMLType(int(qtype))
+    block_size, type_size = block_geometry(t)
+    n, k = blocks.shape[0], blocks.shape[1] // type_size * block_size
+    x = xq.float() * xd.float().repeat_interleave(k // xd.shape[-1], dim=-1)
+    return x @ dequantize(blocks, t, (n, k)).to(xq.device).T
+
+
 def triton_available(x: torch.Tensor) -> bool:
     """Whether the Triton kernels can run on x: a CUDA tensor, or any under the interpreter."""
     return (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and triton_kernels() is not None
@@ -92,6 +104,26 @@ def quant_gemv(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
         y = kernels.quant_gemv(x2, weight.data, int(weight.ggml_type), **tiles)
     else:
         y = quant_gemv_reference(x2, weight.data, weight.ggml_type)
+    return y.reshape(*lead, weight.shape[0])
+
+
+def quant_gemv_q8(
+    xq: torch.Tensor, xd: torch.Tensor, weight: QTensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Quantized activations xq int8 [..., K] with scales xd float32 [..., K / block] (the weight's vec_dot type:
+    kernels.triton.gemv_q8.act_block) -> float32 [..., N] for a 2-D QTensor weight [N, K]: the integer GEMV kernel
+    where it runs (into `out`, a [rows, N] view, when given), else the twin."""
+    lead, k = xq.shape[:-1], xq.shape[-1]
+    q2, d2 = xq.reshape(-1, k), xd.reshape(-1, xd.shape[-1])
+    kernels = triton_kernels()
+    t = weight.ggml_type
+    if use_triton(q2, t) and kernels is not None and int(t) in {int(q) for q in kernels.Q8_GEMV_TYPES} and k % 64 == 0:
+        y = kernels.quant_gemv_q8(q2, d2, weight.data, int(t), out=out)
+    else:
+        y = quant_gemv_q8_reference(q2, d2, weight.data, t)
+        if out is not None:
+            out.copy_(y)
+            y = out
     return y.reshape(*lead, weight.shape[0])
 
 

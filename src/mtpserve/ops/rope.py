@@ -16,7 +16,10 @@ import numpy as np
 import torch
 
 from ..kernels import cpu as cpu_kernels
+from ..quant.quantize import QUANTIZERS
+from ..quant.types import GGMLType
 from .device import canonical_device, gpu_path
+from .quant_gemv import triton_available, triton_kernels
 
 
 def imrope_streams(sections: Sequence[int], n_pairs: int) -> list[int]:
@@ -127,9 +130,82 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
     return out
 
 
+def norm_rope_store_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cells: torch.Tensor,
+    positions: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    k_type: int,
+    v_type: int,
+    cell_positions: torch.Tensor,
+    *,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    neox: bool = True,
+) -> torch.Tensor:
+    """The twin of the Triton kernel (mtpserve.kernels.triton.rope_kv.norm_rope_store): q [T, H, D] and k [T, Hkv, D]
+    normalized per head (the GPU path's RMSNorm; None: not normalized) and rotated; k and v stored at `cells` of the
+    caches as their types store them (`QUANTIZERS`), `positions` into `cell_positions` there. Returns q, float32."""
+    q = apply_rope_reference(_head_norm(q, q_norm, eps), cos, sin, neox)
+    k = apply_rope_reference(_head_norm(k, k_norm, eps), cos, sin, neox)
+    for store, ggml_type, values in ((k_store, k_type, k), (v_store, v_type, v.float())):
+        if store.dtype == torch.uint8:
+            values = QUANTIZERS[GGMLType(int(ggml_type))](values.reshape(len(values), -1))
+        store.index_copy_(0, cells, values.reshape(len(cells), *store.shape[1:]).to(store.dtype))
+    cell_positions.index_copy_(0, cells, positions.to(cell_positions.dtype))
+    return q
+
+
+def _head_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    x = x.float()
+    if weight is None:
+        return x
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def norm_rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cells: torch.Tensor,
+    positions: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    k_type: int,
+    v_type: int,
+    cell_positions: torch.Tensor,
+    *,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    neox: bool = True,
+) -> torch.Tensor:
+    """An attention layer's input on the GPU path in one launch: `norm_rope_store_reference`'s result by the Triton
+    kernel where it runs (a CUDA tensor, or the interpreter) and takes both cache types, else by the twin."""
+    args = (q, k, v, cos, sin, cells, positions, k_store, v_store, int(k_type), int(v_type), cell_positions)
+    kernels = triton_kernels()
+    takes = kernels is not None and {int(k_type), int(v_type)} <= set(map(int, kernels.ROPE_KV_TYPES))
+    if takes and triton_available(q):
+        return kernels.norm_rope_store(*args, q_norm=q_norm, k_norm=k_norm, eps=eps, neox=neox)
+    return norm_rope_store_reference(*args, q_norm=q_norm, k_norm=k_norm, eps=eps, neox=neox)
+
+
 class RopeTable:
     """cos/sin of text positions 0, 1, 2, ... computed once and grown on demand: a position's angles do
-    not depend on the batch it comes in, so the table gives exactly what `rope_cos_sin` would."""
+    not depend on the batch it comes in, so the table gives exactly what `rope_cos_sin` would.
+
+    Captured CUDA graphs read the table by address (`gather` in a static step). Once `reserve` or `gather` has
+    run, a growth therefore keeps the tables it replaces alive (`retired`): a graph captured before reads the
+    same values from the same memory, within the positions reserved for it. Reserving the largest context up
+    front (`reserve` at a state's creation) leaves nothing to grow."""
 
     def __init__(
         self,
@@ -143,6 +219,8 @@ class RopeTable:
         self.device = canonical_device(device)
         self.cos = self.sin = torch.empty(0, n_rot // 2, device=self.device)
         self.copies: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # the table on other devices
+        self.retired: list[tuple[torch.Tensor, torch.Tensor]] = []  # replaced tables a captured step may read
+        self.pinned = False  # a captured step may hold the table's addresses
 
     def span(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [count, n_rot // 2] of positions start..start + count - 1 (views into the table, on the
@@ -151,6 +229,8 @@ class RopeTable:
         if end > len(self.cos):
             size = max(end, 2 * len(self.cos), 256)
             cos, sin = rope_cos_sin(torch.arange(size), *self.args)
+            if self.pinned:
+                self.retired += [(self.cos, self.sin), *self.copies.values()]
             self.cos, self.sin = cos.to(self.device), sin.to(self.device)
             self.copies = {}
         return self.cos[start:end], self.sin[start:end]
@@ -160,6 +240,7 @@ class RopeTable:
         with `device` keep a copy there (a captured step of a layer split's other GPU gathers from that)."""
         if count > len(self.cos):
             self.span(0, count)
+        self.pinned = True
         if device is not None and canonical_device(device) != self.device:
             device = canonical_device(device)
             held = self.copies.get(device)
@@ -169,5 +250,6 @@ class RopeTable:
     def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of arbitrary positions given as a device tensor (within the reserved table), from the copy on
         the positions' device."""
+        self.pinned = True
         cos, sin = (self.cos, self.sin) if positions.device == self.device else self.copies[positions.device]
         return cos[positions], sin[positions]

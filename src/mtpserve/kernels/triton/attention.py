@@ -7,11 +7,17 @@ Shapes and storage (mtpserve.cache.kv): q [T, H, D]; float caches [S, Hkv, D]; q
 window W, q_pos - k_pos < W. Query head h reads KV head h // (H / Hkv).
 
 Decode at batch 1 has T * H query rows and up to 262144 keys: one program per head would leave most of the GPU
-idle, so pass 1 splits the keys into `n_splits` ranges. A program owns (a block of BLOCK_M query rows, one KV
+idle, so pass 1 splits the keys into `n_splits` ranges. The grid is fixed by the cache's capacity (a captured graph
+replays the same grid at every depth), but the ranges are cut in the kernel from the cells that can hold a visible
+key, read on the device: for an ordered cache, the cells up to the last query position (all of them otherwise).
+Every split then gets an even share at any depth (no split gets fewer than `min_keys`: its partial costs as much to
+write and merge as a few hundred keys cost to read), the splits left without work write nothing, and pass 2 merges
+only the splits that have work. A program owns (a block of BLOCK_M query rows, one KV
 head, one key range); its rows are every (token, query head) pair that reads that KV head, so the GQA group
-shares each K/V tile read, and both products run on tensor cores (tl.dot) even for T = 1. It walks its range
-BLOCK_S keys at a time, dequantizing each K/V tile in registers (the same float32 values as
-mtpserve.quant.dequant; nothing dequantized is written to memory), with an online softmax in base 2, and writes
+shares each K/V tile read, and both products are tl.dot (float32 FMAs by default) even for T = 1. It walks its
+range BLOCK_S keys at a time, dequantizing each K/V tile in registers (the same float32 values as
+mtpserve.quant.dequant; nothing dequantized is written to memory) one half of the head dim at a time (two
+accumulators: a whole D = 256 tile and its products spilled registers), with an online softmax in base 2, and writes
 its unnormalised partial (max, sum, acc) to a scratch buffer; pass 2 merges the splits of each (token, head)
 row with the log-sum-exp rule. Loads of keys no row of the block can see (empty cells, outside the window, in
 the future of every row) are masked off, so they cost no memory traffic.
@@ -45,37 +51,53 @@ _Q8_0 = tl.constexpr(int(GGMLQuantizationType.Q8_0))
 _Q4_0 = tl.constexpr(int(GGMLQuantizationType.Q4_0))
 _LOG2E = 1.4426950408889634  # scores are kept in base 2 so the kernels use exp2
 
-MIN_KEYS_PER_SPLIT = 512  # below this a split's fixed cost (scratch row, merge) is no longer small
+MIN_KEYS_PER_SPLIT = 256  # a q8_0 split this long reads ~0.5 MB of K/V at Hkv=4 against 24 KB of partials to merge
 MAX_SPLITS = 256  # 256 splits x Hkv programs fill an H200 (132 SMs) several times over at any context
 _COMBINE_CHUNK = 16  # splits merged per step of pass 2
 
 
 @triton.jit
-def _f16(ptr, ok):
-    """The little-endian f16 at ptr (any shape of byte pointers), as float32; 0 where not ok."""
-    lo = tl.load(ptr, mask=ok, other=0).to(tl.uint16)
-    hi = tl.load(ptr + 1, mask=ok, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+def _half_dims(D_PAD: tl.constexpr, HALF: tl.constexpr):
+    """The head dims of half HALF (0 or 1): elements 0..15 (HALF 0) or 16..31 (HALF 1) of each 32-run, [D_PAD / 2].
+    A q4_0 block's low nibbles are one half and its high nibbles the other; q (loaded alike) and the partial
+    accumulators use the same order, so the products never see it."""
+    c = tl.arange(0, D_PAD // 2)
+    return (c // 16) * 32 + HALF * 16 + c % 16
 
 
 @triton.jit
-def _load_tile(base, d, ok, TYPE: tl.constexpr):
-    """Head vectors starting at base ([BLOCK_S, 1] pointers: elements of a float cache, bytes of a block cache),
-    dims d ([1, D_PAD]) -> float32 [BLOCK_S, D_PAD], 0 where not ok. Blocks are unpacked in place: element d of
-    a head sits in block d // 32 at index i = d % 32."""
+def _load_half(base, ok, D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, TYPE: tl.constexpr):
+    """Half HALF (see _half_dims) of the head vectors starting at base ([BLOCK_S, 1] pointers: elements of a float
+    cache, bytes of a block cache) -> float32 [BLOCK_S, D_PAD / 2], 0 where a row is not ok. Each 16-run of a half
+    lies in one 32-block, so a block cache reads its f16 scale once per element (broadcast) and one byte."""
+    c = tl.arange(0, D_PAD // 2)[None, :]
     if TYPE == _Q8_0:
-        blk = base + (d // 32) * 34
-        q = tl.load(blk + 2 + d % 32, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        x = q * _f16(blk, ok)
+        blk = base + (c // 16) * 34  # scales are 2-byte aligned: every block and row size is even
+        scale = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)
+        q = tl.load(blk + 2 + HALF * 16 + c % 16, mask=ok, other=0).to(tl.int8, bitcast=True)
+        x = q.to(tl.float32) * scale
     elif TYPE == _Q4_0:
-        blk = base + (d // 32) * 18
-        i = d % 32
-        byte = tl.load(blk + 2 + i % 16, mask=ok, other=0).to(tl.int32)
-        q = ((byte >> ((i // 16) * 4)) & 0x0F) - 8  # low nibbles are elements 0..15, high ones 16..31
-        x = q.to(tl.float32) * _f16(blk, ok)
+        blk = base + (c // 16) * 18
+        scale = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)
+        byte = tl.load(blk + 2 + c % 16, mask=ok, other=0).to(tl.int32)
+        x = (((byte >> (HALF * 4)) & 0x0F) - 8).to(tl.float32) * scale  # low nibbles: elements 0..15
     else:
-        x = tl.load(base + d, mask=ok, other=0.0).to(tl.float32)
+        d = (c // 16) * 32 + HALF * 16 + c % 16
+        x = tl.load(base + d, mask=ok & (d < D), other=0.0).to(tl.float32)
     return x
+
+
+@triton.jit
+def _split_range(qpos_ptr, T, S, n_splits, min_keys, T_PAD: tl.constexpr, BLOCK_S: tl.constexpr, ORDERED: tl.constexpr):
+    """(keys per split, splits with work) over the cells that can hold a visible key: all S, or for an ordered cache
+    those up to the last query position. Both passes compute it alike from the same device-side positions."""
+    n = S
+    if ORDERED:  # cell i holds position i or nothing: no cell past the last query position is visible
+        t = tl.arange(0, T_PAD)
+        last = tl.max(tl.load(qpos_ptr + t, mask=t < T, other=-1), axis=0)
+        n = tl.maximum(tl.minimum(last + 1, S), 0).to(tl.int32)
+    per = tl.cdiv(tl.maximum(tl.cdiv(n, n_splits), min_keys), BLOCK_S) * BLOCK_S  # whole tiles
+    return per, tl.minimum(tl.maximum(tl.cdiv(n, per), 1), n_splits)
 
 
 @triton.jit
@@ -92,7 +114,8 @@ def _split_kernel(
     H,
     S,
     G,
-    keys_per_split,
+    n_splits,
+    min_keys,
     window,
     qk_scale,
     sq_t,
@@ -110,6 +133,9 @@ def _split_kernel(
     HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
     ORDERED: tl.constexpr,
+    T_PAD: tl.constexpr,
+    counts_ptr=None,
+    COUNT: tl.constexpr = False,
 ):
     """Pass 1: program (row block, KV head hk, split) -> partial max / sum / acc of its rows over its keys."""
     hk = tl.program_id(1)
@@ -118,21 +144,25 @@ def _split_kernel(
     row_ok = rows < T * G
     t = tl.where(row_ok, rows // G, 0)
     h = hk * G + rows % G
-    d = tl.arange(0, D_PAD)
-    d_ok = d < D
-    q_at = q_ptr + t.to(tl.int64)[:, None] * sq_t + h[:, None] * sq_h + d[None, :]
-    q = tl.load(q_at, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * qk_scale
+    d0 = _half_dims(D_PAD, 0)  # the head dim in two halves: half the live tile and operand registers
+    d1 = _half_dims(D_PAD, 1)
+    q_at = q_ptr + t.to(tl.int64)[:, None] * sq_t + h[:, None] * sq_h
+    q0 = tl.load(q_at + d0[None, :], mask=row_ok[:, None] & (d0 < D)[None, :], other=0.0).to(tl.float32) * qk_scale
+    q1 = tl.load(q_at + d1[None, :], mask=row_ok[:, None] & (d1 < D)[None, :], other=0.0).to(tl.float32) * qk_scale
     q_pos = tl.load(qpos_ptr + t, mask=row_ok, other=-1)  # padding rows sit at -1: they see no key
 
     k_head = k_ptr + hk.to(tl.int64) * sk_h
     v_head = v_ptr + hk.to(tl.int64) * sv_h
-    start = split * keys_per_split
-    end = tl.minimum(start + keys_per_split, S)
-    if ORDERED:  # cell i holds position i or nothing: no cell past the block's last query position is visible
-        end = tl.minimum(end, (tl.max(q_pos, axis=0) + 1).to(tl.int32))
+    per, active = _split_range(qpos_ptr, T, S, n_splits, min_keys, T_PAD, BLOCK_S, ORDERED)
+    start = split * per
+    end = tl.minimum(start + per, S)
+    if ORDERED:
+        end = tl.minimum(end, (tl.max(q_pos, axis=0) + 1).to(tl.int32))  # this block's rows see no later cell
+    end = tl.where(split < active, end, start)  # a split without work walks nothing
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    acc0 = tl.zeros([BLOCK_M, D_PAD // 2], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, D_PAD // 2], tl.float32)
     for s0 in range(start, end, BLOCK_S):
         keys = s0 + tl.arange(0, BLOCK_S)
         k_pos = tl.load(kpos_ptr + keys, mask=keys < end, other=-1)
@@ -141,32 +171,60 @@ def _split_kernel(
         if HAS_WINDOW:
             visible = visible & (delta < window)
         seen = tl.max(visible.to(tl.int32), axis=0) > 0  # [BLOCK_S]: keys some row sees; only their bytes load
-        load_ok = seen[:, None] & d_ok[None, :]
-        keys64 = keys.to(tl.int64)[:, None]
-        k = _load_tile(k_head + keys64 * sk_s, d[None, :], load_ok, K_TYPE)  # [BLOCK_S, D_PAD]
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_S], log2 units
+        ok = seen[:, None]
+        k_at = k_head + keys.to(tl.int64)[:, None] * sk_s
+        v_at = v_head + keys.to(tl.int64)[:, None] * sv_s
+        k = _load_half(k_at, ok, D, D_PAD, 0, K_TYPE)  # [BLOCK_S, D_PAD / 2]
+        s = tl.dot(q0, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_S], log2 units
+        k = _load_half(k_at, ok, D, D_PAD, 1, K_TYPE)
+        s = tl.dot(q1, tl.trans(k), s, input_precision=PRECISION)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0 / 0
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_tile(v_head + keys64 * sv_s, d[None, :], load_ok, V_TYPE)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        v = _load_half(v_at, ok, D, D_PAD, 0, V_TYPE)
+        acc0 = tl.dot(p, v, acc0 * alpha[:, None], input_precision=PRECISION)
+        v = _load_half(v_at, ok, D, D_PAD, 1, V_TYPE)
+        acc1 = tl.dot(p, v, acc1 * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
     out_rows = split.to(tl.int64) * T * H + t * H + h  # scratch row of (split, token, head)
+    row_ok = tl.where(split < active, row_ok, False)  # pass 2 reads only the splits with work
     tl.store(m_ptr + out_rows, m_i, mask=row_ok)
     tl.store(l_ptr + out_rows, l_i, mask=row_ok)
-    tl.store(acc_ptr + out_rows[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+    acc_at = acc_ptr + out_rows[:, None] * D
+    tl.store(acc_at + d0[None, :], acc0, mask=row_ok[:, None] & (d0 < D)[None, :])
+    tl.store(acc_at + d1[None, :], acc1, mask=row_ok[:, None] & (d1 < D)[None, :])
+    if COUNT:  # tests: the cells each split walked
+        if (tl.program_id(0) == 0) & (hk == 0):
+            tl.store(counts_ptr + split, tl.maximum(end - start, 0))
 
 
 @triton.jit
 def _combine_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr, n_rows, n_splits, D: tl.constexpr, D_PAD: tl.constexpr, CHUNK: tl.constexpr
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    qpos_ptr,
+    n_rows,
+    T,
+    S,
+    n_splits,
+    min_keys,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    T_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
-    """Pass 2: program r merges the n_splits partials of (token, head) row r into out[r] (0 if no key is seen)."""
+    """Pass 2: program r merges the partials of (token, head) row r from the splits with work into out[r] (0 if no
+    key is seen)."""
     row = tl.program_id(0).to(tl.int64)
+    _, n_splits = _split_range(qpos_ptr, T, S, n_splits, min_keys, T_PAD, BLOCK_S, ORDERED)
     c = tl.arange(0, CHUNK)
     d = tl.arange(0, D_PAD)
     d_ok = d < D
@@ -190,8 +248,8 @@ def _combine_kernel(
 
 
 def auto_splits(n_cells: int) -> int:
-    """The default number of key ranges: ceil(S / max(512, ceil(S / 256))), i.e. splits of 512 keys up to 256
-    splits (S <= 131072), then 256 splits of ceil(S / 256) keys (1024 at 262144)."""
+    """The default number of key ranges of a full cache: ceil(S / max(256, ceil(S / 256))), i.e. splits of 256 keys
+    up to 256 splits (S <= 65536), then 256 splits of ceil(S / 256) keys (1024 at 262144)."""
     return max(1, triton.cdiv(n_cells, max(MIN_KEYS_PER_SPLIT, triton.cdiv(n_cells, MAX_SPLITS))))
 
 
@@ -248,18 +306,22 @@ def decode_attention(
     n_splits: int | None = None,
     precision: str | None = None,
     ordered: bool = False,
+    min_keys: int = MIN_KEYS_PER_SPLIT,
+    split_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v over the visible cached keys -> float32 [T, H, head_dim] (0 for a row that sees
     no key), with K and V read as stored (`k_type` / `v_type`: GGML type ids, see module docstring).
 
     Made for T = 1..16 rows of one sequence (decode, draft verification); larger T works but reads the cache
-    once per block of rows. `n_splits` is the number of key ranges of pass 1 (an upper bound: ranges are whole
-    tiles); by default `auto_splits(S)`: ranges of 512 keys, at most 256 of them (1024 keys each at S = 262144).
-    `precision` is tl.dot's input_precision for the two float32 products; by default "tf32x3" on NVIDIA (about
-    float32 accuracy at three tensor-core passes), "ieee" elsewhere. "tf32" is ~3x less MMA work (~1e-3 error).
-    `ordered`: the caller guarantees cell i holds position i or is empty (a cache that is not a ring), so each
-    program stops at the last query position: a captured step over a 262144-cell cache then walks only the
-    cells filled so far instead of masking the rest tile by tile.
+    once per block of rows. `n_splits` is the number of key ranges of pass 1 (the grid: an upper bound, ranges are
+    whole tiles); by default `auto_splits(S)`: at most 256. The kernel cuts the ranges from the cells that can hold
+    a visible key (see `ordered`), read on the device, none shorter than `min_keys` (so fewer splits have work at
+    a shallow depth). `split_counts` (int32 [n_splits], tests): receives the cells each split walked.
+    `precision` is tl.dot's input_precision for the two float32 products: by default "ieee" (float32 FMAs, exact to
+    float32 rounding); "tf32x3" runs them on tensor cores at about float32 accuracy, "tf32" at ~1e-3 error.
+    `ordered`: the caller guarantees cell i holds position i or is empty (a cache that is not a ring), so the
+    splits share the cells up to the last query position: a captured step over a 262144-cell cache then walks only
+    the cells filled so far, spread over all its splits, instead of masking the rest tile by tile.
     """
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % n_kv_heads:
         raise ValueError(f"q must be [T, H, {head_dim}] with H a multiple of {n_kv_heads}, got {list(q.shape)}")
@@ -274,18 +336,21 @@ def decode_attention(
         return torch.zeros(T, H, D, dtype=torch.float32, device=device)
 
     G = H // n_kv_heads
-    d_pad = max(16, triton.next_power_of_2(D))
+    d_pad = max(32, triton.next_power_of_2(D))  # two halves of 16-runs
     # At D = 256, 32-key/32-row tiles need 69,760 B of shared memory (over sm_75's 64 KiB) and a q4_0 cache 102,912 B
     # (over sm_86/89's 99 KiB), and spill KBs of registers; 16 x 16 fits every target (ptxas,
-    # tests/support/gpu_compile.py).
+    # tests/support/gpu_compile.py). 32 keys or 4 warps spill ~1.5 KB even with half-D tiles.
     # At D = 64, 64-key tiles spilled up to 2.8 KB a thread on sm_75 (250 B on sm_80); 32-key tiles spill nothing.
     block_s = 32 if d_pad <= 128 else 16
     block_m = min(max(16, triton.next_power_of_2(T * G)), 64 if d_pad <= 128 else 16)  # tl.dot needs >= 16 rows
     wanted = auto_splits(S) if n_splits is None else max(1, int(n_splits))
-    keys_per_split = triton.cdiv(triton.cdiv(S, wanted), block_s) * block_s  # whole tiles
-    splits = triton.cdiv(S, keys_per_split)
-    if precision is None:  # float32-accurate products: tf32x3 on NVIDIA tensor cores, plain fp32 elsewhere
-        precision = "tf32x3" if device.type == "cuda" and torch.version.hip is None else "ieee"
+    splits = min(wanted, triton.cdiv(S, block_s))  # at least a tile each when the cache is full
+    if split_counts is not None and (split_counts.shape != (splits,) or split_counts.dtype != torch.int32):
+        raise ValueError(f"split_counts must be int32 [{splits}], got {split_counts.dtype} {list(split_counts.shape)}")
+    t_pad = triton.next_power_of_2(T)
+    # FMAs, not tensor cores: at decode's few rows (padded to 16) tf32x3's operand splitting and three MMAs issue
+    # more than float32 FMAs do (sm_90 SASS: 1907 against 1079 a warp per q8_0 tile at D = 256) and spilled.
+    precision = precision or "ieee"
 
     q = q.contiguous()
     q_pos = q_pos.to(device=device, dtype=torch.int64).contiguous()
@@ -308,7 +373,8 @@ def decode_attention(
         H,
         S,
         G,
-        keys_per_split,
+        splits,
+        max(1, int(min_keys)),
         0 if window is None else int(window),
         scale * _LOG2E,
         q.stride(0),
@@ -324,7 +390,26 @@ def decode_attention(
         HAS_WINDOW=window is not None,
         PRECISION=precision,
         ORDERED=ordered,
+        T_PAD=t_pad,
         num_warps=8 if d_pad >= 256 else 4,
+        **({} if split_counts is None else {"counts_ptr": split_counts, "COUNT": True}),
     )
-    _combine_kernel[(T * H,)](m, lsum, acc, out, T * H, splits, D=D, D_PAD=d_pad, CHUNK=_COMBINE_CHUNK)
+    _combine_kernel[(T * H,)](
+        m,
+        lsum,
+        acc,
+        out,
+        q_pos,
+        T * H,
+        T,
+        S,
+        splits,
+        max(1, int(min_keys)),
+        D=D,
+        D_PAD=d_pad,
+        CHUNK=_COMBINE_CHUNK,
+        T_PAD=t_pad,
+        BLOCK_S=block_s,
+        ORDERED=ordered,
+    )
     return out

@@ -1,6 +1,9 @@
 """The gated delta rule of Gated DeltaNet on the GPU: token by token for decode and verification
 (`gated_delta_rule_recurrent_batched`), and the sequential half of the chunked form for prompts
-(`gated_delta_chunk_scan`).
+(`gated_delta_chunk_scan`). A decode layer between its two matmuls is two launches: `gdn_decode_inputs` (causal
+conv update, SiLU, L2-norms of q and k) and `gated_delta_decode` (the same recurrent kernel with the gates computed
+from the projections and the gated RMSNorm applied to each V head's output, one program holding a whole head).
+Their PyTorch twins are mtpserve.ops.gated_delta.gdn_decode_inputs_reference / gated_delta_decode_reference.
 
 The recurrent (token by token) gated delta rule of Gated DeltaNet for a batch of sequences, each of T <= ~8
 tokens (decode, speculative verification), with the state after every token kept for rollback if asked.
@@ -50,12 +53,17 @@ def _gated_delta_kernel(
     s_ptr,
     steps_ptr,
     o_ptr,
+    dt_bias_ptr,
+    a_ptr,
+    z_ptr,
+    norm_ptr,
     T,
     HV,
     HK,
     K,
     V,
     scale,
+    eps,
     sq_b,
     sq_t,
     sq_h,
@@ -71,9 +79,14 @@ def _gated_delta_kernel(
     sb_b,
     sb_t,
     sb_h,
+    sz_b,
+    sz_t,
+    sz_h,
     K_PAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
     STORE_STEPS: tl.constexpr,
+    GATES: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b = bh // HV
@@ -99,12 +112,20 @@ def _gated_delta_kernel(
         q = tl.load(q_row + t * sq_t + ks, mask=k_ok, other=0.0).to(tl.float32) * scale
         k = tl.load(k_row + t * sk_t + ks, mask=k_ok, other=0.0).to(tl.float32)
         v = tl.load(v_row + t * sv_t + vs, mask=v_ok, other=0.0).to(tl.float32)
-        decay = tl.exp(tl.load(g_at + t * sg_t).to(tl.float32))
+        g = tl.load(g_at + t * sg_t).to(tl.float32)
         beta = tl.load(beta_at + t * sb_t).to(tl.float32)
-        s = s * decay
+        if GATES:  # g and beta arrive as projections: g = a * softplus(alpha + dt_bias), beta = sigmoid(beta)
+            x = g + tl.load(dt_bias_ptr + h).to(tl.float32)
+            g = tl.load(a_ptr + h).to(tl.float32) * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus
+            beta = tl.sigmoid(beta)
+        s = s * tl.exp(g)
         delta = beta * (v - tl.sum(k[:, None] * s, axis=0))  # [BLOCK_V]: the error of the state's recall of v
         s = s + k[:, None] * delta[None, :]
         o = tl.sum(q[:, None] * s, axis=0)
+        if NORM:  # the program holds the whole head (BLOCK_V >= V): RMSNorm(o) * norm_weight * silu(z)
+            z = tl.load(z_ptr + b64 * sz_b + t * sz_t + h * sz_h + vs, mask=v_ok, other=0.0).to(tl.float32)
+            weight = tl.load(norm_ptr + vs, mask=v_ok, other=0.0).to(tl.float32)
+            o = o / tl.sqrt_rn(tl.sum(o * o, axis=0) / V + eps) * weight * (z * tl.sigmoid(z))
         tl.store(o_row + t * HV * V + vs, o, mask=v_ok)
         if STORE_STEPS:
             tl.store(steps_ptr + ((b64 * T + t) * HV + h) * K * V + tile, s, mask=tile_ok)
@@ -116,24 +137,16 @@ def default_block_v(k: int, v: int) -> int:
     return max(1, min(triton.next_power_of_2(v), _TILE // triton.next_power_of_2(k)))
 
 
-@on_input_device
-def gated_delta_rule_recurrent_batched(
+def _check_recurrent_args(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    *,
-    scale: float | None = None,
-    state_steps: torch.Tensor | None = None,
-    block_v: int | None = None,
-) -> torch.Tensor:
-    """q, k [B, T, Hk, K]; v [B, T, Hv, V]; g (log decay), beta [B, T, Hv] (any float dtype, computed in float32);
-    state float32 [B, Hv, K, V], contiguous, updated in place to the state after the last token. With
-    `state_steps` (contiguous float32 [B, T, Hv, K, V]) the state after every token is written there too.
-    `scale` (default K^-0.5) multiplies q. Returns o float32 [B, T, Hv, V]. Inputs may be strided views
-    (e.g. slices of a fused projection) as long as their last dimension is contiguous."""
+    state_steps: torch.Tensor | None,
+) -> None:
+    """The recurrent kernel's shape, dtype, stride and device rules (`gated_delta_rule_recurrent_batched`)."""
     if q.dim() != 4 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [B, T, Hk, K], got {list(q.shape)} and {list(k.shape)}")
     n_seq, n_tok, n_k_heads, K = q.shape
@@ -168,6 +181,29 @@ def gated_delta_rule_recurrent_batched(
     tensors = (q, k, v, g, beta, state) + (() if state_steps is None else (state_steps,))
     if len({x.device for x in tensors}) != 1:
         raise ValueError("q, k, v, g, beta, state and state_steps must be on one device")
+
+
+@on_input_device
+def gated_delta_rule_recurrent_batched(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    scale: float | None = None,
+    state_steps: torch.Tensor | None = None,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """q, k [B, T, Hk, K]; v [B, T, Hv, V]; g (log decay), beta [B, T, Hv] (any float dtype, computed in float32);
+    state float32 [B, Hv, K, V], contiguous, updated in place to the state after the last token. With
+    `state_steps` (contiguous float32 [B, T, Hv, K, V]) the state after every token is written there too.
+    `scale` (default K^-0.5) multiplies q. Returns o float32 [B, T, Hv, V]. Inputs may be strided views
+    (e.g. slices of a fused projection) as long as their last dimension is contiguous."""
+    _check_recurrent_args(q, k, v, g, beta, state, state_steps)
+    n_seq, n_tok, n_k_heads, K = q.shape
+    n_v_heads, V = v.shape[2:]
     block_v = default_block_v(K, V) if block_v is None else block_v
     if block_v < 1 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two, got {block_v}")
@@ -187,23 +223,243 @@ def gated_delta_rule_recurrent_batched(
         state,
         steps,
         o,
+        state,  # dt_bias, a, z, norm weight: read only with GATES / NORM
+        state,
+        state,
+        state,
         n_tok,
         n_v_heads,
         n_k_heads,
         K,
         V,
         scale,
+        0.0,
         *q.stride()[:3],
         *k.stride()[:3],
         *v.stride()[:3],
         *g.stride(),
         *beta.stride(),
+        0,
+        0,
+        0,
         K_PAD=triton.next_power_of_2(K),
         BLOCK_V=block_v,
         STORE_STEPS=state_steps is not None,
+        GATES=False,
+        NORM=False,
         num_warps=4,
     )
     return o
+
+
+def gated_norm_warps(k: int, v: int) -> int:
+    """Warps of a program holding a whole [K, V] head state (`gated_delta_decode`): 64 state floats a thread, 4 to
+    16 warps. At K=V=128 that is 8 warps, ~190-235 registers and no spills; 16 warps (32 floats a thread) meet the
+    128-register cap of a 512-thread block and spill at T=3 on sm_80 (tests/support/gpu_compile.py)."""
+    return max(4, min(16, triton.next_power_of_2(k) * triton.next_power_of_2(v) // (64 * 32)))
+
+
+@on_input_device
+def gated_delta_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    z: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    dt_bias: torch.Tensor,
+    a: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    scale: float | None = None,
+    state_steps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The recurrent rule of `gated_delta_rule_recurrent_batched` between the layer's gates and its output norm, in
+    one launch: from the projections alpha and beta [B, T, Hv], the decay g = a * softplus(alpha + dt_bias) and
+    beta = sigmoid(beta) (dt_bias, a [Hv]); after the recurrence, per V head, RMSNorm(o) * norm_weight *
+    silu(z) (z [B, T, Hv, V], norm_weight [V], `eps` also the norm's). q, k, v, state and state_steps as in
+    `gated_delta_rule_recurrent_batched`; every input may be a strided view with a contiguous last dimension.
+    Returns y float32 [B, T, Hv, V]. One program per (sequence, V head) holds the head's whole state."""
+    _check_recurrent_args(q, k, v, alpha, beta, state, state_steps)
+    n_seq, n_tok, n_k_heads, K = q.shape
+    n_v_heads, V = v.shape[2:]
+    if z.shape != v.shape or not z.dtype.is_floating_point or (z.stride(3) != 1 and V > 1):
+        raise ValueError(f"z must be a float {list(v.shape)} contiguous along its last dimension, got {list(z.shape)}")
+    for name, x, n in (("dt_bias", dt_bias, n_v_heads), ("a", a, n_v_heads), ("norm_weight", norm_weight, V)):
+        if x.shape != (n,) or not x.dtype.is_floating_point or not x.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float [{n}], got {x.dtype} {list(x.shape)}")
+    if len({x.device for x in (v, z, dt_bias, a, norm_weight)}) != 1:
+        raise ValueError("z, dt_bias, a and norm_weight must be on the inputs' device")
+
+    y = torch.empty(n_seq, n_tok, n_v_heads, V, dtype=torch.float32, device=v.device)
+    if y.numel() == 0:
+        return y
+    scale = K**-0.5 if scale is None else float(scale)
+    block_v = triton.next_power_of_2(V)
+    _gated_delta_kernel[(n_seq * n_v_heads, 1)](
+        q,
+        k,
+        v,
+        alpha,
+        beta,
+        state,
+        state if state_steps is None else state_steps,
+        y,
+        dt_bias,
+        a,
+        z,
+        norm_weight,
+        n_tok,
+        n_v_heads,
+        n_k_heads,
+        K,
+        V,
+        scale,
+        float(eps),
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *alpha.stride(),
+        *beta.stride(),
+        *z.stride()[:3],
+        K_PAD=triton.next_power_of_2(K),
+        BLOCK_V=block_v,
+        STORE_STEPS=state_steps is not None,
+        GATES=True,
+        NORM=True,
+        num_warps=gated_norm_warps(K, V),
+    )
+    return y
+
+
+@triton.jit
+def _gdn_glue_kernel(
+    x_ptr,
+    w_ptr,
+    conv_ptr,
+    conv_steps_ptr,
+    out_ptr,
+    T,
+    C,
+    KEY_HEADS,
+    K,
+    V,
+    eps,
+    sx_b,
+    sx_t,
+    W: tl.constexpr,
+    W_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STORE_STEPS: tl.constexpr,
+):
+    b64 = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)  # a head of the conv channels: the q heads, the k heads, then the v heads
+    is_key = j < KEY_HEADS
+    start = tl.where(is_key, j * K, KEY_HEADS * K + (j - KEY_HEADS) * V)
+    offs = tl.arange(0, BLOCK)
+    width = tl.where(is_key, K, V)
+    ok = offs < width
+    cs = start + offs
+    state = conv_ptr + (b64 * C + cs) * (W - 1)  # [C, W-1] per sequence: the last W-1 inputs of each channel
+    x_row = x_ptr + b64 * sx_b + cs
+    out_row = out_ptr + b64 * T * C + cs
+    for t in range(T):
+        conv = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in tl.static_range(W):  # input t + i of [state | new inputs] meets weight column i
+            p = t + i
+            # the scalar test folded into the bound (the interpreter's `vector & scalar` mask is not boolean)
+            old = tl.load(state + p, mask=offs < tl.where(p < W - 1, width, 0), other=0.0)
+            new = tl.load(x_row + (p - (W - 1)) * sx_t, mask=offs < tl.where(p < W - 1, 0, width), other=0.0)
+            x = old + new.to(tl.float32)
+            conv += x * tl.load(w_ptr + cs * W + i, mask=ok, other=0.0).to(tl.float32)
+            if STORE_STEPS and i > 0:  # inputs t+1 .. t+W-1: the conv state after token t
+                tl.store(conv_steps_ptr + ((b64 * T + t) * C + cs) * (W - 1) + i - 1, x, mask=ok)
+        u = conv * tl.sigmoid(conv)
+        norm = tl.where(is_key, 1.0 / tl.sqrt_rn(tl.sum(u * u, axis=0) + eps), 1.0)  # L2 (eps inside) of q, k
+        tl.store(out_row + t * C, u * norm, mask=ok)
+    # The new state, inputs T .. T+W-2, read whole before any of it is written: a small head's channels may be
+    # replicated over warps, and a warp ahead must not overwrite a column another has yet to read.
+    cols = tl.arange(0, W_PAD)
+    p = T + cols[None, :]
+    col_ok = ok[:, None] & (cols[None, :] < W - 1)
+    old = tl.load(state[:, None] + p, mask=col_ok & (p < W - 1), other=0.0)
+    new = tl.load(x_row[:, None] + (p - (W - 1)) * sx_t, mask=col_ok & (p >= W - 1), other=0.0).to(tl.float32)
+    tl.debug_barrier()
+    tl.store(state[:, None] + cols[None, :], old + new, mask=col_ok)
+
+
+@on_input_device
+def gdn_decode_inputs(
+    mixed: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    *,
+    n_k_heads: int,
+    head_k: int,
+    head_v: int,
+    eps: float,
+    conv_steps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The recurrence's inputs from a Gated DeltaNet layer's qkv projection, in one launch: the causal conv over
+    [conv_state | mixed] with conv_weight [C, W], SiLU, and q, k L2-normalised per head (x / sqrt(sum x^2 + eps)).
+    mixed [B, T, C] = q | k | v channels (n_k_heads heads of head_k each for q and k, then v heads of head_v), any
+    float dtype, strided rows allowed (contiguous last dimension). conv_state float32 [B, C, W-1], contiguous, is
+    updated in place to the last W-1 inputs; with `conv_steps` (contiguous float32 [B, T, C, W-1]) the state after
+    every token is written there too. Returns float32 [B, T, C]: q | k | v in mixed's channel order."""
+    if mixed.dim() != 3 or conv_weight.dim() != 2 or conv_weight.shape[0] != mixed.shape[2]:
+        raise ValueError(
+            f"mixed must be [B, T, C] and conv_weight [C, W], got {list(mixed.shape)}, {list(conv_weight.shape)}"
+        )
+    n_seq, n_tok, C = mixed.shape
+    W = conv_weight.shape[1]
+    key_dim = 2 * n_k_heads * head_k
+    if n_k_heads < 1 or head_k < 1 or head_v < 1 or C <= key_dim or (C - key_dim) % head_v or W < 2:
+        raise ValueError(f"{C} channels are not 2 x {n_k_heads} heads of {head_k} and heads of {head_v} (conv {W})")
+    if not mixed.dtype.is_floating_point or (mixed.stride(2) != 1 and C > 1):
+        raise ValueError("mixed must be a floating-point tensor contiguous along its last dimension")
+    if not conv_weight.dtype.is_floating_point or not conv_weight.is_contiguous():
+        raise ValueError(f"conv_weight must be a contiguous float tensor, got {conv_weight.dtype}")
+    expected = (n_seq, C, W - 1)
+    if conv_state.shape != expected or conv_state.dtype != torch.float32 or not conv_state.is_contiguous():
+        raise ValueError(
+            f"conv_state must be contiguous float32 {list(expected)} (it is updated in place), "
+            f"got {conv_state.dtype} {list(conv_state.shape)}"
+        )
+    if conv_steps is not None:
+        expected = (n_seq, n_tok, C, W - 1)
+        if conv_steps.shape != expected or conv_steps.dtype != torch.float32 or not conv_steps.is_contiguous():
+            raise ValueError(f"conv_steps must be contiguous float32 {list(expected)}, got {list(conv_steps.shape)}")
+    tensors = (mixed, conv_weight, conv_state) + (() if conv_steps is None else (conv_steps,))
+    if len({x.device for x in tensors}) != 1:
+        raise ValueError("mixed, conv_weight, conv_state and conv_steps must be on one device")
+
+    out = torch.empty(n_seq, n_tok, C, dtype=torch.float32, device=mixed.device)
+    if out.numel() == 0:
+        return out
+    n_heads = 2 * n_k_heads + (C - key_dim) // head_v
+    _gdn_glue_kernel[(n_seq, n_heads)](
+        mixed,
+        conv_weight,
+        conv_state,
+        conv_state if conv_steps is None else conv_steps,
+        out,
+        n_tok,
+        C,
+        2 * n_k_heads,
+        head_k,
+        head_v,
+        float(eps),
+        mixed.stride(0),
+        mixed.stride(1),
+        W=W,
+        W_PAD=triton.next_power_of_2(W - 1),
+        BLOCK=triton.next_power_of_2(max(head_k, head_v)),
+        STORE_STEPS=conv_steps is not None,
+        num_warps=4,
+    )
+    return out
 
 
 @triton.jit

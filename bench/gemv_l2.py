@@ -1,0 +1,161 @@
+"""The decode GEMVs at DRAM speed, not L2 speed: each launch reads a weight no recent launch read.
+
+    python3 bench/gemv_l2.py --json gemv.json        # on the GPU (bench/gpu_check.sh's bench stage)
+    TRITON_INTERPRET=1 .venv/bin/python bench/gemv_l2.py --device cpu --tiny   # the wiring, here
+
+The H200's L2 holds 60 MB, the 27B's commonest matrices 30-100 MB: timing one matrix over and over re-reads part of
+it from L2 and flatters the kernel. Here each matrix is copied until the copies exceed twice the L2
+(`torch.cuda.get_device_properties(0).L2_cache_size`), the launches rotate through the copies, and a CUDA graph of
+many launches is replayed (no Python or launch gaps between them), timed by CUDA events. Reported per matrix, rows
+(1: decode, 3: a verification at n_max 2) and kernel (the float GEMV's word and sub-tile kernels, the integer
+quant_gemv_q8 where it exists for the type): microseconds a launch, weight GB/s, and the fraction of a 2 GiB
+device-to-device copy's bandwidth (read + write), the ceiling. Off CUDA each case is one eager launch (the wiring,
+not a timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+from gpu import QWEN36_27B, TINY, Timer, copy_bandwidth, random_blocks  # bench/gpu.py, beside this file
+
+from mtpserve.quant.types import GGMLType
+
+MAX_COPIES_BYTES = 8 << 30  # the copies of one matrix (the LM head's 1 GB needs two)
+
+
+def matrices(tiny: bool) -> list[tuple[str, GGMLType, int, int]]:
+    """(name, type, rows, columns) of the 27B's commonest matrices (bench/gpu.py's measure_gemv)."""
+    c = TINY if tiny else QWEN36_27B
+    qkv = 2 * c.n_k_heads * c.ssm_head_dim + c.n_v_heads * c.ssm_head_dim
+    out = [("attn_qkv", GGMLType.Q4_K, qkv, c.n_embd), ("ffn_down", GGMLType.Q6_K, c.n_embd, c.n_ff)]
+    if not tiny:
+        out += [("ffn_up", GGMLType.Q4_K, c.n_ff, c.n_embd), ("output", GGMLType.Q6_K, c.n_vocab, c.n_embd)]
+    return out
+
+
+def copies_needed(nbytes: int, l2_bytes: int) -> int:
+    """Copies of an nbytes matrix whose rotation reads more than 2x L2 between two reads of the same copy."""
+    return max(2, math.ceil(2 * l2_bytes / nbytes) + 1)
+
+
+def l2_size(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0  # the interpreter: two copies, the wiring only
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
+
+
+def kernel_calls(qtype: GGMLType) -> dict:
+    """name -> fn(x, blocks) for every kernel that multiplies this type."""
+    from mtpserve.kernels import triton as kernels
+    from mtpserve.ops.rowwise import quantize_rows_reference
+
+    calls = {
+        "words": lambda x, b: kernels.quant_gemv(x, b, int(qtype)),
+        "sub_tile": lambda x, b: kernels.quant_gemv(x, b, int(qtype), wide_words=False),
+    }
+    q8_types = {int(t) for t in getattr(kernels, "Q8_GEMV_TYPES", ())}
+    if hasattr(kernels, "quant_gemv_q8") and int(qtype) in q8_types:
+        quants: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def q8(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            if id(x) not in quants:  # quantized once, outside the timing (its own kernel is cased apart)
+                quants[id(x)] = quantize_rows_reference(x, 256)
+            return kernels.quant_gemv_q8(*quants[id(x)], b, int(qtype))
+
+        calls["q8"] = q8
+    return calls
+
+
+def time_rotation(fn, copies: list[torch.Tensor], x: torch.Tensor, launches: int, replays: int) -> float:
+    """Seconds per launch of fn(x, copy) rotating through `copies`: a CUDA graph of `launches` launches replayed
+    `replays` times between two events; off CUDA, one eager launch per copy (the wiring)."""
+    t0 = time.perf_counter()
+    fn(x, copies[0])  # compiles
+    if x.device.type != "cuda":
+        return time.perf_counter() - t0
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(launches):
+            fn(x, copies[i % len(copies)])
+    graph.replay()  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / (replays * launches)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="small shapes (CPU under TRITON_INTERPRET=1: the wiring)")
+    p.add_argument("--launches", type=int, default=48, help="launches per graph replay (rounded up to the copies)")
+    p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench/gemv_l2.py: no CUDA device", file=sys.stderr)
+        return 2
+    l2 = l2_size(device)
+    copy_bw = copy_bandwidth(device, Timer(device), 64 << 20 if args.tiny else 2 << 30)
+    result: dict = {"l2_bytes": l2, "copy_bytes_per_s": copy_bw, "gemv": []}
+    print(f"L2 {l2 / 2**20:.0f} MiB, copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
+    print("| matrix | type | shape | rows | kernel | copies | us | GB/s | of copy |", flush=True)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, qtype, n, k in matrices(args.tiny):
+        first = random_blocks(qtype, n, k, device, gen)
+        count = min(copies_needed(first.nbytes, l2), max(2, MAX_COPIES_BYTES // first.nbytes))
+        copies = [first] + [first.clone() for _ in range(count - 1)]
+        launches = math.ceil(max(args.launches, count) / count) * count
+        for rows in (1,) if args.tiny else (1, 3):
+            x = torch.randn(rows, k, device=device, generator=gen)
+            for kernel, fn in kernel_calls(qtype).items():
+                try:
+                    t = time_rotation(fn, copies, x, launches, args.replays)
+                except Exception as e:  # noqa: BLE001 - one kernel's failure is its row; the others still run
+                    result["gemv"].append({"matrix": name, "rows": rows, "kernel": kernel, "error": repr(e)})
+                    print(f"| {name} | {qtype.name} | {n}x{k} | {rows} | {kernel} | error: {e!r} |", flush=True)
+                    continue
+                row = {
+                    "matrix": name,
+                    "type": qtype.name,
+                    "shape": [n, k],
+                    "rows": rows,
+                    "kernel": kernel,
+                    "bytes": first.nbytes,
+                    "copies": count,
+                    "launches_per_replay": launches,
+                    "us": 1e6 * t,
+                    "bytes_per_s": first.nbytes / t,
+                    "fraction_of_copy": first.nbytes / t / copy_bw,
+                }
+                result["gemv"].append(row)
+                print(
+                    f"| {name} | {qtype.name} | {n}x{k} | {rows} | {kernel} | {count} | {row['us']:.1f} | "
+                    f"{row['bytes_per_s'] / 1e9:.0f} | {100 * row['fraction_of_copy']:.0f}% |",
+                    flush=True,
+                )
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump(result, f, indent=2)
+        del copies, first
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,585 @@
+"""Integer GEMVs over quantized activations, llama.cpp's vec_dot arithmetic: y[m, n] = sum over the weight's blocks
+of d_x * (the weight's scales applied to the integer dot products of its quants with the activation quants).
+
+The activations arrive rounded to the weight type's vec_dot type (ops.linear): xq int8 [m, k] with one float32
+scale per `act_block(qtype)` values (Q8_K: 256, exact f32 d; Q8_0: 32, its f16-rounded d). Q4_K/Q5_K: d_x * (d *
+sum_j sc_j dot_j - dmin * sum_j mn_j sum_j(q_x)); Q6_K: d_x * d * sum_g sc_g (dot(q, x) - 32 sum(q_x)) per 16 values;
+Q8_0: d_w * d_x * dot; IQ4_XS: d_x * d * sum_ib (ls_ib - 32) * dot(K[q], x). Dot products and the sums over a
+super-block's lanes are int32 (dp4a); each lane's super-block total goes to float32 once. `quant_gemv_q8_reference`
+in ops.quant_gemv is the twin (the same sums in float32: they agree up to float32 order).
+
+Work split: one warp a program, 8 weight rows (Q8_0: 4) and four rows a thread: a thread reads 16-byte vectors (IQ4_XS:
+8-byte) of one 32-byte lane of a super-block (Q4_K/Q5_K/IQ4_XS: qs[32c ..]; Q6_K: a quarter; Q8_0: one 34-byte block)
+for its four rows, unpacks each weight word once (masks and shifts; IQ4_XS: signed codebook bytes by two prmt lookups
+and an IADD3 per four indices, tables held in registers) and dots it with every activation row; the activation words and
+their sums are loaded once a thread for all four rows. A warp spans 16 lanes (4 super-blocks; Q8_0: 32 blocks) by 2 row
+pairs, accumulates per thread and reduces across the warp once, after the K loop. The 27B's 5120-row matrices give 640
+programs (1280 for Q8_0), about 5 a SM on the H200's 132, with no split-K: an atomic split needs `out` zeroed (a launch)
+and makes the sums' order vary; a second pass is a launch too. Steps take 4 super-blocks when K allows (any K % 1024 ==
+0), else 2 or 1, so there is no masked tail. From 5 activation rows a thread takes two weight rows (four spill); IQ4_XS
+keeps four with maxnreg 255 (ptxas alone stops at 168 registers and spills).
+
+Issue bound (tests/support/sass.py on the hot loop: bytes per program step / (warps x loop instructions) x SMs x 4 x
+clock; sm_90 H200, HBM 4.8 TB/s / sm_75 RTX 2080 Ti, 0.616 TB/s), measured at the 27B's shapes, 1 and 3 rows:
+
+    type    rows  sm_90 loop  TB/s  x HBM   sm_75 loop  TB/s  x HBM
+    Q4_K    1     311         15.5  3.2     298         6.5   10.6
+    Q4_K    3     554          8.7  1.8     553         3.5    5.7
+    Q6_K    1     512         13.7  2.9     505         5.6    9.1
+    Q6_K    3     765          9.2  1.9     755         3.7    6.1
+    Q5_K    1     491         12.0  2.5     490         4.8    7.8
+    Q5_K    3     765          7.7  1.6     745         3.2    5.2
+    Q8_0    1     175         26.0  5.4     178        10.3   16.7
+    Q8_0    3     297         15.3  3.2     321         5.7    9.3
+    IQ4_XS  1     472          9.6  2.0     472         3.9    6.3
+    IQ4_XS  3     694          6.6  1.4     695         2.6    4.3
+
+IQ4_XS at 3 rows is still short of 1.5x on sm_90: per weight word (8 indices) the lookup is 9 instructions (4 prmt,
+2 IADD3, the xor and two shifts that make the selectors) and the dots 2 a row; with the activations' interleave
+(16 prmt a row, shared by a thread's four weight rows) and the scales, 694 a loop where 1.5x needs <= 631. (4 rows:
+805, 1.2x; 8 weight rows a thread: 3 rows 1.44x but half the programs.) No configuration spills (ptxas -v), 1 to 8
+rows. Layouts: ../shared/spec/gguf-quant-formats.md §3.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from ._device import on_input_device
+from .intdot import INLINE_ASM, dp4a
+from .intwords import dot4, dp4a_u8, funnel, half, mux, prmt, run16, words4
+
+Q8_GEMV_TYPES = (
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.IQ4_XS,
+)
+MAX_ROWS = 8  # activation rows a launch; more go in further launches
+
+
+def act_block(qtype: int) -> int:
+    """Values per activation scale: 256 (Q8_K) for the K-quants and IQ4_XS, 32 (Q8_0) for Q8_0."""
+    t = GGMLQuantizationType(int(qtype))
+    if t not in Q8_GEMV_TYPES:
+        raise ValueError(f"no integer GEMV for {t.name}")
+    return 32 if t == GGMLQuantizationType.Q8_0 else 256
+
+
+@triton.jit
+def _kquant_kernel(
+    xq_ptr,
+    xd_ptr,
+    w_ptr,
+    y_ptr,
+    N,
+    n_sb,
+    stride_xq,
+    stride_xd,
+    stride_w,
+    stride_y,
+    M: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SB: tl.constexpr,
+    FIVE: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Q4_K (FIVE false) and Q5_K: lane c of a super-block takes qs[32c .. 32c + 31] (two 16-byte loads), whose
+    low nibbles are sub-block 2c and high nibbles 2c + 1 (Q5_K: fifth bits 2c and 2c + 1 of qh[0 .. 31])."""
+    WORDS: tl.constexpr = 44 if FIVE else 36  # a block: 176 or 144 bytes
+    QS: tl.constexpr = 12 if FIVE else 4  # first word of qs
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows_safe = tl.where(row_ok, rows, 0)
+    lanes = tl.arange(0, SB * 4)
+    sb = lanes // 4
+    c = lanes % 4
+    v = tl.arange(0, 4)
+    ms = tl.arange(0, M_PAD)
+    words = w_ptr.to(tl.pointer_type(tl.int32))
+    xwords = xq_ptr.to(tl.pointer_type(tl.int32))
+    w_at = words + (rows_safe.to(tl.int64) * tl.multiple_of(stride_w, 4))[:, None, None] + (sb * WORDS)[None, :, None]
+    q_at = w_at + (QS + 8 * c)[None, :, None] + v[None, None, :]
+    h_at = w_at + v[None, None, :]
+    # [BLOCK_N, L, 4], the same for every row: x in the weights' layout (a [L, 4] load would get its own)
+    x_at = xwords + (0 * rows)[:, None, None] + (sb * 64 + 16 * c)[None, :, None] + v[None, None, :]
+    xd_at = xd_ptr + (0 * rows)[:, None] + sb[None, :]
+    shift = 16 * (c % 2)[None, :]
+    upper = (c >= 2)[None, :]
+    ones = tl.full((BLOCK_N, SB * 4), 0x01010101, tl.int32)
+    acc = tl.zeros((M_PAD, BLOCK_N, SB * 4), dtype=tl.float32)
+    for b0 in range(0, n_sb, SB):
+        h0, h1, h2, h3 = words4(tl.load(h_at + b0 * WORDS))  # pointers: invariant bases plus the block offset
+        lo0, lo1, lo2, lo3 = words4(tl.load(q_at + b0 * WORDS))
+        lo4, lo5, lo6, lo7 = words4(tl.load(q_at + (b0 * WORDS + 4)))
+        d16 = half(h0, False) if FIVE else half(h0, False) * 0.0625
+        dmin = half(h0, True)
+        a = h1 >> shift
+        b = h2 >> shift
+        e = h3 >> shift
+        sc2 = tl.where(upper, (e & 0x0F0F) | ((a >> 2) & 0x3030), a & 0x3F3F)
+        mn2 = tl.where(upper, ((e >> 4) & 0x0F0F) | ((b >> 2) & 0x3030), b & 0x3F3F)
+        sc_lo = (sc2 & 0xFF) if FIVE else (sc2 & 0xFF) << 4
+        sc_hi = sc2 >> 8
+        mn_lo = mn2 & 0xFF
+        mn_hi = mn2 >> 8
+        if FIVE:
+            e0, e1, e2, e3 = words4(tl.load(h_at + (b0 * WORDS + 4)) >> (2 * c)[None, :, None])  # qh, bit 2c first
+            e4, e5, e6, e7 = words4(tl.load(h_at + (b0 * WORDS + 8)) >> (2 * c)[None, :, None])
+            hi0 = ((lo0 >> 4) & 0x0F0F0F0F) | ((e0 << 3) & 0x10101010)
+            hi1 = ((lo1 >> 4) & 0x0F0F0F0F) | ((e1 << 3) & 0x10101010)
+            hi2 = ((lo2 >> 4) & 0x0F0F0F0F) | ((e2 << 3) & 0x10101010)
+            hi3 = ((lo3 >> 4) & 0x0F0F0F0F) | ((e3 << 3) & 0x10101010)
+            hi4 = ((lo4 >> 4) & 0x0F0F0F0F) | ((e4 << 3) & 0x10101010)
+            hi5 = ((lo5 >> 4) & 0x0F0F0F0F) | ((e5 << 3) & 0x10101010)
+            hi6 = ((lo6 >> 4) & 0x0F0F0F0F) | ((e6 << 3) & 0x10101010)
+            hi7 = ((lo7 >> 4) & 0x0F0F0F0F) | ((e7 << 3) & 0x10101010)
+            lo0 = (lo0 & 0x0F0F0F0F) | ((e0 << 4) & 0x10101010)
+            lo1 = (lo1 & 0x0F0F0F0F) | ((e1 << 4) & 0x10101010)
+            lo2 = (lo2 & 0x0F0F0F0F) | ((e2 << 4) & 0x10101010)
+            lo3 = (lo3 & 0x0F0F0F0F) | ((e3 << 4) & 0x10101010)
+            lo4 = (lo4 & 0x0F0F0F0F) | ((e4 << 4) & 0x10101010)
+            lo5 = (lo5 & 0x0F0F0F0F) | ((e5 << 4) & 0x10101010)
+            lo6 = (lo6 & 0x0F0F0F0F) | ((e6 << 4) & 0x10101010)
+            lo7 = (lo7 & 0x0F0F0F0F) | ((e7 << 4) & 0x10101010)
+        else:  # high nibbles stay in place: 16 q as unsigned bytes (dp4a_u8), the 16 folded into d and sc_lo
+            hi0 = lo0 & -0x0F0F0F10  # 0xF0F0F0F0
+            hi1 = lo1 & -0x0F0F0F10
+            hi2 = lo2 & -0x0F0F0F10
+            hi3 = lo3 & -0x0F0F0F10
+            hi4 = lo4 & -0x0F0F0F10
+            hi5 = lo5 & -0x0F0F0F10
+            hi6 = lo6 & -0x0F0F0F10
+            hi7 = lo7 & -0x0F0F0F10
+            lo0 &= 0x0F0F0F0F
+            lo1 &= 0x0F0F0F0F
+            lo2 &= 0x0F0F0F0F
+            lo3 &= 0x0F0F0F0F
+            lo4 &= 0x0F0F0F0F
+            lo5 &= 0x0F0F0F0F
+            lo6 &= 0x0F0F0F0F
+            lo7 &= 0x0F0F0F0F
+        for m in tl.static_range(M):
+            xr = x_at + (b0 * 64 + m * stride_xq)
+            x0, x1, x2, x3 = words4(tl.load(xr))
+            x4, x5, x6, x7 = words4(tl.load(xr + 4))
+            y0, y1, y2, y3 = words4(tl.load(xr + 8))
+            y4, y5, y6, y7 = words4(tl.load(xr + 12))
+            xd = tl.load(xd_at + (b0 + m * stride_xd))
+            s_lo = dp4a(x0, ones, dp4a(x1, ones, dp4a(x2, ones, dp4a(x3, ones, 0, ASM), ASM), ASM), ASM)
+            s_lo = dp4a(x4, ones, dp4a(x5, ones, dp4a(x6, ones, dp4a(x7, ones, s_lo, ASM), ASM), ASM), ASM)
+            s_hi = dp4a(y0, ones, dp4a(y1, ones, dp4a(y2, ones, dp4a(y3, ones, 0, ASM), ASM), ASM), ASM)
+            s_hi = dp4a(y4, ones, dp4a(y5, ones, dp4a(y6, ones, dp4a(y7, ones, s_hi, ASM), ASM), ASM), ASM)
+            t = dp4a(lo0, x0, dp4a(lo1, x1, dp4a(lo2, x2, dp4a(lo3, x3, 0, ASM), ASM), ASM), ASM)
+            t = dp4a(lo4, x4, dp4a(lo5, x5, dp4a(lo6, x6, dp4a(lo7, x7, t, ASM), ASM), ASM), ASM)
+            u = dp4a_u8(hi0, y0, dp4a_u8(hi1, y1, dp4a_u8(hi2, y2, dp4a_u8(hi3, y3, 0, ASM), ASM), ASM), ASM)
+            u = dp4a_u8(hi4, y4, dp4a_u8(hi5, y5, dp4a_u8(hi6, y6, dp4a_u8(hi7, y7, u, ASM), ASM), ASM), ASM)
+            isum_d = sc_lo * t + sc_hi * u
+            isum_m = mn_lo * s_lo + mn_hi * s_hi
+            part = xd * (d16 * isum_d.to(tl.float32) - dmin * isum_m.to(tl.float32))
+            acc += tl.where(ms[:, None, None] == m, part[None, :, :], 0.0)
+    y = tl.sum(acc, axis=2)
+    tl.store(y_ptr + ms[:, None] * stride_y + rows[None, :], y, mask=(ms < M)[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _q6k_kernel(
+    xq_ptr,
+    xd_ptr,
+    w_ptr,
+    y_ptr,
+    N,
+    n_sb,
+    stride_xq,
+    stride_xd,
+    stride_w,
+    stride_y,
+    M: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SB: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Q6_K: lane (half h, quarter r) of a super-block takes values 128h + 32g + 16r .. +15 for g = 0..3: low
+    nibbles of ql[64h + 16r ..] (g = 0, 2: low, high nibble) and ql[64h + 32 + 16r ..] (g = 1, 3), bit pairs 2g of
+    qh[32h + 16r ..], scales[8h + r + 2g]. Blocks are 210 bytes: runs start 0 or 2 bytes into a word."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows_safe = tl.where(row_ok, rows, 0)
+    lanes = tl.arange(0, SB * 4)
+    sb = lanes // 4
+    h = (lanes // 2) % 2
+    r = lanes % 2
+    ms = tl.arange(0, M_PAD)
+    words = w_ptr.to(tl.pointer_type(tl.int32))
+    halfs = w_ptr.to(tl.pointer_type(tl.float16))
+    xwords = xq_ptr.to(tl.pointer_type(tl.int32))
+    start = rows_safe.to(tl.int64)[:, None] * stride_w + (sb * 210)[None, :]  # [BLOCK_N, L] bytes
+    sh = ((start % 4) * 8).to(tl.int32)
+    ql_at = words + start // 4 + (16 * h + 4 * r)[None, :]
+    qh_at = words + start // 4 + (32 + 8 * h + 4 * r)[None, :]
+    sc_at = w_ptr.to(tl.pointer_type(tl.int8)) + start + (192 + 8 * h + r)[None, :]  # signed scales
+    d_at = halfs + (start + 208) // 2
+    v = tl.arange(0, 4)
+    x_at = xwords + (0 * rows)[:, None, None] + (sb * 64 + 32 * h + 4 * r)[None, :, None] + v[None, None, :]
+    xd_at = xd_ptr + (0 * rows)[:, None] + sb[None, :]
+    ones = tl.full((BLOCK_N, SB * 4), 0x01010101, tl.int32)
+    acc = tl.zeros((M_PAD, BLOCK_N, SB * 4), dtype=tl.float32)
+    for b0 in range(0, n_sb, SB):
+        if SB % 2 == 1:  # an odd number of 210-byte blocks a step moves the runs' offsets in their words
+            at = start + b0 * 210
+            sh = ((at % 4) * 8).to(tl.int32)
+            ql = words + at // 4 + (16 * h + 4 * r)[None, :]
+            qh = words + at // 4 + (32 + 8 * h + 4 * r)[None, :]
+        else:  # pointers from loop-invariant bases plus the block offset: no per-row pointer to carry
+            ql = ql_at + b0 * 210 // 4
+            qh = qh_at + b0 * 210 // 4
+        a0, a1, a2, a3 = run16(ql, sh, ASM)
+        b0w, b1w, b2w, b3w = run16(ql + 8, sh, ASM)
+        h0, h1, h2, h3 = run16(qh, sh, ASM)
+        sc = sc_at + b0 * 210
+        sc0 = tl.load(sc).to(tl.int32)
+        sc1 = tl.load(sc + 2).to(tl.int32)
+        sc2 = tl.load(sc + 4).to(tl.int32)
+        sc3 = tl.load(sc + 6).to(tl.int32)
+        d = tl.load(d_at + b0 * 105).to(tl.float32)
+        # q = low nibble | bit pair << 4, in 0..63 (the -32 comes from the activation sums)
+        q00 = (a0 & 0x0F0F0F0F) | ((h0 << 4) & 0x30303030)
+        q01 = (a1 & 0x0F0F0F0F) | ((h1 << 4) & 0x30303030)
+        q02 = (a2 & 0x0F0F0F0F) | ((h2 << 4) & 0x30303030)
+        q03 = (a3 & 0x0F0F0F0F) | ((h3 << 4) & 0x30303030)
+        q10 = (b0w & 0x0F0F0F0F) | ((h0 << 2) & 0x30303030)
+        q11 = (b1w & 0x0F0F0F0F) | ((h1 << 2) & 0x30303030)
+        q12 = (b2w & 0x0F0F0F0F) | ((h2 << 2) & 0x30303030)
+        q13 = (b3w & 0x0F0F0F0F) | ((h3 << 2) & 0x30303030)
+        q20 = ((a0 >> 4) & 0x0F0F0F0F) | (h0 & 0x30303030)
+        q21 = ((a1 >> 4) & 0x0F0F0F0F) | (h1 & 0x30303030)
+        q22 = ((a2 >> 4) & 0x0F0F0F0F) | (h2 & 0x30303030)
+        q23 = ((a3 >> 4) & 0x0F0F0F0F) | (h3 & 0x30303030)
+        q30 = ((b0w >> 4) & 0x0F0F0F0F) | ((h0 >> 2) & 0x30303030)
+        q31 = ((b1w >> 4) & 0x0F0F0F0F) | ((h1 >> 2) & 0x30303030)
+        q32 = ((b2w >> 4) & 0x0F0F0F0F) | ((h2 >> 2) & 0x30303030)
+        q33 = ((b3w >> 4) & 0x0F0F0F0F) | ((h3 >> 2) & 0x30303030)
+        for m in tl.static_range(M):
+            xr = x_at + (b0 * 64 + m * stride_xq)
+            x00, x01, x02, x03 = words4(tl.load(xr))
+            x10, x11, x12, x13 = words4(tl.load(xr + 8))
+            x20, x21, x22, x23 = words4(tl.load(xr + 16))
+            x30, x31, x32, x33 = words4(tl.load(xr + 24))
+            xd = tl.load(xd_at + (b0 + m * stride_xd))
+            s0 = dot4(x00, x01, x02, x03, ones, ones, ones, ones, 0, ASM)
+            s1 = dot4(x10, x11, x12, x13, ones, ones, ones, ones, 0, ASM)
+            s2 = dot4(x20, x21, x22, x23, ones, ones, ones, ones, 0, ASM)
+            s3 = dot4(x30, x31, x32, x33, ones, ones, ones, ones, 0, ASM)
+            isum = sc0 * dot4(q00, q01, q02, q03, x00, x01, x02, x03, -32 * s0, ASM)
+            isum += sc1 * dot4(q10, q11, q12, q13, x10, x11, x12, x13, -32 * s1, ASM)
+            isum += sc2 * dot4(q20, q21, q22, q23, x20, x21, x22, x23, -32 * s2, ASM)
+            isum += sc3 * dot4(q30, q31, q32, q33, x30, x31, x32, x33, -32 * s3, ASM)
+            part = (d * xd) * isum.to(tl.float32)
+            acc += tl.where(ms[:, None, None] == m, part[None, :, :], 0.0)
+    y = tl.sum(acc, axis=2)
+    tl.store(y_ptr + ms[:, None] * stride_y + rows[None, :], y, mask=(ms < M)[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _q8_0_kernel(
+    xq_ptr,
+    xd_ptr,
+    w_ptr,
+    y_ptr,
+    N,
+    n_blk,
+    stride_xq,
+    stride_xd,
+    stride_w,
+    stride_y,
+    M: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    L: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Q8_0: one 34-byte block a lane, L blocks a step. Its quants start 2 bytes into a word (even blocks) or on
+    one (odd blocks): nine aligned 4-byte loads joined by a funnel shift of 16 or 32 bits."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows_safe = tl.where(row_ok, rows, 0)
+    lanes = tl.arange(0, L)
+    v = tl.arange(0, 4)
+    ms = tl.arange(0, M_PAD)
+    words = w_ptr.to(tl.pointer_type(tl.int32))
+    halfs = w_ptr.to(tl.pointer_type(tl.float16))
+    xwords = xq_ptr.to(tl.pointer_type(tl.int32))
+    start = rows_safe.to(tl.int64)[:, None] * stride_w + (lanes * 34)[None, :]  # [BLOCK_N, L] bytes
+    sh = (16 + (start % 4) * 8).to(tl.int32)
+    w_at = words + start // 4
+    d_at = halfs + start // 2
+    x_at = xwords + (0 * rows)[:, None, None] + (lanes * 8)[None, :, None] + v[None, None, :]
+    xd_at = xd_ptr + (0 * rows)[:, None] + lanes[None, :]
+    acc = tl.zeros((M_PAD, BLOCK_N, L), dtype=tl.float32)
+    for b0 in range(0, n_blk, L):
+        p = w_at + b0 * 34 // 4  # L is even: a step is whole words
+        w0, w1, w2, w3 = words4(tl.load(p[:, :, None] + v[None, None, :]))
+        w4, w5, w6, w7 = words4(tl.load(p[:, :, None] + (v + 4)[None, None, :]))
+        w8 = tl.load(p + 8)
+        q0 = funnel(w0, w1, sh, ASM)
+        q1 = funnel(w1, w2, sh, ASM)
+        q2 = funnel(w2, w3, sh, ASM)
+        q3 = funnel(w3, w4, sh, ASM)
+        q4 = funnel(w4, w5, sh, ASM)
+        q5 = funnel(w5, w6, sh, ASM)
+        q6 = funnel(w6, w7, sh, ASM)
+        q7 = funnel(w7, w8, sh, ASM)
+        d = tl.load(d_at + b0 * 17).to(tl.float32)
+        for m in tl.static_range(M):
+            xr = x_at + (b0 * 8 + m * stride_xq)
+            x0, x1, x2, x3 = words4(tl.load(xr))
+            x4, x5, x6, x7 = words4(tl.load(xr + 4))
+            xd = tl.load(xd_at + (b0 + m * stride_xd))
+            t = dot4(q0, q1, q2, q3, x0, x1, x2, x3, 0, ASM)
+            t = dot4(q4, q5, q6, q7, x4, x5, x6, x7, t, ASM)
+            part = (d * xd) * t.to(tl.float32)
+            acc += tl.where(ms[:, None, None] == m, part[None, :, :], 0.0)
+    y = tl.sum(acc, axis=2)
+    tl.store(y_ptr + ms[:, None] * stride_y + rows[None, :], y, mask=(ms < M)[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _iq4_lookup(w, t0, t1, t2, t3, ASM: tl.constexpr):
+    """IQ4_NL_VALUES[i] as signed bytes for the eight 4-bit indices i of int32 words w, in nibble order: (indices
+    0-3, indices 4-7), i.e. (low, high nibble of byte 0, low, high of byte 1) and the same for bytes 2-3. prmt takes
+    a nibble as a byte index and, where its bit 3 is set, copies that byte's sign instead: a = 127 - K[i] from t0:t1
+    for i < 8, 0xFF above (those bytes are all >= 128); b = 127 + K[i] from t2:t3 by i ^ 8 for i >= 8, 0xFF below.
+    Every byte of b - a + 0x80808080 is then K[i] mod 256 and in 0..255, so no carry crosses a byte (one IADD3)."""
+    wx = w ^ -0x77777778  # 0x88888888
+    lo = prmt(t2, t3, wx, ASM) - prmt(t0, t1, w, ASM) + -0x7F7F7F80  # + 0x80808080
+    hi = prmt(t2, t3, wx >> 16, ASM) - prmt(t0, t1, w >> 16, ASM) + -0x7F7F7F80
+    return lo, hi
+
+
+@triton.jit
+def _nibble_order(a, b, ASM: tl.constexpr):
+    """Activation words a (paired with low nibbles) and b (high nibbles) interleaved in `_iq4_lookup`'s order."""
+    return prmt(a, b, tl.full(a.shape, 0x5140, tl.int32), ASM), prmt(a, b, tl.full(a.shape, 0x7362, tl.int32), ASM)
+
+
+@triton.jit
+def _sext6(x):
+    """The low 6 bits of int32 x as a signed number."""
+    return (x << 26) >> 26
+
+
+@triton.jit
+def _iq4xs_kernel(
+    xq_ptr,
+    xd_ptr,
+    w_ptr,
+    y_ptr,
+    N,
+    n_sb,
+    stride_xq,
+    stride_xd,
+    stride_w,
+    stride_y,
+    table0,
+    table1,
+    table2,
+    table3,
+    M: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SB: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """IQ4_XS: lane p of a super-block takes qs[32p .. 32p + 31], sub-blocks 2p and 2p + 1 (16 bytes each: low
+    nibbles the first 16 values, high nibbles the next 16), in 8-byte loads (blocks are 136 bytes)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows_safe = tl.where(row_ok, rows, 0)
+    lanes = tl.arange(0, SB * 4)
+    sb = lanes // 4
+    lp = lanes % 4
+    v = tl.arange(0, 2)
+    v4 = tl.arange(0, 4)
+    ms = tl.arange(0, M_PAD)
+    words = w_ptr.to(tl.pointer_type(tl.int32))
+    xwords = xq_ptr.to(tl.pointer_type(tl.int32))
+    # stride_w counts 8-byte units (blocks are 136 bytes): the row starts it gives are 8-byte aligned, for 8-byte loads
+    w_at = words + (rows_safe.to(tl.int64) * stride_w * 2)[:, None] + (sb * 34)[None, :]  # [BLOCK_N, L]
+    q_at = w_at[:, :, None] + (2 + 8 * lp)[None, :, None] + v4[None, None, :]
+    h_at = w_at[:, :, None] + v[None, None, :]
+    nibble = tl.full((BLOCK_N, SB * 4), 0x0F, tl.int32)
+    x_at = xwords + (0 * rows)[:, None, None] + (sb * 64 + 16 * lp)[None, :, None] + v4[None, None, :]
+    xd_at = xd_ptr + (0 * rows)[:, None] + sb[None, :]
+    # the codebook tables arrive as arguments (as constants, ptxas rematerializes them at every prmt) and get a zero
+    # that varies by thread as far as ptxas knows (uniform, sm_75 copies them from uniform registers at every prmt)
+    zero = tl.zeros((BLOCK_N, SB * 4), tl.int32) + (rows_safe >> 31)[:, None]
+    t0 = zero + table0
+    t1 = zero + table1
+    t2 = zero + table2
+    t3 = zero + table3
+    acc = tl.zeros((M_PAD, BLOCK_N, SB * 4), dtype=tl.float32)
+    for b0 in range(0, n_sb, SB):
+        p = q_at + b0 * 34
+        n0, n1, n2, n3 = words4(tl.load(p))
+        n4, n5, n6, n7 = words4(tl.load(p + 4))
+        h0, h1 = tl.split(tl.load(h_at + b0 * 34))  # d | scales_h << 16, scales_l
+        d = half(h0, False)
+        # 6-bit scales ls = low nibble | high bit pair << 4, less 32: the sign extension of ls ^ 0x20 (odd bits of
+        # scales_h flipped), a nibble of scales_l muxed with the pair moved to bits 4-5
+        sl = h1 >> (8 * lp)[None, :]
+        sh = (h0 ^ -0x55560000) >> (12 + 4 * lp)[None, :]  # ^ 0xAAAA0000
+        ls0 = _sext6(mux(sl, sh, nibble, ASM))
+        ls1 = _sext6(mux(sl >> 4, sh >> 2, nibble, ASM))
+        a0, a1 = _iq4_lookup(n0, t0, t1, t2, t3, ASM)  # sub-block 2p
+        a2, a3 = _iq4_lookup(n1, t0, t1, t2, t3, ASM)
+        a4, a5 = _iq4_lookup(n2, t0, t1, t2, t3, ASM)
+        a6, a7 = _iq4_lookup(n3, t0, t1, t2, t3, ASM)
+        c0, c1 = _iq4_lookup(n4, t0, t1, t2, t3, ASM)  # sub-block 2p + 1
+        c2, c3 = _iq4_lookup(n5, t0, t1, t2, t3, ASM)
+        c4, c5 = _iq4_lookup(n6, t0, t1, t2, t3, ASM)
+        c6, c7 = _iq4_lookup(n7, t0, t1, t2, t3, ASM)
+        for m in tl.static_range(M):
+            xr = x_at + (b0 * 64 + m * stride_xq)
+            x0, x1, x2, x3 = words4(tl.load(xr))
+            x4, x5, x6, x7 = words4(tl.load(xr + 4))
+            y0, y1, y2, y3 = words4(tl.load(xr + 8))
+            y4, y5, y6, y7 = words4(tl.load(xr + 12))
+            xd = tl.load(xd_at + (b0 + m * stride_xd))
+            p0, p1 = _nibble_order(x0, x4, ASM)
+            p2, p3 = _nibble_order(x1, x5, ASM)
+            p4, p5 = _nibble_order(x2, x6, ASM)
+            p6, p7 = _nibble_order(x3, x7, ASM)
+            t = dot4(a0, a1, a2, a3, p0, p1, p2, p3, 0, ASM)
+            t = dot4(a4, a5, a6, a7, p4, p5, p6, p7, t, ASM)
+            p0, p1 = _nibble_order(y0, y4, ASM)
+            p2, p3 = _nibble_order(y1, y5, ASM)
+            p4, p5 = _nibble_order(y2, y6, ASM)
+            p6, p7 = _nibble_order(y3, y7, ASM)
+            u = dot4(c0, c1, c2, c3, p0, p1, p2, p3, 0, ASM)
+            u = dot4(c4, c5, c6, c7, p4, p5, p6, p7, u, ASM)
+            part = (d * xd) * (ls0 * t + ls1 * u).to(tl.float32)
+            acc += tl.where(ms[:, None, None] == m, part[None, :, :], 0.0)
+    y = tl.sum(acc, axis=2)
+    tl.store(y_ptr + ms[:, None] * stride_y + rows[None, :], y, mask=(ms < M)[:, None] & row_ok[None, :])
+
+
+def _iq4_tables() -> tuple[int, int, int, int]:
+    """`_iq4_lookup`'s t0..t3 as int32: 127 - K[0..7] and 127 + K[8..15], four bytes a word, first in the low byte."""
+    k = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL's codebook K
+    b = [127 - x for x in k[:8]] + [127 + x for x in k[8:]]
+    words = [int.from_bytes(bytes(b[i : i + 4]), "little") for i in range(0, 16, 4)]
+    return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in words)
+
+
+_IQ4_TABLES = _iq4_tables()
+# Row alignment (bytes) each kernel's loads assume: 16-byte vectors for Q4_K/Q5_K, 8-byte for IQ4_XS, and the
+# 210- and 34-byte blocks are only ever 2-byte aligned (their kernels join half words).
+_ROW_ALIGN = {
+    GGMLQuantizationType.Q4_K: 16,
+    GGMLQuantizationType.Q5_K: 16,
+    GGMLQuantizationType.Q6_K: 2,
+    GGMLQuantizationType.Q8_0: 2,
+    GGMLQuantizationType.IQ4_XS: 8,
+}
+_KERNELS = {
+    GGMLQuantizationType.Q4_K: _kquant_kernel,
+    GGMLQuantizationType.Q5_K: _kquant_kernel,
+    GGMLQuantizationType.Q6_K: _q6k_kernel,
+    GGMLQuantizationType.Q8_0: _q8_0_kernel,
+    GGMLQuantizationType.IQ4_XS: _iq4xs_kernel,
+}
+
+
+def _config(t: GGMLQuantizationType, k: int, row_bytes: int, m: int) -> tuple[object, int, int, dict]:
+    """The kernel, its K steps argument (super-blocks or blocks), the weight row stride in its units, and the
+    tile: one warp, four weight rows a thread (8 rows a program where a warp spans 16 lanes); two from 5 activation
+    rows (Q6_K spills at 8 with four), except IQ4_XS, which keeps four (up to 255 registers: no spills to 8 rows)."""
+    if t == GGMLQuantizationType.Q8_0:
+        n_blk = k // 32
+        lanes = next(x for x in (32, 16, 8, 4, 2) if n_blk % x == 0)
+        return _q8_0_kernel, n_blk, row_bytes, {"BLOCK_N": 4 * 32 // lanes, "L": lanes}
+    n_sb = k // 256
+    sb = 4 if n_sb % 4 == 0 else 2 if n_sb % 2 == 0 else 1
+    per_thread = 2 if m >= 5 and t != GGMLQuantizationType.IQ4_XS else 4
+    cfg = {"BLOCK_N": per_thread * 32 // (4 * sb), "SB": sb}
+    if t in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
+        return _kquant_kernel, n_sb, row_bytes // 4, {**cfg, "FIVE": t == GGMLQuantizationType.Q5_K}
+    if t == GGMLQuantizationType.IQ4_XS:  # ptxas alone caps it at 168 registers and spills from 3 rows
+        return _iq4xs_kernel, n_sb, row_bytes // 8, {**cfg, "maxnreg": 255}
+    return _q6k_kernel, n_sb, row_bytes, cfg
+
+
+def _check(xq: torch.Tensor, xd: torch.Tensor, blocks: torch.Tensor, qtype: int) -> tuple[GGMLQuantizationType, int]:
+    t = GGMLQuantizationType(int(qtype))
+    block = act_block(t)
+    qk, type_size = GGML_QUANT_SIZES[t]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % type_size or blocks.stride(1) != 1:
+        raise ValueError(f"{t.name} blocks must be uint8 [rows, n_blocks * {type_size}], row-contiguous")
+    k = blocks.shape[1] // type_size * qk
+    if k % 64:
+        raise ValueError(f"{t.name}: K must be a multiple of 64 (Q8_0 lanes take whole block pairs), got {k}")
+    m = xq.shape[0]
+    if xq.dtype != torch.int8 or xq.shape != (m, k):
+        raise ValueError(f"xq must be int8 [m, {k}] for this weight, got {xq.dtype} {list(xq.shape)}")
+    if xd.dtype != torch.float32 or xd.shape != (m, k // block):
+        raise ValueError(f"xd must be float32 [m, {k // block}], got {xd.dtype} {list(xd.shape)}")
+    return t, k
+
+
+@on_input_device
+def quant_gemv_q8(
+    xq: torch.Tensor, xd: torch.Tensor, blocks: torch.Tensor, qtype: int, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Quantized activations (xq int8 [m, k], xd float32 [m, k / act_block(qtype)]) times the GGUF matrix W [n, k]
+    in `blocks` -> float32 [m, n] (into `out` when given: any [m, n] float32 view with unit column stride)."""
+    t, k = _check(xq, xd, blocks, qtype)
+    n, m = blocks.shape[0], xq.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32, device=xq.device)
+    elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out must be float32 [{m}, {n}] with unit column stride")
+    xq = xq.contiguous()
+    xd = xd.contiguous()
+    if blocks.data_ptr() % 16 or blocks.stride(0) % _ROW_ALIGN[t]:
+        blocks = blocks.clone()  # a view off the blocks' alignment: whole rows, aligned
+    for start in range(0, m, MAX_ROWS):
+        rows = min(MAX_ROWS, m - start)
+        xs, ds, ys = xq[start : start + rows], xd[start : start + rows], out[start : start + rows]
+        kernel, steps, stride_w, cfg = _config(t, k, blocks.stride(0), rows)
+        kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+            xs,
+            ds,
+            blocks,
+            ys,
+            n,
+            steps,
+            xs.stride(0) // 4,
+            ds.stride(0),
+            stride_w,
+            ys.stride(0),
+            *(_IQ4_TABLES if t == GGMLQuantizationType.IQ4_XS else ()),
+            M=rows,
+            M_PAD=triton.next_power_of_2(rows),
+            ASM=INLINE_ASM,
+            num_warps=1,
+            **cfg,
+        )
+    return out
+
+
+def bytes_per_iteration(qtype: int, kwargs: dict) -> int:
+    """Weight bytes one program reads per iteration of its K loop, from a launch's keyword arguments."""
+    t = GGMLQuantizationType(int(qtype))
+    _, type_size = GGML_QUANT_SIZES[t]
+    blocks = kwargs["L"] if t == GGMLQuantizationType.Q8_0 else kwargs["SB"]
+    return kwargs["BLOCK_N"] * blocks * type_size

@@ -1,0 +1,67 @@
+"""The activation rounding of llama.cpp's quantized matmuls: each activation row is rounded to the weight type's
+"vec_dot type" before the integer block dots (../shared/spec/gguf-quant-formats.md §5). Shared by the CPU twins
+(ops.linear) and the GPU path (ops.linear_gpu)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant.types import GGMLType
+
+Q8_0_ACTIVATIONS = {GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.IQ4_NL}
+Q8_1_ACTIVATIONS = {GGMLType.Q4_1, GGMLType.Q5_1}
+Q8_K_ACTIVATIONS = {GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_XS}
+
+
+def _round_half_even(x: torch.Tensor) -> torch.Tensor:
+    return torch.round(x)  # torch.round rounds half to even, like _mm256_round_ps(_MM_ROUND_NEAREST)
+
+
+def _div(numerator: float, x: torch.Tensor) -> torch.Tensor:
+    """numerator / x, correctly rounded: torch evaluates `scalar / tensor` as scalar * (1 / x), which is
+    off by an ulp often enough to flip the rounding of quantized activations."""
+    return torch.full_like(x, numerator) / x
+
+
+def quantize_activations_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K/32, 32] as float, d_f32 [M, K/32], d_f16 [M, K/32]) as llama.cpp's x86
+    quantize_row_q8_0/q8_1: d = amax/127, q = round_half_even(x * (127/amax))."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1)
+    inv = torch.where(amax > 0, _div(127.0, amax), torch.zeros_like(amax))
+    q = _round_half_even(blocks * inv[..., None])
+    d = amax / 127.0
+    return q, d, d.half().float()
+
+
+def quantize_activations_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K/256, 256] as float, d [M, K/256] f32) as llama.cpp's quantize_row_q8_K:
+    iscale = -127 / (the signed element of largest magnitude), q = min(127, round(iscale * x)), d = 1/iscale."""
+    blocks = x.reshape(x.shape[0], -1, 256)
+    idx = blocks.abs().argmax(-1, keepdim=True)
+    peak = blocks.gather(-1, idx).squeeze(-1)
+    iscale = torch.where(peak != 0, _div(-127.0, peak), torch.zeros_like(peak))
+    q = torch.clamp(_round_half_even(blocks * iscale[..., None]), max=127)
+    d = torch.where(peak != 0, _div(1.0, iscale), torch.zeros_like(iscale))
+    return q, d
+
+
+def round_activations(x: torch.Tensor, ggml_type: GGMLType) -> torch.Tensor:
+    """x [..., K] rounded to the weight type's vec_dot type and back to float32: what llama.cpp's CPU multiplies
+    the weight by. The GPU path multiplies these rounded values in float, so its logits stay within float32
+    summation noise of the CPU path (unrounded activations moved Gemma 3's logits by up to 0.9 nats and flipped
+    a greedy token at a 0.19-nat margin). Q4_1/Q5_1 weights get the Q8_0 rounding; their min term then uses the
+    exact block sum, where the CPU uses its f16 rounding (~4e-4 relative on a random matrix)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K).float()
+    if ggml_type in Q8_0_ACTIVATIONS or ggml_type in Q8_1_ACTIVATIONS:
+        q, _, d16 = quantize_activations_q8_0(x2)
+        x2 = (q * d16[..., None]).reshape(x2.shape)
+    elif ggml_type in Q8_K_ACTIVATIONS:
+        q, d = quantize_activations_q8_k(x2)
+        x2 = (q * d[..., None]).reshape(x2.shape)
+    elif ggml_type == GGMLType.F16:
+        x2 = x2.half().float()
+    elif ggml_type == GGMLType.BF16:
+        x2 = x2.bfloat16().float()
+    return x2.reshape(*lead, K)

@@ -1,0 +1,145 @@
+"""y = x W^T on the GPU path (ops.device): each matmul input rounded ONCE, in one launch, then integer GEMVs.
+
+llama.cpp's CPU rounds every activation row to the weight type's vec_dot type (ops.activation_rounding); so does
+the GPU path, so that its tokens stay the CPU path's. Decode and verification (up to GEMV_MAX_ROWS rows) keep the
+rounded input as int8 quants and scales (`QuantizedRows`) and multiply them by the weight's quants in integer block
+dots (`quant_gemv_q8`: dp4a, as llama.cpp's CUDA mmvq), for the types the 27B is made of (Q4_K, Q5_K, Q6_K, Q8_0,
+IQ4_XS). A norm or gated activation that feeds a matmul produces the quants in its own launch (ops.rowwise), so a
+decode step launches one kernel per matmul input, not the ~17 aten kernels of `round_activations`. Prompts and the
+other types multiply the rounded floats (`round_activations`, or q * d of the quants: the same values) by the
+float GEMV/GEMM of ops.quant_gemv.
+
+Weights that read the same input (a `WeightGroup`: q/k/v, gate/up, a Gated DeltaNet layer's projections) are
+multiplied in one launch per weight type: the group's same-type matrices are concatenated by rows once (the members'
+`data` then view the concatenation: one copy in memory), and the output's columns are split back as views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..quant.qtensor import QTensor
+from ..quant.types import GGMLType
+from .activation_rounding import Q8_0_ACTIVATIONS, Q8_1_ACTIVATIONS, Q8_K_ACTIVATIONS, round_activations
+from .quant_gemv import GEMV_MAX_ROWS, quant_gemv_q8, quant_linear
+from .rowwise import quantize_rows
+
+# The types whose decode GEMV multiplies quantized activations (kernels.triton.gemv_q8; the 27B is Q4_K and Q6_K).
+INTEGER_GEMV_TYPES = {GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.IQ4_XS}
+
+
+def act_block(ggml_type: GGMLType) -> int | None:
+    """The block of the activation rounding a weight type asks for: 256 (Q8_K), 32 (Q8_0; Q8_1 on the GPU path),
+    None for float weights."""
+    if ggml_type in Q8_K_ACTIVATIONS:
+        return 256
+    if ggml_type in Q8_0_ACTIVATIONS or ggml_type in Q8_1_ACTIVATIONS:
+        return 32
+    return None
+
+
+def integer_block(weight: QTensor) -> int | None:
+    """The activation block of `weight` when its decode GEMV takes quantized activations, else None."""
+    return act_block(weight.ggml_type) if weight.ggml_type in INTEGER_GEMV_TYPES else None
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """A matmul input rounded once: its float rows `x` [..., K] (for whatever else reads them) and their quants
+    `q` int8 [M, K] with scales `d` float32 [M, K // block] (block 32: the f16-rounded d the dot uses)."""
+
+    x: torch.Tensor
+    block: int
+    q: torch.Tensor
+    d: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    def rounded(self) -> torch.Tensor:
+        """The rounded values as float32 [..., K]: what `round_activations` gives for a weight of this block."""
+        d = self.d.repeat_interleave(self.block, dim=-1)
+        return (self.q.float() * d).reshape(self.x.shape)
+
+
+Input = torch.Tensor | QuantizedRows
+
+
+def quantize_for(x: Input, block: int) -> QuantizedRows:
+    """x as quants of this block: itself when it already is, else one quantization launch."""
+    if isinstance(x, QuantizedRows):
+        if x.block == block:
+            return x
+        x = x.x
+    q, d = quantize_rows(x.reshape(-1, x.shape[-1]), block)
+    return QuantizedRows(x, block, q, d)
+
+
+def _rounded(x: Input, ggml_type: GGMLType) -> torch.Tensor:
+    if isinstance(x, QuantizedRows):
+        return x.rounded() if act_block(ggml_type) == x.block else round_activations(x.x, ggml_type)
+    return round_activations(x, ggml_type)
+
+
+def linear_gpu(x: Input, weight: QTensor) -> torch.Tensor:
+    """x [..., K] -> float32 [..., N]: integer GEMV on the quants for up to GEMV_MAX_ROWS rows of its types, else the
+    float kernels on the rounded values."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = lead.numel()
+    block = integer_block(weight)
+    if block is not None and rows <= GEMV_MAX_ROWS:
+        qx = quantize_for(x, block)
+        y = quant_gemv_q8(qx.q, qx.d, weight)
+    else:
+        y = quant_linear(_rounded(x, weight.ggml_type).reshape(-1, k), weight)
+    return y.reshape(*lead, weight.shape[0])
+
+
+def linear_many_gpu(x: Input, weights: Sequence[QTensor]) -> list[torch.Tensor]:
+    """[linear_gpu(x, w) for w in weights] with one launch per weight type of a merged group and one rounding per
+    activation block."""
+    merged = weights.merged() if hasattr(weights, "merged") else [(w, [i]) for i, w in enumerate(weights)]
+    rows = x.shape[:-1].numel()
+    outs: list[torch.Tensor | None] = [None] * len(weights)
+    for matrix, members in merged:
+        block = integer_block(matrix)
+        if block is not None and rows <= GEMV_MAX_ROWS:
+            x = quantize_for(x, block)  # kept: the next matrix of this block reuses the quants
+        y = linear_gpu(x, matrix)
+        sizes = [weights[i].shape[0] for i in members]
+        for i, part in zip(members, y.split(sizes, dim=-1)):
+            outs[i] = part
+    return outs  # type: ignore[return-value]
+
+
+def merge_rows(weights: Sequence[QTensor]) -> list[tuple[QTensor, list[int]]]:
+    """The weights grouped by type (and row length), each group's matrices concatenated by rows into one QTensor
+    whose rows the members' `data` then view: [(matrix, member indices)], in order of first appearance. Single
+    members stay as they are."""
+    by_kind: dict[tuple[GGMLType, int], list[int]] = {}
+    for i, w in enumerate(weights):
+        by_kind.setdefault((w.ggml_type, w.data.shape[1]), []).append(i)
+    merged = []
+    for (ggml_type, _), members in by_kind.items():
+        if len(members) == 1:
+            merged.append((weights[members[0]], members))
+            continue
+        data = torch.cat([weights[i].data for i in members])
+        n = sum(weights[i].shape[0] for i in members)
+        name = "+".join(weights[i].name for i in members)
+        matrix = QTensor(data, ggml_type, (n, weights[members[0]].shape[1]), name)
+        start = 0
+        for i in members:
+            rows = weights[i].data.shape[0]
+            object.__setattr__(weights[i], "data", data[start : start + rows])  # frozen: one copy in memory
+            start += rows
+        merged.append((matrix, members))
+    return merged

@@ -1,0 +1,111 @@
+"""Matmul inputs made in one launch on the GPU path: the row-wise op before a matmul (the residual add and RMSNorm, a
+gated activation, or nothing) together with the rounding of its output to the weight type's vec_dot type (block 256:
+Q8_K, the K-quants and IQ4_XS; block 32: Q8_0, with d rounded to f16 as the dot uses it).
+
+Each function runs the Triton kernel of mtpserve.kernels.triton.rowwise when `triton_available(x)` (one launch, no
+other torch op, nothing synchronising with the host: safe under graph capture), else its PyTorch twin here, which
+rounds exactly as ops.linear's quantize_activations_q8_k / q8_0 (the kernels' q and d are bit-identical to the twin's
+quantize_rows of their own y; y itself agrees to float32 summation order).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Not ops.norm / ops.activations: they dispatch to this module (the twins below are their GPU path's semantics).
+from .activation_rounding import quantize_activations_q8_0, quantize_activations_q8_k
+from .quant_gemv import triton_available, triton_kernels
+
+_INTERPRETER_CHUNK = 8192  # under the interpreter every op costs the same at any tile size: few, wide programs
+
+
+def quantize_rows_reference(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q int8 [M, K], d float32 [M, K / block]): Q8_K for block 256, Q8_0 (d as f16) for 32."""
+    x = x.float()
+    if block == 256:
+        q, d = quantize_activations_q8_k(x)
+    elif block == 32:
+        q, _, d = quantize_activations_q8_0(x)
+    else:
+        raise ValueError(f"block must be 32 or 256, got {block}")
+    return q.to(torch.int8).reshape(x.shape), d
+
+
+def _quantized(y: torch.Tensor, block: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    return (None, None) if block is None else quantize_rows_reference(y, block)
+
+
+def rms_norm_quantize_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    *,
+    add: torch.Tensor | None = None,
+    block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The GPU path's RMSNorm (float32, torch's reduction order) after the residual add, and its rounding."""
+    s = x.float() if add is None else x.float() + add.float()
+    y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+    y = y if weight is None else y * weight
+    return (s, y, *_quantized(y, block))
+
+
+def glu_quantize_reference(
+    gate: torch.Tensor, up: torch.Tensor, act: str, *, block: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """gelu_f16 is llama.cpp's CPU GELU table without the table: tanh-GELU of the f16-rounded gate, rounded to f16;
+    0 at or below -10 and the identity at or above 10."""
+    gate, up = gate.float(), up.float()
+    if act == "silu":
+        y = F.silu(gate) * up
+    elif act == "sigmoid":
+        y = torch.sigmoid(gate) * up
+    elif act == "gelu_f16":
+        table = F.gelu(gate.half().float(), approximate="tanh").half().float()
+        y = torch.where(gate <= -10.0, torch.zeros_like(gate), torch.where(gate >= 10.0, gate, table)) * up
+    else:
+        raise ValueError(f"act must be silu, sigmoid or gelu_f16, got {act!r}")
+    return (y, *_quantized(y, block))
+
+
+def _tiles(x: torch.Tensor) -> dict[str, int]:
+    return {} if x.is_cuda else {"chunk": _INTERPRETER_CHUNK}  # on a GPU the kernels' own chunks stand
+
+
+def quantize_rows(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float [M, K] -> (q int8 [M, K], d float32 [M, K // block]): llama.cpp's quantize_row_q8_K for block 256,
+    quantize_row_q8_0 for 32 (d rounded to f16, as float32). One launch on the GPU path."""
+    kernels = triton_kernels()
+    if kernels is not None and triton_available(x):
+        return kernels.quantize_rows(x, block, **_tiles(x))
+    return quantize_rows_reference(x, block)
+
+
+def rms_norm_quantize(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    *,
+    add: torch.Tensor | None = None,
+    block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """x [M, K] -> (s, y, q, d): s = x + add (x when add is None), y = RMSNorm(s) * weight in float32, q, d =
+    quantize_rows(y, block) (None when block is None). One launch on the GPU path. s is x itself when add is None
+    and x is float32."""
+    kernels = triton_kernels()
+    if kernels is not None and triton_available(x):
+        return kernels.rms_norm_quantize(x, weight, eps, add=add, block=block)
+    return rms_norm_quantize_reference(x, weight, eps, add=add, block=block)
+
+
+def glu_quantize(
+    gate: torch.Tensor, up: torch.Tensor, act: str, *, block: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(y, q, d): y = act(gate) * up in float32 for act "silu", "sigmoid" or "gelu_f16" (ops.activations'
+    geglu_f16_table), q, d = quantize_rows(y, block) (None when block is None). gate and up may be strided views
+    (the halves of one [M, 2F] GEMV output). One launch on the GPU path."""
+    kernels = triton_kernels()
+    if kernels is not None and triton_available(gate):
+        return kernels.glu_quantize(gate, up, act, block=block, **_tiles(gate))
+    return glu_quantize_reference(gate, up, act, block=block)

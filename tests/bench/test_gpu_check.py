@@ -1,0 +1,81 @@
+"""bench/gpu_check.sh's staged run without a GPU (the stand-in): every stage writes its file and says how it ended,
+the GPU stages skipped with their reason, a failing or hanging stage recorded without stopping the next; and
+bench/gpu_smoke.py's cases on small shapes under the Triton interpreter (the wiring of the GPU's first minute)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+STAGE_FILES = {"env": "env.txt", "smoke": "smoke.txt", "bench": "bench.txt", "tests": "tests.txt", "rest": "rest.txt"}
+
+
+def _run_check(out: Path, **env: str) -> dict[str, str]:
+    """`bash bench/gpu_check.sh run` with no CUDA device visible; the files it wrote, by name."""
+    full_env = {**os.environ, "OUT": str(out), "CUDA_VISIBLE_DEVICES": "", "GPU_CHECK_PYTHON": sys.executable, **env}
+    run = subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu_check.sh"), "run"], env=full_env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    files = {p.name: p.read_text() for p in out.iterdir()}
+    assert len(files) <= 8, sorted(files)  # the device returns at most 8 files
+    return files
+
+
+def _outcome(text: str, stage: str) -> str:
+    return text.strip().splitlines()[-1].removeprefix(f"== {stage}: ")
+
+
+def test_every_stage_writes_its_file_and_the_gpu_stages_skip_with_their_reason(tmp_path: Path) -> None:
+    files = _run_check(tmp_path)
+    assert set(STAGE_FILES.values()) <= set(files)
+    assert "\n== env: PASSED" in files["env.txt"], files["env.txt"]
+    assert "torch" in files["env.txt"] and "stages (limit in s)" in files["env.txt"]
+    for stage in ("smoke", "bench", "tests", "rest"):
+        assert _outcome(files[STAGE_FILES[stage]], stage).startswith("SKIPPED: no CUDA device"), files[
+            STAGE_FILES[stage]
+        ]
+        assert f"stage {stage}: SKIPPED: no CUDA device" in files["env.txt"]  # env.txt is the run's index
+
+
+def test_a_failing_stage_records_its_error_and_the_next_stages_still_run(tmp_path: Path) -> None:
+    files = _run_check(tmp_path, GPU_CHECK_FAIL="smoke,bench:hang", GPU_CHECK_TIMEOUT_BENCH="2")
+    assert _outcome(files["smoke.txt"], "smoke").startswith("FAILED (exit 1)")
+    assert "RuntimeError: injected failure in stage smoke" in files["smoke.txt"]  # the traceback
+    assert _outcome(files["bench.txt"], "bench").startswith("TIMED OUT")
+    for stage in ("tests", "rest"):
+        assert _outcome(files[STAGE_FILES[stage]], stage).startswith("SKIPPED: no CUDA device")
+    index = files["env.txt"]
+    assert "stage smoke: FAILED" in index and "stage bench: TIMED OUT" in index and "stage rest: SKIPPED" in index
+
+
+def test_stage_selection_and_the_budget(tmp_path: Path) -> None:
+    files = _run_check(tmp_path, GPU_CHECK_STAGES="env rest", GPU_CHECK_BUDGET="5")
+    assert set(files) == {"env.txt", "rest.txt"}
+    assert _outcome(files["rest.txt"], "rest").startswith("SKIPPED")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_gpu_smoke_cases_run_on_small_shapes_under_the_interpreter() -> None:
+    # The cheap cases (the interpreter's GEMVs take seconds each, the graph case's emulated model ~50 s).
+    only = "decode_attention q8_0 cache 128 cells H=4/2 D=64 T=1,T=3,quantize_rows 1x512,rms_norm_quantize"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_smoke.py"), "--device", "cpu", "--tiny", "--only", only],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    for label in ("decode_attention", "gated_delta_rule_recurrent_batched", "quantize_rows", "rms_norm_quantize"):
+        assert any(line.startswith("PASS " + label) for line in lines), run.stdout
+    assert not any(line.startswith("FAIL") for line in lines)
+    assert lines[-1].startswith("gpu_smoke: 0 failed of ")

@@ -1,0 +1,123 @@
+"""The integer GEMV kernels over quantized activations (kernels.triton.gemv_q8), run on CPU under the Triton
+interpreter against their twin (ops.quant_gemv.quant_gemv_q8_reference): every type, 1-9 activation rows, super-block
+counts that take each K step (4, 2 and 1 blocks a step), row tiles left partial, an `out` slice and weights viewed
+off their alignment."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton GEMV kernels cannot be tested")
+
+from mtpserve.kernels.triton import Q8_GEMV_TYPES, act_block
+from mtpserve.kernels.triton import quant_gemv_q8 as triton_gemv_q8
+from mtpserve.ops.quant_gemv import quant_gemv_q8, quant_gemv_q8_reference
+from mtpserve.quant.qtensor import QTensor
+from mtpserve.quant.types import GGMLType, block_geometry
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="TRITON_INTERPRET was set to something other than 1 and there is no GPU",
+)
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+TYPES = [GGMLType(int(t)) for t in Q8_GEMV_TYPES]
+F16_OFFSETS = {GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,), GGMLType.Q8_0: (0,)}
+F16_OFFSETS[GGMLType.IQ4_XS] = (0,)
+
+
+def _blocks(qtype: GGMLType, n: int, k: int, seed: int) -> torch.Tensor:
+    """Random bytes (every bit pattern of the packing) with each f16 field a sane scale."""
+    g = torch.Generator().manual_seed(seed)
+    qk, size = block_geometry(qtype)
+    b = torch.randint(0, 256, (n, k // qk, size), generator=g, dtype=torch.uint8)
+    for off in F16_OFFSETS[qtype]:
+        scale = (torch.rand(n, k // qk, generator=g) * 0.02 + 1e-3).half()
+        b[:, :, off : off + 2] = scale.view(torch.uint8).view(n, k // qk, 2)
+    return b.reshape(n, -1)
+
+
+def _activations(qtype: GGMLType, m: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quants in -127..127 (what the roundings give) and positive block scales."""
+    g = torch.Generator().manual_seed(seed)
+    xq = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    xd = torch.rand(m, k // act_block(qtype), generator=g) * 0.01 + 1e-4
+    if act_block(qtype) == 32:
+        xd = xd.half().float()  # Q8_0 activations carry f16-rounded scales
+    return xq, xd
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Same integer block sums; only the float32 order of the scaled sums differs."""
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    scale = expected.abs().max().item()
+    assert (got - expected).abs().max().item() <= 1e-5 * scale, (got - expected).abs().max().item() / scale
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("m", "k"), [(1, 1024), (3, 768), (8, 512), (9, 256)])
+def test_matches_twin(qtype: GGMLType, m: int, k: int) -> None:
+    """K of 4, 3, 2 and 1 super-blocks: 4, 1, 2 and 1 a step (Q6_K's odd step moves its half-word offsets); 9 rows:
+    two launches; 20 weight rows: a partial row tile."""
+    n = 20
+    blocks = _blocks(qtype, n, k, seed=k + m)
+    xq, xd = _activations(qtype, m, k, seed=m)
+    expected = quant_gemv_q8_reference(xq, xd, blocks, qtype)
+    got = triton_gemv_q8(xq.to(DEVICE), xd.to(DEVICE), blocks.to(DEVICE), qtype).cpu()
+    _close(got, expected)
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_rows_are_independent_of_batch_size(qtype: GGMLType) -> None:
+    """A row's result is bit-identical whether it is multiplied alone or with up to 7 others."""
+    blocks = _blocks(qtype, 8, 512, seed=5).to(DEVICE)
+    xq, xd = _activations(qtype, 4, 512, seed=6)
+    xq, xd = xq.to(DEVICE), xd.to(DEVICE)
+    alone = torch.cat([triton_gemv_q8(xq[i : i + 1], xd[i : i + 1], blocks, qtype) for i in range(4)])
+    assert torch.equal(triton_gemv_q8(xq, xd, blocks, qtype), alone)
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q8_0], ids=lambda t: t.name)
+def test_writes_into_an_out_slice_and_takes_misaligned_views(qtype: GGMLType) -> None:
+    """`out` a column slice of a wider buffer (row stride 40): only its columns are written. Weights viewed one
+    byte off their allocation are copied to an aligned one first."""
+    n, k, m = 16, 512, 3
+    blocks = _blocks(qtype, n, k, seed=9)
+    xq, xd = _activations(qtype, m, k, seed=10)
+    expected = quant_gemv_q8_reference(xq, xd, blocks, qtype)
+    buffer = torch.full((m, 40), -1.0, device=DEVICE)
+    shifted = torch.cat((torch.zeros(n, 1, dtype=torch.uint8), blocks), dim=1)[:, 1:].to(DEVICE)
+    got = triton_gemv_q8(xq.to(DEVICE), xd.to(DEVICE), shifted, qtype, out=buffer[:, 8 : 8 + n])
+    assert got.data_ptr() == buffer[:, 8:].data_ptr()
+    _close(buffer[:, 8 : 8 + n].cpu(), expected)
+    assert (buffer[:, :8] == -1).all() and (buffer[:, 8 + n :] == -1).all()
+
+
+def test_dispatcher_takes_the_kernel_and_the_twin_agrees_with_float_matmul() -> None:
+    """ops.quant_gemv.quant_gemv_q8 runs the kernel under the interpreter (leading dims kept) and falls back to the
+    twin for a type without one; the twin is (q * d) @ W.T."""
+    from mtpserve.quant.dequant import dequantize
+
+    qtype, n, k = GGMLType.Q6_K, 12, 256
+    blocks = _blocks(qtype, n, k, seed=11)
+    weight = QTensor(blocks.to(DEVICE), qtype, (n, k), "w")
+    xq, xd = _activations(qtype, 4, k, seed=12)
+    got = quant_gemv_q8(xq.reshape(2, 2, k).to(DEVICE), xd.reshape(2, 2, 1).to(DEVICE), weight).cpu()
+    floats = (xq.float() * xd.repeat_interleave(256, -1)) @ dequantize(blocks, qtype, (n, k)).T
+    assert got.shape == (2, 2, n)
+    _close(got.reshape(4, n), floats)
+    q4_0 = QTensor(torch.zeros(n, k // 32 * 18, dtype=torch.uint8), GGMLType.Q4_0, (n, k), "w")
+    xq0, xd0 = _activations(GGMLType.Q8_0, 1, k, seed=13)
+    assert quant_gemv_q8(xq0, xd0, q4_0).abs().max().item() == 0.0
+
+
+def test_rejects_bad_shapes() -> None:
+    blocks = torch.zeros(4, 144, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="xq must be"):
+        triton_gemv_q8(torch.zeros(1, 512, dtype=torch.int8), torch.zeros(1, 2), blocks, GGMLType.Q4_K)
+    with pytest.raises(ValueError, match="xd must be"):
+        triton_gemv_q8(torch.zeros(1, 256, dtype=torch.int8), torch.zeros(1, 8), blocks, GGMLType.Q4_K)
+    with pytest.raises(ValueError, match="no integer GEMV"):
+        act_block(GGMLType.Q4_0)
