@@ -137,7 +137,10 @@ def launches() -> list[Launch]:
         qk, size = GGML_QUANT_SIZES[t]
         return torch.empty(rows, cols // qk * size, dtype=torch.uint8)
 
-    # Decode and verification: quant_gemv, 8 rows a launch; the GPU path passes float32 activations.
+    # The float GEMV, 8 rows a launch: decode and verification of the types without an integer GEMV (ops.linear_gpu
+    # INTEGER_GEMV_TYPES, the "gemv_q8" launches below); the others' GEMM-sized tails.
+    from mtpserve.ops.linear_gpu import INTEGER_GEMV_TYPES
+
     kernels = [gemv._gemv_kernel, gemv._q4k_gemv_kernel, gemv._q6k_gemv_kernel]
     for t in gemv.GEMV_TYPES:
         w = weight(t)
@@ -152,7 +155,10 @@ def launches() -> list[Launch]:
                 # one step of the loop over K: BLOCK_B super-blocks of BLOCK_N rows (word kernels), else one block
                 per_step = k["BLOCK_N"] * k.get("BLOCK_B", 1) * GGML_QUANT_SIZES[t][1]
                 quick = t == Q.Q4_K and m == 1 and wide
-                out.append(Launch("gemv", cfg, f, a, k, quick=quick, rows=m, bytes_per_iteration=per_step, decode=True))
+                decode = int(t) not in {int(i) for i in INTEGER_GEMV_TYPES}
+                out.append(
+                    Launch("gemv", cfg, f, a, k, quick=quick, rows=m, bytes_per_iteration=per_step, decode=decode)
+                )
     # dequant_blocks: the prefill path below sm_80 (dequantize, then cuBLAS in fp16).
     for t in (Q.Q4_K, Q.Q6_K):
         w = weight(t)

@@ -3,10 +3,11 @@
 * CPU tensors take the C kernels (mtpserve.kernels.cpu) with llama.cpp's CPU numerics: activations rounded
   to the weight's vec_dot type, llama.cpp's float association.
 * CUDA tensors take the GPU path: PyTorch on the tensor's device plus the Triton kernels of
-  mtpserve.kernels.triton (fused dequantize + GEMV for decode, dequantize-in-the-loop tensor-core GEMM for
-  prompts, decode attention over the quantized KV cache, the gated delta rule). Activations are rounded to the
-  weight's vec_dot type as on the CPU, then multiplied in float with float32 accumulation in the kernels' order:
-  greedy tokens match the CPU path's up to near ties, not bit for bit.
+  mtpserve.kernels.triton (integer GEMVs over quantized activations for decode, dequantize-in-the-loop
+  tensor-core GEMM for prompts, decode attention over the quantized KV cache, the gated delta rule, the fused
+  norms: docs/gpu-decode.md). Activations are rounded to the weight's vec_dot type as on the CPU, then multiplied
+  (integer block dots, or floats) with float32 accumulation in the kernels' order: greedy tokens match the CPU
+  path's up to near ties, not bit for bit.
 
 A model's layers may sit on different devices (partial offload): each op follows its input's device.
 

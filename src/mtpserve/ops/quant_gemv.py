@@ -9,10 +9,11 @@ when its activations live on a GPU.
 * float weights (F16/BF16/F32) multiply as stored; types without a kernel are dequantized per call
   (`quant_gemv_reference`: correct, slow).
 
-The Triton kernels run on CUDA tensors, or on CPU ones under TRITON_INTERPRET=1 (the tests). Everything here
-multiplies float activations by dequantized weights and accumulates in float32; ops.linear rounds the
-activations to the weight's vec_dot type first (`round_activations`), so the products are llama.cpp's CPU ones
-up to summation order.
+The Triton kernels run on CUDA tensors, or on CPU ones under TRITON_INTERPRET=1 (the tests). `quant_gemv` and
+`quant_linear` multiply float activations by dequantized weights and accumulate in float32; `quant_gemv_q8`
+multiplies the activations' int8 quants by the weight's in integer block dots (decode of the types
+kernels.triton.gemv_q8 covers). ops.linear_gpu rounds the activations to the weight's vec_dot type first, so the
+products are llama.cpp's CPU ones up to summation order.
 """
 
 from __future__ import annotations
