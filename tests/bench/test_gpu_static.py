@@ -1,8 +1,8 @@
 """bench/gpu_static.py --quick runs without a GPU and writes its JSON: kernel counts per decode, verification and
 MTP step on the 27B's layer pattern, and the quick decode kernels' issue bounds on sm_90 and sm_75 (~60 s).
 
-The acceptance thresholds of issue 19 (<= 1000 kernels a decode step, GEMVs issue-bound above 1.5 x HBM) are
-not asserted: the kernels are being rewritten; the numbers are in the report (docs/perf/)."""
+Asserts the goals of issue 19 that the quick run sees (kernel counts, the quick Q4_K integer GEMV's bound); the
+full table is bench/gpu_static.py's without --quick (docs/gpu-decode.md)."""
 
 from __future__ import annotations
 
@@ -56,3 +56,9 @@ def test_gpu_static_quick(tmp_path: Path) -> None:
             assert k["issue_bound_tbps"] is None and "no memory-streaming loop" in k["note"], k
     summary = r["summary"]
     assert isinstance(summary["decode_gemvs_ok"], bool) and isinstance(summary["max_decode_spill_bytes"], int)
+    # Issue 19's goals that hold: at most 1,000 kernels a decode step, a verification within 1.2x of it, and the
+    # quick integer GEMV (Q4_K, the 27B's commonest) issue-bound above 1.5 x HBM without spills on both archs.
+    assert r["kernels_per_decode_step"] <= 1000
+    assert r["kernels_per_verify_step"] <= 1.2 * r["kernels_per_decode_step"]
+    q4k = [k for k in kernels if k["kernel"] == "gemv_q8" and "Q4_K" in k["name"]]
+    assert {k["arch"] for k in q4k} == {"sm_90", "sm_75"} and all(k["ok"] for k in q4k), q4k

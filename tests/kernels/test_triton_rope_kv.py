@@ -5,9 +5,12 @@ K/V written into the cache), run on CPU under the Triton interpreter, against it
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 import torch
+
+from mtpserve.ops import quant_gemv
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton rope_kv kernel cannot be tested")
 
@@ -24,6 +27,14 @@ DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 FLOATS = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
 QUANTIZE = {GGMLType.Q8_0: quantize_q8_0, GGMLType.Q4_0: quantize_q4_0}
 S = 12  # cache cells
+
+
+@pytest.fixture(autouse=True)
+def _kernels_at_any_rows():
+    """The ops dispatchers send prompt-sized inputs to the twins under the interpreter (ops.quant_gemv.triton_for_rows);
+    these tests hold the kernels themselves to the twins at every size."""
+    with mock.patch.object(quant_gemv, "INTERPRETED_MAX_ROWS", 1 << 30):
+        yield
 
 
 def _store(t: GGMLType, n_kv: int, dim: int) -> torch.Tensor:

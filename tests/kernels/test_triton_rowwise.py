@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: the Triton row-wise kernels cannot be tested")
 
 from mtpserve.kernels.triton import rowwise as kernels
-from mtpserve.ops import rowwise
+from mtpserve.ops import quant_gemv, rowwise
 from mtpserve.ops.linear import quantize_activations_q8_0, quantize_activations_q8_k
 
 pytestmark = [
@@ -30,6 +30,14 @@ pytestmark = [
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 SHAPES = ((1, 256), (3, 512), (9, 5120))
 ACTS = ("silu", "sigmoid", "gelu_f16")
+
+
+@pytest.fixture(autouse=True)
+def _kernels_at_any_rows():
+    """The ops dispatchers send prompt-sized inputs to the twins under the interpreter (ops.quant_gemv.triton_for_rows);
+    these tests hold the kernels themselves to the twins at every size."""
+    with mock.patch.object(quant_gemv, "INTERPRETED_MAX_ROWS", 1 << 30):
+        yield
 
 
 def _twin_quant(y: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +234,7 @@ def test_glu_of_silu_and_sigmoid_at_large_inputs() -> None:
 
 def test_dispatchers_take_the_twins_without_triton() -> None:
     x, add = _rows(3, 512, seed=5), torch.randn(3, 512)
-    with mock.patch.object(rowwise, "triton_available", return_value=False), _counting_launches() as launches:
+    with mock.patch.object(rowwise, "triton_for_rows", return_value=False), _counting_launches() as launches:
         s, y, q, d = rowwise.rms_norm_quantize(x, None, 1e-6, add=add, block=32)
         y2, q2, d2 = rowwise.glu_quantize(x, add, "silu", block=256)
         q3, d3 = rowwise.quantize_rows(x, 256)

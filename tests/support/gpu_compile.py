@@ -375,6 +375,7 @@ def launches() -> list[Launch]:
     from mtpserve.kernels.triton import gemv_q8
 
     q8_kernels = [gemv_q8._kquant_kernel, gemv_q8._q6k_kernel, gemv_q8._q8_0_kernel, gemv_q8._iq4xs_kernel]
+    q8_kernels.append(gemv_q8._legacy_kernel)  # Q4_0, Q5_0, IQ4_NL, Q4_1, Q5_1
     for t in gemv_q8.Q8_GEMV_TYPES:
         for n_rows, n_cols in ((N_EMBD, 17408), (QKV_ROWS, N_EMBD)):
             w = weight(t, n_rows, n_cols)

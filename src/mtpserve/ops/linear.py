@@ -103,7 +103,8 @@ class WeightGroup(tuple):
         group.c_rows = (ctypes.c_int64 * n)(*(w.shape[0] for w in group))
         group.on_kernels = all(kernel_supports(w) for w in group)
         group._merged = None
-        if all(w.data.is_cuda for w in group):  # before any graph capture: merging allocates
+        whole = not any(isinstance(w, RowSplitQTensor) for w in group)  # a row split multiplies shard by shard
+        if whole and all(w.data.is_cuda for w in group):  # before any graph capture: merging allocates
             group.merged()
         return group
 

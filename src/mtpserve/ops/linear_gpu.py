@@ -3,11 +3,12 @@
 llama.cpp's CPU rounds every activation row to the weight type's vec_dot type (ops.activation_rounding); so does
 the GPU path, so that its tokens stay the CPU path's. Decode and verification (up to GEMV_MAX_ROWS rows) keep the
 rounded input as int8 quants and scales (`QuantizedRows`) and multiply them by the weight's quants in integer block
-dots (`quant_gemv_q8`: dp4a, as llama.cpp's CUDA mmvq), for the types the 27B is made of (Q4_K, Q5_K, Q6_K, Q8_0,
-IQ4_XS). A norm or gated activation that feeds a matmul produces the quants in its own launch (ops.rowwise), so a
-decode step launches one kernel per matmul input, not the ~17 aten kernels of `round_activations`. Prompts and the
-other types multiply the rounded floats (`round_activations`, or q * d of the quants: the same values) by the
-float GEMV/GEMM of ops.quant_gemv.
+dots (`quant_gemv_q8`: dp4a, as llama.cpp's CUDA mmvq), for Q4_K, Q5_K, Q6_K, Q8_0, IQ4_XS and the legacy Q4_0,
+Q4_1, Q5_0, Q5_1 (`INTEGER_GEMV_TYPES`; the 27B is Q4_K and Q6_K). A norm or gated activation that feeds a matmul
+produces the quants in its own launch (ops.rowwise), so a decode step launches one kernel per matmul input, not the
+~17 aten kernels of `round_activations`. Prompts and the other types (IQ4_NL, the rest of the K-quants) multiply
+the rounded floats (`round_activations`, or q * d of the quants: the same values) by the float GEMV/GEMM of
+ops.quant_gemv.
 
 Weights that read the same input (a `WeightGroup`: q/k/v, gate/up, a Gated DeltaNet layer's projections) are
 multiplied in one launch per weight type: the group's same-type matrices are concatenated by rows once (the members'
@@ -28,7 +29,17 @@ from .quant_gemv import GEMV_MAX_ROWS, quant_gemv_q8, quant_linear
 from .rowwise import quantize_rows
 
 # The types whose decode GEMV multiplies quantized activations (kernels.triton.gemv_q8; the 27B is Q4_K and Q6_K).
-INTEGER_GEMV_TYPES = {GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.IQ4_XS}
+INTEGER_GEMV_TYPES = {
+    GGMLType.Q4_K,
+    GGMLType.Q5_K,
+    GGMLType.Q6_K,
+    GGMLType.Q8_0,
+    GGMLType.IQ4_XS,
+    GGMLType.Q4_0,
+    GGMLType.Q5_0,
+    GGMLType.Q4_1,
+    GGMLType.Q5_1,
+}
 
 
 def act_block(ggml_type: GGMLType) -> int | None:

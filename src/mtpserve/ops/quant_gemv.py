@@ -68,6 +68,16 @@ def triton_available(x: torch.Tensor) -> bool:
     return (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and triton_kernels() is not None
 
 
+INTERPRETED_MAX_ROWS = 8  # under the interpreter, decode-sized row-wise launches only (see triton_for_rows)
+
+
+def triton_for_rows(x: torch.Tensor, rows: int) -> bool:
+    """Whether a row-wise kernel (one or more programs a row) takes Triton for `rows` rows of x: always on CUDA;
+    under the interpreter, which runs programs one by one in Python, only for decode-sized inputs (a prompt's
+    hundreds of rows take the twin: the model tests stay minutes, and the kernels' own tests cover long inputs)."""
+    return triton_available(x) and (x.is_cuda or rows <= INTERPRETED_MAX_ROWS)
+
+
 def use_triton(x: torch.Tensor, qtype: GGMLType | int) -> bool:
     """Whether `quant_gemv` takes the Triton kernel for activations x and weight type qtype."""
     kernels = triton_kernels()

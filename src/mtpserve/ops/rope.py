@@ -19,7 +19,7 @@ from ..kernels import cpu as cpu_kernels
 from ..quant.quantize import QUANTIZERS
 from ..quant.types import GGMLType
 from .device import canonical_device, gpu_path
-from .quant_gemv import triton_available, triton_kernels
+from .quant_gemv import triton_for_rows, triton_kernels
 
 
 def imrope_streams(sections: Sequence[int], n_pairs: int) -> list[int]:
@@ -193,7 +193,7 @@ def norm_rope_store(
     args = (q, k, v, cos, sin, cells, positions, k_store, v_store, int(k_type), int(v_type), cell_positions)
     kernels = triton_kernels()
     takes = kernels is not None and {int(k_type), int(v_type)} <= set(map(int, kernels.ROPE_KV_TYPES))
-    if takes and triton_available(q):
+    if takes and triton_for_rows(q, q.shape[0]):
         return kernels.norm_rope_store(*args, q_norm=q_norm, k_norm=k_norm, eps=eps, neox=neox)
     return norm_rope_store_reference(*args, q_norm=q_norm, k_norm=k_norm, eps=eps, neox=neox)
 

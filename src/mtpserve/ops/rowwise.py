@@ -2,7 +2,7 @@
 gated activation, or nothing) together with the rounding of its output to the weight type's vec_dot type (block 256:
 Q8_K, the K-quants and IQ4_XS; block 32: Q8_0, with d rounded to f16 as the dot uses it).
 
-Each function runs the Triton kernel of mtpserve.kernels.triton.rowwise when `triton_available(x)` (one launch, no
+Each function runs the Triton kernel of mtpserve.kernels.triton.rowwise when `triton_for_rows` (one launch, no
 other torch op, nothing synchronising with the host: safe under graph capture), else its PyTorch twin here, which
 rounds exactly as ops.linear's quantize_activations_q8_k / q8_0 (the kernels' q and d are bit-identical to the twin's
 quantize_rows of their own y; y itself agrees to float32 summation order).
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 # Not ops.norm / ops.activations: they dispatch to this module (the twins below are their GPU path's semantics).
 from .activation_rounding import quantize_activations_q8_0, quantize_activations_q8_k
-from .quant_gemv import triton_available, triton_kernels
+from .quant_gemv import triton_for_rows, triton_kernels
 
 _INTERPRETER_CHUNK = 8192  # under the interpreter every op costs the same at any tile size: few, wide programs
 
@@ -77,7 +77,7 @@ def quantize_rows(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
     """x float [M, K] -> (q int8 [M, K], d float32 [M, K // block]): llama.cpp's quantize_row_q8_K for block 256,
     quantize_row_q8_0 for 32 (d rounded to f16, as float32). One launch on the GPU path."""
     kernels = triton_kernels()
-    if kernels is not None and triton_available(x):
+    if kernels is not None and triton_for_rows(x, x.shape[0]):
         return kernels.quantize_rows(x, block, **_tiles(x))
     return quantize_rows_reference(x, block)
 
@@ -94,7 +94,7 @@ def rms_norm_quantize(
     quantize_rows(y, block) (None when block is None). One launch on the GPU path. s is x itself when add is None
     and x is float32."""
     kernels = triton_kernels()
-    if kernels is not None and triton_available(x):
+    if kernels is not None and triton_for_rows(x, x.shape[0]):
         return kernels.rms_norm_quantize(x, weight, eps, add=add, block=block)
     return rms_norm_quantize_reference(x, weight, eps, add=add, block=block)
 
@@ -106,6 +106,6 @@ def glu_quantize(
     geglu_f16_table), q, d = quantize_rows(y, block) (None when block is None). gate and up may be strided views
     (the halves of one [M, 2F] GEMV output). One launch on the GPU path."""
     kernels = triton_kernels()
-    if kernels is not None and triton_available(gate):
+    if kernels is not None and triton_for_rows(gate, gate.shape[0]):
         return kernels.glu_quantize(gate, up, act, block=block, **_tiles(gate))
     return glu_quantize_reference(gate, up, act, block=block)

@@ -2,9 +2,12 @@
 of d_x * (the weight's scales applied to the integer dot products of its quants with the activation quants).
 
 The activations arrive rounded to the weight type's vec_dot type (ops.linear): xq int8 [m, k] with one float32
-scale per `act_block(qtype)` values (Q8_K: 256, exact f32 d; Q8_0: 32, its f16-rounded d). Q4_K/Q5_K: d_x * (d *
+scale per `act_block(qtype)` values (Q8_K: 256, exact f32 d; Q8_0: 32, its f16-rounded d, for Q8_0 and the
+other 32-value block types). Q4_K/Q5_K: d_x * (d *
 sum_j sc_j dot_j - dmin * sum_j mn_j sum_j(q_x)); Q6_K: d_x * d * sum_g sc_g (dot(q, x) - 32 sum(q_x)) per 16 values;
-Q8_0: d_w * d_x * dot; IQ4_XS: d_x * d * sum_ib (ls_ib - 32) * dot(K[q], x). Dot products and the sums over a
+Q8_0: d_w * d_x * dot; IQ4_XS: d_x * d * sum_ib (ls_ib - 32) * dot(K[q], x); Q4_0/Q5_0: d_w * d_x * (dot - 8 (16) *
+sum(q_x)); Q4_1/Q5_1: d_x * (d_w * dot + m_w * sum(q_x)), the min times the rounded quants' sum (the GPU path's Q8_0
+rounding; llama.cpp's Q8_1 s is the same sum times d). Dot products and the sums over a
 super-block's lanes are int32 (dp4a); each lane's super-block total goes to float32 once. `quant_gemv_q8_reference`
 in ops.quant_gemv is the twin (the same sums in float32: they agree up to float32 order).
 
@@ -39,6 +42,26 @@ IQ4_XS at 3 rows is still short of 1.5x on sm_90: per weight word (8 indices) th
 (16 prmt a row, shared by a thread's four weight rows) and the scales, 694 a loop where 1.5x needs <= 631. (4 rows:
 805, 1.2x; 8 weight rows a thread: 3 rows 1.44x but half the programs.) No configuration spills (ptxas -v), 1 to 8
 rows. Layouts: ../shared/spec/gguf-quant-formats.md §3.
+
+Q4_0, Q5_0, Q4_1, Q5_1 (`_legacy_kernel`): Q8_0's split (one block a lane, 32 lanes, four weight rows a thread;
+Q5_0 eight up to 4 activation rows), nibbles as unsigned bytes (dp4a_u8; 4-bit high nibbles in place, times 16),
+fifth bits spread by one multiply, each activation row's block sum (dp4a by 0x01010101) shared by a thread's rows.
+Its per-lane scales are loaded through a lane stride the compiler cannot prove contiguous: otherwise it loads them 4
+lanes a thread and converts them through shared memory every step (Q8_0's kernel still does).
+
+    type    rows  sm_90 loop  TB/s  x HBM   sm_75 loop  TB/s  x HBM   (4 weight rows a thread; Q5_0 8)
+    Q4_0    1     163         14.8  3.1     156         6.2   10.1
+    Q4_0    3     300          8.0  1.7     289         3.4    5.4
+    Q5_0    1     563         10.5  2.2     562         4.2    6.8
+    Q5_0    3     790          7.5  1.6     791         3.0    4.9
+    Q4_1    1     153         17.5  3.6     146         7.4   12.0
+    Q4_1    3     294          9.1  1.9     287         3.7    6.1
+    Q5_1    1     273         11.8  2.5     266         4.9    7.9
+    Q5_1    3     406          7.9  1.6     399         3.2    5.3
+
+IQ4_NL has a path in the kernel (IQ4_XS's lookup, tested) but is not enabled: 1.3x HBM at 3 rows on sm_90 (382 a
+loop for four weight rows, 1.4x with eight); the lookup's 9 instructions a weight word dominate, as for IQ4_XS. No
+spills to 8 activation rows (ptxas -v, both arches).
 """
 
 from __future__ import annotations
@@ -58,16 +81,29 @@ Q8_GEMV_TYPES = (
     GGMLQuantizationType.Q6_K,
     GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.IQ4_XS,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_1,
 )
+# `_legacy_kernel`'s types and its block layout flags (IQ4_NL: a tested path, not yet in Q8_GEMV_TYPES)
+_LEGACY = {
+    GGMLQuantizationType.Q4_0: {"SIZE": 18, "FIVE": False, "MIN": False, "NL": False},
+    GGMLQuantizationType.Q5_0: {"SIZE": 22, "FIVE": True, "MIN": False, "NL": False},
+    GGMLQuantizationType.IQ4_NL: {"SIZE": 18, "FIVE": False, "MIN": False, "NL": True},
+    GGMLQuantizationType.Q4_1: {"SIZE": 20, "FIVE": False, "MIN": True, "NL": False},
+    GGMLQuantizationType.Q5_1: {"SIZE": 24, "FIVE": True, "MIN": True, "NL": False},
+}
 MAX_ROWS = 8  # activation rows a launch; more go in further launches
 
 
 def act_block(qtype: int) -> int:
-    """Values per activation scale: 256 (Q8_K) for the K-quants and IQ4_XS, 32 (Q8_0) for Q8_0."""
+    """Values per activation scale: 256 (Q8_K) for the K-quants and IQ4_XS, 32 (Q8_0) for Q8_0 and the other
+    32-value block types (Q4_0, Q5_0, Q4_1, Q5_1)."""
     t = GGMLQuantizationType(int(qtype))
     if t not in Q8_GEMV_TYPES:
         raise ValueError(f"no integer GEMV for {t.name}")
-    return 32 if t == GGMLQuantizationType.Q8_0 else 256
+    return 32 if t == GGMLQuantizationType.Q8_0 or t in _LEGACY else 256
 
 
 @triton.jit
@@ -473,6 +509,158 @@ def _iq4xs_kernel(
     tl.store(y_ptr + ms[:, None] * stride_y + rows[None, :], y, mask=(ms < M)[:, None] & row_ok[None, :])
 
 
+@triton.jit
+def _spread5(qh, b: tl.constexpr):
+    """Bits b .. b + 3 of qh as bit 4 of bytes 0-3 (the fifth bits of four 5-bit quants): a multiply spreads the
+    nibble's bits 7 apart, so bit k lands on 8k + 4 with no carries."""
+    return (((qh >> b) & 0xF) * 0x02040810) & 0x10101010
+
+
+@triton.jit
+def _legacy_kernel(
+    xq_ptr,
+    xd_ptr,
+    w_ptr,
+    y_ptr,
+    N,
+    n_blk,
+    stride_xq,
+    stride_xd,
+    stride_w,
+    stride_y,
+    table0,
+    table1,
+    table2,
+    table3,
+    M: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    L: tl.constexpr,
+    SIZE: tl.constexpr,
+    FIVE: tl.constexpr,
+    MIN: tl.constexpr,
+    NL: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Q4_0, Q5_0, IQ4_NL (SIZE 18, 22, 18: d, [qh,] qs) and Q4_1, Q5_1 (SIZE 20, 24: d, m, [qh,] qs): one block a
+    lane, L blocks a step. Byte j of qs holds quants j (low nibble) and j + 16 (high). The 18- and 22-byte blocks
+    start 0 or 2 bytes into a word (joined by funnel shifts, as Q8_0's); the 20- and 24-byte ones are word-aligned.
+    Nibble quants are unsigned (dp4a_u8; Q4 high nibbles in place, times 16) and the -8 / -16 offsets and the min
+    come from the activations' block sums; IQ4_NL's codebook bytes are signed (`_iq4_lookup`)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows_safe = tl.where(row_ok, rows, 0)
+    lanes = tl.arange(0, L)
+    v = tl.arange(0, 4)
+    ms = tl.arange(0, M_PAD)
+    words = w_ptr.to(tl.pointer_type(tl.int32))
+    xwords = xq_ptr.to(tl.pointer_type(tl.int32))
+    start = rows_safe.to(tl.int64)[:, None] * stride_w + (lanes * SIZE)[None, :]  # [BLOCK_N, L] bytes
+    sh = (16 + (start % 4) * 8).to(tl.int32)
+    w_at = words + start // 4
+    v2 = tl.arange(0, 2)
+    v1 = tl.arange(0, 1)
+    x_at = xwords + (0 * rows)[:, None, None] + (lanes * 8)[None, :, None] + v[None, None, :]
+    # a lane stride the compiler cannot prove 1 (it is): scales it knew contiguous would be loaded 4 lanes a thread,
+    # in a layout of their own, and converted through shared memory every step
+    lane_step = 1 + (N < 0).to(tl.int32)
+    xd_at = xd_ptr + (0 * rows)[:, None] + (lanes * lane_step)[None, :]
+    ones = tl.full((BLOCK_N, L), 0x01010101, tl.int32)
+    zero = tl.zeros((BLOCK_N, L), tl.int32) + (rows_safe >> 31)[:, None]  # tables in registers (see _iq4xs_kernel)
+    t0 = zero + table0
+    t1 = zero + table1
+    t2 = zero + table2
+    t3 = zero + table3
+    acc = tl.zeros((M_PAD, BLOCK_N, L), dtype=tl.float32)
+    for b0 in range(0, n_blk, L):
+        # the block's 5 or 6 words (from an aligned word) as [BLOCK_N, L, 4] loads and one of 2 or 1 or two of 1:
+        # a [BLOCK_N, L] load gets a layout of its own, converted through shared memory every step
+        p = w_at + b0 * SIZE // 4  # L is even: a step is whole words
+        w0, w1, w2, w3 = words4(tl.load(p[:, :, None] + v[None, None, :]))
+        if SIZE == 24:  # 8-byte aligned: one vector
+            w4, w5 = tl.split(tl.load(p[:, :, None] + (v2 + 4)[None, None, :]))
+        else:  # a size-1 axis keeps the [.., 4] load's layout (an unaligned pair's layout is converted by shuffles)
+            w4 = tl.sum(tl.load(p[:, :, None] + (v1 + 4)[None, None, :]), axis=2)
+            if SIZE == 22:
+                w5 = tl.sum(tl.load(p[:, :, None] + (v1 + 5)[None, None, :]), axis=2)
+        if MIN:  # word-aligned: d | m << 16, [qh,] qs
+            d = half(w0, False)
+            dmin = half(w0, True)
+            if FIVE:
+                qh, q0, q1, q2, q3 = w1, w2, w3, w4, w5
+            else:
+                q0, q1, q2, q3 = w1, w2, w3, w4
+        else:  # qs (Q5_0: qh) 2 bytes after d: aligned words joined by shifts of 16 or 32 bits
+            d = half(w0 >> (sh - 16), False)
+            if FIVE:
+                qh = funnel(w0, w1, sh, ASM)
+                q0 = funnel(w1, w2, sh, ASM)
+                q1 = funnel(w2, w3, sh, ASM)
+                q2 = funnel(w3, w4, sh, ASM)
+                q3 = funnel(w4, w5, sh, ASM)
+            else:
+                q0 = funnel(w0, w1, sh, ASM)
+                q1 = funnel(w1, w2, sh, ASM)
+                q2 = funnel(w2, w3, sh, ASM)
+                q3 = funnel(w3, w4, sh, ASM)
+        if NL:
+            a0, a1 = _iq4_lookup(q0, t0, t1, t2, t3, ASM)
+            a2, a3 = _iq4_lookup(q1, t0, t1, t2, t3, ASM)
+            a4, a5 = _iq4_lookup(q2, t0, t1, t2, t3, ASM)
+            a6, a7 = _iq4_lookup(q3, t0, t1, t2, t3, ASM)
+        elif FIVE:  # 5-bit quants 0..31: low nibble | fifth bit << 4
+            a0 = (q0 & 0x0F0F0F0F) | _spread5(qh, 0)
+            a1 = (q1 & 0x0F0F0F0F) | _spread5(qh, 4)
+            a2 = (q2 & 0x0F0F0F0F) | _spread5(qh, 8)
+            a3 = (q3 & 0x0F0F0F0F) | _spread5(qh, 12)
+            a4 = ((q0 >> 4) & 0x0F0F0F0F) | _spread5(qh, 16)
+            a5 = ((q1 >> 4) & 0x0F0F0F0F) | _spread5(qh, 20)
+            a6 = ((q2 >> 4) & 0x0F0F0F0F) | _spread5(qh, 24)
+            a7 = ((q3 >> 4) & 0x0F0F0F0F) | _spread5(qh, 28)
+        else:  # high nibbles stay in place (16 q): the low dot is scaled by 16 to match, d by 1/16
+            a0 = q0 & 0x0F0F0F0F
+            a1 = q1 & 0x0F0F0F0F
+            a2 = q2 & 0x0F0F0F0F
+            a3 = q3 & 0x0F0F0F0F
+            a4 = q0 & -0x0F0F0F10  # 0xF0F0F0F0
+            a5 = q1 & -0x0F0F0F10
+            a6 = q2 & -0x0F0F0F10
+            a7 = q3 & -0x0F0F0F10
+            d = d * 0.0625
+        for m in tl.static_range(M):
+            xr = x_at + (b0 * 8 + m * stride_xq)
+            x0, x1, x2, x3 = words4(tl.load(xr))
+            x4, x5, x6, x7 = words4(tl.load(xr + 4))
+            xd = tl.load(xd_at + (b0 + m * stride_xd))
+            if NL:
+                p0, p1 = _nibble_order(x0, x4, ASM)
+                p2, p3 = _nibble_order(x1, x5, ASM)
+                p4, p5 = _nibble_order(x2, x6, ASM)
+                p6, p7 = _nibble_order(x3, x7, ASM)
+                t = dot4(a0, a1, a2, a3, p0, p1, p2, p3, 0, ASM)
+                t = dot4(a4, a5, a6, a7, p4, p5, p6, p7, t, ASM)
+                part = (d * xd) * t.to(tl.float32)
+            else:
+                s = dot4(x0, x1, x2, x3, ones, ones, ones, ones, 0, ASM)
+                s = dot4(x4, x5, x6, x7, ones, ones, ones, ones, s, ASM)
+                if MIN:
+                    t = 0
+                else:
+                    t = -16 * s if FIVE else -8 * s
+                t = dp4a_u8(a0, x0, dp4a_u8(a1, x1, dp4a_u8(a2, x2, dp4a_u8(a3, x3, t, ASM), ASM), ASM), ASM)
+                if not FIVE:
+                    t = t * 16
+                t = dp4a_u8(a4, x4, dp4a_u8(a5, x5, dp4a_u8(a6, x6, dp4a_u8(a7, x7, t, ASM), ASM), ASM), ASM)
+                if MIN:
+                    part = xd * (d * t.to(tl.float32) + dmin * s.to(tl.float32))
+                else:
+                    part = (d * xd) * t.to(tl.float32)
+            acc += tl.where(ms[:, None, None] == m, part[None, :, :], 0.0)
+    y = tl.sum(acc, axis=2)
+    tl.store(y_ptr + ms[:, None] * stride_y + rows[None, :], y, mask=(ms < M)[:, None] & row_ok[None, :])
+
+
 def _iq4_tables() -> tuple[int, int, int, int]:
     """`_iq4_lookup`'s t0..t3 as int32: 127 - K[0..7] and 127 + K[8..15], four bytes a word, first in the low byte."""
     k = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL's codebook K
@@ -490,6 +678,11 @@ _ROW_ALIGN = {
     GGMLQuantizationType.Q6_K: 2,
     GGMLQuantizationType.Q8_0: 2,
     GGMLQuantizationType.IQ4_XS: 8,
+    GGMLQuantizationType.Q4_0: 2,
+    GGMLQuantizationType.Q5_0: 2,
+    GGMLQuantizationType.IQ4_NL: 2,
+    GGMLQuantizationType.Q4_1: 4,
+    GGMLQuantizationType.Q5_1: 4,
 }
 _KERNELS = {
     GGMLQuantizationType.Q4_K: _kquant_kernel,
@@ -497,6 +690,7 @@ _KERNELS = {
     GGMLQuantizationType.Q6_K: _q6k_kernel,
     GGMLQuantizationType.Q8_0: _q8_0_kernel,
     GGMLQuantizationType.IQ4_XS: _iq4xs_kernel,
+    **dict.fromkeys(_LEGACY, _legacy_kernel),
 }
 
 
@@ -504,9 +698,14 @@ def _config(t: GGMLQuantizationType, k: int, row_bytes: int, m: int) -> tuple[ob
     """The kernel, its K steps argument (super-blocks or blocks), the weight row stride in its units, and the
     tile: one warp, four weight rows a thread (8 rows a program where a warp spans 16 lanes); two from 5 activation
     rows (Q6_K spills at 8 with four), except IQ4_XS, which keeps four (up to 255 registers: no spills to 8 rows)."""
-    if t == GGMLQuantizationType.Q8_0:
+    if t == GGMLQuantizationType.Q8_0 or t in _LEGACY:
         n_blk = k // 32
         lanes = next(x for x in (32, 16, 8, 4, 2) if n_blk % x == 0)
+        if t in _LEGACY:
+            # Q5_0's fifth bits cost as much as the rest of its unpacking: 8 rows a thread share the activations'
+            # loads and sums among more weight rows (to 4 activation rows: 204 registers at 5)
+            per_thread = 8 if t == GGMLQuantizationType.Q5_0 and m <= 4 else 4
+            return _legacy_kernel, n_blk, row_bytes, {"BLOCK_N": per_thread * 32 // lanes, "L": lanes, **_LEGACY[t]}
         return _q8_0_kernel, n_blk, row_bytes, {"BLOCK_N": 4 * 32 // lanes, "L": lanes}
     n_sb = k // 256
     sb = 4 if n_sb % 4 == 0 else 2 if n_sb % 2 == 0 else 1
@@ -567,7 +766,7 @@ def quant_gemv_q8(
             ds.stride(0),
             stride_w,
             ys.stride(0),
-            *(_IQ4_TABLES if t == GGMLQuantizationType.IQ4_XS else ()),
+            *(_IQ4_TABLES if t == GGMLQuantizationType.IQ4_XS or t in _LEGACY else ()),
             M=rows,
             M_PAD=triton.next_power_of_2(rows),
             ASM=INLINE_ASM,
@@ -581,5 +780,5 @@ def bytes_per_iteration(qtype: int, kwargs: dict) -> int:
     """Weight bytes one program reads per iteration of its K loop, from a launch's keyword arguments."""
     t = GGMLQuantizationType(int(qtype))
     _, type_size = GGML_QUANT_SIZES[t]
-    blocks = kwargs["L"] if t == GGMLQuantizationType.Q8_0 else kwargs["SB"]
+    blocks = kwargs["L"] if "L" in kwargs else kwargs["SB"]
     return kwargs["BLOCK_N"] * blocks * type_size
