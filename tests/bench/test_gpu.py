@@ -36,6 +36,7 @@ print(json.dumps(rows))
 """
 
 
+@pytest.mark.slow  # ~75 s of the emulated model; tests/bench/test_gpu_check.py runs the GPU check's stages quickly
 def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     fake = tmp_path / "llama-bench"

@@ -181,6 +181,7 @@ def test_mtp_head_drafts_on_the_gpu_path_as_on_the_cpu() -> None:
     torch.testing.assert_close(drafts[1].softmax(-1), drafts[0].softmax(-1), rtol=0, atol=2e-2)
 
 
+@pytest.mark.slow  # ~5 min: the interpreter runs the integer GEMV's inline-PTX stand-ins op by op
 def test_every_kernel_together() -> None:
     """All Triton kernels at once, matmuls included (GEMV for decode, GEMM for the prompt): a few tokens."""
     case = _case("Q4_K_M")
@@ -403,7 +404,9 @@ def _no_lookup(*args, **kwargs):
     raise AssertionError("a token table read in a step meant for CUDA graph capture")
 
 
-def test_the_captured_step_reads_nothing_back_to_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+# The decode graph once with the matmul kernels' wrappers too (~2 min under the interpreter: make test-all).
+@pytest.mark.parametrize("decode_matmul", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_the_captured_step_reads_nothing_back_to_the_host(monkeypatch: pytest.MonkeyPatch, decode_matmul: str) -> None:
     """What makes the graphs capturable, checked without a GPU: their steps (the whole model's forward pass and
     the LM head, the MTP steps) make no host round trip, and read no token table, which may sit in host memory
     (only the chained draft, made when the MTP table is on the GPU, looks rows up inside). Then the checker is
@@ -420,7 +423,7 @@ def test_the_captured_step_reads_nothing_back_to_the_host(monkeypatch: pytest.Mo
         MTPDraftGraph(model, state, 2, model.mtp_head, 10, capture=False, chained=False),
     )
     for graph in graphs:
-        with _gpu_path(matmul="triton" if graph is graphs[0] else "torch"):  # the GEMV's wrapper once
+        with _gpu_path(matmul=decode_matmul if graph is graphs[0] else "torch"):
             for part in getattr(graph, "segments", [graph]):
                 part.positions.copy_(torch.arange(len(part.positions)) + state.n_past)
                 with _NoHostTraffic(), monkeypatch.context() as m:
