@@ -16,8 +16,7 @@ from ..kernels import cpu as cpu_kernels
 from ..quant.qtensor import QTensor
 from .device import gpu_path
 from .linear import as_rows, kernel_supports, linear, linear_many, linear_reference
-from .linear_gpu import QuantizedRows, integer_block
-from .quant_gemv import GEMV_MAX_ROWS
+from .linear_gpu import QuantizedRows, decode_block, matmul_input
 from .rowwise import glu_quantize
 
 
@@ -71,10 +70,9 @@ def gated_ffn_gpu(x: torch.Tensor | QuantizedRows, gate_up: Sequence[QTensor], d
     "silu" (SwiGLU) or "gelu_f16" (Gemma's GeGLU as llama.cpp's CPU computes it)."""
     gate, up = linear_many(x, gate_up)
     rows = gate.shape[:-1].numel()
-    block = integer_block(down) if rows <= GEMV_MAX_ROWS else None
+    block = decode_block(down, rows)
     y, q, d = glu_quantize(gate.reshape(rows, -1), up.reshape(rows, -1), act, block=block)
-    y = y.reshape(*gate.shape)
-    return linear(y if block is None else QuantizedRows(y, block, q, d), down)
+    return linear(matmul_input(y.reshape(*gate.shape), block, q, d), down)
 
 
 def sigmoid_gate_for(x: torch.Tensor, gate: torch.Tensor, *, matmul: QTensor) -> torch.Tensor | QuantizedRows:
@@ -84,10 +82,9 @@ def sigmoid_gate_for(x: torch.Tensor, gate: torch.Tensor, *, matmul: QTensor) ->
         return x * torch.sigmoid(gate)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = lead.numel()
-    block = integer_block(matmul) if rows <= GEMV_MAX_ROWS else None
+    block = decode_block(matmul, rows)
     y, q, d = glu_quantize(gate.reshape(rows, k), x.reshape(rows, k), "sigmoid", block=block)
-    y = y.reshape(*lead, k)
-    return y if block is None else QuantizedRows(y, block, q, d)
+    return matmul_input(y.reshape(*lead, k), block, q, d)
 
 
 def geglu_ffn(

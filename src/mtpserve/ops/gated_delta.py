@@ -27,6 +27,7 @@ from .device import gpu_path
 from .linear import WeightGroup, as_rows, kernel_supports, linear, linear_many, linear_reference
 from .norm import gated_rms_norm, l2_norm
 from .quant_gemv import triton_available, triton_kernels
+from .rowwise import rms_norm_quantize_reference
 
 
 def _expand_heads(x: torch.Tensor, n_v_heads: int) -> torch.Tensor:
@@ -633,7 +634,7 @@ def gated_delta_decode_reference(
             state_steps[b].copy_(states)
         outs.append(o)
     o = torch.stack(outs)
-    return o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * norm_weight * F.silu(z.float())
+    return rms_norm_quantize_reference(o, norm_weight, eps)[1] * F.silu(z.float())
 
 
 def gated_delta_rule_recurrent_batched(

@@ -57,6 +57,12 @@ def integer_block(weight: QTensor) -> int | None:
     return act_block(weight.ggml_type) if weight.ggml_type in INTEGER_GEMV_TYPES else None
 
 
+def decode_block(matmul: QTensor, rows: int) -> int | None:
+    """The block a producer of `rows` input rows for `matmul` quantizes them to in its own launch: the integer
+    GEMV's, for decode-sized inputs; None (floats) for prompts and float-GEMV types."""
+    return integer_block(matmul) if rows <= GEMV_MAX_ROWS else None
+
+
 @dataclass(frozen=True)
 class QuantizedRows:
     """A matmul input rounded once: its float rows `x` [..., K] (for whatever else reads them) and their quants
@@ -84,6 +90,11 @@ class QuantizedRows:
 Input = torch.Tensor | QuantizedRows
 
 
+def matmul_input(y: torch.Tensor, block: int | None, q: torch.Tensor | None, d: torch.Tensor | None) -> Input:
+    """A producer's output as its matmul's input: its quants with it when it made them (`decode_block`)."""
+    return y if block is None else QuantizedRows(y, block, q, d)  # type: ignore[arg-type]
+
+
 def quantize_for(x: Input, block: int) -> QuantizedRows:
     """x as quants of this block: itself when it already is, else one quantization launch."""
     if isinstance(x, QuantizedRows):
@@ -104,9 +115,8 @@ def linear_gpu(x: Input, weight: QTensor) -> torch.Tensor:
     """x [..., K] -> float32 [..., N]: integer GEMV on the quants for up to GEMV_MAX_ROWS rows of its types, else the
     float kernels on the rounded values."""
     lead, k = x.shape[:-1], x.shape[-1]
-    rows = lead.numel()
-    block = integer_block(weight)
-    if block is not None and rows <= GEMV_MAX_ROWS:
+    block = decode_block(weight, lead.numel())
+    if block is not None:
         qx = quantize_for(x, block)
         y = quant_gemv_q8(qx.q, qx.d, weight)
     else:
@@ -121,8 +131,8 @@ def linear_many_gpu(x: Input, weights: Sequence[QTensor]) -> list[torch.Tensor]:
     rows = x.shape[:-1].numel()
     outs: list[torch.Tensor | None] = [None] * len(weights)
     for matrix, members in merged:
-        block = integer_block(matrix)
-        if block is not None and rows <= GEMV_MAX_ROWS:
+        block = decode_block(matrix, rows)
+        if block is not None:
             x = quantize_for(x, block)  # kept: the next matrix of this block reuses the quants
         y = linear_gpu(x, matrix)
         sizes = [weights[i].shape[0] for i in members]

@@ -7,8 +7,7 @@ import torch
 from ..kernels import cpu as cpu_kernels
 from ..quant.qtensor import QTensor
 from .device import gpu_path
-from .linear_gpu import QuantizedRows, integer_block
-from .quant_gemv import GEMV_MAX_ROWS
+from .linear_gpu import QuantizedRows, decode_block, matmul_input
 from .rowwise import rms_norm_quantize
 
 
@@ -51,11 +50,7 @@ def rms_norm_for(
     (the CPU, prompts) the plain norm."""
     if not gpu_path(x):
         return rms_norm(x, weight, eps)
-    lead, k = x.shape[:-1], x.shape[-1]
-    block = integer_block(matmul) if lead.numel() <= GEMV_MAX_ROWS else None
-    _, y, q, d = rms_norm_quantize(x.reshape(-1, k).float(), weight, eps, block=block)
-    y = y.reshape(*lead, k)
-    return y if block is None else QuantizedRows(y, block, q, d)
+    return _norm_on_gpu(x, None, weight, eps, matmul)[1]
 
 
 def add_rms_norm_for(
@@ -66,11 +61,17 @@ def add_rms_norm_for(
     if not gpu_path(x):
         s = x + add
         return s, rms_norm(s, weight, eps)
+    return _norm_on_gpu(x, add, weight, eps, matmul)
+
+
+def _norm_on_gpu(
+    x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor | None, eps: float, matmul: QTensor
+) -> tuple[torch.Tensor, torch.Tensor | QuantizedRows]:
     lead, k = x.shape[:-1], x.shape[-1]
-    block = integer_block(matmul) if lead.numel() <= GEMV_MAX_ROWS else None
-    s, y, q, d = rms_norm_quantize(x.reshape(-1, k).float(), weight, eps, add=add.reshape(-1, k).float(), block=block)
-    s, y = s.reshape(*lead, k), y.reshape(*lead, k)
-    return s, (y if block is None else QuantizedRows(y, block, q, d))
+    block = decode_block(matmul, lead.numel())
+    rows = None if add is None else add.reshape(-1, k).float()
+    s, y, q, d = rms_norm_quantize(x.reshape(-1, k).float(), weight, eps, add=rows, block=block)
+    return s.reshape(*lead, k), matmul_input(y.reshape(*lead, k), block, q, d)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

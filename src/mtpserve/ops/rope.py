@@ -20,6 +20,7 @@ from ..quant.quantize import QUANTIZERS
 from ..quant.types import GGMLType
 from .device import canonical_device, gpu_path
 from .quant_gemv import triton_for_rows, triton_kernels
+from .rowwise import rms_norm_quantize_reference
 
 
 def imrope_streams(sections: Sequence[int], n_pairs: int) -> list[int]:
@@ -152,21 +153,15 @@ def norm_rope_store_reference(
     """The twin of the Triton kernel (mtpserve.kernels.triton.rope_kv.norm_rope_store): q [T, H, D] and k [T, Hkv, D]
     normalized per head (the GPU path's RMSNorm; None: not normalized) and rotated; k and v stored at `cells` of the
     caches as their types store them (`QUANTIZERS`), `positions` into `cell_positions` there. Returns q, float32."""
-    q = apply_rope_reference(_head_norm(q, q_norm, eps), cos, sin, neox)
-    k = apply_rope_reference(_head_norm(k, k_norm, eps), cos, sin, neox)
+    q = q.float() if q_norm is None else rms_norm_quantize_reference(q, q_norm, eps)[1]  # per head: the last dim
+    k = k.float() if k_norm is None else rms_norm_quantize_reference(k, k_norm, eps)[1]
+    q, k = apply_rope_reference(q, cos, sin, neox), apply_rope_reference(k, cos, sin, neox)
     for store, ggml_type, values in ((k_store, k_type, k), (v_store, v_type, v.float())):
         if store.dtype == torch.uint8:
             values = QUANTIZERS[GGMLType(int(ggml_type))](values.reshape(len(values), -1))
         store.index_copy_(0, cells, values.reshape(len(cells), *store.shape[1:]).to(store.dtype))
     cell_positions.index_copy_(0, cells, positions.to(cell_positions.dtype))
     return q
-
-
-def _head_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    x = x.float()
-    if weight is None:
-        return x
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def norm_rope_store(
