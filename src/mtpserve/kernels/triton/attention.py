@@ -340,7 +340,8 @@ def decode_attention(
     # At D = 256, 32-key/32-row tiles need 69,760 B of shared memory (over sm_75's 64 KiB) and a q4_0 cache 102,912 B
     # (over sm_86/89's 99 KiB), and spill KBs of registers; 16 x 16 fits every target (ptxas,
     # tests/support/gpu_compile.py). 32 keys or 4 warps spill ~1.5 KB even with half-D tiles.
-    # At D = 64, 64-key tiles spilled up to 2.8 KB a thread on sm_75 (250 B on sm_80); 32-key tiles spill nothing.
+    # At D = 64, 64-key tiles spilled up to 2.8 KB a thread on sm_75 (250 B on sm_80); 32-key tiles spill nothing
+    # with an f16 cache, but a quantized one's unpacking spills 8-40 B on 4 warps (sm_90, ptxas): it takes 8.
     block_s = 32 if d_pad <= 128 else 16
     block_m = min(max(16, triton.next_power_of_2(T * G)), 64 if d_pad <= 128 else 16)  # tl.dot needs >= 16 rows
     wanted = auto_splits(S) if n_splits is None else max(1, int(n_splits))
@@ -391,7 +392,7 @@ def decode_attention(
         PRECISION=precision,
         ORDERED=ordered,
         T_PAD=t_pad,
-        num_warps=8 if d_pad >= 256 else 4,
+        num_warps=8 if d_pad >= 256 or k_type != GGMLQuantizationType.F16 else 4,
         **({} if split_counts is None else {"counts_ptr": split_counts, "COUNT": True}),
     )
     _combine_kernel[(T * H,)](
