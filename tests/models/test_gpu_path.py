@@ -86,7 +86,8 @@ def test_greedy_tokens_match_llama_cpp(quant: str, cache_type: str) -> None:
 @pytest.mark.parametrize(
     ("key", "ref_name"),
     [
-        ("gemma3", "gemma-3-270m-q4_k_m"),  # sliding-window ring caches, GeGLU, logit softcap
+        # sliding-window ring caches, GeGLU, logit softcap: slow (90 s); the default suite runs a Gemma 3 slice
+        pytest.param("gemma3", "gemma-3-270m-q4_k_m", marks=pytest.mark.slow),
         # the llama family, Q4_1: slow (18 s) as the twin dequantizes 135M parameters a pass; `make test-all`
         pytest.param("smollm2", "SmolLM2-135M-Instruct.Q4_1", marks=pytest.mark.slow),
     ],
@@ -200,6 +201,7 @@ def test_a_missing_gpu_is_a_clear_error() -> None:
         load(tinyqwen_path("Q4_K_M"), device="meta")
 
 
+@pytest.mark.slow  # one sequence: test_a_static_step_of_several_sequences_equals_decode_batch covers it in the suite
 def test_the_static_decode_step_equals_the_ordinary_one() -> None:
     """DecodeGraph's step (what a CUDA graph captures: positions from device tensors, K/V written with
     index_copy_, attention over every cell) gives the ordinary step's logits and leaves the same state; on a
@@ -291,7 +293,9 @@ def test_a_static_step_of_several_sequences_equals_decode_batch() -> None:
             torch.testing.assert_close(b.recurrent[layer].ssm, st.ssm, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("chained", [True, False], ids=["chained", "host-table"])
+@pytest.mark.parametrize(
+    "chained", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["chained", "host-table"]
+)  # host-table: the chained draft's steps one at a time, 50 s under the interpreter; `make test-all`
 def test_the_static_mtp_steps_equal_the_eager_ones(chained: bool) -> None:
     """The MTP block's captured steps: a catch-up pass (MTPRowsGraph) writes the eager pass's cache rows, and the
     draft (MTPDraftGraph: chained, tokens chosen and embedded on the device; or one step at a time, as with the
