@@ -8,7 +8,8 @@ common/parsers/qwen3-coder.cpp):
 The input here is the *content* part that `reasoning.py` split off. Content is the text before the first
 `<tool_call>` (trailing whitespace dropped); from there on come the calls. A value is the text between
 `<parameter=KEY>` and `</parameter>` less one leading and one trailing newline, typed by the tool's JSON
-schema: string params stay raw, others are `json.loads`-ed (the raw string if that fails).
+schema: string params stay raw (an enum's or const's value stripped of surrounding whitespace), others are
+`json.loads`-ed (the raw string if that fails).
 
 llama-server constrains the calls with a grammar, so its output is always well formed; we may run without
 one, so this parser is lenient and these are our decisions for the cases llama.cpp never sees:
@@ -116,7 +117,10 @@ def _typed(raw: str, schema: Any) -> Any:
     """A param value as its schema types it (module docstring for the unknown and string-or-X cases)."""
     types = _types(schema)
     if types == {"string"}:
-        return raw
+        # a value from a fixed set has no whitespace of its own: what surrounds it (the grammar lets one
+        # whitespace character stand for the newline after `<parameter=KEY>`) is not part of it
+        fixed = isinstance(schema, dict) and ("enum" in schema or "const" in schema)
+        return raw.strip(WHITESPACE) if fixed else raw
     try:
         value = json.loads(raw, parse_constant=_reject_constant)
     except ValueError:

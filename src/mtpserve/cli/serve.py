@@ -6,8 +6,8 @@ place work on GPUs (`--gpu-layers`, `--split-mode`, `--tensor-split`, `--main-gp
 CUDA device (`--list-devices` then lists none); flags
 that are llama-server defaults here anyway (`--jinja`, `--perf`, `--cont-batching`, `--flash-attn`,
 `--no-mmproj`, `--cache-prompt`) are accepted as they are. Features that are not built
-(`--context-shift`, `--embeddings`, `--reasoning-budget` other than -1, `--lora`) stop
-the start with one line saying so, rather than serving something else than asked.
+(`--context-shift`, `--embeddings`, `--lora`) stop the start with one line saying so, rather than serving
+something else than asked.
 
 Start-up runs as llama-server's does: the HTTP listener first (answering 503 `Loading model`), then the
 model, then `model loaded` and `server is listening on http://HOST:PORT`. SIGINT/SIGTERM stop accepting
@@ -125,7 +125,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template-kwargs", default="{}", help="JSON object of template variables")
     p.add_argument("-rea", "--reasoning", choices=["on", "off", "auto"], default="auto")
     p.add_argument("--reasoning-format", choices=REASONING_FORMATS, default="deepseek")
-    p.add_argument("--reasoning-budget", type=int, default=-1, help="(only -1, unlimited, is supported)")
+    p.add_argument(
+        "--reasoning-budget", type=int, default=-1, help="thinking tokens per reply (-1: unlimited, 0: no thinking)"
+    )
+    p.add_argument(
+        "--reasoning-budget-message", default="", help="text forced before </think> when the budget runs out"
+    )
     p.add_argument(
         "--reasoning-preserve",
         action=argparse.BooleanOptionalAction,
@@ -184,7 +189,7 @@ def refuse_unbuilt(args: argparse.Namespace) -> None:
     problems = {
         "--context-shift is not supported (qwen35's cache cannot be shifted either); drop it": args.context_shift,
         "--embeddings is not supported by this server": args.embeddings,
-        "--reasoning-budget other than -1 is not supported yet": args.reasoning_budget != -1,
+        "--reasoning-budget must be -1 (unlimited) or a number of tokens >= 0": args.reasoning_budget < -1,
         "--mmproj: multimodal models are not supported": args.mmproj,
         "--cache-reuse (KV shifting) is not supported; use 0": args.cache_reuse != 0,
     }
@@ -242,7 +247,13 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         port=args.port,
         api_prefix=args.api_prefix,
         sampling=sampling,
-        chat=ChatSettings(reasoning=args.reasoning, reasoning_format=args.reasoning_format, template_kwargs=kwargs),
+        chat=ChatSettings(
+            reasoning=args.reasoning,
+            reasoning_format=args.reasoning_format,
+            template_kwargs=kwargs,
+            reasoning_budget=args.reasoning_budget,
+            reasoning_budget_message=args.reasoning_budget_message,
+        ),
         chat_template=template,
         webui=args.webui,
         metrics=args.metrics,

@@ -1,15 +1,15 @@
 """Turning a model into results: the engine (one scheduler thread over slots), its parts, and the planning before
 it runs. `engine.py` steps; `slots.py` decides what each slot keeps; `runner.py` runs forward passes (eager or
-captured); `job.py` and `output.py` follow one request from its sampler to its text; `drafters.py` and
-`speculative.py` speculate; `client.py` is what the server sees; `planner.py` and `placement.py` size and place
-before anything loads."""
+captured); `job.py` and `output.py` follow one request from its sampler to its text; `grammar.py` and
+`reasoning_budget.py` constrain what it may say; `drafters.py` and `speculative.py` speculate; `client.py` is what
+the server sees; `planner.py` and `placement.py` size and place before anything loads."""
 
 from .client import EngineClient, EngineCounters, EngineInfo, MemoryUsage, RequestStream, SlotInfo
 from .config import EngineConfig, SpecConfig
 from .engine import Engine
 from .errors import Cancelled, ContextSizeExceeded, EngineError, InsufficientMemory, InvalidRequest, ServerError
 from .planner import MemoryPlan, plan_for_file
-from .request import FinishEvent, Request, Timings, TokenEvent
+from .request import FinishEvent, GrammarSpec, Request, Timings, TokenEvent
 from .sampling import SamplingParams
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "EngineError",
     "EngineInfo",
     "FinishEvent",
+    "GrammarSpec",
     "InsufficientMemory",
     "InvalidRequest",
     "MemoryPlan",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from .errors import EngineError, ServerError
-from .request import FinishEvent, Request, TokenEvent
+from .request import FinishEvent, GrammarSpec, Request, TokenEvent
 
 if TYPE_CHECKING:
     from .speculative import SpecStats
@@ -147,6 +147,11 @@ class EngineClient(Protocol):
 
     def submit(self, request: Request) -> RequestStream:
         """Queue a request (refusing what can never run with an EngineError); its events come on the stream."""
+        ...
+
+    def compile_grammar(self, grammar: GrammarSpec) -> None:
+        """Compile (and cache) a request's grammar, raising InvalidRequest when it does not compile: slow the first
+        time (seconds for a large tool set), so the server calls it off its event loop before `submit`."""
         ...
 
     @property

@@ -30,10 +30,11 @@ from .config import EngineConfig
 from .devices import GpuRequest
 from .drafters import make_drafter
 from .errors import Cancelled, ContextSizeExceeded, EngineError, InvalidRequest, ServerError
+from .grammar import GrammarCompiler
 from .job import Job, Phase, Probs
 from .output import Stop
 from .planner import MemoryPlan
-from .request import Request
+from .request import GrammarSpec, Request
 from .runner import ModelRunner
 from .slots import Outcome, Reuse, Slot, Slots
 from .speculative import Speculator
@@ -65,6 +66,8 @@ class Engine:
         self.info = EngineInfo(c.n_vocab, c.context_length, c.n_embd, plan.slot_ctx, config.n_parallel)
         log_start(config, plan, name, c.n_embd)
         self.slots: Slots
+        self._grammars: GrammarCompiler | None = None  # made on the first request with a grammar
+        self._grammars_lock = threading.Lock()
         self._queue: deque[Job] = deque()
         self._wake = threading.Condition()
         self._running = True
@@ -102,11 +105,24 @@ class Engine:
             raise InvalidRequest(f"invalid slot id {request.id_slot} (the server has {self.info.n_slots} slots)")
         if min(request.prompt) < 0 or max(request.prompt) >= self.info.n_vocab:
             raise InvalidRequest("Prompt contains invalid tokens")
+        if request.grammar is not None:
+            self.grammars.compile(request.grammar)  # a bad grammar is refused here; compiled once (cached)
         stream = RequestStream()
         with self._wake:
             self._queue.append(Job(request, stream))
             self._wake.notify()
         return stream
+
+    def compile_grammar(self, grammar: GrammarSpec) -> None:
+        self.grammars.compile(grammar)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of constrained requests' grammars (its vocabulary built on first use: ~1 s at 250K)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.info.n_vocab)
+            return self._grammars
 
     @property
     def queued(self) -> int:
@@ -140,6 +156,8 @@ class Engine:
             self._running = False
             self._wake.notify()
         self._thread.join()
+        if self._grammars is not None:
+            self._grammars.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -215,7 +233,7 @@ class Engine:
         self.slots.reserve(slot, len(prompt) - slot.n_past + 1)
         job.timings.cache_n = slot.n_past
         job.batch_ends, job.checkpoint_at = self.slots.schedule(prompt, slot.n_past, request.checkpoint_at)
-        job.begin(self.tokenizer, self.config.n_predict, self.info.n_ctx_slot)
+        job.begin(self.tokenizer, self.config.n_predict, self.info.n_ctx_slot, self._grammars)
         slot.job = job
         log.info(
             "slot launch_slot_: id %2d | task %d | processing task, n_tokens = %d, cache_n = %d",

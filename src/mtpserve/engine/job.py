@@ -10,7 +10,9 @@ import torch
 
 from ..tokenizer import Tokenizer
 from .client import RequestStream
+from .grammar import Constraint, GrammarCompiler
 from .output import RequestOutput, Stop
+from .reasoning_budget import ReasoningBudget
 from .request import FinishEvent, Request, Timings, TokenEvent
 from .sampling import Sampler, top_probabilities
 
@@ -35,6 +37,8 @@ class Job:
     request: Request
     stream: RequestStream
     sampler: Sampler | None = None
+    constraint: Constraint | None = None  # with request.grammar: its matcher
+    budget: ReasoningBudget | None = None  # with request.reasoning_budget: what it forces
     output: RequestOutput | None = None
     phase: Phase = Phase.PROMPT
     batch_ends: list[int] = field(default_factory=list)  # prompt positions where a forward pass ends
@@ -47,9 +51,13 @@ class Job:
     verify_steps: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
 
-    def begin(self, tokenizer: Tokenizer, n_predict: int, n_ctx: int) -> None:
-        """Set up the sampler and the output (`n_predict`: the server's default limit; `n_ctx`: the slot's)."""
+    def begin(self, tokenizer: Tokenizer, n_predict: int, n_ctx: int, grammars: GrammarCompiler | None = None) -> None:
+        """Set up the sampler, the constraint and the output (`n_predict`: the server's default limit; `n_ctx`:
+        the slot's; `grammars`: the engine's compiler, for a request with a grammar)."""
         request = self.request
+        if request.grammar is not None:
+            assert grammars is not None
+            self.constraint = grammars.constraint(request.grammar, request.keep_special)
         params = request.sampling
         if request.ignore_eos:  # llama-server: a -inf bias on every end-of-generation token
             bias = {t: float("-inf") for t in tokenizer.eog_ids}
@@ -57,12 +65,20 @@ class Job:
         self.sampler = Sampler(params, history=request.prompt)
         limit = request.n_predict if request.n_predict >= 0 else n_predict
         self.output = RequestOutput(tokenizer, request.stop, limit, n_ctx, request.keep_special)
+        if request.reasoning_budget is not None:
+            self.budget = ReasoningBudget(request.reasoning_budget, tokenizer)
 
     def sample(self, logits: torch.Tensor) -> tuple[int, Probs]:
         """The next token from `logits` [V] with the request's sampler, and its probabilities with n_probs."""
         assert self.sampler is not None
-        token = self.sampler.sample(logits)
+        token = self.budget.forced() if self.budget is not None else None  # a spent reasoning budget decides
+        if token is None:
+            token = self.sampler.sample(self.constraint.masked(logits) if self.constraint else logits)
         self.sampler.accept(token)
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        if self.budget is not None:
+            self.budget.observe(token)
         n_probs = self.request.n_probs
         return token, top_probabilities(logits, n_probs, token) if n_probs else NO_PROBS
 

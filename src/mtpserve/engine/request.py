@@ -7,6 +7,27 @@ from dataclasses import dataclass, field
 from .sampling import SamplingParams
 
 
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match (engine.grammar): `kind` "json_schema" (`source` the schema's JSON),
+    "gbnf" (a llama.cpp GBNF grammar) or "structural_tag" (an xgrammar structural tag's JSON: free text,
+    reasoning and tool calls in a model's format)."""
+
+    kind: str
+    source: str
+
+
+@dataclass(frozen=True)
+class ReasoningBudgetSpec:
+    """llama-server's reasoning budget for a request whose output starts inside a reasoning block
+    (engine.reasoning_budget): after `tokens` generated tokens with the block still open, the engine emits
+    `forced` (the budget message and the end tag) one token per step; any of `end_texts` closes the block."""
+
+    tokens: int
+    forced: tuple[int, ...]
+    end_texts: tuple[str, ...] = ("\n</think>", "</think>", "<tool_call>")
+
+
 @dataclass
 class Request:
     """A completion: prompt tokens and llama-server's generation fields."""
@@ -21,6 +42,8 @@ class Request:
     id_slot: int = -1  # a slot to run on (-1: the engine chooses)
     keep_special: frozenset[int] = frozenset()  # control tokens whose text goes into the output (e.g. <think>)
     checkpoint_at: tuple[int, ...] = ()  # extra prompt positions to keep recurrent state at (e.g. last user turn)
+    grammar: GrammarSpec | None = None  # constrained decoding: every sampled token keeps the output matching it
+    reasoning_budget: ReasoningBudgetSpec | None = None  # chat with thinking on and --reasoning-budget >= 0
 
 
 @dataclass

@@ -8,6 +8,9 @@ a lookup) this *is* distribution-preserving speculative sampling: accepting a dr
 min(1, p(d) / q(d)) = p(d) and resampling from the normalised residual p - q is the same as drawing from p and
 comparing, so no separate rule is needed; a stochastic drafter would need the ratio rule.
 
+With a grammar (engine.grammar) a draft is cut at its first token the grammar forbids, and each verified row is
+sampled through the request's matcher in order, so the output is the one without speculation.
+
 Slots verify together when their drafts have the same length: a pass evaluates the same number of tokens for
 each sequence, and llama.cpp's rounding depends on that number, so a sequence padded to another's length would
 not get the tokens it gets alone. Drafts of different lengths (p_min, a token limit, the end of the context)
@@ -65,7 +68,7 @@ class Speculator:
             t0 = time.perf_counter()
             try:
                 n_max = self._length(slot, room[slot.id])
-                drafts[slot.id] = self.drafter.draft(slot, n_max) if n_max > 0 else []
+                drafts[slot.id] = _allowed(slot, self.drafter.draft(slot, n_max) if n_max > 0 else [])
             except Exception as e:  # noqa: BLE001 - this slot's failure, not the others'
                 outcomes[slot.id].error = e
             draft_ms[slot.id] = 1000 * (time.perf_counter() - t0)
@@ -148,6 +151,20 @@ class Speculator:
         if slot.id not in self.lengths:
             self.lengths[slot.id] = AdaptiveLength(self.spec.n_max)
         return self.lengths[slot.id].choose(cap)
+
+
+def _allowed(slot: Slot, draft: list[int]) -> list[int]:
+    """The draft up to its first token the request's grammar forbids (verification would reject it anyway): each
+    token is tried on the matcher, which is then rolled back to where it stood."""
+    constraint = slot.job.constraint if slot.job is not None else None
+    if constraint is None or not draft:
+        return draft
+    n = 0
+    while n < len(draft) and constraint.accept(draft[n], prefetch=False):
+        n += 1
+    if n:
+        constraint.rollback(n)
+    return draft[:n]
 
 
 @dataclass

@@ -271,7 +271,7 @@ def create_app(state: ServerState) -> FastAPI:
     @router.post("/completions", include_in_schema=False)
     async def completion_native(request: Request) -> Response:
         job, _ = await text_job(request, "n_probs")
-        stream = _submit(state, job)
+        stream = await submit(state, job)
         if job.stream:
             return sse(native_stream(state, request, stream, job))
         finish, tokens = await collect(request, stream)
@@ -280,7 +280,7 @@ def create_app(state: ServerState) -> FastAPI:
     @router.post("/v1/completions", openapi_extra=schema.body(schema.COMPLETION))
     async def completion_openai(request: Request) -> Response:
         job, tokenizer = await text_job(request, "logprobs")
-        stream = _submit(state, job)
+        stream = await submit(state, job)
         cid = "cmpl-" + _random_id()
         if job.stream:
             return sse(text_stream(state, request, stream, job, cid))
@@ -305,9 +305,12 @@ def create_app(state: ServerState) -> FastAPI:
             body, plan.prompt, tokenizer, settings.sampling, settings.engine.n_predict, n_probs, settings.max_predict
         )
         job.request.keep_special = state.keep_special
+        job.request.reasoning_budget = plan.reasoning_budget
+        if plan.grammar is not None:
+            job.request.grammar = plan.grammar
         if plan.last_user_start:
             job.request.checkpoint_at = (plan.last_user_start,)
-        stream = _submit(state, job)
+        stream = await submit(state, job)
         cid = "chatcmpl-" + _random_id()
         output = ChatOutput(plan, template)
         if job.stream:
@@ -381,6 +384,13 @@ def _check_model(body: Body, state: ServerState) -> None:
             "not_found_error",
             404,
         )
+
+
+async def submit(state: ServerState, job: Completion) -> RequestStream:
+    """`_submit`, the request's grammar compiled first off the event loop (up to seconds, once: cached)."""
+    if job.request.grammar is not None:
+        await run_in_threadpool(state.loaded_engine().compile_grammar, job.request.grammar)
+    return _submit(state, job)
 
 
 def _submit(state: ServerState, job: Completion) -> RequestStream:

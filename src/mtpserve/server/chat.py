@@ -13,8 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..chat import ChatTemplate, ChatTemplateError, ReasoningStream, ToolCallStream
+from ..chat.structured import StructuredOutputError, output_grammar, response_schema, tool_call_format
+from ..engine import GrammarSpec
+from ..engine.reasoning_budget import budget_spec, opens_reasoning
+from ..engine.request import ReasoningBudgetSpec
 from ..tokenizer import Tokenizer
-from .errors import invalid, unsupported
+from .errors import invalid
 from .params import Body
 
 REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
@@ -24,11 +28,13 @@ PRESERVED_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>")  # speci
 
 @dataclass
 class ChatSettings:
-    """Server-wide chat defaults (--reasoning, --reasoning-format, --chat-template-kwargs)."""
+    """Server-wide chat defaults (--reasoning, --reasoning-format, --chat-template-kwargs, --reasoning-budget*)."""
 
     reasoning: str = "auto"  # on | off | auto
     reasoning_format: str = "deepseek"
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    reasoning_budget: int = -1  # --reasoning-budget: thinking tokens (-1 unlimited, 0 close at once)
+    reasoning_budget_message: str = ""  # --reasoning-budget-message: forced before the end tag
 
 
 @dataclass
@@ -43,6 +49,8 @@ class ChatPlan:
     logprobs: bool
     top_logprobs: int
     last_user_start: int | None
+    grammar: GrammarSpec | None = None  # response_format / tool_choice as a constraint on the output
+    reasoning_budget: ReasoningBudgetSpec | None = None  # a reasoning budget on the output's opened <think>
 
 
 def plan_chat(body: Body, template: ChatTemplate, tokenizer: Tokenizer, settings: ChatSettings) -> ChatPlan:
@@ -59,20 +67,17 @@ def plan_chat(body: Body, template: ChatTemplate, tokenizer: Tokenizer, settings
     if tools is not None and not isinstance(tools, list):
         raise invalid("Field 'tools': expected an array")
     tool_choice = body.raw("tool_choice", "auto")
-    if isinstance(tool_choice, dict) or tool_choice == "required":
-        raise unsupported("Field 'tool_choice': only 'auto' and 'none' are supported (forcing a call needs grammars)")
-    if tool_choice not in ("auto", "none"):
-        raise invalid(f"Field 'tool_choice': expected 'auto', 'none' or 'required', got {tool_choice!r}")
+    if not (tool_choice in ("auto", "none", "required") or _named_choice(tool_choice)):
+        raise invalid(
+            "Field 'tool_choice': expected 'auto', 'none', 'required' or "
+            f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}"[:300]
+        )
     if tool_choice == "none":
         tools = None
-    response_format = body.dict("response_format")
-    if response_format.get("type", "text") != "text":
-        kind = response_format.get("type")
-        if kind in ("json_object", "json_schema"):
-            raise unsupported(
-                f"Field 'response_format': '{kind}' is not supported yet (constrained decoding); use 'text'"
-            )
-        raise invalid(f"Field 'response_format': type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    try:
+        schema = response_schema(body.dict("response_format"))
+    except StructuredOutputError as e:
+        raise invalid(f"Field 'response_format': {e}") from None
     reasoning_format = body.str("reasoning_format", settings.reasoning_format)
     if reasoning_format not in REASONING_FORMATS:
         raise invalid(f"Field 'reasoning_format': expected one of {', '.join(REASONING_FORMATS)}")
@@ -96,20 +101,61 @@ def plan_chat(body: Body, template: ChatTemplate, tokenizer: Tokenizer, settings
     except ChatTemplateError as e:
         raise invalid(str(e)) from None
     prompt = tokenizer.encode(rendered.prompt, add_special=True, parse_special=True)
+    generation_prompt = rendered.generation_prompt if add_generation_prompt else ""
+    think_tags = template.think_tags
+    opened = think_tags is not None and generation_prompt.rstrip().endswith(think_tags.start)
+    try:
+        grammar = output_grammar(
+            reasoning=think_tags if opened else None,
+            tools=tools or None,
+            tool_choice=tool_choice,
+            parallel_tool_calls=body.bool("parallel_tool_calls", True),
+            response_schema=schema,
+            tool_format=tool_call_format(template.source),
+        )
+    except StructuredOutputError as e:
+        raise invalid(str(e)) from None
     logprobs = body.bool("logprobs", False)
     top_logprobs = body.int("top_logprobs", 20 if logprobs else 0, lo=0, hi=20)
     if top_logprobs and not logprobs and body.has("top_logprobs"):
         raise invalid("top_logprobs requires logprobs to be set to true")
+    reasoning_budget = _reasoning_budget(body, settings, generation_prompt, template, tokenizer)
     return ChatPlan(
         prompt=prompt,
-        generation_prompt=rendered.generation_prompt if add_generation_prompt else "",
+        generation_prompt=generation_prompt,
         extract_reasoning=reasoning_format != "none",
         tools=tools or None,
         parallel_tool_calls=body.bool("parallel_tool_calls", True),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         last_user_start=_last_user_start(messages, prompt, template, tokenizer, tools, enable_thinking, kwargs),
+        grammar=GrammarSpec(*grammar) if grammar else None,
+        reasoning_budget=reasoning_budget,
     )
+
+
+def _reasoning_budget(
+    body: Body, settings: ChatSettings, generation_prompt: str, template: ChatTemplate, tokenizer: Tokenizer
+) -> ReasoningBudgetSpec | None:
+    """The request's reasoning budget (`reasoning_budget_tokens`, alias `thinking_budget_tokens`, -1: the
+    server's; `reasoning_budget_message`), if one applies: only an output that starts inside a reasoning
+    block (the generation prompt opened it) is limited, as llama-server feeds that prompt to its sampler."""
+    key = "reasoning_budget_tokens" if body.has("reasoning_budget_tokens") else "thinking_budget_tokens"
+    tokens = body.int(key, -1, lo=-1)
+    message = body.str("reasoning_budget_message", settings.reasoning_budget_message)
+    tokens = settings.reasoning_budget if tokens == -1 else tokens
+    tags = template.think_tags
+    if tokens < 0 or tags is None or not opens_reasoning(generation_prompt, tags.start, tags.closers):
+        return None
+    return budget_spec(tokenizer, tokens, message, tags.end, tags.interrupts)
+
+
+def _named_choice(tool_choice: object) -> bool:
+    """OpenAI's forced-function shape: {"type": "function", "function": {"name": NAME}}."""
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function":
+        return False
+    function = tool_choice.get("function")
+    return isinstance(function, dict) and isinstance(function.get("name"), str)
 
 
 def _last_user_start(

@@ -3,21 +3,24 @@
 
 Decisions:
 * Unknown fields are ignored, as llama-server and vLLM do (clients send vendor extras). Fields we know
-  but do not implement (grammars, JSON schemas, mirostat, DRY, XTC, dynamic temperature, custom sampler
+  but do not implement (lazy grammars with triggers, mirostat, DRY, XTC, dynamic temperature, custom sampler
   orders, several choices) are refused with a 400 that names them, unless they carry their no-op
   default: a client never gets output that silently ignores what it asked for.
 * `max_tokens` / `max_completion_tokens` (OpenAI's names) must be >= 1; llama-server's own `n_predict`
   keeps its meaning (-1 = until the end, 0 = evaluate the prompt only).
+* `json_schema` / `grammar` (GBNF) constrain the output (engine.grammar); a schema or grammar that does not
+  compile is a 400 naming the problem.
 * A number where a number belongs: NaN, infinities, booleans and strings are refused, not coerced.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine import Request, SamplingParams
+from ..engine import GrammarSpec, Request, SamplingParams
 from ..engine.sampling import RANDOM_SEED
 from ..tokenizer import Tokenizer
 from .errors import invalid, unsupported
@@ -103,8 +106,6 @@ UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "xtc_probability": 0.0,
     "dynatemp_range": 0.0,
     "dry_multiplier": 0.0,
-    "grammar": "",
-    "json_schema": None,
     "grammar_lazy": False,
     "n_cmpl": 1,
     "n": 1,
@@ -262,6 +263,23 @@ class Completion:
     return_tokens: bool = False
 
 
+def grammar_spec(body: Body) -> GrammarSpec | None:
+    """llama-server's `json_schema` (an object) or `grammar` (GBNF text) as the request's constraint; both at
+    once is refused, as llama-server does."""
+    schema, grammar = body.raw("json_schema"), body.raw("grammar")
+    if schema is not None and grammar not in (None, ""):
+        raise invalid("Either 'json_schema' or 'grammar' can be specified, but not both")
+    if schema is not None:
+        if not isinstance(schema, dict | bool):
+            raise invalid("Field 'json_schema': expected a JSON schema object")
+        return GrammarSpec("json_schema", json.dumps(schema))
+    if grammar not in (None, ""):
+        if not isinstance(grammar, str):
+            raise invalid("Field 'grammar': expected a string (GBNF)")
+        return GrammarSpec("gbnf", grammar)
+    return None
+
+
 def n_probs(body: Body, key: str = "n_probs") -> int:
     return body.int(key, 0, lo=0, hi=MAX_N_PROBS)
 
@@ -287,6 +305,7 @@ def completion(
         cache_prompt=body.bool("cache_prompt", True),
         n_probs=n_probs,
         id_slot=body.int("id_slot", -1, lo=-1),
+        grammar=grammar_spec(body),
     )
     stream_options = body.dict("stream_options")
     include_usage = stream_options.get("include_usage", False)

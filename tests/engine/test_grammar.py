@@ -1,0 +1,155 @@
+"""Constrained decoding in the engine: the compiler's cache and errors, one request's matcher (masks, the control
+tokens it bans, rollback), and speculation through a grammar giving the tokens it gives without speculation."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+
+import pytest
+import torch
+
+from mtpserve.engine import Engine, EngineConfig, GrammarSpec, Request, SamplingParams, SpecConfig
+from mtpserve.engine.grammar import GrammarCompiler, InvalidGrammar
+from mtpserve.engine.planner import plan_for_file
+from mtpserve.models.loader import load
+from mtpserve.tokenizer import Tokenizer
+
+from ..conftest import tinyqwen_path
+
+GREEDY = SamplingParams(temperature=0.0)
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green"]}, "maxItems": 3},
+    },
+    "required": ["name", "count", "tags"],
+    "additionalProperties": False,
+}
+JSON_SPEC = GrammarSpec("json_schema", json.dumps(SCHEMA))
+
+
+@cache
+def _model():
+    path = tinyqwen_path("Q4_K_M")
+    return path, load(path), Tokenizer.from_gguf(path)
+
+
+@cache
+def _compiler() -> GrammarCompiler:
+    _, model, tokenizer = _model()
+    return GrammarCompiler(tokenizer, model.config.n_vocab)
+
+
+def _allowed(constraint, n_vocab: int) -> set[int]:
+    masked = constraint.masked(torch.zeros(n_vocab))
+    return set(torch.nonzero(masked > float("-inf")).flatten().tolist())
+
+
+def test_compiled_grammars_are_cached_by_content():
+    compiler = _compiler()
+    first = compiler.compile(JSON_SPEC)
+    assert compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMA))) is first
+    assert compiler.compile(GrammarSpec("gbnf", 'root ::= "a"')) is not first
+
+
+@pytest.mark.parametrize(
+    "spec,says",
+    [
+        (GrammarSpec("gbnf", "root ::= missing"), "missing"),
+        (GrammarSpec("json_schema", "{not json"), "json schema"),
+        (GrammarSpec("json_schema", json.dumps({"type": "objekt"})), "json schema"),
+        (GrammarSpec("lark", "start: 'a'"), "unknown grammar kind"),
+    ],
+)
+def test_a_bad_grammar_names_its_problem(spec, says):
+    with pytest.raises(InvalidGrammar) as caught:
+        _compiler().compile(spec)
+    message = str(caught.value)
+    assert says in message.lower() and not message.startswith("invalid gbnf: [")  # no C++ log prefix
+
+
+def test_the_mask_follows_the_grammar_and_rolls_back():
+    _, _, tokenizer = _model()
+    compiler = _compiler()
+    constraint = compiler.constraint(GrammarSpec("gbnf", 'root ::= "yes" | "no"'))
+    n = compiler.n_vocab
+    first = _allowed(constraint, n)
+    texts = {tokenizer.token_bytes(t) for t in first}
+    assert texts and all(b"yes".startswith(t) or b"no".startswith(t) for t in texts)
+    yes = tokenizer.encode("yes", add_special=False)
+    assert all(constraint.accept(t) for t in yes)
+    assert _allowed(constraint, n) == set(tokenizer.eog_ids)  # complete: only the end may follow
+    assert not constraint.accept(tokenizer.encode("no", add_special=False)[0])  # refused, state unchanged
+    constraint.rollback(len(yes))
+    assert _allowed(constraint, n) == first
+
+
+def test_control_tokens_outside_keep_special_are_banned():
+    _, _, tokenizer = _model()
+    compiler = _compiler()
+    think = tokenizer.token_id("<think>")
+    grammar = GrammarSpec("gbnf", 'root ::= "<think>" [a-z]*')
+    assert think not in _allowed(compiler.constraint(grammar), compiler.n_vocab)
+    assert think in _allowed(compiler.constraint(grammar, keep_special={think}), compiler.n_vocab)
+
+
+def _engine(spec: SpecConfig, n_parallel: int = 1) -> Engine:
+    path, model, tokenizer = _model()
+    config = EngineConfig(n_parallel=n_parallel, ctx_size=2048 * n_parallel, spec=spec)
+    return Engine(model, tokenizer, config, plan_for_file(path, config))
+
+
+PROMPTS = ["A record as JSON: ", "Describe the colours:", "{"]
+
+
+def test_every_constrained_output_parses_and_validates():
+    _, _, tokenizer = _model()
+    with _engine(SpecConfig()) as engine:
+        for i, prompt in enumerate(PROMPTS):
+            sampling = SamplingParams(temperature=1.0, seed=i)
+            request = Request(tokenizer.encode(prompt), sampling, n_predict=200, grammar=JSON_SPEC)
+            result = engine.submit(request).result()
+            if result.finish_reason == "stop":
+                doc = json.loads(result.text)
+                assert set(doc) == {"name", "count", "tags"} and 0 <= doc["count"] <= 99
+                assert len(doc["name"]) <= 12 and set(doc["tags"]) <= {"red", "green"} and len(doc["tags"]) <= 3
+            else:
+                assert result.text.lstrip().startswith("{")
+
+
+@pytest.mark.parametrize("n_max", [1, 2, 3])
+def test_draft_mtp_through_a_grammar_gives_the_tokens_without_speculation(n_max):
+    _, _, tokenizer = _model()
+    requests = [Request(tokenizer.encode(p), GREEDY, n_predict=48, grammar=JSON_SPEC) for p in PROMPTS]
+    with _engine(SpecConfig()) as engine:
+        plain = [engine.submit(r).result().tokens for r in requests]
+    with _engine(SpecConfig(type="draft-mtp", n_max=n_max)) as engine:
+        results = [engine.submit(r).result() for r in requests]
+    assert [r.tokens for r in results] == plain
+    assert sum(r.timings.draft_n for r in results) > 0  # drafts were made and verified
+    assert all(r.timings.draft_n_accepted <= r.timings.draft_n for r in results)
+
+
+def test_four_slots_with_their_own_grammars_in_one_batch():
+    _, _, tokenizer = _model()
+    grammars = [
+        JSON_SPEC,
+        GrammarSpec("gbnf", 'root ::= ("yes" | "no")'),
+        GrammarSpec("gbnf", 'root ::= [0-9]{3} "-" [0-9]{4}'),
+        GrammarSpec("json_schema", json.dumps({"type": "array", "items": {"type": "integer"}, "maxItems": 2})),
+    ]
+    requests = [Request(tokenizer.encode("Answer: "), GREEDY, n_predict=64, grammar=g) for g in grammars]
+    with _engine(SpecConfig()) as engine:
+        alone = [engine.submit(r).result() for r in requests]
+    with _engine(SpecConfig(), n_parallel=4) as engine:
+        streams = [engine.submit(r) for r in requests]
+        together = [s.result() for s in streams]
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    yes_no, phone, numbers = together[1].text, together[2].text, together[3].text
+    assert yes_no in ("yes", "no")
+    assert len(phone) == 8 and phone[3] == "-" and (phone[:3] + phone[4:]).isdigit()
+    if together[3].finish_reason == "stop":
+        assert len(json.loads(numbers)) <= 2
