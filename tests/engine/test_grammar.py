@@ -153,3 +153,12 @@ def test_four_slots_with_their_own_grammars_in_one_batch():
     assert len(phone) == 8 and phone[3] == "-" and (phone[:3] + phone[4:]).isdigit()
     if together[3].finish_reason == "stop":
         assert len(json.loads(numbers)) <= 2
+
+
+def test_a_complete_grammar_ends_the_request_even_with_ignore_eos():
+    _, _, tokenizer = _model()
+    grammar = GrammarSpec("gbnf", 'root ::= ("yes" | "no")')
+    with _engine(SpecConfig()) as engine:
+        request = Request(tokenizer.encode("Answer: "), GREEDY, n_predict=16, ignore_eos=True, grammar=grammar)
+        result = engine.submit(request).result()
+    assert result.text in ("yes", "no") and result.finish_reason == "stop" and result.stop_type == "eos"

@@ -72,7 +72,9 @@ def _agree_before_first_near_tie(ours: list[int], case: dict) -> None:
     )
 
 
-@pytest.mark.parametrize(("quant", "cache_type"), [("Q4_K_M", "q8_0"), ("Q8_0", "f16")])
+@pytest.mark.parametrize(
+    ("quant", "cache_type"), [("Q4_K_M", "q8_0"), pytest.param("Q8_0", "f16", marks=pytest.mark.slow)]
+)  # the deployment's pair in the default suite; the other in `make test-all`
 def test_greedy_tokens_match_llama_cpp(quant: str, cache_type: str) -> None:
     """Prompt (the chunked gated delta rule, fused prompt attention) then decode (the recurrent kernel, the
     decode attention kernel over the cache as stored): llama.cpp's tokens up to its first near tie."""
@@ -337,7 +339,7 @@ def test_the_static_mtp_steps_equal_the_eager_ones(chained: bool) -> None:
     torch.testing.assert_close(kv_graphed.v.data, kv_eager.v.data, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("cache_type", ["q8_0", "f16"])
+@pytest.mark.parametrize("cache_type", ["q8_0", pytest.param("f16", marks=pytest.mark.slow)])
 def test_static_writes_wrap_a_sliding_window_ring(cache_type: str) -> None:
     """write_at + attend_static on a ring cache (Gemma 3's sliding-window layers) past its capacity: the same
     cells, positions and attention as append + attend."""
@@ -441,6 +443,7 @@ def test_the_captured_step_reads_nothing_back_to_the_host(monkeypatch: pytest.Mo
         torch.zeros(1).item()
 
 
+@pytest.mark.slow  # 50 s: the captured MTP and verification steps each have their own default-suite test
 def test_the_engine_speculates_through_step_graphs_as_without(monkeypatch: pytest.MonkeyPatch) -> None:
     """draft-mtp n_max 2 in the engine on the GPU path: with the captured steps (decode, verification, MTP draft
     and catch-up graphs, forced on off CUDA, where they run eagerly) the tokens and draft counts of the ordinary

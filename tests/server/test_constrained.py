@@ -249,6 +249,25 @@ def test_forced_tool_calls_validate_with_thinking_on(qwen, choice, stream):
     assert reasoning is not None  # thinking on: the reasoning came back as its own field
 
 
+def test_auto_leaves_the_choice_to_the_model_and_holds_its_calls(qwen):
+    reply = _client(qwen).chat.completions.create(
+        model="any",
+        messages=[{"role": "user", "content": "What time is it in Tokyo?"}],
+        tools=[WEATHER, TIME],
+        tool_choice="auto",
+        parallel_tool_calls=False,
+        max_tokens=300,
+        temperature=0,
+        extra_body={"reasoning_budget_tokens": 48},
+    )
+    choice = reply.choices[0]
+    if choice.message.tool_calls:  # whatever the model chose, a call it made is well formed
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        _tool_arguments_valid(choice.message.tool_calls[0])
+    else:
+        assert choice.message.content is not None
+
+
 def test_a_named_function_that_is_not_a_tool_is_a_400(qwen):
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         _client(qwen).chat.completions.create(

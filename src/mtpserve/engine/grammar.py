@@ -18,7 +18,8 @@ grammar's stop tokens; a request's constraint also bans the control tokens whose
 contain (those outside its `keep_special`), so the text the client gets is the text the grammar saw.
 
 The next mask is computed while the next forward pass runs: `accept` hands the mask's computation to a worker
-thread (xgrammar releases the GIL while it fills a mask) and `masked` waits for it.
+thread (the forward pass spends its time in torch kernels, which release the GIL, so the two run side by side)
+and `masked` waits for it.
 """
 
 from __future__ import annotations

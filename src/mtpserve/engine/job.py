@@ -59,7 +59,9 @@ class Job:
             assert grammars is not None
             self.constraint = grammars.constraint(request.grammar, request.keep_special)
         params = request.sampling
-        if request.ignore_eos:  # llama-server: a -inf bias on every end-of-generation token
+        # llama-server: ignore_eos is a -inf bias on every end-of-generation token; with a grammar the end is the
+        # grammar's (only allowed once it is complete), so the bias would leave no token to sample there
+        if request.ignore_eos and self.constraint is None:
             bias = {t: float("-inf") for t in tokenizer.eog_ids}
             params = replace(params, logit_bias={**params.logit_bias, **bias})
         self.sampler = Sampler(params, history=request.prompt)

@@ -119,9 +119,6 @@ class ServerState:
                 int(template.supports_thinking and s.chat.reasoning != "off"),
             )
             self.engine = engine
-            # the grammar library's import and the vocabulary's table take seconds: not on the first constrained
-            # request's clock
-            threading.Thread(target=lambda: engine.grammars, name="mtpserve-grammar-warmup", daemon=True).start()
         except BaseException as e:  # noqa: BLE001 - reported by the caller, which exits
             self.load_error = e
         finally:
