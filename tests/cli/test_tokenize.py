@@ -56,3 +56,14 @@ def test_errors_are_one_line(capsys):
     assert rc == 1 and err.startswith("mtpserve tokenize: error: chat template: Expected 'content'")
     rc, _, err = run(capsys, "-m", str(tinyqwen_path("F16")))
     assert rc == 1 and "give the text" in err
+
+
+def test_a_file_is_read_as_its_bytes(capsys, tmp_path):
+    """CRLF stays CRLF (llama-tokenize reads bytes; text mode would make it LF)."""
+    model = str(tinyqwen_path("F16"))
+    text_file = tmp_path / "crlf.txt"
+    text_file.write_bytes(b"line1\r\nline2\r\n")
+    rc, out, _ = run(capsys, "-m", model, "--file", str(text_file))
+    _, direct, _ = run(capsys, "-m", model, "line1\r\nline2\r\n")
+    _, lf, _ = run(capsys, "-m", model, "line1\nline2\n")
+    assert rc == 0 and json.loads(out) == json.loads(direct) != json.loads(lf)

@@ -105,6 +105,26 @@ def test_text_completions_with_the_openai_client(oai):
     assert streamed[-1].model_extra["timings"]["predicted_n"] == whole.usage.completion_tokens
 
 
+def test_any_model_name_is_served_and_answered_with_the_alias(oai):
+    reply = oai.chat.completions.create(model="gpt-4o", messages=CHAT["messages"], max_tokens=2, temperature=0)
+    assert reply.model == ALIAS
+
+
+def test_strict_model_refuses_other_names():
+    from pathlib import Path
+
+    from mtpserve.server.app import _check_model
+    from mtpserve.server.errors import APIError
+    from mtpserve.server.params import Body
+    from mtpserve.server.state import ServerSettings, ServerState
+
+    state = ServerState(ServerSettings(model=Path("m.gguf"), aliases=[ALIAS], strict_model=True))
+    _check_model(Body({"model": ALIAS}), state)
+    with pytest.raises(APIError) as caught:
+        _check_model(Body({"model": "gpt-4o"}), state)
+    assert caught.value.code == 404 and "gpt-4o" in str(caught.value.body())
+
+
 def test_models_lists_the_alias(oai):
     models = oai.models.list()
     assert [m.id for m in models.data] == [ALIAS]
@@ -260,7 +280,6 @@ BAD_REQUESTS = [
         "invalid_request_error",
         "top_p",
     ),
-    ("unknown model", "/v1/chat/completions", {**CHAT, "model": "gpt-4o"}, 404, "not_found_error", "gpt-4o"),
     ("no messages", "/v1/chat/completions", {"max_tokens": 4}, 400, "invalid_request_error", "messages"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "invalid_request_error", "messages"),
     ("bad message", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "invalid_request_error", ""),

@@ -53,6 +53,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("-a", "--alias", help="model name(s) for the API, comma-separated")
+    p.add_argument(
+        "--strict-model",
+        action="store_true",
+        help="answer 404 to a request naming another model (default: any name is served, as llama-server does)",
+    )
     p.add_argument("--api-key", help="API key(s), comma-separated")
     p.add_argument("--api-key-file", help="a file with one API key per line")
     p.add_argument("--api-prefix", default="", help="prefix for every path (e.g. /llm)")
@@ -242,6 +247,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         model=model_path(args),
         engine=engine,
         aliases=[a for a in (args.alias or "").split(",") if a],
+        strict_model=args.strict_model,
         api_keys=api_keys,
         host=args.host,
         port=args.port,

@@ -35,10 +35,11 @@ def run(args: argparse.Namespace) -> int:
 
     if (args.text is None) == (args.file is None):
         raise ValueError("give the text either as an argument or with --file")
+    # the bytes as they are, as llama-tokenize reads them (text mode would turn CRLF into LF)
     if args.file == "-":
-        text = sys.stdin.read()
+        text = sys.stdin.buffer.read().decode("utf-8")
     elif args.file is not None:
-        text = Path(args.file).read_text(encoding="utf-8")
+        text = Path(args.file).read_bytes().decode("utf-8")
     else:
         text = args.text
     tokenizer = Tokenizer.from_gguf(args.model or default_model_path())

@@ -37,6 +37,7 @@ class ServerSettings:
     model: Path
     engine: EngineConfig = field(default_factory=EngineConfig)
     aliases: list[str] = field(default_factory=list)
+    strict_model: bool = False  # --strict-model: a request naming another model gets 404
     api_keys: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 8080
@@ -62,7 +63,10 @@ class ServerSettings:
         return min(self.aliases) if self.aliases else self.model.name
 
     def accepts_model(self, name: str) -> bool:
-        """A request's `model` may name an alias, the file (with or without .gguf) or its path."""
+        """A request's `model`: any name (llama-server serving one model ignores it; agents send their own, e.g.
+        `claude-*`), or with --strict-model only an alias, the file (with or without .gguf) or its path."""
+        if not self.strict_model:
+            return True
         return name in {*self.aliases, self.model.name, self.model.stem, str(self.model), self.model_name}
 
 
