@@ -123,6 +123,7 @@ def gemma3_slice(directory: Path) -> Path:
     return directory / GEMMA3_SLICE
 
 
+@pytest.mark.slow  # 25 s: Gemma 3's GPU kernels have their twins' tests; the sliding ring its own
 def test_a_gemma3_slice_gives_the_cpu_paths_greedy_tokens(tmp_path: Path) -> None:
     """The Gemma 3 check where the whole file cannot be (the lent GPU machine): the slice's greedy tokens on the
     GPU path equal the CPU path's up to the CPU path's first near tie (< 0.05 nats), on the fixtures' `fib_def`
@@ -230,6 +231,7 @@ def test_the_static_decode_step_equals_the_ordinary_one() -> None:
         torch.testing.assert_close(graphed.recurrent[layer].ssm, st.ssm, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # graphs: the several-sequence step and the chained MTP draft; verification: token by token
 def test_the_static_verification_step_equals_the_ordinary_one() -> None:
     """StepGraph of n_max + 1 = 3 tokens keeping per-token states (a speculative verification): the ordinary
     pass's hidden states, logits and kept states, twice in a row (the second replays on a GPU), with a rollback

@@ -16,8 +16,9 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..conftest import default_model, tinyqwen_path
+from ..conftest import default_model
 from ..support.server_process import ServerProcess
+from .conftest import TINY_KEY
 
 
 class Address(BaseModel):
@@ -74,14 +75,12 @@ def smol(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    process = _server(tmp_path_factory, str(tinyqwen_path("Q4_K_M")))
-    yield process
-    process.stop()
+def qwen(tiny_server):
+    return tiny_server
 
 
 def _client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=TINY_KEY, max_retries=0, timeout=300)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -98,7 +97,7 @@ def test_parse_returns_the_pydantic_model(request, which, temperature):
         assert choice.message.model_extra.get("reasoning_content") is not None
 
 
-@pytest.mark.parametrize("n", [8, pytest.param(50, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n", [4, pytest.param(50, marks=pytest.mark.slow)])
 def test_seeded_requests_with_a_nested_schema_all_validate(smol, n):
     client = _client(smol)
 

@@ -107,6 +107,7 @@ def test_bench_url_reports_per_request_and_cumulative_acceptance(tmp_path):
     )
 
 
+@pytest.mark.slow  # restarts a server per setting: 17 s; the url mode's test covers the requests and the report
 def test_bench_sweep_restarts_the_server_and_writes_table_json_and_plots(tmp_path):
     out = tmp_path / "out"
     result = _bench(

@@ -17,6 +17,7 @@ import logging
 import secrets
 import string
 import time
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
@@ -30,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import EngineError, RequestStream
 from ..tokenizer import Tokenizer
 from . import params, schema
-from .chat import ChatOutput, plan_chat
+from .chat import ChatOutput, ChatPlan, plan_chat
 from .errors import LOADING, NOT_FOUND, UNAUTHORIZED, APIError, invalid
 from .params import Body, Completion
 from .responses import (
@@ -50,6 +51,8 @@ from .state import ServerState
 log = logging.getLogger("mtpserve.server")
 
 PUBLIC_PATHS = {"/health", "/v1/health", "/v1/models", "/models"}
+# add_routes(router, state, start_chat, read_body) of each API converted to chat (Anthropic Messages, Responses)
+API_ADAPTERS: list[Callable[..., None]] = []
 ID_ALPHABET = string.ascii_letters + string.digits
 
 
@@ -293,10 +296,10 @@ def create_app(state: ServerState) -> FastAPI:
         }
         return JSONResponse(envelope(state, cid, "text_completion", [choice], finish))
 
-    @router.post("/v1/chat/completions", openapi_extra=schema.body(schema.CHAT))
-    @router.post("/chat/completions", include_in_schema=False)
-    async def chat_completion(request: Request) -> Response:
-        body = await _body(request, settings.max_body_bytes)
+    async def start_chat(body: Body) -> tuple[Completion, ChatPlan, RequestStream, ChatOutput]:
+        """An OpenAI chat body queued on the engine: its plan (prompt, tools, constraint, budget), the request,
+        its event stream and the output parser that turns its text into OpenAI deltas. The Anthropic and
+        Responses endpoints convert their bodies to a chat body and come through here too."""
         _check_model(body, state)
         tokenizer, template = state.loaded_tokenizer(), state.loaded_template()
         plan = await run_in_threadpool(plan_chat, body, template, tokenizer, settings.chat)
@@ -305,14 +308,21 @@ def create_app(state: ServerState) -> FastAPI:
             body, plan.prompt, tokenizer, settings.sampling, settings.engine.n_predict, n_probs, settings.max_predict
         )
         job.request.keep_special = state.keep_special
-        job.request.reasoning_budget = plan.reasoning_budget
         if plan.grammar is not None:
             job.request.grammar = plan.grammar
+        job.request.reasoning_budget = plan.reasoning_budget
         if plan.last_user_start:
             job.request.checkpoint_at = (plan.last_user_start,)
         stream = await submit(state, job)
+        return job, plan, stream, ChatOutput(plan, template)
+
+    @router.post("/v1/chat/completions", openapi_extra=schema.body(schema.CHAT))
+    @router.post("/chat/completions", include_in_schema=False)
+    async def chat_completion(request: Request) -> Response:
+        body = await _body(request, settings.max_body_bytes)
+        job, plan, stream, output = await start_chat(body)
+        tokenizer = state.loaded_tokenizer()
         cid = "chatcmpl-" + _random_id()
-        output = ChatOutput(plan, template)
         if job.stream:
             return sse(chat_stream(state, request, stream, job, plan, output, cid))
         finish, tokens = await collect(request, stream)
@@ -336,6 +346,13 @@ def create_app(state: ServerState) -> FastAPI:
         async def index() -> HTMLResponse:
             page = resources.files("mtpserve.server").joinpath("static/index.html").read_text(encoding="utf-8")
             return HTMLResponse(page)
+
+    async def read_body(request: Request) -> Body:
+        return await _body(request, settings.max_body_bytes)
+
+    # the other APIs agents speak, each converted to a chat body and run through start_chat
+    for add_routes in API_ADAPTERS:
+        add_routes(router, state, start_chat, read_body)
 
     app.include_router(router, prefix=prefix)
     return app
