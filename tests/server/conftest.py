@@ -10,6 +10,16 @@ from ..support.server_process import ServerProcess
 
 TINY_KEY = "tiny-key-5678"
 TINY_ALIAS = "tiny"
+# a tool's parameters the 4M-parameter model can fill within a few tokens (enum and bounded integer, no free text)
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="session")

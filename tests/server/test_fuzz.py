@@ -103,8 +103,8 @@ HOSTILE = [
     (
         "model with CRLF",
         "/v1/chat/completions",
-        b'{"model": "x\\r\\nSet-Cookie: a=b", "messages": [{"role": "user", "content": "a"}]}',
-        404,
+        b'{"model": "x\\r\\nSet-Cookie: a=b", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}',
+        200,  # any model name is served: the name must not reach a header
     ),
     ("prompt of null bytes", "/completion", b'{"prompt": "\\u0000\\u0000", "n_predict": 2}', 200),
     ("token id out of range", "/completion", b'{"prompt": [-1], "n_predict": 2}', 400),

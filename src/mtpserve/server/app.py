@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import EngineError, RequestStream
 from ..tokenizer import Tokenizer
-from . import params, schema
+from . import anthropic, openai_responses, params, schema
 from .chat import ChatOutput, ChatPlan, plan_chat
 from .errors import LOADING, NOT_FOUND, UNAUTHORIZED, APIError, invalid
 from .params import Body, Completion
@@ -52,7 +52,7 @@ log = logging.getLogger("mtpserve.server")
 
 PUBLIC_PATHS = {"/health", "/v1/health", "/v1/models", "/models"}
 # add_routes(router, state, start_chat, read_body) of each API converted to chat (Anthropic Messages, Responses)
-API_ADAPTERS: list[Callable[..., None]] = []
+API_ADAPTERS: list[Callable[..., None]] = [anthropic.add_routes, openai_responses.add_routes]
 ID_ALPHABET = string.ascii_letters + string.digits
 
 
@@ -100,6 +100,8 @@ def create_app(state: ServerState) -> FastAPI:
             return JSONResponse(LOADING.body(), status_code=503)
         if settings.api_keys and path not in PUBLIC_PATHS and not _key_ok(request, settings.api_keys):
             log.warning("srv  log_server_r: unauthorized: Invalid API Key")
+            if path.startswith("/v1/messages"):  # Anthropic's clients read their own error shape
+                return JSONResponse(anthropic.error_body(UNAUTHORIZED.message, 401), status_code=401)
             return JSONResponse(UNAUTHORIZED.body(), status_code=401)
         return await call_next(request)
 
