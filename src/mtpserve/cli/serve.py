@@ -157,6 +157,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     # server
     p.add_argument("--metrics", action="store_true", help="enable GET /metrics")
     p.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True, help="GET /slots")
+    p.add_argument("--slot-save-path", metavar="DIR", help="directory of POST /slots/N?action=save|restore files")
     p.add_argument("--props", action="store_true", help="(POST /props: accepted, changes nothing)")
     p.add_argument("--webui", action=argparse.BooleanOptionalAction, default=True, help="the chat page at /")
     p.add_argument("--no-ui", dest="webui", action="store_false")
@@ -264,6 +265,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         webui=args.webui,
         metrics=args.metrics,
         slots_endpoint=args.slots,
+        slot_save_path=slot_save_path(args.slot_save_path),
         perf=args.perf,
         max_body_bytes=args.max_body_size,
         max_queue=args.max_queue,
@@ -273,6 +275,16 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         gpu=gpu_request(args),
         draft_gpu=draft_gpu_request(args),
     )
+
+
+def slot_save_path(value: str | None) -> Path | None:
+    """--slot-save-path: an existing directory, as llama-server requires ("not a directory")."""
+    if value is None:
+        return None
+    path = Path(value)
+    if not path.is_dir():
+        raise ValueError(f"--slot-save-path: not a directory: {value}")
+    return path
 
 
 def gpu_request(args: argparse.Namespace, cuda: bool | None = None) -> GpuRequest | None:

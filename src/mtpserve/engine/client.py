@@ -12,6 +12,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from .errors import EngineError, ServerError
@@ -131,6 +132,16 @@ class SlotInfo:
 
 
 @dataclass(frozen=True)
+class SlotFileResult:
+    """What a slot action did (llama-server's save/restore/erase answers): tokens saved, restored or erased, bytes
+    written or read, and its time in milliseconds, the wait for a busy slot included."""
+
+    n_tokens: int
+    n_bytes: int = 0
+    ms: float = 0.0
+
+
+@dataclass(frozen=True)
 class EngineCounters:
     """Totals since start-up (llama-server's /metrics): forward passes, sequences they evaluated, and the
     speculative counters (None without speculation)."""
@@ -160,6 +171,11 @@ class EngineClient(Protocol):
         ...
 
     def slots_info(self) -> list[SlotInfo]: ...
+
+    def slot_action(self, id_slot: int, action: str, path: Path | None = None) -> SlotFileResult:
+        """Save the slot to `path`, restore it from `path`, or erase it ("save", "restore", "erase"); waits while
+        the slot serves a request. Blocking (file I/O): the server calls it off its event loop."""
+        ...
 
     def memory_usage(self) -> MemoryUsage: ...
 

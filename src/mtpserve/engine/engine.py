@@ -11,6 +11,10 @@ Every sampled token goes through its request's `RequestOutput`, which says what 
 ends. A failed pass fails the requests in it; a failure after it (sampling, detokenizing) only its own request;
 the engine keeps serving. Decisions where llama-server is silent or does otherwise: a cancelled request's slot
 is cleared (its cache is not kept for reuse: the client went away).
+
+Slot actions (save, restore, erase: `slot_action`) run on the thread between steps, once their slot is idle (a busy
+slot's action waits for its request to end, as llama-server defers it); the file itself is written or read on the
+caller's thread (slot_files.py).
 """
 
 from __future__ import annotations
@@ -19,13 +23,17 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..models.base import CausalLM
 from ..tokenizer import Tokenizer
-from .client import EngineCounters, EngineInfo, MemoryUsage, RequestStream, SlotInfo
+from . import slot_files
+from .client import EngineCounters, EngineInfo, MemoryUsage, RequestStream, SlotFileResult, SlotInfo
 from .config import EngineConfig
 from .devices import GpuRequest
 from .drafters import make_drafter
@@ -54,8 +62,10 @@ class Engine:
         plan: MemoryPlan,
         name: str = "model",
         draft_model: CausalLM | None = None,
+        model_path: str | Path | None = None,
     ) -> None:
-        """`draft_model`: draft-simple's model, when already loaded (else loaded from the spec config)."""
+        """`draft_model`: draft-simple's model, when already loaded (else loaded from the spec config);
+        `model_path`: the GGUF, whose fingerprint slot files carry (without it slots cannot be saved)."""
         self.model, self.tokenizer, self.config, self.plan = model, tokenizer, config, plan
         self.runner = ModelRunner(model)
         self.drafter = make_drafter(config.spec, model, tokenizer, self.runner.graphs, draft_model, config.ubatch)
@@ -69,6 +79,8 @@ class Engine:
         self._grammars: GrammarCompiler | None = None  # made on the first request with a grammar
         self._grammars_lock = threading.Lock()
         self._queue: deque[Job] = deque()
+        self._slot_tasks: deque[tuple[int, Callable[[Slot], Any], Future[Any]]] = deque()
+        self.model_path = None if model_path is None else str(model_path)
         self._wake = threading.Condition()
         self._running = True
         self._ready = threading.Event()
@@ -90,7 +102,7 @@ class Engine:
     ) -> Engine:
         """Plan, place and load the model at `path` (`load_for_engine`), then serve it."""
         loaded = load_for_engine(path, config, device, gpu, draft_gpu)
-        return cls(loaded.model, loaded.tokenizer, config, loaded.plan, str(path), loaded.draft_model)
+        return cls(loaded.model, loaded.tokenizer, config, loaded.plan, str(path), loaded.draft_model, path)
 
     # --- what clients call (EngineClient) ------------------------------------------------------------
 
@@ -151,6 +163,52 @@ class Engine:
         stats = self.speculator.stats if self.speculator else None
         return EngineCounters(self.runner.n_passes, self.runner.n_sequences, stats)
 
+    def slot_action(self, id_slot: int, action: str, path: Path | None = None) -> SlotFileResult:
+        """llama-server's slot actions: "save" the slot to `path`, "restore" it from `path`, "erase" what it holds.
+        Waits while the slot serves a request; file errors are InvalidRequest (400) with what is wrong."""
+        if not 0 <= id_slot < self.info.n_slots:
+            raise InvalidRequest("Invalid slot ID")
+        t_start = time.perf_counter()
+        if action == "erase":
+            return SlotFileResult(self._on_slot(id_slot, self._erase))
+        if action not in ("save", "restore"):
+            raise InvalidRequest("Invalid action")
+        if path is None:
+            raise InvalidRequest(f"{action}: a file is required")
+        if self.model_path is None:
+            raise ServerError("slot files need the model's path (Engine(model_path=...)) for its fingerprint")
+        fingerprint = slot_files.model_fingerprint(self.model_path)
+        if action == "save":
+            image = self._on_slot(id_slot, lambda slot: slot_files.capture(slot, self.drafter))
+            n_bytes = slot_files.write(path, image, fingerprint)
+        else:
+            image, n_bytes = slot_files.read(path, fingerprint)
+            hidden = slot_files.HiddenSpec(self.model.output_norm.device, self.info.n_embd)
+            self._on_slot(id_slot, lambda slot: slot_files.apply(image, slot, self.slots, self.drafter, hidden))
+        return SlotFileResult(image.n_tokens, n_bytes, 1000.0 * (time.perf_counter() - t_start))
+
+    def _on_slot(self, id_slot: int, task: Callable[[Slot], Any]) -> Any:
+        """Run `task(slot)` on the engine thread once the slot is idle; its result (or its error, raised here)."""
+        future: Future[Any] = Future()
+        with self._wake:
+            if not self._running:
+                raise ServerError("the server is shutting down")
+            self._slot_tasks.append((id_slot, task, future))
+            self._wake.notify()
+        try:
+            return future.result()
+        except EngineError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug or a device failure: a 500 that names it
+            raise ServerError(f"{type(e).__name__}: {e}") from e
+
+    def _erase(self, slot: Slot) -> int:
+        n_erased = len(slot.tokens)
+        self.slots.reset(slot)
+        if self.drafter is not None:
+            self.drafter.rewind(slot, Reuse(0))
+        return n_erased
+
     def close(self) -> None:
         with self._wake:
             self._running = False
@@ -182,13 +240,16 @@ class Engine:
         self._serve()
         for job in [*(s.job for s in self.slots.busy()), *self._queue]:
             job.stream.put(ServerError("the server is shutting down"))
+        with self._wake:
+            for _, _, future in self._slot_tasks:
+                future.set_exception(ServerError("the server is shutting down"))
 
     @torch.inference_mode()  # admission and steps alike: tensors a step makes (cell maps) change at admission
     def _serve(self) -> None:
         busy = False  # "all slots are idle" after work, as llama-server's loop says it
         while True:
             with self._wake:
-                while self._running and not self._queue and not self.slots.busy():
+                while self._running and not self._queue and not self._slot_tasks and not self.slots.busy():
                     if busy:
                         log.info("srv  update_slots: all slots are idle")
                         busy = False
@@ -196,9 +257,28 @@ class Engine:
                 busy = True
                 if not self._running:
                     break
-                self._drop_cancelled()
-                self._admit()
+                tasks = self._idle_slot_tasks()
+                if not tasks:
+                    self._drop_cancelled()
+                    self._admit()
+            if tasks:  # outside the lock (submit never waits on them); admission comes after, next round
+                self._run_slot_tasks(tasks)
+                continue
             self._step()
+
+    def _idle_slot_tasks(self) -> list[tuple[int, Callable[[Slot], Any], Future[Any]]]:
+        """Take the queued slot actions whose slot is idle (the others wait for their request to end)."""
+        ready = [t for t in self._slot_tasks if self.slots[t[0]].job is None]
+        for task in ready:
+            self._slot_tasks.remove(task)
+        return ready
+
+    def _run_slot_tasks(self, tasks: list[tuple[int, Callable[[Slot], Any], Future[Any]]]) -> None:
+        for id_slot, task, future in tasks:
+            try:
+                future.set_result(task(self.slots[id_slot]))
+            except Exception as e:  # noqa: BLE001 - handed to the caller waiting on it
+                future.set_exception(e)
 
     def _step(self) -> None:
         generating = self.slots.in_phase(Phase.GENERATE)

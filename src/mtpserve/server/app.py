@@ -29,6 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import EngineError, RequestStream
+from ..engine.slot_files import slot_file_path
 from ..tokenizer import Tokenizer
 from . import anthropic, openai_responses, params, schema
 from .chat import ChatOutput, ChatPlan, plan_chat
@@ -204,6 +205,34 @@ def create_app(state: ServerState) -> FastAPI:
             }
             for s in info
         ]
+
+    @router.post("/slots/{id_slot}")
+    async def slot_action(id_slot: str, request: Request) -> dict[str, Any]:
+        """llama-server's slot save/restore/erase; files only directly in --slot-save-path (engine/slot_files.py)."""
+        if settings.slot_save_path is None:
+            raise APIError(
+                "This server does not support slots action. Start it with `--slot-save-path`",
+                "not_supported_error",
+                501,
+            )
+        try:
+            n = int(id_slot)
+        except ValueError:
+            raise invalid("Invalid slot ID") from None
+        action, engine = request.query_params.get("action", ""), state.loaded_engine()
+        if action == "erase":
+            erased = await run_in_threadpool(engine.slot_action, n, "erase")
+            return {"id_slot": n, "n_erased": erased.n_tokens}
+        if action not in ("save", "restore"):
+            raise invalid("Invalid action")
+        filename = (await _body(request, settings.max_body_bytes)).raw("filename")
+        path = slot_file_path(settings.slot_save_path, filename)
+        done = await run_in_threadpool(engine.slot_action, n, action, path)
+        if action == "save":
+            counts = {"n_saved": done.n_tokens, "n_written": done.n_bytes, "timings": {"save_ms": done.ms}}
+        else:
+            counts = {"n_restored": done.n_tokens, "n_read": done.n_bytes, "timings": {"restore_ms": done.ms}}
+        return {"id_slot": n, "filename": filename, **counts}
 
     @router.get("/metrics")
     async def metrics() -> Response:

@@ -48,6 +48,7 @@ class ServerSettings:
     webui: bool = True
     metrics: bool = False
     slots_endpoint: bool = True
+    slot_save_path: Path | None = None  # --slot-save-path: the directory of slot files (None: actions refused)
     perf: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY
     max_queue: int = 256  # requests waiting for a slot before new ones get 503 (0: no limit)

@@ -1,0 +1,132 @@
+"""Slot save / restore / erase over HTTP (llama-server's `POST /slots/{id}?action=...`): the answers' fields, a
+restored slot reused as prompt cache with the same greedy text, names that try to leave --slot-save-path (400),
+a busy slot's action deferred until its request ends, and llama-server's 501 without --slot-save-path."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+from ..conftest import tinyqwen_path
+from ..support.server_process import ServerProcess
+from .conftest import TINY_KEY
+
+PROMPT = "Once upon a time, in a city by the sea, there lived an old sailor who told stories to the children."
+
+
+@pytest.fixture(scope="module")
+def saving(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("slots")
+    args = ["-m", str(tinyqwen_path("Q4_K_M")), "-np", "2", "-c", "4096", "-t", "2", "--slot-save-path", str(directory)]
+    process = ServerProcess([*args, "--spec-type", "draft-mtp"], tmp_path_factory.mktemp("server") / "server.log")
+    with httpx.Client(base_url=process.url, timeout=60) as client:
+        yield client, directory
+    process.stop()
+
+
+def _complete(client: httpx.Client, id_slot: int, n_predict: int = 8, prompt: str = PROMPT) -> dict:
+    body = {"prompt": prompt, "id_slot": id_slot, "n_predict": n_predict, "temperature": 0, "cache_prompt": True}
+    response = client.post("/completion", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _action(client: httpx.Client, id_slot: int | str, action: str, filename: object = None) -> httpx.Response:
+    body = None if filename is None else {"filename": filename}
+    return client.post(f"/slots/{id_slot}", params={"action": action}, json=body)
+
+
+def _processing(client: httpx.Client, id_slot: int) -> bool:
+    return next(s["is_processing"] for s in client.get("/slots").json() if s["id"] == id_slot)
+
+
+def _cached(client: httpx.Client, id_slot: int) -> int:
+    return next(s["n_cached_tokens"] for s in client.get("/slots").json() if s["id"] == id_slot)
+
+
+def test_save_erase_restore_and_reuse(saving):
+    client, directory = saving
+    first = _complete(client, 1)
+    saved = _action(client, 1, "save", "story.bin").json()
+    assert saved["id_slot"] == 1 and saved["filename"] == "story.bin"
+    assert saved["n_saved"] == _cached(client, 1) > first["tokens_evaluated"]
+    assert saved["n_written"] == (directory / "story.bin").stat().st_size and saved["timings"]["save_ms"] > 0
+
+    assert _action(client, 1, "erase").json() == {"id_slot": 1, "n_erased": saved["n_saved"]}
+    assert _cached(client, 1) == 0
+
+    restored = _action(client, 0, "restore", "story.bin").json()  # into the other slot
+    assert restored["id_slot"] == 0 and restored["filename"] == "story.bin"
+    assert (restored["n_restored"], restored["n_read"]) == (saved["n_saved"], saved["n_written"])
+    assert restored["timings"]["restore_ms"] > 0
+    again = _complete(client, 0)
+    assert again["content"] == first["content"]
+    # the same prompt again: its recurrent state comes from the restored checkpoint 4 tokens before its end
+    assert again["timings"]["cache_n"] == first["tokens_evaluated"] - 4
+
+
+@pytest.mark.parametrize("name", ["../x.bin", "/etc/passwd", "a/b", "..", "a\0b", "", 42])
+def test_names_that_leave_the_directory_are_refused(saving, name):
+    client, directory = saving
+    for action in ("save", "restore"):
+        response = _action(client, 0, action, name)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and ("filename" in error["message"])
+    assert not (directory.parent / "x.bin").exists()
+
+
+def test_a_symlink_out_of_the_directory_is_not_followed(saving, tmp_path):
+    client, directory = saving
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not yours")
+    os.symlink(outside, directory / "escape.bin")
+    for action in ("save", "restore"):
+        response = _action(client, 0, action, "escape.bin")
+        assert response.status_code == 400 and "symbolic link" in response.json()["error"]["message"]
+    assert outside.read_bytes() == b"not yours"
+
+
+def test_bad_requests(saving):
+    client, _ = saving
+    cases = [
+        (_action(client, 0, "load", "x.bin"), "Invalid action"),
+        (_action(client, "one", "erase"), "Invalid slot ID"),
+        (_action(client, 7, "erase"), "Invalid slot ID"),
+        (_action(client, 0, "restore", "absent.bin"), "no file 'absent.bin'"),
+        (client.post("/slots/0", params={"action": "save"}, json={}), "'filename' is required"),
+    ]
+    for response, message in cases:
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+
+
+def test_a_busy_slots_action_waits_for_its_request(saving):
+    client, _ = saving
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(_complete(client, 1, n_predict=32)))
+    t0 = time.monotonic()
+    worker.start()
+    while not _processing(client, 1):
+        assert time.monotonic() - t0 < 30, "the request never started"
+        time.sleep(0.02)
+    saved = _action(client, 1, "save", "busy.bin").json()  # deferred, as llama-server defers it
+    worker.join()
+    assert saved["n_saved"] == result["tokens_evaluated"] + result["tokens_predicted"] - 1
+
+
+def test_without_slot_save_path_the_actions_are_not_supported(tiny_server):
+    headers = {"Authorization": f"Bearer {TINY_KEY}"}
+    for action in ("save", "restore", "erase"):
+        response = httpx.post(
+            f"{tiny_server.url}/slots/0", params={"action": action}, json={"filename": "x.bin"}, headers=headers
+        )
+        assert response.status_code == 501
+        assert response.json()["error"] == {
+            "code": 501,
+            "message": "This server does not support slots action. Start it with `--slot-save-path`",
+            "type": "not_supported_error",
+        }
