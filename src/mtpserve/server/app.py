@@ -55,6 +55,21 @@ PUBLIC_PATHS = {"/health", "/v1/health", "/v1/models", "/models"}
 # add_routes(router, state, start_chat, read_body) of each API converted to chat (Anthropic Messages, Responses)
 API_ADAPTERS: list[Callable[..., None]] = [anthropic.add_routes, openai_responses.add_routes]
 ID_ALPHABET = string.ascii_letters + string.digits
+# POST /slots/{id}?action=save|restore|erase in /openapi.json: the action and the file name (erase needs none)
+SLOT_ACTION = {
+    "parameters": [
+        {
+            "name": "action",
+            "in": "query",
+            "required": True,
+            "schema": {"type": "string", "enum": ["save", "restore", "erase"]},
+        }
+    ],
+    "requestBody": {
+        "required": False,
+        "content": {"application/json": {"schema": {"type": "object", "properties": {"filename": {"type": "string"}}}}},
+    },
+}
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -206,7 +221,7 @@ def create_app(state: ServerState) -> FastAPI:
             for s in info
         ]
 
-    @router.post("/slots/{id_slot}")
+    @router.post("/slots/{id_slot}", openapi_extra=SLOT_ACTION)
     async def slot_action(id_slot: str, request: Request) -> dict[str, Any]:
         """llama-server's slot save/restore/erase; files only directly in --slot-save-path (engine/slot_files.py)."""
         if settings.slot_save_path is None:
