@@ -25,6 +25,7 @@ and llama-server leave room:
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from .errors import ChatTemplateError
@@ -96,6 +97,13 @@ def output_grammar(
     return "structural_tag", st.StructuralTag(format=body).model_dump_json()
 
 
+def library_message(error: Exception) -> str:
+    """What an xgrammar error says, without the C++ log prefix (time, file, line) its messages carry."""
+    text = str(error).strip()
+    message = text.splitlines()[-1] if text else type(error).__name__
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", message)
+
+
 def json_grammar(schema: dict[str, Any]) -> str:
     """The grammar (xgrammar's EBNF) of JSON values matching `schema`, laid out with JSON_INDENT, numbers without
     bounds limited to 16 integer and 16 fraction digits as llama.cpp's schema grammars are (xgrammar bounds
@@ -106,8 +114,7 @@ def json_grammar(schema: dict[str, Any]) -> str:
     try:
         text = str(Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, indent=JSON_INDENT))
     except Exception as e:  # noqa: BLE001 - the library's errors say what is wrong with the schema
-        message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise StructuredOutputError(f"invalid json schema: {message}"[:500]) from None
+        raise StructuredOutputError(f"invalid json schema: {library_message(e)}"[:500]) from None
     for unbounded, bounded in UNBOUNDED_DIGITS:
         text = text.replace(unbounded, bounded)
     return text

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Collection
@@ -35,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..chat.structured import StructuredOutputError, json_grammar
+from ..chat.structured import StructuredOutputError, json_grammar, library_message
 from ..tokenizer import Tokenizer
 from .errors import InvalidRequest
 from .request import GrammarSpec
@@ -90,9 +89,7 @@ class GrammarCompiler:
         except StructuredOutputError as e:
             raise InvalidGrammar(str(e)) from None
         except Exception as e:  # noqa: BLE001 - the library's errors (RuntimeError, ValueError, its own) say what is wrong
-            message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", message)  # the C++ log prefix: time, file, line
-            raise InvalidGrammar(f"invalid {spec.kind.replace('_', ' ')}: {message}"[:500]) from None
+            raise InvalidGrammar(f"invalid {spec.kind.replace('_', ' ')}: {library_message(e)}"[:500]) from None
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > CACHE_SIZE:
@@ -128,7 +125,6 @@ class Constraint:
         self._pool = pool
         self._pending: Future[None] | None = None
         self._fresh = False  # the bitmask holds the current state's mask
-        self.n_accepted = 0
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """A float32 copy of `logits` [V] with the tokens the grammar (or the ban) forbids at -inf."""
@@ -139,21 +135,12 @@ class Constraint:
         self._xgr.apply_token_bitmask_inplace(out[None, : self.n_vocab], self._bitmask)
         return out
 
-    def allows(self, token: int) -> bool:
-        """Whether the grammar accepts `token` next (without advancing)."""
-        self._wait()
-        if not self._fresh:
-            self._fill()
-        word = int(self._bitmask[0, token // 32])
-        return bool((word >> (token % 32)) & 1)
-
     def accept(self, token: int, prefetch: bool = True) -> bool:
         """Advance past `token`; False (and no change) when the grammar forbids it. With `prefetch` the next
         mask starts filling in the background."""
         self._wait()
         if self._matcher.is_terminated() or not self._matcher.accept_token(token):
             return False
-        self.n_accepted += 1
         self._fresh = False
         if prefetch:
             self._prefetch()
@@ -165,14 +152,8 @@ class Constraint:
             return
         self._wait()
         self._matcher.rollback(n)
-        self.n_accepted -= n
         self._fresh = False
         self._prefetch()
-
-    @property
-    def terminated(self) -> bool:
-        """The grammar is complete and its stop token accepted."""
-        return self._matcher.is_terminated()
 
     def _prefetch(self) -> None:
         if self._pool is not None and not self._matcher.is_terminated():
