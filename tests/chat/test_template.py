@@ -284,3 +284,57 @@ def test_tojson_writes_what_llama_cpp_writes():
     assert to_json([1, {"x": []}], indent=2) == '[\n  1,\n  {\n    "x": []\n  }\n]'
     assert to_json({"é": 1}, ensure_ascii=True) == '{"\\u00e9": 1}'
     assert json.loads(to_json(value)) == {"b": 1, "a": [0.1, 1e-07, 1.23457e08, True, None], "é": '"\n\x01'}
+
+
+BOOK = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]
+LLAMA3_GEN = "<|start_header_id|>assistant<|end_header_id|>\n\n"
+
+
+@pytest.mark.parametrize(
+    ("prefill", "continued"),
+    [("Whill", "Whill"), ([{"type": "text", "text": "Wh"}, {"type": "text", "text": "ill"}], "Wh\n\nill")],
+)
+def test_continued_final_message_ends_the_prompt_open(prefill, continued):
+    """llama-server's test_chat_template_assistant_prefill: the other messages and the generation prompt, then the
+    message's content as is (its text parts joined with "\\n\\n"), with no end of turn."""
+    llama3 = ChatTemplate(resolve_chat_template("llama3"))
+    out = llama3.apply([*BOOK, {"role": "assistant", "content": prefill}], continue_final_message="auto")
+    assert out == ChatPrompt(
+        "<|start_header_id|>system<|end_header_id|>\n\nBook<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
+        "What is the best book<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n" + continued,
+        LLAMA3_GEN,
+        continued,
+    )
+    assert llama3.apply(BOOK, add_generation_prompt=True).prompt + continued == out.prompt
+
+
+@pytest.mark.parametrize(
+    ("answer", "mode", "prefill"),
+    [
+        ({"content": "Hel"}, "auto", "<think>\n\n</think>\n\nHel"),
+        ({"content": "Hel", "reasoning_content": "Greet."}, "auto", "<think>\nGreet.\n</think>\n\nHel"),
+        ({"content": "Hel", "reasoning_content": "Greet."}, "content", "<think>\nGreet.\n</think>\n\nHel"),
+        ({"content": "", "reasoning_content": "Gre"}, "auto", "<think>\nGre"),
+        ({"content": "Hel", "reasoning_content": "Gre"}, "reasoning_content", "<think>\nGre"),
+    ],
+    ids=["content", "both", "content-asked", "reasoning", "reasoning-asked"],
+)
+@pytest.mark.parametrize("thinking", [True, False])
+def test_qwen35_continues_content_or_reasoning(qwen35, answer, mode, prefill, thinking):
+    """llama.cpp's Qwen3.5 handler (common/parsers/qwen3-coder.cpp): `<|im_start|>assistant\\n<think>\\n` +
+    reasoning, then `\\n</think>\\n\\n` + content unless only the reasoning is continued, thinking on or off."""
+    out = qwen35.apply([*HELLO, {"role": "assistant", **answer}], continue_final_message=mode, enable_thinking=thinking)
+    assert out == ChatPrompt(ONE_TURN_ON.removesuffix("<think>\n") + prefill, "<|im_start|>assistant\n", prefill)
+
+
+def test_continued_reasoning_without_think_tags_adds_nothing():
+    """A template without reasoning tags continues only content: reasoning alone leaves the generation prompt."""
+    out = ChatTemplate(CHATML_TEMPLATE).apply(
+        [*HELLO, {"role": "assistant", "content": None, "reasoning_content": "Hmm"}], continue_final_message="auto"
+    )
+    assert out == ChatPrompt("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n", "<|im_start|>assistant\n")
+
+
+def test_unknown_continuation_is_an_error():
+    with pytest.raises(ChatTemplateError, match="continue_final_message must be one of"):
+        ChatTemplate(CHATML_TEMPLATE).apply(HELLO, continue_final_message="everything")

@@ -16,6 +16,9 @@ type/function/name/description/parameters), `bos_token`/`eos_token` text, `enabl
 text is stripped when the tokenizer adds BOS itself (likewise a trailing EOS). The `tool_use` variant is
 used when a request has tools and the GGUF has one.
 
+A request may continue its last message instead of starting a new one (`continue_final_message`, llama-server's
+assistant prefill): the prompt then ends inside that message (`ChatTemplate._continue`).
+
 Every failure -- a template that does not compile, a render error, `raise_exception(...)`, messages or tools of the
 wrong shape -- is one `ChatTemplateError` (a ValueError) that a server turns into HTTP 400.
 """
@@ -23,15 +26,18 @@ wrong shape -- is one `ChatTemplateError` (a ValueError) that a server turns int
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol
 
+from .builtin_templates import CHATML_TEMPLATE
+from .builtin_templates import TEMPLATES as BUILTIN_TEMPLATES
 from .errors import ChatTemplateError, ChatTemplateLimitError
 from .messages import as_text, normalize_messages, normalize_tools
-from .reasoning import ThinkTags
+from .reasoning import WHITESPACE, ThinkTags
 from .sandbox import compile_template, render
 
 
@@ -48,31 +54,27 @@ class TemplateSource(Protocol):
     def token_to_piece(self, token_id: int, special: bool = False) -> str: ...
 
 
-# llama.cpp's built-in template (common/chat.cpp CHATML_TEMPLATE_SRC): the fallback for a GGUF without one.
-CHATML_TEMPLATE = (
-    "{%- for message in messages -%}\n"
-    "  {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}\n"
-    "{%- endfor -%}\n"
-    "{%- if add_generation_prompt -%}\n"
-    "  {{- '<|im_start|>assistant\n' -}}\n"
-    "{%- endif -%}"
-)
-BUILTIN_TEMPLATES = {"chatml": CHATML_TEMPLATE}
-
 _PROBE = "MTPSERVE_CAPABILITY_PROBE"  # no whitespace: templates trim content
+CONTINUATIONS = ("auto", "content", "reasoning_content")  # how a final message is continued (llama.cpp's names)
 
 
 @dataclass(frozen=True)
 class ChatPrompt:
     """A rendered chat: the prompt to tokenize (with parse_special) and the generation prompt, the suffix
-    that `add_generation_prompt` adds, which the output parser puts in front of the generated text."""
+    that `add_generation_prompt` adds, which the output parser puts in front of the generated text.
+
+    A continued final message (`continue_final_message`) ends the prompt with `prefill`, the start of the
+    assistant's turn already written: the output parser reads it as the beginning of the output, and
+    `generation_prompt` is then what comes before it."""
 
     prompt: str
     generation_prompt: str
+    prefill: str = ""
 
 
 def resolve_chat_template(value: str) -> str:
-    """`--chat-template FILE|NAME`: a built-in name (`chatml`), a template file, or inline Jinja source."""
+    """`--chat-template FILE|NAME`: one of llama.cpp's built-in names (builtin_templates.py), a template file, or
+    inline Jinja source."""
     if value in BUILTIN_TEMPLATES:
         return BUILTIN_TEMPLATES[value]
     path = Path(value).expanduser()
@@ -153,18 +155,25 @@ class ChatTemplate:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: str | None = None,
         enable_thinking: bool | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         now: dt.datetime | None = None,
     ) -> ChatPrompt:
         """Render `messages` (OpenAI chat format) into the prompt, plus the generation prompt.
 
-        enable_thinking defaults to `supports_thinking`; chat_template_kwargs are extra template variables
-        (JSON values). Raises ChatTemplateError for anything that cannot be rendered.
+        continue_final_message (one of CONTINUATIONS, None: off) leaves the last message open for the model to
+        continue, as llama.cpp does (`_continue`); add_generation_prompt is then ignored. enable_thinking
+        defaults to `supports_thinking`; chat_template_kwargs are extra template variables (JSON values).
+        Raises ChatTemplateError for anything that cannot be rendered.
         """
+        if continue_final_message not in (None, *CONTINUATIONS):
+            raise ChatTemplateError(f"continue_final_message must be one of {', '.join(CONTINUATIONS)}")
         norm_tools = normalize_tools(tools)
         variant = self._tool_use if norm_tools and self._tool_use is not None else self._default
-        norm_messages = variant.adapt(normalize_messages(messages, keep_developer="<|channel|>" in variant.source))
+        norm_messages = normalize_messages(messages, keep_developer="<|channel|>" in variant.source)
+        final = norm_messages.pop() if continue_final_message and norm_messages else None
+        norm_messages = variant.adapt(norm_messages)
         now = now or dt.datetime.now()
         context: dict[str, Any] = {
             "messages": norm_messages,
@@ -192,7 +201,32 @@ class ChatTemplate:
         without = self._strip(variant.render(context, now))
         with_prompt = self._strip(variant.render(context | {"add_generation_prompt": True}, now))
         common = len(without) if with_prompt.startswith(without) else len(_common_prefix(without, with_prompt))
+        if final is not None and continue_final_message:
+            header, prefill = self._continue(variant, with_prompt[common:], final, continue_final_message)
+            return ChatPrompt(without + header + prefill, header, prefill)
         return ChatPrompt(with_prompt if add_generation_prompt else without, with_prompt[common:])
+
+    def _continue(
+        self, variant: _Variant, generation_prompt: str, final: Mapping[str, Any], mode: str
+    ) -> tuple[str, str]:
+        """llama.cpp's continuation of the final message (common/chat.cpp, chat-auto-parser-generator.cpp): the
+        other messages are rendered with the generation prompt, and the message follows it, open. Its content
+        (text parts joined with "\\n\\n") is written as is; a thinking template's prompt is first cut before
+        its reasoning block, which is written again around the message's reasoning (left open when only the
+        reasoning is continued: mode `reasoning_content`, or `auto` with reasoning and no content).
+        Returns (the generation prompt up to the continued text, the continued text)."""
+        content = final["content"]
+        content = content if isinstance(content, str) else "\n\n".join(part["text"] for part in content)
+        reasoning = final.get("reasoning_content", "")
+        if mode == "auto":
+            mode = "reasoning_content" if reasoning and not content else "content"
+        tags = self.think_tags
+        if tags is None:
+            return generation_prompt, content if mode == "content" else ""
+        start, end = variant.think_markers(tags)
+        cut = generation_prompt.find(start)
+        header = generation_prompt if cut < 0 else generation_prompt[:cut]
+        return header, start + reasoning + (end + content if mode == "content" else "")
 
     def _strip(self, text: str) -> str:
         if self.add_bos and self.bos_token and text.startswith(self.bos_token):
@@ -212,10 +246,16 @@ class _Variant:
     def render(self, context: Mapping[str, Any], now: dt.datetime) -> str:
         return render(self.template, context, now)
 
-    def _probe(self, messages: list[dict[str, Any]]) -> str | None:
+    def _probe(self, messages: list[dict[str, Any]], **extra: Any) -> str | None:
         try:
-            context = {"messages": messages, "tools": [], "bos_token": "", "eos_token": ""}
-            return self.render(context | {"add_generation_prompt": True}, dt.datetime.now())
+            context = {
+                "messages": messages,
+                "tools": [],
+                "bos_token": "",
+                "eos_token": "",
+                "add_generation_prompt": True,
+            }
+            return self.render(context | extra, dt.datetime.now())
         except ChatTemplateLimitError:  # a template that blows a limit on a one-line probe is hostile: say so
             raise
         except ChatTemplateError:
@@ -232,6 +272,17 @@ class _Variant:
     def ignores_system(self) -> bool:
         out = self._probe([{"role": "system", "content": _PROBE}, {"role": "user", "content": "Hi"}])
         return out is not None and _PROBE not in out
+
+    def think_markers(self, tags: ThinkTags) -> tuple[str, str]:
+        """The reasoning block's opening and closing markers with the whitespace the template writes around
+        the reasoning (Qwen: `<think>\\n`, `\\n</think>\\n\\n`), read off a past answer with reasoning as
+        llama.cpp's template analysis reads them; the bare tags when the template shows no such answer."""
+        answer = {"role": "assistant", "content": "Hello", "reasoning_content": _PROBE}
+        messages = [{"role": "user", "content": "Hi"}, answer]
+        out = self._probe(messages, add_generation_prompt=False, enable_thinking=True) or ""
+        space = f"[{re.escape(WHITESPACE)}]*"
+        found = re.search(f"({re.escape(tags.start)}{space}){_PROBE}({space}{re.escape(tags.end)}{space})", out)
+        return (found[1], found[2]) if found else (tags.start, tags.end)
 
     def adapt(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """llama.cpp's workarounds for what this template cannot read."""

@@ -35,6 +35,7 @@ class ChatSettings:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     reasoning_budget: int = -1  # --reasoning-budget: thinking tokens (-1 unlimited, 0 close at once)
     reasoning_budget_message: str = ""  # --reasoning-budget-message: forced before the end tag
+    prefill_assistant: bool = True  # a trailing assistant message is continued (--no-prefill-assistant: off)
 
 
 @dataclass
@@ -51,6 +52,9 @@ class ChatPlan:
     last_user_start: int | None
     grammar: GrammarSpec | None = None  # response_format / tool_choice as a constraint on the output
     reasoning_budget: ReasoningBudgetSpec | None = None  # a reasoning budget on the output's opened <think>
+    prompt_text: str = ""  # the rendered prompt, before tokenization (`__verbose.prompt`, /apply-template)
+    prefill: str = ""  # the continued final message: the start of the output, already in the prompt
+    stream_prefill: bool = True  # whether the first delta repeats the prefill (llama-server: unless asked for)
 
 
 def plan_chat(body: Body, template: ChatTemplate, tokenizer: Tokenizer, settings: ChatSettings) -> ChatPlan:
@@ -90,20 +94,32 @@ def plan_chat(body: Body, template: ChatTemplate, tokenizer: Tokenizer, settings
     if "enable_thinking" in kwargs and isinstance(kwargs["enable_thinking"], bool):
         enable_thinking = kwargs["enable_thinking"]
     add_generation_prompt = body.bool("add_generation_prompt", True)
+    continuation = _continuation(body.raw("continue_final_message"))
+    asked = continuation is not None
+    if not asked and settings.prefill_assistant and messages[-1]["role"] == "assistant":
+        if len(messages) >= 2 and messages[-2]["role"] == "assistant":
+            raise invalid("Cannot have 2 or more assistant messages at the end of the list.")
+        continuation, add_generation_prompt = "auto", False
+    if continuation is not None and add_generation_prompt:
+        raise invalid("Cannot set both add_generation_prompt and continue_final_message to true.")
+    if continuation is not None and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+        raise invalid("Cannot continue an assistant message that contains tool calls.")
     try:
         rendered = template.apply(
             messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continuation,
             enable_thinking=enable_thinking,
             chat_template_kwargs=kwargs,
         )
     except ChatTemplateError as e:
         raise invalid(str(e)) from None
     prompt = tokenizer.encode(rendered.prompt, add_special=True, parse_special=True)
-    generation_prompt = rendered.generation_prompt if add_generation_prompt else ""
+    generation_prompt = rendered.generation_prompt if add_generation_prompt or continuation else ""
+    output_start = generation_prompt + rendered.prefill  # what the model's output continues
     think_tags = template.think_tags
-    opened = think_tags is not None and generation_prompt.rstrip().endswith(think_tags.start)
+    opened = think_tags is not None and opens_reasoning(output_start, think_tags.start, think_tags.closers)
     try:
         grammar = output_grammar(
             reasoning=think_tags if opened else None,
@@ -119,7 +135,7 @@ def plan_chat(body: Body, template: ChatTemplate, tokenizer: Tokenizer, settings
     top_logprobs = body.int("top_logprobs", 20 if logprobs else 0, lo=0, hi=20)
     if top_logprobs and not logprobs and body.has("top_logprobs"):
         raise invalid("top_logprobs requires logprobs to be set to true")
-    reasoning_budget = _reasoning_budget(body, settings, generation_prompt, template, tokenizer)
+    reasoning_budget = _reasoning_budget(body, settings, output_start, template, tokenizer)
     return ChatPlan(
         prompt=prompt,
         generation_prompt=generation_prompt,
@@ -131,7 +147,18 @@ def plan_chat(body: Body, template: ChatTemplate, tokenizer: Tokenizer, settings
         last_user_start=_last_user_start(messages, prompt, template, tokenizer, tools, enable_thinking, kwargs),
         grammar=GrammarSpec(*grammar) if grammar else None,
         reasoning_budget=reasoning_budget,
+        prompt_text=rendered.prompt,
+        prefill=rendered.prefill,
+        stream_prefill=not asked,
     )
+
+
+def _continuation(value: object) -> str | None:
+    """`continue_final_message` as llama.cpp reads it: true (the message's kind decides), "content" or
+    "reasoning_content"; anything else is off."""
+    if value is True:
+        return "auto"
+    return value if isinstance(value, str) and value in ("content", "reasoning_content") else None
 
 
 def _reasoning_budget(
@@ -192,7 +219,11 @@ def keep_special_ids(tokenizer: Tokenizer) -> frozenset[int]:
 
 
 class ChatOutput:
-    """Generated text -> OpenAI `delta`s: reasoning split first, then tool calls out of the content."""
+    """Generated text -> OpenAI `delta`s: reasoning split first, then tool calls out of the content.
+
+    A continued message's prefill is parsed first, as the output's beginning (llama-server parses the
+    generation prompt, prefill included, with the generated text): the message holds it, and the first delta
+    repeats it unless the request asked for the continuation itself (llama-server's `is_continuation`)."""
 
     def __init__(self, plan: ChatPlan, template: ChatTemplate) -> None:
         self.reasoning = ReasoningStream(plan.generation_prompt, template.think_tags, extract=plan.extract_reasoning)
@@ -200,12 +231,19 @@ class ChatOutput:
         self.reasoning_content = ""
         self.content = ""
         self.calls: list[dict[str, Any]] = []
+        self._held: list[dict[str, Any]] = []
+        prefill = self.feed(plan.prefill) if plan.prefill else []
+        self._held = prefill if plan.stream_prefill else []
 
     def feed(self, text: str) -> list[dict[str, Any]]:
-        return self._deltas(self.reasoning.feed(text), final=False)
+        return self._release() + self._deltas(self.reasoning.feed(text), final=False)
 
     def finish(self) -> list[dict[str, Any]]:
-        return self._deltas(self.reasoning.finish(), final=True)
+        return self._release() + self._deltas(self.reasoning.finish(), final=True)
+
+    def _release(self) -> list[dict[str, Any]]:
+        held, self._held = self._held, []
+        return held
 
     def _deltas(self, split: Any, final: bool) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
