@@ -17,6 +17,7 @@ from mtpserve.chat.structured import (
     output_grammar,
     response_schema,
     tool_call_format,
+    tuples_as_prefix_items,
 )
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "number"}}, "required": ["n"], "additionalProperties": False}
@@ -136,3 +137,15 @@ def test_forced_calls_allow_no_text_after_them_and_no_padding_in_values():
     assert not accepts(grammar, CALL.replace("\n3\n", "\n 3\n"))
     single = _plan(tools=[TOOL], tool_choice="required", tool_format=QWEN_XML, parallel_tool_calls=False)
     assert accepts(single, CALL) and not accepts(single, CALL + "\n" + CALL)
+
+
+def test_draft_4_tuples_become_prefix_items_and_hold_the_tuple_alone():
+    """`items` as an array (draft 4, llama.cpp's test suite sends it) is today's `prefixItems`; the tuple's
+    length is fixed unless `additionalItems` says otherwise, as llama.cpp's schema grammars read it."""
+    schema = {"type": "object", "properties": {"pair": {"items": [{"type": "integer"}, {"type": "string"}]}}}
+    pair = tuples_as_prefix_items(schema)["properties"]["pair"]
+    assert pair == {"prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False}
+    more = tuples_as_prefix_items({"items": [{"type": "integer"}], "additionalItems": {"type": "string"}})
+    assert more == {"prefixItems": [{"type": "integer"}], "items": {"type": "string"}}
+    grammar = Grammar.from_ebnf(json_grammar({"type": "array", "items": [{"type": "integer"}]}))
+    assert accepts(grammar, "[\n  -3000\n]") and not accepts(grammar, "[\n  1,\n  2\n]")

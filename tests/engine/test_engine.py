@@ -193,7 +193,9 @@ def test_timings_follow_llama_servers_definitions():
     d = t.as_dict()
     assert d["prompt_n"] == len(_cases()[0]["prompt_token_ids"]) and d["predicted_n"] == 10 and d["cache_n"] == 0
     assert d["prompt_per_second"] == pytest.approx(1000 * d["prompt_n"] / d["prompt_ms"])
-    assert d["predicted_per_token_ms"] == pytest.approx(d["predicted_ms"] / d["predicted_n"])
+    # rates over decode steps: the first token comes with the prompt's last batch (llama-server's n_gen_steps)
+    assert d["predicted_per_token_ms"] == pytest.approx(d["predicted_ms"] / (d["predicted_n"] - 1))
+    assert d["predicted_per_second"] == pytest.approx(1000 * (d["predicted_n"] - 1) / d["predicted_ms"])
     assert "draft_n" not in d
 
 

@@ -9,6 +9,7 @@ from functools import cache
 import pytest
 
 from mtpserve.engine import ContextSizeExceeded, Engine, EngineConfig, Request, SamplingParams, SpecConfig
+from mtpserve.engine.errors import ContextPoolFull
 from mtpserve.engine.planner import plan_for_file
 from mtpserve.engine.slots import Slots
 from mtpserve.models.loader import load
@@ -60,22 +61,32 @@ def test_one_long_request_and_three_short_ones_share_the_context(spec):
     assert len({r.id_slot for r in together}) == 4
 
 
-def test_a_full_pool_ends_the_request_that_finds_no_cell_and_gives_its_cells_to_the_other():
+def test_a_full_pool_fails_the_request_that_finds_no_cell_and_gives_its_cells_to_the_other():
     """Two requests generating in a pool of 256 cells: when it is full, the one whose next token finds no cell
-    ends as at a full context (truncated); its cache, kept for reuse, is taken back by the other, which goes on
-    to the slot's context. Each gets the tokens it gets alone."""
+    fails with llama-server's "Context size has been exceeded" (a 500: its reply would otherwise be cut short
+    under finish_reason "length"); its cells go to the other, which goes on to the slot's context with the
+    tokens it gets alone."""
     text = _long_prompt(80)
     prompts = [text[:40], text[40:]]
     with _engine(n_parallel=1, ctx_size=256) as engine:
         alone = [engine.submit(Request(p, GREEDY, ignore_eos=True)).result().tokens for p in prompts]
     with _engine(n_parallel=2, ctx_size=256, kv_unified=True) as engine:
         streams = [engine.submit(Request(p, GREEDY, ignore_eos=True)) for p in prompts]
-        results = [s.result() for s in streams]
-        usage, slots = engine.memory_usage(), engine.slots_info()
-    assert all(r.truncated and r.finish_reason == "length" for r in results)
-    assert sorted(len(r.tokens) for r in results) == [128 + 1 - 40, 256 - 40]  # full pool, full context
-    assert [r.tokens for r in results] == [tokens[: len(r.tokens)] for tokens, r in zip(alone, results)]
-    assert usage.tokens_cached == 255 and sorted(s.n_cached for s in slots) == [0, 255]
+        outcomes = []
+        for stream in streams:
+            try:
+                outcomes.append(stream.result())
+            except ContextPoolFull as e:
+                outcomes.append(e)
+        slots = engine.slots_info()
+    failed = [o for o in outcomes if isinstance(o, ContextPoolFull)]
+    finished = [(o, tokens) for o, tokens in zip(outcomes, alone) if not isinstance(o, ContextPoolFull)]
+    assert len(failed) == 1 and failed[0].code == 500
+    assert "context size has been exceeded" in str(failed[0]).lower()
+    ((result, tokens),) = finished
+    assert result.truncated and result.finish_reason == "length" and len(result.tokens) == 256 - 40
+    assert result.tokens == tokens[: len(result.tokens)]
+    assert sorted(s.n_cached for s in slots) == [0, 255]
 
 
 @pytest.mark.parametrize("name", ["tinyqwen35", "gemma3"])

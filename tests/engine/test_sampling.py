@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from mtpserve.engine.sampling import Sampler, SamplingParams, top_probabilities
+from mtpserve.engine.sampling import (
+    Mt19937Uniform,
+    Sampler,
+    SamplingParams,
+    post_sampling_probabilities,
+    top_probabilities,
+)
 
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.7, 0.3, 0.0, -0.4, -1.0, -2.0, -3.0, -6.0])
 N_DRAWS = 20_000
@@ -105,3 +111,33 @@ def test_top_probabilities_are_the_raw_softmax():
     assert [p for _, p in top] == pytest.approx(probs[:3].tolist())
     _, p_sampled = top_probabilities(LOGITS, 1, token=2)
     assert p_sampled == pytest.approx(float(probs[2]))
+
+
+@pytest.mark.parametrize(
+    "params", [dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05), dict(temperature=1.3, top_k=4)]
+)
+def test_post_sampling_probabilities_are_the_filtered_distribution(params):
+    """llama-server's post_sampling_probs: the n most likely of the distribution the draw comes from (the
+    filters' definition, written out in `expected`), and the drawn token's probability there."""
+    sampler = Sampler(SamplingParams(**params, seed=3))
+    dist = expected(LOGITS.numpy().astype(np.float64), **params)
+    top, p_token = post_sampling_probabilities(sampler, LOGITS, 3, token=1)
+    order = np.argsort(-dist, kind="stable")[:3]
+    assert [i for i, _ in top] == order.tolist()
+    assert [p for _, p in top] == pytest.approx(dist[order].tolist())
+    assert p_token == pytest.approx(float(dist[1]))
+    _, p_removed = post_sampling_probabilities(sampler, LOGITS, 3, token=11)  # cut by the filters
+    assert p_removed == 0.0
+
+
+def test_draws_are_llama_cpps_mt19937_through_libstdcpp_uniform_real_distribution():
+    """The first draws of std::mt19937(seed) read by std::uniform_real_distribution<double>(0, 1), printed by a
+    C++ program built with g++ (libstdc++, as llama.cpp's Linux builds): the same seed draws the same numbers."""
+    libstdcpp = {
+        42: [0.79654298428784598, 0.18343478789336848, 0.77969099761266125, 0.59685016158005655],
+        4242: [0.80856906956176955, 0.24104133666036989, 0.45280400731461307, 0.33380064770730894],
+        0: [0.59284461651668263, 0.84426574425659828, 0.85794561998982988, 0.84725173738433124],
+    }
+    for seed, expected_draws in libstdcpp.items():
+        rng = Mt19937Uniform(seed)
+        assert [rng.random() for _ in expected_draws] == expected_draws

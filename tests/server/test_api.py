@@ -235,7 +235,8 @@ def test_every_route_of_the_app_is_protected_but_the_public_ones(server, tmp_pat
     """Not a hand-kept list: every route the app defines, asked without a key."""
     from fastapi.routing import APIRoute
 
-    from mtpserve.server.app import PUBLIC_PATHS, create_app
+    from mtpserve.server.app import create_app
+    from mtpserve.server.middleware import PUBLIC_PATHS
     from mtpserve.server.state import ServerSettings, ServerState
 
     def flatten(routes):  # included routers nest their routes
@@ -311,7 +312,9 @@ BAD_REQUESTS = [
         "tools",
     ),
     ("mirostat", "/completion", {"prompt": "a", "mirostat": 2}, 400, "invalid_request_error", "mirostat"),
-    ("n > 1", "/v1/chat/completions", {**CHAT, "n": 3}, 400, "invalid_request_error", "one choice"),
+    ("n > 1 streamed", "/v1/chat/completions", {**CHAT, "n": 3, "stream": True}, 400, "invalid_request_error", "n > 1"),
+    ("n too many", "/v1/chat/completions", {**CHAT, "n": 17}, 400, "invalid_request_error", "Field 'n'"),
+    ("best_of", "/v1/completions", {"prompt": "a", "best_of": 2}, 400, "invalid_request_error", "best_of"),
     (
         "tool_choice",
         "/v1/chat/completions",

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from ..conftest import tinyqwen_path
+from ..conftest import default_model, tinyqwen_path
 from ..support.server_process import ServerProcess
 from .conftest import TINY_KEY
 
@@ -130,3 +130,52 @@ def test_without_slot_save_path_the_actions_are_not_supported(tiny_server):
             "message": "This server does not support slots action. Start it with `--slot-save-path`",
             "type": "not_supported_error",
         }
+
+
+def test_a_slot_saved_before_a_restart_continues_after_it_and_another_models_file_is_refused(tmp_path):
+    """The acceptance run over HTTP: a ~1,000-token conversation on tinyqwen35 saved, the server stopped, a new
+    server process restores the slot and the next turn gives the uninterrupted run's greedy tokens from the
+    cache; a slot file saved by SmolLM2 is refused by tinyqwen35 with a message."""
+    directory = tmp_path / "slots"
+    directory.mkdir()
+    tiny = ["-m", str(tinyqwen_path("Q4_K_M")), "-np", "1", "-c", "4096", "-t", "2", "--slot-save-path", str(directory)]
+    first = list(range(300, 1300))  # 1,000 prompt tokens
+
+    def complete(client: httpx.Client, prompt: list[int]) -> dict:
+        body = {"prompt": prompt, "n_predict": 16, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+        response = client.post("/completion", json=body | {"id_slot": 0})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    before = ServerProcess(tiny, tmp_path / "before.log")
+    try:
+        with httpx.Client(base_url=before.url, timeout=120) as client:
+            turn1 = complete(client, first)
+            assert _action(client, 0, "save", "talk.bin").json()["n_saved"] >= 1000
+            second = [*first, *turn1["tokens"], 500, 501, 502]
+            uninterrupted = complete(client, second)
+    finally:
+        before.stop()
+
+    smol = ServerProcess(
+        ["-m", str(default_model("smollm2")), "-np", "1", "-t", "2", "--slot-save-path", str(directory)],
+        tmp_path / "smol.log",
+    )
+    try:
+        with httpx.Client(base_url=smol.url, timeout=60) as client:
+            complete(client, list(range(10, 40)))
+            assert _action(client, 0, "save", "smol.bin").status_code == 200
+    finally:
+        smol.stop()
+
+    after = ServerProcess(tiny, tmp_path / "after.log")
+    try:
+        with httpx.Client(base_url=after.url, timeout=120) as client:
+            assert _action(client, 0, "restore", "talk.bin").json()["n_restored"] >= 1000
+            resumed = complete(client, second)
+            refused = _action(client, 0, "restore", "smol.bin")
+    finally:
+        after.stop()
+    assert resumed["tokens"] == uninterrupted["tokens"]
+    assert resumed["timings"]["cache_n"] == uninterrupted["timings"]["cache_n"] >= 1000
+    assert refused.status_code == 400 and "another model" in refused.json()["error"]["message"]

@@ -112,12 +112,30 @@ def json_grammar(schema: dict[str, Any]) -> str:
     from xgrammar import Grammar
 
     try:
-        text = str(Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, indent=JSON_INDENT))
+        text = str(
+            Grammar.from_json_schema(
+                json.dumps(tuples_as_prefix_items(schema)), any_whitespace=False, indent=JSON_INDENT
+            )
+        )
     except Exception as e:  # noqa: BLE001 - the library's errors say what is wrong with the schema
         raise StructuredOutputError(f"invalid json schema: {library_message(e)}"[:500]) from None
     for unbounded, bounded in UNBOUNDED_DIGITS:
         text = text.replace(unbounded, bounded)
     return text
+
+
+def tuples_as_prefix_items(schema: Any) -> Any:
+    """Draft-04 tuples (`items` as an array) in today's words (`prefixItems`), which xgrammar reads. Without
+    `additionalItems` the array is the tuple alone, as llama.cpp's schema grammars read it."""
+    if isinstance(schema, list):
+        return [tuples_as_prefix_items(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: tuples_as_prefix_items(v) for k, v in schema.items()}
+    if isinstance(out.get("items"), list):
+        out["prefixItems"] = out.pop("items")
+        out["items"] = out.pop("additionalItems", False)
+    return out
 
 
 def _qwen_calls(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any], parallel: bool) -> Any:

@@ -29,8 +29,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def llama_flag_names(argv: list[str]) -> list[str]:
+    """llama.cpp's parser reads `--flag_name` as `--flag-name` (its test suite passes `--backend_sampling`);
+    the same here for `serve`. Only a word that starts with `--` is a flag name: values are left alone."""
+    if not argv or argv[0] != "serve":
+        return argv
+    out = []
+    for word in argv:
+        if word.startswith("--") and "_" in word.split("=", 1)[0]:
+            name, sep, value = word.partition("=")
+            word = name.replace("_", "-") + sep + value
+        out.append(word)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(llama_flag_names(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
     try:
         return args.func(args)

@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -34,6 +35,7 @@ from ..engine.devices import GpuRequest, cuda_devices, list_devices_text
 from ..engine.sampling import RANDOM_SEED
 from ..quant import CACHE_TYPES
 from ..server.chat import REASONING_FORMATS, ChatSettings
+from ..server.middleware import CorsSettings
 from ..server.state import DEFAULT_MAX_BODY, ServerSettings
 from .common import add_spec_arguments, apply_threads, model_path, spec_config
 
@@ -49,7 +51,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-hff", "--hf-file", help="with -hf: this file of the repo instead of choosing by QUANT")
     p.add_argument("-hft", "--hf-token", help="Hugging Face token (default: HF_TOKEN or the saved login)")
     p.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on, or a path ending in .sock (default 127.0.0.1)"
+        "--host",
+        default="127.0.0.1",
+        help="address(es) to listen on, comma-separated, or a path ending in .sock (default 127.0.0.1)",
     )
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("-a", "--alias", help="model name(s) for the API, comma-separated")
@@ -61,6 +65,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", help="API key(s), comma-separated")
     p.add_argument("--api-key-file", help="a file with one API key per line")
     p.add_argument("--api-prefix", default="", help="prefix for every path (e.g. /llm)")
+    p.add_argument("--tags", default="", help="model tags, comma-separated (informational: listed by /v1/models)")
+    p.add_argument(
+        "--cors-origins",
+        default="*",
+        help="allowed origins: * (default), localhost (only localhost origins), or a comma-separated list",
+    )
+    p.add_argument("--cors-methods", default="GET, POST, DELETE, OPTIONS", help="Access-Control-Allow-Methods")
+    p.add_argument("--cors-headers", default="*", help="Access-Control-Allow-Headers")
+    p.add_argument(
+        "--cors-credentials", action=argparse.BooleanOptionalAction, default=True, help="allow credentials (default)"
+    )
     # placement (GPU flags: CPU machines note and ignore them)
     p.add_argument(
         "-ngl", "--gpu-layers", "--n-gpu-layers", dest="gpu_layers", help="layers on the GPU: N, all or auto"
@@ -137,6 +152,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--reasoning-budget-message", default="", help="text forced before </think> when the budget runs out"
     )
     p.add_argument(
+        "--prefill-assistant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="continue a trailing assistant message (default) rather than answer after it",
+    )
+    p.add_argument(
         "--reasoning-preserve",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -153,7 +174,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat-penalty", type=float, default=1.0)
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("-s", "--seed", type=int, default=RANDOM_SEED)
+    p.add_argument("-s", "--seed", type=int, default=RANDOM_SEED, help="default seed of every request (-1: random)")
+    p.add_argument(
+        "-bs",
+        "--backend-sampling",
+        action="store_true",
+        help="(llama-server's on-device sampling: accepted; the sampler's tokens and probabilities are the same)",
+    )
     # server
     p.add_argument("--metrics", action="store_true", help="enable GET /metrics")
     p.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True, help="GET /slots")
@@ -162,6 +189,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--webui", action=argparse.BooleanOptionalAction, default=True, help="the chat page at /")
     p.add_argument("--no-ui", dest="webui", action="store_false")
     p.add_argument("--embeddings", action="store_true", help="(not supported)")
+    p.add_argument("--tools", help="(llama-server's experimental built-in agent tools: not built)")
+    p.add_argument("--ui-mcp-proxy", action="store_true", help="(llama-server's web-UI MCP proxy: not built)")
     p.add_argument("-to", "--timeout", type=int, default=3600, help="idle connection timeout, seconds")
     p.add_argument("--threads-http", type=int, default=-1, help="(accepted: one event loop serves HTTP)")
     p.add_argument(
@@ -182,7 +211,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "-lv", "--log-verbosity", "--verbosity", dest="verbosity", type=int, default=3, help="1 errors .. 4 debug"
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="= -lv 4")
+    p.add_argument("-v", "--verbose", action="store_true", help="= -lv 4, and answers carry __verbose (debugging)")
     p.add_argument("--log-file", help="also write the log to this file")
     p.add_argument("--log-disable", action="store_true")
     p.add_argument("--log-prefix", action=argparse.BooleanOptionalAction, default=True)
@@ -195,6 +224,10 @@ def refuse_unbuilt(args: argparse.Namespace) -> None:
     problems = {
         "--context-shift is not supported (qwen35's cache cannot be shifted either); drop it": args.context_shift,
         "--embeddings is not supported by this server": args.embeddings,
+        "--tools (llama-server's built-in agent tools: shell, files) is not built here": args.tools,
+        "--ui-mcp-proxy (llama-server's web-UI MCP proxy) is not built here; our page has no MCP client": (
+            args.ui_mcp_proxy
+        ),
         "--reasoning-budget must be -1 (unlimited) or a number of tokens >= 0": args.reasoning_budget < -1,
         "--mmproj: multimodal models are not supported": args.mmproj,
         "--cache-reuse (KV shifting) is not supported; use 0": args.cache_reuse != 0,
@@ -250,6 +283,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         aliases=[a for a in (args.alias or "").split(",") if a],
         strict_model=args.strict_model,
         api_keys=api_keys,
+        cors=CorsSettings(args.cors_origins, args.cors_methods, args.cors_headers, args.cors_credentials),
+        tags=[t.strip() for t in args.tags.split(",") if t.strip()],
         host=args.host,
         port=args.port,
         api_prefix=args.api_prefix,
@@ -260,6 +295,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             template_kwargs=kwargs,
             reasoning_budget=args.reasoning_budget,
             reasoning_budget_message=args.reasoning_budget_message,
+            prefill_assistant=args.prefill_assistant,
         ),
         chat_template=template,
         webui=args.webui,
@@ -267,6 +303,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         slots_endpoint=args.slots,
         slot_save_path=slot_save_path(args.slot_save_path),
         perf=args.perf,
+        verbose=args.verbose,
         max_body_bytes=args.max_body_size,
         max_queue=args.max_queue,
         max_predict=args.max_predict,
@@ -349,10 +386,11 @@ def run(args: argparse.Namespace) -> int:
         log.info("srv          init: api_keys: %s", ", ".join("****" + k[-4:] for k in settings.api_keys))
     state = ServerState(settings)
     uds = args.host if args.host.endswith(".sock") else None
+    hosts = [h.strip() for h in args.host.split(",") if h.strip()] if not uds else []
     app = create_app(state)
     config = uvicorn.Config(
         app,
-        host=args.host,
+        host=hosts[0] if hosts else args.host,
         port=args.port,
         uds=uds,
         log_config=None,
@@ -363,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
         lifespan="on",
     )
     server = _server_class()(config)
-    address = f"unix:{uds}" if uds else f"http://{args.host}:{args.port}"
+    address = f"unix:{uds}" if uds else ", ".join(f"http://{_bracketed(h)}:{args.port}" for h in hosts)
 
     def load() -> None:
         state.load()
@@ -385,12 +423,34 @@ def run(args: argparse.Namespace) -> int:
     app.router.lifespan_context = lifespan(
         lambda: threading.Thread(target=load, name="mtpserve-load", daemon=True).start(), stop
     )
-    server.run()
+    server.run(sockets=listening_sockets(hosts, args.port) if len(hosts) > 1 else None)
     if state.load_error is not None:
         return 1  # the log said why, in one line
     if not server.started:
         raise ValueError(f"could not listen on {address} (is the port in use?)")
     return 0
+
+
+def listening_sockets(hosts: list[str], port: int) -> list[socket.socket]:
+    """One bound socket per `--host` address (llama-server listens on each of a comma-separated list)."""
+    sockets = []
+    for host in hosts:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # ::1 and 127.0.0.1 on one port
+        try:
+            sock.bind(address)
+        except OSError as e:
+            sock.close()
+            raise ValueError(f"could not listen on {host}:{port}: {e.strerror}") from None
+        sockets.append(sock)
+    return sockets
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _server_class() -> type:

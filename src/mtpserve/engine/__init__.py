@@ -9,7 +9,7 @@ from .config import EngineConfig, SpecConfig
 from .engine import Engine
 from .errors import Cancelled, ContextSizeExceeded, EngineError, InsufficientMemory, InvalidRequest, ServerError
 from .planner import MemoryPlan, plan_for_file
-from .request import FinishEvent, GrammarSpec, Request, Timings, TokenEvent
+from .request import FinishEvent, GrammarSpec, ProgressEvent, Request, Timings, TokenEvent
 from .sampling import SamplingParams
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "EngineError",
     "EngineInfo",
     "FinishEvent",
+    "ProgressEvent",
     "GrammarSpec",
     "InsufficientMemory",
     "InvalidRequest",

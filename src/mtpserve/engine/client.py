@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from .errors import EngineError, ServerError
-from .request import FinishEvent, GrammarSpec, Request, TokenEvent
+from .request import FinishEvent, GrammarSpec, ProgressEvent, Request, TokenEvent
 
 if TYPE_CHECKING:
     from .speculative import SpecStats
 
-Event = TokenEvent | FinishEvent | EngineError
+Event = TokenEvent | ProgressEvent | FinishEvent | EngineError
 
 
 class RequestStream:
@@ -53,7 +53,7 @@ class RequestStream:
         """Stop this request at the engine's next step and free its slot."""
         self.cancelled.set()
 
-    def __iter__(self) -> Iterator[TokenEvent | FinishEvent]:
+    def __iter__(self) -> Iterator[TokenEvent | ProgressEvent | FinishEvent]:
         if self._async_queue is not None:
             raise RuntimeError("this stream was created inside an event loop: iterate it with `async for`")
         while True:
@@ -64,7 +64,7 @@ class RequestStream:
             if isinstance(event, FinishEvent):
                 return
 
-    async def __aiter__(self) -> AsyncIterator[TokenEvent | FinishEvent]:
+    async def __aiter__(self) -> AsyncIterator[TokenEvent | ProgressEvent | FinishEvent]:
         if self._async_queue is None:
             raise RuntimeError("this stream was created outside an event loop: iterate it with `for`")
         while True:
@@ -75,7 +75,7 @@ class RequestStream:
             if isinstance(event, FinishEvent):
                 return
 
-    async def next_event(self, timeout: float | None = None) -> TokenEvent | FinishEvent | None:
+    async def next_event(self, timeout: float | None = None) -> TokenEvent | ProgressEvent | FinishEvent | None:
         """The next event of an async stream, or None after `timeout` seconds of silence (for keep-alives)."""
         assert self._async_queue is not None, "this stream was created outside an event loop"
         try:

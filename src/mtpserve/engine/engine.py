@@ -37,7 +37,7 @@ from .client import EngineCounters, EngineInfo, MemoryUsage, RequestStream, Slot
 from .config import EngineConfig
 from .devices import GpuRequest
 from .drafters import make_drafter
-from .errors import Cancelled, ContextSizeExceeded, EngineError, InvalidRequest, ServerError
+from .errors import Cancelled, ContextPoolFull, ContextSizeExceeded, EngineError, InvalidRequest, ServerError
 from .grammar import GrammarCompiler
 from .job import Job, Phase, Probs
 from .output import Stop
@@ -315,6 +315,7 @@ class Engine:
         job.batch_ends, job.checkpoint_at = self.slots.schedule(prompt, slot.n_past, request.checkpoint_at)
         job.begin(self.tokenizer, self.config.n_predict, self.info.n_ctx_slot, self._grammars)
         slot.job = job
+        job.report_progress(slot.n_past)
         log.info(
             "slot launch_slot_: id %2d | task %d | processing task, n_tokens = %d, cache_n = %d",
             slot.id,
@@ -339,9 +340,11 @@ class Engine:
         slot.tokens.extend(tokens)
         job.t_last_chunk = time.perf_counter()
         self.slots.keep_prompt_checkpoints(slot, forward, start, end in job.checkpoint_at)
+        job.timings.prompt_n = end - job.timings.cache_n
+        job.timings.prompt_ms = 1000.0 * (job.t_last_chunk - job.t_start)
+        job.report_progress(end)
         if end < len(prompt):
             return
-        job.timings.prompt_n = len(prompt) - job.timings.cache_n
         logits = self.runner.logits(forward.hidden[-1:])[0]
         job.t_first = time.perf_counter()
         job.timings.prompt_ms = 1000.0 * (job.t_first - job.t_start)
@@ -358,7 +361,7 @@ class Engine:
         for slot in slots:  # one at a time: a request ended here frees what the next may take (--kv-unified)
             room[slot.id] = self.slots.reserve(slot, 1 + n_max)
             if room[slot.id] == 0:  # --kv-unified: the pool is full
-                self._finish(slot, Stop("length", "limit", truncated=True))
+                self._fail([slot], ContextPoolFull(self.config.ctx_size))
         slots = [s for s in slots if room[s.id] > 0]
         outcomes = self._decode(slots) if self.speculator is None else self.speculator.step(slots, room)
         for outcome in outcomes:

@@ -44,6 +44,17 @@ class ServerError(EngineError):
     code = 500
 
 
+class ContextPoolFull(ServerError):
+    """--kv-unified: the shared pool has no cell left for a generating slot's next token. llama-server ends the
+    requests with this message (a 500); here only the slot that found no cell, the others go on."""
+
+    def __init__(self, n_cells: int) -> None:
+        super().__init__(
+            f"Context size has been exceeded: the shared KV pool (--kv-unified, {n_cells} cells) is full; "
+            "retry, or raise --ctx-size"
+        )
+
+
 class InsufficientMemory(EngineError):
     """A configuration that does not fit the memory it would run in (the message says what to lower)."""
 

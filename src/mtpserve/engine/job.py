@@ -13,8 +13,8 @@ from .client import RequestStream
 from .grammar import Constraint, GrammarCompiler
 from .output import RequestOutput, Stop
 from .reasoning_budget import ReasoningBudget
-from .request import FinishEvent, Request, Timings, TokenEvent
-from .sampling import Sampler, top_probabilities
+from .request import FinishEvent, ProgressEvent, Request, Timings, TokenEvent
+from .sampling import Sampler, post_sampling_probabilities, top_probabilities
 
 Probs = tuple[list[tuple[int, float]], float]  # with n_probs: the top tokens, and the sampled one's probability
 NO_PROBS: Probs = ([], 0.0)
@@ -74,15 +74,20 @@ class Job:
         """The next token from `logits` [V] with the request's sampler, and its probabilities with n_probs."""
         assert self.sampler is not None
         token = self.budget.forced() if self.budget is not None else None  # a spent reasoning budget decides
+        allowed = self.constraint.masked(logits) if self.constraint else logits
         if token is None:
-            token = self.sampler.sample(self.constraint.masked(logits) if self.constraint else logits)
+            token = self.sampler.sample(allowed)
+        n_probs, probs = self.request.n_probs, NO_PROBS
+        if n_probs and self.request.post_sampling_probs:  # before accept: the penalties the draw saw
+            probs = post_sampling_probabilities(self.sampler, allowed, n_probs, token)
+        elif n_probs:
+            probs = top_probabilities(logits, n_probs, token)
         self.sampler.accept(token)
         if self.constraint is not None:
             self.constraint.accept(token)
         if self.budget is not None:
             self.budget.observe(token)
-        n_probs = self.request.n_probs
-        return token, top_probabilities(logits, n_probs, token) if n_probs else NO_PROBS
+        return token, probs
 
     def deliver(self, token: int, probs: Probs, position: int) -> Stop | None:
         """Send a sampled token that takes context `position`; why the request ends there, if it does."""
@@ -93,6 +98,14 @@ class Job:
         self.stream.put(TokenEvent(token, text, *probs))
         self.pending = token
         return stop
+
+    def report_progress(self, processed: int) -> None:
+        """With return_progress: a ProgressEvent for `processed` prompt tokens in the slot."""
+        if not self.request.return_progress:
+            return
+        elapsed = 0.0 if processed == self.timings.cache_n else 1000.0 * (time.perf_counter() - self.t_start)
+        total, timings = len(self.request.prompt), replace(self.timings)
+        self.stream.put(ProgressEvent(total, self.timings.cache_n, processed, elapsed, timings))
 
     def count_verification(self, n_drafted: int, n_accepted: int) -> None:
         self.timings.draft_n += n_drafted

@@ -38,7 +38,9 @@ class Request:
     stop: list[str] = field(default_factory=list)  # matched across token boundaries, never emitted
     ignore_eos: bool = False
     cache_prompt: bool = True  # reuse what the slot already holds of this prompt
-    n_probs: int = 0  # top-N raw probabilities per generated token
+    n_probs: int = 0  # top-N probabilities per generated token: of the raw softmax, or after the sampler's chain
+    post_sampling_probs: bool = False  # n_probs from the distribution the token was drawn from
+    return_progress: bool = False  # a ProgressEvent before the prompt's first pass and after each
     id_slot: int = -1  # a slot to run on (-1: the engine chooses)
     keep_special: frozenset[int] = frozenset()  # control tokens whose text goes into the output (e.g. <think>)
     checkpoint_at: tuple[int, ...] = ()  # extra prompt positions to keep recurrent state at (e.g. last user turn)
@@ -67,13 +69,17 @@ class Timings:
         return 1000.0 * self.prompt_n / self.prompt_ms if self.prompt_ms else 0.0
 
     @property
+    def decode_steps(self) -> int:
+        # llama-server's rates count decode steps: the first token comes free with the prompt's last batch
+        return max(self.predicted_n - 1, 0)
+
+    @property
     def predicted_per_token_ms(self) -> float:
-        # The deployment's llama-server divides by predicted_n (server-api.md §2.4, VERSION note).
-        return self.predicted_ms / self.predicted_n if self.predicted_n else 0.0
+        return self.predicted_ms / self.decode_steps if self.decode_steps else 0.0
 
     @property
     def predicted_per_second(self) -> float:
-        return 1000.0 * self.predicted_n / self.predicted_ms if self.predicted_ms else 0.0
+        return 1000.0 * self.decode_steps / self.predicted_ms if self.predicted_ms and self.decode_steps else 0.0
 
     def as_dict(self) -> dict[str, float | int]:
         out: dict[str, float | int] = {
@@ -102,6 +108,21 @@ class TokenEvent:
     text: str
     top_probs: list[tuple[int, float]] = field(default_factory=list)  # with n_probs: the N most likely
     prob: float = 0.0  # with n_probs: this token's probability (raw softmax, as top_probs)
+
+
+@dataclass
+class ProgressEvent:
+    """With `return_progress`: where the prompt's evaluation stands (llama-server's prompt_progress), sent before
+    its first pass (processed == cache) and after each. `timings` as they are at that moment."""
+
+    total: int  # prompt tokens
+    cache: int  # reused from the slot's cache
+    processed: int  # in the slot now, the cached ones included
+    time_ms: float
+    timings: Timings
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"total": self.total, "cache": self.cache, "processed": self.processed, "time_ms": self.time_ms}
 
 
 @dataclass

@@ -48,6 +48,26 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
+class Mt19937Uniform:
+    """llama.cpp's random draws: std::mt19937 seeded with the request's seed, read through
+    std::uniform_real_distribution<double>(0, 1) as libstdc++ computes it (generate_canonical: two 32-bit words,
+    the first the low one). With the same seed and the same probabilities a request draws llama-server's tokens."""
+
+    def __init__(self, seed: int) -> None:
+        key = np.empty(624, dtype=np.uint32)
+        key[0] = seed & 0xFFFFFFFF
+        for i in range(1, 624):  # init_genrand: the state std::mt19937(seed) starts from
+            prev = int(key[i - 1])
+            key[i] = (1812433253 * (prev ^ (prev >> 30)) + i) & 0xFFFFFFFF
+        self.bits = np.random.MT19937(0)
+        self.bits.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": 624}}
+
+    def random(self) -> float:
+        low, high = (float(w) for w in self.bits.random_raw(2))
+        x = (low + high * 4294967296.0) / 18446744073709551616.0
+        return x if x < 1.0 else math.nextafter(1.0, 0.0)
+
+
 class Sampler:
     """One request's sampler: its penalty history and random stream."""
 
@@ -57,7 +77,7 @@ class Sampler:
         if seed in (RANDOM_SEED, -1):
             seed = int.from_bytes(os.urandom(4), "little")
         self.seed = seed
-        self.rng = np.random.Generator(np.random.PCG64(seed))
+        self.rng = Mt19937Uniform(seed)
         n = params.repeat_last_n
         self.window: deque[int] = deque(maxlen=n if n > 0 else 0)
         self.counts: Counter[int] = Counter()
@@ -137,6 +157,17 @@ def top_probabilities(logits: torch.Tensor, n: int, token: int | None = None) ->
     probs = torch.softmax(logits.float(), -1)
     values, ids = probs.topk(min(n, len(probs)))
     return list(zip(ids.tolist(), values.tolist())), float(probs[token]) if token is not None else 0.0
+
+
+def post_sampling_probabilities(
+    sampler: Sampler, logits: torch.Tensor, n: int, token: int
+) -> tuple[list[tuple[int, float]], float]:
+    """llama-server's post_sampling_probs: the n most likely tokens of the distribution the sampler draws from
+    (after biases, penalties, top-k/typical/top-p/min-p and temperature), fewer when fewer survive, and the
+    probability of `token` there (0 for a token the chain removed, e.g. one a reasoning budget forced)."""
+    dist = sampler.probabilities(logits)
+    top = sorted(dist.items(), key=lambda item: -item[1])[:n]
+    return top, dist.get(token, 0.0)
 
 
 def _top_p(values: torch.Tensor, ids: torch.Tensor, top_p: float, min_keep: int) -> tuple[torch.Tensor, torch.Tensor]:

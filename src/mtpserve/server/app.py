@@ -2,16 +2,13 @@
 request, hands it to the engine, and streams the engine's events back; it holds no model logic.
 
 Tokenizing and rendering templates run in a worker thread (a megabyte of prompt must not stall the event
-loop, and every other stream with it). Every request passes, in order: CORS (the request's Origin echoed),
-readiness (503 `Loading model` until the model is loaded, /health included, the web page excepted), the API key (all but
-/health, /v1/health, /v1/models, /models and the web page -- llama-server's public set; keys compared in constant time),
-then the handler. Client mistakes are 4xx in OpenAI's error shape (errors.py); a client that goes away cancels its
-request and frees its slot.
+loop, and every other stream with it). Every request first passes the Gatekeeper (middleware.py: CORS,
+readiness, the API key), then the handler. Client mistakes are 4xx in OpenAI's error shape (errors.py); a
+client that goes away cancels its request and frees its slot.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import secrets
@@ -23,17 +20,18 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import EngineError, RequestStream
+from ..engine import EngineError, FinishEvent, RequestStream, TokenEvent
+from ..engine.client import SlotInfo
 from ..engine.slot_files import slot_file_path
 from ..tokenizer import Tokenizer
 from . import anthropic, openai_responses, params, schema
 from .chat import ChatOutput, ChatPlan, plan_chat
-from .errors import LOADING, NOT_FOUND, UNAUTHORIZED, APIError, invalid
+from .errors import NOT_FOUND, APIError, invalid, unsupported
+from .middleware import Gatekeeper, unauthorized_body
 from .params import Body, Completion
 from .responses import (
     chat_finish_reason,
@@ -41,6 +39,7 @@ from .responses import (
     collect,
     envelope,
     generation_settings,
+    merged_finish,
     native_final,
     native_stream,
     sse,
@@ -51,7 +50,6 @@ from .state import ServerState
 
 log = logging.getLogger("mtpserve.server")
 
-PUBLIC_PATHS = {"/health", "/v1/health", "/v1/models", "/models"}
 # add_routes(router, state, start_chat, read_body) of each API converted to chat (Anthropic Messages, Responses)
 API_ADAPTERS: list[Callable[..., None]] = [anthropic.add_routes, openai_responses.add_routes]
 ID_ALPHABET = string.ascii_letters + string.digits
@@ -77,7 +75,12 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="mtpserve", version=state.fingerprint, docs_url=None, redoc_url=None)
     app.state.server = state
     app.add_middleware(
-        CORSMiddleware, allow_origin_regex=".*", allow_credentials=True, allow_methods=["*"], allow_headers=["*"]
+        Gatekeeper,
+        cors=settings.cors,
+        api_keys=settings.api_keys,
+        prefix=settings.api_prefix,
+        ready=lambda: state.ready,
+        unauthorized_body=unauthorized_body(anthropic.error_body),
     )
     prefix = settings.api_prefix.rstrip("/")
     router = APIRouter()
@@ -106,21 +109,6 @@ def create_app(state: ServerState) -> FastAPI:
         log.exception("srv  handle_error: unexpected error: %s", e)
         return JSONResponse(APIError(f"internal error: {e}", "server_error", 500).body(), status_code=500)
 
-    @app.middleware("http")
-    async def gatekeeper(request: Request, call_next: Any) -> Response:
-        path = request.url.path[len(prefix) :] if prefix and request.url.path.startswith(prefix) else request.url.path
-        page = path in ("/", "/index.html")
-        if request.method == "OPTIONS" or page:
-            return await call_next(request)
-        if not state.ready:
-            return JSONResponse(LOADING.body(), status_code=503)
-        if settings.api_keys and path not in PUBLIC_PATHS and not _key_ok(request, settings.api_keys):
-            log.warning("srv  log_server_r: unauthorized: Invalid API Key")
-            if path.startswith("/v1/messages"):  # Anthropic's clients read their own error shape
-                return JSONResponse(anthropic.error_body(UNAUTHORIZED.message, 401), status_code=401)
-            return JSONResponse(UNAUTHORIZED.body(), status_code=401)
-        return await call_next(request)
-
     # --- small endpoints ------------------------------------------------------------------------------
 
     @router.get("/health")
@@ -144,7 +132,7 @@ def create_app(state: ServerState) -> FastAPI:
         entry = {
             "id": name,
             "aliases": sorted(settings.aliases),
-            "tags": [],
+            "tags": sorted(settings.tags),
             "object": "model",
             "created": int(time.time()),
             "owned_by": "llamacpp",
@@ -205,20 +193,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError("no slot available", "unavailable_error", 503)
         spec = settings.engine.spec
         return [
-            {
-                "id": s.id,
-                "n_ctx": s.n_ctx,
-                "speculative": spec.enabled,
-                "is_processing": s.is_processing,
-                "id_task": s.id_task,
-                "n_prompt_tokens": s.n_prompt_tokens,
-                "n_prompt_tokens_processed": s.n_prompt_tokens_processed,
-                "n_prompt_tokens_cache": s.n_prompt_tokens_cache,
-                "n_cached_tokens": s.n_cached,
-                "params": {**generation_settings(state), "speculative.types": spec.type},
-                "next_token": [{"has_next_token": s.is_processing, "n_remain": s.n_remain, "n_decoded": s.n_decoded}],
-            }
-            for s in info
+            _slot_json(s, spec.enabled, {**generation_settings(state), "speculative.types": spec.type}) for s in info
         ]
 
     @router.post("/slots/{id_slot}", openapi_extra=SLOT_ACTION)
@@ -303,85 +278,132 @@ def create_app(state: ServerState) -> FastAPI:
 
     # --- generation -----------------------------------------------------------------------------------
 
-    async def text_job(request: Request, n_probs_field: str) -> tuple[Completion, Tokenizer]:
-        """A prompt completion's request (/completion, /v1/completions): n_probs_field names the top-N field."""
+    async def text_jobs(request: Request, n_probs_field: str) -> tuple[list[Completion], Tokenizer]:
+        """A prompt completion's requests (/completion, /v1/completions): one per prompt and choice (`n`);
+        n_probs_field names the top-N field."""
         body = await _body(request, settings.max_body_bytes)
         _check_model(body, state)
         tokenizer = state.loaded_tokenizer()
         if isinstance(body.raw(n_probs_field), bool):
             raise invalid(f"Field '{n_probs_field}': expected an integer (the number of top tokens)")
-        prompt = await run_in_threadpool(params.prompt_tokens, body.raw("prompt"), tokenizer)
-        n_probs = params.n_probs(body, n_probs_field)
+        prompts = await run_in_threadpool(params.prompts, body.raw("prompt"), tokenizer)
+        n_probs, n = params.n_probs(body, n_probs_field), params.n_choices(body)
+        jobs = [
+            choice
+            for prompt in prompts
+            for choice in params.choices(completion_job(body, prompt, tokenizer, n_probs), n)
+        ]
+        if len(jobs) > 1 and jobs[0].stream:
+            raise unsupported("streaming several prompts or choices in one request is not supported (send one each)")
+        return jobs, tokenizer
+
+    def completion_job(body: Body, prompt: list[int], tokenizer: Tokenizer, n_probs: int) -> Completion:
         return params.completion(
-            body, prompt, tokenizer, settings.sampling, settings.engine.n_predict, n_probs, settings.max_predict
-        ), tokenizer
+            body,
+            prompt,
+            tokenizer,
+            settings.sampling,
+            settings.engine.n_predict,
+            n_probs,
+            settings.max_predict,
+            settings.verbose,
+        )
 
     @router.post("/completion", openapi_extra=schema.body(schema.NATIVE))
     @router.post("/completions", include_in_schema=False)
     async def completion_native(request: Request) -> Response:
-        job, _ = await text_job(request, "n_probs")
-        stream = await submit(state, job)
-        if job.stream:
-            return sse(native_stream(state, request, stream, job))
-        finish, tokens = await collect(request, stream)
-        return JSONResponse(native_final(state, job, finish, tokens, finish.text))
+        jobs, _ = await text_jobs(request, "n_probs")
+        if jobs[0].stream:
+            return sse(native_stream(state, request, await submit(state, jobs[0]), jobs[0]))
+        results = await run_all(state, request, jobs)
+        answers = [native_final(state, j, f, t, f.text, i) for i, (j, (f, t)) in enumerate(zip(jobs, results))]
+        return JSONResponse(answers[0] if len(answers) == 1 else answers)
 
     @router.post("/v1/completions", openapi_extra=schema.body(schema.COMPLETION))
     async def completion_openai(request: Request) -> Response:
-        job, tokenizer = await text_job(request, "logprobs")
-        stream = await submit(state, job)
+        jobs, tokenizer = await text_jobs(request, "logprobs")
         cid = "cmpl-" + _random_id()
-        if job.stream:
-            return sse(text_stream(state, request, stream, job, cid))
-        finish, tokens = await collect(request, stream)
-        choice = {
-            "text": finish.text,
-            "index": 0,
-            "logprobs": token_logprobs(tokenizer, tokens) if job.n_probs else None,
-            "finish_reason": finish.finish_reason,
-        }
-        return JSONResponse(envelope(state, cid, "text_completion", [choice], finish))
+        if jobs[0].stream:
+            return sse(text_stream(state, request, await submit(state, jobs[0]), jobs[0], cid))
+        results = await run_all(state, request, jobs)
+        choices = [
+            {
+                "text": finish.text,
+                "index": i,
+                "logprobs": token_logprobs(tokenizer, tokens) if job.n_probs else None,
+                "finish_reason": finish.finish_reason,
+            }
+            for i, (job, (finish, tokens)) in enumerate(zip(jobs, results))
+        ]
+        out = envelope(state, cid, "text_completion", choices, merged_finish(jobs, [f for f, _ in results]))
+        if jobs[0].verbose:
+            out["__verbose"] = native_final(state, jobs[0], *results[0], results[0][0].text)
+        return JSONResponse(out)
 
-    async def start_chat(body: Body) -> tuple[Completion, ChatPlan, RequestStream, ChatOutput]:
-        """An OpenAI chat body queued on the engine: its plan (prompt, tools, constraint, budget), the request,
-        its event stream and the output parser that turns its text into OpenAI deltas. The Anthropic and
-        Responses endpoints convert their bodies to a chat body and come through here too."""
+    async def prepare_chat(body: Body) -> tuple[Completion, ChatPlan]:
+        """An OpenAI chat body as a request: its plan (prompt, tools, constraint, budget) and the request."""
         _check_model(body, state)
         tokenizer, template = state.loaded_tokenizer(), state.loaded_template()
         plan = await run_in_threadpool(plan_chat, body, template, tokenizer, settings.chat)
         n_probs = max(plan.top_logprobs, 1) if plan.logprobs else 0  # 1 at least: the token's own logprob
-        job = params.completion(
-            body, plan.prompt, tokenizer, settings.sampling, settings.engine.n_predict, n_probs, settings.max_predict
-        )
+        job = completion_job(body, plan.prompt, tokenizer, n_probs)
         job.request.keep_special = state.keep_special
         if plan.grammar is not None:
             job.request.grammar = plan.grammar
         job.request.reasoning_budget = plan.reasoning_budget
         if plan.last_user_start:
             job.request.checkpoint_at = (plan.last_user_start,)
+        return job, plan
+
+    async def start_chat(body: Body) -> tuple[Completion, ChatPlan, RequestStream, ChatOutput]:
+        """An OpenAI chat body queued on the engine: the request, its plan, its event stream and the output
+        parser that turns its text into OpenAI deltas. The Anthropic and Responses endpoints convert their
+        bodies to a chat body and come through here too."""
+        job, plan = await prepare_chat(body)
         stream = await submit(state, job)
-        return job, plan, stream, ChatOutput(plan, template)
+        return job, plan, stream, ChatOutput(plan, state.loaded_template())
 
     @router.post("/v1/chat/completions", openapi_extra=schema.body(schema.CHAT))
     @router.post("/chat/completions", include_in_schema=False)
     async def chat_completion(request: Request) -> Response:
         body = await _body(request, settings.max_body_bytes)
-        job, plan, stream, output = await start_chat(body)
-        tokenizer = state.loaded_tokenizer()
+        job, plan = await prepare_chat(body)
+        jobs = params.choices(job, params.n_choices(body))
         cid = "chatcmpl-" + _random_id()
         if job.stream:
-            return sse(chat_stream(state, request, stream, job, plan, output, cid))
-        finish, tokens = await collect(request, stream)
-        output.feed(finish.text)
-        output.finish()
-        choice: dict[str, Any] = {
-            "finish_reason": chat_finish_reason(finish, output),
-            "index": 0,
-            "message": output.message(),
-        }
-        if plan.logprobs:
-            choice["logprobs"] = token_logprobs(tokenizer, tokens, plan.top_logprobs)
-        return JSONResponse(envelope(state, cid, "chat.completion", [choice], finish))
+            if len(jobs) > 1:
+                raise unsupported("streaming several choices (n > 1) is not supported (send one request each)")
+            output = ChatOutput(plan, state.loaded_template())
+            return sse(chat_stream(state, request, await submit(state, job), job, plan, output, cid))
+        tokenizer = state.loaded_tokenizer()
+        results = await run_all(state, request, jobs)
+        choices = []
+        for i, (finish, tokens) in enumerate(results):
+            output = ChatOutput(plan, state.loaded_template())
+            output.feed(finish.text)
+            output.finish()
+            choice: dict[str, Any] = {
+                "finish_reason": chat_finish_reason(finish, output),
+                "index": i,
+                "message": output.message(),
+            }
+            if plan.logprobs:
+                choice["logprobs"] = token_logprobs(tokenizer, tokens, plan.top_logprobs)
+            choices.append(choice)
+        out = envelope(state, cid, "chat.completion", choices, merged_finish(jobs, [f for f, _ in results]))
+        if job.verbose:
+            out["__verbose"] = native_final(state, job, *results[0], results[0][0].text)
+        return JSONResponse(out)
+
+    @router.post("/v1/chat/completions/input_tokens", include_in_schema=False)
+    @router.post("/chat/completions/input_tokens", include_in_schema=False)
+    async def chat_input_tokens(request: Request) -> dict[str, int]:
+        """llama-server's count of a chat request's prompt tokens (the template applied), nothing generated."""
+        body = await _body(request, settings.max_body_bytes)
+        plan = await run_in_threadpool(
+            plan_chat, body, state.loaded_template(), state.loaded_tokenizer(), settings.chat
+        )
+        return {"input_tokens": len(plan.prompt)}
 
     # --- web page -------------------------------------------------------------------------------------
 
@@ -405,17 +427,6 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 # --- helpers -------------------------------------------------------------------------------------------
-
-
-def _key_ok(request: Request, keys: list[str]) -> bool:
-    """llama-server's rule: `Authorization` (a leading "Bearer " stripped), else `X-Api-Key`; every key
-    compared in constant time so the answer's timing tells nothing about the keys."""
-    given = request.headers.get("authorization") or request.headers.get("x-api-key") or ""
-    given = given.removeprefix("Bearer ")
-    found = False
-    for key in keys:
-        found |= hmac.compare_digest(given.encode(), key.encode())
-    return found
 
 
 async def _body(request: Request, limit: int) -> Body:
@@ -449,6 +460,20 @@ def _check_model(body: Body, state: ServerState) -> None:
         )
 
 
+async def run_all(
+    state: ServerState, request: Request, jobs: list[Completion]
+) -> list[tuple[FinishEvent, list[TokenEvent]]]:
+    """Queue every request, then wait for each (several prompts or choices); a failure cancels the others."""
+    streams: list[RequestStream] = []
+    try:
+        for job in jobs:
+            streams.append(await submit(state, job))
+        return [await collect(request, stream) for stream in streams]
+    finally:
+        for stream in streams:
+            stream.cancel()  # a no-op for those that finished
+
+
 async def submit(state: ServerState, job: Completion) -> RequestStream:
     """`_submit`, the request's grammar compiled first off the event loop (up to seconds, once: cached)."""
     if job.request.grammar is not None:
@@ -468,6 +493,22 @@ def _submit(state: ServerState, job: Completion) -> RequestStream:
             headers={"Retry-After": "1"},
         )
     return engine.submit(job.request)
+
+
+def _slot_json(s: SlotInfo, speculative: bool, params: dict[str, Any]) -> dict[str, Any]:
+    """A slot as llama-server's /slots lists it: the task fields only once the slot has run a task."""
+    out: dict[str, Any] = {"id": s.id, "n_ctx": s.n_ctx, "speculative": speculative, "is_processing": s.is_processing}
+    if s.id_task < 0:
+        return out
+    return out | {
+        "id_task": s.id_task,
+        "n_prompt_tokens": s.n_prompt_tokens,
+        "n_prompt_tokens_processed": s.n_prompt_tokens_processed,
+        "n_prompt_tokens_cache": s.n_prompt_tokens_cache,
+        "n_cached_tokens": s.n_cached,
+        "params": params,
+        "next_token": [{"has_next_token": s.is_processing, "n_remain": s.n_remain, "n_decoded": s.n_decoded}],
+    }
 
 
 def _random_id() -> str:

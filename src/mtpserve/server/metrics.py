@@ -55,7 +55,10 @@ class ServerMetrics:
                 totals.requests_finished += 1
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        # llama-server types n_tokens_max, a running maximum, as a counter without the `_total` that
+        # prometheus_client gives every counter it writes: written as a gauge, then retyped
+        text = generate_latest(self.registry)
+        return text.replace(b"# TYPE llamacpp:n_tokens_max gauge", b"# TYPE llamacpp:n_tokens_max counter")
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..engine import GrammarSpec, Request, SamplingParams
@@ -107,10 +107,7 @@ UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "dynatemp_range": 0.0,
     "dry_multiplier": 0.0,
     "grammar_lazy": False,
-    "n_cmpl": 1,
-    "n": 1,
     "best_of": 1,
-    "post_sampling_probs": False,
     "lora": None,
     "n_keep": 0,
     "n_discard": 0,
@@ -126,8 +123,8 @@ def check_unsupported(body: Body) -> None:
         value = body.raw(key)
         if value is None or value == default or (key == "lora" and value == []):
             continue
-        if key in ("n", "n_cmpl", "best_of"):
-            raise unsupported(f"Field '{key}': only one choice per request is supported (send {value} requests)")
+        if key == "best_of":
+            raise unsupported(f"Field '{key}': only one candidate per choice is supported (send {value} requests)")
         raise unsupported(f"Field '{key}' is not supported by this server (remove it or send {default!r})")
     samplers = body.raw("samplers")
     if samplers is not None:
@@ -148,13 +145,14 @@ def sampling_params(body: Body, tokenizer: Tokenizer, defaults: SamplingParams) 
         presence_penalty=body.float("presence_penalty", defaults.presence_penalty),
         frequency_penalty=body.float("frequency_penalty", defaults.frequency_penalty),
         min_keep=body.int("min_keep", defaults.min_keep, lo=0),
-        seed=_seed(body),
+        seed=_seed(body, defaults.seed),
         logit_bias=logit_bias(body.raw("logit_bias"), tokenizer),
     )
 
 
-def _seed(body: Body) -> int:
-    seed = body.int("seed", RANDOM_SEED)
+def _seed(body: Body, server_seed: int) -> int:
+    """The request's seed, else the server's --seed (llama-server's default for every request); -1: random."""
+    seed = body.int("seed", server_seed)
     return RANDOM_SEED if seed == -1 else seed & 0xFFFFFFFF
 
 
@@ -222,10 +220,48 @@ def _capped(key: str, value: int, cap: int) -> int:
     return cap if cap and value < 0 else value
 
 
+MAX_PROMPTS = 64  # prompts one /completion request may batch
+MAX_CHOICES = 16  # `n` / `n_cmpl`: completions per prompt
+
+
+def n_choices(body: Body) -> int:
+    """OpenAI's `n` (llama-server's `n_cmpl`): completions of each prompt."""
+    key = "n_cmpl" if body.has("n_cmpl") else "n"
+    return body.int(key, 1, lo=1, hi=MAX_CHOICES)
+
+
+def choices(job: Completion, n: int) -> list[Completion]:
+    """`job` and n - 1 copies, each a request of its own; with a fixed seed, copy i draws with seed + i (as
+    llama-server's child tasks), so the choices differ at a temperature and stay reproducible."""
+    out = [job]
+    for i in range(1, n):
+        sampling = job.request.sampling
+        seed = sampling.seed if sampling.seed == RANDOM_SEED else (sampling.seed + i) & 0xFFFFFFFF
+        request = replace(job.request, sampling=replace(sampling, seed=seed))
+        out.append(replace(job, request=request))
+    return out
+
+
+def prompts(value: Any, tokenizer: Tokenizer) -> list[list[int]]:
+    """/completion's `prompt`, llama-server's forms: one prompt (a string, token ids, strings and ids mixed, or
+    `{"prompt_string": ...}`), or an array of them without bare numbers at its top level: several prompts,
+    each answered in its own result."""
+    if isinstance(value, list) and value and not any(isinstance(v, int | float) for v in value):
+        if len(value) > MAX_PROMPTS:
+            raise invalid(f"Field 'prompt': at most {MAX_PROMPTS} prompts in one request")
+        return [prompt_tokens(v, tokenizer) for v in value]
+    return [prompt_tokens(value, tokenizer)]
+
+
 def prompt_tokens(value: Any, tokenizer: Tokenizer, field_name: str = "prompt") -> list[int]:
-    """A prompt: a string, token ids, or a mix of both (llama-server's forms); one prompt only."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]  # a batch of one
+    """One prompt: a string, token ids, a mix of both, or a JSON prompt `{"prompt_string": ...}` (whose
+    `multimodal_data` is refused: no model served here takes images)."""
+    if isinstance(value, dict):
+        if "multimodal_data" in value:
+            raise invalid("Multimodal data provided, but model does not support multimodal requests.")
+        if not isinstance(value.get("prompt_string"), str):
+            raise invalid(f"Field '{field_name}': a JSON prompt needs a string 'prompt_string'")
+        value = value["prompt_string"]
     if isinstance(value, str):
         return tokenizer.encode(value, add_special=True, parse_special=True)
     if isinstance(value, list) and value:
@@ -242,8 +278,6 @@ def prompt_tokens(value: Any, tokenizer: Tokenizer, field_name: str = "prompt") 
                 out.append(part)
             elif isinstance(part, str):
                 out += tokenizer.encode(part, add_special=i == 0, parse_special=True)
-            elif isinstance(part, list):
-                raise unsupported(f"Field '{field_name}': several prompts in one request are not supported")
             else:
                 raise invalid(f"Field '{field_name}': expected token ids or strings, got {_kind(part)}")
         return out
@@ -261,6 +295,8 @@ class Completion:
     include_usage: bool = False
     n_probs: int = 0
     return_tokens: bool = False
+    timings_per_token: bool = False  # timings with every streamed chunk, not only the last
+    verbose: bool = False  # llama-server's `__verbose`: the native answer (prompt text included) beside the OpenAI one
 
 
 def grammar_spec(body: Body) -> GrammarSpec | None:
@@ -292,9 +328,11 @@ def completion(
     server_n_predict: int,
     n_probs: int,
     max_predict: int = 0,
+    verbose: bool = False,
 ) -> Completion:
     """The completion fields shared by /completion, /v1/completions and /v1/chat/completions; `n_probs`:
-    top probabilities to report per token (the endpoints name that field differently)."""
+    top probabilities to report per token (the endpoints name that field differently); `verbose`: the server's
+    default for `__verbose` (on with --verbose, as llama-server's verbosity above 9)."""
     check_unsupported(body)
     request = Request(
         prompt,
@@ -306,6 +344,8 @@ def completion(
         n_probs=n_probs,
         id_slot=body.int("id_slot", -1, lo=-1),
         grammar=grammar_spec(body),
+        post_sampling_probs=body.bool("post_sampling_probs", False),
+        return_progress=body.bool("return_progress", False),
     )
     stream_options = body.dict("stream_options")
     include_usage = stream_options.get("include_usage", False)
@@ -317,4 +357,6 @@ def completion(
         include_usage=include_usage,
         n_probs=n_probs,
         return_tokens=body.bool("return_tokens", False),
+        timings_per_token=body.bool("timings_per_token", False),
+        verbose=body.bool("verbose", verbose),
     )

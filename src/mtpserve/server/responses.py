@@ -4,6 +4,7 @@ response bodies and server-sent-event streams of llama-server's and OpenAI's end
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -14,7 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..engine import EngineError, FinishEvent, RequestStream, TokenEvent
+from ..engine import EngineError, FinishEvent, ProgressEvent, RequestStream, TokenEvent
 from ..tokenizer import Tokenizer
 from .chat import ChatOutput, ChatPlan
 from .errors import APIError
@@ -26,10 +27,13 @@ log = logging.getLogger("mtpserve.server")
 WATCH_INTERVAL = 0.25  # seconds between checks for a client that went away
 
 
-def generation_settings(state: ServerState) -> dict[str, Any]:
-    """The server's default generation settings, as llama-server reports them (/props, /slots, /completion)."""
-    s = state.settings.sampling
-    return {
+def generation_settings(state: ServerState, job: Completion | None = None) -> dict[str, Any]:
+    """The generation settings as llama-server reports them: the server's defaults (/props, /slots), or one
+    request's (/completion) with its logit biases, ignore_eos's -inf bias on every end-of-generation token
+    included (a -inf bias is null in JSON, as llama-server writes it)."""
+    s = job.request.sampling if job is not None else state.settings.sampling
+    n_predict = job.request.n_predict if job is not None else state.settings.engine.n_predict
+    out: dict[str, Any] = {
         "temperature": s.temperature,
         "top_k": s.top_k,
         "top_p": s.top_p,
@@ -39,9 +43,24 @@ def generation_settings(state: ServerState) -> dict[str, Any]:
         "repeat_penalty": s.repeat_penalty,
         "presence_penalty": s.presence_penalty,
         "frequency_penalty": s.frequency_penalty,
-        "n_predict": state.settings.engine.n_predict,
+        "max_tokens": n_predict,
+        "n_predict": n_predict,
         "seed": s.seed,
     }
+    if job is None:
+        return out
+    biases = dict(s.logit_bias)
+    if job.request.ignore_eos:
+        biases |= dict.fromkeys(state.loaded_tokenizer().eog_ids, float("-inf"))
+    out["logit_bias"] = [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in sorted(biases.items())]
+    out |= {
+        "ignore_eos": job.request.ignore_eos,
+        "stream": job.stream,
+        "n_probs": job.n_probs,
+        "post_sampling_probs": job.request.post_sampling_probs,
+        "timings_per_token": job.timings_per_token,
+    }
+    return out
 
 
 async def _watch(request: Request, stream: RequestStream) -> None:
@@ -55,7 +74,7 @@ async def _watch(request: Request, stream: RequestStream) -> None:
 
 async def events(
     state: ServerState, request: Request, stream: RequestStream, ping: float | None = None
-) -> AsyncIterator[TokenEvent | FinishEvent | None]:
+) -> AsyncIterator[TokenEvent | ProgressEvent | FinishEvent | None]:
     """The engine's events for one request; None after `ping` seconds of silence (time for a keep-alive).
     The request is cancelled if the client leaves or the consumer stops early."""
     watcher = asyncio.create_task(_watch(request, stream))
@@ -158,24 +177,40 @@ def envelope(
     return out
 
 
-def _token_entry(tokenizer: Tokenizer, token: int, prob: float) -> dict[str, Any]:
+def _token_entry(tokenizer: Tokenizer, token: int, prob: float, post: bool = False) -> dict[str, Any]:
     raw = tokenizer.token_bytes(token)
-    return {
-        "id": token,
-        "token": raw.decode("utf-8", errors="replace"),
-        "bytes": list(raw),
-        "logprob": math.log(prob) if prob > 0 else -9999.0,
-    }
+    entry: dict[str, Any] = {"id": token, "token": raw.decode("utf-8", errors="replace"), "bytes": list(raw)}
+    if post:
+        entry["prob"] = prob
+    else:
+        entry["logprob"] = math.log(prob) if prob > 0 else -9999.0
+    return entry
 
 
-def _probabilities(tokenizer: Tokenizer, event: TokenEvent, top: int | None = None) -> dict[str, Any]:
-    entry = _token_entry(tokenizer, event.token, event.prob)
-    entry["top_logprobs"] = [_token_entry(tokenizer, i, p) for i, p in event.top_probs[:top]]
+def _probabilities(
+    tokenizer: Tokenizer, event: TokenEvent, top: int | None = None, post: bool = False
+) -> dict[str, Any]:
+    """A token's probabilities as llama-server writes them: log-probabilities of the raw softmax, or with
+    post_sampling_probs the probabilities of the sampler's distribution (`prob`, `top_probs`)."""
+    entry = _token_entry(tokenizer, event.token, event.prob, post)
+    entry["top_probs" if post else "top_logprobs"] = [
+        _token_entry(tokenizer, i, p, post) for i, p in event.top_probs[:top]
+    ]
     return entry
 
 
 def token_logprobs(tokenizer: Tokenizer, tokens: list[TokenEvent], top: int | None = None) -> dict[str, Any]:
     return {"content": [_probabilities(tokenizer, e, top) for e in tokens]}
+
+
+def merged_finish(jobs: list[Completion], finishes: list[FinishEvent]) -> FinishEvent:
+    """One FinishEvent for the usage of several choices or prompts: every generated token counted, each distinct
+    prompt once (OpenAI's usage with `n`); the first result's timings."""
+    if len(finishes) == 1:
+        return finishes[0]
+    prompts = {id(job.request.prompt): len(job.request.prompt) for job in jobs}
+    tokens = [t for f in finishes for t in f.tokens]
+    return dataclasses.replace(finishes[0], tokens=tokens, n_prompt_tokens=sum(prompts.values()))
 
 
 def chat_finish_reason(finish: FinishEvent, output: ChatOutput) -> str:
@@ -221,14 +256,21 @@ async def chat_stream(
             "object": "chat.completion.chunk",
         }
 
+        def body(delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
+            return {"choices": [{"finish_reason": finish_reason, "index": 0, "delta": delta, **extra}], **base}
+
         def chunk(delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> str:
-            return _data({"choices": [{"finish_reason": finish_reason, "index": 0, "delta": delta, **extra}], **base})
+            return _data(body(delta, finish_reason, **extra))
 
         first = True
         tokenizer = state.loaded_tokenizer()
         async for event in events(state, request, stream, state.settings.sse_ping_interval):
             if event is None:
                 yield ":\n\n"
+                continue
+            if isinstance(event, ProgressEvent):  # return_progress: llama-server's opening delta, with the progress
+                first = False
+                yield _data(body({"role": "assistant", "content": None}) | _progress(job, event))
                 continue
             if first:
                 first = False
@@ -268,6 +310,9 @@ async def text_stream(
         async for event in events(state, request, stream, state.settings.sse_ping_interval):
             if event is None:
                 yield ":\n\n"
+            elif isinstance(event, ProgressEvent):
+                choice = {"text": "", "index": 0, "logprobs": None, "finish_reason": None}
+                yield _data({**envelope(state, cid, "text_completion", [choice], None), **_progress(job, event)})
             elif isinstance(event, TokenEvent):
                 if event.text or job.n_probs:
                     logprobs = token_logprobs(tokenizer, [event]) if job.n_probs else None
@@ -282,12 +327,20 @@ async def text_stream(
         yield piece
 
 
+def _progress(job: Completion, event: ProgressEvent) -> dict[str, Any]:
+    """A progress chunk's fields: prompt_progress, and the timings so far with timings_per_token."""
+    out: dict[str, Any] = {"prompt_progress": event.as_dict()}
+    if job.timings_per_token:
+        out["timings"] = event.timings.as_dict()
+    return out
+
+
 def native_final(
-    state: ServerState, job: Completion, finish: FinishEvent, tokens: list[TokenEvent], content: str
+    state: ServerState, job: Completion, finish: FinishEvent, tokens: list[TokenEvent], content: str, index: int = 0
 ) -> dict[str, Any]:
     tokenizer = state.loaded_tokenizer()
     out: dict[str, Any] = {
-        "index": 0,
+        "index": index,
         "content": content,
         "tokens": finish.tokens if job.return_tokens else [],
         "id_slot": finish.id_slot,
@@ -295,7 +348,7 @@ def native_final(
         "model": state.settings.model_name,
         "tokens_predicted": len(finish.tokens),
         "tokens_evaluated": finish.n_prompt_tokens,
-        "generation_settings": generation_settings(state),
+        "generation_settings": generation_settings(state, job),
         "prompt": tokenizer.decode(job.request.prompt),
         "has_new_line": "\n" in finish.text,
         "truncated": finish.truncated,
@@ -305,7 +358,8 @@ def native_final(
         "timings": finish.timings.as_dict(),
     }
     if job.n_probs and tokens:
-        out["completion_probabilities"] = [_probabilities(tokenizer, e) for e in tokens]
+        post = job.request.post_sampling_probs
+        out["completion_probabilities"] = [_probabilities(tokenizer, e, post=post) for e in tokens]
     return out
 
 
@@ -318,6 +372,10 @@ async def native_stream(
         async for event in events(state, request, stream, state.settings.sse_ping_interval):
             if event is None:
                 yield ":\n\n"
+            elif isinstance(event, ProgressEvent):
+                piece = {"index": 0, "content": "", "tokens": [], "stop": False, "id_slot": -1}
+                piece |= {"tokens_predicted": 0, "tokens_evaluated": event.total}
+                yield _data(piece | _progress(job, event))
             elif isinstance(event, TokenEvent):
                 n += 1
                 piece = {
@@ -330,7 +388,8 @@ async def native_stream(
                     "tokens_evaluated": len(job.request.prompt),
                 }
                 if job.n_probs:
-                    piece["completion_probabilities"] = [_probabilities(tokenizer, event)]
+                    post = job.request.post_sampling_probs
+                    piece["completion_probabilities"] = [_probabilities(tokenizer, event, post=post)]
                 yield _data(piece)
             else:
                 if event.tail:

@@ -24,6 +24,7 @@ from ..tokenizer import Tokenizer
 from .chat import ChatSettings, keep_special_ids
 from .errors import LOADING
 from .metrics import ServerMetrics
+from .middleware import CorsSettings
 
 log = logging.getLogger("mtpserve.server")
 
@@ -39,6 +40,8 @@ class ServerSettings:
     aliases: list[str] = field(default_factory=list)
     strict_model: bool = False  # --strict-model: a request naming another model gets 404
     api_keys: list[str] = field(default_factory=list)
+    cors: CorsSettings = field(default_factory=CorsSettings)
+    tags: list[str] = field(default_factory=list)  # --tags: informational, listed by /v1/models
     host: str = "127.0.0.1"
     port: int = 8080
     api_prefix: str = ""
@@ -50,6 +53,7 @@ class ServerSettings:
     slots_endpoint: bool = True
     slot_save_path: Path | None = None  # --slot-save-path: the directory of slot files (None: actions refused)
     perf: bool = True
+    verbose: bool = False  # --verbose: answers carry `__verbose` (the native result, prompt text included)
     max_body_bytes: int = DEFAULT_MAX_BODY
     max_queue: int = 256  # requests waiting for a slot before new ones get 503 (0: no limit)
     max_predict: int = 0  # tokens one request may ask for (0: no limit but the context)

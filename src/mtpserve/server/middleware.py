@@ -1,0 +1,162 @@
+"""What every request passes before its handler, as one plain ASGI layer: CORS, readiness, the API key.
+
+In order, as llama-server's pre-routing handler: the CORS origin header goes on every answer; a preflight
+(OPTIONS) is answered here, before the key is checked (browsers send no key with it); until the model is
+loaded every path but the web page answers 503 `Loading model`; then the API key, for all but llama-server's
+public set. It is plain ASGI rather than Starlette's BaseHTTPMiddleware, which hides a client's disconnect
+from handlers whose answer has not started (a non-streamed completion must see it to free its slot).
+
+CORS, llama-server's flags (`--cors-origins`, `--cors-methods`, `--cors-headers`, `--cors-credentials`):
+`*` with credentials (the default) echoes the request's Origin; `localhost` echoes only a localhost origin
+(http://localhost, 127.0.0.1 or [::1], any port); a comma-separated list echoes an origin found in it (where
+llama-server would send the list itself, which browsers reject).
+
+Response header names go out in their canonical case (`Access-Control-Allow-Origin`,
+`Process-Start-Time-Unix`): HTTP says case does not matter, but clients that read headers into a plain
+dict, llama.cpp's own test suite among them, look them up as llama-server writes them.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from .errors import LOADING, UNAUTHORIZED
+
+log = logging.getLogger("mtpserve.server")
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+PUBLIC_PATHS = {"/health", "/v1/health", "/v1/models", "/models"}
+PAGE_PATHS = {"/", "/index.html"}
+LOCALHOSTS = {"localhost", "127.0.0.1", "::1"}
+
+
+@dataclass(frozen=True)
+class CorsSettings:
+    """llama-server's CORS flags and their defaults."""
+
+    origins: str = "*"
+    methods: str = "GET, POST, DELETE, OPTIONS"
+    headers: str = "*"
+    credentials: bool = True
+
+    def allowed_origin(self, origin: str) -> str | None:
+        """The Access-Control-Allow-Origin value for a request from `origin` ("" when it sent none)."""
+        if self.origins == "*":
+            return origin if self.credentials else "*"
+        if self.origins == "localhost":
+            return origin if origin and is_localhost(origin) else None
+        allowed = {o.strip() for o in self.origins.split(",") if o.strip()}
+        return origin if origin in allowed else None
+
+
+def is_localhost(origin: str) -> bool:
+    try:
+        host = urlsplit(origin).hostname
+    except ValueError:
+        return False
+    return host in LOCALHOSTS
+
+
+def canonical_header(name: bytes) -> bytes:
+    """`access-control-allow-origin` -> `Access-Control-Allow-Origin`."""
+    return b"-".join(part[:1].upper() + part[1:] for part in name.split(b"-"))
+
+
+class Gatekeeper:
+    """The ASGI layer in front of the FastAPI app (see the module docstring). `ready()`: whether the model is
+    loaded; `api_keys`: empty for an open server; `on_unauthorized(path)`: the 401 body for a path (Anthropic's
+    clients read their own error shape)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        cors: CorsSettings,
+        api_keys: list[str],
+        prefix: str,
+        ready: Callable[[], bool],
+        unauthorized_body: Callable[[str], dict[str, Any]],
+    ) -> None:
+        self.app, self.cors, self.api_keys, self.prefix = app, cors, api_keys, prefix.rstrip("/")
+        self.ready, self.unauthorized_body = ready, unauthorized_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        allow_origin = self.cors.allowed_origin(headers.get("origin", ""))
+        if allow_origin is None and headers.get("origin"):
+            log.warning("srv  log_server_r: (CORS) skip origin: %s", headers["origin"][:200])
+        extra: list[tuple[bytes, bytes]] = []
+        if allow_origin is not None:
+            extra.append((b"access-control-allow-origin", allow_origin.encode("latin-1")))
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                names = {k.lower() for k, _ in message.get("headers", [])}
+                merged = [*message.get("headers", []), *(h for h in extra if h[0] not in names)]
+                message = {**message, "headers": [(canonical_header(k.lower()), v) for k, v in merged]}
+            await send(message)
+
+        path = scope["path"]
+        if self.prefix and path.startswith(self.prefix):
+            path = path[len(self.prefix) :]
+        if scope["method"] == "OPTIONS":
+            extra += [
+                (b"access-control-allow-credentials", b"true" if self.cors.credentials else b"false"),
+                (b"access-control-allow-methods", self.cors.methods.encode("latin-1")),
+                (b"access-control-allow-headers", self.cors.headers.encode("latin-1")),
+            ]
+            await _answer(send_with_headers, 200, None)
+        elif path in PAGE_PATHS:
+            await self.app(scope, receive, send_with_headers)
+        elif not self.ready():
+            await _answer(send_with_headers, 503, LOADING.body())
+        elif self.api_keys and path not in PUBLIC_PATHS and not key_ok(headers, self.api_keys):
+            log.warning("srv  log_server_r: unauthorized: Invalid API Key")
+            await _answer(send_with_headers, 401, self.unauthorized_body(path))
+        else:
+            await self.app(scope, receive, send_with_headers)
+
+
+def key_ok(headers: dict[str, str], keys: list[str]) -> bool:
+    """llama-server's rule: `Authorization` (a leading "Bearer " stripped), else `X-Api-Key`; every key
+    compared in constant time so the answer's timing tells nothing about the keys."""
+    given = headers.get("authorization") or headers.get("x-api-key") or ""
+    given = given.removeprefix("Bearer ")
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(given.encode(), key.encode())
+    return found
+
+
+async def _answer(send: Send, status: int, body: dict[str, Any] | None) -> None:
+    """A whole answer from this layer: a JSON body, or an empty one (a preflight)."""
+    data = json.dumps(body).encode() if body is not None else b""
+    kind = b"application/json" if body is not None else b"text/html"
+    headers = [(b"content-type", kind), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+def unauthorized_body(anthropic_error: Callable[[str, int], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
+    """The 401 body by path: Anthropic's shape under /v1/messages, OpenAI's elsewhere."""
+
+    def body(path: str) -> dict[str, Any]:
+        if path.startswith("/v1/messages"):
+            return anthropic_error(UNAUTHORIZED.message, 401)
+        return UNAUTHORIZED.body()
+
+    return body

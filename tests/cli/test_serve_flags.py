@@ -1,0 +1,58 @@
+"""`mtpserve serve`'s llama-server command line: `--flag_name` read as `--flag-name`, several --host addresses,
+CORS, tags and the flags refused because what they switch on is not built."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from mtpserve.cli import build_parser, llama_flag_names
+from mtpserve.cli.serve import listening_sockets, settings_from_args
+
+
+def parse(*flags: str):
+    return build_parser().parse_args(llama_flag_names(["serve", "-m", "model.gguf", *flags]))
+
+
+def test_underscores_in_flag_names_read_as_dashes_and_values_are_left_alone():
+    args = parse("--backend_sampling", "--cors_origins=localhost", "--alias", "my_model")
+    assert args.backend_sampling and args.cors_origins == "localhost" and args.alias == "my_model"
+    assert llama_flag_names(["generate", "--n_predict"]) == ["generate", "--n_predict"]  # serve only
+
+
+def test_cors_and_tags_reach_the_settings(tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    args = build_parser().parse_args(
+        ["serve", "-m", str(model), "--cors-origins", "localhost", "--no-cors-credentials", "--tags", "chat, fim"]
+    )
+    settings = settings_from_args(args)
+    assert settings.cors.origins == "localhost" and not settings.cors.credentials
+    assert settings.tags == ["chat", "fim"]
+
+
+@pytest.mark.parametrize("flags,says", [(["--tools", "all"], "--tools"), (["--ui-mcp-proxy"], "--ui-mcp-proxy")])
+def test_unbuilt_features_stop_the_start_with_one_line(tmp_path, flags, says):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    with pytest.raises(ValueError, match=says):
+        settings_from_args(build_parser().parse_args(["serve", "-m", str(model), *flags]))
+
+
+def test_one_socket_per_host_on_the_same_port():
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    sockets = listening_sockets(["127.0.0.1", "::1"], port)
+    try:
+        assert [s.family for s in sockets] == [socket.AF_INET, socket.AF_INET6]
+        assert {s.getsockname()[1] for s in sockets} == {port}
+    finally:
+        for s in sockets:
+            s.close()
