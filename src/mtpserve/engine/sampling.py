@@ -8,8 +8,9 @@ temperature 1 (temperature is applied last, only to the survivors). Temperature 
 highest logit after bias and penalties. The penalties count the last `repeat_last_n` tokens of the
 prompt and the generation. The draw is llama.cpp's: one uniform double in [0, 1) scaled by the sum of
 exp(logit - max) over the survivors, then the first candidate (in the chain's order) whose running sum
-reaches it. The random stream is numpy's PCG64 seeded with `seed`, so a seed reproduces a request's
-output (not llama.cpp's std::mt19937 stream).
+reaches it. The random stream is llama.cpp's too (std::mt19937 seeded with `seed`, read as libstdc++'s
+uniform_real_distribution<double>), so a seed reproduces llama-server's draws: given the same probabilities,
+a seeded request at a temperature picks llama-server's tokens.
 """
 
 from __future__ import annotations
