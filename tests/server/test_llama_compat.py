@@ -111,7 +111,7 @@ def test_chat_input_tokens_count_the_rendered_prompt(client):
 def test_idle_slots_carry_no_task_fields(client):
     for slot in client.get("/slots").json():
         if not slot["is_processing"]:
-            assert set(slot) == {"id", "n_ctx", "speculative", "is_processing"}
+            assert set(slot) == {"id", "n_ctx", "speculative", "is_processing", "n_cached_tokens"}
 
 
 def test_a_non_streamed_request_whose_client_leaves_frees_its_slot(tiny_server):

@@ -496,8 +496,10 @@ def _submit(state: ServerState, job: Completion) -> RequestStream:
 
 
 def _slot_json(s: SlotInfo, speculative: bool, params: dict[str, Any]) -> dict[str, Any]:
-    """A slot as llama-server's /slots lists it: the task fields only once the slot has run a task."""
+    """A slot as llama-server's /slots lists it, the task fields only while it runs one; `n_cached_tokens` (ours:
+    the tokens it keeps for reuse) always."""
     out: dict[str, Any] = {"id": s.id, "n_ctx": s.n_ctx, "speculative": speculative, "is_processing": s.is_processing}
+    out["n_cached_tokens"] = s.n_cached
     if s.id_task < 0:
         return out
     return out | {
@@ -505,7 +507,6 @@ def _slot_json(s: SlotInfo, speculative: bool, params: dict[str, Any]) -> dict[s
         "n_prompt_tokens": s.n_prompt_tokens,
         "n_prompt_tokens_processed": s.n_prompt_tokens_processed,
         "n_prompt_tokens_cache": s.n_prompt_tokens_cache,
-        "n_cached_tokens": s.n_cached,
         "params": params,
         "next_token": [{"has_next_token": s.is_processing, "n_remain": s.n_remain, "n_decoded": s.n_decoded}],
     }
