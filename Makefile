@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test test-all install models browser bench lint format clean
+.PHONY: serve test test-all test-compat install models browser bench lint format clean
 
 # The OpenAI-compatible server on the default model (SmolLM2-135M-Instruct); flags as llama-server's:
 # `make serve ARGS="--port 8000 --api-key secret"`.
@@ -30,6 +30,11 @@ format: install
 # Everything, the tests marked slow included (the real models' perplexity runs, ...): about 5 minutes more.
 test-all: lint models browser
 	MTPSERVE_REQUIRE_MODELS=1 $(PY) -m pytest -q -m ''
+
+# llama.cpp's own server test suite against mtpserve (tests/compat, docs/compat.md): about 15 minutes, outside
+# `make test`; the first run downloads the llama.cpp source. `make test-compat TESTS=unit/test_basic.py` runs a part.
+test-compat: install models
+	$(PY) tests/compat/run_llama_suite.py $(TESTS)
 
 # The web page is tested in a real headless Chromium (Debian's chromium and chromium-driver).
 browser:
