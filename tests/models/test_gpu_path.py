@@ -341,7 +341,9 @@ def test_the_static_mtp_steps_equal_the_eager_ones(chained: bool) -> None:
     torch.testing.assert_close(kv_graphed.v.data, kv_eager.v.data, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("cache_type", ["q8_0", pytest.param("f16", marks=pytest.mark.slow)])
+# ~15 s each under the interpreter: `make test-all` (suite time); the windowed attention kernels keep their twin
+# tests (tests/ops/test_attention_gpu.py) in the default suite
+@pytest.mark.parametrize("cache_type", [pytest.param(c, marks=pytest.mark.slow) for c in ("q8_0", "f16")])
 def test_static_writes_wrap_a_sliding_window_ring(cache_type: str) -> None:
     """write_at + attend_static on a ring cache (Gemma 3's sliding-window layers) past its capacity: the same
     cells, positions and attention as append + attend."""
@@ -412,8 +414,9 @@ def _no_lookup(*args, **kwargs):
     raise AssertionError("a token table read in a step meant for CUDA graph capture")
 
 
-# The decode graph once with the matmul kernels' wrappers too (~2 min under the interpreter: make test-all).
-@pytest.mark.parametrize("decode_matmul", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+# The decode graph once with the matmul kernels' wrappers too (~2 min under the interpreter), and with torch's
+# (~20 s): both under `make test-all` (suite time); the graphs' steps equal the eager ones in the default suite.
+@pytest.mark.parametrize("decode_matmul", [pytest.param(m, marks=pytest.mark.slow) for m in ("torch", "triton")])
 def test_the_captured_step_reads_nothing_back_to_the_host(monkeypatch: pytest.MonkeyPatch, decode_matmul: str) -> None:
     """What makes the graphs capturable, checked without a GPU: their steps (the whole model's forward pass and
     the LM head, the MTP steps) make no host round trip, and read no token table, which may sit in host memory

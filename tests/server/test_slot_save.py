@@ -132,6 +132,8 @@ def test_without_slot_save_path_the_actions_are_not_supported(tiny_server):
         }
 
 
+# three server processes, ~22 s: `make test-all`; tests/engine/test_slot_files.py restores into a new engine
+@pytest.mark.slow
 def test_a_slot_saved_before_a_restart_continues_after_it_and_another_models_file_is_refused(tmp_path):
     """The acceptance run over HTTP: a ~1,000-token conversation on tinyqwen35 saved, the server stopped, a new
     server process restores the slot and the next turn gives the uninterrupted run's greedy tokens from the

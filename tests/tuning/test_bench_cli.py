@@ -69,6 +69,7 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # two servers and the bench, 20-40 s: `make test-all`; the summary's arithmetic is tested above
 def test_bench_url_reports_per_request_and_cumulative_acceptance(tmp_path):
     model = tinyqwen_path("Q4_K_M")
     server = ServerProcess(
