@@ -74,8 +74,9 @@ class Job:
         """The next token from `logits` [V] with the request's sampler, and its probabilities with n_probs."""
         assert self.sampler is not None
         token = self.budget.forced() if self.budget is not None else None  # a spent reasoning budget decides
-        allowed = self.constraint.masked(logits) if self.constraint else logits
+        allowed = logits  # a forced token skips the mask: it is not drawn
         if token is None:
+            allowed = self.constraint.masked(logits) if self.constraint else logits
             token = self.sampler.sample(allowed)
         n_probs, probs = self.request.n_probs, NO_PROBS
         if n_probs and self.request.post_sampling_probs:  # before accept: the penalties the draw saw

@@ -366,6 +366,15 @@ def native_final(
 async def native_stream(
     state: ServerState, request: Request, stream: RequestStream, job: Completion
 ) -> AsyncIterator[str]:
+    n_prompt = len(job.request.prompt)
+
+    def piece(content: str, tokens: list[int], n: int) -> dict[str, Any]:
+        """One streamed piece, as llama-server's partial results."""
+        return {"index": 0, "content": content, "tokens": tokens, "stop": False, "id_slot": -1} | {
+            "tokens_predicted": n,
+            "tokens_evaluated": n_prompt,
+        }
+
     async def chunks() -> AsyncIterator[str]:
         tokenizer = state.loaded_tokenizer()
         n = 0
@@ -373,37 +382,18 @@ async def native_stream(
             if event is None:
                 yield ":\n\n"
             elif isinstance(event, ProgressEvent):
-                piece = {"index": 0, "content": "", "tokens": [], "stop": False, "id_slot": -1}
-                piece |= {"tokens_predicted": 0, "tokens_evaluated": event.total}
-                yield _data(piece | _progress(job, event))
+                yield _data(piece("", [], 0) | _progress(job, event))
             elif isinstance(event, TokenEvent):
                 n += 1
-                piece = {
-                    "index": 0,
-                    "content": event.text,
-                    "tokens": [event.token] if job.return_tokens else [],
-                    "stop": False,
-                    "id_slot": -1,
-                    "tokens_predicted": n,
-                    "tokens_evaluated": len(job.request.prompt),
-                }
+                token_piece = piece(event.text, [event.token] if job.return_tokens else [], n)
                 if job.n_probs:
                     post = job.request.post_sampling_probs
-                    piece["completion_probabilities"] = [_probabilities(tokenizer, event, post=post)]
-                yield _data(piece)
+                    token_piece["completion_probabilities"] = [_probabilities(tokenizer, event, post=post)]
+                yield _data(token_piece)
             else:
                 if event.tail:
-                    piece = {
-                        "index": 0,
-                        "content": event.tail,
-                        "tokens": [],
-                        "stop": False,
-                        "id_slot": -1,
-                        "tokens_predicted": n,
-                        "tokens_evaluated": len(job.request.prompt),
-                    }
-                    yield _data(piece)
+                    yield _data(piece(event.tail, [], n))
                 yield _data(native_final(state, job, event, [], ""))
 
-    async for piece in _guarded(chunks()):
-        yield piece
+    async for chunk in _guarded(chunks()):
+        yield chunk
