@@ -49,7 +49,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "mtpserve needs Python 3.11+, found " + sys.version' 
 	@command -v cc >/dev/null || command -v gcc >/dev/null || { echo "installing gcc for the CPU kernels"; \
-		$(SUDO) apt-get update && $(SUDO) apt-get install -y gcc libgomp1; }
+		$(SUDO) apt-get update && $(SUDO) apt-get install -y gcc; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -e '.[test]'
 	$(PY) -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' || $(PY) -m pip install -e '.[triton-interpreter]'

@@ -1,10 +1,15 @@
 """Prefill and decode tokens/s on CPU, mtpserve side by side with llama.cpp, as ratios.
 
-    .venv/bin/python bench/decode_cpu.py [--threads 2] [--repetitions 5] [--llama-bench PATH] [--json out.json]
+    .venv/bin/python bench/decode_cpu.py [--threads 2] [--repetitions 5] [--llama-bench PATH] [--busy]
+                                         [--poll 50] [--json out.json]
 
 The test follows `llama-bench -t 2 -p 128 -n 64`: "pp128" evaluates a 128-token prompt in one batch on an
 empty cache, "tg64" generates 64 tokens one at a time from an empty cache; each is repeated after a
-warm-up run and reported as mean ± standard deviation of tokens/s.
+warm-up run and reported as mean ± standard deviation of tokens/s. The two engines take turns in rounds
+(one mtpserve run, then one llama-bench run), so a change in the machine's load falls on both.
+
+`--busy` runs one CPU-bound neighbour process (a spinning Python loop) through the whole measurement: the
+machine a server usually shares.
 
 The peer: with `--llama-bench PATH` (a llama.cpp build, e.g. `cmake -B build && cmake --build build -t
 llama-bench`) it is run in the same invocation on the same files. Without it, the `llama-bench -t 2` numbers
@@ -15,16 +20,19 @@ this machine is like that one, so the table says which peer it used.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from mtpserve.default_models import GEMMA3, SMOLLM2, model_path
+from mtpserve.kernels.cpu import configure_pool
 from mtpserve.models.loader import load
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,8 +48,11 @@ def rate(samples: list[float]) -> tuple[float, float]:
     return statistics.mean(samples), statistics.stdev(samples) if len(samples) > 1 else 0.0
 
 
-def bench_mtpserve(path: Path, repetitions: int) -> dict[str, tuple[float, float]]:
+def mtpserve_runner(path: Path) -> dict[str, Callable[[], float]]:
+    """One tokens/s measurement per call of each test, after a warm-up run (kernel build, page-in)."""
     model = load(path)
+    gc.collect()
+    gc.freeze()  # as the server does once its model is loaded
     vocab = model.config.n_vocab
     tokens = torch.randint(0, vocab, (N_PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
 
@@ -58,14 +69,12 @@ def bench_mtpserve(path: Path, repetitions: int) -> dict[str, tuple[float, float
             model.decode(token, state)
         return N_GEN / (time.perf_counter() - t0)
 
-    out = {}
-    for name, fn in (("pp128", prefill), ("tg64", decode)):
-        fn()  # warm-up: kernel build, page-in of the weights
-        out[name] = rate([fn() for _ in range(repetitions)])
-    return out
+    for fn in (prefill, decode):
+        fn()
+    return {"pp128": prefill, "tg64": decode}
 
 
-def bench_llama_cpp(binary: str, path: Path, threads: int, repetitions: int) -> dict[str, tuple[float, float]]:
+def bench_llama_cpp(binary: str, path: Path, threads: int, repetitions: int) -> dict[str, list[float]]:
     cmd = [
         binary,
         "-m",
@@ -85,15 +94,15 @@ def bench_llama_cpp(binary: str, path: Path, threads: int, repetitions: int) -> 
     return from_llama_bench(results)
 
 
-def from_llama_bench(results: list[dict]) -> dict[str, tuple[float, float]]:
+def from_llama_bench(results: list[dict]) -> dict[str, list[float]]:
     out = {}
     for r in results:
         name = f"pp{r['n_prompt']}" if r["n_gen"] == 0 else f"tg{r['n_gen']}"
-        out[name] = (r["avg_ts"], r["stddev_ts"])
+        out[name] = r["samples_ts"]
     return out
 
 
-def recorded_llama_cpp(path: Path) -> dict[str, tuple[float, float]] | None:
+def recorded_llama_cpp(path: Path) -> dict[str, list[float]] | None:
     ref = FIXTURES / "refs" / f"{path.stem}.json"
     if not ref.exists():
         return None
@@ -105,25 +114,45 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repetitions", type=int, default=5)
     ap.add_argument("--llama-bench", help="a llama-bench binary to run side by side (default: recorded numbers)")
+    ap.add_argument("--busy", action="store_true", help="one CPU-bound neighbour process runs throughout")
+    ap.add_argument("--poll", type=int, default=50, help="mtpserve's --poll (0-100, as llama-server's)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    configure_pool(args.poll)
     peer = f"llama-bench {args.llama_bench}" if args.llama_bench else "llama-bench -t 2 recorded in ../shared/fixtures"
-    print(f"mtpserve vs {peer}; {args.threads} threads, {args.repetitions} repetitions, tokens/s\n")
+    load_note = ", one CPU-bound neighbour process" if args.busy else ""
+    print(f"mtpserve vs {peer}; {args.threads} threads, {args.repetitions} rounds{load_note}, tokens/s\n")
+    neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
+    try:
+        rows = run(args)
+    finally:
+        if neighbour is not None:
+            neighbour.kill()
+    if args.json:
+        peer_json = {"peer": peer, "threads": args.threads, "busy": args.busy, "poll": args.poll, "rows": rows}
+        args.json.write_text(json.dumps(peer_json, indent=1))
+
+
+def run(args: argparse.Namespace) -> list[dict]:
     header = f"{'model':34} {'test':6} {'mtpserve':>16} {'llama.cpp':>16} {'ratio':>6}"
     print(header + "\n" + "-" * len(header))
     rows = []
     for path in models():
         if not path.exists():
             sys.exit(f"{path} is missing: run `make models` (and check that ../shared/fixtures is present)")
-        ours = bench_mtpserve(path, args.repetitions)
-        theirs = (
-            bench_llama_cpp(args.llama_bench, path, args.threads, args.repetitions)
-            if args.llama_bench
-            else recorded_llama_cpp(path)
-        )
-        for test, (mean, std) in ours.items():
-            peer_mean, peer_std = (theirs or {}).get(test, (float("nan"), 0.0))
+        runner = mtpserve_runner(path)
+        ours: dict[str, list[float]] = {test: [] for test in runner}
+        theirs: dict[str, list[float]] = {} if args.llama_bench else (recorded_llama_cpp(path) or {})
+        for _ in range(args.repetitions):  # rounds: one run of each engine in turn
+            for test, fn in runner.items():
+                ours[test].append(fn())
+            if args.llama_bench:
+                for test, samples in bench_llama_cpp(args.llama_bench, path, args.threads, 1).items():
+                    theirs.setdefault(test, []).extend(samples)
+        for test, samples in ours.items():
+            mean, std = rate(samples)
+            peer_mean, peer_std = rate(theirs[test]) if test in theirs else (float("nan"), 0.0)
             ratio = mean / peer_mean
             rows.append(
                 {
@@ -138,8 +167,7 @@ def main() -> None:
                 f"{path.name:34} {test:6} {mean:9.1f} ± {std:5.1f} {peer_mean:9.1f} ± {peer_std:5.1f} {ratio:5.2f}x",
                 flush=True,
             )
-    if args.json:
-        args.json.write_text(json.dumps({"peer": peer, "threads": args.threads, "rows": rows}, indent=1))
+    return rows
 
 
 if __name__ == "__main__":

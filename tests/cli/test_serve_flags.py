@@ -56,3 +56,24 @@ def test_one_socket_per_host_on_the_same_port():
     finally:
         for s in sockets:
             s.close()
+
+
+def test_threads_default_to_the_physical_cores_and_poll_reaches_the_pool():
+    import torch
+
+    from mtpserve.cli.common import apply_threads
+    from mtpserve.kernels.cpu import physical_cores
+
+    before = torch.get_num_threads()
+    try:
+        args = parse("--poll", "0", "--cpu-strict", "0")
+        assert (args.threads, args.poll, args.cpu_strict) == (0, 0, 0)
+        apply_threads(args)
+        assert torch.get_num_threads() == physical_cores()
+        apply_threads(parse("-t", "1"))
+        assert torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match="0-100"):
+            apply_threads(parse("--poll", "101"))
+    finally:
+        torch.set_num_threads(before)
+        apply_threads(parse("-t", str(before)))  # and --poll back to its default

@@ -318,6 +318,61 @@ def test_swiglu_ffn_is_the_three_calls_fused(m):
     assert rel_err(fused, activations.swiglu_ffn_reference(x, ffn.gate, ffn.up, ffn.down)) < 1e-5
 
 
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 3, 20])
+def test_residual_geglu_ffn_is_both_norms_the_ffn_and_the_add_in_one_call(m):
+    from mtpserve.models.loader import load
+
+    layer = load(default_model("gemma3")).layers[0]
+    x = torch.randn(m, layer.gate.shape[1])
+    fused = activations.residual_geglu_ffn(x, layer.ffn_norm, layer.ffn_post_norm, 1e-6, layer.gate_up, layer.down)
+    h = norm.rms_norm(x, layer.ffn_norm, 1e-6)
+    separate = x + norm.rms_norm(activations.geglu_ffn(h, layer.gate_up, layer.down), layer.ffn_post_norm, 1e-6)
+    assert torch.equal(fused, separate)
+
+
+@needs_kernels
+def test_sigmoid_gate_kernel_matches_reference():
+    x, gate = torch.randn(4, 256), torch.randn(4, 256) * 8
+    got, want = activations.sigmoid_gate(x, gate), activations.sigmoid_gate_reference(x, gate)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    # llama.cpp's formula with libm's expf, to the bit
+    g = gate[0, 0].item()
+    one = np.float32(1.0)
+    assert got[0, 0].item() == np.float32(x[0, 0].item()) * (one / (one + np.exp(np.float32(-g))))
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 3, 20])
+def test_residual_swiglu_ffn_is_the_norm_the_ffn_and_the_add_in_one_call(m):
+    layer = _tinyqwen_layers()
+    ffn, weight = layer.ffn, layer.ffn_norm
+    x = torch.randn(m, ffn.gate.shape[1])
+    fused = activations.residual_swiglu_ffn(x, weight, 1e-6, ffn.gate, ffn.up, ffn.down)
+    assert torch.equal(fused, x + activations.swiglu_ffn(norm.rms_norm(x, weight, 1e-6), ffn.gate, ffn.up, ffn.down))
+
+
+@needs_kernels
+@pytest.mark.parametrize("T", [1, 3])
+def test_residual_gated_delta_net_decode_is_the_norm_the_mixer_and_the_add_in_one_call(T):
+    layer = _tinyqwen_layers()
+    weights, conv_states, ssms = _gdn_decode_args(layer.mixer, 2)
+    x = torch.randn(2 * T, weights.projections[0].shape[1])
+    runs = []
+    for fused in (True, False):
+        states = [t.clone() for t in conv_states], [t.clone() for t in ssms]
+        steps = {"conv_steps": [torch.empty(T, *conv_states[0].shape) for _ in range(2)], "ssm_steps": None}
+        steps["ssm_steps"] = [torch.empty(T, *ssms[0].shape) for _ in range(2)]
+        if fused:
+            out = gated_delta.residual_gated_delta_net_decode(x, layer.attn_norm, 1e-6, weights, *states, **steps)
+        else:
+            h = norm.rms_norm(x, layer.attn_norm, 1e-6)
+            out = x + gated_delta.gated_delta_net_decode(h, weights, *states, **steps)
+        runs.append([out, *states[0], *states[1], *steps["conv_steps"], *steps["ssm_steps"]])
+    for fused, separate in zip(*runs):
+        assert torch.equal(fused, separate)
+
+
 def _gdn_decode_args(mixer, n_seq, seed=0):
     c = mixer.c
     g = torch.Generator().manual_seed(seed)

@@ -4,13 +4,23 @@ dimension, so a block never crosses a head)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ..ops.attention import attention, attention_gpu, decode_attention_gpu, prompt_attention_dtype
+from ..ops.attention import (
+    attention,
+    attention_gpu,
+    decode_attention_gpu,
+    prompt_attention_dtype,
+    residual_attention_cpu,
+)
 from ..ops.device import gpu_path
+from ..ops.linear import WeightGroup, kernel_supports
 from ..ops.norm import rms_norm
 from ..ops.rope import apply_rope, norm_rope_store
 from ..quant.dequant import dequantize
+from ..quant.qtensor import QTensor
 from ..quant.quantize import QUANTIZERS, quantize_q8_0
 from ..quant.types import GGMLType, block_geometry, parse_cache_type
 
@@ -215,6 +225,38 @@ class KVCache:
         elif self.k.type == GGMLType.BF16:
             q = q.bfloat16().float()
         return attention(q, keys, values, q_pos, key_pos, scale, window=self.window)
+
+    def residual_attention(
+        self,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        qkv: WeightGroup,
+        wo: QTensor,
+        n_heads: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        scale: float,
+        **variant: Any,
+    ) -> torch.Tensor | None:
+        """x + the attention block of x's next T positions (norm, q/k/v, q/k norms, RoPE, `append`, `attend`, output
+        projection; `variant`: `residual_attention_cpu`'s keywords) in one C call, where a few tokens of one sequence
+        meet an f16/f32 cache on the CPU whose cell i holds position i (decode: each op alone costs more in Python
+        than in arithmetic); None elsewhere, for the caller to go op by op. A ring qualifies until it wraps."""
+        T = x.shape[0]
+        in_order = self._ordered or (self.ring and self.length + T <= self.capacity)
+        float_cache = self.k.type == self.v.type and self.k.type in (GGMLType.F16, GGMLType.F32)
+        if T > 8 or not in_order or not float_cache or gpu_path(x) or x.dtype != torch.float32:
+            return None
+        if not qkv.on_kernels or not kernel_supports(wo):
+            return None
+        self._check_room(T)
+        store = (self.k.data, self.v.data, self.positions, self.length)
+        y = residual_attention_cpu(
+            x.contiguous(), norm_weight, eps, qkv, wo, n_heads, cos, sin, *store, scale, self.window, **variant
+        )
+        self.length += T
+        return y
 
     def write_at(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the K/V [T, Hkv, D] of `positions` (a device tensor) into their cells, without reading any value

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
@@ -25,16 +24,27 @@ def model_path(args: argparse.Namespace) -> Path:
 
 
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    """llama-server's CPU flags: -t, --poll, --cpu-strict (docs/performance.md, "The thread pool")."""
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: the physical cores)")
+    p.add_argument(
+        "--poll", type=int, default=50, help="0-100: how long idle threads spin before sleeping (default 50: 0.5 ms)"
+    )
+    p.add_argument("--cpu-strict", type=int, choices=[0, 1], default=0, help="1: pin each thread to its own CPU")
 
 
-def apply_threads(threads: int) -> None:
-    torch.set_num_threads(threads if threads > 0 else (os.cpu_count() or 1))
+def apply_threads(args: argparse.Namespace) -> None:
+    """Torch's and the kernels' thread counts from -t (default: physical cores, as llama.cpp), and the pool's
+    spinning and pinning from --poll and --cpu-strict."""
+    from ..kernels.cpu import configure_pool, physical_cores
+
+    threads = getattr(args, "threads", 0)
+    torch.set_num_threads(threads if threads > 0 else physical_cores())
+    configure_pool(getattr(args, "poll", 50), bool(getattr(args, "cpu_strict", 0)))
 
 
 def load_model(args: argparse.Namespace) -> tuple[CausalLM, Tokenizer]:
     """Threads set, then the model of `-m` (or the default) and its tokenizer."""
-    apply_threads(args.threads)
+    apply_threads(args)
     path = model_path(args)
     return load(path), Tokenizer.from_gguf(path)
 

@@ -36,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    apply_threads(args.threads)
+    apply_threads(args)
     path = model_path(args)
     config = EngineConfig(
         ctx_size=args.ctx_size, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, spec=spec_config(args)

@@ -37,7 +37,7 @@ from ..quant import CACHE_TYPES
 from ..server.chat import REASONING_FORMATS, ChatSettings
 from ..server.middleware import CorsSettings
 from ..server.state import DEFAULT_MAX_BODY, ServerSettings
-from .common import add_spec_arguments, apply_threads, model_path, spec_config
+from .common import add_spec_arguments, add_threads_argument, apply_threads, model_path, spec_config
 
 log = logging.getLogger("mtpserve.server")
 
@@ -205,7 +205,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--mlock", action="store_true")
     p.add_argument("--no-mmap", action="store_true")
     p.add_argument("-fit", "--fit", choices=["on", "off"], default="on")
-    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    add_threads_argument(p)
     p.add_argument("-tb", "--threads-batch", type=int, default=0, help="(the same threads serve prompts)")
     # logging
     p.add_argument(
@@ -378,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
         files = [args.hf_file] if args.hf_file else []
         args.model = str(hub.pull(args.hf_repo, files, token=args.hf_token)[0])
     settings = settings_from_args(args)
-    apply_threads(args.threads)
+    apply_threads(args)
     log.info("log_info: verbosity = %d (adjust with the `-lv N` CLI arg)", verbosity)
     _log_devices(args)
     log.info("srv  llama_server: initializing ...")

@@ -15,7 +15,7 @@ import torch
 
 from ..cache import KVCache, append_and_attend
 from ..gguf import GGUFError, Metadata
-from ..ops.activations import geglu_ffn
+from ..ops.activations import residual_geglu_ffn
 from ..ops.embedding import embedding
 from ..ops.linear import WeightGroup, linear, linear_many
 from ..ops.norm import rms_norm, rms_norm_for
@@ -141,6 +141,27 @@ class Attention:
         o = append_and_attend(caches, q * self.query_scale, k, v, rope.positions, 1.0, rope.static)
         return linear(o.reshape(T, -1), self.wo, seq_len=seq_len)
 
+    def residual(
+        self,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor,
+        post_norm: torch.Tensor,
+        rope: Rope,
+        caches: list[KVCache],
+        seq_len: int,
+    ) -> torch.Tensor:
+        """x + rms_norm(self(rms_norm(x) * norm_weight)) * post_norm: one C call for a few tokens of one sequence on
+        the CPU (`KVCache.residual_attention`), op by op elsewhere."""
+        c = self.c
+        if len(caches) == 1 and not rope.static:
+            variant = {"q_norm": self.q_norm, "k_norm": self.k_norm, "q_scale": self.query_scale, "neox": True}
+            args = (self.qkv, self.wo, c.n_head, rope.cos, rope.sin, 1.0)
+            y = caches[0].residual_attention(x, norm_weight, c.rms_eps, *args, post_norm=post_norm, **variant)
+            if y is not None:
+                return y
+        h = rms_norm_for(x, norm_weight, c.rms_eps, matmul=self.wq)
+        return x + rms_norm(self(h, rope, caches, seq_len), post_norm, c.rms_eps)
+
 
 class DecoderLayer:
     """Norms on both sides of attention and of the FFN: x + post(attn(pre(x))), then the same for GeGLU."""
@@ -158,12 +179,9 @@ class DecoderLayer:
 
     def __call__(self, x: torch.Tensor, ropes: dict[bool, Rope], batch: Batch) -> torch.Tensor:
         caches = [state.kv[self.index] for state in batch.states]
-        h = rms_norm_for(x, self.attn_norm, self.eps, matmul=self.attn.wq)
-        a = self.attn(h, ropes[self.sliding], caches, batch.n_tokens)
-        x = x + rms_norm(a, self.attn_post_norm, self.eps)
-        h = rms_norm_for(x, self.ffn_norm, self.eps, matmul=self.gate)  # GPU path: quantized rows
-        f = geglu_ffn(h, self.gate_up, self.down, batch.n_tokens)
-        return x + rms_norm(f, self.ffn_post_norm, self.eps)
+        x = self.attn.residual(x, self.attn_norm, self.attn_post_norm, ropes[self.sliding], caches, batch.n_tokens)
+        ffn = (self.gate_up, self.down, batch.n_tokens)
+        return residual_geglu_ffn(x, self.ffn_norm, self.ffn_post_norm, self.eps, *ffn)
 
 
 # --- model --------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 
 from ..cache import KVCache, append_and_attend
 from ..gguf import GGUFError, Metadata
-from ..ops.activations import swiglu_ffn
+from ..ops.activations import residual_swiglu_ffn
 from ..ops.linear import WeightGroup, linear, linear_many
 from ..ops.norm import rms_norm, rms_norm_for
 from ..ops.rope import RopeTable, apply_rope
@@ -137,6 +137,21 @@ class Attention:
         o = append_and_attend(caches, q, k, v, rope.positions, c.head_dim**-0.5, rope.static)
         return linear(o.reshape(T, -1), self.wo, seq_len=seq_len)
 
+    def residual(
+        self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, rope: Rope, caches: list[KVCache], seq_len: int
+    ) -> torch.Tensor:
+        """x + self(rms_norm(x) * norm_weight): one C call for a few tokens of one sequence on the CPU
+        (`KVCache.residual_attention`), op by op elsewhere."""
+        c = self.c
+        if len(caches) == 1 and self.bq is None and not rope.static:
+            norms = {"q_norm": self.q_norm, "k_norm": self.k_norm, "neox": c.rope_neox}
+            args = (self.qkv, self.wo, c.n_head, rope.cos, rope.sin, c.head_dim**-0.5)
+            y = caches[0].residual_attention(x, norm_weight, eps, *args, **norms)
+            if y is not None:
+                return y
+        h = rms_norm_for(x, norm_weight, eps, matmul=self.wq)  # GPU path: quantized rows
+        return x + self(h, rope, caches, seq_len)
+
 
 class DecoderLayer:
     def __init__(self, w: WeightStore, i: int, c: LlamaConfig) -> None:
@@ -150,10 +165,9 @@ class DecoderLayer:
 
     def __call__(self, x: torch.Tensor, rope: Rope, batch: Batch) -> torch.Tensor:
         caches = [state.kv[self.index] for state in batch.states]
-        h = rms_norm_for(x, self.attn_norm, self.eps, matmul=self.attn.wq)  # GPU path: quantized rows
-        x = x + self.attn(h, rope, caches, batch.n_tokens)
-        h = rms_norm_for(x, self.ffn_norm, self.eps, matmul=self.gate)
-        return x + swiglu_ffn(h, self.gate, self.up, self.down, batch.n_tokens, gate_up=self.gate_up)
+        x = self.attn.residual(x, self.attn_norm, self.eps, rope, caches, batch.n_tokens)
+        ffn = self.gate, self.up, self.down
+        return residual_swiglu_ffn(x, self.ffn_norm, self.eps, *ffn, batch.n_tokens, gate_up=self.gate_up)
 
 
 # --- model --------------------------------------------------------------------------------------------

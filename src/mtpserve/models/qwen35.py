@@ -17,10 +17,16 @@ import torch.nn.functional as F
 from ..cache import KVCache, RecurrentState
 from ..cache.kv import rope_append_and_attend
 from ..gguf import GGUFError, Metadata
-from ..ops.activations import sigmoid_gate_for, swiglu_ffn
+from ..ops.activations import residual_swiglu_ffn, sigmoid_gate_for, swiglu_ffn
 from ..ops.conv import causal_conv1d
+from ..ops.device import gpu_path
 from ..ops.embedding import embedding
-from ..ops.gated_delta import GatedDeltaNetWeights, gated_delta_net_decode, gated_delta_rule_chunked
+from ..ops.gated_delta import (
+    GatedDeltaNetWeights,
+    gated_delta_net_decode,
+    gated_delta_rule_chunked,
+    residual_gated_delta_net_decode,
+)
 from ..ops.linear import WeightGroup, linear, linear_many
 from ..ops.linear_gpu import QuantizedRows
 from ..ops.norm import add_rms_norm_for, gated_rms_norm, l2_norm, rms_norm, rms_norm_for
@@ -240,6 +246,20 @@ class GatedAttention:
         ).reshape(T, -1)
         return linear(sigmoid_gate_for(o, gate, matmul=self.wo), self.wo, seq_len=seq_len)
 
+    def residual(
+        self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, rope: Rope, caches: list[KVCache], seq_len: int
+    ) -> torch.Tensor:
+        """x + self(rms_norm(x) * norm_weight): one C call for a few tokens of one sequence on the CPU
+        (`KVCache.residual_attention`), op by op elsewhere."""
+        c = self.c
+        if len(caches) == 1 and not rope.static:
+            variant = {"q_norm": self.q_norm, "k_norm": self.k_norm, "q_gated": True, "neox": True}
+            args = (self.qkv, self.wo, c.n_head, rope.cos, rope.sin, c.head_dim**-0.5)
+            y = caches[0].residual_attention(x, norm_weight, eps, *args, **variant)
+            if y is not None:
+                return y
+        return x + self(rms_norm(x, norm_weight, eps), rope, caches, seq_len)
+
 
 class GatedDeltaNet:
     """Linear attention with a gated delta-rule state: projections, short causal conv, L2-normed q/k,
@@ -275,17 +295,7 @@ class GatedDeltaNet:
         c = self.c
         kept: dict[int, RecurrentState] = {}
         if seq_len <= RECURRENT_MAX_TOKENS:  # decode, draft verification: the whole mixer in one kernel call
-            conv_steps = ssm_steps = None
-            if steps is not None:
-                conv_steps = [torch.empty(seq_len, *st.conv.shape, device=st.conv.device) for st in states]
-                ssm_steps = [torch.empty(seq_len, *st.ssm.shape, device=st.ssm.device) for st in states]
-            conv_states, ssms = [st.conv for st in states], [st.ssm for st in states]
-            out = gated_delta_net_decode(x, self.w, conv_states, ssms, conv_steps=conv_steps, ssm_steps=ssm_steps)
-            if steps is not None and conv_steps is not None and ssm_steps is not None:
-                steps.extend(
-                    [RecurrentState(cs[t], ss[t]) for t in range(seq_len)] for cs, ss in zip(conv_steps, ssm_steps)
-                )
-            return out, kept
+            return self.decode(x, states, seq_len, steps), kept
         if steps is not None:
             raise ValueError(f"per-token states are kept for up to {RECURRENT_MAX_TOKENS} tokens, not {seq_len}")
         w = self.w
@@ -316,6 +326,32 @@ class GatedDeltaNet:
             outs.append(gated_rms_norm(o, z[rows], w.norm_weight, c.rms_eps).reshape(seq_len, -1))
         return linear(torch.cat(outs), w.w_out, seq_len=seq_len), kept
 
+    def decode(
+        self,
+        x: torch.Tensor,
+        states: list[RecurrentState],
+        seq_len: int,
+        steps: list[list[RecurrentState]] | None,
+        pre_norm: tuple[torch.Tensor, float] | None = None,
+    ) -> torch.Tensor:
+        """The mixer for up to RECURRENT_MAX_TOKENS tokens a sequence, in one kernel call. With `pre_norm` (weight,
+        eps), x is the residual stream and the result x + mixer(rms_norm(x)), still one call (the CPU decode)."""
+        conv_steps = ssm_steps = None
+        if steps is not None:
+            conv_steps = [torch.empty(seq_len, *st.conv.shape, device=st.conv.device) for st in states]
+            ssm_steps = [torch.empty(seq_len, *st.ssm.shape, device=st.ssm.device) for st in states]
+        conv_states, ssms = [st.conv for st in states], [st.ssm for st in states]
+        kept_steps = {"conv_steps": conv_steps, "ssm_steps": ssm_steps}
+        if pre_norm is None:
+            out = gated_delta_net_decode(x, self.w, conv_states, ssms, **kept_steps)
+        else:
+            out = residual_gated_delta_net_decode(x, *pre_norm, self.w, conv_states, ssms, **kept_steps)
+        if steps is not None and conv_steps is not None and ssm_steps is not None:
+            steps.extend(
+                [RecurrentState(cs[t], ss[t]) for t in range(seq_len)] for cs, ss in zip(conv_steps, ssm_steps)
+            )
+        return out
+
 
 class SwiGLU:
     def __init__(self, w: WeightStore, b: str) -> None:
@@ -326,6 +362,10 @@ class SwiGLU:
 
     def __call__(self, x: torch.Tensor | QuantizedRows, seq_len: int) -> torch.Tensor:
         return swiglu_ffn(x, self.gate, self.up, self.down, seq_len, gate_up=self.gate_up)
+
+    def residual(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, seq_len: int) -> torch.Tensor:
+        """x + ffn(rms_norm(x) * norm_weight)"""
+        return residual_swiglu_ffn(x, norm_weight, eps, self.gate, self.up, self.down, seq_len, gate_up=self.gate_up)
 
 
 class DecoderLayer:
@@ -342,6 +382,8 @@ class DecoderLayer:
         self.ffn = SwiGLU(w, b)
 
     def __call__(self, x: torch.Tensor, rope: Rope, batch: Batch) -> torch.Tensor:
+        if batch.n_tokens <= RECURRENT_MAX_TOKENS and not gpu_path(x):
+            return self.cpu_decode(x, rope, batch)
         # On the GPU path the norms hand their matmuls quantized rows (ops.norm.rms_norm_for); on the CPU, floats.
         h = rms_norm_for(x, self.attn_norm, self.eps, matmul=self.mixer.input_weight)
         if self.recurrent:
@@ -352,8 +394,22 @@ class DecoderLayer:
                 batch.checkpoints.setdefault(batch.starts[0] + n, {})[self.index] = snapshot
         else:
             out = self.mixer(h, rope, [state.kv[self.index] for state in batch.states], batch.n_tokens)
+        if not gpu_path(x):
+            return self.ffn.residual(x + out, self.ffn_norm, self.eps, batch.n_tokens)
         x, h = add_rms_norm_for(x, out, self.ffn_norm, self.eps, matmul=self.ffn.gate)  # x + out, normed
         return x + self.ffn(h, batch.n_tokens)
+
+    def cpu_decode(self, x: torch.Tensor, rope: Rope, batch: Batch) -> torch.Tensor:
+        """The block for a few tokens on the CPU: each half (norm, mixer or FFN, residual add) one C call where it
+        can be, the same numbers as the ops one by one."""
+        if isinstance(self.mixer, GatedDeltaNet):
+            states = [state.recurrent[self.index] for state in batch.states]
+            steps = batch.steps.setdefault(self.index, []) if batch.keep_steps else None
+            x = self.mixer.decode(x, states, batch.n_tokens, steps, pre_norm=(self.attn_norm, self.eps))
+        else:
+            caches = [state.kv[self.index] for state in batch.states]
+            x = self.mixer.residual(x, self.attn_norm, self.eps, rope, caches, batch.n_tokens)
+        return self.ffn.residual(x, self.ffn_norm, self.eps, batch.n_tokens)
 
 
 class MTPHead:

@@ -17,6 +17,7 @@ from ..quant.qtensor import QTensor
 from .device import gpu_path
 from .linear import as_rows, kernel_supports, linear, linear_many, linear_reference
 from .linear_gpu import QuantizedRows, decode_block, matmul_input
+from .norm import rms_norm, rms_norm_for
 from .rowwise import glu_quantize
 
 
@@ -75,11 +76,27 @@ def gated_ffn_gpu(x: torch.Tensor | QuantizedRows, gate_up: Sequence[QTensor], d
     return linear(matmul_input(y.reshape(*gate.shape), block, q, d), down)
 
 
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) on the CPU, the sigmoid as llama.cpp's: 1 / (1 + expf(-gate)) with libm's expf (the C
+    kernel; torch.sigmoid can differ in the last bit). `sigmoid_gate_reference` is the twin."""
+    lib = cpu_kernels.load()
+    if lib is None or gpu_path(x):
+        return sigmoid_gate_reference(x, gate)
+    x, gate = x.float().contiguous(), gate.float().contiguous()
+    y = torch.empty_like(x)
+    lib.mtp_sigmoid_gate(x.data_ptr(), gate.data_ptr(), y.data_ptr(), x.numel())
+    return y
+
+
+def sigmoid_gate_reference(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(gate)
+
+
 def sigmoid_gate_for(x: torch.Tensor, gate: torch.Tensor, *, matmul: QTensor) -> torch.Tensor | QuantizedRows:
     """x * sigmoid(gate) as the input of a matmul by `matmul` (Qwen3.5's gated attention output): on the GPU path
     one launch that also quantizes decode rows for that weight's integer GEMV."""
     if not gpu_path(x):
-        return x * torch.sigmoid(gate)
+        return sigmoid_gate(x, gate)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = lead.numel()
     block = decode_block(matmul, rows)
@@ -95,6 +112,65 @@ def geglu_ffn(
     if isinstance(x, QuantizedRows) or gpu_path(x):
         return gated_ffn_gpu(x, gate_up, down, "gelu_f16")
     return linear(geglu(*linear_many(x, gate_up, seq_len)), down, seq_len=seq_len)
+
+
+def residual_geglu_ffn(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    post_norm: torch.Tensor,
+    eps: float,
+    gate_up: Sequence[QTensor],
+    down: QTensor,
+    seq_len: int | None = None,
+) -> torch.Tensor:
+    """x + rms_norm(geglu_ffn(rms_norm(x) * norm_weight)) * post_norm (Gemma's FFN between two norms): one C call on
+    the CPU, the composition elsewhere."""
+    lib = cpu_kernels.load()
+    gate, up = gate_up
+    if gpu_path(x) or lib is None or not all(kernel_supports(w) for w in (gate, up, down)):
+        h = rms_norm_for(x, norm_weight, eps, matmul=gate)
+        return x + rms_norm(geglu_ffn(h, gate_up, down, seq_len), post_norm, eps)
+    lead, x2 = x.shape[:-1], as_rows(x)
+    M, E = x2.shape
+    y = torch.empty(M, E)
+    rc = lib.mtp_residual_geglu_ffn(
+        x2.data_ptr(), M, seq_len or max(M, 1), E, norm_weight.data_ptr(), eps,
+        int(gate.ggml_type), gate.data.data_ptr(), int(up.ggml_type), up.data.data_ptr(), gate.shape[0],
+        int(down.ggml_type), down.data.data_ptr(), post_norm.data_ptr(), y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"mtp_residual_geglu_ffn failed ({rc}) for {down.name}")
+    return y.view(*lead, E)
+
+
+def residual_swiglu_ffn(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+    seq_len: int | None = None,
+    *,
+    gate_up: Sequence[QTensor] | None = None,
+) -> torch.Tensor:
+    """x + swiglu_ffn(rms_norm(x) * norm_weight, ...): a pre-norm residual FFN, one C call on the CPU, the
+    composition (with the GPU path's fused norm) elsewhere."""
+    lib = cpu_kernels.load()
+    if gpu_path(x) or lib is None or not all(kernel_supports(w) for w in (gate, up, down)):
+        h = rms_norm_for(x, norm_weight, eps, matmul=gate)
+        return x + swiglu_ffn(h, gate, up, down, seq_len, gate_up=gate_up)
+    lead, x2 = x.shape[:-1], as_rows(x)
+    M, E = x2.shape
+    y = torch.empty(M, E)
+    rc = lib.mtp_residual_swiglu_ffn(
+        x2.data_ptr(), M, seq_len or max(M, 1), E, norm_weight.data_ptr(), eps,
+        int(gate.ggml_type), gate.data.data_ptr(), int(up.ggml_type), up.data.data_ptr(), gate.shape[0],
+        int(down.ggml_type), down.data.data_ptr(), y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"mtp_residual_swiglu_ffn failed ({rc}) for {down.name}")
+    return y.view(*lead, E)
 
 
 def swiglu_ffn(

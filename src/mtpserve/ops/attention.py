@@ -22,7 +22,9 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from ..kernels import cpu as cpu_kernels
 from ..quant.dequant import dequantize
+from ..quant.qtensor import QTensor
 from ..quant.types import GGMLType
+from .linear import WeightGroup, kernel_supports
 from .quant_gemv import triton_available, triton_kernels
 
 QUERY_CHUNK = 256  # bounds the [H, T, S] score matrix of the tiled path for long prompts
@@ -342,3 +344,57 @@ def decode_attention_gpu(
     return decode_attention_reference(
         q, k_store, v_store, k_type, v_type, q_pos, k_pos, n_kv_heads=n_kv_heads, scale=scale, window=window
     )
+
+
+# --- a whole attention block on the CPU ---------------------------------------------------------------------
+
+
+def residual_attention_cpu(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    qkv: WeightGroup,
+    wo: QTensor,
+    n_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    cell_positions: torch.Tensor,
+    start: int,
+    scale: float,
+    window: int | None,
+    *,
+    neox: bool,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    q_gated: bool = False,
+    q_scale: float = 1.0,
+    post_norm: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x + attention block(rms_norm(x) * norm_weight) for T <= 8 tokens of one sequence at positions start.., over
+    an f16/f32 cache whose cells 0..start+T-1 hold positions 0..start+T-1 (k_store/v_store [capacity, Hkv, D];
+    cell_positions updated): q/k/v projections, per-head q/k norms (optional), RoPE, the cache write, `attention` and
+    the output projection, in one C call (`mtp_residual_attention`), the same numbers as those ops one by one.
+    Variants: `q_gated` (Qwen3.5: the q projection holds a query and an output gate per head, o *= sigmoid(gate)),
+    `q_scale` (Gemma: q scaled after RoPE), `post_norm` (Gemma: the block's output normed before the add)."""
+    lib = cpu_kernels.load()
+    assert lib is not None and qkv.on_kernels and kernel_supports(wo)
+    T, E = x.shape
+    _, n_kv_heads, head_dim = k_store.shape
+    S = start + T
+    n_cells = max(KV_VIEW_PAD, -(-S // KV_VIEW_PAD) * KV_VIEW_PAD)
+    n_split = SPLIT_KV_CHUNKS if T == 1 and n_cells >= SPLIT_KV_MIN_CELLS else 1
+    y = torch.empty(T, E)
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    rc = lib.mtp_residual_attention(
+        x.data_ptr(), T, E, norm_weight.data_ptr(), eps,
+        qkv.c_types, qkv.c_data, n_heads, n_kv_heads, head_dim, int(q_gated), ptr(q_norm), ptr(k_norm),
+        cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1], int(neox), q_scale,
+        k_store.data_ptr(), v_store.data_ptr(), int(k_store.dtype == torch.float16), cell_positions.data_ptr(), start,
+        scale, window or 0, n_cells, n_split,
+        int(wo.ggml_type), wo.data.data_ptr(), ptr(post_norm), y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"mtp_residual_attention failed ({rc}) for {wo.name}")
+    return y

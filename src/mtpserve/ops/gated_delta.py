@@ -25,7 +25,7 @@ from ..quant.qtensor import QTensor
 from .conv import causal_conv1d
 from .device import gpu_path
 from .linear import WeightGroup, as_rows, kernel_supports, linear, linear_many, linear_reference
-from .norm import gated_rms_norm, l2_norm
+from .norm import gated_rms_norm, l2_norm, rms_norm, rms_norm_for
 from .quant_gemv import triton_available, triton_kernels
 from .rowwise import rms_norm_quantize_reference
 
@@ -354,6 +354,26 @@ def gated_delta_net_decode(
     return gated_delta_net_decode_reference(h, weights, conv_states, ssms, **steps)
 
 
+def residual_gated_delta_net_decode(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    weights: GatedDeltaNetWeights,
+    conv_states: Sequence[torch.Tensor],
+    ssms: Sequence[torch.Tensor],
+    *,
+    conv_steps: Sequence[torch.Tensor] | None = None,
+    ssm_steps: Sequence[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """x + gated_delta_net_decode(rms_norm(x) * norm_weight, ...): a pre-norm residual mixer, one C call on the CPU
+    (the norm and the add cost more in Python than in arithmetic), the composition elsewhere."""
+    steps = {"conv_steps": conv_steps, "ssm_steps": ssm_steps}
+    if not gpu_path(x) and all(kernel_supports(w) for w in (*weights.projections, weights.w_out)):
+        return gated_delta_net_decode_cpu(x, weights, conv_states, ssms, residual=(norm_weight, norm_eps), **steps)
+    h = rms_norm_for(x, norm_weight, norm_eps, matmul=weights.projections[0])
+    return x + gated_delta_net_decode(h, weights, conv_states, ssms, **steps)
+
+
 def gated_delta_net_decode_cpu(
     h: torch.Tensor,
     weights: GatedDeltaNetWeights,
@@ -362,17 +382,22 @@ def gated_delta_net_decode_cpu(
     *,
     conv_steps: Sequence[torch.Tensor] | None = None,
     ssm_steps: Sequence[torch.Tensor] | None = None,
+    residual: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """`gated_delta_net_decode_reference` in one C call (the fused mixer), where a layer's dozen small ops would
     each cost more in Python than in arithmetic. The states must be contiguous float32 (they are updated in place);
     each sequence is rounded as if alone (see `linear`). Matrices split by rows over devices, which the fused
-    kernel cannot read, go through the same kernels one call each: the same values."""
+    kernel cannot read, go through the same kernels one call each: the same values. With `residual` (norm weight,
+    eps), h is the residual stream: the result is h + mixer(rms_norm(h) * weight), all in the one call."""
     lib = cpu_kernels.load()
     assert lib is not None
     n_seq = len(ssms)
     T = h.shape[0] // n_seq
     w, projections = weights, weights.projections
     if not (projections.on_kernels and kernel_supports(w.w_out)):
+        if residual is not None:
+            normed = rms_norm(h, residual[0], residual[1])
+            return h + _gated_delta_net_decode_unfused(normed, w, conv_states, ssms, conv_steps, ssm_steps)
         return _gated_delta_net_decode_unfused(h, w, conv_states, ssms, conv_steps, ssm_steps)
     n_v_heads, K, V = ssms[0].shape
     for t in (*conv_states, *ssms):
@@ -394,11 +419,15 @@ def gated_delta_net_decode_cpu(
             (ctypes.c_void_p * n_seq)(*(t.data_ptr() for t in conv_steps)),
         )
     out = torch.empty(x.shape[0], w.w_out.shape[0])
-    rc = lib.mtp_gdn_mixer(
+    fn, pre = lib.mtp_gdn_mixer, ()
+    if residual is not None:
+        fn, pre = lib.mtp_residual_gdn_mixer, (residual[0].data_ptr(), residual[1])
+    rc = fn(
         x.data_ptr(),
         x.shape[0],
         T,
         x.shape[1],
+        *pre,
         projections.c_types,
         projections.c_data,
         dt_bias.data_ptr(),

@@ -7,6 +7,7 @@ work on the engine thread.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -128,6 +129,10 @@ class ServerState:
                 int(template.supports_thinking and s.chat.reasoning != "off"),
             )
             self.engine = engine
+            # The model's objects live as long as the process: out of the collector's sight, its full passes during
+            # decode (each step allocates short-lived tensors) no longer walk them all (~7% of a small model's step).
+            gc.collect()
+            gc.freeze()
         except BaseException as e:  # noqa: BLE001 - reported by the caller, which exits
             self.load_error = e
         finally:

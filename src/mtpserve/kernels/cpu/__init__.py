@@ -1,5 +1,5 @@
-"""The CPU kernel library (matmul.c, attention.c, elementwise.c, gated_delta.c, blocks.c, common.h): built with the
-machine's C compiler on first use, cached under `$MTPSERVE_CACHE/kernels/<source hash>/`, loaded with ctypes.
+"""The CPU kernel library (matmul.c, attention.c, elementwise.c, gated_delta.c, blocks.c, pool.c, common.h): built
+with the machine's C compiler on first use, cached under `$MTPSERVE_CACHE/kernels/<source hash>/`, loaded with ctypes.
 
 `load()` returns None (and says why once on stderr) when no compiler is available or the build fails;
 callers then stay on the PyTorch reference paths. `MTPSERVE_KERNELS=0` disables the library.
@@ -22,7 +22,7 @@ SOURCES = sorted(HERE.glob("*.c"))
 HEADERS = sorted(HERE.glob("*.h"))
 # -ffp-contract=off: only the fused multiply-adds written in the source, so results do not depend on
 # what the compiler decides to fuse.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11"]
+CFLAGS = ["-O3", "-march=native", "-pthread", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11"]
 
 _c_int64_p = ctypes.POINTER(ctypes.c_int64)
 
@@ -40,12 +40,9 @@ def _build(target: Path) -> None:
     print(f"mtpserve: compiling the CPU kernels into {target.parent} (once per source version)", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        for flags in (CFLAGS, [f for f in CFLAGS if f != "-fopenmp"]):  # without OpenMP: one thread, same results
-            proc = subprocess.run(
-                [compiler, *flags, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True
-            )
-            if proc.returncode == 0:
-                break
+        proc = subprocess.run(
+            [compiler, *CFLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed:\n{proc.stderr[-2000:]}")
         out.replace(target)  # atomic: concurrent builders never load a half-written library
@@ -205,5 +202,50 @@ def load() -> ctypes.CDLL | None:
         ctypes.c_void_p,
         ctypes.c_int,
     ]
+    lib.mtp_pool_configure.argtypes = [ctypes.c_int, ctypes.c_int]
+    mixer = lib.mtp_gdn_mixer.argtypes
+    lib.mtp_residual_gdn_mixer.argtypes = [*mixer[:4], ctypes.c_void_p, ctypes.c_float, *mixer[4:]]
+    ffn = lib.mtp_swiglu_ffn.argtypes
+    lib.mtp_residual_swiglu_ffn.argtypes = [*ffn[:4], ctypes.c_void_p, ctypes.c_float, *ffn[4:]]
+    lib.mtp_residual_geglu_ffn.argtypes = [
+        *ffn[:4],
+        ctypes.c_void_p,
+        ctypes.c_float,
+        *ffn[4:-2],
+        ctypes.c_void_p,
+        *ffn[-2:],
+    ]
+    i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    lib.mtp_residual_attention.argtypes = [
+        *(ptr, i64, i64, ptr, f32),  # x, T, E, norm weight, eps
+        *(ptr, ptr, i64, i64, i64, ctypes.c_int, ptr, ptr),  # q/k/v types, data, H, Hkv, D, gated q, q/k norms
+        *(ptr, ptr, i64, ctypes.c_int, f32),  # cos, sin, n_rot, neox, query scale
+        *(ptr, ptr, ctypes.c_int, ptr, i64, f32, i64, i64, i64),  # cache, cell positions, start, scale, window, split
+        *(ctypes.c_int, ptr, ptr, ptr, ctypes.c_int),  # output type and data, post-norm weight, y, threads
+    ]
+    lib.mtp_sigmoid_gate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.mtp_geglu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     return lib
+
+
+def configure_pool(poll: int = 50, pin: bool = False) -> None:
+    """The kernels' thread pool (pool.c): `poll` 0-100 as llama-server's --poll (how long an idle thread
+    spins before it sleeps: poll x 10 us), `pin` pins its threads to the allowed CPUs in order."""
+    if not 0 <= poll <= 100:
+        raise ValueError(f"--poll takes 0-100, not {poll}")
+    lib = load()
+    if lib is not None:
+        lib.mtp_pool_configure(poll, int(pin))
+
+
+def physical_cores() -> int:
+    """Cores this process may run on, counting SMT siblings once (llama.cpp's default thread count)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in allowed:
+        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        try:
+            cores.add(siblings.read_text().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))

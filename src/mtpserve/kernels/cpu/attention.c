@@ -1,5 +1,7 @@
 #include "common.h"
 
+#include <stdatomic.h>
+
 /* ---- attention ------------------------------------------------------------------------------------ */
 
 /* One query row against keys [s0, s1): online softmax in key order, skipping masked keys. Leaves the
@@ -57,6 +59,62 @@ static void attend_row(const float *qv, const half *qh, const void *kp, const vo
     *Sout = Ssum;
 }
 
+typedef struct {
+    const float *q;
+    const void *kp, *vp;
+    int kv_f16, v_acc_f16;
+    const int64_t *q_pos, *k_pos;
+    int64_t S, H, Hkv, D, window, n_cells, n_split;
+    float scale;
+    float *out;
+    _Atomic int failed;
+} attention_job;
+
+/* (query row, head) pairs [begin, end) */
+static void attention_rows(void *ctx, int64_t begin, int64_t end) {
+    attention_job *j = ctx;
+    const int64_t D = j->D, H = j->H, S = j->S, group = H / j->Hkv, n_split = j->n_split;
+    float *acc = thread_floats(3 * D);
+    if (!acc) {
+        j->failed = 1;
+        return;
+    }
+    float *part = acc + D;
+    half *qh = (half *)(part + D);
+    for (int64_t th = begin; th < end; th++) {
+        const int64_t t = th / H, h = th % H, hk = h / group;
+        const float *qv = j->q + (t * H + h) * D;
+        float *o = j->out + (t * H + h) * D;
+        for (int64_t d = 0; d < D; d++) qh[d] = f2h(qv[d]);
+        if (n_split <= 1) {
+            float M, Ssum;
+            attend_row(qv, qh, j->kp, j->vp, j->kv_f16, j->q_pos[t], j->k_pos, 0, S, j->Hkv, hk, D, j->scale, j->window,
+                       j->v_acc_f16, acc, &M, &Ssum);
+            const float inv = Ssum == 0.0f ? 0.0f : 1.0f / Ssum;
+            for (int64_t d = 0; d < D; d++) o[d] = acc[d] * inv;
+            continue;
+        }
+        const int64_t chunk = (j->n_cells + n_split - 1) / n_split;
+        float M_final = -INFINITY, S_final = 0.0f;
+        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+        for (int64_t c = 0; c < n_split; c++) {
+            const int64_t s0 = c * chunk, s1 = (c + 1) * chunk < S ? (c + 1) * chunk : S;
+            if (s0 >= j->n_cells || s0 >= S) continue;
+            float M, Ssum;
+            attend_row(qv, qh, j->kp, j->vp, j->kv_f16, j->q_pos[t], j->k_pos, s0, s1, j->Hkv, hk, D, j->scale, j->window,
+                       j->v_acc_f16, part, &M, &Ssum);
+            if (Ssum == 0.0f) continue;
+            const float M_new = fmaxf(M_final, M);
+            const float scale_old = expf(M_final - M_new), scale_new = expf(M - M_new);
+            for (int64_t d = 0; d < D; d++) acc[d] = fmaf(acc[d], scale_old, part[d] * scale_new);
+            S_final = fmaf(S_final, scale_old, Ssum * scale_new);
+            M_final = M_new;
+        }
+        const float inv = S_final == 0.0f ? 0.0f : 1.0f / S_final;
+        for (int64_t d = 0; d < D; d++) o[d] = S_final == 0.0f ? acc[d] : acc[d] * inv;
+    }
+}
+
 /* Queries q [T, H, D] (already rounded the way the K cache type asks), keys/values [S, Hkv, D] stored as
  * f16 (kv_f16 = 1) or f32. Online softmax over keys in order; masked keys (k_pos > q_pos, or outside the
  * window) are skipped. With v_acc_f16 the value accumulator is rounded to f16 after every update.
@@ -65,51 +123,11 @@ static void attend_row(const float *qv, const half *qh, const void *kp, const vo
 int mtp_attention(const float *q, const void *kp, const void *vp, int kv_f16, const int64_t *q_pos, const int64_t *k_pos,
                   int64_t T, int64_t S, int64_t H, int64_t Hkv, int64_t D, float scale, int64_t window, int v_acc_f16,
                   int64_t n_cells, int64_t n_split, float *out, int n_threads) {
-    const int64_t group = H / Hkv;
-    set_threads(n_threads);
-    int failed = 0;
-#pragma omp parallel
-    {
-        float *acc = malloc(sizeof(float) * D), *part = malloc(sizeof(float) * D);
-        half *qh = malloc(sizeof(half) * D);
-        if (!acc || !qh || !part) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t th = 0; th < T * H; th++) {
-            if (!acc || !qh || !part) continue;
-            const int64_t t = th / H, h = th % H, hk = h / group;
-            const float *qv = q + (t * H + h) * D;
-            float *o = out + (t * H + h) * D;
-            for (int64_t d = 0; d < D; d++) qh[d] = f2h(qv[d]);
-            if (n_split <= 1) {
-                float M, Ssum;
-                attend_row(qv, qh, kp, vp, kv_f16, q_pos[t], k_pos, 0, S, Hkv, hk, D, scale, window, v_acc_f16, acc, &M, &Ssum);
-                const float inv = Ssum == 0.0f ? 0.0f : 1.0f / Ssum;
-                for (int64_t d = 0; d < D; d++) o[d] = acc[d] * inv;
-                continue;
-            }
-            const int64_t chunk = (n_cells + n_split - 1) / n_split;
-            float M_final = -INFINITY, S_final = 0.0f;
-            for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
-            for (int64_t c = 0; c < n_split; c++) {
-                const int64_t s0 = c * chunk, s1 = (c + 1) * chunk < S ? (c + 1) * chunk : S;
-                if (s0 >= n_cells || s0 >= S) continue;
-                float M, Ssum;
-                attend_row(qv, qh, kp, vp, kv_f16, q_pos[t], k_pos, s0, s1, Hkv, hk, D, scale, window, v_acc_f16, part, &M, &Ssum);
-                if (Ssum == 0.0f) continue;
-                const float M_new = fmaxf(M_final, M);
-                const float scale_old = expf(M_final - M_new), scale_new = expf(M - M_new);
-                for (int64_t d = 0; d < D; d++) acc[d] = fmaf(acc[d], scale_old, part[d] * scale_new);
-                S_final = fmaf(S_final, scale_old, Ssum * scale_new);
-                M_final = M_new;
-            }
-            const float inv = S_final == 0.0f ? 0.0f : 1.0f / S_final;
-            for (int64_t d = 0; d < D; d++) o[d] = S_final == 0.0f ? acc[d] : acc[d] * inv;
-        }
-        free(acc);
-        free(part);
-        free(qh);
-    }
-    return failed ? 2 : 0;
+    attention_job job = {q, kp, vp, kv_f16, v_acc_f16, q_pos, k_pos, S, H, Hkv, D, window, n_cells, n_split, scale, out, 0};
+    /* one row costs about S * D * 4 flops: below ~64K of them, waking the pool costs more */
+    const int threads = T * H * S * D >= 65536 ? n_threads : 1;
+    mtp_parallel_for(T * H, chunk_grain(T * H, threads, 2, 1), threads, attention_rows, &job);
+    return job.failed ? 2 : 0;
 }
 
 /* ---- attention, tiled (64 or more query rows, f16/f32 K and V) ---------------------------------- */
@@ -182,52 +200,66 @@ static void attend_tile_row(const float *qv, const float *kt, const void *vp, in
     }
 }
 
+typedef struct {
+    const float *q;
+    const void *kp, *vp;
+    int kv_f16;
+    const int64_t *q_pos, *k_pos;
+    int64_t T, S, H, Hkv, D, window, n_blocks;
+    float scale;
+    float *out;
+    _Atomic int failed;
+} tiled_job;
+
+/* (head, block of Q_BLOCK query rows) pairs [begin, end) */
+static void attention_blocks(void *ctx, int64_t begin, int64_t end) {
+    tiled_job *j = ctx;
+    const int64_t D = j->D, T = j->T, S = j->S, H = j->H, Hkv = j->Hkv, group = H / Hkv, n_blocks = j->n_blocks;
+    float *kt = thread_floats(D * KV_TILE + Q_BLOCK * D);
+    if (!kt) {
+        j->failed = 1;
+        return;
+    }
+    float *acc = kt + D * KV_TILE;
+    for (int64_t w = begin; w < end; w++) {
+        const int64_t h = w / n_blocks, t0 = (w % n_blocks) * Q_BLOCK, hk = h / group;
+        const int64_t nq = T - t0 < Q_BLOCK ? T - t0 : Q_BLOCK;
+        float M[Q_BLOCK], Ssum[Q_BLOCK];
+        int64_t max_pos = j->q_pos[t0];
+        for (int64_t i = 0; i < nq; i++) {
+            M[i] = -INFINITY;
+            Ssum[i] = 0.0f;
+            max_pos = j->q_pos[t0 + i] > max_pos ? j->q_pos[t0 + i] : max_pos;
+        }
+        for (int64_t i = 0; i < nq * D; i++) acc[i] = 0.0f;
+        for (int64_t ic = 0; ic < S; ic += KV_TILE) {
+            int any = 0; /* a tile no query of the block can see changes nothing: skip it */
+            for (int jj = 0; jj < KV_TILE && ic + jj < S && !any; jj++) any = j->k_pos[ic + jj] <= max_pos;
+            if (!any) continue;
+            for (int jj = 0; jj < KV_TILE; jj++) {
+                const int64_t s = ic + jj;
+                for (int64_t d = 0; d < D; d++)
+                    kt[d * KV_TILE + jj] = s >= S ? 0.0f
+                                           : j->kv_f16 ? h2f(((const half *)j->kp)[(s * Hkv + hk) * D + d])
+                                                       : ((const float *)j->kp)[(s * Hkv + hk) * D + d];
+            }
+            for (int64_t i = 0; i < nq; i++)
+                attend_tile_row(j->q + ((t0 + i) * H + h) * D, kt, j->vp, j->kv_f16, j->q_pos[t0 + i], j->k_pos, ic, S, Hkv, hk,
+                                D, j->scale, j->window, acc + i * D, &M[i], &Ssum[i]);
+        }
+        for (int64_t i = 0; i < nq; i++) {
+            const float inv = Ssum[i] == 0.0f ? 0.0f : 1.0f / Ssum[i];
+            float *o = j->out + ((t0 + i) * H + h) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = acc[i * D + d] * inv;
+        }
+    }
+}
+
 int mtp_attention_tiled(const float *q, const void *kp, const void *vp, int kv_f16, const int64_t *q_pos,
                         const int64_t *k_pos, int64_t T, int64_t S, int64_t H, int64_t Hkv, int64_t D, float scale,
                         int64_t window, float *out, int n_threads) {
-    const int64_t group = H / Hkv, n_blocks = (T + Q_BLOCK - 1) / Q_BLOCK;
-    set_threads(n_threads);
-    int failed = 0;
-#pragma omp parallel
-    {
-        float *kt = malloc(sizeof(float) * D * KV_TILE), *acc = malloc(sizeof(float) * Q_BLOCK * D);
-        if (!kt || !acc) failed = 1;
-#pragma omp for schedule(dynamic)
-        for (int64_t w = 0; w < H * n_blocks; w++) {
-            if (!kt || !acc) continue;
-            const int64_t h = w / n_blocks, t0 = (w % n_blocks) * Q_BLOCK, hk = h / group;
-            const int64_t nq = T - t0 < Q_BLOCK ? T - t0 : Q_BLOCK;
-            float M[Q_BLOCK], Ssum[Q_BLOCK];
-            int64_t max_pos = q_pos[t0];
-            for (int64_t i = 0; i < nq; i++) {
-                M[i] = -INFINITY;
-                Ssum[i] = 0.0f;
-                max_pos = q_pos[t0 + i] > max_pos ? q_pos[t0 + i] : max_pos;
-            }
-            for (int64_t i = 0; i < nq * D; i++) acc[i] = 0.0f;
-            for (int64_t ic = 0; ic < S; ic += KV_TILE) {
-                int any = 0; /* a tile no query of the block can see changes nothing: skip it */
-                for (int j = 0; j < KV_TILE && ic + j < S && !any; j++) any = k_pos[ic + j] <= max_pos;
-                if (!any) continue;
-                for (int j = 0; j < KV_TILE; j++) {
-                    const int64_t s = ic + j;
-                    for (int64_t d = 0; d < D; d++)
-                        kt[d * KV_TILE + j] = s >= S ? 0.0f
-                                              : kv_f16 ? h2f(((const half *)kp)[(s * Hkv + hk) * D + d])
-                                                       : ((const float *)kp)[(s * Hkv + hk) * D + d];
-                }
-                for (int64_t i = 0; i < nq; i++)
-                    attend_tile_row(q + ((t0 + i) * H + h) * D, kt, vp, kv_f16, q_pos[t0 + i], k_pos, ic, S, Hkv, hk, D,
-                                    scale, window, acc + i * D, &M[i], &Ssum[i]);
-            }
-            for (int64_t i = 0; i < nq; i++) {
-                const float inv = Ssum[i] == 0.0f ? 0.0f : 1.0f / Ssum[i];
-                float *o = out + ((t0 + i) * H + h) * D;
-                for (int64_t d = 0; d < D; d++) o[d] = acc[i * D + d] * inv;
-            }
-        }
-        free(kt);
-        free(acc);
-    }
-    return failed ? 2 : 0;
+    const int64_t n_blocks = (T + Q_BLOCK - 1) / Q_BLOCK;
+    tiled_job job = {q, kp, vp, kv_f16, q_pos, k_pos, T, S, H, Hkv, D, window, n_blocks, scale, out, 0};
+    mtp_parallel_for(H * n_blocks, 1, n_threads, attention_blocks, &job);
+    return job.failed ? 2 : 0;
 }

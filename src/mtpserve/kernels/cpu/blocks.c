@@ -73,3 +73,132 @@ int mtp_gdn_mixer(const float *h, int64_t T, int64_t seq_len, int64_t E, const i
     free(buf);
     return rc;
 }
+
+int mtp_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps);
+
+/* y = x + out, in order: the residual add as torch does it (y may alias x) */
+static void residual_add(const float *x, const float *out, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] + out[i];
+}
+
+/* A pre-norm residual SwiGLU FFN: y [T, E] = x + down(silu(gate(h)) * up(h)) with h = rms_norm(x) * norm_w (y may
+ * alias x); the composition of mtp_rms_norm, mtp_swiglu_ffn and the add, in one call. */
+int mtp_residual_swiglu_ffn(const float *x, int64_t T, int64_t seq_len, int64_t E, const float *norm_w, float eps,
+                            int t_gate, const uint8_t *w_gate, int t_up, const uint8_t *w_up, int64_t F, int t_down,
+                            const uint8_t *w_down, float *y, int n_threads) {
+    float *h = thread_floats(2 * T * E);
+    if (!h) return 2;
+    float *out = h + T * E;
+    mtp_rms_norm(x, norm_w, h, T, E, eps);
+    const int rc = mtp_swiglu_ffn(h, T, seq_len, E, t_gate, w_gate, t_up, w_up, F, t_down, w_down, out, n_threads);
+    if (rc == 0) residual_add(x, out, y, T * E);
+    return rc;
+}
+
+/* A pre-norm residual Gated DeltaNet mixer: y = x + mtp_gdn_mixer(rms_norm(x) * norm_w, ...) (y may alias x). */
+int mtp_residual_gdn_mixer(const float *x, int64_t T, int64_t seq_len, int64_t E, const float *in_norm_w, float in_eps,
+                           const int *types, const uint8_t *const *W, const float *dt_bias, const float *a,
+                           float *const *conv_states, const float *conv_w, float *const *ssms, const float *norm_w,
+                           int64_t Hk, int64_t Hv, int64_t K, int64_t V, int64_t n_conv, float eps, int t_out,
+                           const uint8_t *w_out, float *y, float *const *ssm_steps, float *const *conv_steps,
+                           int n_threads) {
+    float *h = thread_floats(2 * T * E);
+    if (!h) return 2;
+    float *out = h + T * E;
+    mtp_rms_norm(x, in_norm_w, h, T, E, in_eps);
+    const int rc = mtp_gdn_mixer(h, T, seq_len, E, types, W, dt_bias, a, conv_states, conv_w, ssms, norm_w, Hk, Hv, K, V,
+                                 n_conv, eps, t_out, w_out, out, ssm_steps, conv_steps, n_threads);
+    if (rc == 0) residual_add(x, out, y, T * E);
+    return rc;
+}
+
+int mtp_rope_apply(float *x, const float *cos_c, const float *sin_c, int64_t T, int64_t H, int64_t D, int64_t n_rot, int neox);
+int mtp_attention(const float *q, const void *kp, const void *vp, int kv_f16, const int64_t *q_pos, const int64_t *k_pos,
+                  int64_t T, int64_t S, int64_t H, int64_t Hkv, int64_t D, float scale, int64_t window, int v_acc_f16,
+                  int64_t n_cells, int64_t n_split, float *out, int n_threads);
+
+int mtp_sigmoid_gate(const float *x, const float *g, float *y, int64_t n);
+
+/* A pre-norm residual attention block over an ordered f16/f32 KV cache (cell i holds position i), for a few tokens
+ * of one sequence at positions start..start+T-1: h = rms_norm(x) * norm_w; q, k, v = h Wq, h Wk, h Wv; optional
+ * per-head RMSNorm of q and k; RoPE (cos/sin [T, n_rot/2]); k, v stored in cells start.. (f16 rounded to nearest
+ * even) with their positions; attention over cells 0..start+T-1 (mtp_attention's n_cells / n_split); y = x + o Wo
+ * (y may alias x). The composition of the library's own entry points: the same numbers as the calls one by one. */
+int mtp_residual_attention(const float *x, int64_t T, int64_t E, const float *norm_w, float eps, const int *qkv_types,
+                           const uint8_t *const *qkv_W, int64_t H, int64_t Hkv, int64_t D, int q_gated, const float *q_norm,
+                           const float *k_norm, const float *cos_c, const float *sin_c, int64_t n_rot, int neox,
+                           float q_scale, void *k_cache, void *v_cache, int kv_f16, int64_t *cell_pos, int64_t start,
+                           float scale, int64_t window, int64_t n_cells, int64_t n_split, int t_out, const uint8_t *w_out,
+                           const float *post_norm, float *y, int n_threads) {
+    const int64_t nq = H * D, nkv = Hkv * D, nqg = q_gated ? 2 * nq : nq;
+    int64_t q_pos[8];
+    if (T > 8) return 1;
+    float *h = thread_floats(T * (E + nqg + 2 * nkv + nq + nq + E));
+    if (!h) return 2;
+    float *qg = h + T * E, *k = qg + T * nqg, *v = k + T * nkv, *q = v + T * nkv, *o = q + T * nq, *out = o + T * nq;
+    mtp_rms_norm(x, norm_w, h, T, E, eps);
+    const int64_t rows[3] = {nqg, nkv, nkv};
+    float *outs[3] = {qg, k, v};
+    int rc = mtp_matmul_many(3, qkv_types, qkv_W, rows, E, h, T, T, outs, n_threads);
+    if (rc) return rc;
+    if (q_gated) /* Qwen3.5: per head a query row, then its output gate row */
+        for (int64_t th = 0; th < T * H; th++) memcpy(q + th * D, qg + 2 * th * D, sizeof(float) * D);
+    else
+        memcpy(q, qg, sizeof(float) * T * nq);
+    if (q_norm) mtp_rms_norm(q, q_norm, q, T * H, D, eps);
+    if (k_norm) mtp_rms_norm(k, k_norm, k, T * Hkv, D, eps);
+    mtp_rope_apply(q, cos_c, sin_c, T, H, D, n_rot, neox);
+    mtp_rope_apply(k, cos_c, sin_c, T, Hkv, D, n_rot, neox);
+    if (q_scale != 1.0f) /* Gemma: the query scaled before attention, the softmax scale then 1 */
+        for (int64_t i = 0; i < T * nq; i++) q[i] *= q_scale;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t cell = start + t;
+        q_pos[t] = cell;
+        cell_pos[cell] = cell;
+        if (kv_f16) {
+            half *kc = (half *)k_cache + cell * nkv, *vc = (half *)v_cache + cell * nkv;
+            for (int64_t i = 0; i < nkv; i++) {
+                kc[i] = f2h(k[t * nkv + i]);
+                vc[i] = f2h(v[t * nkv + i]);
+            }
+        } else {
+            memcpy((float *)k_cache + cell * nkv, k + t * nkv, sizeof(float) * nkv);
+            memcpy((float *)v_cache + cell * nkv, v + t * nkv, sizeof(float) * nkv);
+        }
+    }
+    rc = mtp_attention(q, k_cache, v_cache, kv_f16, q_pos, cell_pos, T, start + T, H, Hkv, D, scale, window, kv_f16,
+                       n_cells, n_split, o, n_threads);
+    if (rc) return rc;
+    if (q_gated)
+        for (int64_t th = 0; th < T * H; th++) mtp_sigmoid_gate(o + th * D, qg + (2 * th + 1) * D, o + th * D, D);
+    rc = mtp_matmul(t_out, w_out, E, nq, o, T, T, out, n_threads);
+    if (rc) return rc;
+    if (post_norm) mtp_rms_norm(out, post_norm, out, T, E, eps); /* Gemma: a norm after the block too */
+    residual_add(x, out, y, T * E);
+    return 0;
+}
+
+int mtp_geglu(const float *x, const float *g, float *y, int64_t n);
+
+/* Gemma's sandwich-normed GeGLU FFN: y = x + rms_norm(down(gelu(gate(h)) * up(h))) * post_w with h = rms_norm(x) *
+ * norm_w (y may alias x); the composition of mtp_rms_norm, mtp_matmul_many, mtp_geglu, mtp_matmul and the add. */
+int mtp_residual_geglu_ffn(const float *x, int64_t T, int64_t seq_len, int64_t E, const float *norm_w, float eps,
+                           int t_gate, const uint8_t *w_gate, int t_up, const uint8_t *w_up, int64_t F, int t_down,
+                           const uint8_t *w_down, const float *post_w, float *y, int n_threads) {
+    float *h = thread_floats(T * (2 * E + 2 * F));
+    if (!h) return 2;
+    float *out = h + T * E, *gate = out + T * E, *up = gate + T * F;
+    mtp_rms_norm(x, norm_w, h, T, E, eps);
+    const int types[2] = {t_gate, t_up};
+    const uint8_t *W[2] = {w_gate, w_up};
+    const int64_t rows[2] = {F, F};
+    float *outs[2] = {gate, up};
+    int rc = mtp_matmul_many(2, types, W, rows, E, h, T, seq_len, outs, n_threads);
+    if (rc) return rc;
+    mtp_geglu(gate, up, gate, T * F);
+    rc = mtp_matmul(t_down, w_down, E, F, gate, T, seq_len, out, n_threads);
+    if (rc) return rc;
+    mtp_rms_norm(out, post_w, out, T, E, eps);
+    residual_add(x, out, y, T * E);
+    return 0;
+}

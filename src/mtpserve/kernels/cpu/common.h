@@ -11,9 +11,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MTP_AVX2 1
@@ -34,12 +31,30 @@ static inline half f2h(float x) {
     return h;
 }
 
-static inline void set_threads(int n_threads) {
-#ifdef _OPENMP
-    if (n_threads > 0) omp_set_num_threads(n_threads);
-#else
-    (void)n_threads;
-#endif
+/* pool.c: fn(ctx, begin, end) over items [0, n) in chunks of `grain`, on the caller and up to n_threads - 1
+ * pool workers; returns when every item is done. Items must write disjoint outputs. */
+typedef void (*mtp_task_fn)(void *ctx, int64_t begin, int64_t end);
+void mtp_parallel_for(int64_t n, int64_t grain, int n_threads, mtp_task_fn fn, void *ctx);
+
+/* Float scratch of the calling thread, grown on demand and kept between calls: no allocation per call. Each
+ * source file that includes this has its own buffer, so a kernel may hold its buffer while calling another file's. */
+static inline float *thread_floats(int64_t n) {
+    static __thread float *buf;
+    static __thread int64_t size;
+    if (size < n) {
+        free(buf);
+        buf = malloc(sizeof(float) * n);
+        size = buf ? n : 0;
+    }
+    return buf;
+}
+
+/* A chunk size giving each of n_threads about `per_thread` chunks, so a thread set aside by the scheduler
+ * holds back little, and never below min_grain items. */
+static inline int64_t chunk_grain(int64_t n, int n_threads, int per_thread, int64_t min_grain) {
+    const int64_t parts = (int64_t)(n_threads > 1 ? n_threads : 1) * per_thread;
+    const int64_t g = (n + parts - 1) / parts;
+    return g > min_grain ? g : min_grain;
 }
 
 /* ((0+4)+(2+6)) + ((1+5)+(3+7)): how llama.cpp's AVX2 kernels sum eight float lanes */

@@ -77,6 +77,12 @@ int mtp_geglu(const float *x, const float *g, float *y, int64_t n) {
     return 0;
 }
 
+/* y = x * sigmoid(g), the sigmoid as llama.cpp's CPU computes it (ggml_vec_sigmoid_f32): 1 / (1 + expf(-g)). */
+int mtp_sigmoid_gate(const float *x, const float *g, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * (1.0f / (1.0f + expf(-g[i])));
+    return 0;
+}
+
 /* ---- RMSNorm ------------------------------------------------------------------------------------------ */
 
 /* y = x * (1 / sqrt(mean(x^2) + eps)) [* w] per row of n, as llama.cpp: squares in float summed in

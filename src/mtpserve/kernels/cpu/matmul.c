@@ -10,10 +10,14 @@
  *  - Q4_K (repacked in llama.cpp): one sum per super-block, or per 64 values for whole groups of 4 rows;
  *  - batches of 8+ rows of Q6_K/Q5_K (llama.cpp's tiled path): one exact sum per super-block, scaled by
  *    the weight d, then multiplied into the accumulator with the activation d.
- * A weight row is decoded once into bytes and then dotted with every activation row of the batch.
+ * Batches under 8 rows dot each weight row with every activation row. Batches of 8+ rows (AVX2) go through
+ * register tiles of 16 (AVX-512 VNNI) or 8 weight rows, one output per vector lane: the same exact integer sums,
+ * and in every lane the float steps above in the same order, so the two paths agree bit for bit.
  */
 
 #include "common.h"
+
+#include <stdatomic.h>
 
 #pragma pack(push, 1)
 typedef struct { half d; uint8_t qs[16]; } blk_q4_0;                                            /* 18 */
@@ -37,8 +41,67 @@ typedef struct { float d; float s; int8_t qs[32]; } act_q8;
 /* Q8_K activation block: f32 scale, sums of each 16 quants. */
 typedef struct { float d; int16_t bsums[16]; int8_t qs[256]; } act_q8k;
 
+#ifdef MTP_AVX2
+/* max |x[j]| over n floats (n a multiple of 32), as the scalar loops find it: the max is order-free, NaNs skipped */
+static inline float amax32(const float *x, int n) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int j = 0; j < n; j += 32)
+        for (int i = 0; i < 4; i++) a[i] = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + j + 8 * i)), a[i]);
+    const __m256 m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+/* index of the first |x[j]| == a (one exists): the value the scalar loop keeps as the max */
+static inline int first_of_magnitude(const float *x, float a) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), va = _mm256_set1_ps(a);
+    for (int j = 0;; j += 8) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)), va, _CMP_EQ_OQ));
+        if (hit) return j + __builtin_ctz((unsigned)hit);
+    }
+}
+
+/* round_half_even(x[0..7] * s) as int32: nearbyintf's rounding */
+static inline __m256i round8(const float *x, __m256 s) {
+    return _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* the byte the scalar (int8_t) cast keeps: INT32_MIN (rounded NaN or inf) -> 0, others are in -128..127 already */
+static inline __m256i int8_value(__m256i q) { return _mm256_andnot_si256(_mm256_cmpeq_epi32(q, _mm256_set1_epi32(INT32_MIN)), q); }
+
+/* 32 int32 (four vectors, in -128..127) as bytes in order */
+static inline void pack32(const __m256i v[4], int8_t *out) {
+    const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256((__m256i *)out, _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+static inline int32_t hsum_v8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+#endif
+
 /* llama.cpp x86 quantize_row_q8_0/q8_1: d = amax/127, q = round_half_even(x * (127/amax)). */
 static void quantize_q8(const float *x, int64_t k, act_q8 *y) {
+#ifdef MTP_AVX2
+    for (int64_t b = 0; b < k / 32; b++, x += 32) {
+        const float amax = amax32(x, 32);
+        const float d = amax / 127.0f;
+        const __m256 id = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+        __m256i q[4], q8[4];
+        for (int v = 0; v < 4; v++) q8[v] = int8_value(q[v] = round8(x + 8 * v, id));
+        pack32(q8, y[b].qs);
+        /* s sums the ints, as the scalar loop does (they differ from the bytes only for NaN or inf) */
+        const int sum = hsum_v8(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+        y[b].d = h2f(f2h(d));
+        y[b].s = h2f(f2h(d * (float)sum));
+    }
+    return;
+#endif
     for (int64_t b = 0; b < k / 32; b++, x += 32) {
         float amax = 0.0f;
         for (int j = 0; j < 32; j++) {
@@ -61,6 +124,26 @@ static void quantize_q8(const float *x, int64_t k, act_q8 *y) {
 /* llama.cpp quantize_row_q8_K: iscale = -127/max (max = the signed value of largest magnitude, the
  * first one on ties), q = min(127, round_half_even(iscale * x)), d = 1/iscale. */
 static void quantize_q8k(const float *x, int64_t k, act_q8k *y) {
+#ifdef MTP_AVX2
+    for (int64_t b = 0; b < k / 256; b++, x += 256) {
+        const float amax = amax32(x, 256);
+        if (amax == 0.0f) {
+            memset(&y[b], 0, sizeof(act_q8k));
+            continue;
+        }
+        const float iscale = -127.0f / x[first_of_magnitude(x, amax)];
+        const __m256 s = _mm256_set1_ps(iscale);
+        for (int g = 0; g < 8; g++) {
+            __m256i q[4];
+            for (int v = 0; v < 4; v++) q[v] = int8_value(_mm256_min_epi32(round8(x + 32 * g + 8 * v, s), _mm256_set1_epi32(127)));
+            pack32(q, y[b].qs + 32 * g);
+            y[b].bsums[2 * g] = (int16_t)hsum_v8(_mm256_add_epi32(q[0], q[1]));
+            y[b].bsums[2 * g + 1] = (int16_t)hsum_v8(_mm256_add_epi32(q[2], q[3]));
+        }
+        y[b].d = 1.0f / iscale;
+    }
+    return;
+#endif
     for (int64_t b = 0; b < k / 256; b++, x += 256) {
         float max = 0.0f, amax = 0.0f;
         for (int j = 0; j < 256; j++) {
@@ -231,6 +314,23 @@ static void decode_row(int type, const uint8_t *src, int64_t k, wrow *r) {
                 r->d[b] = h2f(hd);
                 r->m[b] = h2f(hdm);
                 for (int j = 0; j < 8; j++) k_scale_min(j, scales, &r->sc[8 * b + j], &r->mn[8 * b + j]);
+#ifdef MTP_AVX2
+                const __m256i m4 = _mm256_set1_epi8(15), h = _mm256_loadu_si256((const __m256i *)qh);
+                for (int c = 0; c < 4; c++) { /* bit 2c (2c + 1) of qh[l] moved to bit 4: shift 16-bit lanes, keep bit 4 of each byte */
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    if (five) {
+                        const __m256i b16 = _mm256_set1_epi8(16);
+                        const __m256i hlo = 2 * c <= 4 ? _mm256_slli_epi16(h, 4 - 2 * c) : _mm256_srli_epi16(h, 2 * c - 4);
+                        const __m256i hhi = 2 * c + 1 <= 4 ? _mm256_slli_epi16(h, 3 - 2 * c) : _mm256_srli_epi16(h, 2 * c - 3);
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(hlo, b16));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(hhi, b16));
+                    }
+                    _mm256_storeu_si256((__m256i *)(q + 64 * c), lo);
+                    _mm256_storeu_si256((__m256i *)(q + 64 * c + 32), hi);
+                }
+                continue;
+#endif
                 for (int c = 0; c < 4; c++)
                     for (int l = 0; l < 32; l++) {
                         int lo = qs[32 * c + l] & 15, hi = qs[32 * c + l] >> 4;
@@ -248,6 +348,23 @@ static void decode_row(int type, const uint8_t *src, int64_t k, wrow *r) {
             for (int64_t b = 0; b < k / 256; b++, q += 256) {
                 r->d[b] = h2f(w[b].d);
                 for (int j = 0; j < 16; j++) r->sc[16 * b + j] = w[b].scales[j];
+#ifdef MTP_AVX2
+                const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+                for (int n = 0; n < 2; n++) { /* unsigned 0..63; the -32 is taken off through the bsums */
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(w[b].qh + 32 * n));
+                    const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w[b].ql + 64 * n));
+                    const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w[b].ql + 64 * n + 32));
+                    __m256i *o = (__m256i *)(q + 128 * n);
+                    _mm256_storeu_si256(o, _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4)));
+                    _mm256_storeu_si256(o + 1, _mm256_or_si256(_mm256_and_si256(ql1, m4),
+                                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4)));
+                    _mm256_storeu_si256(o + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4)));
+                    _mm256_storeu_si256(o + 3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4)));
+                }
+                continue;
+#endif
                 for (int n = 0; n < 2; n++) {
                     const uint8_t *ql = w[b].ql + 64 * n, *qh = w[b].qh + 32 * n;
                     int8_t *o = q + 128 * n;
@@ -441,13 +558,6 @@ static float dot32_direct(int type, const uint8_t *src, const act_q8 *x, int64_t
     return hsum8(out) + vsumms;
 }
 
-static inline int32_t hsum_v8(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
-
 /* The eight 6-bit scales (bytes 0..7 of *sc) and mins (bytes 0..7 of *mn) of a Q4_K/Q5_K super-block,
  * unpacked with 32-bit masks: scales 0-3 and mins 0-3 are the low 6 bits of bytes 0-3 / 4-7; scales and
  * mins 4-7 take their low 4 bits from bytes 8-11 and their top 2 bits from the top of bytes 0-3 / 4-7. */
@@ -507,36 +617,114 @@ static float dot_q4k_direct(const uint8_t *src, const act_q8k *x, int64_t nb, in
     return acc - accm;
 }
 
+/* The four int32 sums of four vectors of eight: [sum(t0), sum(t1), sum(t2), sum(t3)] (exact: integer adds). */
+static inline __m128i hsum4_v8(__m256i t0, __m256i t1, __m256i t2, __m256i t3) {
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(t0, t1), _mm256_hadd_epi32(t2, t3));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+static inline __m128i hsum4_v4(__m128i t0, __m128i t1, __m128i t2, __m128i t3) {
+    return _mm_hadd_epi32(_mm_hadd_epi32(t0, t1), _mm_hadd_epi32(t2, t3));
+}
+
+/* dot_q4k_direct of four rows at once (row stride rb), for decode: each row's integer sums and float steps are
+ * dot_q4k_direct's, lane r of the float vectors being row r's accumulator; the activation block is loaded once
+ * for the four rows and their sums are reduced together. */
+static void dot_q4k_direct_x4(const uint8_t *src, int64_t rb, const act_q8k *x, int64_t nb, int kind, float *out) {
+    __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int64_t b = 0; b < nb; b++) {
+        const __m128i bs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)x[b].bsums), _mm_loadu_si128((const __m128i *)(x[b].bsums + 8)));
+        __m256i xq[8];
+        for (int v = 0; v < 8; v++) xq[v] = _mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * v));
+        __m256i total[4], part[4][4];
+        __m128i prod_m[4];
+        float dw[4], dm[4];
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *blk = src + r * rb + 144 * b, *qs = blk + 16;
+            half hd, hdm;
+            memcpy(&hd, blk, 2);
+            memcpy(&hdm, blk + 2, 2);
+            dw[r] = h2f(hd);
+            dm[r] = h2f(hdm);
+            uint64_t sc64, mn64;
+            k_scales_mins8(blk + 4, &sc64, &mn64);
+            const uint8_t *sc = (const uint8_t *)&sc64;
+            prod_m[r] = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn64)), bs);
+            total[r] = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(v, m4), xq[2 * c]);
+                const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), xq[2 * c + 1]);
+                part[r][c] = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_set1_epi16(sc[2 * c])),
+                                              _mm256_madd_epi16(hi, _mm256_set1_epi16(sc[2 * c + 1])));
+                total[r] = _mm256_add_epi32(total[r], part[r][c]);
+            }
+        }
+        const __m128 xd = _mm_set1_ps(x[b].d);
+        const __m128 d = _mm_mul_ps(_mm_loadu_ps(dw), xd), dmin = _mm_mul_ps(_mm_loadu_ps(dm), xd);
+        if (kind == 1) { /* per 64 values, c = 0..3 in order: row r's sumi[c] and summ[c] in lane r */
+            __m128 si[4], sm[4];
+            for (int r = 0; r < 4; r++) {
+                si[r] = _mm_castsi128_ps(hsum4_v8(part[r][0], part[r][1], part[r][2], part[r][3]));
+                sm[r] = _mm_castsi128_ps(prod_m[r]);
+            }
+            _MM_TRANSPOSE4_PS(si[0], si[1], si[2], si[3]);
+            _MM_TRANSPOSE4_PS(sm[0], sm[1], sm[2], sm[3]);
+            for (int c = 0; c < 4; c++) {
+                acc = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_castps_si128(si[c])), d, acc);
+                accm = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_castps_si128(sm[c])), dmin, accm);
+            }
+        } else {
+            const __m128i si = hsum4_v8(total[0], total[1], total[2], total[3]);
+            const __m128i sm = hsum4_v4(prod_m[0], prod_m[1], prod_m[2], prod_m[3]);
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(si), d, acc);
+            accm = _mm_fmadd_ps(_mm_cvtepi32_ps(sm), dmin, accm);
+        }
+    }
+    _mm_storeu_ps(out, _mm_sub_ps(acc, accm));
+}
+
+/* The eight int32 lanes of one Q6_K super-block against its activation block (xq: the 8 vectors of 32 quants):
+ * lane l = sum over the 8 vectors of scale * (bytes 4l..4l+3 dot) - 32 (sc[2l] bsum[2l] + sc[2l+1] bsum[2l+1]). */
+static inline __m256i q6k_block_lanes(const blk_q6_K *w, const __m256i xq[8], __m256i bsums) {
+    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    __m256i sum = _mm256_setzero_si256();
+    for (int n = 0; n < 2; n++) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(w->qh + 32 * n));
+        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w->ql + 64 * n));
+        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w->ql + 64 * n + 32));
+        __m256i q[4];
+        q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
+        q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
+        for (int j = 0; j < 4; j++) {
+            const int v = 4 * n + j;
+            const __m256i p = _mm256_maddubs_epi16(q[j], xq[v]);
+            const __m256i s = _mm256_set_m128i(_mm_set1_epi16((short)w->scales[2 * v + 1]), _mm_set1_epi16((short)w->scales[2 * v]));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, s));
+        }
+    }
+    const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w->scales));
+    return _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(scales16, bsums), 5));
+}
+
+static inline void load_q8k_block(const act_q8k *x, __m256i xq[8]) {
+    for (int v = 0; v < 8; v++) xq[v] = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * v));
+}
+
 /* dot_k6 from the block bytes: the same eight integer lanes as k6_lanes over the decoded row. */
 static float dot_q6k_direct(const uint8_t *src, const act_q8k *x, int64_t nb, int tiled) {
     float acc[8], acc1 = 0.0f;
     __m256 vacc = _mm256_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
     for (int64_t b = 0; b < nb; b++) {
         const blk_q6_K *w = (const blk_q6_K *)(src + 210 * b);
-        __m256i sum = _mm256_setzero_si256();
-        for (int n = 0; n < 2; n++) {
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(w->qh + 32 * n));
-            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w->ql + 64 * n));
-            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w->ql + 64 * n + 32));
-            __m256i q[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
-            q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
-            for (int j = 0; j < 4; j++) {
-                const int v = 4 * n + j;
-                const __m256i p = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * v)));
-                const __m256i s = _mm256_set_m128i(_mm_set1_epi16((short)w->scales[2 * v + 1]), _mm_set1_epi16((short)w->scales[2 * v]));
-                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, s));
-            }
-        }
-        /* lane l -= 32 (scale[2l] bsum[2l] + scale[2l + 1] bsum[2l + 1]) */
-        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w->scales));
-        const __m256i offset = _mm256_madd_epi16(scales16, _mm256_loadu_si256((const __m256i *)x[b].bsums));
-        sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(offset, 5));
+        __m256i xq[8];
+        load_q8k_block(&x[b], xq);
+        const __m256i sum = q6k_block_lanes(w, xq, _mm256_loadu_si256((const __m256i *)x[b].bsums));
         const float wd = h2f(w->d);
         if (tiled) {
             acc1 = fmaf(wd * (float)hsum_v8(sum), x[b].d, acc1);
@@ -547,15 +735,389 @@ static float dot_q6k_direct(const uint8_t *src, const act_q8k *x, int64_t nb, in
     _mm256_storeu_ps(acc, vacc);
     return tiled ? acc1 : hsum8(acc);
 }
+
+/* dot_q6k_direct (not tiled) of four rows at once (row stride rb), for decode: row r's lanes and float steps are
+ * dot_q6k_direct's; the activation block is loaded once for the four rows. */
+static void dot_q6k_direct_x4(const uint8_t *src, int64_t rb, const act_q8k *x, int64_t nb, float *out) {
+    __m256 vacc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i xq[8];
+        load_q8k_block(&x[b], xq);
+        const __m256i bsums = _mm256_loadu_si256((const __m256i *)x[b].bsums);
+        for (int r = 0; r < 4; r++) {
+            const blk_q6_K *w = (const blk_q6_K *)(src + r * rb + 210 * b);
+            const __m256i sum = q6k_block_lanes(w, xq, bsums);
+            vacc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[b].d * h2f(w->d)), _mm256_cvtepi32_ps(sum), vacc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        float acc[8];
+        _mm256_storeu_ps(acc, vacc[r]);
+        out[r] = hsum8(acc);
+    }
+}
 #endif
+
+/* ---- tiled GEMM for batches of 8+ rows (AVX2, AVX-512 VNNI) ------------------------------------------- */
+/*
+ * GEMM_LW weight rows are repacked into a tile whose vectors hold 4 weight bytes of each row (row r in int32
+ * lane r), so one dp4 (a vpdpbusd, or maddubs + madd) takes a 4-byte group of every row against 4 activation
+ * bytes broadcast: every lane of every vector is one output, and the float steps of each output are those of
+ * the row path, lane for lane. A tile is decoded once and multiplied by all m activation rows, RN at a time.
+ */
+#ifdef MTP_AVX2
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define GEMM_LW 16
+#define GEMM_VNNI 1
+typedef __m512i gv_i;
+typedef __m512 gv_f;
+static inline gv_i gi_zero(void) { return _mm512_setzero_si512(); }
+static inline gv_i gi_load(const void *p) { return _mm512_load_si512(p); }
+static inline gv_i gi_set1(int32_t v) { return _mm512_set1_epi32(v); }
+static inline gv_i gi_add(gv_i a, gv_i b) { return _mm512_add_epi32(a, b); }
+static inline gv_i gi_mullo(gv_i a, gv_i b) { return _mm512_mullo_epi32(a, b); }
+static inline gv_i gi_madd16(gv_i a, gv_i b) { return _mm512_madd_epi16(a, b); }
+/* lane += sum of the 4 products of unsigned bytes u and signed bytes s (exact: no saturation) */
+static inline gv_i gi_dp4(gv_i acc, gv_i u, gv_i s) { return _mm512_dpbusd_epi32(acc, u, s); }
+static inline gv_f gf_zero(void) { return _mm512_setzero_ps(); }
+static inline gv_f gf_load(const float *p) { return _mm512_load_ps(p); }
+static inline gv_f gf_set1(float v) { return _mm512_set1_ps(v); }
+static inline gv_f gf_add(gv_f a, gv_f b) { return _mm512_add_ps(a, b); }
+static inline gv_f gf_sub(gv_f a, gv_f b) { return _mm512_sub_ps(a, b); }
+static inline gv_f gf_mul(gv_f a, gv_f b) { return _mm512_mul_ps(a, b); }
+static inline gv_f gf_fma(gv_f a, gv_f b, gv_f c) { return _mm512_fmadd_ps(a, b, c); }
+static inline gv_f gf_fnma(gv_f a, gv_f b, gv_f c) { return _mm512_fnmadd_ps(a, b, c); }
+static inline gv_f gf_cvt(gv_i v) { return _mm512_cvtepi32_ps(v); }
+static inline void gf_store_n(float *p, gv_f v, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v); }
+#else
+#define GEMM_LW 8
+typedef __m256i gv_i;
+typedef __m256 gv_f;
+static inline gv_i gi_zero(void) { return _mm256_setzero_si256(); }
+static inline gv_i gi_load(const void *p) { return _mm256_load_si256(p); }
+static inline gv_i gi_set1(int32_t v) { return _mm256_set1_epi32(v); }
+static inline gv_i gi_add(gv_i a, gv_i b) { return _mm256_add_epi32(a, b); }
+static inline gv_i gi_mullo(gv_i a, gv_i b) { return _mm256_mullo_epi32(a, b); }
+static inline gv_i gi_madd16(gv_i a, gv_i b) { return _mm256_madd_epi16(a, b); }
+/* exact while no pair of products passes 32767: u <= 128 against |s| <= 127, or u <= 63 */
+static inline gv_i gi_dp4(gv_i acc, gv_i u, gv_i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+static inline gv_f gf_zero(void) { return _mm256_setzero_ps(); }
+static inline gv_f gf_load(const float *p) { return _mm256_load_ps(p); }
+static inline gv_f gf_set1(float v) { return _mm256_set1_ps(v); }
+static inline gv_f gf_add(gv_f a, gv_f b) { return _mm256_add_ps(a, b); }
+static inline gv_f gf_sub(gv_f a, gv_f b) { return _mm256_sub_ps(a, b); }
+static inline gv_f gf_mul(gv_f a, gv_f b) { return _mm256_mul_ps(a, b); }
+static inline gv_f gf_fma(gv_f a, gv_f b, gv_f c) { return _mm256_fmadd_ps(a, b, c); }
+static inline gv_f gf_fnma(gv_f a, gv_f b, gv_f c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline gv_f gf_cvt(gv_i v) { return _mm256_cvtepi32_ps(v); }
+static inline void gf_store_n(float *p, gv_f v, int n) {
+    if (n == 8) _mm256_storeu_ps(p, v);
+    else _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), v);
+}
+#endif
+
+#define GEMM_INLINE static inline __attribute__((always_inline))
+
+static inline int32_t ld32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* ((0+4)+(2+6)) + ((1+5)+(3+7)) over eight accumulators: hsum8 of every lane at once */
+static inline gv_f gf_hsum8(const gv_f a[8]) {
+    const gv_f r0 = gf_add(a[4], a[0]), r1 = gf_add(a[5], a[1]), r2 = gf_add(a[6], a[2]), r3 = gf_add(a[7], a[3]);
+    return gf_add(gf_add(r0, r2), gf_add(r1, r3));
+}
+
+static inline int gemm_type(int type) {
+    switch (type) {
+        case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: case T_Q4_K: case T_Q5_K: case T_Q6_K: return 1;
+        default: return 0;
+    }
+}
+
+static inline int signed_type(int type) { return type == T_Q4_0 || type == T_Q5_0 || type == T_Q8_0; }
+
+/* GEMM_LW decoded weight rows, lane r = row r: q holds one int32 of 4 weight bytes per lane for each 4-value
+ * group (in the decoded element order), then per-block scalars. Signed types are stored + 128 (as unsigned
+ * bytes) under VNNI; the activations' side arrays take the 128 back off. */
+typedef struct {
+    int32_t *q;  /* [k / 4][LW] */
+    float *d, *m; /* [blocks][LW]: d and m (32-element types) or d and dmin (K-quants) */
+    int32_t *sc; /* [sub-blocks][LW]: K-quant scales (8 per super-block, 16 for Q6_K) */
+    int32_t *mn; /* [super-blocks][4][LW]: Q4_K/Q5_K mins of sub-blocks 2c and 2c + 1 as two int16 */
+} wtile;
+
+static __thread wtile scratch_tile;
+static __thread wrow scratch_lanes[GEMM_LW]; /* the tile's rows, decoded */
+static __thread int64_t scratch_tile_k;
+
+/* n int32 / float vectors of GEMM_LW lanes, 64-byte aligned (aligned_alloc wants a multiple of 64 bytes) */
+static void *alloc_lanes(int64_t n) { return aligned_alloc(64, ((size_t)n * GEMM_LW * 4 + 63) / 64 * 64); }
+
+static int scratch_tile_reserve(int64_t k) {
+    if (scratch_tile_k >= k) return 0;
+    wtile *t = &scratch_tile;
+    free(t->q);
+    free(t->d);
+    free(t->m);
+    free(t->sc);
+    free(t->mn);
+    t->q = alloc_lanes(k / 4);
+    t->d = alloc_lanes(k / 32);
+    t->m = alloc_lanes(k / 32);
+    t->sc = alloc_lanes(k / 16);
+    t->mn = alloc_lanes(k / 64 + 1);
+    int ok = t->q && t->d && t->m && t->sc && t->mn;
+    for (int l = 0; l < GEMM_LW; l++) {
+        wrow *r = &scratch_lanes[l];
+        wrow_free(r);
+        wrow_alloc(r, k);
+        ok = ok && r->q && r->d && r->m && r->sc && r->mn;
+    }
+    scratch_tile_k = ok ? k : 0;
+    return ok ? 0 : 1;
+}
+
+/* dst[j * stride + i] = src[i][j] ^ flip for an 8 x 8 block of int32 */
+static inline void transpose8x8(const int32_t *const src[8], int32_t *dst, int64_t stride, uint32_t flip) {
+    __m256i r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)src[i]);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);     /* a0 b0 a1 b1 | a4 b4 a5 b5 */
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]); /* a2 b2 a3 b3 | a6 b6 a7 b7 */
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int h = 0; h < 2; h++) {
+            u[i + 2 * h] = _mm256_unpacklo_epi64(t[i + h], t[i + 2 + h]);     /* a0 b0 c0 d0 | a4 b4 c4 d4 (h = 1: 2, 6) */
+            u[i + 2 * h + 1] = _mm256_unpackhi_epi64(t[i + h], t[i + 2 + h]); /* a1 b1 c1 d1 | a5 b5 c5 d5 (h = 1: 3, 7) */
+        }
+    const __m256i f = _mm256_set1_epi32((int)flip);
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_si256((__m256i *)(dst + j * stride), _mm256_xor_si256(_mm256_permute2x128_si256(u[j], u[4 + j], 0x20), f));
+        _mm256_storeu_si256((__m256i *)(dst + (j + 4) * stride), _mm256_xor_si256(_mm256_permute2x128_si256(u[j], u[4 + j], 0x31), f));
+    }
+}
+
+/* Rows [0, nv) of src (rb bytes apart) into the tile; lanes nv.. repeat row 0 (computed, never stored). */
+static void wtile_pack(int type, const uint8_t *src, int64_t rb, int nv, int64_t k, wtile *t) {
+    const int64_t nb = k / row_block(type);
+    const int kq = row_block(type) == 256, n_sc = type == T_Q6_K ? 16 : 8;
+#ifdef GEMM_VNNI
+    const uint32_t flip = signed_type(type) ? 0x80808080u : 0;
+#else
+    const uint32_t flip = 0;
+#endif
+    const wrow *lane[GEMM_LW];
+    for (int l = 0; l < GEMM_LW; l++) {
+        lane[l] = l < nv ? &scratch_lanes[l] : &scratch_lanes[0];
+        if (l < nv) decode_row(type, src + l * rb, k, &scratch_lanes[l]);
+    }
+    for (int h = 0; h < GEMM_LW; h += 8)
+        for (int64_t g = 0; g < k / 4; g += 8) {
+            const int32_t *rows[8];
+            for (int i = 0; i < 8; i++) rows[i] = (const int32_t *)lane[h + i]->q + g;
+            transpose8x8(rows, t->q + g * GEMM_LW + h, GEMM_LW, flip);
+        }
+    for (int64_t b = 0; b < nb; b++)
+        for (int l = 0; l < GEMM_LW; l++) {
+            t->d[b * GEMM_LW + l] = lane[l]->d[b];
+            t->m[b * GEMM_LW + l] = type == T_Q6_K ? 0.0f : lane[l]->m[b];
+        }
+    if (!kq) return;
+    for (int64_t s = 0; s < nb * n_sc; s++)
+        for (int l = 0; l < GEMM_LW; l++) t->sc[s * GEMM_LW + l] = lane[l]->sc[s];
+    if (type != T_Q6_K)
+        for (int64_t s = 0; s < nb * 4; s++)
+            for (int l = 0; l < GEMM_LW; l++)
+                t->mn[s * GEMM_LW + l] = (int32_t)((uint32_t)(uint16_t)lane[l]->mn[2 * s] | (uint32_t)lane[l]->mn[2 * s + 1] << 16);
+}
+
+/* Activation side arrays, one set per row: what the tiles need beyond act_q8 / act_q8k. */
+typedef struct { int32_t bsp[4]; int32_t nbs32[16]; } act_kside; /* per super-block */
+
+/* bsp[c]: bsums 4c + 4c+1 and 4c+2 + 4c+3 as two int16 (for the mins); nbs32[j] = -32 bsums[j] (Q6_K's offset) */
+static void kside_row(const act_q8k *x, int64_t nb, act_kside *o) {
+    for (int64_t b = 0; b < nb; b++) {
+        const int16_t *bs = x[b].bsums;
+        for (int c = 0; c < 4; c++) {
+            const uint32_t lo = (uint16_t)(bs[4 * c] + bs[4 * c + 1]), hi = (uint16_t)(bs[4 * c + 2] + bs[4 * c + 3]);
+            o[b].bsp[c] = (int32_t)(lo | hi << 16);
+        }
+        for (int j = 0; j < 16; j++) o[b].nbs32[j] = -32 * bs[j];
+    }
+}
+
+/* -128 * (sum of each 4 activation bytes): takes off the + 128 of signed weights stored unsigned (VNNI) */
+static void xcorr_row(const act_q8 *x, int64_t nb, int32_t *o) {
+    for (int64_t b = 0; b < nb; b++)
+        for (int l = 0; l < 8; l++) {
+            const int8_t *q = x[b].qs + 4 * l;
+            o[8 * b + l] = -128 * (q[0] + q[1] + q[2] + q[3]);
+        }
+}
+
+/* Registers: RN activation rows per pass, so that accumulators, scales and a weight vector fit in 32 (16). */
+#define RN32 (GEMM_LW == 16 ? 2 : 1)
+#define RNK4 (GEMM_LW == 16 ? 4 : 2)
+#define RNK6 (GEMM_LW == 16 ? 6 : 2)
+_Static_assert(RN32 <= 6 && RNK4 <= 6 && RNK6 <= 6, "RN_CASES dispatches rn = 1..6");
+
+/* 32-element types: acc[i][l] = fma(d_w d_x, lane l, acc[i][l]) per block, hsum8 + (Q4_1/Q5_1) the m s sum. */
+GEMM_INLINE void tile32(const wtile *t, const act_q8 *x, const int32_t *xc, int64_t nb, const int rn, const int sgn,
+                        const int has_min, float *y, int64_t ldy, int nv) {
+    gv_f acc[RN32][8], summs[RN32];
+    for (int i = 0; i < rn; i++) {
+        summs[i] = gf_zero();
+        for (int l = 0; l < 8; l++) acc[i][l] = gf_zero();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const gv_f dw = gf_load(t->d + b * GEMM_LW);
+        gv_f s[RN32];
+        for (int i = 0; i < rn; i++) s[i] = gf_mul(dw, gf_set1(x[i * nb + b].d));
+        for (int l = 0; l < 8; l++) {
+            const gv_i w = gi_load(t->q + (8 * b + l) * GEMM_LW);
+#ifndef GEMM_VNNI
+            const gv_i wabs = _mm256_abs_epi8(w); /* sign trick: |w| against x signed as w */
+            (void)xc;
+#endif
+            for (int i = 0; i < rn; i++) {
+                const gv_i xv = gi_set1(ld32(x[i * nb + b].qs + 4 * l));
+                gv_i v;
+                if (!sgn) v = gi_dp4(gi_zero(), w, xv);
+#ifdef GEMM_VNNI
+                else v = gi_dp4(gi_set1(xc[(i * nb + b) * 8 + l]), w, xv);
+#else
+                else v = gi_dp4(gi_zero(), wabs, _mm256_sign_epi8(xv, w));
+#endif
+                acc[i][l] = gf_fma(s[i], gf_cvt(v), acc[i][l]);
+            }
+        }
+        if (has_min) {
+            const gv_f m = gf_load(t->m + b * GEMM_LW);
+            for (int i = 0; i < rn; i++) summs[i] = gf_fma(m, gf_set1(x[i * nb + b].s), summs[i]);
+        }
+    }
+    for (int i = 0; i < rn; i++) gf_store_n(y + i * ldy, gf_add(gf_hsum8(acc[i]), summs[i]), nv);
+}
+
+/* Q4_K (kind 1: a float step per 64 values; kind 0: per super-block) and Q5_K (kind 2), as dot_k4. */
+GEMM_INLINE void tile_k4(const wtile *t, const act_q8k *x, const act_kside *ks, int64_t nb, const int rn, const int q5,
+                         const uint8_t *kind1, float *y, int64_t ldy, int nv) {
+    gv_f acc[RNK4], accm[RNK4];
+    for (int i = 0; i < rn; i++) acc[i] = accm[i] = gf_zero();
+    for (int64_t b = 0; b < nb; b++) {
+        gv_i si[RNK4], sm[RNK4];
+        for (int i = 0; i < rn; i++) si[i] = sm[i] = gi_zero();
+        for (int c = 0; c < 4; c++) {
+            gv_i lo[RNK4], hi[RNK4];
+            for (int i = 0; i < rn; i++) lo[i] = hi[i] = gi_zero();
+            for (int l = 0; l < 8; l++) {
+                const gv_i w0 = gi_load(t->q + (64 * b + 16 * c + l) * GEMM_LW);
+                const gv_i w1 = gi_load(t->q + (64 * b + 16 * c + 8 + l) * GEMM_LW);
+                for (int i = 0; i < rn; i++) {
+                    const int8_t *xq = x[i * nb + b].qs + 64 * c + 4 * l;
+                    lo[i] = gi_dp4(lo[i], w0, gi_set1(ld32(xq)));
+                    hi[i] = gi_dp4(hi[i], w1, gi_set1(ld32(xq + 32)));
+                }
+            }
+            const gv_i sc0 = gi_load(t->sc + (8 * b + 2 * c) * GEMM_LW), sc1 = gi_load(t->sc + (8 * b + 2 * c + 1) * GEMM_LW);
+            const gv_i mn = gi_load(t->mn + (4 * b + c) * GEMM_LW);
+            for (int i = 0; i < rn; i++) {
+                const gv_i sumi = gi_add(gi_mullo(lo[i], sc0), gi_mullo(hi[i], sc1));
+                const gv_i summ = gi_madd16(mn, gi_set1(ks[i * nb + b].bsp[c]));
+                if (!q5 && kind1[i]) {
+                    const float dx = x[i * nb + b].d;
+                    acc[i] = gf_fma(gf_cvt(sumi), gf_mul(gf_load(t->d + b * GEMM_LW), gf_set1(dx)), acc[i]);
+                    accm[i] = gf_fma(gf_cvt(summ), gf_mul(gf_load(t->m + b * GEMM_LW), gf_set1(dx)), accm[i]);
+                } else {
+                    si[i] = gi_add(si[i], sumi);
+                    sm[i] = gi_add(sm[i], summ);
+                }
+            }
+        }
+        const gv_f dw = gf_load(t->d + b * GEMM_LW), dmw = gf_load(t->m + b * GEMM_LW);
+        for (int i = 0; i < rn; i++) {
+            const gv_f dx = gf_set1(x[i * nb + b].d);
+            if (q5) acc[i] = gf_fma(gf_fnma(dmw, gf_cvt(sm[i]), gf_mul(dw, gf_cvt(si[i]))), dx, acc[i]);
+            else if (!kind1[i]) {
+                acc[i] = gf_fma(gf_cvt(si[i]), gf_mul(dw, dx), acc[i]);
+                accm[i] = gf_fma(gf_cvt(sm[i]), gf_mul(dmw, dx), accm[i]);
+            }
+        }
+    }
+    for (int i = 0; i < rn; i++) gf_store_n(y + i * ldy, gf_sub(acc[i], accm[i]), nv);
+}
+
+/* Q6_K as dot_k6 tiled: per super-block T = sum_j sc_j (dot16_j - 32 bsum_j), acc = fma(d_w T, d_x, acc). */
+GEMM_INLINE void tile_k6(const wtile *t, const act_q8k *x, const act_kside *ks, int64_t nb, const int rn, float *y,
+                         int64_t ldy, int nv) {
+    gv_f acc[RNK6];
+    for (int i = 0; i < rn; i++) acc[i] = gf_zero();
+    for (int64_t b = 0; b < nb; b++) {
+        gv_i tot[RNK6];
+        for (int i = 0; i < rn; i++) tot[i] = gi_zero();
+        for (int j = 0; j < 16; j++) {
+            gv_i v[RNK6];
+            for (int i = 0; i < rn; i++) v[i] = gi_set1(ks[i * nb + b].nbs32[j]);
+            for (int l = 0; l < 4; l++) {
+                const gv_i w = gi_load(t->q + (64 * b + 4 * j + l) * GEMM_LW);
+                for (int i = 0; i < rn; i++) v[i] = gi_dp4(v[i], w, gi_set1(ld32(x[i * nb + b].qs + 16 * j + 4 * l)));
+            }
+            const gv_i sc = gi_load(t->sc + (16 * b + j) * GEMM_LW);
+            for (int i = 0; i < rn; i++) tot[i] = gi_add(tot[i], gi_mullo(v[i], sc));
+        }
+        const gv_f dw = gf_load(t->d + b * GEMM_LW);
+        for (int i = 0; i < rn; i++) acc[i] = gf_fma(gf_mul(dw, gf_cvt(tot[i])), gf_set1(x[i * nb + b].d), acc[i]);
+    }
+    for (int i = 0; i < rn; i++) gf_store_n(y + i * ldy, acc[i], nv);
+}
+
+/* case n: the kernel call with rn = n as a constant (clamped to max so that unused cases still compile) */
+#define RN_CASES(max, CALL)                         \
+    case 1: CALL(1); break;                         \
+    case 2: CALL((max) >= 2 ? 2 : 1); break;        \
+    case 3: CALL((max) >= 3 ? 3 : 1); break;        \
+    case 4: CALL((max) >= 4 ? 4 : 1); break;        \
+    case 5: CALL((max) >= 5 ? 5 : 1); break;        \
+    case 6: CALL((max) >= 6 ? 6 : 1); break;
+
+static void pass32(const wtile *t, const act_q8 *x, const int32_t *xc, int64_t nb, int rn, int sgn, float *y, int64_t ldy, int nv) {
+#define CALL_S(n) tile32(t, x, xc, nb, n, 1, 0, y, ldy, nv)
+#define CALL_U(n) tile32(t, x, xc, nb, n, 0, 1, y, ldy, nv)
+    if (sgn) switch (rn) { RN_CASES(RN32, CALL_S) }
+    else switch (rn) { RN_CASES(RN32, CALL_U) }
+#undef CALL_S
+#undef CALL_U
+}
+
+static void pass_k4(const wtile *t, const act_q8k *x, const act_kside *ks, int64_t nb, int rn, int q5, const uint8_t *kind1,
+                    float *y, int64_t ldy, int nv) {
+#define CALL_4(n) tile_k4(t, x, ks, nb, n, 0, kind1, y, ldy, nv)
+#define CALL_5(n) tile_k4(t, x, ks, nb, n, 1, kind1, y, ldy, nv)
+    if (q5) switch (rn) { RN_CASES(RNK4, CALL_5) }
+    else switch (rn) { RN_CASES(RNK4, CALL_4) }
+#undef CALL_4
+#undef CALL_5
+}
+
+static void pass_k6(const wtile *t, const act_q8k *x, const act_kside *ks, int64_t nb, int rn, float *y, int64_t ldy, int nv) {
+#define CALL_6(n) tile_k6(t, x, ks, nb, n, y, ldy, nv)
+    switch (rn) { RN_CASES(RNK6, CALL_6) }
+#undef CALL_6
+}
+#endif /* MTP_AVX2 */
 
 /* ---- matmul ------------------------------------------------------------------------------------------ */
 
-/* Per-thread scratch, kept between calls (OpenMP's pool threads persist): no malloc per matmul. */
+/* Per-thread scratch, kept between calls (the pool's threads persist): no malloc per matmul. */
 static __thread wrow scratch_row;
 static __thread int64_t scratch_row_k;
-static __thread void *scratch_act[3];
-static __thread size_t scratch_act_size[3];
+static __thread void *scratch_act[5];
+static __thread size_t scratch_act_size[5];
 
 static int scratch_row_reserve(int64_t k) {
     if (scratch_row_k >= k) return 0;
@@ -581,7 +1143,7 @@ static void *scratch_act_reserve(int slot, size_t size) {
     return scratch_act[slot];
 }
 
-enum { ACT_Q8 = 0, ACT_Q8K = 1, ACT_F16 = 2 };
+enum { ACT_Q8 = 0, ACT_Q8K = 1, ACT_F16 = 2, ACT_XC = 3, ACT_KS = 4 }; /* XC, KS: the tiles' side arrays */
 
 static int act_kind(int type) {
     if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) return ACT_Q8K;
@@ -631,6 +1193,133 @@ static void matmul_row(int type, const uint8_t *src, int64_t k, const float *x, 
     }
 }
 
+typedef struct {
+    int n_w;
+    const int *types;
+    const uint8_t *const *W;
+    const int64_t *rows;
+    int64_t k;
+    const float *x;
+    const void *const *act;
+    int64_t m, seq_len;
+    float *const *y;
+    int tiled; /* batches of 8+ rows of the types gemm_type takes go through the tiles */
+    _Atomic int failed;
+} matmul_job;
+
+/* Batches of 8+ rows go through the tiles unless a test turned them off (mtp_gemm_tiling). */
+static _Atomic int gemm_tiling = 1;
+
+/* Test hook: mtp_gemm_tiling(0) sends batches of 8+ rows down the per-row path (the reference the tiled path
+ * must equal bit for bit), mtp_gemm_tiling(1) restores the tiles; returns the previous setting. */
+int mtp_gemm_tiling(int on) { return atomic_exchange(&gemm_tiling, on != 0); }
+
+#ifdef MTP_AVX2
+/* Output rows [lo, hi) of one weight: a tile of GEMM_LW rows at a time, decoded once, against all m rows. */
+static void gemm_rows(const matmul_job *j, int type, const uint8_t *W, int64_t lo, int64_t hi, float *y, int64_t ldy) {
+    const int64_t k = j->k, m = j->m, rb = row_bytes(type, k), seq_len = j->seq_len, m_x4 = seq_len - seq_len % 4;
+    const act_q8 *x8 = j->act[ACT_Q8];
+    const act_q8k *xk = j->act[ACT_Q8K];
+    const int32_t *xc = j->act[ACT_XC];
+    const act_kside *ks = j->act[ACT_KS];
+    const int rn_max = type == T_Q6_K ? RNK6 : type == T_Q4_K || type == T_Q5_K ? RNK4 : RN32;
+    for (int64_t n0 = lo; n0 < hi; n0 += GEMM_LW) {
+        const int nv = hi - n0 < GEMM_LW ? (int)(hi - n0) : GEMM_LW;
+        wtile_pack(type, W + n0 * rb, rb, nv, k, &scratch_tile);
+        for (int64_t i0 = 0; i0 < m; i0 += rn_max) {
+            const int rn = m - i0 < rn_max ? (int)(m - i0) : rn_max;
+            float *yi = y + i0 * ldy + n0;
+            if (type == T_Q6_K) {
+                pass_k6(&scratch_tile, xk + i0 * (k / 256), ks + i0 * (k / 256), k / 256, rn, yi, ldy, nv);
+            } else if (type == T_Q4_K || type == T_Q5_K) {
+                uint8_t kind1[RNK4];
+                for (int i = 0; i < rn; i++) kind1[i] = (i0 + i) % seq_len < m_x4;
+                pass_k4(&scratch_tile, xk + i0 * (k / 256), ks + i0 * (k / 256), k / 256, rn, type == T_Q5_K, kind1, yi, ldy, nv);
+            } else {
+                pass32(&scratch_tile, x8 + i0 * (k / 32), xc ? xc + i0 * (k / 4) : NULL, k / 32, rn, signed_type(type), yi, ldy, nv);
+            }
+        }
+    }
+}
+#endif
+
+/* Output rows [begin, end) of the concatenation of the job's weights. */
+#ifdef MTP_AVX2
+/* Q4_K / Q6_K rows [lo, hi) of a short-sequence batch in groups of four (dot_q4k_direct_x4, dot_q6k_direct_x4);
+ * returns the first row left over (fewer than four), for the per-row path. */
+static int64_t gemv_k_rows(const matmul_job *j, int type, const uint8_t *W, int64_t rb, int64_t lo, int64_t hi,
+                           float *y, int64_t ldy) {
+    const act_q8k *xk = j->act[ACT_Q8K];
+    const int64_t nb = j->k / 256, m_x4 = j->seq_len - j->seq_len % 4;
+    int64_t n = lo;
+    for (; n + 4 <= hi; n += 4)
+        for (int64_t i = 0; i < j->m; i++) {
+            float out[4];
+            if (type == T_Q6_K) dot_q6k_direct_x4(W + n * rb, rb, xk + i * nb, nb, out);
+            else dot_q4k_direct_x4(W + n * rb, rb, xk + i * nb, nb, i % j->seq_len < m_x4 ? 1 : 0, out);
+            memcpy(y + i * ldy + n, out, sizeof(out));
+        }
+    return n;
+}
+#endif
+
+static void matmul_rows(void *ctx, int64_t begin, int64_t end) {
+    matmul_job *j = ctx;
+    if (scratch_row_reserve(j->k)) {
+        j->failed = 1;
+        return;
+    }
+    int64_t base = 0; /* first global row of weight w */
+    for (int w = 0; w < j->n_w && base < end; base += j->rows[w], w++) {
+        const int64_t lo = begin > base ? begin - base : 0, hi = end - base < j->rows[w] ? end - base : j->rows[w];
+        const int64_t rb = row_bytes(j->types[w], j->k);
+#ifdef MTP_AVX2
+        if (j->tiled && gemm_type(j->types[w])) {
+            if (scratch_tile_reserve(j->k)) {
+                j->failed = 1;
+                return;
+            }
+            gemm_rows(j, j->types[w], j->W[w], lo, hi, j->y[w], j->rows[w]);
+            continue;
+        }
+#endif
+        int64_t n = lo;
+#ifdef MTP_AVX2
+        /* Q6_K four rows a pass only for short rows: past 512 values the row-by-row loop is faster (register
+         * pressure), while Q4_K's shared reductions win at every length */
+        const int x4 = j->types[w] == T_Q4_K || (j->types[w] == T_Q6_K && j->k <= 512);
+        if (x4 && j->seq_len < 8 && atomic_load(&gemm_tiling))
+            n = gemv_k_rows(j, j->types[w], j->W[w], rb, lo, hi, j->y[w], j->rows[w]); /* decode: four rows a pass */
+#endif
+        for (; n < hi; n++)
+            matmul_row(j->types[w], j->W[w] + n * rb, j->k, j->x, j->act, j->m, j->seq_len, j->y[w] + n, j->rows[w], &scratch_row);
+    }
+}
+
+typedef struct {
+    const float *x;
+    int64_t k;
+    void *const *act; /* the slots to fill (NULL: not needed) */
+} round_job;
+
+/* Activation rows [begin, end) rounded to each vec-dot type needed, and the tiles' side arrays of them. */
+static void round_rows(void *ctx, int64_t begin, int64_t end) {
+    const round_job *j = ctx;
+    const int64_t k = j->k;
+    for (int64_t i = begin; i < end; i++) {
+        const float *x = j->x + i * k;
+        if (j->act[ACT_Q8K]) quantize_q8k(x, k, (act_q8k *)j->act[ACT_Q8K] + i * (k / 256));
+        if (j->act[ACT_Q8]) quantize_q8(x, k, (act_q8 *)j->act[ACT_Q8] + i * (k / 32));
+        if (j->act[ACT_F16])
+            for (int64_t c = 0; c < k; c++) ((half *)j->act[ACT_F16])[i * k + c] = f2h(x[c]);
+#ifdef MTP_AVX2
+        if (j->act[ACT_XC]) xcorr_row((const act_q8 *)j->act[ACT_Q8] + i * (k / 32), k / 32, (int32_t *)j->act[ACT_XC] + i * (k / 4));
+        if (j->act[ACT_KS])
+            kside_row((const act_q8k *)j->act[ACT_Q8K] + i * (k / 256), k / 256, (act_kside *)j->act[ACT_KS] + i * (k / 256));
+#endif
+    }
+}
+
 /* Work below this many weight-activation products runs on the calling thread: waking the pool costs more. */
 #define MTP_PARALLEL_MIN_WORK 65536
 
@@ -647,40 +1336,33 @@ int mtp_matmul_many(int n_w, const int *types, const uint8_t *const *W, const in
         const int a = act_kind(types[j]);
         if (a >= 0) need[a] = 1;
     }
-    void *act[3] = {NULL, NULL, NULL};
+    void *act[5] = {NULL, NULL, NULL, NULL, NULL};
     if (need[ACT_Q8K] && !(act[ACT_Q8K] = scratch_act_reserve(ACT_Q8K, sizeof(act_q8k) * (k / 256) * m))) return 2;
     if (need[ACT_Q8] && !(act[ACT_Q8] = scratch_act_reserve(ACT_Q8, sizeof(act_q8) * (k / 32) * m))) return 2;
     if (need[ACT_F16] && !(act[ACT_F16] = scratch_act_reserve(ACT_F16, sizeof(half) * k * m))) return 2;
-    for (int64_t i = 0; i < m; i++) {
-        if (need[ACT_Q8K]) quantize_q8k(x + i * k, k, (act_q8k *)act[ACT_Q8K] + i * (k / 256));
-        if (need[ACT_Q8]) quantize_q8(x + i * k, k, (act_q8 *)act[ACT_Q8] + i * (k / 32));
-    }
-    if (need[ACT_F16])
-        for (int64_t i = 0; i < k * m; i++) ((half *)act[ACT_F16])[i] = f2h(x[i]);
-    set_threads(n_threads);
-    int failed = 0;
-#pragma omp parallel if (total * k * m >= MTP_PARALLEL_MIN_WORK)
-    {
-        int64_t begin = 0, end = total;
-#ifdef _OPENMP
-        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        begin = total * t / nt;
-        end = total * (t + 1) / nt;
+    int tiled = 0;
+#ifdef MTP_AVX2
+    tiled = seq_len >= 8 && atomic_load(&gemm_tiling);
+    int need_xc = 0, need_ks = 0;
+    for (int j = 0; tiled && j < n_w; j++) {
+#ifdef GEMM_VNNI
+        need_xc |= signed_type(types[j]);
 #endif
-        if (scratch_row_reserve(k)) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
-            int64_t base = 0; /* first global row of weight j */
-            for (int j = 0; j < n_w && base < end; base += rows[j], j++) {
-                const int64_t lo = begin > base ? begin - base : 0, hi = end - base < rows[j] ? end - base : rows[j];
-                const int64_t rb = row_bytes(types[j], k);
-                for (int64_t n = lo; n < hi; n++)
-                    matmul_row(types[j], W[j] + n * rb, k, x, (const void *const *)act, m, seq_len, y[j] + n, rows[j], &scratch_row);
-            }
-        }
+        need_ks |= types[j] == T_Q4_K || types[j] == T_Q5_K || types[j] == T_Q6_K;
     }
-    return failed ? 2 : 0;
+    if (need_xc && !(act[ACT_XC] = scratch_act_reserve(ACT_XC, sizeof(int32_t) * (k / 4) * m))) return 2;
+    if (need_ks && !(act[ACT_KS] = scratch_act_reserve(ACT_KS, sizeof(act_kside) * (k / 256) * m))) return 2;
+#endif
+    round_job rounding = {x, k, act};
+    round_rows(&rounding, 0, m); /* on the calling thread: a few percent of the work, and one pool call per matmul */
+    matmul_job job = {n_w, types, W, rows, k, x, (const void *const *)act, m, seq_len, y, tiled, 0};
+    const int threads = total * k * m >= MTP_PARALLEL_MIN_WORK ? n_threads : 1;
+    int64_t grain = chunk_grain(total, threads, 4, 4);
+#ifdef MTP_AVX2
+    if (tiled) grain = (grain + GEMM_LW - 1) / GEMM_LW * GEMM_LW; /* whole tiles */
+#endif
+    mtp_parallel_for(total, grain, threads, matmul_rows, &job);
+    return job.failed ? 2 : 0;
 }
 
 /* y[m, n] = sum_k x[m, k] * W[n, k]; W is n_rows GGUF rows of type `type`; x, y float32 row-major;

@@ -1,0 +1,182 @@
+"""The CPU kernels' tiled GEMM (matmul.c, batches of 8+ rows) against their per-row path, which reproduces llama.cpp's
+rounding: bit for bit, for every type the tiles take, quantized and random blocks, partial tiles of weight and
+activation rows, several sequences in one call (llama.cpp's association depends on each one's length), groups of
+weights of mixed types, and thread counts. `mtp_gemm_tiling(0)` is the kernels' switch back to the per-row path."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
+
+from mtpserve.gguf import open_gguf
+from mtpserve.kernels import cpu as cpu_kernels
+from mtpserve.ops import linear
+from mtpserve.quant.qtensor import QTensor
+from mtpserve.quant.quantize import WEIGHT_QUANTIZERS, quantize
+from mtpserve.quant.types import GGMLType, block_geometry
+
+from ..conftest import tinyqwen_path
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the C kernel library did not build here")
+
+TILED_TYPES = tuple(
+    GGMLType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+)  # every type the tiles take
+F16_OFFSETS = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # else (0,)
+# (m, seq_len): single sequences of 8+ rows around the 6-row register tiles and 4-row Q4_K groups, then several
+# sequences per call (rows past the last whole group of 4 in each take Q4_K's other association).
+BATCHES = ((8, 8), (9, 9), (13, 13), (64, 64), (130, 130), (26, 13), (22, 11), (32, 16))
+
+
+@contextmanager
+def _row_path():
+    lib = cpu_kernels.load()
+    previous = lib.mtp_gemm_tiling(0)
+    try:
+        yield
+    finally:
+        lib.mtp_gemm_tiling(previous)
+
+
+@contextmanager
+def _threads(n: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _quantized(qtype: GGMLType, n: int, k: int, seed: int) -> QTensor:
+    """A random [n, k] matrix with rows of different scales, quantized by mtpserve (gguf-py for Q4_1)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
+    if qtype in WEIGHT_QUANTIZERS:
+        data = quantize(w, qtype)
+    else:
+        data = torch.from_numpy(gguf_quantize(w.numpy(), GGMLQuantizationType(int(qtype))))
+    return QTensor(data.contiguous().view(torch.uint8).reshape(n, -1), qtype, (n, k), f"quantized.{qtype.name}")
+
+
+def _random(qtype: GGMLType, n: int, k: int, seed: int) -> QTensor:
+    """Random bytes with sane f16 scales: every bit pattern of the packing (Q8_0's -128, negative Q6_K scales)."""
+    g = torch.Generator().manual_seed(seed)
+    qk, size = block_geometry(qtype)
+    blocks = torch.randint(0, 256, (n, k // qk, size), generator=g, dtype=torch.uint8)
+    for off in F16_OFFSETS.get(qtype.name, (0,)):
+        scale = (torch.rand(n, k // qk, generator=g) * 0.02 + 1e-3).half()
+        blocks[:, :, off : off + 2] = scale.view(torch.uint8).view(n, k // qk, 2)
+    return QTensor(blocks.reshape(n, -1), qtype, (n, k), f"random.{qtype.name}")
+
+
+def _activations(m: int, k: int, seed: int) -> torch.Tensor:
+    """Rows of different magnitudes, one of them zero (its Q8 blocks have d = 0)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * (torch.rand(m, 1, generator=g) * 10 + 0.1)
+    x[min(1, m - 1)] = 0
+    return x
+
+
+def _assert_tiles_equal_rows(x: torch.Tensor, w: QTensor, seq_len: int) -> None:
+    tiled = linear.linear(x, w, seq_len=seq_len)
+    with _row_path():
+        rows = linear.linear(x, w, seq_len=seq_len)
+    assert torch.equal(tiled, rows), (w.name, tuple(w.shape), tuple(x.shape), seq_len)
+
+
+def test_the_switch_reports_and_restores_the_tiles():
+    lib = cpu_kernels.load()
+    assert lib.mtp_gemm_tiling(0) == 1
+    assert lib.mtp_gemm_tiling(1) == 0
+    assert lib.mtp_gemm_tiling(1) == 1
+
+
+@pytest.mark.parametrize("qtype", TILED_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("make", [_quantized, _random], ids=["quantized", "random_bytes"])
+def test_tiles_equal_the_row_path(qtype: GGMLType, make):
+    qk, _ = block_geometry(qtype)
+    ks = (256, 512, 768) + ((96, 160) if qk == 32 else ())  # odd multiples of 32 for the 32-element types
+    for k in ks:
+        for n in (5, 37):  # under one tile of weight rows; two tiles and a partial one
+            w = make(qtype, n, k, seed=n + k)
+            for m, seq_len in BATCHES:
+                _assert_tiles_equal_rows(_activations(m, k, seed=m + k), w, seq_len)
+
+
+def test_llama_cpp_quantized_matrices():
+    """Every 2-D weight of a llama.cpp Q4_K_M file (Q4_K, Q6_K, Q5_0 rows as llama.cpp's quantizer writes them)."""
+    seen = {}
+    for t in open_gguf(tinyqwen_path("Q4_K_M")).tensors.values():
+        if t.ggml_type in TILED_TYPES and len(t.shape) == 2 and t.shape[0] < 5000:
+            seen.setdefault((t.ggml_type, tuple(t.shape)), QTensor.from_gguf(t))
+    assert {w.ggml_type for w in seen.values()} >= {GGMLType.Q4_K, GGMLType.Q6_K}
+    for w in seen.values():
+        for m, seq_len in ((9, 9), (64, 64), (26, 13)):
+            _assert_tiles_equal_rows(_activations(m, w.shape[1], seed=m), w, seq_len)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_groups_of_mixed_types_and_row_counts(threads: int):
+    """One call over weights whose row counts are not whole tiles: chunks then start inside a weight and end
+    in the next; an F16 member stays on the per-row path inside a tiled call."""
+    k = 256
+    group = [
+        _random(GGMLType.Q4_0, 37, k, seed=1),
+        _quantized(GGMLType.Q8_0, 20, k, seed=2),
+        _random(GGMLType.Q4_K, 45, k, seed=3),
+        _quantized(GGMLType.Q6_K, 16, k, seed=4),
+        _quantized(GGMLType.Q4_1, 19, k, seed=5),
+        QTensor(torch.randn(9, k).half().view(torch.uint8), GGMLType.F16, (9, k), "f16"),
+        _random(GGMLType.Q5_K, 33, k, seed=6),
+    ]
+    with _threads(threads):
+        for m, seq_len in ((9, 9), (48, 24), (130, 130)):
+            x = _activations(m, k, seed=m)
+            tiled = linear.linear_many(x, group, seq_len=seq_len)
+            with _row_path():
+                rows = linear.linear_many(x, group, seq_len=seq_len)
+            for w, a, b in zip(group, tiled, rows):
+                assert torch.equal(a, b), (w.name, m, seq_len)
+                assert torch.equal(a, linear.linear(x, w, seq_len=seq_len)), (w.name, m, seq_len)
+
+
+def test_sequences_in_one_call_are_each_computed_as_alone():
+    """The tiles keep the kernels' promise: batching sequences together changes no result."""
+    for qtype in (GGMLType.Q4_K, GGMLType.Q5_0, GGMLType.Q6_K):
+        w = _random(qtype, 24, 512, seed=7)
+        x = _activations(3 * 11, 512, seed=8)
+        together = linear.linear(x, w, seq_len=11)
+        for s in range(3):
+            rows = slice(11 * s, 11 * (s + 1))
+            assert torch.equal(together[rows], linear.linear(x[rows], w)), (qtype.name, s)
+
+
+def test_the_weight_helpers_give_whole_finite_blocks():
+    """_quantized and _random give whole rows of blocks with finite values (a guard on the helpers themselves)."""
+    for qtype in TILED_TYPES:
+        qk, size = block_geometry(qtype)
+        for make in (_quantized, _random):
+            w = make(qtype, 3, 256, seed=0)
+            assert w.data.shape == (3, 256 // qk * size) and w.data.dtype == torch.uint8
+            assert np.isfinite(w.dequantize().numpy()).all()
+
+
+@pytest.mark.parametrize("seq_len", [1, 3, 4, 5, 7])
+def test_decode_rows_four_at_a_time_equal_the_row_path(seq_len):
+    """The Q4_K and Q6_K decode GEMVs (four weight rows per pass, seq_len < 8) against one row at a time: bit for
+    bit, Q4_K's kinds 0 and 1 (llama.cpp's per-64-value steps for whole groups of 4 rows), row counts not a
+    multiple of 4."""
+    weights = [_quantized(GGMLType.Q4_K, 37, 512, 1), _random(GGMLType.Q4_K, 38, 768, 2)]
+    weights += [_quantized(GGMLType.Q6_K, 37, 512, 3), _random(GGMLType.Q6_K, 39, 256, 4)]
+    for w in weights:
+        x = _activations(2 * seq_len, w.shape[1], seq_len)
+        fast = linear.linear(x, w, seq_len=seq_len)
+        with _row_path():
+            rows = linear.linear(x, w, seq_len=seq_len)
+        assert torch.equal(fast, rows), w.name

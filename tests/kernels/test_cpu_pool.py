@@ -1,0 +1,116 @@
+"""The C kernels' thread pool (kernels/cpu/pool.c): any thread count, any caller thread, the same numbers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+from gguf.constants import GGMLQuantizationType as T
+
+from mtpserve.kernels import cpu as cpu_kernels
+from mtpserve.ops import attention, linear
+from mtpserve.quant.qtensor import QTensor
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="the C kernel library did not build here")
+
+
+def _q4_0(n: int, k: int) -> QTensor:
+    values = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32)
+    data = torch.from_numpy(quants.quantize(values, T.Q4_0).view(np.uint8)).reshape(n, -1)
+    return QTensor(data, T.Q4_0, (n, k), "w.Q4_0")
+
+
+def _with_threads(n: int, fn):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("poll", [0, 50])
+def test_results_do_not_depend_on_the_thread_count_or_the_poll(poll):
+    # 7 threads on a 2-core machine: more threads than cores still gives every item exactly once
+    cpu_kernels.configure_pool(poll)
+    try:
+        w, x = _q4_0(1000, 512), torch.randn(9, 512)
+        q, k, v = torch.randn(5, 8, 64), torch.randn(300, 2, 64), torch.randn(300, 2, 64)
+        pos = torch.arange(300)
+
+        def run():
+            return linear.linear(x, w), attention.attention(q, k, v, pos[-5:], pos, 0.125)
+
+        (y1, a1), (y2, a2), (y7, a7) = (_with_threads(n, run) for n in (1, 2, 7))
+        assert torch.equal(y1, y2) and torch.equal(y1, y7)
+        assert torch.equal(a1, a2) and torch.equal(a1, a7)
+    finally:
+        cpu_kernels.configure_pool(50)
+
+
+@needs_kernels
+def test_callers_on_several_threads_share_one_pool_and_get_their_own_results():
+    lib = cpu_kernels.load()
+    w = _q4_0(2048, 256)
+    inputs = [torch.randn(3, 256) for _ in range(4)]
+    alone = [_with_threads(2, lambda x=x: linear.linear(x, w)) for x in inputs]
+    workers_before = lib.mtp_pool_workers()
+    results: dict[int, list[torch.Tensor]] = {i: [] for i in range(4)}
+
+    def caller(i: int) -> None:
+        for _ in range(50):
+            results[i].append(linear.linear(inputs[i], w))
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    _with_threads(2, lambda: [t.start() for t in threads] and [t.join() for t in threads])
+    for i in range(4):
+        assert all(torch.equal(y, alone[i]) for y in results[i])
+    # four calling threads, one pool: no team per caller
+    assert lib.mtp_pool_workers() == max(workers_before, 1)
+
+
+def test_poll_outside_0_100_is_refused():
+    with pytest.raises(ValueError, match="0-100"):
+        cpu_kernels.configure_pool(101)
+    with pytest.raises(ValueError, match="0-100"):
+        cpu_kernels.configure_pool(-1)
+
+
+def test_physical_cores_counts_smt_siblings_once():
+    n = cpu_kernels.physical_cores()
+    assert 1 <= n <= len(os.sched_getaffinity(0))
+    siblings = {
+        open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read().strip()
+        for c in os.sched_getaffinity(0)
+        if os.path.exists(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list")
+    }
+    if siblings:
+        assert n == len(siblings)
+
+
+def test_every_item_runs_exactly_once_over_many_quick_calls(tmp_path):
+    """A million calls that follow each other faster than the workers wake, at C speed: a worker holding a claim
+    of the last call must never claim items of the next (it did once: the count overshot and the caller waited
+    forever)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    here = Path(__file__).parent
+    binary = tmp_path / "pool_stress"
+    sources = [here / "pool_stress.c", cpu_kernels.HERE / "pool.c"]
+    subprocess.run(
+        [compiler, "-O2", "-pthread", f"-I{cpu_kernels.HERE}", *map(str, sources), "-o", str(binary)], check=True
+    )
+    try:
+        out = subprocess.run([str(binary), "1000000"], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the pool deadlocked")
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stdout
