@@ -1285,9 +1285,11 @@ static void matmul_rows(void *ctx, int64_t begin, int64_t end) {
 #endif
         int64_t n = lo;
 #ifdef MTP_AVX2
-        /* Q6_K four rows a pass only for short rows: past 512 values the row-by-row loop is faster (register
-         * pressure), while Q4_K's shared reductions win at every length */
-        const int x4 = j->types[w] == T_Q4_K || (j->types[w] == T_Q6_K && j->k <= 512);
+        /* four rows a pass where decode measured faster than row by row: Q4_K, and Q6_K for rows of up to 512
+         * values. (The 32-element types were tried too: faster on a matrix the cache holds, slower in a real
+         * decode, where the weights stream from memory and four row streams prefetch worse than one.) */
+        const int t = j->types[w];
+        const int x4 = t == T_Q4_K || (t == T_Q6_K && j->k <= 512);
         if (x4 && j->seq_len < 8 && atomic_load(&gemm_tiling))
             n = gemv_k_rows(j, j->types[w], j->W[w], rb, lo, hi, j->y[w], j->rows[w]); /* decode: four rows a pass */
 #endif
