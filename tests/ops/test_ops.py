@@ -369,6 +369,11 @@ def test_residual_gated_delta_net_decode_is_the_norm_the_mixer_and_the_add_in_on
             h = norm.rms_norm(x, layer.attn_norm, 1e-6)
             out = x + gated_delta.gated_delta_net_decode(h, weights, *states, **steps)
         runs.append([out, *states[0], *states[1], *steps["conv_steps"], *steps["ssm_steps"]])
+    # matrices split by rows over devices: the unfused kernels inside, the same numbers
+    split = dataclasses.replace(weights, w_out=RowSplitQTensor.split(weights.w_out, ["cpu", "cpu"], [1, 1], "cpu", 64))
+    states = [t.clone() for t in conv_states], [t.clone() for t in ssms]
+    out = gated_delta.residual_gated_delta_net_decode(x, layer.attn_norm, 1e-6, split, *states)
+    assert torch.equal(out, runs[0][0])
     for fused, separate in zip(*runs):
         assert torch.equal(fused, separate)
 

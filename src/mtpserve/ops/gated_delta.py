@@ -368,7 +368,7 @@ def residual_gated_delta_net_decode(
     """x + gated_delta_net_decode(rms_norm(x) * norm_weight, ...): a pre-norm residual mixer, one C call on the CPU
     (the norm and the add cost more in Python than in arithmetic), the composition elsewhere."""
     steps = {"conv_steps": conv_steps, "ssm_steps": ssm_steps}
-    if not gpu_path(x) and all(kernel_supports(w) for w in (*weights.projections, weights.w_out)):
+    if not gpu_path(x) and all(kernel_supports(w, split=True) for w in (*weights.projections, weights.w_out)):
         return gated_delta_net_decode_cpu(x, weights, conv_states, ssms, residual=(norm_weight, norm_eps), **steps)
     h = rms_norm_for(x, norm_weight, norm_eps, matmul=weights.projections[0])
     return x + gated_delta_net_decode(h, weights, conv_states, ssms, **steps)
