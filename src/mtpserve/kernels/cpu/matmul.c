@@ -547,11 +547,14 @@ static float dot32_direct(int type, const uint8_t *src, const act_q8 *x, int64_t
         float d, m = 0.0f;
         const __m256i w = load_q32(type, src + b * bs, &d, &m);
         const __m256i xv = _mm256_loadu_si256((const __m256i *)x[b].qs);
-        const __m256i p = is_signed ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w))
-                                    : _mm256_maddubs_epi16(w, xv);
+        const __m256i u = is_signed ? _mm256_sign_epi8(w, w) : w, sx = is_signed ? _mm256_sign_epi8(xv, w) : xv;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) /* the same exact lane sums in one instruction */
+        const __m256i lanes_i = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, sx);
+#else
+        const __m256i lanes_i = _mm256_madd_epi16(_mm256_maddubs_epi16(u, sx), _mm256_set1_epi16(1));
+#endif
         if (!is_signed) vsumms = fmaf(m, x[b].s, vsumms);
-        const __m256 lanes = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-        vacc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), lanes, vacc);
+        vacc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(lanes_i), vacc);
     }
     float out[8];
     _mm256_storeu_ps(out, vacc);
