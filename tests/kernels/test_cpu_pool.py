@@ -85,15 +85,13 @@ def test_poll_outside_0_100_is_refused():
 
 
 def test_physical_cores_counts_smt_siblings_once():
+    """Against another account of the topology: distinct (package, core id) pairs of the CPUs we may run on."""
     n = cpu_kernels.physical_cores()
     assert 1 <= n <= len(os.sched_getaffinity(0))
-    siblings = {
-        open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read().strip()
-        for c in os.sched_getaffinity(0)
-        if os.path.exists(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list")
-    }
-    if siblings:
-        assert n == len(siblings)
+    topology = [Path(f"/sys/devices/system/cpu/cpu{c}/topology") for c in os.sched_getaffinity(0)]
+    if all((t / "core_id").exists() and (t / "physical_package_id").exists() for t in topology):
+        cores = {((t / "physical_package_id").read_text(), (t / "core_id").read_text()) for t in topology}
+        assert n == len(cores)
 
 
 def test_every_item_runs_exactly_once_over_many_quick_calls(tmp_path):

@@ -125,22 +125,11 @@ def residual_geglu_ffn(
 ) -> torch.Tensor:
     """x + rms_norm(geglu_ffn(rms_norm(x) * norm_weight)) * post_norm (Gemma's FFN between two norms): one C call on
     the CPU, the composition elsewhere."""
-    lib = cpu_kernels.load()
     gate, up = gate_up
-    if gpu_path(x) or lib is None or not all(kernel_supports(w) for w in (gate, up, down)):
+    if gpu_path(x) or not _residual_glu_on_kernels(gate, up, down):
         h = rms_norm_for(x, norm_weight, eps, matmul=gate)
         return x + rms_norm(geglu_ffn(h, gate_up, down, seq_len), post_norm, eps)
-    lead, x2 = x.shape[:-1], as_rows(x)
-    M, E = x2.shape
-    y = torch.empty(M, E)
-    rc = lib.mtp_residual_geglu_ffn(
-        x2.data_ptr(), M, seq_len or max(M, 1), E, norm_weight.data_ptr(), eps,
-        int(gate.ggml_type), gate.data.data_ptr(), int(up.ggml_type), up.data.data_ptr(), gate.shape[0],
-        int(down.ggml_type), down.data.data_ptr(), post_norm.data_ptr(), y.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise RuntimeError(f"mtp_residual_geglu_ffn failed ({rc}) for {down.name}")
-    return y.view(*lead, E)
+    return _residual_glu_ffn_cpu(x, norm_weight, eps, True, gate, up, down, post_norm, seq_len)
 
 
 def residual_swiglu_ffn(
@@ -156,20 +145,39 @@ def residual_swiglu_ffn(
 ) -> torch.Tensor:
     """x + swiglu_ffn(rms_norm(x) * norm_weight, ...): a pre-norm residual FFN, one C call on the CPU, the
     composition (with the GPU path's fused norm) elsewhere."""
-    lib = cpu_kernels.load()
-    if gpu_path(x) or lib is None or not all(kernel_supports(w) for w in (gate, up, down)):
+    if gpu_path(x) or not _residual_glu_on_kernels(gate, up, down):
         h = rms_norm_for(x, norm_weight, eps, matmul=gate)
         return x + swiglu_ffn(h, gate, up, down, seq_len, gate_up=gate_up)
+    return _residual_glu_ffn_cpu(x, norm_weight, eps, False, gate, up, down, None, seq_len)
+
+
+def _residual_glu_on_kernels(*weights: QTensor) -> bool:
+    return cpu_kernels.load() is not None and all(kernel_supports(w) for w in weights)
+
+
+def _residual_glu_ffn_cpu(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gelu: bool,
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+    post_norm: torch.Tensor | None,
+    seq_len: int | None,
+) -> torch.Tensor:
+    """`mtp_residual_glu_ffn`: the norm, the gated FFN (GELU or SiLU), the optional post-norm and the add."""
     lead, x2 = x.shape[:-1], as_rows(x)
     M, E = x2.shape
     y = torch.empty(M, E)
-    rc = lib.mtp_residual_swiglu_ffn(
-        x2.data_ptr(), M, seq_len or max(M, 1), E, norm_weight.data_ptr(), eps,
+    rc = cpu_kernels.load().mtp_residual_glu_ffn(
+        x2.data_ptr(), M, seq_len or max(M, 1), E, norm_weight.data_ptr(), eps, int(gelu),
         int(gate.ggml_type), gate.data.data_ptr(), int(up.ggml_type), up.data.data_ptr(), gate.shape[0],
-        int(down.ggml_type), down.data.data_ptr(), y.data_ptr(), torch.get_num_threads(),
+        int(down.ggml_type), down.data.data_ptr(), None if post_norm is None else post_norm.data_ptr(), y.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
-        raise RuntimeError(f"mtp_residual_swiglu_ffn failed ({rc}) for {down.name}")
+        raise RuntimeError(f"mtp_residual_glu_ffn failed ({rc}) for {down.name}")
     return y.view(*lead, E)
 
 

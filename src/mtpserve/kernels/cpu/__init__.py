@@ -205,16 +205,9 @@ def load() -> ctypes.CDLL | None:
     lib.mtp_pool_configure.argtypes = [ctypes.c_int, ctypes.c_int]
     mixer = lib.mtp_gdn_mixer.argtypes
     lib.mtp_residual_gdn_mixer.argtypes = [*mixer[:4], ctypes.c_void_p, ctypes.c_float, *mixer[4:]]
-    ffn = lib.mtp_swiglu_ffn.argtypes
-    lib.mtp_residual_swiglu_ffn.argtypes = [*ffn[:4], ctypes.c_void_p, ctypes.c_float, *ffn[4:]]
-    lib.mtp_residual_geglu_ffn.argtypes = [
-        *ffn[:4],
-        ctypes.c_void_p,
-        ctypes.c_float,
-        *ffn[4:-2],
-        ctypes.c_void_p,
-        *ffn[-2:],
-    ]
+    ffn = lib.mtp_swiglu_ffn.argtypes  # x, T, seq_len, E, the three matrices, out, threads
+    glu = (ctypes.c_void_p, ctypes.c_float, ctypes.c_int)  # norm weight, eps, GELU or SiLU
+    lib.mtp_residual_glu_ffn.argtypes = [*ffn[:4], *glu, *ffn[4:-2], ctypes.c_void_p, *ffn[-2:]]  # +post-norm weight
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     lib.mtp_residual_attention.argtypes = [
         *(ptr, i64, i64, ptr, f32),  # x, T, E, norm weight, eps

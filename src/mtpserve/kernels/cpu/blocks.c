@@ -81,20 +81,6 @@ static void residual_add(const float *x, const float *out, float *y, int64_t n) 
     for (int64_t i = 0; i < n; i++) y[i] = x[i] + out[i];
 }
 
-/* A pre-norm residual SwiGLU FFN: y [T, E] = x + down(silu(gate(h)) * up(h)) with h = rms_norm(x) * norm_w (y may
- * alias x); the composition of mtp_rms_norm, mtp_swiglu_ffn and the add, in one call. */
-int mtp_residual_swiglu_ffn(const float *x, int64_t T, int64_t seq_len, int64_t E, const float *norm_w, float eps,
-                            int t_gate, const uint8_t *w_gate, int t_up, const uint8_t *w_up, int64_t F, int t_down,
-                            const uint8_t *w_down, float *y, int n_threads) {
-    float *h = thread_floats(2 * T * E);
-    if (!h) return 2;
-    float *out = h + T * E;
-    mtp_rms_norm(x, norm_w, h, T, E, eps);
-    const int rc = mtp_swiglu_ffn(h, T, seq_len, E, t_gate, w_gate, t_up, w_up, F, t_down, w_down, out, n_threads);
-    if (rc == 0) residual_add(x, out, y, T * E);
-    return rc;
-}
-
 /* A pre-norm residual Gated DeltaNet mixer: y = x + mtp_gdn_mixer(rms_norm(x) * norm_w, ...) (y may alias x). */
 int mtp_residual_gdn_mixer(const float *x, int64_t T, int64_t seq_len, int64_t E, const float *in_norm_w, float in_eps,
                            const int *types, const uint8_t *const *W, const float *dt_bias, const float *a,
@@ -180,11 +166,13 @@ int mtp_residual_attention(const float *x, int64_t T, int64_t E, const float *no
 
 int mtp_geglu(const float *x, const float *g, float *y, int64_t n);
 
-/* Gemma's sandwich-normed GeGLU FFN: y = x + rms_norm(down(gelu(gate(h)) * up(h))) * post_w with h = rms_norm(x) *
- * norm_w (y may alias x); the composition of mtp_rms_norm, mtp_matmul_many, mtp_geglu, mtp_matmul and the add. */
-int mtp_residual_geglu_ffn(const float *x, int64_t T, int64_t seq_len, int64_t E, const float *norm_w, float eps,
-                           int t_gate, const uint8_t *w_gate, int t_up, const uint8_t *w_up, int64_t F, int t_down,
-                           const uint8_t *w_down, const float *post_w, float *y, int n_threads) {
+/* A pre-norm residual gated FFN: y [T, E] = x + post(down(act(gate(h)) * up(h))) with h = rms_norm(x) * norm_w, act
+ * SiLU (gelu = 0: mtp_swiglu, as mtp_swiglu_ffn) or llama.cpp's GELU table (gelu = 1: mtp_geglu, Gemma), and post
+ * the RMSNorm by post_w (Gemma's norm after the FFN) or nothing (post_w NULL); y may alias x. The composition of
+ * mtp_rms_norm, mtp_matmul_many, the activation, mtp_matmul and the add, in one call. */
+int mtp_residual_glu_ffn(const float *x, int64_t T, int64_t seq_len, int64_t E, const float *norm_w, float eps, int gelu,
+                         int t_gate, const uint8_t *w_gate, int t_up, const uint8_t *w_up, int64_t F, int t_down,
+                         const uint8_t *w_down, const float *post_w, float *y, int n_threads) {
     float *h = thread_floats(T * (2 * E + 2 * F));
     if (!h) return 2;
     float *out = h + T * E, *gate = out + T * E, *up = gate + T * F;
@@ -195,10 +183,11 @@ int mtp_residual_geglu_ffn(const float *x, int64_t T, int64_t seq_len, int64_t E
     float *outs[2] = {gate, up};
     int rc = mtp_matmul_many(2, types, W, rows, E, h, T, seq_len, outs, n_threads);
     if (rc) return rc;
-    mtp_geglu(gate, up, gate, T * F);
+    if (gelu) mtp_geglu(gate, up, gate, T * F);
+    else mtp_swiglu(gate, up, gate, T * F);
     rc = mtp_matmul(t_down, w_down, E, F, gate, T, seq_len, out, n_threads);
     if (rc) return rc;
-    mtp_rms_norm(out, post_w, out, T, E, eps);
+    if (post_w) mtp_rms_norm(out, post_w, out, T, E, eps);
     residual_add(x, out, y, T * E);
     return 0;
 }
