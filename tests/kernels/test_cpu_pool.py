@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -112,3 +113,36 @@ def test_every_item_runs_exactly_once_over_many_quick_calls(tmp_path):
     except subprocess.TimeoutExpired:
         pytest.fail("the pool deadlocked")
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stdout
+
+
+@needs_kernels
+def test_cpu_strict_pins_the_thread_that_calls_the_kernels_and_the_workers_to_one_cpu_each():
+    """In a child process (pinning is for the process's life): the configuring thread stays free; the thread that
+    runs the kernels (the engine's, in the server) and the worker each get one CPU of their own."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs")
+    script = """
+import os, threading, torch
+from mtpserve.kernels import cpu
+from mtpserve.ops import linear
+from tests.kernels.test_cpu_pool import _q4_0
+allowed = os.sched_getaffinity(0)
+cpu.configure_pool(50, True)
+torch.set_num_threads(2)
+w, x, seen = _q4_0(2048, 256), torch.randn(3, 256), {}
+def engine():
+    linear.linear(x, w)
+    seen["engine"] = os.sched_getaffinity(threading.get_native_id())
+t = threading.Thread(target=engine)
+t.start()
+t.join()
+workers = [int(tid) for tid in os.listdir(f"/proc/{os.getpid()}/task")]
+masks = [os.sched_getaffinity(tid) for tid in workers]
+print(os.sched_getaffinity(0) == allowed, len(seen["engine"]), sorted(set(map(len, masks))))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2]
+    )
+    main_free, engine_cpus, mask_sizes = out.stdout.split(maxsplit=2)
+    assert main_free == "True" and engine_cpus == "1", out.stdout + out.stderr
+    assert "1" in mask_sizes, out.stdout  # the pool's worker has one CPU too

@@ -122,9 +122,12 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
+/* The CPUs the process may use, read when pinning is switched on (by a thread not yet pinned): a pinned thread's
+ * own mask is its one CPU, so it cannot be read again later. */
+static cpu_set_t allowed;
+
 static void pin_to_allowed_cpu(pthread_t thread, int i) {
-    cpu_set_t allowed, one;
-    if (sched_getaffinity(0, sizeof(allowed), &allowed)) return;
+    cpu_set_t one;
     const int n = CPU_COUNT(&allowed);
     if (n == 0) return;
     for (int cpu = 0, seen = 0; cpu < CPU_SETSIZE; cpu++)
@@ -151,16 +154,17 @@ static void grow(int want) {
     }
 }
 
-/* poll: 0-100 as llama-server's --poll; pin: 1 pins the caller to the first allowed CPU and worker i to
- * the (i+1)-th (wrapping), 0 leaves placement to the scheduler. Takes effect for the following calls. */
+/* poll: 0-100 as llama-server's --poll; pin: 1 pins every thread that calls the kernels (at its first call: the
+ * engine's thread, not whichever thread configured the pool) to the first allowed CPU and worker i to the (i+1)-th
+ * (wrapping); 0 leaves placement to the scheduler. Takes effect for the following calls. */
 int mtp_pool_configure(int poll, int pin) {
     if (poll < 0 || poll > 100) return 1;
     pthread_mutex_lock(&pool.submit);
     pool.poll = poll;
     if (pin && !pool.pin) {
+        if (sched_getaffinity(0, sizeof(allowed), &allowed)) CPU_ZERO(&allowed); /* unreadable: pin nothing */
         pool.pin = 1;
         for (int i = 0; i < pool.n_workers; i++) pin_to_allowed_cpu(pool.threads[i], i + 1);
-        pin_to_allowed_cpu(pthread_self(), 0);
     }
     pthread_mutex_unlock(&pool.submit);
     return 0;
@@ -175,7 +179,12 @@ void mtp_parallel_for(int64_t n, int64_t grain, int n_threads, mtp_task_fn fn, v
         fn(ctx, 0, n);
         return;
     }
+    static __thread int caller_pinned;
     pthread_mutex_lock(&pool.submit);
+    if (pool.pin && !caller_pinned) {
+        pin_to_allowed_cpu(pthread_self(), 0);
+        caller_pinned = 1;
+    }
     grow(n_threads - 1);
     const uint32_t g = atomic_load(&pool.gen) + 1;
     const uint64_t tag = ((uint64_t)(g & 0xffffff)) << GEN_SHIFT;
