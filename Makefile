@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test test-all test-compat install models browser bench lint format clean
+.PHONY: serve test test-all test-compat install models browser bench lint format clean webui-assets
 
 # The OpenAI-compatible server on the default model (SmolLM2-135M-Instruct); flags as llama-server's:
 # `make serve ARGS="--port 8000 --api-key secret"`.
@@ -40,6 +40,11 @@ test-compat: install models
 browser:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { echo "installing chromium for the web page test"; \
 		$(SUDO) apt-get update && $(SUDO) apt-get install -y chromium chromium-driver; }
+
+# The web page's vendored libraries (marked, DOMPurify, highlight.js), regenerated from the pinned npm packages in
+# tools/vendor_webui.sh; needs npm. The files are committed: nothing else runs this.
+webui-assets:
+	tools/vendor_webui.sh
 
 install: $(STAMP)
 

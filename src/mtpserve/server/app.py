@@ -31,7 +31,7 @@ from ..tokenizer import Tokenizer
 from . import anthropic, openai_responses, params, schema
 from .chat import ChatOutput, ChatPlan, plan_chat
 from .errors import NOT_FOUND, APIError, invalid, unsupported
-from .middleware import Gatekeeper, unauthorized_body
+from .middleware import PAGE_ASSETS, Gatekeeper, unauthorized_body
 from .params import Body, Completion
 from .responses import (
     chat_finish_reason,
@@ -408,12 +408,36 @@ def create_app(state: ServerState) -> FastAPI:
     # --- web page -------------------------------------------------------------------------------------
 
     if settings.webui:
+        # The page's scripts and styles are files of its own (static/chat.js, static/vendor/...), so the policy
+        # can forbid every inline script and style and every other origin: model output that slipped past the
+        # sanitizer could run nothing, load nothing from elsewhere (a markdown image to a tracker included) and
+        # send nothing anywhere but this server (docs/serving.md, "The web page").
+        csp = (
+            "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+            "object-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+        )
+        page_headers = {
+            "Content-Security-Policy": csp,
+            "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer",
+            "Cache-Control": "no-cache",
+        }
+        static = resources.files("mtpserve.server").joinpath("static")
 
         @router.get("/", response_class=HTMLResponse, include_in_schema=False)
         @router.get("/index.html", response_class=HTMLResponse, include_in_schema=False)
         async def index() -> HTMLResponse:
-            page = resources.files("mtpserve.server").joinpath("static/index.html").read_text(encoding="utf-8")
-            return HTMLResponse(page)
+            return HTMLResponse(static.joinpath("index.html").read_text(encoding="utf-8"), headers=page_headers)
+
+        @router.get("/static/{name:path}", include_in_schema=False)
+        async def static_asset(name: str) -> Response:
+            # only the files of a fixed list (middleware.PAGE_ASSETS): no path from a URL reaches the file system
+            kind = PAGE_ASSETS.get(name)
+            if kind is None:
+                raise StarletteHTTPException(404)
+            data = static.joinpath(*name.split("/")).read_bytes()
+            headers = {"X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
+            return Response(data, media_type=kind, headers=headers)
 
     async def read_body(request: Request) -> Body:
         return await _body(request, settings.max_body_bytes)

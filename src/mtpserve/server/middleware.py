@@ -23,6 +23,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -39,6 +40,32 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 PUBLIC_PATHS = {"/health", "/v1/health", "/v1/models", "/models"}
 PAGE_PATHS = {"/", "/index.html"}
 LOCALHOSTS = {"localhost", "127.0.0.1", "::1"}
+STATIC = "/static/"
+STATIC_TYPES = {
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".txt": "text/plain; charset=utf-8",
+    ".png": "image/png",
+}
+
+
+def _page_assets() -> dict[str, str]:
+    """The web page's own files (server/static/, subfolders included, the page itself not): name -> type."""
+    found: dict[str, str] = {}
+    folders = [("", resources.files("mtpserve.server").joinpath("static"))]
+    while folders:
+        at, folder = folders.pop()
+        for entry in folder.iterdir():
+            if entry.is_dir():
+                folders.append((f"{at}{entry.name}/", entry))
+            elif kind := STATIC_TYPES.get("." + entry.name.rsplit(".", 1)[-1]):
+                found[at + entry.name] = kind
+    return found
+
+
+# Served at /static/<name> (app.py) and, like the page, without the key (a browser sends none with
+# <script src>): exactly these names, so any other path under /static/ is still asked for the key.
+PAGE_ASSETS = _page_assets()
 
 
 @dataclass(frozen=True)
@@ -120,7 +147,7 @@ class Gatekeeper:
                 (b"access-control-allow-headers", self.cors.headers.encode("latin-1")),
             ]
             await _answer(send_with_headers, 200, None)
-        elif path in PAGE_PATHS:
+        elif path in PAGE_PATHS or (path.startswith(STATIC) and path[len(STATIC) :] in PAGE_ASSETS):
             await self.app(scope, receive, send_with_headers)
         elif not self.ready():
             await _answer(send_with_headers, 503, LOADING.body())
