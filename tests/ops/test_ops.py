@@ -198,11 +198,9 @@ def test_gated_delta_per_token_states_for_rollback():
         assert torch.allclose(states[n - 1], s_n)
 
 
-@needs_kernels
-@pytest.mark.parametrize("T", [1, 3])
-def test_gated_delta_net_step_kernel_matches_reference(T):
-    g = torch.Generator().manual_seed(T)
-    Hk, Hv, K, V, W = 2, 4, 16, 8, 4
+def _gdn_step_inputs(T: int, Hk: int, Hv: int, K: int, V: int, W: int, seed: int) -> tuple:
+    """(mixed, z, beta, gate, conv_state, ssm) and the layer's conv weight, norm weight, Hk and eps, random."""
+    g = torch.Generator().manual_seed(seed)
     C = 2 * Hk * K + Hv * V
     mixed, z = torch.randn(T, C, generator=g), torch.randn(T, Hv, V, generator=g)
     beta = torch.sigmoid(torch.randn(T, Hv, generator=g))
@@ -210,6 +208,13 @@ def test_gated_delta_net_step_kernel_matches_reference(T):
     conv_w, norm_w = torch.randn(C, W, generator=g), torch.randn(V, generator=g)
     conv_state, ssm = torch.randn(C, W - 1, generator=g), torch.randn(Hv, K, V, generator=g) * 0.1
     layer = {"conv_weight": conv_w, "norm_weight": norm_w, "n_k_heads": Hk, "eps": 1e-6}
+    return (mixed, z, beta, gate, conv_state, ssm), layer
+
+
+@needs_kernels
+@pytest.mark.parametrize("T", [1, 3])
+def test_gated_delta_net_step_kernel_matches_reference(T):
+    (mixed, z, beta, gate, conv_state, ssm), layer = _gdn_step_inputs(T, 2, 4, 16, 8, 4, seed=T)
     ref = gated_delta.gated_delta_net_step_reference(mixed, z, beta, gate, conv_state.clone(), ssm.clone(), **layer)
     out = gated_delta.gated_delta_net_step(mixed, z, beta, gate, conv_state.clone(), ssm.clone(), **layer)
     for got, want in zip(out, ref):
@@ -324,11 +329,13 @@ def test_residual_geglu_ffn_is_both_norms_the_ffn_and_the_add_in_one_call(m):
     from mtpserve.models.loader import load
 
     layer = load(default_model("gemma3")).layers[0]
-    x = torch.randn(m, layer.gate.shape[1])
-    fused = activations.residual_geglu_ffn(x, layer.ffn_norm, layer.ffn_post_norm, 1e-6, layer.gate_up, layer.down)
+    x, post = torch.randn(m, layer.gate.shape[1]), layer.ffn_post_norm
+    block = activations.ResidualGatedFFN(layer.ffn_norm, 1e-6, layer.gate_up, layer.down, gelu=True, post_norm=post)
+    fused = block(x)
     h = norm.rms_norm(x, layer.ffn_norm, 1e-6)
-    separate = x + norm.rms_norm(activations.geglu_ffn(h, layer.gate_up, layer.down), layer.ffn_post_norm, 1e-6)
+    separate = x + norm.rms_norm(activations.geglu_ffn(h, layer.gate_up, layer.down), post, 1e-6)
     assert torch.equal(fused, separate)
+    assert torch.equal(block.composed(x), separate)
 
 
 @needs_kernels
@@ -348,8 +355,10 @@ def test_residual_swiglu_ffn_is_the_norm_the_ffn_and_the_add_in_one_call(m):
     layer = _tinyqwen_layers()
     ffn, weight = layer.ffn, layer.ffn_norm
     x = torch.randn(m, ffn.gate.shape[1])
-    fused = activations.residual_swiglu_ffn(x, weight, 1e-6, ffn.gate, ffn.up, ffn.down)
-    assert torch.equal(fused, x + activations.swiglu_ffn(norm.rms_norm(x, weight, 1e-6), ffn.gate, ffn.up, ffn.down))
+    block = activations.ResidualGatedFFN(weight, 1e-6, ffn.gate_up, ffn.down)
+    separate = x + activations.swiglu_ffn(norm.rms_norm(x, weight, 1e-6), ffn.gate, ffn.up, ffn.down)
+    assert torch.equal(block(x), separate)
+    assert torch.equal(block.composed(x), separate)
 
 
 @needs_kernels
@@ -413,6 +422,50 @@ def test_gated_delta_net_decode_kernel_matches_reference(T):
     assert torch.equal(ref_steps["ssm_steps"][1][-1], ssms[1]) and torch.equal(
         ref_steps["conv_steps"][0][-1], conv_states[0]
     )
+
+
+@needs_kernels
+def test_gated_delta_net_prompt_kernel_is_the_decode_kernel_over_the_prompt():
+    """A CPU prompt's mixer (one call, the recurrence token by token) gives the decode mixer's numbers over the same
+    tokens bit for bit, its twin's within float32 rounding, and keeps the states after the asked token counts."""
+    mixer = _tinyqwen_layers().mixer
+    weights, conv_states, ssms = _gdn_decode_args(mixer, 1)
+    T = 150
+    h = torch.randn(T, weights.projections[0].shape[1])
+    prompt_states = conv_states[0].clone(), ssms[0].clone()
+    out, kept = gated_delta.gated_delta_net_prompt_cpu(h, weights, *prompt_states, keep_at=[64, 128])
+    steps = {"conv_steps": [torch.empty(T, *conv_states[0].shape)], "ssm_steps": [torch.empty(T, *ssms[0].shape)]}
+    decode_states = [conv_states[0].clone()], [ssms[0].clone()]
+    decoded = gated_delta.gated_delta_net_decode_cpu(h, weights, *decode_states, **steps)
+    assert torch.equal(out, decoded)
+    assert torch.equal(prompt_states[0], decode_states[0][0]) and torch.equal(prompt_states[1], decode_states[1][0])
+    assert sorted(kept) == [64, 128]
+    for n, (conv_state, ssm) in kept.items():
+        assert torch.equal(conv_state, steps["conv_steps"][0][n - 1])
+        assert torch.equal(ssm, steps["ssm_steps"][0][n - 1])
+    ref = gated_delta.gated_delta_net_decode_reference(h, weights, [conv_states[0].clone()], [ssms[0].clone()])
+    assert rel_err(out, ref) < 1e-4
+
+
+@needs_kernels
+def test_gated_delta_net_step_kernel_parallel_over_heads_is_the_one_thread_result():
+    """The recurrence splits its V heads over the thread pool at the 27B's head sizes: the same bits as one thread."""
+    T, Hk, Hv, K, V, W = 3, 2, 6, 128, 128, 4
+    (mixed, z, beta, gate, conv_state, ssm), layer = _gdn_step_inputs(T, Hk, Hv, K, V, W, seed=7)
+    conv_w, norm_w = layer["conv_weight"], layer["norm_weight"]
+    runs = []
+    for threads in (1, 2):
+        conv, state, y = conv_state.clone(), ssm.clone(), torch.empty(T, Hv * V)
+        rc = cpu_kernels.load().mtp_gdn_recurrence(
+            mixed.data_ptr(), conv.data_ptr(), conv_w.data_ptr(), z.data_ptr(), beta.data_ptr(), gate.data_ptr(),
+            state.data_ptr(), norm_w.data_ptr(), y.data_ptr(), None, None, T, Hk, Hv, K, V, W, 1e-6, threads,
+        )  # fmt: skip
+        assert rc == 0
+        runs.append((y, conv, state))
+    for one, two in zip(*runs):
+        assert torch.equal(one, two)
+    ref = gated_delta.gated_delta_net_step_reference(mixed, z, beta, gate, conv_state.clone(), ssm.clone(), **layer)
+    assert rel_err(runs[0][0], ref[0].reshape(T, -1)) < 1e-4
 
 
 @needs_kernels

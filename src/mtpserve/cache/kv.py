@@ -4,6 +4,7 @@ dimension, so a block never crosses a head)."""
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from ..ops.attention import (
     prompt_attention_dtype,
     residual_attention_cpu,
 )
+from ..ops.decode_program import AttentionBlock, ptr
 from ..ops.device import gpu_path
 from ..ops.linear import WeightGroup, kernel_supports
 from ..ops.norm import rms_norm
@@ -245,10 +247,7 @@ class KVCache:
         than in arithmetic); None elsewhere, for the caller to go op by op. A ring qualifies until it wraps."""
         T = x.shape[0]
         in_order = self._ordered or (self.ring and self.length + T <= self.capacity)
-        float_cache = self.k.type == self.v.type and self.k.type in (GGMLType.F16, GGMLType.F32)
-        if T > 8 or not in_order or not float_cache or gpu_path(x) or x.dtype != torch.float32:
-            return None
-        if not qkv.on_kernels or not kernel_supports(wo):
+        if T > 8 or not in_order or not self._fused_block_fits(qkv, wo) or x.dtype != torch.float32:
             return None
         self._check_room(T)
         store = (self.k.data, self.v.data, self.positions, self.length)
@@ -257,6 +256,42 @@ class KVCache:
         )
         self.length += T
         return y
+
+    def decode_block(
+        self,
+        norm_weight: torch.Tensor,
+        eps: float,
+        qkv: WeightGroup,
+        wo: QTensor,
+        n_heads: int,
+        scale: float,
+        *,
+        rope: int = 0,
+        neox: bool,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
+        q_gated: bool = False,
+        q_scale: float = 1.0,
+        post_norm: torch.Tensor | None = None,
+    ) -> AttentionBlock | None:
+        """`residual_attention` for one token in a CPU decode program (ops.decode_program) over this cache, the
+        position's RoPE rows from the program's table `rope`; None where the one call cannot serve this cache. A ring
+        takes part until it wraps (`DecodeProgram.ready`)."""
+        if not (self._ordered or self.ring) or not self._fused_block_fits(qkv, wo):
+            return None
+        return AttentionBlock(
+            norm_w=norm_weight.data_ptr(), eps=eps, qkv_types=ctypes.addressof(qkv.c_types),
+            qkv_W=ctypes.addressof(qkv.c_data), H=n_heads, Hkv=self.k.n_heads, D=self.k.data.shape[-1],
+            q_gated=int(q_gated), neox=int(neox), rope=rope, kv_f16=int(self.k.data.dtype == torch.float16),
+            q_norm=ptr(q_norm), k_norm=ptr(k_norm), q_scale=q_scale, scale=scale, k_cache=self.k.data.data_ptr(),
+            v_cache=self.v.data.data_ptr(), cell_pos=self.positions.data_ptr(), window=self.window or 0,
+            t_out=int(wo.ggml_type), w_out=wo.data.data_ptr(), post_norm=ptr(post_norm),
+        )  # fmt: skip
+
+    def _fused_block_fits(self, qkv: WeightGroup, wo: QTensor) -> bool:
+        """Whether the one-call attention block (`residual_attention_cpu`) reads this cache and these weights."""
+        float_cache = self.k.type == self.v.type and self.k.type in (GGMLType.F16, GGMLType.F32)
+        return float_cache and not gpu_path(self.k.data) and qkv.on_kernels and kernel_supports(wo)
 
     def write_at(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the K/V [T, Hkv, D] of `positions` (a device tensor) into their cells, without reading any value

@@ -11,7 +11,8 @@ import torch
 
 from ..cache import CellTable, KVCache, KVPool, RecurrentState
 from ..gguf import GGUFFile, TensorInfo
-from ..ops.device import canonical_device
+from ..ops.decode_program import DecodeProgram
+from ..ops.device import canonical_device, gpu_path
 from ..ops.embedding import embedding
 from ..ops.linear import linear
 from ..ops.norm import rms_norm
@@ -100,6 +101,9 @@ class ModelState:
     recurrent: dict[int, RecurrentState] = field(default_factory=dict)  # Gated DeltaNet layer -> state
     n_past: int = 0  # positions already evaluated
     capacity: int = 0  # context size of this sequence
+    # The CPU decode step over this state's caches in one C call (CausalLM.decode_program), built at its first
+    # decode: None until then, False where the model's blocks cannot take it.
+    decode_program: DecodeProgram | bool | None = field(default=None, repr=False, compare=False)
 
     @property
     def kv_nbytes(self) -> int:
@@ -250,10 +254,13 @@ class Batch:
     def rope(self, table: RopeTable) -> Rope:
         if self.positions is not None:
             return Rope(self.positions, *table.gather(self.positions), static=True)
+        if len(self.starts) == 1:
+            start = self.starts[0]
+            return Rope(
+                torch.arange(start, start + self.n_tokens, device=table.device), *table.span(start, self.n_tokens)
+            )
         spans = [table.span(start, self.n_tokens) for start in self.starts]
         positions = torch.cat([torch.arange(start, start + self.n_tokens) for start in self.starts]).to(table.device)
-        if len(spans) == 1:
-            return Rope(positions, *spans[0])
         return Rope(positions, torch.cat([c for c, _ in spans]), torch.cat([s for _, s in spans]))
 
     def advance(self) -> None:
@@ -310,7 +317,12 @@ class CausalLM:
         blocks of one device this way: models.graphs). This one is for blocks called as (x, rope, batch) with
         one rope table (`rope_table`); Gemma 3 has two."""
         rope = batch.rope(self.rope_table)  # type: ignore[attr-defined]
-        for layer in self.layers[layers.start : layers.stop]:  # type: ignore[attr-defined]
+        blocks = self.layers[layers.start : layers.stop]  # type: ignore[attr-defined]
+        if not self.layer_devices:  # one device: no per-block moves to ask for (a small model's decode notices)
+            for layer in blocks:
+                x = layer(x, rope, batch)
+            return x
+        for layer in blocks:
             device = self.device_of(layer.index)
             x = layer(x.to(device), rope.to(device), batch)
         return x
@@ -389,4 +401,37 @@ class CausalLM:
         for state in states:
             if state.n_past + 1 > state.capacity:
                 raise ValueError(f"context size {state.capacity} is full")
+        on_cpu = not gpu_path(self.output_norm)  # also false while the GPU path is emulated
+        if len(states) == 1 and on_cpu and (program := self.decode_program(states[0])) is not None:
+            state = states[0]
+            if program.ready(state.n_past):  # one C call for every block (ops.decode_program)
+                ropes = [table.span(state.n_past, 1) for table in self.decode_rope_tables()]
+                x = program.run(self._inputs(Batch.of(torch.tensor(tokens), states)), state.n_past, ropes)
+                state.n_past += 1
+                return self.logits(self.final_norm(x), seq_len=1)
         return self.logits(self.forward_batch(Batch.of(torch.tensor(tokens), states)), seq_len=1)
+
+    def decode_program(self, state: ModelState) -> DecodeProgram | None:
+        """The CPU decode step over `state` as one C call (ops.decode_program), built at the state's first decode;
+        None where a block cannot take part (GPU or split devices, quantized or shared KV caches, weights the
+        kernels lack): the layer-by-layer path then serves."""
+        if state.decode_program is None:
+            state.decode_program = self._build_decode_program(state) or False
+        return state.decode_program or None
+
+    def _build_decode_program(self, state: ModelState) -> DecodeProgram | None:
+        if self.layer_devices or self.row_split or self.device.type != "cpu":
+            return None
+        blocks = []
+        for layer in self.layers:  # type: ignore[attr-defined]
+            layer_blocks = layer.decode_blocks(state) if hasattr(layer, "decode_blocks") else None
+            if layer_blocks is None:
+                return None
+            blocks += layer_blocks
+        caches = list(state.kv.values())
+        capacity = min([kv.capacity for kv in caches if not kv.ring] + [state.capacity])
+        return DecodeProgram(blocks, caches, [kv for kv in caches if kv.ring], capacity)
+
+    def decode_rope_tables(self) -> list[RopeTable]:
+        """The RoPE tables a decode program's attention blocks index (`rope` of ops.decode_program's blocks)."""
+        return [self.rope_table]  # type: ignore[attr-defined]

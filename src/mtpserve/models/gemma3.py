@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
+from ctypes import Structure
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 
 from ..cache import KVCache, append_and_attend
 from ..gguf import GGUFError, Metadata
-from ..ops.activations import residual_geglu_ffn
+from ..ops.activations import ResidualGatedFFN
 from ..ops.embedding import embedding
 from ..ops.linear import WeightGroup, linear, linear_many
 from ..ops.norm import rms_norm, rms_norm_for
@@ -129,6 +130,9 @@ class Attention:
         self.q_norm = w.dense(f"{b}.attn_q_norm.weight")
         self.k_norm = w.dense(f"{b}.attn_k_norm.weight")
         self.query_scale = float(np.float32(1.0) / np.sqrt(np.float32(c.head_dim)))
+        # the block's one-call form (KVCache.residual_attention, decode_block): the query scaled, softmax scale 1
+        self.fused = {"qkv": self.qkv, "wo": self.wo, "n_heads": c.n_head, "scale": 1.0}
+        self.fused |= {"q_norm": self.q_norm, "k_norm": self.k_norm, "q_scale": self.query_scale, "neox": True}
 
     def __call__(self, x: torch.Tensor, rope: Rope, caches: list[KVCache], seq_len: int) -> torch.Tensor:
         c, T = self.c, x.shape[0]
@@ -154,9 +158,8 @@ class Attention:
         the CPU (`KVCache.residual_attention`), op by op elsewhere."""
         c = self.c
         if len(caches) == 1 and not rope.static:
-            variant = {"q_norm": self.q_norm, "k_norm": self.k_norm, "q_scale": self.query_scale, "neox": True}
-            args = (self.qkv, self.wo, c.n_head, rope.cos, rope.sin, 1.0)
-            y = caches[0].residual_attention(x, norm_weight, c.rms_eps, *args, post_norm=post_norm, **variant)
+            rows = {"cos": rope.cos, "sin": rope.sin}
+            y = caches[0].residual_attention(x, norm_weight, c.rms_eps, **rows, post_norm=post_norm, **self.fused)
             if y is not None:
                 return y
         h = rms_norm_for(x, norm_weight, c.rms_eps, matmul=self.wq)
@@ -176,12 +179,22 @@ class DecoderLayer:
         self.gate, self.up, self.down = (w.matrix(f"{b}.ffn_{n}.weight") for n in ("gate", "up", "down"))
         self.gate_up = WeightGroup((self.gate, self.up))
         self.ffn_post_norm = w.dense(f"{b}.post_ffw_norm.weight")
+        ffn = (self.ffn_norm, self.eps, self.gate_up, self.down)
+        self.residual_ffn = ResidualGatedFFN(*ffn, gelu=True, post_norm=self.ffn_post_norm)
 
     def __call__(self, x: torch.Tensor, ropes: dict[bool, Rope], batch: Batch) -> torch.Tensor:
         caches = [state.kv[self.index] for state in batch.states]
         x = self.attn.residual(x, self.attn_norm, self.attn_post_norm, ropes[self.sliding], caches, batch.n_tokens)
-        ffn = (self.gate_up, self.down, batch.n_tokens)
-        return residual_geglu_ffn(x, self.ffn_norm, self.ffn_post_norm, self.eps, *ffn)
+        return self.residual_ffn(x, batch.n_tokens)
+
+    def decode_blocks(self, state: ModelState) -> list[Structure] | None:
+        """The block's two halves in a CPU decode program over `state` (ops.decode_program), or None; its RoPE rows
+        from the program's table int(sliding) (`decode_rope_tables`)."""
+        norms = {"rope": int(self.sliding), "post_norm": self.attn_post_norm}
+        cache = state.kv[self.index]
+        attention = cache.decode_block(self.attn_norm, self.eps, **norms, **self.attn.fused)
+        ffn = self.residual_ffn.decode_block()
+        return None if attention is None or ffn is None else [attention, ffn]
 
 
 # --- model --------------------------------------------------------------------------------------------
@@ -214,6 +227,9 @@ class Gemma3ForCausalLM(CausalLM):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return embedding(self.token_embd, tokens) * self.embed_scale
+
+    def decode_rope_tables(self) -> list[RopeTable]:
+        return [self.rope_tables[False], self.rope_tables[True]]  # indexed by int(sliding): DecoderLayer.decode_blocks
 
     def forward_layers(self, x: torch.Tensor, batch: Batch, layers: range) -> torch.Tensor:
         ropes = {swa: batch.rope(table) for swa, table in self.rope_tables.items()}

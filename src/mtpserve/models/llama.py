@@ -8,13 +8,14 @@ and `qwen2`/`qwen3` with NeoX (half-split) RoPE.
 from __future__ import annotations
 
 from collections.abc import Collection
+from ctypes import Structure
 from dataclasses import dataclass
 
 import torch
 
 from ..cache import KVCache, append_and_attend
 from ..gguf import GGUFError, Metadata
-from ..ops.activations import residual_swiglu_ffn
+from ..ops.activations import ResidualGatedFFN
 from ..ops.linear import WeightGroup, linear, linear_many
 from ..ops.norm import rms_norm, rms_norm_for
 from ..ops.rope import RopeTable, apply_rope
@@ -120,6 +121,11 @@ class Attention:
         self.bq, self.bk, self.bv = (w.dense(f"{b}.attn_{n}.bias") if c.qkv_bias else None for n in "qkv")
         self.q_norm = w.dense(f"{b}.attn_q_norm.weight") if c.qk_norm else None
         self.k_norm = w.dense(f"{b}.attn_k_norm.weight") if c.qk_norm else None
+        # the block's one-call form (KVCache.residual_attention, decode_block), which has no q/k/v biases (qwen2)
+        self.fused = None
+        if self.bq is None:
+            self.fused = {"qkv": self.qkv, "wo": self.wo, "n_heads": c.n_head, "scale": c.head_dim**-0.5}
+            self.fused |= {"q_norm": self.q_norm, "k_norm": self.k_norm, "neox": c.rope_neox}
 
     def __call__(self, x: torch.Tensor, rope: Rope, caches: list[KVCache], seq_len: int) -> torch.Tensor:
         c, T = self.c, x.shape[0]
@@ -142,11 +148,8 @@ class Attention:
     ) -> torch.Tensor:
         """x + self(rms_norm(x) * norm_weight): one C call for a few tokens of one sequence on the CPU
         (`KVCache.residual_attention`), op by op elsewhere."""
-        c = self.c
-        if len(caches) == 1 and self.bq is None and not rope.static:
-            norms = {"q_norm": self.q_norm, "k_norm": self.k_norm, "neox": c.rope_neox}
-            args = (self.qkv, self.wo, c.n_head, rope.cos, rope.sin, c.head_dim**-0.5)
-            y = caches[0].residual_attention(x, norm_weight, eps, *args, **norms)
+        if len(caches) == 1 and self.fused is not None and not rope.static:
+            y = caches[0].residual_attention(x, norm_weight, eps, cos=rope.cos, sin=rope.sin, **self.fused)
             if y is not None:
                 return y
         h = rms_norm_for(x, norm_weight, eps, matmul=self.wq)  # GPU path: quantized rows
@@ -162,12 +165,19 @@ class DecoderLayer:
         self.ffn_norm = w.dense(f"{b}.ffn_norm.weight")
         self.gate, self.up, self.down = (w.matrix(f"{b}.ffn_{n}.weight") for n in ("gate", "up", "down"))
         self.gate_up = WeightGroup((self.gate, self.up))  # one GEMV launch on the GPU path
+        self.residual_ffn = ResidualGatedFFN(self.ffn_norm, self.eps, self.gate_up, self.down)
 
     def __call__(self, x: torch.Tensor, rope: Rope, batch: Batch) -> torch.Tensor:
         caches = [state.kv[self.index] for state in batch.states]
         x = self.attn.residual(x, self.attn_norm, self.eps, rope, caches, batch.n_tokens)
-        ffn = self.gate, self.up, self.down
-        return residual_swiglu_ffn(x, self.ffn_norm, self.eps, *ffn, batch.n_tokens, gate_up=self.gate_up)
+        return self.residual_ffn(x, batch.n_tokens)
+
+    def decode_blocks(self, state: ModelState) -> list[Structure] | None:
+        """The block's two halves in a CPU decode program over `state` (ops.decode_program), or None."""
+        fused = self.attn.fused
+        attention = None if fused is None else state.kv[self.index].decode_block(self.attn_norm, self.eps, **fused)
+        ffn = self.residual_ffn.decode_block()
+        return None if attention is None or ffn is None else [attention, ffn]
 
 
 # --- model --------------------------------------------------------------------------------------------

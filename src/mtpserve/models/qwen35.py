@@ -7,6 +7,7 @@ Semantics: ../shared/spec/qwen35-architecture.md (read from llama.cpp's qwen35 g
 from __future__ import annotations
 
 from collections.abc import Collection
+from ctypes import Structure
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,14 +18,16 @@ import torch.nn.functional as F
 from ..cache import KVCache, RecurrentState
 from ..cache.kv import rope_append_and_attend
 from ..gguf import GGUFError, Metadata
-from ..ops.activations import residual_swiglu_ffn, sigmoid_gate_for, swiglu_ffn
+from ..ops.activations import ResidualGatedFFN, sigmoid_gate_for, swiglu_ffn
 from ..ops.conv import causal_conv1d
 from ..ops.device import gpu_path
 from ..ops.embedding import embedding
 from ..ops.gated_delta import (
     GatedDeltaNetWeights,
     gated_delta_net_decode,
+    gated_delta_net_prompt_cpu,
     gated_delta_rule_chunked,
+    gdn_decode_block,
     residual_gated_delta_net_decode,
 )
 from ..ops.linear import WeightGroup, linear, linear_many
@@ -232,6 +235,9 @@ class GatedAttention:
         self.wo = w.matrix(f"{b}.attn_output.weight")
         self.q_norm = w.dense(f"{b}.attn_q_norm.weight")
         self.k_norm = w.dense(f"{b}.attn_k_norm.weight")
+        # the block's one-call form (KVCache.residual_attention, decode_block): the output gated by a second query
+        self.fused = {"qkv": self.qkv, "wo": self.wo, "n_heads": c.n_head, "scale": c.head_dim**-0.5}
+        self.fused |= {"q_norm": self.q_norm, "k_norm": self.k_norm, "q_gated": True, "neox": True}
 
     def __call__(self, x: torch.Tensor, rope: Rope, caches: list[KVCache], seq_len: int) -> torch.Tensor:
         c, T = self.c, x.shape[0]
@@ -251,11 +257,8 @@ class GatedAttention:
     ) -> torch.Tensor:
         """x + self(rms_norm(x) * norm_weight): one C call for a few tokens of one sequence on the CPU
         (`KVCache.residual_attention`), op by op elsewhere."""
-        c = self.c
         if len(caches) == 1 and not rope.static:
-            variant = {"q_norm": self.q_norm, "k_norm": self.k_norm, "q_gated": True, "neox": True}
-            args = (self.qkv, self.wo, c.n_head, rope.cos, rope.sin, c.head_dim**-0.5)
-            y = caches[0].residual_attention(x, norm_weight, eps, *args, **variant)
+            y = caches[0].residual_attention(x, norm_weight, eps, cos=rope.cos, sin=rope.sin, **self.fused)
             if y is not None:
                 return y
         return x + self(rms_norm(x, norm_weight, eps), rope, caches, seq_len)
@@ -299,6 +302,14 @@ class GatedDeltaNet:
         if steps is not None:
             raise ValueError(f"per-token states are kept for up to {RECURRENT_MAX_TOKENS} tokens, not {seq_len}")
         w = self.w
+        if w.fused_on_cpu_kernels and not gpu_path(x):  # CPU prompts: token by token in C, as llama.cpp's CPU does
+            outs = []
+            for s, state in enumerate(states):
+                rows = slice(s * seq_len, (s + 1) * seq_len)
+                out, kept_states = gated_delta_net_prompt_cpu(x[rows], w, state.conv, state.ssm, keep_at)
+                kept |= {n: RecurrentState(conv, ssm) for n, (conv, ssm) in kept_states.items()}
+                outs.append(out)
+            return torch.cat(outs), kept
         mixed, z, beta, alpha = linear_many(x, w.projections, seq_len)  # mixed: [T, conv_dim]
         z = z.view(-1, c.n_v_heads, c.ssm_head_dim)
         beta = torch.sigmoid(beta)  # [T, Hv]
@@ -363,10 +374,6 @@ class SwiGLU:
     def __call__(self, x: torch.Tensor | QuantizedRows, seq_len: int) -> torch.Tensor:
         return swiglu_ffn(x, self.gate, self.up, self.down, seq_len, gate_up=self.gate_up)
 
-    def residual(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, seq_len: int) -> torch.Tensor:
-        """x + ffn(rms_norm(x) * norm_weight)"""
-        return residual_swiglu_ffn(x, norm_weight, eps, self.gate, self.up, self.down, seq_len, gate_up=self.gate_up)
-
 
 class DecoderLayer:
     """Pre-norm block: x + mixer(norm(x)), then + FFN(norm(x)); the mixer is Gated DeltaNet or gated
@@ -380,6 +387,7 @@ class DecoderLayer:
         self.mixer = GatedDeltaNet(w, b, c) if self.recurrent else GatedAttention(w, b, c)
         self.ffn_norm = w.dense(f"{b}.post_attention_norm.weight")
         self.ffn = SwiGLU(w, b)
+        self.residual_ffn = ResidualGatedFFN(self.ffn_norm, self.eps, self.ffn.gate_up, self.ffn.down)
 
     def __call__(self, x: torch.Tensor, rope: Rope, batch: Batch) -> torch.Tensor:
         if batch.n_tokens <= RECURRENT_MAX_TOKENS and not gpu_path(x):
@@ -395,7 +403,7 @@ class DecoderLayer:
         else:
             out = self.mixer(h, rope, [state.kv[self.index] for state in batch.states], batch.n_tokens)
         if not gpu_path(x):
-            return self.ffn.residual(x + out, self.ffn_norm, self.eps, batch.n_tokens)
+            return self.residual_ffn(x + out, batch.n_tokens)
         x, h = add_rms_norm_for(x, out, self.ffn_norm, self.eps, matmul=self.ffn.gate)  # x + out, normed
         return x + self.ffn(h, batch.n_tokens)
 
@@ -409,7 +417,17 @@ class DecoderLayer:
         else:
             caches = [state.kv[self.index] for state in batch.states]
             x = self.mixer.residual(x, self.attn_norm, self.eps, rope, caches, batch.n_tokens)
-        return self.ffn.residual(x, self.ffn_norm, self.eps, batch.n_tokens)
+        return self.residual_ffn(x, batch.n_tokens)
+
+    def decode_blocks(self, state: ModelState) -> list[Structure] | None:
+        """The block's two halves in a CPU decode program over `state` (ops.decode_program), or None."""
+        if isinstance(self.mixer, GatedDeltaNet):
+            rs = state.recurrent[self.index]
+            mixer = gdn_decode_block(self.mixer.w, self.attn_norm, self.eps, rs.conv, rs.ssm)
+        else:
+            mixer = state.kv[self.index].decode_block(self.attn_norm, self.eps, **self.mixer.fused)
+        ffn = self.residual_ffn.decode_block()
+        return None if mixer is None or ffn is None else [mixer, ffn]
 
 
 class MTPHead:

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 
 from ..kernels import cpu as cpu_kernels
 from ..quant.qtensor import QTensor
+from .decode_program import FFNBlock, ptr
 from .device import gpu_path
-from .linear import as_rows, kernel_supports, linear, linear_many, linear_reference
+from .linear import WeightGroup, as_rows, kernel_supports, linear, linear_many, linear_reference
 from .linear_gpu import QuantizedRows, decode_block, matmul_input
 from .norm import rms_norm, rms_norm_for
 from .rowwise import glu_quantize
@@ -114,71 +115,67 @@ def geglu_ffn(
     return linear(geglu(*linear_many(x, gate_up, seq_len)), down, seq_len=seq_len)
 
 
-def residual_geglu_ffn(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    post_norm: torch.Tensor,
-    eps: float,
-    gate_up: Sequence[QTensor],
-    down: QTensor,
-    seq_len: int | None = None,
-) -> torch.Tensor:
-    """x + rms_norm(geglu_ffn(rms_norm(x) * norm_weight)) * post_norm (Gemma's FFN between two norms): one C call on
-    the CPU, the composition elsewhere."""
-    gate, up = gate_up
-    if gpu_path(x) or not _residual_glu_on_kernels(gate, up, down):
-        h = rms_norm_for(x, norm_weight, eps, matmul=gate)
-        return x + rms_norm(geglu_ffn(h, gate_up, down, seq_len), post_norm, eps)
-    return _residual_glu_ffn_cpu(x, norm_weight, eps, True, gate, up, down, post_norm, seq_len)
+class ResidualGatedFFN:
+    """A pre-norm residual gated FFN, x + ffn(rms_norm(x) * norm_weight), ffn(h) = down(act(gate(h)) * up(h)) with
+    act SiLU (SwiGLU: Llama, Qwen) or tanh-GELU (GeGLU: Gemma, whose FFN output is also rms-normed by `post_norm`
+    before the add). One C call on the CPU (`mtp_residual_glu_ffn`), the composition of the ops elsewhere.
 
+    Built once per layer with the call's constant arguments prepared: in a small model's decode step the Python
+    around a kernel call (checks, conversions) costs as much as the call's arithmetic."""
 
-def residual_swiglu_ffn(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    gate: QTensor,
-    up: QTensor,
-    down: QTensor,
-    seq_len: int | None = None,
-    *,
-    gate_up: Sequence[QTensor] | None = None,
-) -> torch.Tensor:
-    """x + swiglu_ffn(rms_norm(x) * norm_weight, ...): a pre-norm residual FFN, one C call on the CPU, the
-    composition (with the GPU path's fused norm) elsewhere."""
-    if gpu_path(x) or not _residual_glu_on_kernels(gate, up, down):
-        h = rms_norm_for(x, norm_weight, eps, matmul=gate)
-        return x + swiglu_ffn(h, gate, up, down, seq_len, gate_up=gate_up)
-    return _residual_glu_ffn_cpu(x, norm_weight, eps, False, gate, up, down, None, seq_len)
+    def __init__(
+        self,
+        norm_weight: torch.Tensor,
+        eps: float,
+        gate_up: WeightGroup,
+        down: QTensor,
+        *,
+        gelu: bool = False,
+        post_norm: torch.Tensor | None = None,
+    ) -> None:
+        self.norm_weight, self.eps, self.gate_up, self.down = norm_weight, eps, gate_up, down
+        self.gelu, self.post_norm = gelu, post_norm
+        gate, up = gate_up
+        self._c_args: tuple | None = None  # all but the rows, the output and the thread count
+        if cpu_kernels.load() is not None and gate_up.on_kernels and kernel_supports(down):
+            self._c_args = (
+                norm_weight.data_ptr(), eps, int(gelu), int(gate.ggml_type), gate.data.data_ptr(),
+                int(up.ggml_type), up.data.data_ptr(), gate.shape[0], int(down.ggml_type), down.data.data_ptr(),
+                None if post_norm is None else post_norm.data_ptr(),
+            )  # fmt: skip
 
+    def __call__(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        if self._c_args is None or gpu_path(x):
+            return self.composed(x, seq_len)
+        x2 = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() else as_rows(x)
+        M, E = x2.shape
+        y = torch.empty(M, E)
+        rc = cpu_kernels.load().mtp_residual_glu_ffn(
+            x2.data_ptr(), M, seq_len or max(M, 1), E, *self._c_args, y.data_ptr(), torch.get_num_threads()
+        )
+        if rc != 0:
+            raise RuntimeError(f"mtp_residual_glu_ffn failed ({rc}) for {self.down.name}")
+        return y if x2 is x else y.view(x.shape)
 
-def _residual_glu_on_kernels(*weights: QTensor) -> bool:
-    return cpu_kernels.load() is not None and all(kernel_supports(w) for w in weights)
+    def decode_block(self) -> FFNBlock | None:
+        """This block in a CPU decode program (ops.decode_program), or None where the kernels lack its weights."""
+        if self._c_args is None:
+            return None
+        gate, up = self.gate_up
+        return FFNBlock(
+            norm_w=self.norm_weight.data_ptr(), eps=self.eps, gelu=int(self.gelu), t_gate=int(gate.ggml_type),
+            t_up=int(up.ggml_type), t_down=int(self.down.ggml_type), w_gate=gate.data.data_ptr(),
+            w_up=up.data.data_ptr(), w_down=self.down.data.data_ptr(), F=gate.shape[0], post_w=ptr(self.post_norm),
+        )  # fmt: skip
 
-
-def _residual_glu_ffn_cpu(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    gelu: bool,
-    gate: QTensor,
-    up: QTensor,
-    down: QTensor,
-    post_norm: torch.Tensor | None,
-    seq_len: int | None,
-) -> torch.Tensor:
-    """`mtp_residual_glu_ffn`: the norm, the gated FFN (GELU or SiLU), the optional post-norm and the add."""
-    lead, x2 = x.shape[:-1], as_rows(x)
-    M, E = x2.shape
-    y = torch.empty(M, E)
-    rc = cpu_kernels.load().mtp_residual_glu_ffn(
-        x2.data_ptr(), M, seq_len or max(M, 1), E, norm_weight.data_ptr(), eps, int(gelu),
-        int(gate.ggml_type), gate.data.data_ptr(), int(up.ggml_type), up.data.data_ptr(), gate.shape[0],
-        int(down.ggml_type), down.data.data_ptr(), None if post_norm is None else post_norm.data_ptr(), y.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise RuntimeError(f"mtp_residual_glu_ffn failed ({rc}) for {down.name}")
-    return y.view(*lead, E)
+    def composed(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        """The same block op by op (the GPU path, weights the kernels lack; the C call's test twin)."""
+        h = rms_norm_for(x, self.norm_weight, self.eps, matmul=self.gate_up[0])
+        if self.gelu:
+            out = geglu_ffn(h, self.gate_up, self.down, seq_len)
+        else:
+            out = swiglu_ffn(h, *self.gate_up, self.down, seq_len, gate_up=self.gate_up)
+        return x + (out if self.post_norm is None else rms_norm(out, self.post_norm, self.eps))
 
 
 def swiglu_ffn(

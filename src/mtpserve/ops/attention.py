@@ -146,8 +146,7 @@ def attention(
             torch.get_num_threads(),
         )
     else:
-        n_cells = max(KV_VIEW_PAD, -(-k.shape[0] // KV_VIEW_PAD) * KV_VIEW_PAD)
-        split = T == 1 and n_cells >= SPLIT_KV_MIN_CELLS
+        n_cells, n_split = decode_cache_view(k.shape[0], T)
         rc = lib.mtp_attention(
             q.data_ptr(),
             k.data_ptr(),
@@ -159,7 +158,7 @@ def attention(
             *common,
             int(v.dtype == torch.float16),
             n_cells,
-            SPLIT_KV_CHUNKS if split else 1,
+            n_split,
             out.data_ptr(),
             torch.get_num_threads(),
         )
@@ -349,6 +348,13 @@ def decode_attention_gpu(
 # --- a whole attention block on the CPU ---------------------------------------------------------------------
 
 
+def decode_cache_view(S: int, T: int) -> tuple[int, int]:
+    """(n_cells, n_split) of `mtp_attention` over an ordered cache of S filled cells for T queries: the cells padded
+    as llama.cpp pads its KV view, and a single query's cells split in two past SPLIT_KV_MIN_CELLS (its threads)."""
+    n_cells = max(KV_VIEW_PAD, -(-S // KV_VIEW_PAD) * KV_VIEW_PAD)
+    return n_cells, SPLIT_KV_CHUNKS if T == 1 and n_cells >= SPLIT_KV_MIN_CELLS else 1
+
+
 def residual_attention_cpu(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
@@ -382,9 +388,7 @@ def residual_attention_cpu(
     assert lib is not None and qkv.on_kernels and kernel_supports(wo)
     T, E = x.shape
     _, n_kv_heads, head_dim = k_store.shape
-    S = start + T
-    n_cells = max(KV_VIEW_PAD, -(-S // KV_VIEW_PAD) * KV_VIEW_PAD)
-    n_split = SPLIT_KV_CHUNKS if T == 1 and n_cells >= SPLIT_KV_MIN_CELLS else 1
+    n_cells, n_split = decode_cache_view(start + T, T)
     y = torch.empty(T, E)
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     rc = lib.mtp_residual_attention(

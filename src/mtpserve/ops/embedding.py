@@ -7,6 +7,7 @@ import torch
 from ..kernels import cpu as cpu_kernels
 from ..quant.qtensor import QTensor
 from .device import gpu_path
+from .linear import kernel_supports
 from .quant_gemv import triton_available, triton_kernels
 
 
@@ -31,16 +32,22 @@ def embedding(weight: QTensor, tokens: torch.Tensor) -> torch.Tensor:
             # Two launches (gather the rows' blocks, unpack them), where the PyTorch dequantizers take a dozen.
             return kernels.dequant_blocks(weight.data[idx], int(weight.ggml_type))
         return weight.rows(idx)
-    lib = cpu_kernels.load()
-    if lib is None or not lib.mtp_matmul_supported(int(weight.ggml_type)):
+    if not kernel_supports(weight):
         return embedding_reference(weight, tokens)
-    idx = torch.as_tensor(tokens, dtype=torch.int64).cpu().contiguous()  # a table in host memory, ids anywhere
-    if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= weight.shape[0]):
-        raise IndexError(f"token id out of range [0, {weight.shape[0]}) for {weight.name}")
+    idx = torch.as_tensor(tokens, dtype=torch.int64)
+    idx = idx if idx.device.type == "cpu" and idx.is_contiguous() else idx.cpu().contiguous()  # a host table
     out = torch.empty(len(idx), weight.shape[1])
-    rc = lib.mtp_get_rows(
-        int(weight.ggml_type), weight.data.data_ptr(), weight.shape[1], idx.data_ptr(), len(idx), out.data_ptr()
-    )
+    rc = cpu_kernels.load().mtp_get_rows(
+        int(weight.ggml_type),
+        weight.data.data_ptr(),
+        weight.shape[0],
+        weight.shape[1],
+        idx.data_ptr(),
+        len(idx),
+        out.data_ptr(),
+    )  # the kernel checks the ids: a decode step's one lookup costs less than two torch reductions
+    if rc == 3:
+        raise IndexError(f"token id out of range [0, {weight.shape[0]}) for {weight.name}")
     if rc != 0:
         raise RuntimeError(f"mtp_get_rows failed ({rc}) for {weight.name}")
     return out

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ..kernels import cpu as cpu_kernels
 from ..quant.qtensor import QTensor
 from .conv import causal_conv1d
+from .decode_program import GDNBlock
 from .device import gpu_path
 from .linear import WeightGroup, as_rows, kernel_supports, linear, linear_many, linear_reference
 from .norm import gated_rms_norm, l2_norm, rms_norm, rms_norm_for
@@ -187,6 +188,14 @@ class GatedDeltaNetWeights:
     def __post_init__(self) -> None:
         if not isinstance(self.projections, WeightGroup):  # the C kernel reads the group's ctypes arrays
             object.__setattr__(self, "projections", WeightGroup(self.projections))
+        # Decided once, not per decode call (a small model's token spends as much in such Python as in arithmetic):
+        # whether the C kernels multiply every matrix (split ones shard by shard), and whether the fused mixer
+        # reads them all (whole), with the float vectors it reads.
+        matrices = (*self.projections, self.w_out)
+        object.__setattr__(self, "on_cpu_kernels", all(kernel_supports(w, split=True) for w in matrices))
+        object.__setattr__(self, "fused_on_cpu_kernels", self.projections.on_kernels and kernel_supports(self.w_out))
+        floats = tuple(t.float().contiguous() for t in (self.dt_bias, self.a, self.conv_weight, self.norm_weight))
+        object.__setattr__(self, "c_floats", floats)
 
 
 def gated_delta_net_step_reference(
@@ -349,7 +358,7 @@ def gated_delta_net_decode(
     steps = {"conv_steps": conv_steps, "ssm_steps": ssm_steps}
     if gpu_path(h):
         return gated_delta_net_decode_gpu(h, weights, conv_states, ssms, **steps)
-    if all(kernel_supports(w, split=True) for w in (*weights.projections, weights.w_out)):
+    if weights.on_cpu_kernels:
         return gated_delta_net_decode_cpu(h, weights, conv_states, ssms, **steps)
     return gated_delta_net_decode_reference(h, weights, conv_states, ssms, **steps)
 
@@ -368,7 +377,7 @@ def residual_gated_delta_net_decode(
     """x + gated_delta_net_decode(rms_norm(x) * norm_weight, ...): a pre-norm residual mixer, one C call on the CPU
     (the norm and the add cost more in Python than in arithmetic), the composition elsewhere."""
     steps = {"conv_steps": conv_steps, "ssm_steps": ssm_steps}
-    if not gpu_path(x) and all(kernel_supports(w, split=True) for w in (*weights.projections, weights.w_out)):
+    if weights.on_cpu_kernels and not gpu_path(x):
         return gated_delta_net_decode_cpu(x, weights, conv_states, ssms, residual=(norm_weight, norm_eps), **steps)
     h = rms_norm_for(x, norm_weight, norm_eps, matmul=weights.projections[0])
     return x + gated_delta_net_decode(h, weights, conv_states, ssms, **steps)
@@ -393,64 +402,97 @@ def gated_delta_net_decode_cpu(
     assert lib is not None
     n_seq = len(ssms)
     T = h.shape[0] // n_seq
-    w, projections = weights, weights.projections
-    if not (projections.on_kernels and kernel_supports(w.w_out)):
+    w = weights
+    if not w.fused_on_cpu_kernels:
         if residual is not None:
             normed = rms_norm(h, residual[0], residual[1])
             return h + _gated_delta_net_decode_unfused(normed, w, conv_states, ssms, conv_steps, ssm_steps)
         return _gated_delta_net_decode_unfused(h, w, conv_states, ssms, conv_steps, ssm_steps)
     n_v_heads, K, V = ssms[0].shape
-    for t in (*conv_states, *ssms):
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError("recurrent states must be contiguous float32 (they are updated in place)")
-    x = as_rows(h)
-    dt_bias, a, conv_weight, norm_weight = (
-        t.float().contiguous() for t in (w.dt_bias, w.a, w.conv_weight, w.norm_weight)
-    )
-    conv_ptrs = (ctypes.c_void_p * n_seq)(*(t.data_ptr() for t in conv_states))
-    ssm_ptrs = (ctypes.c_void_p * n_seq)(*(t.data_ptr() for t in ssms))
+    _check_states(conv_states, ssms, "recurrent states")
+    x = h if h.dim() == 2 and h.dtype == torch.float32 and h.is_contiguous() else as_rows(h)
+    dt_bias, a, conv_weight, norm_weight = w.c_floats
+    pointers = ctypes.c_void_p * n_seq
+    conv_ptrs = pointers(*[t.data_ptr() for t in conv_states])
+    ssm_ptrs = pointers(*[t.data_ptr() for t in ssms])
     steps = None, None
     if conv_steps is not None and ssm_steps is not None:
-        for t in (*conv_steps, *ssm_steps):
-            if t.dtype != torch.float32 or not t.is_contiguous():
-                raise ValueError("per-token state buffers must be contiguous float32")
-        steps = (
-            (ctypes.c_void_p * n_seq)(*(t.data_ptr() for t in ssm_steps)),
-            (ctypes.c_void_p * n_seq)(*(t.data_ptr() for t in conv_steps)),
-        )
+        _check_states(conv_steps, ssm_steps, "per-token state buffers")
+        steps = pointers(*[t.data_ptr() for t in ssm_steps]), pointers(*[t.data_ptr() for t in conv_steps])
     out = torch.empty(x.shape[0], w.w_out.shape[0])
     fn, pre = lib.mtp_gdn_mixer, ()
     if residual is not None:
         fn, pre = lib.mtp_residual_gdn_mixer, (residual[0].data_ptr(), residual[1])
     rc = fn(
-        x.data_ptr(),
-        x.shape[0],
-        T,
-        x.shape[1],
-        *pre,
-        projections.c_types,
-        projections.c_data,
-        dt_bias.data_ptr(),
-        a.data_ptr(),
-        conv_ptrs,
-        conv_weight.data_ptr(),
-        ssm_ptrs,
-        norm_weight.data_ptr(),
-        w.n_k_heads,
-        n_v_heads,
-        K,
-        V,
-        conv_weight.shape[1],
-        w.eps,
-        int(w.w_out.ggml_type),
-        w.w_out.data.data_ptr(),
-        out.data_ptr(),
-        *steps,
-        torch.get_num_threads(),
-    )
+        x.data_ptr(), x.shape[0], T, x.shape[1], *pre,
+        w.projections.c_types, w.projections.c_data, dt_bias.data_ptr(), a.data_ptr(),
+        conv_ptrs, conv_weight.data_ptr(), ssm_ptrs, norm_weight.data_ptr(),
+        w.n_k_heads, n_v_heads, K, V, conv_weight.shape[1], w.eps,
+        int(w.w_out.ggml_type), w.w_out.data.data_ptr(), out.data_ptr(), *steps, torch.get_num_threads(),
+    )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"mtp_gdn_mixer failed ({rc}) for {w.w_out.name}")
     return out
+
+
+def gdn_decode_block(
+    weights: GatedDeltaNetWeights, norm_weight: torch.Tensor, eps: float, conv_state: torch.Tensor, ssm: torch.Tensor
+) -> GDNBlock | None:
+    """The pre-norm residual mixer of one sequence (`residual_gated_delta_net_decode` for one token) in a CPU decode
+    program (ops.decode_program), over that sequence's states; None where the fused kernel cannot take it."""
+    w = weights
+    if not w.fused_on_cpu_kernels or gpu_path(ssm):
+        return None
+    _check_states([conv_state], [ssm], "recurrent states")
+    dt_bias, a, conv_weight, ssm_norm = w.c_floats
+    n_v_heads, K, V = ssm.shape
+    return GDNBlock(
+        norm_w=norm_weight.data_ptr(), eps=eps, types=ctypes.addressof(w.projections.c_types),
+        W=ctypes.addressof(w.projections.c_data), dt_bias=dt_bias.data_ptr(), a=a.data_ptr(),
+        conv_w=conv_weight.data_ptr(), ssm_norm_w=ssm_norm.data_ptr(), conv_state=conv_state.data_ptr(),
+        ssm=ssm.data_ptr(), Hk=w.n_k_heads, Hv=n_v_heads, K=K, V=V, n_conv=conv_weight.shape[1], ssm_eps=w.eps,
+        t_out=int(w.w_out.ggml_type), w_out=w.w_out.data.data_ptr(),
+    )  # fmt: skip
+
+
+def gated_delta_net_prompt_cpu(
+    h: torch.Tensor,
+    weights: GatedDeltaNetWeights,
+    conv_state: torch.Tensor,
+    ssm: torch.Tensor,
+    keep_at: Sequence[int] = (),
+) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """One sequence's prompt h [T, E] through the mixer in one C call (`mtp_gdn_prompt`): the recurrence token by
+    token, as llama.cpp's CPU runs its fused Gated DeltaNet for prompts too (the chunked form is the GPU path's), the
+    same numbers as `gated_delta_net_decode_cpu` over the same tokens. States updated in place; also returns the
+    states after each of `keep_at` tokens: {n: (conv, ssm)} (prefix-cache checkpoints). The weights must be
+    `fused_on_cpu_kernels`; twin: `gated_delta_net_decode_reference`."""
+    w = weights
+    assert w.fused_on_cpu_kernels
+    _check_states([conv_state], [ssm], "recurrent states")
+    x = as_rows(h)
+    n_v_heads, K, V = ssm.shape
+    dt_bias, a, conv_weight, norm_weight = w.c_floats
+    keep = sorted(keep_at)
+    kept = {n: (torch.empty_like(conv_state), torch.empty_like(ssm)) for n in keep}
+    pointers = ctypes.c_void_p * len(keep)
+    out = torch.empty(x.shape[0], w.w_out.shape[0])
+    rc = cpu_kernels.load().mtp_gdn_prompt(
+        x.data_ptr(), x.shape[0], x.shape[1], w.projections.c_types, w.projections.c_data, dt_bias.data_ptr(),
+        a.data_ptr(), conv_state.data_ptr(), conv_weight.data_ptr(), ssm.data_ptr(), norm_weight.data_ptr(),
+        w.n_k_heads, n_v_heads, K, V, conv_weight.shape[1], w.eps, int(w.w_out.ggml_type), w.w_out.data.data_ptr(),
+        len(keep), (ctypes.c_int64 * len(keep))(*keep), pointers(*[kept[n][0].data_ptr() for n in keep]),
+        pointers(*[kept[n][1].data_ptr() for n in keep]), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"mtp_gdn_prompt failed ({rc}) for {w.w_out.name}")
+    return out, kept
+
+
+def _check_states(conv: Sequence[torch.Tensor], ssm: Sequence[torch.Tensor], what: str) -> None:
+    for t in (*conv, *ssm):
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{what} must be contiguous float32 (they are updated in place)")
 
 
 def _gated_delta_net_decode_unfused(

@@ -78,6 +78,7 @@ def load() -> ctypes.CDLL | None:
         ctypes.c_int,
         ctypes.c_void_p,
         ctypes.c_int64,
+        ctypes.c_int64,
         ctypes.c_void_p,
         ctypes.c_int64,
         ctypes.c_void_p,
@@ -161,6 +162,7 @@ def load() -> ctypes.CDLL | None:
         ctypes.c_float,
     ]
     lib.mtp_gdn_step.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+    lib.mtp_gdn_recurrence.argtypes = [*lib.mtp_gdn_step.argtypes, ctypes.c_int]  # and the thread count
     lib.mtp_swiglu_ffn.argtypes = [
         ctypes.c_void_p,
         ctypes.c_int64,
@@ -216,6 +218,13 @@ def load() -> ctypes.CDLL | None:
         *(ptr, ptr, ctypes.c_int, ptr, i64, f32, i64, i64, i64),  # cache, cell positions, start, scale, window, split
         *(ctypes.c_int, ptr, ptr, ptr, ctypes.c_int),  # output type and data, post-norm weight, y, threads
     ]
+    lib.mtp_gdn_prompt.argtypes = [
+        *(ptr, i64, i64, ptr, ptr, ptr, ptr),  # h, T, E, projection types and data, dt_bias, a
+        *(ptr, ptr, ptr, ptr),  # conv state, conv weight, ssm state, gated-norm weight
+        *(i64, i64, i64, i64, i64, f32, ctypes.c_int, ptr),  # Hk, Hv, K, V, conv width, eps, output type and data
+        *(i64, ptr, ptr, ptr, ptr, ctypes.c_int),  # kept states: count, offsets, conv and ssm buffers; out, threads
+    ]
+    lib.mtp_run_blocks.argtypes = [ptr, i64, ptr, i64, ptr, ctypes.c_int]  # blocks, n, x, E, step, threads
     lib.mtp_sigmoid_gate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.mtp_geglu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     return lib

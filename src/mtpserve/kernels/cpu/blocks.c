@@ -12,9 +12,9 @@ int mtp_matmul_many(int n_w, const int *types, const uint8_t *const *W, const in
 int mtp_matmul(int type, const uint8_t *W, int64_t n_rows, int64_t k, const float *x, int64_t m, int64_t seq_len,
                float *y, int n_threads);
 int mtp_swiglu(const float *x, const float *g, float *y, int64_t n);
-int mtp_gdn_step(const float *mixed, float *conv_state, const float *conv_w, const float *z, const float *beta,
-                 const float *g, float *ssm, const float *norm_w, float *y, float *states, float *conv_states, int64_t T,
-                 int64_t Hk, int64_t Hv, int64_t K, int64_t V, int64_t W, float eps);
+int mtp_gdn_recurrence(const float *mixed, float *conv_state, const float *conv_w, const float *z, const float *beta,
+                       const float *g, float *ssm, const float *norm_w, float *y, float *states, float *conv_states,
+                       int64_t T, int64_t Hk, int64_t Hv, int64_t K, int64_t V, int64_t W, float eps, int n_threads);
 
 /* out [T, E] = down(silu(gate(x)) * up(x)) for x [T, E] (sequences of seq_len rows, see mtp_matmul);
  * gate/up [F, E] and down [E, F] GGUF matrices. */
@@ -39,10 +39,26 @@ int mtp_swiglu_ffn(const float *x, int64_t T, int64_t seq_len, int64_t E, int t_
 /* softplus as torch computes it (threshold 20): x above it is returned as is */
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
+/* The mixer's input projections for T rows (types/W: qkv [C, E], z [Hv V, E], beta [Hv, E], alpha [Hv, E]) into
+ * buf = mixed [T, C] | z [T, Hv V] | beta [T, Hv] | g [T, Hv], then beta = sigmoid, g = a * softplus(alpha + dt_bias). */
+static int gdn_project(const float *h, int64_t T, int64_t seq_len, int64_t E, const int *types, const uint8_t *const *W,
+                       const float *dt_bias, const float *a, int64_t C, int64_t Hv, int64_t V, float *buf, int n_threads) {
+    float *mixed = buf, *z = mixed + T * C, *beta = z + T * Hv * V, *g = beta + T * Hv;
+    const int64_t rows[4] = {C, Hv * V, Hv, Hv};
+    float *outs[4] = {mixed, z, beta, g};
+    const int rc = mtp_matmul_many(4, types, W, rows, E, h, T, seq_len, outs, n_threads);
+    if (rc) return rc;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < Hv; j++) {
+            beta[t * Hv + j] = 1.0f / (1.0f + expf(-beta[t * Hv + j]));
+            g[t * Hv + j] = a[j] * softplus(g[t * Hv + j] + dt_bias[j]);
+        }
+    return 0;
+}
+
 /* Gated DeltaNet mixers of n_seq = T / seq_len sequences of seq_len tokens each, from the normed input
- * h [T, E] to the output [T, E]: projections for all rows at once (types/W: qkv [C, E], z [Hv V, E],
- * beta [Hv, E], alpha [Hv, E]), beta = sigmoid, g = a * softplus(alpha + dt_bias), then per sequence
- * mtp_gdn_step on its own conv_states[s] / ssms[s] (updated in place; with ssm_steps / conv_steps, the
+ * h [T, E] to the output [T, E]: projections for all rows at once (gdn_project), then per sequence
+ * mtp_gdn_recurrence on its own conv_states[s] / ssms[s] (updated in place; with ssm_steps / conv_steps, the
  * states after every token are kept too), and the output projection w_out [E, Hv V]. */
 int mtp_gdn_mixer(const float *h, int64_t T, int64_t seq_len, int64_t E, const int *types, const uint8_t *const *W,
                   const float *dt_bias, const float *a, float *const *conv_states, const float *conv_w, float *const *ssms,
@@ -53,23 +69,45 @@ int mtp_gdn_mixer(const float *h, int64_t T, int64_t seq_len, int64_t E, const i
     float *buf = malloc(sizeof(float) * T * (C + Hv * V + 2 * Hv + Hv * V));
     if (!buf) return 2;
     float *mixed = buf, *z = mixed + T * C, *beta = z + T * Hv * V, *g = beta + T * Hv, *y = g + T * Hv;
-    const int64_t rows[4] = {C, Hv * V, Hv, Hv};
-    float *outs[4] = {mixed, z, beta, g};
-    int rc = mtp_matmul_many(4, types, W, rows, E, h, T, seq_len, outs, n_threads);
-    if (rc == 0) {
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t j = 0; j < Hv; j++) {
-                beta[t * Hv + j] = 1.0f / (1.0f + expf(-beta[t * Hv + j]));
-                g[t * Hv + j] = a[j] * softplus(g[t * Hv + j] + dt_bias[j]);
-            }
-        for (int64_t s = 0; s < T / seq_len && rc == 0; s++) {
-            const int64_t r0 = s * seq_len;
-            rc = mtp_gdn_step(mixed + r0 * C, conv_states[s], conv_w, z + r0 * Hv * V, beta + r0 * Hv, g + r0 * Hv, ssms[s],
-                              norm_w, y + r0 * Hv * V, ssm_steps ? ssm_steps[s] : NULL, conv_steps ? conv_steps[s] : NULL,
-                              seq_len, Hk, Hv, K, V, n_conv, eps);
-        }
+    int rc = gdn_project(h, T, seq_len, E, types, W, dt_bias, a, C, Hv, V, buf, n_threads);
+    for (int64_t s = 0; s < T / seq_len && rc == 0; s++) {
+        const int64_t r0 = s * seq_len;
+        rc = mtp_gdn_recurrence(mixed + r0 * C, conv_states[s], conv_w, z + r0 * Hv * V, beta + r0 * Hv, g + r0 * Hv,
+                                ssms[s], norm_w, y + r0 * Hv * V, ssm_steps ? ssm_steps[s] : NULL,
+                                conv_steps ? conv_steps[s] : NULL, seq_len, Hk, Hv, K, V, n_conv, eps, n_threads);
     }
     if (rc == 0) rc = mtp_matmul(t_out, w_out, E, Hv * V, y, T, seq_len, out, n_threads);
+    free(buf);
+    return rc;
+}
+
+/* A prompt's mixer, one sequence of T tokens: mtp_gdn_mixer's numbers (the recurrence token by token, as
+ * llama.cpp's CPU runs its fused Gated DeltaNet for prompts too), keeping the states after keep_at[i] tokens
+ * (ascending, within 1..T) in conv_kept[i] [C, W-1] and ssm_kept[i] [Hv, K, V]: prefix-cache checkpoints. */
+int mtp_gdn_prompt(const float *h, int64_t T, int64_t E, const int *types, const uint8_t *const *W, const float *dt_bias,
+                   const float *a, float *conv_state, const float *conv_w, float *ssm, const float *norm_w, int64_t Hk,
+                   int64_t Hv, int64_t K, int64_t V, int64_t n_conv, float eps, int t_out, const uint8_t *w_out,
+                   int64_t n_keep, const int64_t *keep_at, float *const *conv_kept, float *const *ssm_kept, float *out,
+                   int n_threads) {
+    const int64_t C = 2 * Hk * K + Hv * V;
+    for (int64_t i = 0; i < n_keep; i++)
+        if (keep_at[i] < 1 || keep_at[i] > T || (i && keep_at[i] <= keep_at[i - 1])) return 1;
+    float *buf = malloc(sizeof(float) * T * (C + Hv * V + 2 * Hv + Hv * V));
+    if (!buf) return 2;
+    float *mixed = buf, *z = mixed + T * C, *beta = z + T * Hv * V, *g = beta + T * Hv, *y = g + T * Hv;
+    int rc = gdn_project(h, T, T, E, types, W, dt_bias, a, C, Hv, V, buf, n_threads);
+    for (int64_t i = 0, t0 = 0; i <= n_keep && rc == 0; i++) { /* segments between the kept states */
+        const int64_t t1 = i < n_keep ? keep_at[i] : T;
+        if (t1 > t0)
+            rc = mtp_gdn_recurrence(mixed + t0 * C, conv_state, conv_w, z + t0 * Hv * V, beta + t0 * Hv, g + t0 * Hv, ssm,
+                                    norm_w, y + t0 * Hv * V, NULL, NULL, t1 - t0, Hk, Hv, K, V, n_conv, eps, n_threads);
+        if (rc == 0 && i < n_keep) {
+            memcpy(conv_kept[i], conv_state, sizeof(float) * C * (n_conv - 1));
+            memcpy(ssm_kept[i], ssm, sizeof(float) * Hv * K * V);
+        }
+        t0 = t1;
+    }
+    if (rc == 0) rc = mtp_matmul(t_out, w_out, E, Hv * V, y, T, T, out, n_threads);
     free(buf);
     return rc;
 }
@@ -189,5 +227,93 @@ int mtp_residual_glu_ffn(const float *x, int64_t T, int64_t seq_len, int64_t E, 
     if (rc) return rc;
     if (post_w) mtp_rms_norm(out, post_w, out, T, E, eps);
     residual_add(x, out, y, T * E);
+    return 0;
+}
+
+/* ---- a decode step's blocks in one call ------------------------------------------------------------------------ */
+
+/* A single-token decode step of one sequence runs its blocks in order over the residual stream, each the entry point
+ * above with the arguments a block's Python call would pass: on a 9M-parameter model the Python around ~20 calls a
+ * token cost as much as their arithmetic. The constant arguments sit in one struct a block (built once per sequence
+ * state: its recurrent state and KV cache pointers are fixed for the state's life), the position-dependent ones in
+ * mtp_step (set per token). Python mirror: ops/decode_program.py. */
+
+typedef struct {
+    const float *cos[2], *sin[2]; /* each RoPE table's row for this position: [n_rot / 2] */
+    int64_t n_rot[2];
+    int64_t start;            /* the token's position (= its KV cell: ordered caches) */
+    int64_t n_cells, n_split; /* mtp_attention's view of the caches at this position */
+} mtp_step;
+
+typedef struct {
+    const float *norm_w;
+    float eps;
+    const int *qkv_types;
+    const uint8_t *const *qkv_W;
+    int64_t H, Hkv, D;
+    int q_gated, neox, rope, kv_f16; /* rope: which of mtp_step's tables */
+    const float *q_norm, *k_norm;
+    float q_scale, scale;
+    void *k_cache, *v_cache;
+    int64_t *cell_pos;
+    int64_t window;
+    int t_out;
+    const uint8_t *w_out;
+    const float *post_norm;
+} mtp_attention_block;
+
+typedef struct {
+    const float *norm_w;
+    float eps;
+    const int *types;
+    const uint8_t *const *W;
+    const float *dt_bias, *a, *conv_w, *ssm_norm_w;
+    float *conv_state, *ssm;
+    int64_t Hk, Hv, K, V, n_conv;
+    float ssm_eps;
+    int t_out;
+    const uint8_t *w_out;
+} mtp_gdn_block;
+
+typedef struct {
+    const float *norm_w;
+    float eps;
+    int gelu, t_gate, t_up, t_down;
+    const uint8_t *w_gate, *w_up, *w_down;
+    int64_t F;
+    const float *post_w;
+} mtp_ffn_block;
+
+enum { BLOCK_ATTENTION = 0, BLOCK_GDN = 1, BLOCK_FFN = 2 };
+
+typedef struct {
+    int kind;
+    const void *args;
+} mtp_block;
+
+/* x [1, E] <- the blocks applied in order, in place. Returns the first failing block's code (x then undefined). */
+int mtp_run_blocks(const mtp_block *blocks, int64_t n_blocks, float *x, int64_t E, const mtp_step *st, int n_threads) {
+    for (int64_t i = 0; i < n_blocks; i++) {
+        int rc = 1;
+        if (blocks[i].kind == BLOCK_ATTENTION) {
+            const mtp_attention_block *b = blocks[i].args;
+            rc = mtp_residual_attention(x, 1, E, b->norm_w, b->eps, b->qkv_types, b->qkv_W, b->H, b->Hkv, b->D, b->q_gated,
+                                        b->q_norm, b->k_norm, st->cos[b->rope], st->sin[b->rope], st->n_rot[b->rope],
+                                        b->neox, b->q_scale, b->k_cache, b->v_cache, b->kv_f16, b->cell_pos, st->start,
+                                        b->scale, b->window, st->n_cells, st->n_split, b->t_out, b->w_out, b->post_norm,
+                                        x, n_threads);
+        } else if (blocks[i].kind == BLOCK_GDN) {
+            const mtp_gdn_block *b = blocks[i].args;
+            float *conv[1] = {b->conv_state}, *ssm[1] = {b->ssm};
+            rc = mtp_residual_gdn_mixer(x, 1, 1, E, b->norm_w, b->eps, b->types, b->W, b->dt_bias, b->a, conv, b->conv_w,
+                                        ssm, b->ssm_norm_w, b->Hk, b->Hv, b->K, b->V, b->n_conv, b->ssm_eps, b->t_out,
+                                        b->w_out, x, NULL, NULL, n_threads);
+        } else if (blocks[i].kind == BLOCK_FFN) {
+            const mtp_ffn_block *b = blocks[i].args;
+            rc = mtp_residual_glu_ffn(x, 1, 1, E, b->norm_w, b->eps, b->gelu, b->t_gate, b->w_gate, b->t_up, b->w_up, b->F,
+                                      b->t_down, b->w_down, b->post_w, x, n_threads);
+        }
+        if (rc) return rc;
+    }
     return 0;
 }

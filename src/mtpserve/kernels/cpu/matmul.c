@@ -1379,11 +1379,14 @@ int mtp_matmul(int type, const uint8_t *W, int64_t n_rows, int64_t k, const floa
 
 /* ---- embedding rows ---------------------------------------------------------------------------------- */
 
-/* out[i, :] = the dequantized row idx[i] of W, with the float operations of mtpserve's (and gguf-py's)
- * dequantizers: d * q (+ m) for 32-blocks, (d * sc) * q - dmin * mn for Q4_K/Q5_K, (d * sc) * (q - 32) for Q6_K. */
-int mtp_get_rows(int type, const uint8_t *W, int64_t k, const int64_t *idx, int64_t n, float *out) {
+/* out[i, :] = the dequantized row idx[i] of W [n_rows, k], with the float operations of mtpserve's (and gguf-py's)
+ * dequantizers: d * q (+ m) for 32-blocks, (d * sc) * q - dmin * mn for Q4_K/Q5_K, (d * sc) * (q - 32) for Q6_K.
+ * Returns 3, writing nothing, when an index is outside [0, n_rows). */
+int mtp_get_rows(int type, const uint8_t *W, int64_t n_rows, int64_t k, const int64_t *idx, int64_t n, float *out) {
     const int64_t rb = row_bytes(type, k);
     if (rb < 0 || (type != T_F32 && type != T_F16 && k % row_block(type))) return 1;
+    for (int64_t i = 0; i < n; i++)
+        if (idx[i] < 0 || idx[i] >= n_rows) return 3;
     if (scratch_row_reserve(k)) return 2;
     wrow *r = &scratch_row;
     for (int64_t i = 0; i < n; i++) {

@@ -1,0 +1,153 @@
+"""A single-token CPU decode step's blocks in one C call (`mtp_run_blocks`, kernels/cpu/blocks.c).
+
+On a small model the Python around a token's ~20 kernel calls (argument checks, ctypes conversions, the layer loop)
+costs as much as their arithmetic: tinyqwen35 spent ~45 % of a token there. Each block's one-call entry point (the
+residual attention, Gated DeltaNet mixer and gated FFN of `blocks.c`) takes its constant arguments from a struct
+built once per sequence state (the weights' pointers and the state's own cache and recurrent tensors, fixed for the
+state's life); what changes per token (the position, its RoPE rows, the attention's cache view) is one `Step`. The
+program runs exactly the calls the layers would make one by one: the same numbers, bit for bit (the tests hold
+both). A model builds its program from its layers (`CausalLM.decode_program`); a layer that cannot take part
+(quantized or shared KV cache, a ring past its first wrap, a weight the kernels lack) leaves the step to the
+layer-by-layer path.
+
+The structs mirror blocks.c's field for field: ctypes lays them out with the C compiler's alignment rules.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+from ..kernels import cpu as cpu_kernels
+from .attention import decode_cache_view
+
+_ptr, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+BLOCK_ATTENTION, BLOCK_GDN, BLOCK_FFN = 0, 1, 2
+
+
+class Step(ctypes.Structure):
+    """What changes per token: each RoPE table's row for the position, the position, the attention's cache view."""
+
+    _fields_ = [
+        ("cos", _ptr * 2),
+        ("sin", _ptr * 2),
+        ("n_rot", _i64 * 2),
+        ("start", _i64),
+        ("n_cells", _i64),
+        ("n_split", _i64),
+    ]
+
+
+class AttentionBlock(ctypes.Structure):
+    _fields_ = [
+        ("norm_w", _ptr),
+        ("eps", _f32),
+        ("qkv_types", _ptr),
+        ("qkv_W", _ptr),
+        ("H", _i64),
+        ("Hkv", _i64),
+        ("D", _i64),
+        ("q_gated", _int),
+        ("neox", _int),
+        ("rope", _int),
+        ("kv_f16", _int),
+        ("q_norm", _ptr),
+        ("k_norm", _ptr),
+        ("q_scale", _f32),
+        ("scale", _f32),
+        ("k_cache", _ptr),
+        ("v_cache", _ptr),
+        ("cell_pos", _ptr),
+        ("window", _i64),
+        ("t_out", _int),
+        ("w_out", _ptr),
+        ("post_norm", _ptr),
+    ]
+    kind = BLOCK_ATTENTION
+
+
+class GDNBlock(ctypes.Structure):
+    _fields_ = [
+        ("norm_w", _ptr),
+        ("eps", _f32),
+        ("types", _ptr),
+        ("W", _ptr),
+        ("dt_bias", _ptr),
+        ("a", _ptr),
+        ("conv_w", _ptr),
+        ("ssm_norm_w", _ptr),
+        ("conv_state", _ptr),
+        ("ssm", _ptr),
+        ("Hk", _i64),
+        ("Hv", _i64),
+        ("K", _i64),
+        ("V", _i64),
+        ("n_conv", _i64),
+        ("ssm_eps", _f32),
+        ("t_out", _int),
+        ("w_out", _ptr),
+    ]
+    kind = BLOCK_GDN
+
+
+class FFNBlock(ctypes.Structure):
+    _fields_ = [
+        ("norm_w", _ptr),
+        ("eps", _f32),
+        ("gelu", _int),
+        ("t_gate", _int),
+        ("t_up", _int),
+        ("t_down", _int),
+        ("w_gate", _ptr),
+        ("w_up", _ptr),
+        ("w_down", _ptr),
+        ("F", _i64),
+        ("post_w", _ptr),
+    ]
+    kind = BLOCK_FFN
+
+
+class _Block(ctypes.Structure):
+    _fields_ = [("kind", _int), ("args", _ptr)]
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class DecodeProgram:
+    """A sequence state's decode step as one call over its blocks (attention, GDN, FFN structs, in layer order).
+    `ring_caches`: KV caches that reuse cells once full (Gemma's sliding layers), usable while cell = position;
+    `capacity`: positions the ordered caches hold."""
+
+    def __init__(self, blocks: Sequence[ctypes.Structure], caches: Sequence, ring_caches: Sequence, capacity: int):
+        self.blocks = list(blocks)  # kept alive: the C side reads them through raw pointers
+        self._table = (_Block * len(blocks))(*[_Block(b.kind, ctypes.addressof(b)) for b in blocks])
+        self.caches, self.ring_caches, self.capacity = list(caches), list(ring_caches), capacity
+        self.step = Step()
+        self._step_address = ctypes.addressof(self.step)
+
+    def ready(self, position: int) -> bool:
+        """Whether the token at `position` can take the program (each cache's cell for it is the position itself)."""
+        return position < self.capacity and all(position < kv.capacity for kv in self.ring_caches)
+
+    def run(self, x: torch.Tensor, position: int, ropes: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """x [1, E] (the token's embedding, a fresh float32 tensor: updated in place) through every block; each KV
+        cache then holds the position. `ropes`: cos, sin [1, n_rot / 2] of the position from each table the
+        attention blocks name."""
+        st = self.step
+        for i, (cos, sin) in enumerate(ropes):
+            st.cos[i], st.sin[i], st.n_rot[i] = cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1]
+        st.start = position
+        st.n_cells, st.n_split = decode_cache_view(position + 1, 1)
+        rc = cpu_kernels.load().mtp_run_blocks(
+            self._table, len(self.blocks), x.data_ptr(), x.shape[-1], self._step_address, torch.get_num_threads()
+        )
+        if rc != 0:
+            raise RuntimeError(f"mtp_run_blocks failed ({rc})")
+        for kv in self.caches:
+            kv.length = position + 1
+        return x

@@ -1,0 +1,104 @@
+"""The CPU decode step as one C call (ops.decode_program) against the same step layer by layer: the same logits bit
+for bit, the same caches and recurrent states afterwards, for each architecture's blocks; and the cases it must
+leave to the layer-by-layer path."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mtpserve.kernels import cpu as cpu_kernels
+from mtpserve.models.base import CausalLM
+from mtpserve.models.loader import load
+
+from ..conftest import default_model, tinyqwen_path
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="the C kernel library did not build here")
+
+
+def _model(name: str):
+    return load(tinyqwen_path("Q4_K_M") if name == "tinyqwen35" else default_model(name))
+
+
+def _decode(model, prompt: torch.Tensor, tokens: list[int], ctx: int, cache_type: str = "f16"):
+    """Logits of each decoded token, and the state's caches and recurrent states at the end."""
+    state = model.new_state(ctx, cache_type, cache_type)
+    model.prefill(prompt, state)
+    logits = torch.stack([model.decode(t, state) for t in tokens])
+    caches = [(kv.k.data.clone(), kv.v.data.clone(), kv.positions.clone(), kv.length) for kv in state.kv.values()]
+    recurrent = [(r.conv.clone(), r.ssm.clone()) for r in state.recurrent.values()]
+    return logits, caches, recurrent, state
+
+
+def _layer_by_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(CausalLM, "decode_program", lambda self, state: None)
+
+
+def _assert_same(a, b) -> None:
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y)
+        elif isinstance(x, (list, tuple)):
+            _assert_same(x, y)
+        else:
+            assert x == y
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["smollm2", "gemma3", "tinyqwen35"])
+def test_decode_program_equals_the_layers_one_by_one(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama's blocks, Gemma 3's (query scale, post-norms, two RoPE tables, GeGLU) and Qwen3.5's (Gated DeltaNet
+    mixers, sigmoid-gated attention), past 512 cells where a single query's attention splits the cache in two."""
+    model = _model(name)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, model.config.n_vocab, (505,), generator=gen)
+    tokens = torch.randint(0, model.config.n_vocab, (12,), generator=gen).tolist()
+    with monkeypatch.context() as m:
+        calls = _count_program_calls(m)
+        program = _decode(model, prompt, tokens, 768)
+    assert len(calls) == len(tokens)  # every decode took the one call
+    assert len(program[3].decode_program.blocks) == 2 * model.config.n_layer
+    with monkeypatch.context() as m:
+        _layer_by_layer(m)
+        layers = _decode(model, prompt, tokens, 768)
+    _assert_same(program[:3], layers[:3])
+
+
+def _count_program_calls(m: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    run_blocks = cpu_kernels.load().mtp_run_blocks
+    m.setattr(cpu_kernels.load(), "mtp_run_blocks", lambda *a: calls.append(1) or run_blocks(*a))
+    return calls
+
+
+@needs_kernels
+def test_a_sliding_window_ring_leaves_the_program_once_it_wraps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3's sliding layers keep a ring of cells: the program serves while cell = position, the layers after."""
+    model = _model("gemma3")
+    model.config = dataclasses.replace(model.config, sliding_window=16)  # rings of 256 cells (ubatch 8)
+    model.ubatch = 8
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, model.config.n_vocab, (250,), generator=gen)
+    tokens = torch.randint(0, model.config.n_vocab, (10,), generator=gen).tolist()
+    state = model.new_state(512)
+    assert any(kv.ring and kv.capacity == 256 for kv in state.kv.values())
+    with monkeypatch.context() as m:
+        calls = _count_program_calls(m)
+        program = _decode(model, prompt, tokens, 512)
+    assert len(calls) == 6  # positions 250..255; 256.. wrap the rings
+    with monkeypatch.context() as m:
+        _layer_by_layer(m)
+        layers = _decode(model, prompt, tokens, 512)
+    _assert_same(program[:3], layers[:3])
+
+
+@needs_kernels
+def test_quantized_kv_caches_stay_layer_by_layer() -> None:
+    model = _model("smollm2")
+    state = model.new_state(256, "q8_0", "q8_0")
+    assert model.decode_program(state) is None
+    assert state.decode_program is False  # decided once per state
+    model.decode(1, state)
+    assert state.n_past == 1
