@@ -56,7 +56,7 @@ $(STAMP): pyproject.toml
 	@command -v cc >/dev/null || command -v gcc >/dev/null || { echo "installing gcc for the CPU kernels"; \
 		$(SUDO) apt-get update && $(SUDO) apt-get install -y gcc; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install -e '.[test,cluster]'
 	$(PY) -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' || $(PY) -m pip install -e '.[triton-interpreter]'
 	touch $@
 

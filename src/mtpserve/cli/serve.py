@@ -26,7 +26,7 @@ import socket
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from ..server.chat import REASONING_FORMATS, ChatSettings
 from ..server.middleware import CorsSettings
 from ..server.state import DEFAULT_MAX_BODY, ServerSettings
 from .common import add_spec_arguments, add_threads_argument, apply_threads, model_path, spec_config
+
+if TYPE_CHECKING:
+    from ..cluster.app import ClusterOptions
 
 log = logging.getLogger("mtpserve.server")
 
@@ -217,7 +220,37 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--log-prefix", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--log-timestamps", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one object per line")
+    # replicas on Ray Serve (mtpserve[cluster]; docs/cluster.md)
+    cluster = p.add_argument_group("replicas on Ray Serve (pip install 'mtpserve[cluster]')")
+    cluster.add_argument("--replicas", type=int, default=0, help="engine replicas behind one gateway (0: no cluster)")
+    cluster.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs each replica holds (Ray num_gpus)")
+    cluster.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs each replica holds (Ray num_cpus)")
+    cluster.add_argument(
+        "--router", default="prefix", choices=["prefix", "pow2", "session"], help="how requests pick a replica"
+    )
+    cluster.add_argument("--ray-address", help="a running Ray cluster: auto or ADDR (default: start Ray here)")
     p.set_defaults(func=run)
+
+
+def parsed_serve_args(argv: list[str]) -> argparse.Namespace:
+    """`mtpserve serve`'s flags parsed from argv (Ray's app builder: cluster.app.build_app)."""
+    parser = argparse.ArgumentParser(prog="mtpserve")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["serve", *argv])
+
+
+def cluster_options(args: argparse.Namespace) -> ClusterOptions:
+    """--replicas and the flags around it, for mtpserve.cluster."""
+    from ..cluster.app import ClusterOptions
+
+    return ClusterOptions(
+        replicas=max(1, args.replicas),
+        replica_gpus=args.replica_gpus,
+        replica_cpus=args.replica_cpus,
+        router=args.router,
+        threads=args.threads,
+        poll=args.poll,
+    )
 
 
 def refuse_unbuilt(args: argparse.Namespace) -> None:
@@ -378,6 +411,10 @@ def run(args: argparse.Namespace) -> int:
         files = [args.hf_file] if args.hf_file else []
         args.model = str(hub.pull(args.hf_repo, files, token=args.hf_token)[0])
     settings = settings_from_args(args)
+    if args.replicas:  # a cluster: the replicas set their own threads (cluster.replica)
+        from ..cluster.launch import serve_cluster
+
+        return serve_cluster(settings, cluster_options(args), args.ray_address)
     apply_threads(args)
     log.info("log_info: verbosity = %d (adjust with the `-lv N` CLI arg)", verbosity)
     _log_devices(args)
@@ -399,6 +436,10 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout,
         server_header=False,
         lifespan="on",
+        # the pure-Python loop and HTTP parser whatever else is installed (mtpserve[cluster] brings uvloop and
+        # httptools, which uvicorn would otherwise switch to): one server behaviour, the one the tests hold
+        loop="asyncio",
+        http="h11",
     )
     server = _server_class()(config)
     address = f"unix:{uds}" if uds else ", ".join(f"http://{_bracketed(h)}:{args.port}" for h in hosts)

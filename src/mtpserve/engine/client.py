@@ -86,6 +86,15 @@ class RequestStream:
             raise event
         return event
 
+    def take_ready(self) -> list[Event]:
+        """The events already queued on an async stream, without waiting (errors among them, not raised): what a
+        remote client sends on as one batch."""
+        assert self._async_queue is not None, "this stream was created outside an event loop"
+        ready: list[Event] = []
+        while not self._async_queue.empty():
+            ready.append(self._async_queue.get_nowait())
+        return ready
+
     def result(self) -> FinishEvent:
         """Wait for the end (sync streams)."""
         for event in self:

@@ -46,6 +46,9 @@ class Request:
     checkpoint_at: tuple[int, ...] = ()  # extra prompt positions to keep recurrent state at (e.g. last user turn)
     grammar: GrammarSpec | None = None  # constrained decoding: every sampled token keeps the output matching it
     reasoning_budget: ReasoningBudgetSpec | None = None  # chat with thinking on and --reasoning-budget >= 0
+    # The client reads the events as they come (a streamed answer). False: only the whole answer matters, so an engine
+    # on another machine (mtpserve.cluster) sends the events in one batch at the end; this engine ignores it.
+    incremental: bool = True
 
 
 @dataclass

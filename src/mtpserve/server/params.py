@@ -346,6 +346,7 @@ def completion(
         grammar=grammar_spec(body),
         post_sampling_probs=body.bool("post_sampling_probs", False),
         return_progress=body.bool("return_progress", False),
+        incremental=body.bool("stream", False),
     )
     stream_options = body.dict("stream_options")
     include_usage = stream_options.get("include_usage", False)

@@ -113,13 +113,9 @@ class ServerState:
         s = self.settings
         try:
             log.info("srv    load_model: loading model '%s'", s.model)
-            plan = plan_for_file(s.model, s.engine)
-            plan.check()  # refuse before reading gigabytes
-            if s.warm_page_cache:
-                warm_page_cache(s.model)
             tokenizer = Tokenizer.from_gguf(s.model)
             template = ChatTemplate.for_tokenizer(tokenizer, s.chat_template)
-            engine = Engine.from_file(s.model, s.engine, gpu=s.gpu, draft_gpu=s.draft_gpu)
+            engine = self.start_engine(tokenizer)
             self.tokenizer, self.template = tokenizer, template
             self.keep_special = keep_special_ids(tokenizer)
             example = template.apply([{"role": "user", "content": "Hello"}], add_generation_prompt=True).prompt
@@ -137,6 +133,15 @@ class ServerState:
             self.load_error = e
         finally:
             self.loaded.set()
+
+    def start_engine(self, tokenizer: Tokenizer) -> EngineClient:
+        """The engine this server hands requests to: here, one on this machine (a cluster's gateway overrides it)."""
+        s = self.settings
+        plan = plan_for_file(s.model, s.engine)
+        plan.check()  # refuse before reading gigabytes
+        if s.warm_page_cache:
+            warm_page_cache(s.model)
+        return Engine.from_file(s.model, s.engine, gpu=s.gpu, draft_gpu=s.draft_gpu)
 
     def close(self) -> None:
         if self.engine is not None:

@@ -1,0 +1,180 @@
+"""The gateway's engine: `RemoteEngine` implements the engine-client protocol (engine/client.py) over the engine
+replicas, so the HTTP layer (server/) runs unchanged in front of a cluster.
+
+Each request goes to one replica through the Serve handle (the deployment's router picks it: routing.py) and its
+events come back as a stream of batches into the request's `RequestStream`. What the server reports (/slots,
+/metrics, /props) comes from the replicas' latest reports on the stats board (stats.py), gathered: slots listed
+replica after replica and numbered on, counters and memory summed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ray.serve.exceptions import BackPressureError
+
+from ..engine import (
+    ContextSizeExceeded,
+    EngineCounters,
+    EngineError,
+    EngineInfo,
+    FinishEvent,
+    InvalidRequest,
+    MemoryUsage,
+    Request,
+    RequestStream,
+    ServerError,
+    SlotInfo,
+)
+from ..engine.client import SlotFileResult
+from ..engine.grammar import GrammarCompiler
+from ..engine.request import GrammarSpec
+from ..engine.speculative import SpecStats
+from ..tokenizer import Tokenizer
+from .protocol import decode
+
+log = logging.getLogger("mtpserve.cluster")
+
+# The routing key of the request being handled (a client's x-session-id, else its conversation's first user turn),
+# set by the gateway's middleware and read when the request is submitted (gateway.py; routing.py uses it).
+SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("mtpserve_session", default=None)
+
+
+class ServerBusy(ServerError):
+    """Serve's queue for the engine replicas is full (--max-queue): llama-server's 503 for an overloaded server."""
+
+    type = "unavailable_error"
+    code = 503
+
+
+class RemoteStream(RequestStream):
+    """A request's stream whose `cancel` also stops its call to the replica (which frees the slot there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_cancel: Callable[[], None] = lambda: None
+
+    def cancel(self) -> None:
+        super().cancel()
+        self.on_cancel()
+
+
+class RemoteEngine:
+    """`EngineClient` over a Serve handle to the engine deployment. `reports()` gives the replicas' latest reports
+    (stats.StatsBoard.snapshot), by replica id."""
+
+    def __init__(self, handle: Any, info: EngineInfo, tokenizer: Tokenizer, reports: Callable[[], dict]) -> None:
+        self.handle = handle.options(stream=True)
+        self.info = info
+        self._tokenizer = tokenizer
+        self._reports = reports
+        self._waiting = 0  # requests sent and not yet taken by a replica: in Serve's queue
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+
+    # --- requests ---------------------------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> RequestStream:
+        """As Engine.submit: what can never run is refused here; the rest goes to a replica. `id_slot` is not
+        honoured (a slot id names a replica's slot, and the router picks the replica): the replica chooses."""
+        if not request.prompt:
+            raise InvalidRequest("the prompt is empty")
+        if len(request.prompt) >= self.info.n_ctx_slot:
+            raise ContextSizeExceeded(len(request.prompt), self.info.n_ctx_slot)
+        if min(request.prompt) < 0 or max(request.prompt) >= self.info.n_vocab:
+            raise InvalidRequest("Prompt contains invalid tokens")
+        loop = asyncio.get_running_loop()
+        stream = RemoteStream()
+        task = loop.create_task(self._pump(dataclasses.replace(request, id_slot=-1), SESSION.get(), stream))
+        stream.on_cancel = lambda: loop.call_soon_threadsafe(task.cancel)
+        return stream
+
+    async def _pump(self, request: Request, session: str | None, stream: RemoteStream) -> None:
+        """Forward the replica's event batches into the stream until it finishes, fails or is cancelled."""
+        self._waiting += 1
+        waiting, finished = True, False
+        response = self.handle.generate.remote(request, session=session)
+        try:
+            async for batch in response:
+                if waiting:
+                    waiting = False
+                    self._waiting -= 1
+                for item in batch:
+                    event = decode(item)
+                    finished = finished or isinstance(event, FinishEvent | EngineError)
+                    stream.put(event)
+            if not finished:
+                stream.put(ServerError("the replica ended the request without a result"))
+        except asyncio.CancelledError:
+            response.cancel()  # the replica's generator is cancelled: it cancels the request, the slot is freed
+        except BackPressureError:
+            stream.put(ServerBusy("the server is busy: every replica's queue is full (--max-queue); retry later"))
+        except Exception as e:  # noqa: BLE001 - a replica that died mid-request: this request fails, others go on
+            log.warning("cluster: a request failed on its replica: %s: %s", type(e).__name__, e)
+            stream.put(ServerError(f"the replica serving this request failed ({type(e).__name__}); retry"))
+        finally:
+            if waiting:
+                self._waiting -= 1
+
+    def compile_grammar(self, grammar: GrammarSpec) -> None:
+        """Check the grammar here (the same compiler as the replicas'), so a bad one is a 400 before any routing."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self._tokenizer, self.info.n_vocab)
+        self._grammars.compile(grammar)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot: those sent and not yet taken by a replica, less the idle slots that will take
+        them (a burst on an idle cluster is not a queue), plus the replicas' own queues."""
+        reports = self._reports().values()
+        idle = sum(not s["is_processing"] for r in reports for s in r["slots"])
+        return max(0, self._waiting - idle) + sum(r["queued"] for r in reports)
+
+    # --- what the server reports, gathered ------------------------------------------------------------------------
+
+    def slots_info(self) -> list[SlotInfo]:
+        """Every replica's slots, replica after replica (in replica id order), numbered on from 0."""
+        slots = [SlotInfo(**s) for r in self._reports().values() for s in r["slots"]]
+        return [dataclasses.replace(s, id=i) for i, s in enumerate(slots)]
+
+    def memory_usage(self) -> MemoryUsage:
+        """The replicas' summed; `queued` also counts the requests in Serve's queue (as `queued` does)."""
+        usage = _summed(MemoryUsage, [r["memory"] for r in self._reports().values()])
+        return dataclasses.replace(usage, queued=self.queued)
+
+    def counters(self) -> EngineCounters:
+        reports = list(self._reports().values())
+        specs = [r["counters"]["spec"] for r in reports if r["counters"]["spec"] is not None]
+        spec = None
+        if specs:
+            per_position = [sum(col) for col in _columns([s["accepted_per_position"] for s in specs])]
+            spec = SpecStats(*(sum(s[k] for s in specs) for k in ("draft_tokens", "accepted_tokens", "drafts")))
+            spec.accepted_per_position = per_position
+        return EngineCounters(
+            sum(r["counters"]["n_decode_total"] for r in reports),
+            sum(r["counters"]["n_busy_slots_total"] for r in reports),
+            spec,
+        )
+
+    def slot_action(self, id_slot: int, action: str, path: Path | None = None) -> SlotFileResult:
+        raise InvalidRequest("slot save/restore/erase is not available through a cluster (a slot lives on a replica)")
+
+    def close(self) -> None:
+        pass
+
+
+def _summed(cls: type, rows: list[dict[str, int]]) -> Any:
+    return cls(**{f.name: sum(row[f.name] for row in rows) for f in dataclasses.fields(cls)})
+
+
+def _columns(lists: list[list[int]]) -> list[list[int]]:
+    width = max((len(x) for x in lists), default=0)
+    return [[x[i] for x in lists if i < len(x)] for i in range(width)]
