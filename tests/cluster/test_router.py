@@ -106,6 +106,7 @@ async def test_prefix_router_puts_the_owner_first_and_counts_serve_queue_lengths
     assert names(await router.choose_replicas(pool, generate("r2", conversation + [5] * 30)))[0] == "a"
     router.on_request_completed(pool[0].replica_id, "r2")  # refused: only the pick goes
     # Serve's cache says b is at max_ongoing_requests (other gateways' requests): the owner a first, then c, then b.
+    router.use_serve_queue_lengths = True  # several gateways; off by default (one gateway counts it all)
     router.replica_queue_len_cache.update(pool[1].replica_id, 2)
     assert names(await router.choose_replicas(pool, generate("r3", conversation))) == ["a", "c", "b"]
 

@@ -22,6 +22,9 @@ def serve_cluster(settings: ServerSettings, options: ClusterOptions, ray_address
     with this machine's CPUs and GPUs)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # from here on a signal asks for a clean stop, even mid-deploy
+        signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port})
         serve.run(application(settings, options), name=options.app_name, route_prefix="/", blocking=False)
@@ -33,9 +36,6 @@ def serve_cluster(settings: ServerSettings, options: ClusterOptions, ray_address
             settings.port,
             options.router,
         )
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
         stop.wait()
         log.info("srv  llama_server: cleaning up before exit...")
         return 0

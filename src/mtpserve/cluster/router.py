@@ -49,9 +49,14 @@ class _PolicyRouter(RequestRouter):
     def _capacities(self, candidates: Sequence[RunningReplica]) -> dict[ReplicaID, int]:
         return {r.replica_id: r.max_ongoing_requests for r in candidates}
 
+    # Whether Serve's cached queue lengths raise the router's own counts: they count other gateways' requests, but
+    # they also lag (an entry stays valid for seconds), and with the one gateway mtpserve deploys the router's own
+    # counts are complete; a stale "full" sent every request of a test's burst to the other replica's queue.
+    use_serve_queue_lengths = False
+
     def _observed(self, candidates: Sequence[RunningReplica]) -> dict[ReplicaID, int]:
-        """Serve's cached queue lengths (they count other routers' requests too); stale entries are left out."""
-        if not self._use_replica_queue_len_cache:
+        """Serve's cached queue lengths, with `use_serve_queue_lengths` (several gateways); stale entries left out."""
+        if not (self.use_serve_queue_lengths and self._use_replica_queue_len_cache):
             return {}
         cache = self.replica_queue_len_cache
         lengths = {r.replica_id: cache.get(r.replica_id) for r in candidates}
