@@ -138,7 +138,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     counts = [int(n) for n in args.replicas.split(",")]
-    ray.init(num_cpus=max(counts), include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=max(*counts, 2), include_dashboard=False, log_to_driver=False)  # the hit-rate test: 2
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"

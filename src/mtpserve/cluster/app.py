@@ -60,7 +60,8 @@ def application(settings: ServerSettings, options: ClusterOptions) -> Any:
     gateway = serve.deployment(Gateway).options(
         name="gateway", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=GATEWAY_MAX_ONGOING
     )
-    return gateway.bind(settings, engine.bind(settings, options.app_name, threads, options.poll), options.app_name)
+    engine_app = engine.bind(settings, options.app_name, threads, options.poll)
+    return gateway.bind(settings, engine_app, options.app_name, session_keys=options.router == "session")
 
 
 def build_app(args: Mapping[str, Any]) -> Any:

@@ -65,12 +65,14 @@ class Gateway:
     """The ingress deployment's class (app.py wraps it in `serve.deployment`): loads in the background, as
     `mtpserve serve` does (503 `Loading model` until the replicas are up)."""
 
-    def __init__(self, settings: ServerSettings, engine: Any, app_name: str) -> None:
+    def __init__(self, settings: ServerSettings, engine: Any, app_name: str, session_keys: bool = False) -> None:
         self.state = GatewayState(settings, engine, app_name)
+        self.session_keys = session_keys  # the session router's keys wanted: read chat bodies for them
         threading.Thread(target=self.state.load, name="mtpserve-load", daemon=True).start()
 
     def __serve_build_asgi_app__(self) -> Any:
-        return SessionKeys(create_app(self.state), self.state.settings.max_body_bytes)
+        app = create_app(self.state)
+        return SessionKeys(app, self.state.settings.max_body_bytes) if self.session_keys else app
 
     def __del__(self) -> None:
         self.state.close()
