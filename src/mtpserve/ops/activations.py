@@ -147,7 +147,7 @@ class ResidualGatedFFN:
     def __call__(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         if self._c_args is None or gpu_path(x):
             return self.composed(x, seq_len)
-        x2 = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() else as_rows(x)
+        x2 = as_rows(x)
         M, E = x2.shape
         y = torch.empty(M, E)
         rc = cpu_kernels.load().mtp_residual_glu_ffn(

@@ -410,7 +410,7 @@ def gated_delta_net_decode_cpu(
         return _gated_delta_net_decode_unfused(h, w, conv_states, ssms, conv_steps, ssm_steps)
     n_v_heads, K, V = ssms[0].shape
     _check_states(conv_states, ssms, "recurrent states")
-    x = h if h.dim() == 2 and h.dtype == torch.float32 and h.is_contiguous() else as_rows(h)
+    x = as_rows(h)
     dt_bias, a, conv_weight, norm_weight = w.c_floats
     pointers = ctypes.c_void_p * n_seq
     conv_ptrs = pointers(*[t.data_ptr() for t in conv_states])

@@ -118,7 +118,9 @@ class WeightGroup(tuple):
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] as a contiguous float32 [rows, K] (a view when it already is one)."""
+    """x [..., K] as a contiguous float32 [rows, K] (x itself when it already is one: decode calls this per block)."""
+    if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+        return x
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
 
