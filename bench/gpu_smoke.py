@@ -135,6 +135,7 @@ def _quant_gemv(s: Shapes, device: torch.device) -> list[Case]:
 def _quant_gemv_q8(s: Shapes, device: torch.device) -> list[Case]:
     """The integer GEMV on Q8_K activation quants, against the float GEMV's twin on the same rounded values (q * d):
     the integer dots are exact, so only float32 summation order may differ."""
+    from mtpserve.ops.activation_rounding import ActFormat
     from mtpserve.ops.quant_gemv import quant_gemv_reference
     from mtpserve.ops.rowwise import quantize_rows_reference
     from mtpserve.quant.types import GGMLType
@@ -150,7 +151,7 @@ def _quant_gemv_q8(s: Shapes, device: torch.device) -> list[Case]:
             def run(qtype=GGMLType[qtype], n=n, k=k, rows=rows) -> Comparison:
                 gen = _gen(device, 2)
                 blocks = random_blocks(qtype, n, k, device, gen)
-                q, d = quantize_rows_reference(_randn(gen, rows, k), 256)  # Q4_K/Q6_K take Q8_K activations
+                q, d = quantize_rows_reference(_randn(gen, rows, k), ActFormat(256))  # Q4_K/Q6_K: Q8_K activations
                 got = kernels().quant_gemv_q8(q, d, blocks, int(qtype))
                 rounded = q.float() * d.repeat_interleave(256, dim=-1)
                 return Comparison((got,), (quant_gemv_reference(rounded, blocks, qtype),), "float32")
@@ -161,9 +162,10 @@ def _quant_gemv_q8(s: Shapes, device: torch.device) -> list[Case]:
 
 def _quants_of(y: torch.Tensor, q: torch.Tensor, d: torch.Tensor, block: int) -> Comparison:
     """The kernel's quants against the twin's quantization of the kernel's own y: bit-identical, as promised."""
+    from mtpserve.ops.activation_rounding import ActFormat
     from mtpserve.ops.rowwise import quantize_rows_reference
 
-    want_q, want_d = quantize_rows_reference(y, block)
+    want_q, want_d = quantize_rows_reference(y, ActFormat(block))
     return Comparison((q.float(), d), (want_q.float(), want_d), "exact")
 
 
@@ -182,6 +184,7 @@ def _quantize_rows(s: Shapes, device: torch.device) -> list[Case]:
 
 @smoke_case("rms_norm_quantize")
 def _rms_norm_quantize(s: Shapes, device: torch.device) -> list[Case]:
+    from mtpserve.ops.activation_rounding import ActFormat
     from mtpserve.ops.rowwise import rms_norm_quantize_reference
 
     def case(rows: int) -> Case:
@@ -190,7 +193,7 @@ def _rms_norm_quantize(s: Shapes, device: torch.device) -> list[Case]:
             x, add = _randn(gen, rows, s.n_embd), _randn(gen, rows, s.n_embd)
             weight = torch.rand(s.n_embd, device=device, generator=gen) + 0.5
             got_s, got_y, q, d = kernels().rms_norm_quantize(x, weight, 1e-6, add=add, block=256)
-            want_s, want_y, _, _ = rms_norm_quantize_reference(x, weight, 1e-6, add=add, block=256)
+            want_s, want_y, _, _ = rms_norm_quantize_reference(x, weight, 1e-6, add=add, fmt=ActFormat(256))
             return [Comparison((got_s, got_y), (want_s, want_y), "float32"), _quants_of(got_y, q, d, 256)]
 
         return Case(f"rms_norm_quantize (+ residual) {rows}x{s.n_embd} block 256", run)
@@ -200,6 +203,7 @@ def _rms_norm_quantize(s: Shapes, device: torch.device) -> list[Case]:
 
 @smoke_case("glu_quantize")
 def _glu_quantize(s: Shapes, device: torch.device) -> list[Case]:
+    from mtpserve.ops.activation_rounding import ActFormat
     from mtpserve.ops.rowwise import glu_quantize_reference
 
     def case(rows: int) -> Case:
@@ -207,7 +211,7 @@ def _glu_quantize(s: Shapes, device: torch.device) -> list[Case]:
             gate_up = _randn(_gen(device, 11), rows, 2 * s.n_ff)  # one GEMV output, halved
             gate, up = gate_up[:, : s.n_ff], gate_up[:, s.n_ff :]
             y, q, d = kernels().glu_quantize(gate, up, "silu", block=256)
-            want_y, _, _ = glu_quantize_reference(gate, up, "silu", block=256)
+            want_y, _, _ = glu_quantize_reference(gate, up, "silu", fmt=ActFormat(256))
             return [Comparison((y,), (want_y,), "float32"), _quants_of(y, q, d, 256)]
 
         return Case(f"glu_quantize silu {rows}x{s.n_ff} block 256", run)

@@ -71,18 +71,13 @@ def test_matches_twin(qtype: GGMLType, m: int, k: int) -> None:
     _close(got, expected)
 
 
-def test_iq4_nl_path_matches_twin(monkeypatch: pytest.MonkeyPatch) -> None:
-    """IQ4_NL's path of the 32-value block kernel, not yet enabled (short of its issue bound at 3 rows), still
-    matches the twin."""
-    from mtpserve.kernels.triton import gemv_q8
-
-    qtype = GGMLType.IQ4_NL
-    monkeypatch.setattr(gemv_q8, "Q8_GEMV_TYPES", (*gemv_q8.Q8_GEMV_TYPES, gemv_q8.GGMLQuantizationType.IQ4_NL))
-    for m, k in ((1, 1024), (3, 768)):
-        blocks = _blocks(qtype, 20, k, seed=k + m)
-        xq, xd = _activations(qtype, m, k, seed=m)
-        expected = quant_gemv_q8_reference(xq, xd, blocks, qtype)
-        _close(triton_gemv_q8(xq.to(DEVICE), xd.to(DEVICE), blocks.to(DEVICE), qtype).cpu(), expected)
+@pytest.mark.parametrize("m", [1, 3])
+def test_iq4_xs_with_whole_row_tiles(m: int) -> None:
+    """N a multiple of the row tile: the IQ4_XS kernel's unclamped-row form (EVEN_N)."""
+    blocks = _blocks(GGMLType.IQ4_XS, 32, 512, seed=11 + m)
+    xq, xd = _activations(GGMLType.IQ4_XS, m, 512, seed=12)
+    expected = quant_gemv_q8_reference(xq, xd, blocks, GGMLType.IQ4_XS)
+    _close(triton_gemv_q8(xq.to(DEVICE), xd.to(DEVICE), blocks.to(DEVICE), GGMLType.IQ4_XS).cpu(), expected)
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)

@@ -16,6 +16,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton row-wi
 
 from mtpserve.kernels.triton import rowwise as kernels
 from mtpserve.ops import quant_gemv, rowwise
+from mtpserve.ops.activation_rounding import ActFormat, pair_halves
 from mtpserve.ops.linear import quantize_activations_q8_0, quantize_activations_q8_k
 
 pytestmark = [
@@ -38,6 +39,10 @@ def _kernels_at_any_rows():
     these tests hold the kernels themselves to the twins at every size."""
     with mock.patch.object(quant_gemv, "INTERPRETED_MAX_ROWS", 1 << 30):
         yield
+
+
+def _fmt(block: int | None) -> ActFormat | None:
+    return None if block is None else ActFormat(block)
 
 
 def _twin_quant(y: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,10 +100,10 @@ def _counting_launches():
 def test_quantize_rows_is_llama_cpp_rounding(M: int, K: int, block: int) -> None:
     x = _rows(M, K, seed=M * K + block)
     with _counting_launches() as launches:
-        q, d = rowwise.quantize_rows(x.to(DEVICE), block)
+        q, d = rowwise.quantize_rows(x.to(DEVICE), _fmt(block))
     assert launches == ["_quant_kernel"]
     _assert_quant(x, q, d, block)
-    assert torch.equal(q.cpu(), rowwise.quantize_rows_reference(x, block)[0])
+    assert torch.equal(q.cpu(), rowwise.quantize_rows_reference(x, _fmt(block))[0])
 
 
 @pytest.mark.parametrize("block", (256, 32))
@@ -115,11 +120,11 @@ def test_quantize_rows_ties_round_to_even() -> None:
     x = torch.zeros(1, 256)
     x[0, :6] = torch.tensor([-127.0, 0.5, 1.5, 2.5, -2.5, 126.5])
     x[0, 32:36] = torch.tensor([127.0, 0.5, 1.5, -0.5])
-    q, _ = rowwise.quantize_rows(x.to(DEVICE), 256)
+    q, _ = rowwise.quantize_rows(x.to(DEVICE), _fmt(256))
     assert q[0, :6].tolist() == [-127, 0, 2, 2, -2, 126]  # iscale = -127 / -127 = 1
-    q, _ = rowwise.quantize_rows(x.to(DEVICE), 32)
+    q, _ = rowwise.quantize_rows(x.to(DEVICE), _fmt(32))
     assert q[0, 32:36].tolist() == [127, 0, 2, 0]
-    _assert_quant(x, *rowwise.quantize_rows(x.to(DEVICE), 256), 256)
+    _assert_quant(x, *rowwise.quantize_rows(x.to(DEVICE), _fmt(256)), 256)
 
 
 @pytest.mark.parametrize("block", (256, 32, None))
@@ -128,7 +133,9 @@ def test_rms_norm_quantize_with_add(M: int, K: int, block: int | None) -> None:
     x, add = _rows(M, K, seed=K + M), torch.randn(M, K) * 0.1
     weight = torch.randn(K) * 0.5 + 1
     with _counting_launches() as launches:
-        s, y, q, d = rowwise.rms_norm_quantize(x.to(DEVICE), weight.to(DEVICE), 1e-6, add=add.to(DEVICE), block=block)
+        s, y, q, d = rowwise.rms_norm_quantize(
+            x.to(DEVICE), weight.to(DEVICE), 1e-6, add=add.to(DEVICE), fmt=_fmt(block)
+        )
     assert launches == ["_norm_kernel"]
     want_s, want_y, _, _ = rowwise.rms_norm_quantize_reference(x, weight, 1e-6, add=add)
     assert torch.equal(s.cpu(), want_s)
@@ -139,11 +146,30 @@ def test_rms_norm_quantize_with_add(M: int, K: int, block: int | None) -> None:
         _assert_quant(y, q, d, block)
 
 
+@pytest.mark.parametrize("block", (256, 32))
+def test_paired_quants_are_the_plain_ones_in_pairs(block: int) -> None:
+    """With `paired`, each kernel stores the same quants as without, each 32 as (v0, v16, v1, v17, ...): the order
+    the IQ4 GEMVs read (ops.activation_rounding.pair_halves)."""
+    x, add = _rows(3, 1024, seed=block), torch.randn(3, 1024)
+    on, on_add = x.to(DEVICE), add.to(DEVICE)
+    plain = kernels.quantize_rows(on, block)
+    paired = kernels.quantize_rows(on, block, paired=True)
+    assert torch.equal(paired[0].cpu(), pair_halves(plain[0].cpu())) and torch.equal(paired[1], plain[1])
+    norm_plain = kernels.rms_norm_quantize(on, None, 1e-6, add=on_add, block=block)
+    norm_paired = kernels.rms_norm_quantize(on, None, 1e-6, add=on_add, block=block, paired=True)
+    assert torch.equal(norm_paired[2].cpu(), pair_halves(norm_plain[2].cpu()))
+    glu_plain = kernels.glu_quantize(on, on_add, "silu", block=block)
+    glu_paired = kernels.glu_quantize(on, on_add, "silu", block=block, paired=True)
+    assert torch.equal(glu_paired[1].cpu(), pair_halves(glu_plain[1].cpu()))
+    twin_q, twin_d = rowwise.quantize_rows_reference(x, ActFormat(block, True))
+    assert torch.equal(paired[0].cpu(), twin_q) and torch.equal(paired[1].cpu(), twin_d)
+
+
 @pytest.mark.parametrize("weighted", (True, False))
 def test_rms_norm_quantize_without_add_returns_x_as_s(weighted: bool) -> None:
     x = _rows(3, 512, seed=1).to(DEVICE)
     weight = (torch.rand(512) + 0.5).to(DEVICE) if weighted else None
-    s, y, q, d = rowwise.rms_norm_quantize(x, weight, 1e-5, block=256)
+    s, y, q, d = rowwise.rms_norm_quantize(x, weight, 1e-5, fmt=_fmt(256))
     assert s is x
     want = rowwise.rms_norm_quantize_reference(x.cpu(), None if weight is None else weight.cpu(), 1e-5)[1]
     torch.testing.assert_close(y.cpu(), want, rtol=2e-6, atol=1e-6)
@@ -197,7 +223,7 @@ def test_glu_quantize_of_the_halves_of_one_output(M: int, F: int, act: str, bloc
     gate, up = gate_up[:, :F], gate_up[:, F:]
     on = gate_up.to(DEVICE)
     with _counting_launches() as launches:
-        y, q, d = rowwise.glu_quantize(on[:, :F], on[:, F:], act, block=block)
+        y, q, d = rowwise.glu_quantize(on[:, :F], on[:, F:], act, fmt=_fmt(block))
     assert launches == ["_glu_kernel"]
     assert y.shape == (M, F) and y.dtype == torch.float32
     _assert_glu(gate, up, act, y)
@@ -214,7 +240,7 @@ def test_gelu_f16_edges() -> None:
     gate[0, : len(edges)] = torch.tensor(edges)
     gate[1] = torch.linspace(-12, 12, 256)
     up = torch.full_like(gate, 3.0)
-    y, q, d = rowwise.glu_quantize(gate.to(DEVICE), up.to(DEVICE), "gelu_f16", block=256)
+    y, q, d = rowwise.glu_quantize(gate.to(DEVICE), up.to(DEVICE), "gelu_f16", fmt=_fmt(256))
     y = y.cpu()
     assert torch.isfinite(y).all()
     assert y[0, :5].tolist() == [0.0] * 5  # <= -10
@@ -227,7 +253,7 @@ def test_glu_of_silu_and_sigmoid_at_large_inputs() -> None:
     gate = torch.tensor([[-1e4, -100.0, -20.0, 0.0, 20.0, 100.0, 1e4, 3.0] * 4])
     up = torch.ones_like(gate) * 2
     for act in ("silu", "sigmoid"):
-        y, q, d = rowwise.glu_quantize(gate.to(DEVICE), up.to(DEVICE), act, block=32)
+        y, q, d = rowwise.glu_quantize(gate.to(DEVICE), up.to(DEVICE), act, fmt=_fmt(32))
         _assert_glu(gate, up, act, y)
         _assert_quant(y, q, d, 32)
 
@@ -235,9 +261,9 @@ def test_glu_of_silu_and_sigmoid_at_large_inputs() -> None:
 def test_dispatchers_take_the_twins_without_triton() -> None:
     x, add = _rows(3, 512, seed=5), torch.randn(3, 512)
     with mock.patch.object(rowwise, "triton_for_rows", return_value=False), _counting_launches() as launches:
-        s, y, q, d = rowwise.rms_norm_quantize(x, None, 1e-6, add=add, block=32)
-        y2, q2, d2 = rowwise.glu_quantize(x, add, "silu", block=256)
-        q3, d3 = rowwise.quantize_rows(x, 256)
+        s, y, q, d = rowwise.rms_norm_quantize(x, None, 1e-6, add=add, fmt=_fmt(32))
+        y2, q2, d2 = rowwise.glu_quantize(x, add, "silu", fmt=_fmt(256))
+        q3, d3 = rowwise.quantize_rows(x, _fmt(256))
     assert launches == []
     assert torch.equal(s, x + add)
     _assert_quant(y, q, d, 32)
@@ -257,7 +283,7 @@ def test_bad_arguments_are_refused() -> None:
 
 def test_rms_norm_quantize_of_bf16_rows_writes_a_float32_s() -> None:
     x = _rows(3, 256, seed=2).bfloat16()
-    s, y, q, d = rowwise.rms_norm_quantize(x.to(DEVICE), None, 1e-6, block=256)
+    s, y, q, d = rowwise.rms_norm_quantize(x.to(DEVICE), None, 1e-6, fmt=_fmt(256))
     assert s.dtype == torch.float32 and torch.equal(s.cpu(), x.float())
     torch.testing.assert_close(y.cpu(), rowwise.rms_norm_quantize_reference(x, None, 1e-6)[1], rtol=2e-6, atol=1e-6)
     _assert_quant(y, q, d, 256)

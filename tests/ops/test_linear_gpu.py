@@ -12,10 +12,11 @@ import torch
 from gguf import quants
 
 from mtpserve.ops import activations, linear, linear_gpu, norm
-from mtpserve.ops.activation_rounding import round_activations
+from mtpserve.ops.activation_rounding import ActFormat, pair_halves, round_activations
 from mtpserve.ops.device import emulate_gpu
 from mtpserve.quant.qtensor import QTensor
 from mtpserve.quant.types import GGMLType as T
+from mtpserve.quant.types import block_geometry
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="emulating the GPU path needs it")
 
@@ -26,13 +27,63 @@ def _weights(ggml_type: T, n: int, k: int, seed: int) -> QTensor:
     return QTensor(data, ggml_type, (n, k), f"w{seed}.{ggml_type.name}")
 
 
-@pytest.mark.parametrize("block, ggml_type", [(256, T.Q6_K), (32, T.Q8_0)])
-def test_quantized_rows_round_as_the_cpu_path(block: int, ggml_type: T) -> None:
+F16_SCALES = {
+    T.IQ4_XS: (0,),
+    T.IQ4_NL: (0,),
+    T.Q5_K: (0, 2),
+    T.Q6_K: (208,),
+    T.Q8_0: (0,),
+}  # the f16 fields of each block
+
+
+def _random_blocks(ggml_type: T, n: int, k: int, seed: int) -> QTensor:
+    """Types gguf-py cannot quantize: random bytes (every packing) with each f16 field a sane scale."""
+    g = torch.Generator().manual_seed(seed)
+    qk, size = block_geometry(ggml_type)
+    b = torch.randint(0, 256, (n, k // qk, size), generator=g, dtype=torch.uint8)
+    for off in F16_SCALES[ggml_type]:
+        b[:, :, off : off + 2] = (torch.rand(n, k // qk, 1, generator=g) * 0.02 + 1e-3).half().view(torch.uint8)
+    return QTensor(b.reshape(n, -1), ggml_type, (n, k), f"w{seed}.{ggml_type.name}")
+
+
+@pytest.mark.parametrize(
+    "fmt, ggml_type",
+    [
+        (ActFormat(256), T.Q6_K),
+        (ActFormat(32), T.Q8_0),
+        (ActFormat(256, True), T.IQ4_XS),
+        (ActFormat(32, True), T.IQ4_NL),
+    ],
+)
+def test_quantized_rows_round_as_the_cpu_path(fmt: ActFormat, ggml_type: T) -> None:
     x = torch.randn(3, 512)
-    rows = linear_gpu.quantize_for(x, block)
-    assert rows.q.dtype == torch.int8 and rows.d.shape == (3, 512 // block)
+    rows = linear_gpu.quantize_for(x, fmt)
+    assert linear_gpu.integer_format(_random_blocks(ggml_type, 32, 512, 0)) == fmt
+    assert rows.q.dtype == torch.int8 and rows.d.shape == (3, 512 // fmt.block)
     assert torch.equal(rows.rounded(), round_activations(x, ggml_type))
-    assert linear_gpu.quantize_for(rows, block) is rows  # already quantized: no second launch
+    assert linear_gpu.quantize_for(rows, fmt) is rows  # already quantized: no second launch
+    if fmt.paired:  # the same quants as the plain format's, each 32 stored as pairs (v0, v16, v1, v17, ...)
+        plain = linear_gpu.quantize_for(x, ActFormat(fmt.block))
+        assert torch.equal(rows.q, pair_halves(plain.q)) and torch.equal(rows.d, plain.d)
+        assert rows.q[0, 1] == plain.q[0, 16] and rows.q[0, 34] == plain.q[0, 33]
+
+
+@pytest.mark.parametrize("matmul", ["torch", "triton"])
+def test_iq4_and_other_types_reading_one_input_each_get_their_format(matmul: str) -> None:
+    """A group mixing IQ4_XS (paired Q8_K quants), Q5_K (plain Q8_K) and IQ4_NL (paired Q8_0), fed by a norm that
+    quantizes for the first: every product, by the twins or the integer GEMV kernels, equals the plain linear of the
+    norm's output."""
+    weights = [_random_blocks(T.IQ4_XS, 32, 512, 6), _random_blocks(T.Q5_K, 16, 512, 7)]
+    weights.append(_random_blocks(T.IQ4_NL, 8, 512, 8))
+    g = torch.Generator().manual_seed(9)
+    x, weight = torch.randn(3, 512, generator=g), torch.rand(512, generator=g) + 0.5
+    with emulate_gpu(matmul=matmul):
+        rows = norm.rms_norm_for(x, weight, 1e-6, matmul=weights[0])
+        outs = linear.linear_many(rows, linear.WeightGroup(weights))
+    assert isinstance(rows, linear_gpu.QuantizedRows) and rows.fmt == ActFormat(256, True)
+    for y, w in zip(outs, weights):
+        want = linear.linear_reference(rows.x, w)  # exact integer dots against float32 sums: 1e-5 of the scale
+        assert (y - want).abs().max() <= 1e-5 * want.abs().max(), w.name
 
 
 def test_a_merged_group_is_one_launch_per_type_and_the_same_products() -> None:
@@ -61,7 +112,7 @@ def test_norms_hand_their_matmul_quantized_rows_on_the_gpu_path_and_floats_on_th
         rows = norm.rms_norm_for(x, weight, 1e-6, matmul=w)
         gated = activations.sigmoid_gate_for(x, add, matmul=w)
         y = linear.linear(rows, w)
-    assert isinstance(rows, linear_gpu.QuantizedRows) and rows.block == 32
+    assert isinstance(rows, linear_gpu.QuantizedRows) and rows.fmt == ActFormat(32)
     assert torch.allclose(rows.x, norm.rms_norm_reference(x, weight, 1e-6), rtol=1e-5, atol=1e-6)
     assert isinstance(gated, linear_gpu.QuantizedRows)
     assert torch.allclose(gated.x, x * torch.sigmoid(add), rtol=1e-6, atol=1e-6)

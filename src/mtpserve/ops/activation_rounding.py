@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..quant.types import GGMLType
@@ -11,6 +13,30 @@ from ..quant.types import GGMLType
 Q8_0_ACTIVATIONS = {GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.IQ4_NL}
 Q8_1_ACTIVATIONS = {GGMLType.Q4_1, GGMLType.Q5_1}
 Q8_K_ACTIVATIONS = {GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_XS}
+# The GPU path's integer GEMVs of these types read each 32 quants as 16 pairs (j, j + 16): the order in which IQ4's
+# codebook lookup yields a weight word's values (kernels.triton.gemv_q8). The producer stores them so, once, rather
+# than every program of the GEMV interleaving every activation row again (16 byte permutes a row and a step).
+PAIRED_ACTIVATIONS = {GGMLType.IQ4_XS, GGMLType.IQ4_NL}
+
+
+@dataclass(frozen=True)
+class ActFormat:
+    """How a matmul input is quantized for its integer GEMV (ops.linear_gpu): `block` values a scale (256: Q8_K;
+    32: Q8_0, d rounded to f16 as the dot uses it), and with `paired` each 32 quants stored as (v0, v16, v1, v17,
+    ..., v15, v31) (`pair_halves`)."""
+
+    block: int
+    paired: bool = False
+
+
+def pair_halves(q: torch.Tensor) -> torch.Tensor:
+    """[..., K] (K a multiple of 32) with each 32 values v0..v31 reordered v0, v16, v1, v17, ..., v15, v31."""
+    return q.reshape(*q.shape[:-1], -1, 2, 16).transpose(-1, -2).reshape(q.shape)
+
+
+def unpair_halves(q: torch.Tensor) -> torch.Tensor:
+    """The inverse of pair_halves."""
+    return q.reshape(*q.shape[:-1], -1, 16, 2).transpose(-1, -2).reshape(q.shape)
 
 
 def _round_half_even(x: torch.Tensor) -> torch.Tensor:

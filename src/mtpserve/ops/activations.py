@@ -17,7 +17,7 @@ from ..quant.qtensor import QTensor
 from .decode_program import FFNBlock, ptr
 from .device import gpu_path
 from .linear import WeightGroup, as_rows, kernel_supports, linear, linear_many, linear_reference
-from .linear_gpu import QuantizedRows, decode_block, matmul_input
+from .linear_gpu import QuantizedRows, decode_format, matmul_input
 from .norm import rms_norm, rms_norm_for
 from .rowwise import glu_quantize
 
@@ -72,9 +72,9 @@ def gated_ffn_gpu(x: torch.Tensor | QuantizedRows, gate_up: Sequence[QTensor], d
     "silu" (SwiGLU) or "gelu_f16" (Gemma's GeGLU as llama.cpp's CPU computes it)."""
     gate, up = linear_many(x, gate_up)
     rows = gate.shape[:-1].numel()
-    block = decode_block(down, rows)
-    y, q, d = glu_quantize(gate.reshape(rows, -1), up.reshape(rows, -1), act, block=block)
-    return linear(matmul_input(y.reshape(*gate.shape), block, q, d), down)
+    fmt = decode_format(down, rows)
+    y, q, d = glu_quantize(gate.reshape(rows, -1), up.reshape(rows, -1), act, fmt=fmt)
+    return linear(matmul_input(y.reshape(*gate.shape), fmt, q, d), down)
 
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -100,9 +100,9 @@ def sigmoid_gate_for(x: torch.Tensor, gate: torch.Tensor, *, matmul: QTensor) ->
         return sigmoid_gate(x, gate)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = lead.numel()
-    block = decode_block(matmul, rows)
-    y, q, d = glu_quantize(gate.reshape(rows, k), x.reshape(rows, k), "sigmoid", block=block)
-    return matmul_input(y.reshape(*lead, k), block, q, d)
+    fmt = decode_format(matmul, rows)
+    y, q, d = glu_quantize(gate.reshape(rows, k), x.reshape(rows, k), "sigmoid", fmt=fmt)
+    return matmul_input(y.reshape(*lead, k), fmt, q, d)
 
 
 def geglu_ffn(

@@ -3,12 +3,12 @@
 llama.cpp's CPU rounds every activation row to the weight type's vec_dot type (ops.activation_rounding); so does
 the GPU path, so that its tokens stay the CPU path's. Decode and verification (up to GEMV_MAX_ROWS rows) keep the
 rounded input as int8 quants and scales (`QuantizedRows`) and multiply them by the weight's quants in integer block
-dots (`quant_gemv_q8`: dp4a, as llama.cpp's CUDA mmvq), for Q4_K, Q5_K, Q6_K, Q8_0, IQ4_XS and the legacy Q4_0,
-Q4_1, Q5_0, Q5_1 (`INTEGER_GEMV_TYPES`; the 27B is Q4_K and Q6_K). A norm or gated activation that feeds a matmul
-produces the quants in its own launch (ops.rowwise), so a decode step launches one kernel per matmul input, not the
-~17 aten kernels of `round_activations`. Prompts and the other types (IQ4_NL, the rest of the K-quants) multiply
-the rounded floats (`round_activations`, or q * d of the quants: the same values) by the float GEMV/GEMM of
-ops.quant_gemv.
+dots (`quant_gemv_q8`: dp4a, as llama.cpp's CUDA mmvq), for Q4_K, Q5_K, Q6_K, Q8_0, IQ4_XS, IQ4_NL and the legacy
+Q4_0, Q4_1, Q5_0, Q5_1 (`INTEGER_GEMV_TYPES`; the 27B is Q4_K and Q6_K). A norm or gated activation that feeds a
+matmul produces the quants in its own launch (ops.rowwise), in the `ActFormat` the GEMV reads (the IQ4 types' quants
+paired), so a decode step launches one kernel per matmul input, not the ~17 aten kernels of `round_activations`.
+Prompts and the other types (the rest of the K-quants) multiply the rounded floats (`round_activations`, or q * d
+of the quants: the same values) by the float GEMV/GEMM of ops.quant_gemv.
 
 Weights that read the same input (a `WeightGroup`: q/k/v, gate/up, a Gated DeltaNet layer's projections) are
 multiplied in one launch per weight type: the group's same-type matrices are concatenated by rows once (the members'
@@ -24,7 +24,15 @@ import torch
 
 from ..quant.qtensor import QTensor
 from ..quant.types import GGMLType
-from .activation_rounding import Q8_0_ACTIVATIONS, Q8_1_ACTIVATIONS, Q8_K_ACTIVATIONS, round_activations
+from .activation_rounding import (
+    PAIRED_ACTIVATIONS,
+    Q8_0_ACTIVATIONS,
+    Q8_1_ACTIVATIONS,
+    Q8_K_ACTIVATIONS,
+    ActFormat,
+    round_activations,
+    unpair_halves,
+)
 from .quant_gemv import GEMV_MAX_ROWS, quant_gemv_q8, quant_linear
 from .rowwise import quantize_rows
 
@@ -35,6 +43,7 @@ INTEGER_GEMV_TYPES = {
     GGMLType.Q6_K,
     GGMLType.Q8_0,
     GGMLType.IQ4_XS,
+    GGMLType.IQ4_NL,
     GGMLType.Q4_0,
     GGMLType.Q5_0,
     GGMLType.Q4_1,
@@ -52,24 +61,25 @@ def act_block(ggml_type: GGMLType) -> int | None:
     return None
 
 
-def integer_block(weight: QTensor) -> int | None:
-    """The activation block of `weight` when its decode GEMV takes quantized activations, else None."""
-    return act_block(weight.ggml_type) if weight.ggml_type in INTEGER_GEMV_TYPES else None
+def integer_format(weight: QTensor) -> ActFormat | None:
+    """The quantized input `weight`'s decode GEMV takes, or None where it takes floats."""
+    t = weight.ggml_type
+    return ActFormat(act_block(t), t in PAIRED_ACTIVATIONS) if t in INTEGER_GEMV_TYPES else None  # type: ignore[arg-type]
 
 
-def decode_block(matmul: QTensor, rows: int) -> int | None:
-    """The block a producer of `rows` input rows for `matmul` quantizes them to in its own launch: the integer
+def decode_format(matmul: QTensor, rows: int) -> ActFormat | None:
+    """The format a producer of `rows` input rows for `matmul` quantizes them to in its own launch: the integer
     GEMV's, for decode-sized inputs; None (floats) for prompts and float-GEMV types."""
-    return integer_block(matmul) if rows <= GEMV_MAX_ROWS else None
+    return integer_format(matmul) if rows <= GEMV_MAX_ROWS else None
 
 
 @dataclass(frozen=True)
 class QuantizedRows:
     """A matmul input rounded once: its float rows `x` [..., K] (for whatever else reads them) and their quants
-    `q` int8 [M, K] with scales `d` float32 [M, K // block] (block 32: the f16-rounded d the dot uses)."""
+    `q` int8 [M, K] in `fmt` with scales `d` float32 [M, K // block] (block 32: the f16-rounded d the dot uses)."""
 
     x: torch.Tensor
-    block: int
+    fmt: ActFormat
     q: torch.Tensor
     d: torch.Tensor
 
@@ -83,31 +93,32 @@ class QuantizedRows:
 
     def rounded(self) -> torch.Tensor:
         """The rounded values as float32 [..., K]: what `round_activations` gives for a weight of this block."""
-        d = self.d.repeat_interleave(self.block, dim=-1)
-        return (self.q.float() * d).reshape(self.x.shape)
+        d = self.d.repeat_interleave(self.fmt.block, dim=-1)
+        q = unpair_halves(self.q) if self.fmt.paired else self.q
+        return (q.float() * d).reshape(self.x.shape)
 
 
 Input = torch.Tensor | QuantizedRows
 
 
-def matmul_input(y: torch.Tensor, block: int | None, q: torch.Tensor | None, d: torch.Tensor | None) -> Input:
-    """A producer's output as its matmul's input: its quants with it when it made them (`decode_block`)."""
-    return y if block is None else QuantizedRows(y, block, q, d)  # type: ignore[arg-type]
+def matmul_input(y: torch.Tensor, fmt: ActFormat | None, q: torch.Tensor | None, d: torch.Tensor | None) -> Input:
+    """A producer's output as its matmul's input: its quants with it when it made them (`decode_format`)."""
+    return y if fmt is None else QuantizedRows(y, fmt, q, d)  # type: ignore[arg-type]
 
 
-def quantize_for(x: Input, block: int) -> QuantizedRows:
-    """x as quants of this block: itself when it already is, else one quantization launch."""
+def quantize_for(x: Input, fmt: ActFormat) -> QuantizedRows:
+    """x as quants in this format: itself when it already is, else one quantization launch."""
     if isinstance(x, QuantizedRows):
-        if x.block == block:
+        if x.fmt == fmt:
             return x
         x = x.x
-    q, d = quantize_rows(x.reshape(-1, x.shape[-1]), block)
-    return QuantizedRows(x, block, q, d)
+    q, d = quantize_rows(x.reshape(-1, x.shape[-1]), fmt)
+    return QuantizedRows(x, fmt, q, d)
 
 
 def _rounded(x: Input, ggml_type: GGMLType) -> torch.Tensor:
     if isinstance(x, QuantizedRows):
-        return x.rounded() if act_block(ggml_type) == x.block else round_activations(x.x, ggml_type)
+        return x.rounded() if act_block(ggml_type) == x.fmt.block else round_activations(x.x, ggml_type)
     return round_activations(x, ggml_type)
 
 
@@ -115,9 +126,9 @@ def linear_gpu(x: Input, weight: QTensor) -> torch.Tensor:
     """x [..., K] -> float32 [..., N]: integer GEMV on the quants for up to GEMV_MAX_ROWS rows of its types, else the
     float kernels on the rounded values."""
     lead, k = x.shape[:-1], x.shape[-1]
-    block = decode_block(weight, lead.numel())
-    if block is not None:
-        qx = quantize_for(x, block)
+    fmt = decode_format(weight, lead.numel())
+    if fmt is not None:
+        qx = quantize_for(x, fmt)
         y = quant_gemv_q8(qx.q, qx.d, weight)
     else:
         y = quant_linear(_rounded(x, weight.ggml_type).reshape(-1, k), weight)
@@ -126,14 +137,14 @@ def linear_gpu(x: Input, weight: QTensor) -> torch.Tensor:
 
 def linear_many_gpu(x: Input, weights: Sequence[QTensor]) -> list[torch.Tensor]:
     """[linear_gpu(x, w) for w in weights] with one launch per weight type of a merged group and one rounding per
-    activation block."""
+    activation format."""
     merged = weights.merged() if hasattr(weights, "merged") else [(w, [i]) for i, w in enumerate(weights)]
     rows = x.shape[:-1].numel()
     outs: list[torch.Tensor | None] = [None] * len(weights)
     for matrix, members in merged:
-        block = decode_block(matrix, rows)
-        if block is not None:
-            x = quantize_for(x, block)  # kept: the next matrix of this block reuses the quants
+        fmt = decode_format(matrix, rows)
+        if fmt is not None:
+            x = quantize_for(x, fmt)  # kept: the next matrix of this format reuses the quants
         y = linear_gpu(x, matrix)
         sizes = [weights[i].shape[0] for i in members]
         for i, part in zip(members, y.split(sizes, dim=-1)):

@@ -7,7 +7,7 @@ import torch
 from ..kernels import cpu as cpu_kernels
 from ..quant.qtensor import QTensor
 from .device import gpu_path
-from .linear_gpu import QuantizedRows, decode_block, matmul_input
+from .linear_gpu import QuantizedRows, decode_format, matmul_input
 from .rowwise import rms_norm_quantize
 
 
@@ -68,10 +68,10 @@ def _norm_on_gpu(
     x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor | None, eps: float, matmul: QTensor
 ) -> tuple[torch.Tensor, torch.Tensor | QuantizedRows]:
     lead, k = x.shape[:-1], x.shape[-1]
-    block = decode_block(matmul, lead.numel())
+    fmt = decode_format(matmul, lead.numel())
     rows = None if add is None else add.reshape(-1, k).float()
-    s, y, q, d = rms_norm_quantize(x.reshape(-1, k).float(), weight, eps, add=rows, block=block)
-    return s.reshape(*lead, k), matmul_input(y.reshape(*lead, k), block, q, d)
+    s, y, q, d = rms_norm_quantize(x.reshape(-1, k).float(), weight, eps, add=rows, fmt=fmt)
+    return s.reshape(*lead, k), matmul_input(y.reshape(*lead, k), fmt, q, d)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 from ..quant.dequant import dequantize
 from ..quant.qtensor import QTensor
 from ..quant.types import GGMLType, block_geometry
+from .activation_rounding import PAIRED_ACTIVATIONS, unpair_halves
 from .device import matmul_kernels
 
 GEMV_MAX_ROWS = 8  # the GEMV reads the weights once for up to 8 rows (one launch); more rows go to the GEMM
@@ -55,11 +56,13 @@ def quant_gemv_q8_reference(
     xq: torch.Tensor, xd: torch.Tensor, blocks: torch.Tensor, qtype: GGMLType | int
 ) -> torch.Tensor:
     """The integer GEMV's twin: activation quants xq int8 [m, k] with their block scales xd float32 [m, k / block]
-    times the matrix W [n, k] in `blocks` -> float32 [m, n] = (q * d) @ W.T."""
+    times the matrix W [n, k] in `blocks` -> float32 [m, n] = (q * d) @ W.T, q in pairs (activation_rounding
+    .pair_halves) for the IQ4 types, as their kernels read them."""
     t = GGMLType(int(qtype))
     block_size, type_size = block_geometry(t)
     n, k = blocks.shape[0], blocks.shape[1] // type_size * block_size
-    x = xq.float() * xd.float().repeat_interleave(k // xd.shape[-1], dim=-1)
+    q = unpair_halves(xq) if t in PAIRED_ACTIVATIONS else xq
+    x = q.float() * xd.float().repeat_interleave(k // xd.shape[-1], dim=-1)
     return x @ dequantize(blocks, t, (n, k)).to(xq.device).T
 
 

@@ -1,6 +1,7 @@
 """Matmul inputs made in one launch on the GPU path: the row-wise op before a matmul (the residual add and RMSNorm, a
-gated activation, or nothing) together with the rounding of its output to the weight type's vec_dot type (block 256:
-Q8_K, the K-quants and IQ4_XS; block 32: Q8_0, with d rounded to f16 as the dot uses it).
+gated activation, or nothing) together with the rounding of its output to the weight type's vec_dot type, in the
+`ActFormat` its integer GEMV reads (block 256: Q8_K, the K-quants and IQ4_XS; block 32: Q8_0, with d rounded to f16
+as the dot uses it; paired for the IQ4 types).
 
 Each function runs the Triton kernel of mtpserve.kernels.triton.rowwise when `triton_for_rows` (one launch, no
 other torch op, nothing synchronising with the host: safe under graph capture), else its PyTorch twin here, which
@@ -14,26 +15,32 @@ import torch
 import torch.nn.functional as F
 
 # Not ops.norm / ops.activations: they dispatch to this module (the twins below are their GPU path's semantics).
-from .activation_rounding import quantize_activations_q8_0, quantize_activations_q8_k
+from .activation_rounding import ActFormat, pair_halves, quantize_activations_q8_0, quantize_activations_q8_k
 from .quant_gemv import triton_for_rows, triton_kernels
 
 _INTERPRETER_CHUNK = 8192  # under the interpreter every op costs the same at any tile size: few, wide programs
 
 
-def quantize_rows_reference(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q int8 [M, K], d float32 [M, K / block]): Q8_K for block 256, Q8_0 (d as f16) for 32."""
+def quantize_rows_reference(x: torch.Tensor, fmt: ActFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q int8 [M, K], d float32 [M, K / block]): Q8_K for block 256, Q8_0 (d as f16) for 32; q in
+    pairs (pair_halves) when fmt.paired."""
     x = x.float()
-    if block == 256:
+    if fmt.block == 256:
         q, d = quantize_activations_q8_k(x)
-    elif block == 32:
+    elif fmt.block == 32:
         q, _, d = quantize_activations_q8_0(x)
     else:
-        raise ValueError(f"block must be 32 or 256, got {block}")
-    return q.to(torch.int8).reshape(x.shape), d
+        raise ValueError(f"block must be 32 or 256, got {fmt.block}")
+    q = q.to(torch.int8).reshape(x.shape)
+    return (pair_halves(q) if fmt.paired else q), d
 
 
-def _quantized(y: torch.Tensor, block: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    return (None, None) if block is None else quantize_rows_reference(y, block)
+def _quantized(y: torch.Tensor, fmt: ActFormat | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    return (None, None) if fmt is None else quantize_rows_reference(y, fmt)
+
+
+def _format_kwargs(fmt: ActFormat | None) -> dict:
+    return {"block": None, "paired": False} if fmt is None else {"block": fmt.block, "paired": fmt.paired}
 
 
 def rms_norm_quantize_reference(
@@ -42,17 +49,17 @@ def rms_norm_quantize_reference(
     eps: float,
     *,
     add: torch.Tensor | None = None,
-    block: int | None = None,
+    fmt: ActFormat | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The GPU path's RMSNorm (float32, torch's reduction order) after the residual add, and its rounding."""
     s = x.float() if add is None else x.float() + add.float()
     y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
     y = y if weight is None else y * weight
-    return (s, y, *_quantized(y, block))
+    return (s, y, *_quantized(y, fmt))
 
 
 def glu_quantize_reference(
-    gate: torch.Tensor, up: torch.Tensor, act: str, *, block: int | None = None
+    gate: torch.Tensor, up: torch.Tensor, act: str, *, fmt: ActFormat | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """gelu_f16 is llama.cpp's CPU GELU table without the table: tanh-GELU of the f16-rounded gate, rounded to f16;
     0 at or below -10 and the identity at or above 10."""
@@ -66,20 +73,20 @@ def glu_quantize_reference(
         y = torch.where(gate <= -10.0, torch.zeros_like(gate), torch.where(gate >= 10.0, gate, table)) * up
     else:
         raise ValueError(f"act must be silu, sigmoid or gelu_f16, got {act!r}")
-    return (y, *_quantized(y, block))
+    return (y, *_quantized(y, fmt))
 
 
 def _tiles(x: torch.Tensor) -> dict[str, int]:
     return {} if x.is_cuda else {"chunk": _INTERPRETER_CHUNK}  # on a GPU the kernels' own chunks stand
 
 
-def quantize_rows(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, fmt: ActFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """x float [M, K] -> (q int8 [M, K], d float32 [M, K // block]): llama.cpp's quantize_row_q8_K for block 256,
-    quantize_row_q8_0 for 32 (d rounded to f16, as float32). One launch on the GPU path."""
+    quantize_row_q8_0 for 32 (d rounded to f16, as float32), q paired when fmt says. One launch on the GPU path."""
     kernels = triton_kernels()
     if kernels is not None and triton_for_rows(x, x.shape[0]):
-        return kernels.quantize_rows(x, block, **_tiles(x))
-    return quantize_rows_reference(x, block)
+        return kernels.quantize_rows(x, fmt.block, paired=fmt.paired, **_tiles(x))
+    return quantize_rows_reference(x, fmt)
 
 
 def rms_norm_quantize(
@@ -88,24 +95,24 @@ def rms_norm_quantize(
     eps: float,
     *,
     add: torch.Tensor | None = None,
-    block: int | None = None,
+    fmt: ActFormat | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x [M, K] -> (s, y, q, d): s = x + add (x when add is None), y = RMSNorm(s) * weight in float32, q, d =
-    quantize_rows(y, block) (None when block is None). One launch on the GPU path. s is x itself when add is None
+    quantize_rows(y, fmt) (None when fmt is None). One launch on the GPU path. s is x itself when add is None
     and x is float32."""
     kernels = triton_kernels()
     if kernels is not None and triton_for_rows(x, x.shape[0]):
-        return kernels.rms_norm_quantize(x, weight, eps, add=add, block=block)
-    return rms_norm_quantize_reference(x, weight, eps, add=add, block=block)
+        return kernels.rms_norm_quantize(x, weight, eps, add=add, **_format_kwargs(fmt))
+    return rms_norm_quantize_reference(x, weight, eps, add=add, fmt=fmt)
 
 
 def glu_quantize(
-    gate: torch.Tensor, up: torch.Tensor, act: str, *, block: int | None = None
+    gate: torch.Tensor, up: torch.Tensor, act: str, *, fmt: ActFormat | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(y, q, d): y = act(gate) * up in float32 for act "silu", "sigmoid" or "gelu_f16" (ops.activations'
-    geglu_f16_table), q, d = quantize_rows(y, block) (None when block is None). gate and up may be strided views
+    geglu_f16_table), q, d = quantize_rows(y, fmt) (None when fmt is None). gate and up may be strided views
     (the halves of one [M, 2F] GEMV output). One launch on the GPU path."""
     kernels = triton_kernels()
     if kernels is not None and triton_for_rows(gate, gate.shape[0]):
-        return kernels.glu_quantize(gate, up, act, block=block, **_tiles(gate))
-    return glu_quantize_reference(gate, up, act, block=block)
+        return kernels.glu_quantize(gate, up, act, **_format_kwargs(fmt), **_tiles(gate))
+    return glu_quantize_reference(gate, up, act, fmt=fmt)

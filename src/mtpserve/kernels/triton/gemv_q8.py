@@ -3,65 +3,75 @@ of d_x * (the weight's scales applied to the integer dot products of its quants 
 
 The activations arrive rounded to the weight type's vec_dot type (ops.linear): xq int8 [m, k] with one float32
 scale per `act_block(qtype)` values (Q8_K: 256, exact f32 d; Q8_0: 32, its f16-rounded d, for Q8_0 and the
-other 32-value block types). Q4_K/Q5_K: d_x * (d *
+other 32-value block types); for IQ4_XS and IQ4_NL each 32 quants come paired, (v0, v16, v1, v17, ...)
+(ops.activation_rounding.pair_halves), the order their codebook lookup yields a weight word's values in, so no
+program interleaves them again. Q4_K/Q5_K: d_x * (d *
 sum_j sc_j dot_j - dmin * sum_j mn_j sum_j(q_x)); Q6_K: d_x * d * sum_g sc_g (dot(q, x) - 32 sum(q_x)) per 16 values;
-Q8_0: d_w * d_x * dot; IQ4_XS: d_x * d * sum_ib (ls_ib - 32) * dot(K[q], x); Q4_0/Q5_0: d_w * d_x * (dot - 8 (16) *
-sum(q_x)); Q4_1/Q5_1: d_x * (d_w * dot + m_w * sum(q_x)), the min times the rounded quants' sum (the GPU path's Q8_0
-rounding; llama.cpp's Q8_1 s is the same sum times d). Dot products and the sums over a
-super-block's lanes are int32 (dp4a); each lane's super-block total goes to float32 once. `quant_gemv_q8_reference`
-in ops.quant_gemv is the twin (the same sums in float32: they agree up to float32 order).
+Q8_0: d_w * d_x * dot; IQ4_XS: d_x * d * sum_ib (ls_ib - 32) * dot(K[q], x); IQ4_NL: d_w * d_x * dot(K[q], x);
+Q4_0/Q5_0: d_w * d_x * (dot - 8 (16) * sum(q_x)); Q4_1/Q5_1: d_x * (d_w * dot + m_w * sum(q_x)), the min times the
+rounded quants' sum (the GPU path's Q8_0 rounding; llama.cpp's Q8_1 s is the same sum times d). Dot products and the
+sums over a super-block's lanes are int32 (dp4a); each lane's super-block total goes to float32 once.
+`quant_gemv_q8_reference` in ops.quant_gemv is the twin (the same sums in float32: they agree up to float32 order).
 
 Work split: one warp a program, 8 weight rows (Q8_0: 4) and four rows a thread: a thread reads 16-byte vectors (IQ4_XS:
 8-byte) of one 32-byte lane of a super-block (Q4_K/Q5_K/IQ4_XS: qs[32c ..]; Q6_K: a quarter; Q8_0: one 34-byte block)
-for its four rows, unpacks each weight word once (masks and shifts; IQ4_XS: signed codebook bytes by two prmt lookups
+for its four rows, unpacks each weight word once (masks and shifts; IQ4: signed codebook bytes by two prmt lookups
 and an IADD3 per four indices, tables held in registers) and dots it with every activation row; the activation words and
 their sums are loaded once a thread for all four rows. A warp spans 16 lanes (4 super-blocks; Q8_0: 32 blocks) by 2 row
 pairs, accumulates per thread and reduces across the warp once, after the K loop. The 27B's 5120-row matrices give 640
 programs (1280 for Q8_0), about 5 a SM on the H200's 132, with no split-K: an atomic split needs `out` zeroed (a launch)
 and makes the sums' order vary; a second pass is a launch too. Steps take 4 super-blocks when K allows (any K % 1024 ==
 0), else 2 or 1, so there is no masked tail. From 5 activation rows a thread takes two weight rows (four spill); IQ4_XS
-keeps four with maxnreg 255 (ptxas alone stops at 168 registers and spills).
+keeps four with maxnreg 255 (ptxas alone stops at 168 registers and spills) and takes eight at 2-3 rows.
+
+The activations' row stride is a compile-time constant (one build per K) and the loop's offsets are 64-bit: every
+activation row of a step then loads from one address register with immediate offsets (the 32-bit index arithmetic
+had cost an IMAD and a LEA pair per row and step).
 
 Issue bound (tests/support/sass.py on the hot loop: bytes per program step / (warps x loop instructions) x SMs x 4 x
-clock; sm_90 H200, HBM 4.8 TB/s / sm_75 RTX 2080 Ti, 0.616 TB/s), measured at the 27B's shapes, 1 and 3 rows:
+clock; sm_90 H200, HBM 4.8 TB/s / sm_75 RTX 2080 Ti, 0.616 TB/s), measured at the 27B's shapes, 1 and 3 rows
+(`bench/gpu_static.py`; the whole table in docs/perf/gpu_static_after.json):
 
     type    rows  sm_90 loop  TB/s  x HBM   sm_75 loop  TB/s  x HBM
-    Q4_K    1     311         15.5  3.2     298         6.5   10.6
-    Q4_K    3     554          8.7  1.8     553         3.5    5.7
-    Q6_K    1     512         13.7  2.9     505         5.6    9.1
-    Q6_K    3     765          9.2  1.9     755         3.7    6.1
-    Q5_K    1     491         12.0  2.5     490         4.8    7.8
-    Q5_K    3     765          7.7  1.6     745         3.2    5.2
-    Q8_0    1     175         26.0  5.4     178        10.3   16.7
-    Q8_0    3     297         15.3  3.2     321         5.7    9.3
-    IQ4_XS  1     472          9.6  2.0     472         3.9    6.3
-    IQ4_XS  3     694          6.6  1.4     695         2.6    4.3
+    Q4_K    1     298         16.2  3.4     297         6.5   10.6
+    Q4_K    3     540          8.9  1.9     539         3.6    5.8
+    Q6_K    1     510         13.8  2.9     502         5.6    9.1
+    Q6_K    3     746          9.4  2.0     739         3.8    6.2
+    Q5_K    1     490         12.0  2.5     489         4.8    7.9
+    Q5_K    3     732          8.0  1.7     731         3.2    5.3
+    Q8_0    1     174         26.2  5.5     177        10.3   16.8
+    Q8_0    3     283         16.1  3.4     318         5.8    9.3
+    IQ4_XS  1     454         10.0  2.1     454         4.0    6.5
+    IQ4_XS  3     1254 (8/t)   7.3  1.51    1242 (8/t)  2.9    4.8
 
-IQ4_XS at 3 rows is still short of 1.5x on sm_90: per weight word (8 indices) the lookup is 9 instructions (4 prmt,
-2 IADD3, the xor and two shifts that make the selectors) and the dots 2 a row; with the activations' interleave
-(16 prmt a row, shared by a thread's four weight rows) and the scales, 694 a loop where 1.5x needs <= 631. (4 rows:
-805, 1.2x; 8 weight rows a thread: 3 rows 1.44x but half the programs.) No configuration spills (ptxas -v), 1 to 8
-rows. Layouts: ../shared/spec/gguf-quant-formats.md §3.
+IQ4's lookup is 9 instructions a weight word (8 indices: 4 prmt, 2 IADD3, the xor and two shifts that make the
+selectors; a prmt reads 16 selector bits, so 3 of the 4 selector words cost an instruction) against 2 dp4a a word
+and activation row. At 3 rows four weight rows a thread gave 632 a loop, 0.1% short of 1.5x on sm_90; eight (8/t:
+twice the bytes a step, the activations' loads shared by more rows, half the programs) clear it. With N a multiple
+of the row tile (EVEN_N) the rows need no clamp, which lets ptxas share the rows' address arithmetic (1267 -> 1254).
+No configuration spills (ptxas -v), 1 to 8 rows. Layouts: ../shared/spec/gguf-quant-formats.md §3.
 
-Q4_0, Q5_0, Q4_1, Q5_1 (`_legacy_kernel`): Q8_0's split (one block a lane, 32 lanes, four weight rows a thread;
-Q5_0 eight up to 4 activation rows), nibbles as unsigned bytes (dp4a_u8; 4-bit high nibbles in place, times 16),
-fifth bits spread by one multiply, each activation row's block sum (dp4a by 0x01010101) shared by a thread's rows.
-Its per-lane scales are loaded through a lane stride the compiler cannot prove contiguous: otherwise it loads them 4
-lanes a thread and converts them through shared memory every step (Q8_0's kernel still does).
+Q4_0, Q5_0, IQ4_NL, Q4_1, Q5_1 (`_legacy_kernel`): Q8_0's split (one block a lane, 32 lanes, four weight rows a thread;
+Q5_0 and IQ4_NL eight up to 4 activation rows), nibbles as unsigned bytes (dp4a_u8; 4-bit high nibbles in place,
+times 16), fifth bits spread by one multiply, each activation row's block sum (dp4a by 0x01010101) shared by a
+thread's rows; IQ4_NL's nibbles through IQ4_XS's codebook lookup. Its per-lane scales are loaded through a lane
+stride the compiler cannot prove contiguous: otherwise it loads them 4 lanes a thread and converts them through
+shared memory every step (Q8_0's kernel still does).
 
-    type    rows  sm_90 loop  TB/s  x HBM   sm_75 loop  TB/s  x HBM   (4 weight rows a thread; Q5_0 8)
-    Q4_0    1     163         14.8  3.1     156         6.2   10.1
-    Q4_0    3     300          8.0  1.7     289         3.4    5.4
-    Q5_0    1     563         10.5  2.2     562         4.2    6.8
-    Q5_0    3     790          7.5  1.6     791         3.0    4.9
-    Q4_1    1     153         17.5  3.6     146         7.4   12.0
-    Q4_1    3     294          9.1  1.9     287         3.7    6.1
-    Q5_1    1     273         11.8  2.5     266         4.9    7.9
-    Q5_1    3     406          7.9  1.6     399         3.2    5.3
+    type    rows  sm_90 loop  TB/s  x HBM   sm_75 loop  TB/s  x HBM   (4 weight rows a thread; Q5_0, IQ4_NL 8)
+    Q4_0    1     158         15.2  3.2     153         6.3   10.3
+    Q4_0    3     278          8.7  1.8     273         3.6    5.8
+    Q5_0    1     568         10.4  2.2     559         4.2    6.9
+    Q5_0    3     768          7.7  1.6     759         3.1    5.1
+    IQ4_NL  1     494          9.8  2.0     486         4.0    6.5
+    IQ4_NL  3     668          7.2  1.50    668         2.9    4.7
+    Q4_1    1     144         18.6  3.9     143         7.5   12.2
+    Q4_1    3     272          9.8  2.1     271         4.0    6.4
+    Q5_1    1     264         12.2  2.5     263         4.9    8.0
+    Q5_1    3     384          8.4  1.7     383         3.4    5.5
 
-IQ4_NL has a path in the kernel (IQ4_XS's lookup, tested) but is not enabled: 1.3x HBM at 3 rows on sm_90 (382 a
-loop for four weight rows, 1.4x with eight); the lookup's 9 instructions a weight word dominate, as for IQ4_XS. No
-spills to 8 activation rows (ptxas -v, both arches).
+IQ4_NL at 3 rows sits at the goal's edge (7.21 TB/s against 7.2): its 18-byte blocks cost 4 funnel shifts a row
+and its float epilogue comes every 32 values. No spills to 8 activation rows (ptxas -v, both arches).
 """
 
 from __future__ import annotations
@@ -81,12 +91,13 @@ Q8_GEMV_TYPES = (
     GGMLQuantizationType.Q6_K,
     GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.IQ4_XS,
+    GGMLQuantizationType.IQ4_NL,
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q5_0,
     GGMLQuantizationType.Q4_1,
     GGMLQuantizationType.Q5_1,
 )
-# `_legacy_kernel`'s types and its block layout flags (IQ4_NL: a tested path, not yet in Q8_GEMV_TYPES)
+# `_legacy_kernel`'s types and its block layout flags
 _LEGACY = {
     GGMLQuantizationType.Q4_0: {"SIZE": 18, "FIVE": False, "MIN": False, "NL": False},
     GGMLQuantizationType.Q5_0: {"SIZE": 22, "FIVE": True, "MIN": False, "NL": False},
@@ -114,8 +125,8 @@ def _kquant_kernel(
     y_ptr,
     N,
     n_sb,
-    stride_xq,
-    stride_xd,
+    stride_xq: tl.constexpr,
+    stride_xd: tl.constexpr,
     stride_w,
     stride_y,
     M: tl.constexpr,
@@ -202,12 +213,12 @@ def _kquant_kernel(
             lo6 &= 0x0F0F0F0F
             lo7 &= 0x0F0F0F0F
         for m in tl.static_range(M):
-            xr = x_at + (b0 * 64 + m * stride_xq)
+            xr = x_at + (tl.cast(b0, tl.int64) * 64 + m * stride_xq)
             x0, x1, x2, x3 = words4(tl.load(xr))
             x4, x5, x6, x7 = words4(tl.load(xr + 4))
             y0, y1, y2, y3 = words4(tl.load(xr + 8))
             y4, y5, y6, y7 = words4(tl.load(xr + 12))
-            xd = tl.load(xd_at + (b0 + m * stride_xd))
+            xd = tl.load(xd_at + (tl.cast(b0, tl.int64) + m * stride_xd))
             s_lo = dp4a(x0, ones, dp4a(x1, ones, dp4a(x2, ones, dp4a(x3, ones, 0, ASM), ASM), ASM), ASM)
             s_lo = dp4a(x4, ones, dp4a(x5, ones, dp4a(x6, ones, dp4a(x7, ones, s_lo, ASM), ASM), ASM), ASM)
             s_hi = dp4a(y0, ones, dp4a(y1, ones, dp4a(y2, ones, dp4a(y3, ones, 0, ASM), ASM), ASM), ASM)
@@ -232,8 +243,8 @@ def _q6k_kernel(
     y_ptr,
     N,
     n_sb,
-    stride_xq,
-    stride_xd,
+    stride_xq: tl.constexpr,
+    stride_xd: tl.constexpr,
     stride_w,
     stride_y,
     M: tl.constexpr,
@@ -304,12 +315,12 @@ def _q6k_kernel(
         q32 = ((b2w >> 4) & 0x0F0F0F0F) | ((h2 >> 2) & 0x30303030)
         q33 = ((b3w >> 4) & 0x0F0F0F0F) | ((h3 >> 2) & 0x30303030)
         for m in tl.static_range(M):
-            xr = x_at + (b0 * 64 + m * stride_xq)
+            xr = x_at + (tl.cast(b0, tl.int64) * 64 + m * stride_xq)
             x00, x01, x02, x03 = words4(tl.load(xr))
             x10, x11, x12, x13 = words4(tl.load(xr + 8))
             x20, x21, x22, x23 = words4(tl.load(xr + 16))
             x30, x31, x32, x33 = words4(tl.load(xr + 24))
-            xd = tl.load(xd_at + (b0 + m * stride_xd))
+            xd = tl.load(xd_at + (tl.cast(b0, tl.int64) + m * stride_xd))
             s0 = dot4(x00, x01, x02, x03, ones, ones, ones, ones, 0, ASM)
             s1 = dot4(x10, x11, x12, x13, ones, ones, ones, ones, 0, ASM)
             s2 = dot4(x20, x21, x22, x23, ones, ones, ones, ones, 0, ASM)
@@ -332,8 +343,8 @@ def _q8_0_kernel(
     y_ptr,
     N,
     n_blk,
-    stride_xq,
-    stride_xd,
+    stride_xq: tl.constexpr,
+    stride_xd: tl.constexpr,
     stride_w,
     stride_y,
     M: tl.constexpr,
@@ -376,10 +387,10 @@ def _q8_0_kernel(
         q7 = funnel(w7, w8, sh, ASM)
         d = tl.load(d_at + b0 * 17).to(tl.float32)
         for m in tl.static_range(M):
-            xr = x_at + (b0 * 8 + m * stride_xq)
+            xr = x_at + (tl.cast(b0, tl.int64) * 8 + m * stride_xq)
             x0, x1, x2, x3 = words4(tl.load(xr))
             x4, x5, x6, x7 = words4(tl.load(xr + 4))
-            xd = tl.load(xd_at + (b0 + m * stride_xd))
+            xd = tl.load(xd_at + (tl.cast(b0, tl.int64) + m * stride_xd))
             t = dot4(q0, q1, q2, q3, x0, x1, x2, x3, 0, ASM)
             t = dot4(q4, q5, q6, q7, x4, x5, x6, x7, t, ASM)
             part = (d * xd) * t.to(tl.float32)
@@ -402,12 +413,6 @@ def _iq4_lookup(w, t0, t1, t2, t3, ASM: tl.constexpr):
 
 
 @triton.jit
-def _nibble_order(a, b, ASM: tl.constexpr):
-    """Activation words a (paired with low nibbles) and b (high nibbles) interleaved in `_iq4_lookup`'s order."""
-    return prmt(a, b, tl.full(a.shape, 0x5140, tl.int32), ASM), prmt(a, b, tl.full(a.shape, 0x7362, tl.int32), ASM)
-
-
-@triton.jit
 def _sext6(x):
     """The low 6 bits of int32 x as a signed number."""
     return (x << 26) >> 26
@@ -421,9 +426,9 @@ def _iq4xs_kernel(
     y_ptr,
     N,
     n_sb,
-    stride_xq,
-    stride_xd,
-    stride_w,
+    stride_xq: tl.constexpr,
+    stride_xd: tl.constexpr,
+    stride_w: tl.constexpr,
     stride_y,
     table0,
     table1,
@@ -434,6 +439,7 @@ def _iq4xs_kernel(
     BLOCK_N: tl.constexpr,
     SB: tl.constexpr,
     ASM: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
     """IQ4_XS: lane p of a super-block takes qs[32p .. 32p + 31], sub-blocks 2p and 2p + 1 (16 bytes each: low
     nibbles the first 16 values, high nibbles the next 16), in 8-byte loads (blocks are 136 bytes)."""
@@ -450,7 +456,8 @@ def _iq4xs_kernel(
     words = w_ptr.to(tl.pointer_type(tl.int32))
     xwords = xq_ptr.to(tl.pointer_type(tl.int32))
     # stride_w counts 8-byte units (blocks are 136 bytes): the row starts it gives are 8-byte aligned, for 8-byte loads
-    w_at = words + (rows_safe.to(tl.int64) * stride_w * 2)[:, None] + (sb * 34)[None, :]  # [BLOCK_N, L]
+    # with N a multiple of BLOCK_N the rows need no clamp, and ptxas then shares address arithmetic between them
+    w_at = words + ((rows if EVEN_N else rows_safe).to(tl.int64) * stride_w * 2)[:, None] + (sb * 34)[None, :]
     q_at = w_at[:, :, None] + (2 + 8 * lp)[None, :, None] + v4[None, None, :]
     h_at = w_at[:, :, None] + v[None, None, :]
     nibble = tl.full((BLOCK_N, SB * 4), 0x0F, tl.int32)
@@ -465,10 +472,10 @@ def _iq4xs_kernel(
     t3 = zero + table3
     acc = tl.zeros((M_PAD, BLOCK_N, SB * 4), dtype=tl.float32)
     for b0 in range(0, n_sb, SB):
-        p = q_at + b0 * 34
+        p = q_at + tl.cast(b0, tl.int64) * 34
         n0, n1, n2, n3 = words4(tl.load(p))
         n4, n5, n6, n7 = words4(tl.load(p + 4))
-        h0, h1 = tl.split(tl.load(h_at + b0 * 34))  # d | scales_h << 16, scales_l
+        h0, h1 = tl.split(tl.load(h_at + tl.cast(b0, tl.int64) * 34))  # d | scales_h << 16, scales_l
         d = half(h0, False)
         # 6-bit scales ls = low nibble | high bit pair << 4, less 32: the sign extension of ls ^ 0x20 (odd bits of
         # scales_h flipped), a nibble of scales_l muxed with the pair moved to bits 4-5
@@ -485,24 +492,16 @@ def _iq4xs_kernel(
         c4, c5 = _iq4_lookup(n6, t0, t1, t2, t3, ASM)
         c6, c7 = _iq4_lookup(n7, t0, t1, t2, t3, ASM)
         for m in tl.static_range(M):
-            xr = x_at + (b0 * 64 + m * stride_xq)
+            xr = x_at + (tl.cast(b0, tl.int64) * 64 + m * stride_xq)
             x0, x1, x2, x3 = words4(tl.load(xr))
             x4, x5, x6, x7 = words4(tl.load(xr + 4))
             y0, y1, y2, y3 = words4(tl.load(xr + 8))
             y4, y5, y6, y7 = words4(tl.load(xr + 12))
-            xd = tl.load(xd_at + (b0 + m * stride_xd))
-            p0, p1 = _nibble_order(x0, x4, ASM)
-            p2, p3 = _nibble_order(x1, x5, ASM)
-            p4, p5 = _nibble_order(x2, x6, ASM)
-            p6, p7 = _nibble_order(x3, x7, ASM)
-            t = dot4(a0, a1, a2, a3, p0, p1, p2, p3, 0, ASM)
-            t = dot4(a4, a5, a6, a7, p4, p5, p6, p7, t, ASM)
-            p0, p1 = _nibble_order(y0, y4, ASM)
-            p2, p3 = _nibble_order(y1, y5, ASM)
-            p4, p5 = _nibble_order(y2, y6, ASM)
-            p6, p7 = _nibble_order(y3, y7, ASM)
-            u = dot4(c0, c1, c2, c3, p0, p1, p2, p3, 0, ASM)
-            u = dot4(c4, c5, c6, c7, p4, p5, p6, p7, u, ASM)
+            xd = tl.load(xd_at + (tl.cast(b0, tl.int64) + m * stride_xd))
+            t = dot4(a0, a1, a2, a3, x0, x1, x2, x3, 0, ASM)  # the activations arrive paired: no interleave
+            t = dot4(a4, a5, a6, a7, x4, x5, x6, x7, t, ASM)
+            u = dot4(c0, c1, c2, c3, y0, y1, y2, y3, 0, ASM)
+            u = dot4(c4, c5, c6, c7, y4, y5, y6, y7, u, ASM)
             part = (d * xd) * (ls0 * t + ls1 * u).to(tl.float32)
             acc += tl.where(ms[:, None, None] == m, part[None, :, :], 0.0)
     y = tl.sum(acc, axis=2)
@@ -524,8 +523,8 @@ def _legacy_kernel(
     y_ptr,
     N,
     n_blk,
-    stride_xq,
-    stride_xd,
+    stride_xq: tl.constexpr,
+    stride_xd: tl.constexpr,
     stride_w,
     stride_y,
     table0,
@@ -576,7 +575,7 @@ def _legacy_kernel(
     for b0 in range(0, n_blk, L):
         # the block's 5 or 6 words (from an aligned word) as [BLOCK_N, L, 4] loads and one of 2 or 1 or two of 1:
         # a [BLOCK_N, L] load gets a layout of its own, converted through shared memory every step
-        p = w_at + b0 * SIZE // 4  # L is even: a step is whole words
+        p = w_at + tl.cast(b0, tl.int64) * SIZE // 4  # L is even: a step is whole words
         w0, w1, w2, w3 = words4(tl.load(p[:, :, None] + v[None, None, :]))
         if SIZE == 24:  # 8-byte aligned: one vector
             w4, w5 = tl.split(tl.load(p[:, :, None] + (v2 + 4)[None, None, :]))
@@ -629,17 +628,13 @@ def _legacy_kernel(
             a7 = q3 & -0x0F0F0F10
             d = d * 0.0625
         for m in tl.static_range(M):
-            xr = x_at + (b0 * 8 + m * stride_xq)
+            xr = x_at + (tl.cast(b0, tl.int64) * 8 + m * stride_xq)
             x0, x1, x2, x3 = words4(tl.load(xr))
             x4, x5, x6, x7 = words4(tl.load(xr + 4))
-            xd = tl.load(xd_at + (b0 + m * stride_xd))
-            if NL:
-                p0, p1 = _nibble_order(x0, x4, ASM)
-                p2, p3 = _nibble_order(x1, x5, ASM)
-                p4, p5 = _nibble_order(x2, x6, ASM)
-                p6, p7 = _nibble_order(x3, x7, ASM)
-                t = dot4(a0, a1, a2, a3, p0, p1, p2, p3, 0, ASM)
-                t = dot4(a4, a5, a6, a7, p4, p5, p6, p7, t, ASM)
+            xd = tl.load(xd_at + (tl.cast(b0, tl.int64) + m * stride_xd))
+            if NL:  # the activations arrive paired: no interleave
+                t = dot4(a0, a1, a2, a3, x0, x1, x2, x3, 0, ASM)
+                t = dot4(a4, a5, a6, a7, x4, x5, x6, x7, t, ASM)
                 part = (d * xd) * t.to(tl.float32)
             else:
                 s = dot4(x0, x1, x2, x3, ones, ones, ones, ones, 0, ASM)
@@ -694,27 +689,33 @@ _KERNELS = {
 }
 
 
-def _config(t: GGMLQuantizationType, k: int, row_bytes: int, m: int) -> tuple[object, int, int, dict]:
+def _config(t: GGMLQuantizationType, n: int, k: int, row_bytes: int, m: int) -> tuple[object, int, int, dict]:
     """The kernel, its K steps argument (super-blocks or blocks), the weight row stride in its units, and the
     tile: one warp, four weight rows a thread (8 rows a program where a warp spans 16 lanes); two from 5 activation
-    rows (Q6_K spills at 8 with four), except IQ4_XS, which keeps four (up to 255 registers: no spills to 8 rows)."""
+    rows (Q6_K spills at 8 with four), except IQ4_XS, which keeps four (up to 255 registers: no spills to 8 rows) and
+    takes eight at 2-3; IQ4_NL and Q5_0 take eight up to 4 activation rows."""
     if t == GGMLQuantizationType.Q8_0 or t in _LEGACY:
         n_blk = k // 32
         lanes = next(x for x in (32, 16, 8, 4, 2) if n_blk % x == 0)
         if t in _LEGACY:
-            # Q5_0's fifth bits cost as much as the rest of its unpacking: 8 rows a thread share the activations'
-            # loads and sums among more weight rows (to 4 activation rows: 204 registers at 5)
-            per_thread = 8 if t == GGMLQuantizationType.Q5_0 and m <= 4 else 4
+            # Q5_0's fifth bits and IQ4_NL's codebook lookup cost as much as the rest of their unpacking: 8 rows a
+            # thread share the activations' loads and sums among more weight rows (to 4 activation rows: 204
+            # registers at 5)
+            per_thread = 8 if t in (GGMLQuantizationType.Q5_0, GGMLQuantizationType.IQ4_NL) and m <= 4 else 4
             return _legacy_kernel, n_blk, row_bytes, {"BLOCK_N": per_thread * 32 // lanes, "L": lanes, **_LEGACY[t]}
         return _q8_0_kernel, n_blk, row_bytes, {"BLOCK_N": 4 * 32 // lanes, "L": lanes}
     n_sb = k // 256
     sb = 4 if n_sb % 4 == 0 else 2 if n_sb % 2 == 0 else 1
-    per_thread = 2 if m >= 5 and t != GGMLQuantizationType.IQ4_XS else 4
+    if t == GGMLQuantizationType.IQ4_XS:
+        # 8 weight rows a thread at 2-3 activation rows (the codebook lookup leaves the 4-row loop 0.1% short of
+        # 1.5x HBM at 3); ptxas alone caps it at 168 registers and spills from 3 rows
+        per_thread = 8 if 2 <= m <= 3 else 4
+        cfg = {"BLOCK_N": per_thread * 32 // (4 * sb), "SB": sb, "maxnreg": 255}
+        return _iq4xs_kernel, n_sb, row_bytes // 8, {**cfg, "EVEN_N": n % cfg["BLOCK_N"] == 0}
+    per_thread = 2 if m >= 5 else 4
     cfg = {"BLOCK_N": per_thread * 32 // (4 * sb), "SB": sb}
     if t in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
         return _kquant_kernel, n_sb, row_bytes // 4, {**cfg, "FIVE": t == GGMLQuantizationType.Q5_K}
-    if t == GGMLQuantizationType.IQ4_XS:  # ptxas alone caps it at 168 registers and spills from 3 rows
-        return _iq4xs_kernel, n_sb, row_bytes // 8, {**cfg, "maxnreg": 255}
     return _q6k_kernel, n_sb, row_bytes, cfg
 
 
@@ -754,7 +755,7 @@ def quant_gemv_q8(
     for start in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - start)
         xs, ds, ys = xq[start : start + rows], xd[start : start + rows], out[start : start + rows]
-        kernel, steps, stride_w, cfg = _config(t, k, blocks.stride(0), rows)
+        kernel, steps, stride_w, cfg = _config(t, n, k, blocks.stride(0), rows)
         kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             xs,
             ds,

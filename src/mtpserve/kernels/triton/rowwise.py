@@ -3,7 +3,8 @@ weight type's llama.cpp "vec_dot type" (../shared/spec/gguf-quant-formats.md §5
 
 * `quantize_rows`: x [M, K] -> int8 q [M, K] and float32 d [M, K / block], per block of 256 (quantize_row_q8_K:
   iscale = -127 / the signed element of largest magnitude, q = min(127, rint(iscale * x)), d = 1 / iscale) or of
-  32 (quantize_row_q8_0: q = rint(x * (127 / amax)), d = amax / 127 rounded to f16, the d the dot uses).
+  32 (quantize_row_q8_0: q = rint(x * (127 / amax)), d = amax / 127 rounded to f16, the d the dot uses). With
+  `paired`, each 32 quants are stored as 16 pairs (v0, v16, v1, v17, ...): the order IQ4's integer GEMV reads.
 * `rms_norm_quantize`: s = x + add (the residual stream), y = s / sqrt(mean(s^2) + eps) * weight, and y quantized.
 * `glu_quantize`: y = act(gate) * up for SwiGLU ("silu"), a sigmoid gate ("sigmoid") and llama.cpp's CPU GeGLU
   ("gelu_f16": tanh-GELU of the f16-rounded gate, rounded to f16; 0 at or below -10, the identity at or above 10),
@@ -54,8 +55,19 @@ def _exp(x, COMPILED: tl.constexpr):
 
 
 @triton.jit
-def _quantize_store(y, offs, ok, q_ptr, d_ptr, d_offs, d_ok, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
-    """Quantize y [blocks, BLOCK] block by block (row by row) and store q int8 at offs, d float32 at d_offs."""
+def _paired(offs):
+    """Where value offs of its 32 (rows start at multiples of 32) is stored in the paired order: j -> 2j for the
+    first 16, 2 (j - 16) + 1 for the next."""
+    j = offs % 32
+    return offs + tl.where(j < 16, j, j - 31)
+
+
+@triton.jit
+def _quantize_store(
+    y, offs, ok, q_ptr, d_ptr, d_offs, d_ok, BLOCK: tl.constexpr, PAIRED: tl.constexpr, COMPILED: tl.constexpr
+):
+    """Quantize y [blocks, BLOCK] block by block (row by row) and store q int8 at offs (paired: `_paired(offs)`), d
+    float32 at d_offs."""
     ay = tl.abs(y)
     amax = tl.max(ay, axis=1)
     if BLOCK == 256:
@@ -72,7 +84,7 @@ def _quantize_store(y, offs, ok, q_ptr, d_ptr, d_offs, d_ok, BLOCK: tl.constexpr
         inv = tl.where(nz, tl.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.where(nz, amax, 1.0)), 0.0)
         q = _round_half_even(y * inv[:, None], COMPILED)
         d = tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)).to(tl.float16).to(tl.float32)
-    tl.store(q_ptr + offs, q.to(tl.int8), mask=ok)
+    tl.store(q_ptr + (_paired(offs) if PAIRED else offs), q.to(tl.int8), mask=ok)
     tl.store(d_ptr + d_offs, d, mask=d_ok)
 
 
@@ -100,6 +112,7 @@ def _norm_store(
     HAS_WEIGHT: tl.constexpr,
     QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PAIRED: tl.constexpr,
     NB: tl.constexpr,
     COMPILED: tl.constexpr,
 ):
@@ -112,7 +125,7 @@ def _norm_store(
         n_blocks = K // BLOCK
         blocks = block0 + tl.arange(0, NB)
         _quantize_store(
-            y, row * K + offs, ok, q_ptr, d_ptr, row * n_blocks + blocks, blocks < n_blocks, BLOCK, COMPILED
+            y, row * K + offs, ok, q_ptr, d_ptr, row * n_blocks + blocks, blocks < n_blocks, BLOCK, PAIRED, COMPILED
         )
 
 
@@ -137,6 +150,7 @@ def _norm_kernel(
     STORE_S: tl.constexpr,
     QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PAIRED: tl.constexpr,
     CHUNK: tl.constexpr,
     SINGLE: tl.constexpr,
     COMPILED: tl.constexpr,
@@ -162,7 +176,9 @@ def _norm_kernel(
     mean = tl.div_rn(total, k_float)
     r = tl.div_rn(1.0, tl.sqrt_rn(mean + eps))  # correctly rounded, where tl.rsqrt is rsqrt.approx
     if SINGLE:
-        _norm_store(s, r, tile, ok, 0, row, K, w_ptr, y_ptr, q_ptr, d_ptr, HAS_WEIGHT, QUANT, BLOCK, NB, COMPILED)
+        _norm_store(
+            s, r, tile, ok, 0, row, K, w_ptr, y_ptr, q_ptr, d_ptr, HAS_WEIGHT, QUANT, BLOCK, PAIRED, NB, COMPILED
+        )
     else:
         for c in range(0, K, CHUNK):
             ok = c + tile < K
@@ -182,13 +198,25 @@ def _norm_kernel(
                 HAS_WEIGHT,
                 QUANT,
                 BLOCK,
+                PAIRED,
                 NB,
                 COMPILED,
             )
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, d_ptr, K, sx_m, sx_k, BLOCK: tl.constexpr, CHUNK: tl.constexpr, COMPILED: tl.constexpr):
+def _quant_kernel(
+    x_ptr,
+    q_ptr,
+    d_ptr,
+    K,
+    sx_m,
+    sx_k,
+    BLOCK: tl.constexpr,
+    PAIRED: tl.constexpr,
+    CHUNK: tl.constexpr,
+    COMPILED: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     NB: tl.constexpr = CHUNK // BLOCK
     block0 = tl.program_id(1) * NB
@@ -197,7 +225,8 @@ def _quant_kernel(x_ptr, q_ptr, d_ptr, K, sx_m, sx_k, BLOCK: tl.constexpr, CHUNK
     x = tl.load(x_ptr + row * sx_m + offs * sx_k, mask=ok, other=0.0).to(tl.float32)
     blocks = block0 + tl.arange(0, NB)
     n_blocks = K // BLOCK
-    _quantize_store(x, row * K + offs, ok, q_ptr, d_ptr, row * n_blocks + blocks, blocks < n_blocks, BLOCK, COMPILED)
+    d_offs = row * n_blocks + blocks
+    _quantize_store(x, row * K + offs, ok, q_ptr, d_ptr, d_offs, blocks < n_blocks, BLOCK, PAIRED, COMPILED)
 
 
 @triton.jit
@@ -215,6 +244,7 @@ def _glu_kernel(
     ACT: tl.constexpr,
     QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PAIRED: tl.constexpr,
     CHUNK: tl.constexpr,
     COMPILED: tl.constexpr,
 ):
@@ -244,7 +274,7 @@ def _glu_kernel(
         blocks = block0 + tl.arange(0, NB)
         n_blocks = F // BLOCK
         _quantize_store(
-            y, row * F + offs, ok, q_ptr, d_ptr, row * n_blocks + blocks, blocks < n_blocks, BLOCK, COMPILED
+            y, row * F + offs, ok, q_ptr, d_ptr, row * n_blocks + blocks, blocks < n_blocks, BLOCK, PAIRED, COMPILED
         )
 
 
@@ -272,7 +302,9 @@ def _chunk(chunk: int | None, block: int) -> int:
 
 
 @on_input_device
-def quantize_rows(x: torch.Tensor, block: int, *, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(
+    x: torch.Tensor, block: int, *, paired: bool = False, chunk: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x float [M, K] (any strides) -> (q int8 [M, K], d float32 [M, K / block]) as the module says. One launch,
     grid (M, K / chunk): each program quantizes `chunk` values (default 512, 4 warps), chunk / block blocks."""
     _check_rows("x", x)
@@ -282,7 +314,9 @@ def quantize_rows(x: torch.Tensor, block: int, *, chunk: int | None = None) -> t
     chunk = _chunk(chunk, block)
     if q.numel():
         grid = (M, triton.cdiv(K, chunk))
-        _quant_kernel[grid](x, q, d, K, *x.stride(), BLOCK=block, CHUNK=chunk, COMPILED=INLINE_ASM, num_warps=4)
+        _quant_kernel[grid](
+            x, q, d, K, *x.stride(), BLOCK=block, PAIRED=paired, CHUNK=chunk, COMPILED=INLINE_ASM, num_warps=4
+        )
     return q, d
 
 
@@ -294,6 +328,7 @@ def rms_norm_quantize(
     *,
     add: torch.Tensor | None = None,
     block: int | None = None,
+    paired: bool = False,
     chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x [M, K] (+ add [M, K]) -> (s, y, q, d): s = x + add (x itself when add is None and x is float32), y =
@@ -334,6 +369,7 @@ def rms_norm_quantize(
         STORE_S=store_s,
         QUANT=block is not None,
         BLOCK=tile_block,
+        PAIRED=paired,
         CHUNK=chunk,
         SINGLE=chunk >= K,
         COMPILED=INLINE_ASM,
@@ -344,7 +380,13 @@ def rms_norm_quantize(
 
 @on_input_device
 def glu_quantize(
-    gate: torch.Tensor, up: torch.Tensor, act: str, *, block: int | None = None, chunk: int | None = None
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    act: str,
+    *,
+    block: int | None = None,
+    paired: bool = False,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """gate, up [M, F] (any strides: e.g. the halves of one [M, 2F] GEMV output) -> (y, q, d): y = act(gate) * up
     in float32 (act in GLU_ACTS, as the module says) and y quantized per `block` (q, d None when block is None).
@@ -373,6 +415,7 @@ def glu_quantize(
         ACT=act,
         QUANT=block is not None,
         BLOCK=tile_block,
+        PAIRED=paired,
         CHUNK=chunk,
         COMPILED=INLINE_ASM,
         num_warps=4,
