@@ -226,6 +226,8 @@ def load() -> ctypes.CDLL | None:
     ]
     lib.mtp_run_blocks.argtypes = [ptr, i64, ptr, i64, ptr, ctypes.c_int]  # blocks, n, x, E, step, threads
     lib.mtp_sigmoid_gate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.mtp_gdn_gates.argtypes = [ptr, ptr, ptr, ptr, i64, i64]  # beta, alpha -> g (in place), dt_bias, a, T, Hv
+    lib.mtp_gdn_gates.restype = None
     lib.mtp_geglu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     return lib
 

@@ -39,6 +39,17 @@ int mtp_swiglu_ffn(const float *x, int64_t T, int64_t seq_len, int64_t E, int t_
 /* softplus as torch computes it (threshold 20): x above it is returned as is */
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
+/* The mixer's gates for T rows of Hv heads, in place: beta = sigmoid(beta), g = a * softplus(alpha + dt_bias) with
+ * alpha arriving in g. Exported so that the split-matrix path (ops.gated_delta) rounds them as the fused mixer does:
+ * torch's sigmoid and softplus differ from libm's in the last bit for some inputs, and the states then drift. */
+void mtp_gdn_gates(float *beta, float *g, const float *dt_bias, const float *a, int64_t T, int64_t Hv) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < Hv; j++) {
+            beta[t * Hv + j] = 1.0f / (1.0f + expf(-beta[t * Hv + j]));
+            g[t * Hv + j] = a[j] * softplus(g[t * Hv + j] + dt_bias[j]);
+        }
+}
+
 /* The mixer's input projections for T rows (types/W: qkv [C, E], z [Hv V, E], beta [Hv, E], alpha [Hv, E]) into
  * buf = mixed [T, C] | z [T, Hv V] | beta [T, Hv] | g [T, Hv], then beta = sigmoid, g = a * softplus(alpha + dt_bias). */
 static int gdn_project(const float *h, int64_t T, int64_t seq_len, int64_t E, const int *types, const uint8_t *const *W,
@@ -48,11 +59,7 @@ static int gdn_project(const float *h, int64_t T, int64_t seq_len, int64_t E, co
     float *outs[4] = {mixed, z, beta, g};
     const int rc = mtp_matmul_many(4, types, W, rows, E, h, T, seq_len, outs, n_threads);
     if (rc) return rc;
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t j = 0; j < Hv; j++) {
-            beta[t * Hv + j] = 1.0f / (1.0f + expf(-beta[t * Hv + j]));
-            g[t * Hv + j] = a[j] * softplus(g[t * Hv + j] + dt_bias[j]);
-        }
+    mtp_gdn_gates(beta, g, dt_bias, a, T, Hv);
     return 0;
 }
 
