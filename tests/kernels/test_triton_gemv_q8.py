@@ -90,6 +90,21 @@ def test_rows_are_independent_of_batch_size(qtype: GGMLType) -> None:
     assert torch.equal(triton_gemv_q8(xq, xd, blocks, qtype), alone)
 
 
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.IQ4_XS, GGMLType.Q5_0])
+def test_adds_a_residual_in_the_same_launch(qtype: GGMLType) -> None:
+    """`add` (the residual stream) summed in the epilogue: bit-identical to adding after the launch (one rounding
+    either way), with a partial row tile (20 rows)."""
+    n, k, m = 20, 512, 3
+    blocks = _blocks(qtype, n, k, seed=13).to(DEVICE)
+    xq, xd = _activations(qtype, m, k, seed=14)
+    xq, xd = xq.to(DEVICE), xd.to(DEVICE)
+    residual = torch.randn(m, n, generator=torch.Generator().manual_seed(15)).to(DEVICE)
+    plain = triton_gemv_q8(xq, xd, blocks, qtype)
+    assert torch.equal(triton_gemv_q8(xq, xd, blocks, qtype, add=residual), residual + plain)
+    with pytest.raises(ValueError, match="add must be float32"):
+        triton_gemv_q8(xq, xd, blocks, qtype, add=residual[:, :4])
+
+
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q4_1], ids=lambda t: t.name)
 def test_writes_into_an_out_slice_and_takes_misaligned_views(qtype: GGMLType) -> None:
     """`out` a column slice of a wider buffer (row stride 40): only its columns are written. Weights viewed one

@@ -125,3 +125,20 @@ def test_prompt_rows_stay_floats() -> None:
     with emulate_gpu(matmul="torch"):
         h = norm.rms_norm_for(x, None, 1e-6, matmul=w)
     assert isinstance(h, torch.Tensor)
+
+
+@pytest.mark.parametrize("matmul, ggml_type", [("torch", T.Q8_0), ("triton", T.Q4_0)])
+def test_the_ffn_residual_add_rides_in_the_down_gemv(matmul: str, ggml_type: T) -> None:
+    """ResidualGatedFFN on the GPU path hands its residual to the down projection's GEMV: the same values as the
+    FFN's output added after, one launch fewer."""
+    g = torch.Generator().manual_seed(16)
+    e, f = 128, 128
+    gate_up = linear.WeightGroup([_weights(ggml_type, f, e, 17), _weights(ggml_type, f, e, 18)])
+    down = _weights(ggml_type, e, f, 19)
+    ffn = activations.ResidualGatedFFN(torch.rand(e, generator=g) + 0.5, 1e-6, gate_up, down)
+    x = torch.randn(2, e, generator=g)
+    with emulate_gpu(matmul=matmul):
+        fused = ffn.composed(x)
+        h = norm.rms_norm_for(x, ffn.norm_weight, 1e-6, matmul=gate_up[0])
+        out = activations.gated_ffn_gpu(h, gate_up, down, "silu")
+    assert torch.equal(fused, x + out)

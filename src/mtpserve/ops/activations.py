@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import cpu as cpu_kernels
-from ..quant.qtensor import QTensor
+from ..quant.qtensor import QTensor, RowSplitQTensor
 from .decode_program import FFNBlock, ptr
 from .device import gpu_path
 from .linear import WeightGroup, as_rows, kernel_supports, linear, linear_many, linear_reference
-from .linear_gpu import QuantizedRows, decode_format, matmul_input
+from .linear_gpu import QuantizedRows, decode_format, linear_gpu, matmul_input
 from .norm import rms_norm, rms_norm_for
 from .rowwise import glu_quantize
 
@@ -66,15 +66,27 @@ def swiglu_ffn_reference(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTen
     return linear_reference(swiglu_reference(linear_reference(x, gate), linear_reference(x, up)), down)
 
 
-def gated_ffn_gpu(x: torch.Tensor | QuantizedRows, gate_up: Sequence[QTensor], down: QTensor, act: str) -> torch.Tensor:
-    """down(act(gate(x)) * up(x)) on the GPU path: gate and up in one GEMV launch (a merged WeightGroup), the
-    activation product and the down projection's input quantization in one more (ops.rowwise.glu_quantize), act
-    "silu" (SwiGLU) or "gelu_f16" (Gemma's GeGLU as llama.cpp's CPU computes it)."""
+def gated_ffn_gpu(
+    x: torch.Tensor | QuantizedRows,
+    gate_up: Sequence[QTensor],
+    down: QTensor,
+    act: str,
+    *,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)) on the GPU path, plus `residual` when given: gate and up in one GEMV launch (a
+    merged WeightGroup), the activation product and the down projection's input quantization in one more
+    (ops.rowwise.glu_quantize), the down GEMV with the residual add in its epilogue; act "silu" (SwiGLU) or
+    "gelu_f16" (Gemma's GeGLU as llama.cpp's CPU computes it)."""
     gate, up = linear_many(x, gate_up)
     rows = gate.shape[:-1].numel()
     fmt = decode_format(down, rows)
     y, q, d = glu_quantize(gate.reshape(rows, -1), up.reshape(rows, -1), act, fmt=fmt)
-    return linear(matmul_input(y.reshape(*gate.shape), fmt, q, d), down)
+    h = matmul_input(y.reshape(*gate.shape), fmt, q, d)
+    if residual is not None and not isinstance(down, RowSplitQTensor):
+        return linear_gpu(h, down, add=residual)
+    out = linear(h, down)
+    return out if residual is None else residual + out
 
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -171,6 +183,8 @@ class ResidualGatedFFN:
     def composed(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         """The same block op by op (the GPU path, weights the kernels lack; the C call's test twin)."""
         h = rms_norm_for(x, self.norm_weight, self.eps, matmul=self.gate_up[0])
+        if self.post_norm is None and (isinstance(h, QuantizedRows) or gpu_path(x)):  # the add in the down GEMV
+            return gated_ffn_gpu(h, self.gate_up, self.down, "gelu_f16" if self.gelu else "silu", residual=x)
         if self.gelu:
             out = geglu_ffn(h, self.gate_up, self.down, seq_len)
         else:

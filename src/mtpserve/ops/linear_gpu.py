@@ -122,16 +122,18 @@ def _rounded(x: Input, ggml_type: GGMLType) -> torch.Tensor:
     return round_activations(x, ggml_type)
 
 
-def linear_gpu(x: Input, weight: QTensor) -> torch.Tensor:
+def linear_gpu(x: Input, weight: QTensor, *, add: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] -> float32 [..., N]: integer GEMV on the quants for up to GEMV_MAX_ROWS rows of its types, else the
-    float kernels on the rounded values."""
+    float kernels on the rounded values; plus `add` [..., N] (a residual stream) when given, inside the integer
+    GEMV's launch (the same single rounding as adding after)."""
     lead, k = x.shape[:-1], x.shape[-1]
     fmt = decode_format(weight, lead.numel())
     if fmt is not None:
         qx = quantize_for(x, fmt)
-        y = quant_gemv_q8(qx.q, qx.d, weight)
+        y = quant_gemv_q8(qx.q, qx.d, weight, add=None if add is None else add.reshape(-1, weight.shape[0]))
     else:
         y = quant_linear(_rounded(x, weight.ggml_type).reshape(-1, k), weight)
+        y = y if add is None else add.reshape(-1, weight.shape[0]).float() + y
     return y.reshape(*lead, weight.shape[0])
 
 

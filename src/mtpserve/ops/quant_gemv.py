@@ -122,19 +122,27 @@ def quant_gemv(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
 
 
 def quant_gemv_q8(
-    xq: torch.Tensor, xd: torch.Tensor, weight: QTensor, *, out: torch.Tensor | None = None
+    xq: torch.Tensor,
+    xd: torch.Tensor,
+    weight: QTensor,
+    *,
+    out: torch.Tensor | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Quantized activations xq int8 [..., K] with scales xd float32 [..., K / block] (the weight's vec_dot type:
-    kernels.triton.gemv_q8.act_block) -> float32 [..., N] for a 2-D QTensor weight [N, K]: the integer GEMV kernel
-    where it runs (into `out`, a [rows, N] view, when given), else the twin."""
+    kernels.triton.gemv_q8.act_block) -> float32 [..., N] for a 2-D QTensor weight [N, K], plus `add` (float32
+    [..., N], the residual stream) when given: the integer GEMV kernel where it runs (into `out`, a [rows, N] view,
+    when given; the add in its epilogue), else the twin."""
     lead, k = xq.shape[:-1], xq.shape[-1]
     q2, d2 = xq.reshape(-1, k), xd.reshape(-1, xd.shape[-1])
+    add2 = None if add is None else add.reshape(-1, add.shape[-1]).float().contiguous()
     kernels = triton_kernels()
     t = weight.ggml_type
     if use_triton(q2, t) and kernels is not None and int(t) in {int(q) for q in kernels.Q8_GEMV_TYPES} and k % 64 == 0:
-        y = kernels.quant_gemv_q8(q2, d2, weight.data, int(t), out=out)
+        y = kernels.quant_gemv_q8(q2, d2, weight.data, int(t), out=out, add=add2)
     else:
         y = quant_gemv_q8_reference(q2, d2, weight.data, t)
+        y = y if add2 is None else add2 + y
         if out is not None:
             out.copy_(y)
             y = out

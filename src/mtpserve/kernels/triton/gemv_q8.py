@@ -118,23 +118,37 @@ def act_block(qtype: int) -> int:
 
 
 @triton.jit
+def _store_rows(acc, y_ptr, stride_y, add_ptr, stride_add, ms, rows, M: tl.constexpr, row_ok, HAS_ADD: tl.constexpr):
+    """The warp's reduction of the per-thread sums acc [M_PAD, BLOCK_N, lanes] into y, plus `add` (the residual
+    stream, float32 [M, N]) when HAS_ADD: one rounding, as `add + y` after the GEMV would give."""
+    y = tl.sum(acc, axis=2)
+    ok = (ms < M)[:, None] & row_ok[None, :]
+    if HAS_ADD:
+        y += tl.load(add_ptr + ms[:, None] * stride_add + rows[None, :], mask=ok, other=0.0)
+    tl.store(y_ptr + ms[:, None] * stride_y + rows[None, :], y, mask=ok)
+
+
+@triton.jit
 def _kquant_kernel(
     xq_ptr,
     xd_ptr,
     w_ptr,
     y_ptr,
+    add_ptr,
     N,
     n_sb,
     stride_xq: tl.constexpr,
     stride_xd: tl.constexpr,
     stride_w,
     stride_y,
+    stride_add,
     M: tl.constexpr,
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SB: tl.constexpr,
     FIVE: tl.constexpr,
     ASM: tl.constexpr,
+    HAS_ADD: tl.constexpr,
 ):
     """Q4_K (FIVE false) and Q5_K: lane c of a super-block takes qs[32c .. 32c + 31] (two 16-byte loads), whose
     low nibbles are sub-block 2c and high nibbles 2c + 1 (Q5_K: fifth bits 2c and 2c + 1 of qh[0 .. 31])."""
@@ -231,8 +245,7 @@ def _kquant_kernel(
             isum_m = mn_lo * s_lo + mn_hi * s_hi
             part = xd * (d16 * isum_d.to(tl.float32) - dmin * isum_m.to(tl.float32))
             acc += tl.where(ms[:, None, None] == m, part[None, :, :], 0.0)
-    y = tl.sum(acc, axis=2)
-    tl.store(y_ptr + ms[:, None] * stride_y + rows[None, :], y, mask=(ms < M)[:, None] & row_ok[None, :])
+    _store_rows(acc, y_ptr, stride_y, add_ptr, stride_add, ms, rows, M, row_ok, HAS_ADD)
 
 
 @triton.jit
@@ -241,17 +254,20 @@ def _q6k_kernel(
     xd_ptr,
     w_ptr,
     y_ptr,
+    add_ptr,
     N,
     n_sb,
     stride_xq: tl.constexpr,
     stride_xd: tl.constexpr,
     stride_w,
     stride_y,
+    stride_add,
     M: tl.constexpr,
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SB: tl.constexpr,
     ASM: tl.constexpr,
+    HAS_ADD: tl.constexpr,
 ):
     """Q6_K: lane (half h, quarter r) of a super-block takes values 128h + 32g + 16r .. +15 for g = 0..3: low
     nibbles of ql[64h + 16r ..] (g = 0, 2: low, high nibble) and ql[64h + 32 + 16r ..] (g = 1, 3), bit pairs 2g of
@@ -331,8 +347,7 @@ def _q6k_kernel(
             isum += sc3 * dot4(q30, q31, q32, q33, x30, x31, x32, x33, -32 * s3, ASM)
             part = (d * xd) * isum.to(tl.float32)
             acc += tl.where(ms[:, None, None] == m, part[None, :, :], 0.0)
-    y = tl.sum(acc, axis=2)
-    tl.store(y_ptr + ms[:, None] * stride_y + rows[None, :], y, mask=(ms < M)[:, None] & row_ok[None, :])
+    _store_rows(acc, y_ptr, stride_y, add_ptr, stride_add, ms, rows, M, row_ok, HAS_ADD)
 
 
 @triton.jit
@@ -341,17 +356,20 @@ def _q8_0_kernel(
     xd_ptr,
     w_ptr,
     y_ptr,
+    add_ptr,
     N,
     n_blk,
     stride_xq: tl.constexpr,
     stride_xd: tl.constexpr,
     stride_w,
     stride_y,
+    stride_add,
     M: tl.constexpr,
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     L: tl.constexpr,
     ASM: tl.constexpr,
+    HAS_ADD: tl.constexpr,
 ):
     """Q8_0: one 34-byte block a lane, L blocks a step. Its quants start 2 bytes into a word (even blocks) or on
     one (odd blocks): nine aligned 4-byte loads joined by a funnel shift of 16 or 32 bits."""
@@ -395,8 +413,7 @@ def _q8_0_kernel(
             t = dot4(q4, q5, q6, q7, x4, x5, x6, x7, t, ASM)
             part = (d * xd) * t.to(tl.float32)
             acc += tl.where(ms[:, None, None] == m, part[None, :, :], 0.0)
-    y = tl.sum(acc, axis=2)
-    tl.store(y_ptr + ms[:, None] * stride_y + rows[None, :], y, mask=(ms < M)[:, None] & row_ok[None, :])
+    _store_rows(acc, y_ptr, stride_y, add_ptr, stride_add, ms, rows, M, row_ok, HAS_ADD)
 
 
 @triton.jit
@@ -424,12 +441,14 @@ def _iq4xs_kernel(
     xd_ptr,
     w_ptr,
     y_ptr,
+    add_ptr,
     N,
     n_sb,
     stride_xq: tl.constexpr,
     stride_xd: tl.constexpr,
     stride_w: tl.constexpr,
     stride_y,
+    stride_add,
     table0,
     table1,
     table2,
@@ -439,6 +458,7 @@ def _iq4xs_kernel(
     BLOCK_N: tl.constexpr,
     SB: tl.constexpr,
     ASM: tl.constexpr,
+    HAS_ADD: tl.constexpr,
     EVEN_N: tl.constexpr,
 ):
     """IQ4_XS: lane p of a super-block takes qs[32p .. 32p + 31], sub-blocks 2p and 2p + 1 (16 bytes each: low
@@ -504,8 +524,7 @@ def _iq4xs_kernel(
             u = dot4(c4, c5, c6, c7, y4, y5, y6, y7, u, ASM)
             part = (d * xd) * (ls0 * t + ls1 * u).to(tl.float32)
             acc += tl.where(ms[:, None, None] == m, part[None, :, :], 0.0)
-    y = tl.sum(acc, axis=2)
-    tl.store(y_ptr + ms[:, None] * stride_y + rows[None, :], y, mask=(ms < M)[:, None] & row_ok[None, :])
+    _store_rows(acc, y_ptr, stride_y, add_ptr, stride_add, ms, rows, M, row_ok, HAS_ADD)
 
 
 @triton.jit
@@ -521,12 +540,14 @@ def _legacy_kernel(
     xd_ptr,
     w_ptr,
     y_ptr,
+    add_ptr,
     N,
     n_blk,
     stride_xq: tl.constexpr,
     stride_xd: tl.constexpr,
     stride_w,
     stride_y,
+    stride_add,
     table0,
     table1,
     table2,
@@ -540,6 +561,7 @@ def _legacy_kernel(
     MIN: tl.constexpr,
     NL: tl.constexpr,
     ASM: tl.constexpr,
+    HAS_ADD: tl.constexpr,
 ):
     """Q4_0, Q5_0, IQ4_NL (SIZE 18, 22, 18: d, [qh,] qs) and Q4_1, Q5_1 (SIZE 20, 24: d, m, [qh,] qs): one block a
     lane, L blocks a step. Byte j of qs holds quants j (low nibble) and j + 16 (high). The 18- and 22-byte blocks
@@ -652,8 +674,7 @@ def _legacy_kernel(
                 else:
                     part = (d * xd) * t.to(tl.float32)
             acc += tl.where(ms[:, None, None] == m, part[None, :, :], 0.0)
-    y = tl.sum(acc, axis=2)
-    tl.store(y_ptr + ms[:, None] * stride_y + rows[None, :], y, mask=(ms < M)[:, None] & row_ok[None, :])
+    _store_rows(acc, y_ptr, stride_y, add_ptr, stride_add, ms, rows, M, row_ok, HAS_ADD)
 
 
 def _iq4_tables() -> tuple[int, int, int, int]:
@@ -738,16 +759,25 @@ def _check(xq: torch.Tensor, xd: torch.Tensor, blocks: torch.Tensor, qtype: int)
 
 @on_input_device
 def quant_gemv_q8(
-    xq: torch.Tensor, xd: torch.Tensor, blocks: torch.Tensor, qtype: int, *, out: torch.Tensor | None = None
+    xq: torch.Tensor,
+    xd: torch.Tensor,
+    blocks: torch.Tensor,
+    qtype: int,
+    *,
+    out: torch.Tensor | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Quantized activations (xq int8 [m, k], xd float32 [m, k / act_block(qtype)]) times the GGUF matrix W [n, k]
-    in `blocks` -> float32 [m, n] (into `out` when given: any [m, n] float32 view with unit column stride)."""
+    in `blocks` -> float32 [m, n] (into `out` when given: any [m, n] float32 view with unit column stride), plus
+    `add` (float32 [m, n], unit column stride: a residual stream) when given, in the same launch."""
     t, k = _check(xq, xd, blocks, qtype)
     n, m = blocks.shape[0], xq.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32, device=xq.device)
     elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{m}, {n}] with unit column stride")
+    if add is not None and (add.shape != (m, n) or add.dtype != torch.float32 or add.stride(1) != 1):
+        raise ValueError(f"add must be float32 [{m}, {n}] with unit column stride")
     xq = xq.contiguous()
     xd = xd.contiguous()
     if blocks.data_ptr() % 16 or blocks.stride(0) % _ROW_ALIGN[t]:
@@ -755,22 +785,26 @@ def quant_gemv_q8(
     for start in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - start)
         xs, ds, ys = xq[start : start + rows], xd[start : start + rows], out[start : start + rows]
+        adds = ys if add is None else add[start : start + rows]
         kernel, steps, stride_w, cfg = _config(t, n, k, blocks.stride(0), rows)
         kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             xs,
             ds,
             blocks,
             ys,
+            adds,
             n,
             steps,
             xs.stride(0) // 4,
             ds.stride(0),
             stride_w,
             ys.stride(0),
+            adds.stride(0),
             *(_IQ4_TABLES if t == GGMLQuantizationType.IQ4_XS or t in _LEGACY else ()),
             M=rows,
             M_PAD=triton.next_power_of_2(rows),
             ASM=INLINE_ASM,
+            HAS_ADD=add is not None,
             num_warps=1,
             **cfg,
         )
