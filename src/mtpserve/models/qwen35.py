@@ -371,8 +371,10 @@ class SwiGLU:
         self.gate_up = WeightGroup((self.gate, self.up))  # one GEMV launch on the GPU path
         self.down = w.matrix(f"{b}.ffn_down.weight")
 
-    def __call__(self, x: torch.Tensor | QuantizedRows, seq_len: int) -> torch.Tensor:
-        return swiglu_ffn(x, self.gate, self.up, self.down, seq_len, gate_up=self.gate_up)
+    def __call__(
+        self, x: torch.Tensor | QuantizedRows, seq_len: int, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return swiglu_ffn(x, self.gate, self.up, self.down, seq_len, gate_up=self.gate_up, residual=residual)
 
 
 class DecoderLayer:
@@ -405,7 +407,7 @@ class DecoderLayer:
         if not gpu_path(x):
             return self.residual_ffn(x + out, batch.n_tokens)
         x, h = add_rms_norm_for(x, out, self.ffn_norm, self.eps, matmul=self.ffn.gate)  # x + out, normed
-        return x + self.ffn(h, batch.n_tokens)
+        return self.ffn(h, batch.n_tokens, residual=x)  # x + FFN(h), the add in the down projection's launch
 
     def cpu_decode(self, x: torch.Tensor, rope: Rope, batch: Batch) -> torch.Tensor:
         """The block for a few tokens on the CPU: each half (norm, mixer or FFN, residual add) one C call where it

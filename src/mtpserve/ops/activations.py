@@ -200,12 +200,19 @@ def swiglu_ffn(
     seq_len: int | None = None,
     *,
     gate_up: Sequence[QTensor] | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The SwiGLU FFN in one kernel call: bit-identical to `linear(swiglu(gate(x), up(x)), down)` on the
     kernels (it runs the same ones), without the three round trips through Python. `seq_len` as in `linear`.
-    `gate_up`: (gate, up) as the model's WeightGroup, which the GPU path multiplies in one launch."""
+    `gate_up`: (gate, up) as the model's WeightGroup, which the GPU path multiplies in one launch. With
+    `residual`: residual + the FFN (on the GPU path added inside the down projection's launch)."""
     if isinstance(x, QuantizedRows) or gpu_path(x):
-        return gated_ffn_gpu(x, gate_up or (gate, up), down, "silu")
+        return gated_ffn_gpu(x, gate_up or (gate, up), down, "silu", residual=residual)
+    out = _swiglu_ffn_cpu(x, gate, up, down, seq_len)
+    return out if residual is None else residual + out
+
+
+def _swiglu_ffn_cpu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, seq_len: int | None) -> torch.Tensor:
     lib = cpu_kernels.load()
     if lib is None or not all(kernel_supports(w) for w in (gate, up, down)):
         return linear(swiglu(*linear_many(x, (gate, up), seq_len)), down, seq_len=seq_len)
