@@ -100,7 +100,9 @@ def test_adds_a_residual_in_the_same_launch(qtype: GGMLType) -> None:
     xq, xd = xq.to(DEVICE), xd.to(DEVICE)
     residual = torch.randn(m, n, generator=torch.Generator().manual_seed(15)).to(DEVICE)
     plain = triton_gemv_q8(xq, xd, blocks, qtype)
-    assert torch.equal(triton_gemv_q8(xq, xd, blocks, qtype, add=residual), residual + plain)
+    fused = triton_gemv_q8(xq, xd, blocks, qtype, add=residual)
+    assert torch.equal(fused, residual + plain)
+    _close(fused.cpu(), residual.cpu() + quant_gemv_q8_reference(xq.cpu(), xd.cpu(), blocks.cpu(), qtype))
     with pytest.raises(ValueError, match="add must be float32"):
         triton_gemv_q8(xq, xd, blocks, qtype, add=residual[:, :4])
 

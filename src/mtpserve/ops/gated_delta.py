@@ -509,7 +509,7 @@ def _gated_delta_net_decode_unfused(
     T = h.shape[0] // n_seq
     n_v_heads, _, V = ssms[0].shape
     mixed, z, beta, alpha = linear_many(h, w.projections, T)
-    beta, g = beta.float().contiguous(), alpha.float().contiguous().clone()  # the gates, in place, as the fused call
+    beta, g = beta.float().contiguous(), alpha.float().contiguous()  # the gates in place, as the fused call
     dt_bias, a = w.c_floats[:2]
     cpu_kernels.load().mtp_gdn_gates(beta.data_ptr(), g.data_ptr(), dt_bias.data_ptr(), a.data_ptr(), *beta.shape)
     z = z.view(-1, n_v_heads, V)

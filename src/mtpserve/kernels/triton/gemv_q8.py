@@ -446,7 +446,7 @@ def _iq4xs_kernel(
     n_sb,
     stride_xq: tl.constexpr,
     stride_xd: tl.constexpr,
-    stride_w: tl.constexpr,
+    stride_w,
     stride_y,
     stride_add,
     table0,
