@@ -31,6 +31,15 @@ def test_doctor_reports_the_machine_and_the_model(capsys):
     for what in ("python", "torch", "C compiler", "CPU", "model"):
         assert f"] {what}" in out
     assert "fits with -c 4096" in out and "recommended: mtpserve serve -m" in out
+    assert "a prompt cache of up to 8.00 GiB in host memory" in out and "--cache-ram 8192" in out
+
+
+def test_doctor_counts_the_prompt_cache_it_is_given(capsys):
+    path = str(default_model("smollm2"))
+    assert main(["doctor", "-m", path, "--cache-ram", "512"]) == 0
+    assert "a prompt cache of up to 0.50 GiB in host memory" in capsys.readouterr().out
+    assert main(["doctor", "-m", path, "--cache-ram", "0"]) == 0
+    assert "no prompt cache (--cache-ram 0)" in capsys.readouterr().out
 
 
 def test_doctor_says_what_to_change_and_fails_when_nothing_fits(capsys):

@@ -37,7 +37,7 @@ def cluster(ray_cluster: str) -> Iterator[str]:
     """The application at the cluster's HTTP address, ready (its replicas loaded)."""
     settings = ServerSettings(
         model=tinyqwen_path("Q4_K_M"),
-        engine=EngineConfig(n_parallel=N_SLOTS, ctx_size=CTX),
+        engine=EngineConfig(n_parallel=N_SLOTS, ctx_size=CTX, cache_ram=64),  # each replica its own prompt cache
         api_keys=[KEY],
         max_queue=MAX_QUEUE,
         metrics=True,

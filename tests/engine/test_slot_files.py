@@ -78,6 +78,25 @@ def test_restored_slot_continues_as_if_never_saved(conversation):
     )
 
 
+def test_a_restored_slot_file_seeds_the_prompt_cache(conversation):
+    """Restored, then displaced by a side request, the file's conversation comes back from the prompt cache (the
+    slot's state goes there like any other's) and goes on as the uninterrupted one did."""
+    path, model, tokenizer = _model("Q4_K_M")
+    config = EngineConfig(n_parallel=1, ctx_size=4096, cache_ram=64, spec=SpecConfig("draft-mtp", n_max=2))
+    expected = conversation["uninterrupted"]
+    with Engine(model, tokenizer, config, plan_for_file(path, config), model_path=path) as engine:
+        engine.slot_action(0, "restore", conversation["dir"] / "talk.bin")
+        engine.submit(Request(tokenizer.encode("Something else entirely."), GREEDY, n_predict=2)).result()
+        result = engine.submit(_request(conversation["second"])).result()
+        hits = engine.memory_usage().cache_hits
+    assert hits == 1 and result.timings.cache_n == conversation["saved"].n_tokens
+    assert result.tokens == expected.tokens
+    assert (result.timings.draft_n, result.timings.draft_n_accepted) == (
+        expected.timings.draft_n,
+        expected.timings.draft_n_accepted,
+    )
+
+
 def test_erase_empties_the_slot(conversation):
     with _engine() as engine:
         engine.slot_action(0, "restore", conversation["dir"] / "talk.bin")

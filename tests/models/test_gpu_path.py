@@ -617,3 +617,35 @@ def test_a_layer_split_is_captured_as_one_run_of_blocks_per_gpu() -> None:
     cos, _ = table.gather(torch.tensor([3, 9], device="meta"))
     assert cos.device.type == "meta" and cos.shape == (2, 4)
     torch.testing.assert_close(table.gather(torch.tensor([3, 9]))[0], table.cos[[3, 9]])
+
+
+def test_the_prompt_cache_restores_a_displaced_slot_on_the_gpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """draft-mtp on the GPU path with its captured steps (forced on off CUDA): a conversation displaced by a side
+    request and restored from the prompt cache (written into the slot's tensors in place, where the graphs read
+    them; on CUDA through pinned memory) goes on with the tokens and drafts of the same turn never displaced."""
+    from mtpserve.engine import Engine, EngineConfig, Request, SamplingParams, SpecConfig
+    from mtpserve.engine.planner import plan_for_file
+    from mtpserve.tokenizer import Tokenizer
+
+    path = tinyqwen_path("Q4_K_M")
+    model, tokenizer = load(path, device=DEVICE), Tokenizer.from_gguf(path)
+    monkeypatch.setenv("MTPSERVE_CUDA_GRAPHS", "1")
+    prompt = _case("Q4_K_M", 1)["prompt_token_ids"]
+    side = _case("Q4_K_M", 0)["prompt_token_ids"]
+    greedy = SamplingParams(temperature=0.0)
+    runs = []
+    for cache_ram in (0, 64):
+        config = EngineConfig(n_parallel=1, ctx_size=1024, cache_ram=cache_ram, spec=SpecConfig("draft-mtp", n_max=2))
+        with _gpu_path(), Engine(model, tokenizer, config, plan_for_file(path, config)) as engine:
+            first = engine.submit(Request(prompt, greedy, n_predict=4)).result()
+            if cache_ram:
+                engine.submit(Request(side, greedy, n_predict=2)).result()
+            second = engine.submit(Request([*prompt, *first.tokens, *side[:6]], greedy, n_predict=6)).result()
+            runs.append((second, engine.memory_usage()))
+    (kept, _), (restored, usage) = runs
+    assert usage.cache_hits == 1 and restored.timings.cache_n == kept.timings.cache_n == len(prompt) + 3
+    assert restored.tokens == kept.tokens
+    assert (restored.timings.draft_n, restored.timings.draft_n_accepted) == (
+        kept.timings.draft_n,
+        kept.timings.draft_n_accepted,
+    )

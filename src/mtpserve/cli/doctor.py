@@ -44,6 +44,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-np", "--parallel", type=int, default=1)
     p.add_argument("-ctk", "--cache-type-k", default="f16", choices=sorted(CACHE_TYPES))
     p.add_argument("-ctv", "--cache-type-v", default="f16", choices=sorted(CACHE_TYPES))
+    p.add_argument(
+        "--cache-ram", type=int, default=8192, help="MiB of host memory for the prompt cache, as serve's (default 8192)"
+    )
     p.add_argument("--memory", type=float, help="plan for this many GiB free instead of what is free now")
     p.add_argument("--gpus", help="plan for these GPUs instead of the ones here: free GiB each, e.g. 22,22")
     p.set_defaults(func=run)
@@ -132,7 +135,11 @@ def run(args: argparse.Namespace) -> int:
 
     path = model_path(args)
     engine = EngineConfig(
-        n_parallel=args.parallel, ctx_size=args.ctx_size, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v
+        n_parallel=args.parallel,
+        ctx_size=args.ctx_size,
+        cache_type_k=args.cache_type_k,
+        cache_type_v=args.cache_type_v,
+        cache_ram=args.cache_ram,
     )
     available = int(args.memory * GIB) if args.memory is not None else None
     rec = recommend(path, engine, "cpu", available)
@@ -160,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
     c = rec.config
     print(
         f"{'':10}memory: weights {e.weights_bytes / GIB:.2f} GiB, KV {e.kv_bytes / GIB:.2f} GiB, recurrent state "
-        f"{e.recurrent_bytes / GIB:.3f} GiB, checkpoints up to {plan.checkpoints_bytes_max / GIB:.3f} GiB"
+        f"{e.recurrent_bytes / GIB:.3f} GiB, checkpoints up to {plan.checkpoints_bytes_max / GIB:.3f} GiB; "
+        f"{plan.prompt_cache_text} (grows as conversations are displaced, not reserved)"
     )
     devices = _gpu_devices(args.gpus)
     gpu_flags = "--gpu-layers 0"
@@ -169,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         problems += failed
     print(
         f"{'':10}recommended: mtpserve serve -m {path} -c {c.ctx_size} -np {c.n_parallel} "
-        f"-ctk {c.cache_type_k} -ctv {c.cache_type_v} --ctx-checkpoints {c.ctx_checkpoints} {gpu_flags}"
+        f"-ctk {c.cache_type_k} -ctv {c.cache_type_v} --ctx-checkpoints {c.ctx_checkpoints} --cache-ram {c.cache_ram} "
+        f"{gpu_flags}"
     )
     return 1 if problems else 0
 

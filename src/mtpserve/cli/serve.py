@@ -132,10 +132,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "-kvu", "--kv-unified", action="store_true", help="one pool of --ctx-size KV cells shared by all slots"
     )
-    p.add_argument("--cache-idle-slots", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--cache-idle-slots",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="save an idle slot's state to the prompt cache before --kv-unified takes its cells (needs --cache-ram)",
+    )
     p.add_argument("--cache-prompt", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--cache-reuse", type=int, default=0, help="(KV shifting: not supported, 0)")
-    p.add_argument("--cache-ram", type=int, default=8192, help="(accepted; slots keep their own prompts)")
+    p.add_argument(
+        "--cache-ram",
+        type=int,
+        default=8192,
+        help="MiB of prompt states kept in host memory beyond the slots (default 8192; 0: off, -1: no limit)",
+    )
     p.add_argument("--context-shift", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("-cb", "--cont-batching", action="store_true", default=True)
     p.add_argument("-nocb", "--no-cont-batching", dest="cont_batching", action="store_false")
@@ -233,7 +243,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def parsed_serve_args(argv: list[str]) -> argparse.Namespace:
-    """`mtpserve serve`'s flags parsed from argv (Ray's app builder: cluster.app.build_app)."""
+    """`mtpserve serve`'s flags parsed from argv (Ray's app builder: cli.ray_app.build_app)."""
     parser = argparse.ArgumentParser(prog="mtpserve")
     add_parser(parser.add_subparsers(dest="command", required=True))
     return parser.parse_args(["serve", *argv])
@@ -296,6 +306,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         n_predict=args.n_predict,
         slot_prompt_similarity=args.slot_prompt_similarity,
         kv_unified=args.kv_unified,
+        cache_ram=args.cache_ram,
+        cache_idle_slots=args.cache_idle_slots,
         spec=spec_config(args),
     )
     sampling = SamplingParams(
@@ -450,8 +462,14 @@ def run(args: argparse.Namespace) -> int:
             log.error("srv    load_model: failed to load model '%s': %s", settings.model, state.load_error)
             server.should_exit = True
             return
-        if args.cache_idle_slots and not args.kv_unified:  # llama-server's default, refused without unified KV
-            log.warning("srv          init: --cache-idle-slots requires --kv-unified, disabling")
+        if args.cache_ram:
+            limit = "no limit" if args.cache_ram < 0 else f"{args.cache_ram} MiB"
+            log.info("srv    load_model: prompt cache is enabled, size limit: %s", limit)
+            log.info("srv    load_model: use `--cache-ram 0` to disable the prompt cache")
+        else:
+            log.info("srv    load_model: prompt cache is disabled - use `--cache-ram N` to enable it")
+        if args.cache_idle_slots and not args.cache_ram:
+            log.warning("srv          init: --cache-idle-slots requires --cache-ram, disabling")
         log.info("srv  llama_server: model loaded")
         log.info("srv  llama_server: server is listening on %s", address)
         log.info("srv  update_slots: all slots are idle")

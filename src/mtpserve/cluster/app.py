@@ -1,12 +1,10 @@
 """The Ray Serve application: the engine deployment (its replicas, their resources, queue and router) behind the
-gateway deployment. `application` builds it from `mtpserve serve`'s settings; `build_app` is the builder Ray's own
-tools call (`serve run mtpserve.cluster.app:build_app model=M.gguf replicas=2`, or a `serve deploy` config:
-docs/cluster.md), with `mtpserve serve`'s flags as arguments.
+gateway deployment. `application` builds it from `mtpserve serve`'s settings; the builder Ray's own tools call with
+`mtpserve serve`'s flags as arguments is `mtpserve.cli.ray_app:build_app` (docs/cluster.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,16 +60,3 @@ def application(settings: ServerSettings, options: ClusterOptions) -> Any:
     )
     engine_app = engine.bind(settings, options.app_name, threads, options.poll)
     return gateway.bind(settings, engine_app, options.app_name, session_keys=options.router == "session")
-
-
-def build_app(args: Mapping[str, Any]) -> Any:
-    """For Ray's `serve run` / `serve deploy`: `args` are `mtpserve serve`'s long flags without dashes (`model`,
-    `parallel`, `replicas`, `router`, `api-key`, ...), values as strings; a flag without a value takes `true`."""
-    from ..cli.serve import cluster_options, parsed_serve_args, settings_from_args  # the flags' one definition
-
-    argv: list[str] = []
-    for name, value in args.items():
-        flag = "--" + str(name).replace("_", "-")
-        argv += [flag] if value is True or str(value).lower() == "true" else [flag, str(value)]
-    parsed = parsed_serve_args(argv)
-    return application(settings_from_args(parsed), cluster_options(parsed))

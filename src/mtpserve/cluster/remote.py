@@ -13,7 +13,6 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ from typing import Any
 from ray.serve.exceptions import BackPressureError
 
 from ..engine import (
-    ContextSizeExceeded,
     EngineCounters,
     EngineError,
     EngineInfo,
@@ -33,10 +31,9 @@ from ..engine import (
     ServerError,
     SlotInfo,
 )
-from ..engine.client import SlotFileResult
-from ..engine.grammar import GrammarCompiler
+from ..engine.client import SlotFileResult, SpecStats, check_request
+from ..engine.grammar import LazyGrammarCompiler
 from ..engine.request import GrammarSpec
-from ..engine.speculative import SpecStats
 from ..tokenizer import Tokenizer
 from .protocol import decode
 
@@ -76,20 +73,14 @@ class RemoteEngine:
         self._tokenizer = tokenizer
         self._reports = reports
         self._waiting = 0  # requests sent and not yet taken by a replica: in Serve's queue
-        self._grammars: GrammarCompiler | None = None
-        self._grammars_lock = threading.Lock()
+        self._grammars = LazyGrammarCompiler(tokenizer, info.n_vocab)
 
     # --- requests ---------------------------------------------------------------------------------------------
 
     def submit(self, request: Request) -> RequestStream:
         """As Engine.submit: what can never run is refused here; the rest goes to a replica. `id_slot` is not
         honoured (a slot id names a replica's slot, and the router picks the replica): the replica chooses."""
-        if not request.prompt:
-            raise InvalidRequest("the prompt is empty")
-        if len(request.prompt) >= self.info.n_ctx_slot:
-            raise ContextSizeExceeded(len(request.prompt), self.info.n_ctx_slot)
-        if min(request.prompt) < 0 or max(request.prompt) >= self.info.n_vocab:
-            raise InvalidRequest("Prompt contains invalid tokens")
+        check_request(dataclasses.replace(request, id_slot=-1), self.info)
         loop = asyncio.get_running_loop()
         stream = RemoteStream()
         task = loop.create_task(self._pump(dataclasses.replace(request, id_slot=-1), SESSION.get(), stream))
@@ -125,10 +116,7 @@ class RemoteEngine:
 
     def compile_grammar(self, grammar: GrammarSpec) -> None:
         """Check the grammar here (the same compiler as the replicas'), so a bad one is a 400 before any routing."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self._tokenizer, self.info.n_vocab)
-        self._grammars.compile(grammar)
+        self._grammars.get().compile(grammar)
 
     @property
     def queued(self) -> int:

@@ -11,15 +11,12 @@ import itertools
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from .errors import EngineError, ServerError
+from .errors import ContextSizeExceeded, EngineError, InvalidRequest, ServerError
 from .request import FinishEvent, GrammarSpec, ProgressEvent, Request, TokenEvent
-
-if TYPE_CHECKING:
-    from .speculative import SpecStats
 
 Event = TokenEvent | ProgressEvent | FinishEvent | EngineError
 
@@ -124,6 +121,13 @@ class MemoryUsage:
     kv_bytes_in_use: int
     checkpoints: int
     checkpoint_bytes: int
+    # the prompt cache (--cache-ram): what it holds, its limit (-1: none, 0: off) and what it did since start-up
+    cache_bytes: int = 0
+    cache_limit_bytes: int = 0
+    cache_entries: int = 0
+    cache_hits: int = 0
+    cache_tokens_restored: int = 0
+    cache_tokens_evicted: int = 0
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,29 @@ class SlotFileResult:
     ms: float = 0.0
 
 
+def count_accepted(per_position: list[int], n_drafted: int, n_accepted: int) -> None:
+    """Count a verification's accepted drafts by position (the list grows to the longest draft seen)."""
+    per_position.extend([0] * (n_drafted - len(per_position)))
+    for i in range(n_accepted):
+        per_position[i] += 1
+
+
+@dataclass
+class SpecStats:
+    """Cumulative speculative counters since start-up (llama-server's /metrics spec_decode_*)."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    drafts: int = 0  # verification steps with a draft
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, n_drafted: int, n_accepted: int) -> None:
+        self.draft_tokens += n_drafted
+        self.accepted_tokens += n_accepted
+        self.drafts += 1
+        count_accepted(self.accepted_per_position, n_drafted, n_accepted)
+
+
 @dataclass(frozen=True)
 class EngineCounters:
     """Totals since start-up (llama-server's /metrics): forward passes, sequences they evaluated, and the
@@ -158,6 +185,19 @@ class EngineCounters:
     n_decode_total: int
     n_busy_slots_total: int
     spec: SpecStats | None = None
+
+
+def check_request(request: Request, info: EngineInfo) -> None:
+    """Refuse what can never run (an empty or over-long prompt, a token outside the vocabulary, a slot the engine
+    does not have) before it is queued."""
+    if not request.prompt:
+        raise InvalidRequest("the prompt is empty")
+    if len(request.prompt) >= info.n_ctx_slot:
+        raise ContextSizeExceeded(len(request.prompt), info.n_ctx_slot)
+    if request.id_slot >= info.n_slots:
+        raise InvalidRequest(f"invalid slot id {request.id_slot} (the server has {info.n_slots} slots)")
+    if min(request.prompt) < 0 or max(request.prompt) >= info.n_vocab:
+        raise InvalidRequest("Prompt contains invalid tokens")
 
 
 class EngineClient(Protocol):

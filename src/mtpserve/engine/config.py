@@ -51,4 +51,8 @@ class EngineConfig:
     n_predict: int = -1  # server-wide default limit
     slot_prompt_similarity: float = 0.1  # -sps
     kv_unified: bool = False  # --kv-unified: one pool of -c cells shared by all slots
+    cache_ram: int = 0  # --cache-ram: MiB of prompt states kept in host memory beyond the slots (-1: no limit, 0: off)
+    cache_idle_slots: bool = (
+        True  # --cache-idle-slots: an idle slot's state is saved before --kv-unified takes its cells
+    )
     spec: SpecConfig = field(default_factory=SpecConfig)  # --spec-type and --spec-draft-*

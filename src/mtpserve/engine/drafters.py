@@ -59,6 +59,10 @@ class Drafter(Protocol):
         """The slot's caches were cut back to `reuse.keep` tokens for a new request (0: cleared)."""
         ...
 
+    def pending_hidden(self, slot: Slot) -> torch.Tensor | None:
+        """The trunk's hidden state the idle slot's next MTP row reads (None: a drafter that keeps none)."""
+        ...
+
 
 class NullHooks:
     """The hooks of a drafter that keeps nothing in step with the slots."""
@@ -74,6 +78,9 @@ class NullHooks:
 
     def rewind(self, slot: Slot, reuse: Reuse) -> None:
         pass
+
+    def pending_hidden(self, slot: Slot) -> torch.Tensor | None:
+        return None
 
 
 def make_drafter(
@@ -190,6 +197,11 @@ class MTPDrafter:
             mine.pending_h = None
         elif reuse.checkpoint is not None:
             mine.pending_h = reuse.checkpoint.hidden
+
+    def pending_hidden(self, slot: Slot) -> torch.Tensor | None:
+        mine = self._of(slot)
+        self._flush(slot, mine)
+        return mine.pending_h
 
     def _catch_up(self, slot: Slot, hidden: torch.Tensor, tokens: list[int], defer: bool) -> None:
         """MTP cache rows for tokens the trunk evaluated: row i pairs token i with the trunk's hidden state at the

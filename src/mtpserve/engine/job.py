@@ -9,7 +9,7 @@ from enum import Enum
 import torch
 
 from ..tokenizer import Tokenizer
-from .client import RequestStream
+from .client import RequestStream, count_accepted
 from .grammar import Constraint, GrammarCompiler
 from .output import RequestOutput, Stop
 from .reasoning_budget import ReasoningBudget
@@ -18,13 +18,6 @@ from .sampling import Sampler, post_sampling_probabilities, top_probabilities
 
 Probs = tuple[list[tuple[int, float]], float]  # with n_probs: the top tokens, and the sampled one's probability
 NO_PROBS: Probs = ([], 0.0)
-
-
-def count_accepted(per_position: list[int], n_drafted: int, n_accepted: int) -> None:
-    """Count a verification's accepted drafts by position (the list grows to the longest draft seen)."""
-    per_position.extend([0] * (n_drafted - len(per_position)))
-    for i in range(n_accepted):
-        per_position[i] += 1
 
 
 class Phase(Enum):
@@ -43,6 +36,7 @@ class Job:
     phase: Phase = Phase.PROMPT
     batch_ends: list[int] = field(default_factory=list)  # prompt positions where a forward pass ends
     checkpoint_at: frozenset[int] = frozenset()  # prompt positions to snapshot the recurrent state at
+    keep_at: tuple[int, ...] = ()  # ... and where a later prompt may resume, inside a pass (recurrent models)
     pending: int = -1  # sampled, not yet evaluated
     timings: Timings = field(default_factory=Timings)
     t_start: float = 0.0

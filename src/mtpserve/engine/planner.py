@@ -34,6 +34,15 @@ class MemoryPlan:
         return self.estimate.parallel * self.max_checkpoints * self.checkpoint_bytes
 
     mtp: bool = False  # the MTP block's KV cache is allocated (draft-mtp)
+    prompt_cache_bytes: int = 0  # --cache-ram: host memory the prompt cache may fill (-1: no limit); not reserved
+
+    @property
+    def prompt_cache_text(self) -> str:
+        if self.prompt_cache_bytes == 0:
+            return "no prompt cache (--cache-ram 0)"
+        if self.prompt_cache_bytes < 0:
+            return "a prompt cache without a limit in host memory (--cache-ram -1)"
+        return f"a prompt cache of up to {self.prompt_cache_bytes / GIB:.2f} GiB in host memory (--cache-ram)"
 
     @property
     def required_bytes(self) -> int:
@@ -50,7 +59,8 @@ class MemoryPlan:
             f"{self.available_bytes / GIB:.2f} GiB is free: weights {e.weights_bytes / GIB:.2f} GiB, KV cache "
             f"{e.kv_bytes / GIB:.2f} GiB (-c {e.ctx_size} over -np {e.parallel}, "
             f"{self.kv_bytes_per_token / 1024:.1f} KiB per token and slot), recurrent state "
-            f"{e.recurrent_bytes / GIB:.2f} GiB, checkpoints up to {self.checkpoints_bytes_max / GIB:.2f} GiB. "
+            f"{e.recurrent_bytes / GIB:.2f} GiB, checkpoints up to {self.checkpoints_bytes_max / GIB:.2f} GiB "
+            f"(beside them {self.prompt_cache_text}, which is not reserved). "
             "Lower --ctx-size, use --cache-type-k/--cache-type-v q8_0, fewer --parallel slots or fewer "
             "--ctx-checkpoints."
         )
@@ -129,6 +139,7 @@ def plan(
         device=device,
         available_bytes=available_bytes,
         mtp=engine.spec.enabled and engine.spec.type == "draft-mtp",
+        prompt_cache_bytes=engine.cache_ram * 1024**2 if engine.cache_ram >= 0 else -1,
     )
 
 

@@ -44,6 +44,9 @@ class Request:
     id_slot: int = -1  # a slot to run on (-1: the engine chooses)
     keep_special: frozenset[int] = frozenset()  # control tokens whose text goes into the output (e.g. <think>)
     checkpoint_at: tuple[int, ...] = ()  # extra prompt positions to keep recurrent state at (e.g. last user turn)
+    # prompt positions a later request may resume from (the ends of the system prompt and of the messages): a
+    # recurrent model keeps its state there too, for the prompt cache; other models change nothing
+    resume_at: tuple[int, ...] = ()
     grammar: GrammarSpec | None = None  # constrained decoding: every sampled token keeps the output matching it
     reasoning_budget: ReasoningBudgetSpec | None = None  # chat with thinking on and --reasoning-budget >= 0
     # The client reads the events as they come (a streamed answer). False: only the whole answer matters, so an engine

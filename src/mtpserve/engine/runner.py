@@ -61,18 +61,19 @@ class ModelRunner:
         keep_steps: bool = False,
         checkpoint_every: int = 0,
         next_checkpoint: int = 0,
+        keep_at: tuple[int, ...] = (),
     ) -> Forward:
         """Evaluate `tokens` (len(tokens) / len(states) for each state in turn, at its next positions) and
         advance the states. `logits`: all rows' logits, each sequence rounded as if alone; `keep_steps`: every
         per-token recurrent state (a verification's rollback); `checkpoint_every`/`next_checkpoint`: recurrent
-        states kept inside a single prompt (models.base.Batch)."""
+        states kept inside a single prompt, and after the positions `keep_at` (models.base.Batch)."""
         self.n_passes += 1
         self.n_sequences += len(states)
         n_tokens = len(tokens) // len(states)
         if self.graphs and logits and not checkpoint_every:  # decode and verification (prompts ask no logits)
             hidden, out, steps = self._graph(states, n_tokens, keep_steps).step(tokens)
             return Forward(hidden, out, steps)
-        batch = Batch.of(torch.tensor(tokens), states, checkpoint_every, next_checkpoint)
+        batch = Batch.of(torch.tensor(tokens), states, checkpoint_every, next_checkpoint, keep_at)
         batch.keep_steps = keep_steps
         hidden = self.model.forward_batch(batch)
         out = self.model.logits(hidden, seq_len=n_tokens) if logits else None

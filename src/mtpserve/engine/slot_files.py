@@ -440,6 +440,4 @@ def _load_kv(kv: KVCache, length: int, t: dict[str, torch.Tensor], prefix: str) 
 
 def _mtp_hidden(drafter: Drafter | None, slot: Slot) -> torch.Tensor | None:
     """draft-mtp: the trunk's hidden state the slot's next MTP row reads."""
-    if isinstance(drafter, MTPDrafter):
-        return drafter._of(slot).pending_h
-    return None
+    return drafter.pending_hidden(slot) if drafter is not None else None

@@ -21,13 +21,14 @@ context (finish_reason "length", truncated).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from ..cache import CellTable, RecurrentState
 from ..models.base import CausalLM, ModelState, SharedKV
+from ..ops.device import gpu_path
 from .client import SlotInfo
 from .config import EngineConfig
 from .job import Job, Phase, Probs
@@ -107,9 +108,12 @@ class Slots:
 
     def __init__(self, model: CausalLM, config: EngineConfig, slot_ctx: int, mtp: bool) -> None:
         self.config, self.slot_ctx = config, slot_ctx
+        self.hidden_device = model.output_norm.device  # where the trunk's hidden states (checkpoints') live
+        self.before_evict: Callable[[Slot], None] | None = None  # called before an idle slot's pool cells go
         kinds = model.config.layer_kinds()
         self.recurrent = "gated_deltanet" in kinds
         self.checkpointed_prompts = self.recurrent or "sliding_attention" in kinds  # llama-server's prompt splits
+        self.resume_by_cuts = self.recurrent and gpu_path(model.output_norm)  # see `schedule`
         extra = {"mtp": True} if mtp else {}
         if config.kv_unified:
             self.n_blocks = slot_ctx // BLOCK
@@ -201,18 +205,27 @@ class Slots:
 
     # --- the prompt's passes and checkpoints ------------------------------------------------------------
 
-    def schedule(self, prompt: list[int], start: int, hints: tuple[int, ...]) -> tuple[list[int], frozenset[int]]:
-        """Where the prompt's forward passes end, and which of those ends are checkpoints."""
+    def schedule(
+        self, prompt: list[int], start: int, hints: tuple[int, ...], resume: tuple[int, ...] = ()
+    ) -> tuple[list[int], frozenset[int], tuple[int, ...]]:
+        """Where the prompt's forward passes end, which of those ends are checkpoints (llama-server's, and the
+        request's `hints`), and where a recurrent model also keeps its state inside a pass: the `resume` points a
+        later prompt may take up (the prompt cache's; on the GPU path, whose chunked rule keeps chunk boundaries
+        only, a pass ends there instead). Other models keep no state at `resume`: a batch boundary there would only
+        change their rounding, and llama.cpp's tokens follow llama-server's boundaries."""
         n, ubatch = len(prompt), self.config.ubatch
         cuts: set[int] = set()
+        keep = tuple(sorted({p for p in resume if start < p < n})) if self.recurrent else ()
         if self.checkpointed_prompts:
             cuts = {c for c in (*hints, n - CHECKPOINT_TAIL - ubatch, n - CHECKPOINT_TAIL) if start < c < n}
+        if self.resume_by_cuts:
+            cuts, keep = cuts | set(keep), ()
         ends, position = [], start
         for cut in [*sorted(cuts), n]:
             while position < cut:
                 position = min(position + ubatch, cut)
                 ends.append(position)
-        return ends, frozenset(cuts)
+        return ends, frozenset(cuts), keep
 
     def checkpoint_spacing(self, n_prompt: int) -> int:
         """Checkpoints inside a prompt: spread so that `ctx_checkpoints` of them cover it (they fall on the
@@ -260,7 +273,10 @@ class Slots:
         """Take back the blocks of the least recently used idle slot that holds any, `but` excepted."""
         holders = self._idle_holders(but)
         if holders:
-            self.reset(min(holders, key=lambda s: s.t_last_used))
+            slot = min(holders, key=lambda s: s.t_last_used)
+            if self.before_evict is not None:
+                self.before_evict(slot)
+            self.reset(slot)
         return bool(holders)
 
     def _idle_holders(self, but: Slot) -> list[Slot]:

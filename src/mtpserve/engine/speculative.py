@@ -27,27 +27,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from .client import SpecStats
 from .config import SpecConfig
 from .drafters import Drafter
-from .job import Probs, count_accepted
+from .job import Probs
 from .runner import Forward, ModelRunner
 from .slots import Outcome, Slot
-
-
-@dataclass
-class SpecStats:
-    """Cumulative speculative counters since start-up (llama-server's /metrics spec_decode_*)."""
-
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    drafts: int = 0  # verification steps with a draft
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def add(self, n_drafted: int, n_accepted: int) -> None:
-        self.draft_tokens += n_drafted
-        self.accepted_tokens += n_accepted
-        self.drafts += 1
-        count_accepted(self.accepted_per_position, n_drafted, n_accepted)
 
 
 class Speculator:

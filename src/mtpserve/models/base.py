@@ -219,6 +219,10 @@ class Batch:
     checkpoint_every: int = 0
     next_checkpoint: int = 0
     checkpoints: dict[int, dict[int, RecurrentState]] = field(default_factory=dict)
+    # ... and after these positions (where a later prompt may resume: the prompt cache's), wherever they fall: the
+    # CPU's token-by-token recurrence keeps any position without a batch boundary there; the GPU's chunked rule
+    # keeps chunk boundaries only (the engine ends a batch at the others)
+    keep_at: tuple[int, ...] = ()
     # Draft verification: recurrent layers keep their state after every token of the batch, so a
     # rejected draft rolls back without recomputing: layer -> per sequence [(conv, ssm) per token].
     keep_steps: bool = False
@@ -231,22 +235,30 @@ class Batch:
 
     @classmethod
     def of(
-        cls, tokens: torch.Tensor, states: list[ModelState], checkpoint_every: int = 0, next_checkpoint: int = 0
+        cls,
+        tokens: torch.Tensor,
+        states: list[ModelState],
+        checkpoint_every: int = 0,
+        next_checkpoint: int = 0,
+        keep_at: tuple[int, ...] = (),
     ) -> Batch:
         """Tokens [n_seq * n_tokens] continuing each state at its `n_past`."""
         n_tokens = len(tokens) // len(states)
-        return cls(tokens, states, n_tokens, [st.n_past for st in states], checkpoint_every, next_checkpoint)
+        starts = [st.n_past for st in states]
+        return cls(tokens, states, n_tokens, starts, checkpoint_every, next_checkpoint, keep_at=keep_at)
 
     def checkpoint_offsets(self, chunk: int) -> list[int]:
-        """Offsets into this batch (multiples of `chunk`, before its end) where recurrent state is kept."""
-        if not self.checkpoint_every or len(self.states) != 1:
+        """Offsets into this batch (before its end) where recurrent state is kept: multiples of `chunk` on the
+        checkpoint grid, and the `keep_at` positions inside the batch."""
+        if len(self.states) != 1:
             return []
         offsets, target = [], self.next_checkpoint
-        for n in range(chunk, self.n_tokens, chunk):
+        for n in range(chunk, self.n_tokens, chunk) if self.checkpoint_every else ():
             if self.starts[0] + n >= target:
                 offsets.append(n)
                 target = self.starts[0] + n + self.checkpoint_every
-        return offsets
+        extra = [p - self.starts[0] for p in self.keep_at if 0 < p - self.starts[0] < self.n_tokens]
+        return sorted({*offsets, *extra})
 
     def rows(self, s: int) -> slice:
         return slice(s * self.n_tokens, (s + 1) * self.n_tokens)

@@ -162,7 +162,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @router.get("/props")
     async def props() -> dict[str, Any]:
-        info = state.loaded_engine().info
+        engine = state.loaded_engine()
+        info, usage = engine.info, engine.memory_usage()
         tokenizer, template = state.loaded_tokenizer(), state.loaded_template()
         piece = lambda i: tokenizer.token_to_piece(i) if i is not None else ""  # noqa: E731
         return {
@@ -180,6 +181,11 @@ def create_app(state: ServerState) -> FastAPI:
             "eos_token": piece(tokenizer.eos_id),
             "build_info": state.fingerprint,
             "is_sleeping": False,
+            "prompt_cache": {  # mtpserve's: the host-memory prompt cache (--cache-ram)
+                "bytes": usage.cache_bytes,
+                "limit_bytes": usage.cache_limit_bytes,
+                "entries": usage.cache_entries,
+            },
         }
 
     @router.get("/slots")
@@ -353,6 +359,7 @@ def create_app(state: ServerState) -> FastAPI:
         job.request.reasoning_budget = plan.reasoning_budget
         if plan.last_user_start:
             job.request.checkpoint_at = (plan.last_user_start,)
+        job.request.resume_at = plan.resume_at
         return job, plan
 
     async def start_chat(body: Body) -> tuple[Completion, ChatPlan, RequestStream, ChatOutput]:

@@ -50,6 +50,7 @@ class ChatPlan:
     logprobs: bool
     top_logprobs: int
     last_user_start: int | None
+    resume_at: tuple[int, ...] = ()  # where a later request may resume: the system prompt's and the messages' ends
     grammar: GrammarSpec | None = None  # response_format / tool_choice as a constraint on the output
     reasoning_budget: ReasoningBudgetSpec | None = None  # a reasoning budget on the output's opened <think>
     prompt_text: str = ""  # the rendered prompt, before tokenization (`__verbose.prompt`, /apply-template)
@@ -144,7 +145,11 @@ def plan_chat(body: Body, template: ChatTemplate, tokenizer: Tokenizer, settings
         parallel_tool_calls=body.bool("parallel_tool_calls", True),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
-        last_user_start=_last_user_start(messages, prompt, template, tokenizer, tools, enable_thinking, kwargs),
+        last_user_start=_user_start(-1, messages, prompt, template, tokenizer, tools, enable_thinking, kwargs),
+        resume_at=(
+            *_positions(_user_start(0, messages, prompt, template, tokenizer, tools, enable_thinking, kwargs)),
+            *_positions(_messages_end(prompt, generation_prompt, tokenizer)),
+        ),
         grammar=GrammarSpec(*grammar) if grammar else None,
         reasoning_budget=reasoning_budget,
         prompt_text=rendered.prompt,
@@ -185,7 +190,8 @@ def _named_choice(tool_choice: object) -> bool:
     return isinstance(function, dict) and isinstance(function.get("name"), str)
 
 
-def _last_user_start(
+def _user_start(
+    which: int,
     messages: list[Any],
     prompt: list[int],
     template: ChatTemplate,
@@ -194,9 +200,11 @@ def _last_user_start(
     enable_thinking: bool,
     kwargs: dict[str, Any],
 ) -> int | None:
-    """Where the last user message starts in the prompt's tokens: llama-server ends a prompt batch there
-    (and keeps a recurrent checkpoint), so a follow-up turn reuses everything before it."""
-    last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), default=0)
+    """Where the first (`which` 0) or the last (-1) user message starts in the prompt's tokens. The last: llama-server
+    ends a prompt batch there (and keeps a recurrent checkpoint), so a follow-up turn reuses everything before it;
+    the first: the end of the system prompt (and tools), which an agent's sub-agents and side requests share."""
+    users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
+    last = users[which] if users else 0
     if last == 0:
         return None
     try:
@@ -211,6 +219,19 @@ def _last_user_start(
         return None
     ids = tokenizer.encode(head, add_special=True, parse_special=True)
     return len(ids) if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids else None
+
+
+def _messages_end(prompt: list[int], generation_prompt: str, tokenizer: Tokenizer) -> int | None:
+    """Where the generation prompt starts in the prompt's tokens: the next turn re-renders this turn's reply after
+    the messages (Qwen3.5/3.6 without the empty reasoning block a thinking-off prompt ends in), so it resumes there."""
+    if not generation_prompt:
+        return None
+    tail = tokenizer.encode(generation_prompt, add_special=False, parse_special=True)
+    return len(prompt) - len(tail) if 0 < len(tail) < len(prompt) and prompt[-len(tail) :] == tail else None
+
+
+def _positions(position: int | None) -> tuple[int, ...]:
+    return () if position is None else (position,)
 
 
 def keep_special_ids(tokenizer: Tokenizer) -> frozenset[int]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..engine import EngineClient, FinishEvent
+from ..engine import EngineClient, FinishEvent, MemoryUsage
 
 PREFIX = "llamacpp:"
 
@@ -95,6 +95,7 @@ class ServerMetrics:
         usage = engine.memory_usage() if engine else None
         yield gauge("requests_processing", "Number of requests processing.", usage.busy_slots if usage else 0)
         yield gauge("requests_deferred", "Number of requests deferred.", usage.queued if usage else 0)
+        yield from _prompt_cache_metrics(usage)
         spec = counters.spec if counters else None
         yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.draft_tokens if spec else 0)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.accepted_tokens if spec else 0)
@@ -107,3 +108,22 @@ class ServerMetrics:
         for position, n in enumerate(spec.accepted_per_position if spec else []):
             per_pos.add_metric([str(position)], n)
         yield per_pos
+
+
+def _prompt_cache_metrics(usage: MemoryUsage | None) -> Iterator[Metric]:
+    """The host-memory prompt cache (--cache-ram): mtpserve's own names, beside llama-server's."""
+    values = usage or MemoryUsage(0, 0, 0, 0, 0, 0)
+    rows = [
+        (GaugeMetricFamily, "prompt_cache_bytes", "Bytes of prompt states held in the host-memory prompt cache.",
+         values.cache_bytes),
+        (GaugeMetricFamily, "prompt_cache_limit_bytes", "The prompt cache's limit in bytes (-1: none, 0: off).",
+         values.cache_limit_bytes),
+        (GaugeMetricFamily, "prompt_cache_entries", "Prompt states held in the prompt cache.", values.cache_entries),
+        (CounterMetricFamily, "prompt_cache_hits", "Requests resumed from the prompt cache.", values.cache_hits),
+        (CounterMetricFamily, "prompt_cache_tokens_restored", "Prompt tokens restored from the prompt cache.",
+         values.cache_tokens_restored),
+        (CounterMetricFamily, "prompt_cache_tokens_evicted", "Tokens of prompt states evicted from the prompt cache.",
+         values.cache_tokens_evicted),
+    ]  # fmt: skip
+    for family, name, doc, value in rows:
+        yield family(PREFIX + name, doc, value=value)

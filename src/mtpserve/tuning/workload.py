@@ -13,6 +13,7 @@ import inspect
 import json
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -114,24 +115,15 @@ def run_request(
     first: float | None = None
     timings: dict[str, Any] = {}
     try:
-        with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                response.read()
-                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(str(chunk["error"].get("message", chunk["error"])))
-                timings = chunk.get("timings", timings)
-                for choice in chunk.get("choices", []):
-                    delta = choice.get("delta", {})
-                    if delta.get("content") or delta.get("reasoning_content"):
-                        now = time.perf_counter()
-                        if first is None:
-                            first = now
-                        result.chunk_times.append(now - first)
+        for chunk in stream_chunks(client, url, body):
+            timings = chunk.get("timings", timings)
+            for choice in chunk.get("choices", []):
+                delta = choice.get("delta", {})
+                if delta.get("content") or delta.get("reasoning_content"):
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                    result.chunk_times.append(now - first)
     except (httpx.HTTPError, RuntimeError, ValueError) as e:
         result.ok, result.error = False, str(e)
     result.wall_ms = 1000 * (time.perf_counter() - t0)
@@ -143,6 +135,22 @@ def run_request(
     if result.ok and not timings:
         result.ok, result.error = False, "the stream carried no timings (not llama-server's API?)"
     return result
+
+
+def stream_chunks(client: httpx.Client, url: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The chunks of a streamed /v1/chat/completions, parsed; RuntimeError for an HTTP error or an error event."""
+    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                error = chunk["error"]
+                raise RuntimeError(str(error.get("message", error) if isinstance(error, dict) else error))
+            yield chunk
 
 
 @dataclass
