@@ -468,7 +468,9 @@ def run(args: argparse.Namespace) -> int:
             log.info("srv    load_model: use `--cache-ram 0` to disable the prompt cache")
         else:
             log.info("srv    load_model: prompt cache is disabled - use `--cache-ram N` to enable it")
-        if args.cache_idle_slots and not args.cache_ram:
+        if args.cache_idle_slots and not args.kv_unified:  # llama-server's default, refused without unified KV
+            log.warning("srv          init: --cache-idle-slots requires --kv-unified, disabling")
+        elif args.cache_idle_slots and not args.cache_ram:
             log.warning("srv          init: --cache-idle-slots requires --cache-ram, disabling")
         log.info("srv  llama_server: model loaded")
         log.info("srv  llama_server: server is listening on %s", address)

@@ -24,6 +24,7 @@ from .params import Body
 REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's; others are refused
 PRESERVED_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>")  # special tokens emitted as text
+USER_PROBE = "\ue000mtpserve-user\ue000"  # stands for a user message's content to find where it starts
 
 
 @dataclass
@@ -202,21 +203,29 @@ def _user_start(
 ) -> int | None:
     """Where the first (`which` 0) or the last (-1) user message starts in the prompt's tokens. The last: llama-server
     ends a prompt batch there (and keeps a recurrent checkpoint), so a follow-up turn reuses everything before it;
-    the first: the end of the system prompt (and tools), which an agent's sub-agents and side requests share."""
+    the first: the end of the system prompt (and tools), which an agent's sub-agents and side requests share. Where
+    a template refuses the messages before it (Qwen3.5/3.6's wants a user message), the first is found where its
+    content starts instead."""
     users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
     last = users[which] if users else 0
     if last == 0:
         return None
-    try:
-        head = template.apply(
-            messages[:last],
-            tools=tools,
-            add_generation_prompt=False,
-            enable_thinking=enable_thinking,
-            chat_template_kwargs=kwargs,
+
+    def render(head: list[Any]) -> str:
+        return template.apply(
+            head, tools=tools, add_generation_prompt=False, enable_thinking=enable_thinking, chat_template_kwargs=kwargs
         ).prompt
+
+    try:
+        head = render(messages[:last])
     except ChatTemplateError:
-        return None
+        if which != 0:
+            return None
+        try:
+            probe = render([*messages[:last], {**messages[last], "content": USER_PROBE}])
+        except ChatTemplateError:
+            return None
+        head = probe[: probe.find(USER_PROBE)] if USER_PROBE in probe else ""
     ids = tokenizer.encode(head, add_special=True, parse_special=True)
     return len(ids) if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids else None
 
