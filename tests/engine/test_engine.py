@@ -302,10 +302,10 @@ def test_a_request_that_fails_to_start_fails_alone(monkeypatch):
 
     schedule = Slots.schedule
 
-    def faulty(self, prompt, start, hints):
+    def faulty(self, prompt, start, hints, resume=()):
         if len(prompt) == 7:
             raise RuntimeError("injected fault")
-        return schedule(self, prompt, start, hints)
+        return schedule(self, prompt, start, hints, resume)
 
     monkeypatch.setattr(Slots, "schedule", faulty)
     with _engine() as engine:

@@ -70,7 +70,6 @@ def log_start(config: EngineConfig, plan: MemoryPlan, name: str, n_embd: int) ->
         plan.slot_ctx,
         str(config.kv_unified).lower(),
     )
-    log.info("srv    load_model: memory: %s", plan.prompt_cache_text)
     if spec.enabled:
         log.info("spec common_specu: adding speculative implementation '%s'", spec.type)
         log.info(
@@ -81,3 +80,4 @@ def log_start(config: EngineConfig, plan: MemoryPlan, name: str, n_embd: int) ->
             n_embd,
         )
         log.info("srv    load_model: speculative decoding context initialized")
+    log.info("srv    load_model: memory: %s", plan.prompt_cache_text)
