@@ -50,6 +50,7 @@ class ModelRunner:
         self._graphs: OrderedDict[tuple[tuple[int, ...], int, bool], StepGraph] = OrderedDict()
         self.n_passes = 0  # forward passes (llama-server's n_decode_total)
         self.n_sequences = 0  # sequences those passes evaluated, summed
+        self.n_program_decodes = 0  # passes the CPU decode program served (models.base.program_decode)
 
     @torch.inference_mode()
     def run(
@@ -73,6 +74,10 @@ class ModelRunner:
         if self.graphs and logits and not checkpoint_every:  # decode and verification (prompts ask no logits)
             hidden, out, steps = self._graph(states, n_tokens, keep_steps).step(tokens)
             return Forward(hidden, out, steps)
+        if len(tokens) == 1 and logits and not (keep_steps or checkpoint_every or keep_at):  # one C call on the CPU
+            if (hidden := self.model.program_decode(tokens[0], states[0])) is not None:
+                self.n_program_decodes += 1
+                return Forward(hidden, self.model.logits(hidden, seq_len=1))
         batch = Batch.of(torch.tensor(tokens), states, checkpoint_every, next_checkpoint, keep_at)
         batch.keep_steps = keep_steps
         hidden = self.model.forward_batch(batch)

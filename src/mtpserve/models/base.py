@@ -413,15 +413,22 @@ class CausalLM:
         for state in states:
             if state.n_past + 1 > state.capacity:
                 raise ValueError(f"context size {state.capacity} is full")
-        on_cpu = not gpu_path(self.output_norm)  # also false while the GPU path is emulated
-        if len(states) == 1 and on_cpu and (program := self.decode_program(states[0])) is not None:
-            state = states[0]
-            if program.ready(state.n_past):  # one C call for every block (ops.decode_program)
-                ropes = [table.span(state.n_past, 1) for table in self.decode_rope_tables()]
-                x = program.run(self._inputs(Batch.of(torch.tensor(tokens), states)), state.n_past, ropes)
-                state.n_past += 1
-                return self.logits(self.final_norm(x), seq_len=1)
+        if len(states) == 1 and (hidden := self.program_decode(tokens[0], states[0])) is not None:
+            return self.logits(hidden, seq_len=1)
         return self.logits(self.forward_batch(Batch.of(torch.tensor(tokens), states)), seq_len=1)
+
+    def program_decode(self, token: int, state: ModelState) -> torch.Tensor | None:
+        """One token of one sequence through the CPU decode program (one C call for every block,
+        ops.decode_program): the final-normed hidden state [1, n_embd], or None where the program cannot serve
+        (`decode_program`, a ring that wrapped); the layer path then does, to the same bits."""
+        if gpu_path(self.output_norm) or (program := self.decode_program(state)) is None:  # GPU, or emulated
+            return None
+        if not program.ready(state.n_past) or state.n_past + 1 > state.capacity:
+            return None
+        ropes = [table.span(state.n_past, 1) for table in self.decode_rope_tables()]
+        x = program.run(self._inputs(Batch.of(torch.tensor([token]), [state])), state.n_past, ropes)
+        state.n_past += 1
+        return self.final_norm(x)
 
     def decode_program(self, state: ModelState) -> DecodeProgram | None:
         """The CPU decode step over `state` as one C call (ops.decode_program), built at the state's first decode;
@@ -440,7 +447,7 @@ class CausalLM:
             if layer_blocks is None:
                 return None
             blocks += layer_blocks
-        caches = list(state.kv.values())
+        caches = [state.kv[layer.index] for layer in self.layers if layer.index in state.kv]  # type: ignore[attr-defined]
         capacity = min([kv.capacity for kv in caches if not kv.ring] + [state.capacity])
         return DecodeProgram(blocks, caches, [kv for kv in caches if kv.ring], capacity)
 

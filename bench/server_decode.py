@@ -1,0 +1,130 @@
+"""Server against server: the same /completion request to mtpserve and llama-server, as a user sends it, and the
+speeds each server reports for it (`timings.predicted_per_second`, `timings.prompt_per_second`).
+
+    .venv/bin/python bench/server_decode.py --llama-server PATH [--rounds 3] [--busy] [--spec] [--json PATH]
+
+For each model (SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M, tinyqwen35 Q4_K_M) both servers run at once, each with
+`-m MODEL -np 1 -c 4096 -t 2` (and, with `--spec`, a second pair on tinyqwen35 with `--spec-type draft-mtp
+--spec-draft-n-max 2`). Each gets one warm-up request, then `--rounds` rounds: one request to each server in turn, the
+first server alternating between rounds, so a machine drifting over minutes moves both alike. The request: a
+128-token prompt (a different first token each time, so nothing is reused from the last request), 64 greedy tokens
+with `ignore_eos`. The table gives medians over the rounds and mtpserve / llama-server. `--busy` runs one CPU-bound
+neighbour process (a spinning Python loop) throughout, the case of a machine doing other work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+from mtpserve.default_models import DEFAULT_MODELS, model_path
+from mtpserve.tokenizer import Tokenizer
+from mtpserve.tuning.runner import managed_server, mtpserve_command
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO.parent / "shared" / "fixtures"
+TEXT = FIXTURES / "eval" / "eval_code_public.txt"
+FLAGS = ["-np", "1", "-c", "4096", "-t", "2"]
+SPEC_FLAGS = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "2"]
+N_PROMPT, N_PREDICT = 128, 64
+
+
+def cases(spec: bool) -> list[tuple[str, Path, list[str]]]:
+    tiny = FIXTURES / "tinyqwen35-mtp-Q4_K_M.gguf"
+    out = [
+        ("SmolLM2-135M Q4_1", model_path(DEFAULT_MODELS["smollm2"]), []),
+        ("Gemma 3 270M Q4_K_M", model_path(DEFAULT_MODELS["gemma3"]), []),
+        ("tinyqwen35 Q4_K_M", tiny, []),
+    ]
+    return out + ([("tinyqwen35 Q4_K_M, draft-mtp n_max 2", tiny, SPEC_FLAGS)] if spec else [])
+
+
+def completion(client: httpx.Client, url: str, prompt: list[int]) -> dict:
+    body = {"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0.0, "ignore_eos": True, "cache_prompt": False}
+    response = client.post(f"{url}/completion", json=body)
+    response.raise_for_status()
+    return response.json()["timings"]
+
+
+def measure(urls: dict[str, str], prompt: list[int], rounds: int, say) -> dict[str, list[dict]]:
+    """Per server, the timings of each round's request (the warm-up left out)."""
+    out: dict[str, list[dict]] = {name: [] for name in urls}
+    with httpx.Client(timeout=600) as client:
+        for url in urls.values():
+            completion(client, url, [1, *prompt])
+        for r in range(rounds):
+            names = list(urls) if r % 2 == 0 else list(reversed(urls))
+            for name in names:
+                timings = completion(client, urls[name], [2 + r, *prompt])
+                out[name].append(timings)
+                say(
+                    f"  round {r + 1} {name}: decode {timings['predicted_per_second']:.1f} t/s, "
+                    f"prompt {timings['prompt_per_second']:.1f} t/s"
+                    + (f", drafts {timings['draft_n_accepted']}/{timings['draft_n']}" if "draft_n" in timings else "")
+                )
+    return out
+
+
+def median(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-server", required=True, help="a llama-server binary")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--busy", action="store_true", help="one CPU-bound neighbour process runs throughout")
+    ap.add_argument("--spec", action="store_true", help="also tinyqwen35 with draft-mtp n_max 2 on both")
+    ap.add_argument("--json", type=Path, help="write every request's timings here")
+    args = ap.parse_args()
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
+    log_dir = Path(tempfile.mkdtemp(prefix="server_decode-"))
+    results = []
+    try:
+        for label, model, extra in cases(args.spec):
+            tokens = Tokenizer.from_gguf(model).encode(TEXT.read_text(encoding="utf-8"), add_special=False)
+            prompt = tokens[: N_PROMPT - 1]
+            commands = {
+                "mtpserve": mtpserve_command(str(model), [*FLAGS, *extra]),
+                "llama-server": [args.llama_server, "-m", str(model), *FLAGS, *extra, "--no-webui"],
+            }
+            say(f"{label} ({' '.join(FLAGS + extra)}{', busy' if args.busy else ''}; logs in {log_dir})")
+            with contextlib.ExitStack() as stack:
+                urls = {
+                    name: stack.enter_context(managed_server(command, log_dir / f"{name}-{len(results)}.log"))
+                    for name, command in commands.items()
+                }
+                timings = measure(urls, prompt, args.rounds, say)
+            results.append({"model": label, "busy": args.busy, "timings": timings})
+    finally:
+        if neighbour is not None:
+            neighbour.kill()
+    print("| model | mtpserve decode t/s | llama-server | ratio | mtpserve prompt t/s | llama-server | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for row in results:
+        ours, theirs = row["timings"]["mtpserve"], row["timings"]["llama-server"]
+        d_ours, d_theirs = median(ours, "predicted_per_second"), median(theirs, "predicted_per_second")
+        p_ours, p_theirs = median(ours, "prompt_per_second"), median(theirs, "prompt_per_second")
+        print(
+            f"| {row['model']} | {d_ours:.1f} | {d_theirs:.1f} | {d_ours / d_theirs:.2f}x "
+            f"| {p_ours:.1f} | {p_theirs:.1f} | {p_ours / p_theirs:.2f}x |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
