@@ -99,11 +99,13 @@ class Sampler:
 
     def _biased(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
+        penalized = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        if not p.logit_bias and not (penalized and self.counts):
+            return logits.float()  # nothing to change: no copy (a fresh vocabulary-sized buffer a token)
         logits = logits.float().clone()
         for token, bias in p.logit_bias.items():
             if 0 <= token < len(logits):
                 logits[token] += bias
-        penalized = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         if penalized and self.counts:
             ids = torch.tensor(list(self.counts.keys()))
             counts = torch.tensor(list(self.counts.values()), dtype=torch.float32)
