@@ -3,29 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
 from .. import __version__
 from ..engine.errors import EngineError
 from ..gguf import GGUFError
-from . import bench, doctor, fetch_defaults, generate, inspect_model, perplexity, pull, quantize, serve, tokenize
+
+# command -> its module, in `--help` order; a command line imports only its own (PyTorch, the server, Ray where used)
+COMMANDS = {
+    "inspect": "inspect_model",
+    "fetch-defaults": "fetch_defaults",
+    "pull": "pull",
+    "tokenize": "tokenize",
+    "generate": "generate",
+    "perplexity": "perplexity",
+    "serve": "serve",
+    "quantize": "quantize",
+    "bench": "bench",
+    "doctor": "doctor",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or with `command` (one of COMMANDS) of that one alone."""
     parser = argparse.ArgumentParser(prog="mtpserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"mtpserve {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    inspect_model.add_parser(subparsers)
-    fetch_defaults.add_parser(subparsers)
-    pull.add_parser(subparsers)
-    tokenize.add_parser(subparsers)
-    generate.add_parser(subparsers)
-    perplexity.add_parser(subparsers)
-    serve.add_parser(subparsers)
-    quantize.add_parser(subparsers)
-    bench.add_parser(subparsers)
-    doctor.add_parser(subparsers)
+    for name, module in COMMANDS.items():
+        if command is None or name == command:
+            importlib.import_module(f".{module}", __name__).add_parser(subparsers)
     return parser
 
 
@@ -44,7 +52,8 @@ def llama_flag_names(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(llama_flag_names(sys.argv[1:] if argv is None else argv))
+    argv = llama_flag_names(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
     try:
         return args.func(args)

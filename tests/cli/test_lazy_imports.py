@@ -1,0 +1,46 @@
+"""Commands start at once: the command line imports only the command it runs, and commands that never run a model
+(`tokenize`) never import PyTorch, the server or Ray (each in a fresh interpreter, where nothing is imported yet)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from mtpserve.cli import COMMANDS, build_parser
+
+from ..conftest import tinyqwen_path
+from ..support.vocabs import reference
+
+HEAVY = ("torch", "fastapi", "ray", "xgrammar")
+
+
+def _fresh(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return done.stdout
+
+
+def test_importing_the_command_line_imports_no_heavy_library():
+    loaded = json.loads(
+        _fresh(f"import json, sys, mtpserve.cli; print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))")
+    )
+    assert loaded == []
+
+
+def test_tokenize_runs_without_torch():
+    case = reference("tinyqwen35-mtp-F16")["greedy"]["completions"][0]
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from mtpserve.cli import main\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n"
+        f"    rc = main(['tokenize', '-m', {str(tinyqwen_path('F16'))!r}, {case['prompt']!r}])\n"
+        f"print(json.dumps([rc, json.loads(out.getvalue()), [m for m in {HEAVY!r} if m in sys.modules]]))"
+    )
+    rc, ids, loaded = json.loads(_fresh(code))
+    assert rc == 0 and ids == case["prompt_token_ids"] and loaded == []
+
+
+def test_the_full_parser_still_lists_every_command():
+    help_text = build_parser().format_help()
+    assert all(name in help_text for name in COMMANDS)
