@@ -141,3 +141,27 @@ def test_draws_are_llama_cpps_mt19937_through_libstdcpp_uniform_real_distributio
     for seed, expected_draws in libstdcpp.items():
         rng = Mt19937Uniform(seed)
         assert [rng.random() for _ in expected_draws] == expected_draws
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [
+        {},
+        {0: -math.inf},  # the best token banned (ignore_eos bans end-of-generation tokens)
+        {3: -math.inf, 7: -1.0},  # others lowered: the best stays
+        {9: 5.0},  # a raise: the biased copy decides
+        {0: -0.4},  # the best lowered into a tie with the next
+    ],
+)
+def test_greedy_without_a_copy_takes_the_token_of_the_biased_copy(bias):
+    """Greedy skips the biased copy of the logits where biases only lower tokens; its twin is the argmax of the
+    copy, every token of a shuffled vector tried as the best."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        logits = LOGITS[torch.randperm(len(LOGITS), generator=generator)]
+        sampler = Sampler(SamplingParams(temperature=0.0, logit_bias=bias))
+        biased = logits.clone()
+        for token, value in bias.items():
+            biased[token] += value
+        ids, values = sampler.candidates(logits)
+        assert int(ids[0]) == int(biased.argmax()) and float(values[0]) == float(biased.max())

@@ -114,10 +114,23 @@ class Sampler:
             logits[ids] = values - counts * p.frequency_penalty - p.presence_penalty
         return logits
 
+    def _unbiased_argmax(self, logits: torch.Tensor) -> int | None:
+        """The greedy token without a biased copy of the logits, where that gives the same token: biases that only
+        lower tokens (bans, `ignore_eos`) and no penalties cannot raise another token above the best unbiased one
+        unless it is itself biased. None where the copy is needed."""
+        p = self.params
+        penalized = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        if (penalized and self.counts) or any(bias > 0 for bias in p.logit_bias.values()):
+            return None
+        best = int(logits.argmax())
+        return None if best in p.logit_bias else best
+
     def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, logits) of the tokens that survive the chain's filters, in the chain's order, with the
         temperature applied; a single token when greedy."""
         p = self.params
+        if p.greedy and (best := self._unbiased_argmax(logits)) is not None:
+            return torch.tensor([best]), logits[best : best + 1].float()
         logits = self._biased(logits)
         if p.greedy:
             best = int(logits.argmax())
