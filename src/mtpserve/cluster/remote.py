@@ -80,10 +80,11 @@ class RemoteEngine:
     def submit(self, request: Request) -> RequestStream:
         """As Engine.submit: what can never run is refused here; the rest goes to a replica. `id_slot` is not
         honoured (a slot id names a replica's slot, and the router picks the replica): the replica chooses."""
-        check_request(dataclasses.replace(request, id_slot=-1), self.info)
+        request = dataclasses.replace(request, id_slot=-1)
+        check_request(request, self.info)
         loop = asyncio.get_running_loop()
         stream = RemoteStream()
-        task = loop.create_task(self._pump(dataclasses.replace(request, id_slot=-1), SESSION.get(), stream))
+        task = loop.create_task(self._pump(request, SESSION.get(), stream))
         stream.on_cancel = lambda: loop.call_soon_threadsafe(task.cancel)
         return stream
 

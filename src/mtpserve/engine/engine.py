@@ -153,7 +153,7 @@ class Engine:
         """llama-server's slot actions: "save" the slot to `path`, "restore" it from `path`, "erase" what it holds.
         Waits while the slot serves a request; file errors are InvalidRequest (400) with what is wrong."""
         hidden = slot_files.HiddenSpec(self.model.output_norm.device, self.info.n_embd)
-        return self.slot_tasks.act(id_slot, action, path, self.slots, self.drafter, hidden)
+        return self.slot_tasks.act(id_slot, action, path, self.reuse, hidden)
 
     def close(self) -> None:
         with self._wake:

@@ -97,16 +97,22 @@ class Sampler:
         self.window.append(token)
         self.counts[token] += 1
 
-    def _biased(self, logits: torch.Tensor) -> torch.Tensor:
+    @property
+    def _penalizes(self) -> bool:
+        """Whether the penalties change any logit now (they are set, and the window holds tokens)."""
         p = self.params
         penalized = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        if not p.logit_bias and not (penalized and self.counts):
+        return penalized and bool(self.counts)
+
+    def _biased(self, logits: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        if not p.logit_bias and not self._penalizes:
             return logits.float()  # nothing to change: no copy (a fresh vocabulary-sized buffer a token)
         logits = logits.float().clone()
         for token, bias in p.logit_bias.items():
             if 0 <= token < len(logits):
                 logits[token] += bias
-        if penalized and self.counts:
+        if self._penalizes:
             ids = torch.tensor(list(self.counts.keys()))
             counts = torch.tensor(list(self.counts.values()), dtype=torch.float32)
             values = logits[ids]
@@ -119,8 +125,7 @@ class Sampler:
         lower tokens (bans, `ignore_eos`) and no penalties cannot raise another token above the best unbiased one
         unless it is itself biased. None where the copy is needed."""
         p = self.params
-        penalized = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        if (penalized and self.counts) or any(bias > 0 for bias in p.logit_bias.values()):
+        if self._penalizes or any(bias > 0 for bias in p.logit_bias.values()):
             return None
         best = _argmax(logits)
         return None if best in p.logit_bias else best

@@ -14,9 +14,9 @@ from typing import Any
 
 from . import slot_files
 from .client import SlotFileResult
-from .drafters import Drafter
 from .errors import EngineError, InvalidRequest, ServerError
-from .slots import Reuse, Slot, Slots
+from .reuse import PrefixReuse
+from .slots import Slot, Slots
 
 Task = tuple[int, Callable[[Slot], Any], "Future[Any]"]
 
@@ -33,15 +33,15 @@ class SlotTasks:
     def __bool__(self) -> bool:
         return bool(self._tasks)
 
-    def act(
-        self, id_slot: int, action: str, path: Path | None, slots: Slots, drafter: Drafter | None, hidden: Any
-    ) -> SlotFileResult:
-        """Save the slot to `path`, restore it from `path`, or erase it; file errors are InvalidRequest (400)."""
+    def act(self, id_slot: int, action: str, path: Path | None, reuse: PrefixReuse, hidden: Any) -> SlotFileResult:
+        """Save the slot to `path`, restore it from `path`, or erase it (`reuse.forget`); file errors are
+        InvalidRequest (400)."""
         if not 0 <= id_slot < self.n_slots:
             raise InvalidRequest("Invalid slot ID")
+        slots, drafter = reuse.slots, reuse.drafter
         t_start = time.perf_counter()
         if action == "erase":
-            return SlotFileResult(self._on_slot(id_slot, lambda slot: _erase(slot, slots, drafter)))
+            return SlotFileResult(self._on_slot(id_slot, lambda slot: _erase(slot, reuse)))
         if action not in ("save", "restore"):
             raise InvalidRequest("Invalid action")
         if path is None:
@@ -94,9 +94,7 @@ class SlotTasks:
         self._tasks.clear()
 
 
-def _erase(slot: Slot, slots: Slots, drafter: Drafter | None) -> int:
+def _erase(slot: Slot, reuse: PrefixReuse) -> int:
     n_erased = len(slot.tokens)
-    slots.reset(slot)
-    if drafter is not None:
-        drafter.rewind(slot, Reuse(0))
+    reuse.forget(slot)
     return n_erased

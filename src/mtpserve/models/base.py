@@ -423,7 +423,7 @@ class CausalLM:
         (`decode_program`, a ring that wrapped); the layer path then does, to the same bits."""
         if gpu_path(self.output_norm) or (program := self.decode_program(state)) is None:  # GPU, or emulated
             return None
-        if not program.ready(state.n_past) or state.n_past + 1 > state.capacity:
+        if not program.ready(state.n_past):  # a full context, or a ring that wrapped
             return None
         ropes = [table.span(state.n_past, 1) for table in self.decode_rope_tables()]
         x = program.run(self._inputs(Batch.of(torch.tensor([token]), [state])), state.n_past, ropes)
