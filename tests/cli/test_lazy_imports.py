@@ -44,3 +44,25 @@ def test_tokenize_runs_without_torch():
 def test_the_full_parser_still_lists_every_command():
     help_text = build_parser().format_help()
     assert all(name in help_text for name in COMMANDS)
+
+
+def test_inspect_runs_without_torch_and_reports_what_the_loaded_model_holds():
+    """`inspect` reads the config from metadata alone (models/configs/): no PyTorch, and the layers it reports are
+    the ones the model built from the same file has."""
+    from mtpserve.models.loader import load
+
+    path = str(tinyqwen_path("Q4_K_M"))
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from mtpserve.cli import main\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n"
+        f"    rc = main(['inspect', '--json', '-m', {path!r}])\n"
+        f"print(json.dumps([rc, json.loads(out.getvalue()), [m for m in {HEAVY!r} if m in sys.modules]]))"
+    )
+    rc, report, loaded = json.loads(_fresh(code))
+    model = load(path)
+    assert rc == 0 and loaded == []
+    assert report["architecture"] == model.config.architecture == "qwen35"
+    assert report["n_layer"] == model.config.n_layer and report["n_vocab"] == model.config.n_vocab
+    assert report["mtp_layers"] == list(model.config.mtp_layers())

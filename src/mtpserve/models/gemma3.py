@@ -7,113 +7,19 @@ Semantics: ../shared/spec/qwen35-architecture.md §7 (read from llama.cpp's gemm
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
 from ctypes import Structure
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..cache import KVCache, append_and_attend
-from ..gguf import GGUFError, Metadata
 from ..ops.activations import ResidualGatedFFN
 from ..ops.embedding import embedding
 from ..ops.linear import WeightGroup, linear, linear_many
 from ..ops.norm import rms_norm, rms_norm_for
 from ..ops.rope import RopeTable, apply_rope
 from .base import Batch, CausalLM, ModelState, Rope, SharedKV, WeightStore, new_kv_caches, padded_context
-from .config import AttentionCacheSpec, CacheLayout, TensorSpec, common_hparams, lm_tensor_specs
-
-ARCH = "gemma3"
-DEFAULT_SWA_PERIOD = 6  # llama.cpp: every 6th layer is global, the rest use the sliding window
-DEFAULT_ROPE_BASE_SWA = 10000.0
-
-
-@dataclass(frozen=True)
-class Gemma3Config:
-    architecture: str
-    n_vocab: int
-    n_embd: int
-    n_layer: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    rms_eps: float
-    rope_base: float  # global layers
-    rope_base_swa: float  # sliding-window layers
-    rope_scale: float  # linear scaling factor of the global layers (1 = none)
-    sliding_window: int | None
-    is_swa: tuple[bool, ...]
-    final_logit_softcap: float  # 0 = none
-    context_length: int
-    tied_embeddings: bool
-
-    @classmethod
-    def from_metadata(cls, md: Metadata, tensor_names: Collection[str]) -> Gemma3Config:
-        hp = common_hparams(md)
-        p, n_layer = hp["architecture"], hp.pop("block_count")
-        window = md.get_int(f"{p}.attention.sliding_window", 0)
-        pattern_key = f"{p}.attention.sliding_window_pattern"
-        if window <= 0:
-            is_swa = [False] * n_layer
-        elif pattern_key in md and not isinstance(md.values[pattern_key], int):
-            is_swa = md.get_bool_list(pattern_key)
-            if len(is_swa) != n_layer:
-                raise GGUFError(md.source, f"{pattern_key} has {len(is_swa)} entries for {n_layer} layers")
-        else:
-            period = md.get_int(pattern_key, DEFAULT_SWA_PERIOD)
-            is_swa = [period == 0 or i % period < period - 1 for i in range(n_layer)]
-        scaling = md.get_str(f"{p}.rope.scaling.type", "none")
-        if scaling not in ("none", "linear"):
-            raise GGUFError(md.source, f"rope scaling '{scaling}' is not supported for gemma3")
-        return cls(
-            **hp,
-            n_layer=n_layer,
-            rope_base_swa=md.get_float(f"{p}.rope.freq_base_swa", DEFAULT_ROPE_BASE_SWA),
-            rope_scale=md.get_float(f"{p}.rope.scaling.factor", 1.0) if scaling == "linear" else 1.0,
-            sliding_window=window if window > 0 else None,
-            is_swa=tuple(is_swa),
-            final_logit_softcap=md.get_float(f"{p}.final_logit_softcapping", 0.0),
-            tied_embeddings="output.weight" not in tensor_names,
-        )
-
-    def layer_kinds(self) -> list[str]:
-        return ["sliding_attention" if swa else "attention" for swa in self.is_swa]
-
-    def mtp_layers(self) -> list[int]:
-        return []
-
-    def tensor_specs(self) -> list[TensorSpec]:
-        E, V, F = self.n_embd, self.n_vocab, self.n_ff
-        H, Hkv, hd = self.n_head, self.n_head_kv, self.head_dim
-        specs = lm_tensor_specs(V, E)
-        for i in range(self.n_layer):
-            b = f"blk.{i}"
-            specs += [
-                TensorSpec(f"{b}.attn_norm.weight", (E,)),
-                TensorSpec(f"{b}.attn_q.weight", (H * hd, E)),
-                TensorSpec(f"{b}.attn_k.weight", (Hkv * hd, E)),
-                TensorSpec(f"{b}.attn_v.weight", (Hkv * hd, E)),
-                TensorSpec(f"{b}.attn_output.weight", (E, H * hd)),
-                TensorSpec(f"{b}.attn_q_norm.weight", (hd,)),
-                TensorSpec(f"{b}.attn_k_norm.weight", (hd,)),
-                TensorSpec(f"{b}.post_attention_norm.weight", (E,)),
-                TensorSpec(f"{b}.ffn_norm.weight", (E,)),
-                TensorSpec(f"{b}.ffn_gate.weight", (F, E)),
-                TensorSpec(f"{b}.ffn_up.weight", (F, E)),
-                TensorSpec(f"{b}.ffn_down.weight", (E, F)),
-                TensorSpec(f"{b}.post_ffw_norm.weight", (E,)),
-            ]
-        return specs
-
-    def cache_layout(self) -> CacheLayout:
-        attention = tuple(
-            AttentionCacheSpec(i, self.n_head_kv, self.head_dim, self.head_dim, self.sliding_window if swa else None)
-            for i, swa in enumerate(self.is_swa)
-        )
-        return CacheLayout(attention, ())
-
+from .configs.gemma3 import ARCH, DEFAULT_ROPE_BASE_SWA, DEFAULT_SWA_PERIOD, Gemma3Config  # noqa: F401 (re-exported)
 
 # --- blocks -------------------------------------------------------------------------------------------
 

@@ -9,9 +9,9 @@ from typing import Any
 
 from ..gguf import GGUFError, GGUFFile, Metadata
 from .config import ModelConfig
-from .gemma3 import Gemma3Config
-from .llama import LlamaConfig
-from .qwen35 import Qwen35Config
+from .configs.gemma3 import Gemma3Config
+from .configs.llama import LlamaConfig
+from .configs.qwen35 import Qwen35Config
 
 CONFIG_CLASSES: dict[str, Any] = {
     "qwen35": Qwen35Config,

@@ -1,0 +1,1 @@
+"""Each architecture's config from GGUF metadata, without PyTorch."""
