@@ -1,34 +1,51 @@
 """Host work per generated token: the engine around a stand-in model whose forward pass costs nothing, so what is
-timed is everything else a token takes (scheduling, the sampler, grammar masks, detokenizing, handing the token to
-the request's stream).
+timed is everything else a token takes (scheduling, the sampler, grammar masks, speculation's bookkeeping,
+detokenizing, handing the token to the request's stream, and with `http` the server's streaming).
 
     .venv/bin/python bench/engine_overhead.py [--tokens 512] [--rounds 3]
 
-The stand-in is tinyqwen35 (its tokenizer, config and states) with `program_decode`, `forward_batch` and `logits`
-replaced: a pass advances the states' positions and returns zeros, and the logits are a fixed random tensor of the
-vocabulary size asked (copied for each pass, as a real LM head makes a fresh one), the model's 4,096 tokens scoring
-highest so every sampled token is one the tokenizer can decode. Each case is one request on one slot (`-np 1`): a
-16-token prompt, `--tokens` tokens with `ignore_eos`, timed from the first token's event to the last's as the
-request's reader sees them, divided by the tokens after the first; medians over `--rounds`.
+The stand-in is tinyqwen35 (its tokenizer, config and states) with `program_decode`, `forward_batch`, `logits` and
+`mtp_step` replaced: a pass advances the states' positions and returns zeros, and the logits are a fixed random
+tensor of the vocabulary size asked (copied for each pass, as a real LM head makes a fresh one), the model's 4,096
+tokens scoring highest so every sampled token is one the tokenizer can decode. Each case is one request on one
+slot (`-np 1`): a 16-token prompt, `--tokens` tokens with `ignore_eos`, timed from the first token's event to the
+last's as the request's reader sees them, divided by the tokens after the first; medians over `--rounds`.
 
 Cases: greedy and the full sampler chain (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat, presence and
 frequency penalties) at the model's vocabulary and at Qwen3.5/3.6's 248,320; a JSON-schema grammar at the model's
-vocabulary (the grammar's tokenizer is the model's). Not yet: draft-mtp, and the HTTP server's streaming.
+vocabulary (the grammar's tokenizer is the model's); draft-mtp with 2 drafts a step, every draft accepted (the
+stand-in's verification rows all prefer the token the MTP head drafts; the head's own product, 4,096 x 256, is
+the one model cost left in); and greedy streamed through the HTTP server (`POST /completion`, `stream: true`), the
+server in its own process as in use, the time taken between the first and last SSE events the client reads.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import torch
 
-from mtpserve.engine import Engine, EngineConfig, GrammarSpec, Request, SamplingParams, TokenEvent
+from mtpserve.engine import (
+    Engine,
+    EngineConfig,
+    FinishEvent,
+    GrammarSpec,
+    Request,
+    SamplingParams,
+    SpecConfig,
+    TokenEvent,
+)
 from mtpserve.engine.planner import plan_for_file
 from mtpserve.models.loader import load
+from mtpserve.ops.linear import linear
 from mtpserve.tokenizer import Tokenizer
 
 MODEL = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "tinyqwen35-mtp-Q4_K_M.gguf"
@@ -36,15 +53,24 @@ QWEN_VOCAB = 248_320
 FULL_CHAIN = SamplingParams(
     temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1
 )
+PROMPT = list(range(100, 116))
 SCHEMA = '{"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}}}'
 
 
-def stand_in(vocab: int):
-    """tinyqwen35 whose passes cost nothing and whose logits are `vocab` wide."""
+def stand_in(vocab: int, agree: bool = False):
+    """tinyqwen35 whose passes cost nothing and whose logits are `vocab` wide. `agree`: every logits row prefers
+    the token the MTP head drafts (the stand-in's MTP rows return one fixed hidden state), so every draft is
+    accepted."""
     model = load(MODEL)
     n_embd, n_model = model.config.n_embd, model.config.n_vocab
-    table = torch.randn(8, vocab, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    table = torch.randn(8, vocab, generator=generator)
     table[:, :n_model] += 8.0  # the model's own tokens win
+    mtp_hidden = torch.randn(n_embd, generator=generator)
+    if agree:
+        drafted = int(linear(mtp_hidden[None], model.mtp_head)[0].argmax())
+        table[:, drafted] = table.max() + 1.0
+    mtp_kv = model.mtp_kv_index
 
     def program_decode(token, state):
         state.n_past += 1
@@ -52,46 +78,133 @@ def stand_in(vocab: int):
 
     def forward_batch(batch):
         batch.advance()
+        for state in batch.states:  # the caches "hold" the new rows: rollbacks cut them as they would real ones
+            for i, kv in state.kv.items():
+                if i != mtp_kv:
+                    kv.length += len(batch.tokens) // len(batch.states)
         return torch.zeros(len(batch.tokens), n_embd)
+
+    def mtp_step(hidden, tokens, state, with_logits=True, positions=None, embeddings=None):
+        state.kv[mtp_kv].length += len(tokens)
+        return None, mtp_hidden.expand(len(tokens), n_embd)
 
     model.program_decode = program_decode
     model.forward_batch = forward_batch
+    model.mtp_step = mtp_step
     model.logits = lambda hidden, seq_len=None: table[: len(hidden)].clone()
     return model
 
 
+def engine_config(tokens: int, spec: SpecConfig | None = None) -> EngineConfig:
+    return EngineConfig(n_parallel=1, ctx_size=tokens + 64, spec=spec or SpecConfig())
+
+
 def per_token_us(engine: Engine, request: Request) -> float:
-    stamps = [time.perf_counter() for e in engine.submit(request) if isinstance(e, TokenEvent)]
+    stamps, finish = [], None
+    for event in engine.submit(request):
+        if isinstance(event, TokenEvent):
+            stamps.append(time.perf_counter())
+        elif isinstance(event, FinishEvent):
+            finish = event
+    timings = finish.timings
+    assert timings.draft_n_accepted == timings.draft_n, "the stand-in's drafts are all accepted"
     return (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e6
+
+
+def engine_case(args, tokenizer, vocab: int, sampling: SamplingParams, grammar, spec: SpecConfig | None) -> list[float]:
+    model = stand_in(vocab, agree=spec is not None)
+    config = engine_config(args.tokens, spec)
+    samples = []
+    with Engine(model, tokenizer, config, plan_for_file(MODEL, config)) as engine:
+        for _ in range(args.rounds + 1):  # the first warms up
+            request = Request(
+                list(PROMPT), sampling, n_predict=args.tokens, ignore_eos=True, grammar=grammar, cache_prompt=False
+            )
+            samples.append(per_token_us(engine, request))
+    return samples
+
+
+def serve(port: int, vocab: int, tokens: int) -> None:
+    """The HTTP server over the stand-in (run in its own process by `http_case`)."""
+    import uvicorn
+
+    from mtpserve.server.app import create_app
+    from mtpserve.server.state import ServerSettings, ServerState
+
+    class StandInState(ServerState):
+        def start_engine(self, tokenizer):
+            config = engine_config(tokens)
+            return Engine(stand_in(vocab), tokenizer, config, plan_for_file(MODEL, config))
+
+    torch.set_num_threads(2)
+    state = StandInState(ServerSettings(model=MODEL, engine=engine_config(tokens)))
+    state.load()
+    config = uvicorn.Config(create_app(state), port=port, log_config=None, loop="asyncio", http="h11", lifespan="on")
+    uvicorn.Server(config).run()
+
+
+def http_case(args, vocab: int) -> list[float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, __file__, "--serve", str(port), "--vocab", str(vocab), "--tokens", str(args.tokens)]
+    server = subprocess.Popen(command, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(timeout=120) as client:
+            for _ in range(600):
+                try:
+                    if client.get(f"{url}/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+            body = {"prompt": PROMPT, "n_predict": args.tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+            body["cache_prompt"] = False
+            samples = []
+            for _ in range(args.rounds + 1):
+                stamps = []
+                with client.stream("POST", f"{url}/completion", json=body) as response:
+                    for line in response.iter_lines():
+                        if line.startswith("data: ") and not json.loads(line[6:])["stop"]:  # one event a token
+                            stamps.append(time.perf_counter())
+                samples.append((stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e6)
+            return samples
+    finally:
+        server.terminate()
+        server.wait(30)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the HTTP case's server process: its port
+    ap.add_argument("--vocab", type=int, default=QWEN_VOCAB, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.serve:
+        serve(args.serve, args.vocab, args.tokens)
+        return 0
     torch.set_num_threads(2)
     tokenizer = Tokenizer.from_gguf(MODEL)
-    prompt = list(range(100, 116))
+    greedy, json_grammar = SamplingParams(temperature=0.0), GrammarSpec("json_schema", SCHEMA)
+    draft_mtp = SpecConfig(type="draft-mtp", n_max=2)
     cases = [
-        ("greedy", 4096, SamplingParams(temperature=0.0), None),
-        ("full sampler chain", 4096, FULL_CHAIN, None),
-        ("greedy", QWEN_VOCAB, SamplingParams(temperature=0.0), None),
-        ("full sampler chain", QWEN_VOCAB, FULL_CHAIN, None),
-        ("JSON-schema grammar, greedy", 4096, SamplingParams(temperature=0.0), GrammarSpec("json_schema", SCHEMA)),
+        ("greedy", 4096, greedy, None, None),
+        ("full sampler chain", 4096, FULL_CHAIN, None, None),
+        ("greedy", QWEN_VOCAB, greedy, None, None),
+        ("full sampler chain", QWEN_VOCAB, FULL_CHAIN, None, None),
+        ("JSON-schema grammar, greedy", 4096, greedy, json_grammar, None),
+        ("draft-mtp n_max 2, greedy, all accepted", QWEN_VOCAB, greedy, None, draft_mtp),
+        ("greedy, streamed over HTTP", QWEN_VOCAB, greedy, None, "http"),
     ]
     print("| case | vocabulary | host time per token (median) |")
     print("|---|---|---|")
-    for name, vocab, sampling, grammar in cases:
-        model = stand_in(vocab)
-        config = EngineConfig(n_parallel=1, ctx_size=args.tokens + 64)
-        samples = []
-        with Engine(model, tokenizer, config, plan_for_file(MODEL, config)) as engine:
-            for _ in range(args.rounds + 1):  # the first warms up
-                request = Request(
-                    list(prompt), sampling, n_predict=args.tokens, ignore_eos=True, grammar=grammar, cache_prompt=False
-                )
-                samples.append(per_token_us(engine, request))
+    for name, vocab, sampling, grammar, spec in cases:
+        if spec == "http":
+            samples = http_case(args, vocab)
+        else:
+            samples = engine_case(args, tokenizer, vocab, sampling, grammar, spec)
         us = statistics.median(samples[1:])
         print(f"| {name} | {vocab:,} | {us:.0f} us |", flush=True)
         print(f"  {name}, {vocab}: {[round(s) for s in samples]} us", file=sys.stderr)

@@ -13,6 +13,7 @@ from mtpserve.engine.sampling import (
     Mt19937Uniform,
     Sampler,
     SamplingParams,
+    _top_n,
     post_sampling_probabilities,
     top_probabilities,
 )
@@ -165,3 +166,51 @@ def test_greedy_without_a_copy_takes_the_token_of_the_biased_copy(bias):
             biased[token] += value
         ids, values = sampler.candidates(logits)
         assert int(ids[0]) == int(biased.argmax()) and float(values[0]) == float(biased.max())
+
+
+def _rows() -> dict[str, np.ndarray]:
+    """Vocabulary-sized rows of the shapes the chunked top-k meets: a model's, ties, a grammar's mask, a flat row."""
+    rng = np.random.default_rng(7)
+    model = rng.standard_normal(248_320).astype(np.float32)
+    model[:4096] += 8.0
+    ties = np.round(rng.standard_normal(49_152) * 2).astype(np.float32)  # a few values, each many times
+    masked = np.full(248_320, -np.inf, dtype=np.float32)
+    masked[rng.choice(248_320, 25, replace=False)] = rng.standard_normal(25)  # fewer allowed tokens than top_k
+    sparse = np.full(248_320, -np.inf, dtype=np.float32)
+    sparse[rng.choice(248_320, 3000, replace=False)] = rng.standard_normal(3000)
+    flat = np.zeros(262_144, dtype=np.float32)
+    flat[123_456] = 1.0
+    small = rng.standard_normal(4096).astype(np.float32)  # tinyqwen35's vocabulary: groups of 4
+    return {"model": model, "ties": ties, "masked": masked, "sparse": sparse, "flat": flat, "small": small}
+
+
+@pytest.mark.parametrize("name", ["model", "ties", "masked", "sparse", "flat", "small"])
+@pytest.mark.parametrize("n", [1, 40, 300])
+def test_top_n_is_the_sorted_vocabularys_prefix(name, n):
+    """The chunked top-k against its plain twin: the first n ids of the whole row sorted by logit, equal logits
+    by id."""
+    row = _rows()[name]
+    assert _top_n(row, n).tolist() == np.argsort(-row, kind="stable")[:n].tolist()
+
+
+@pytest.mark.parametrize("params", [dict(), dict(top_k=0, top_p=0.9), dict(top_k=100, min_p=0.0, typical_p=0.9)])
+def test_the_chain_over_a_large_vocabulary_keeps_the_definitions_survivors(params):
+    """At Qwen3.5's 248,320 tokens (the chunked path), the survivors and their probabilities are the filters'
+    definition's, penalties included."""
+    row = _rows()["model"][:248_320].copy()
+    history = list(range(4000, 4100))
+    full = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.3, presence_penalty=0.5)
+    sampler = Sampler(SamplingParams(**{**full, **params}), history=history)
+    got = sampler.probabilities(torch.from_numpy(row))
+    penalized = row.astype(np.float64)
+    window = history[-64:]
+    for token in set(window):
+        value = penalized[token]
+        penalized[token] = (value * 1.3 if value <= 0 else value / 1.3) - 0.5
+    if "typical_p" in params:  # `expected` does not write out typical sampling: hold only the first filter's set
+        assert set(got) <= set(np.argsort(-penalized, kind="stable")[:100].tolist())
+        return
+    keys = ("temperature", "top_k", "top_p", "min_p")
+    want = expected(penalized, **{k: v for k, v in {**full, **params}.items() if k in keys})
+    assert set(got) == set(np.nonzero(want)[0].tolist())
+    assert [got[t] for t in sorted(got)] == pytest.approx([want[t] for t in sorted(got)], rel=1e-4)

@@ -104,21 +104,23 @@ class Sampler:
         penalized = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         return penalized and bool(self.counts)
 
-    def _biased(self, logits: torch.Tensor) -> torch.Tensor:
+    def _biased(self, logits: torch.Tensor) -> np.ndarray:
+        """The logits after biases and penalties, as a float32 numpy row (a view where nothing changes them)."""
         p = self.params
+        row = logits.float().numpy()
         if not p.logit_bias and not self._penalizes:
-            return logits.float()  # nothing to change: no copy (a fresh vocabulary-sized buffer a token)
-        logits = logits.float().clone()
+            return row  # nothing to change: no copy (a fresh vocabulary-sized buffer a token)
+        row = row.copy()
         for token, bias in p.logit_bias.items():
-            if 0 <= token < len(logits):
-                logits[token] += bias
+            if 0 <= token < len(row):
+                row[token] += bias
         if self._penalizes:
-            ids = torch.tensor(list(self.counts.keys()))
-            counts = torch.tensor(list(self.counts.values()), dtype=torch.float32)
-            values = logits[ids]
-            values = torch.where(values <= 0, values * p.repeat_penalty, values / p.repeat_penalty)
-            logits[ids] = values - counts * p.frequency_penalty - p.presence_penalty
-        return logits
+            ids = np.fromiter(self.counts.keys(), dtype=np.int64, count=len(self.counts))
+            counts = np.fromiter(self.counts.values(), dtype=np.float32, count=len(self.counts))
+            values = row[ids]
+            values = np.where(values <= 0, values * np.float32(p.repeat_penalty), values / np.float32(p.repeat_penalty))
+            row[ids] = values - counts * np.float32(p.frequency_penalty) - np.float32(p.presence_penalty)
+        return row
 
     def _unbiased_argmax(self, logits: torch.Tensor) -> int | None:
         """The greedy token without a biased copy of the logits, where that gives the same token: biases that only
@@ -133,36 +135,38 @@ class Sampler:
     def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, logits) of the tokens that survive the chain's filters, in the chain's order, with the
         temperature applied; a single token when greedy."""
+        ids, values = self._survivors(logits)
+        return torch.from_numpy(ids), torch.from_numpy(values)
+
+    def _survivors(self, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         p = self.params
         if p.greedy and (best := self._unbiased_argmax(logits)) is not None:
-            return torch.tensor([best]), logits[best : best + 1].float()
-        logits = self._biased(logits)
+            return np.array([best]), logits[best : best + 1].float().numpy()
+        row = self._biased(logits)
         if p.greedy:
-            best = _argmax(logits)
-            return torch.tensor([best]), logits[best : best + 1]
+            best = int(row.argmax())
+            return np.array([best]), row[best : best + 1]
         min_keep = max(p.min_keep, 1)
-        if p.top_k > 0:
-            values, ids = logits.topk(min(max(p.top_k, min_keep), len(logits)))
-        else:
-            values, ids = logits.sort(descending=True)
+        ids = _top_n(row, min(max(p.top_k, min_keep), len(row)) if p.top_k > 0 else len(row))
+        values = row[ids]
         if p.typical_p < 1.0:
             values, ids = _typical(values, ids, p.typical_p, p.min_keep)
-            values, order = values.sort(descending=True, stable=True)  # back to logit order for top_p
-            ids = ids[order]
+            order = np.argsort(-values, kind="stable")  # back to logit order for top_p
+            values, ids = values[order], ids[order]
         if p.top_p < 1.0:
             values, ids = _top_p(values, ids, p.top_p, p.min_keep)
         if p.min_p > 0.0:
             values, ids = _min_p(values, ids, p.min_p, p.min_keep)
-        return ids, values / p.temperature
+        return ids, values / np.float32(p.temperature)
 
     def sample(self, logits: torch.Tensor) -> int:
-        ids, values = self.candidates(logits)
+        ids, values = self._survivors(logits)
         if len(ids) == 1:
             self.rng.random()  # one draw per token, as llama.cpp keeps its stream aligned
             return int(ids[0])
-        weights = torch.exp(values - values.max()).double()
-        target = float(weights.sum()) * self.rng.random()
-        index = int(torch.searchsorted(weights.cumsum(0), torch.tensor([target], dtype=torch.float64)))
+        cumulative = np.cumsum(np.exp(values - values.max()).astype(np.float64))
+        target = float(cumulative[-1]) * self.rng.random()
+        index = int(np.searchsorted(cumulative, target))
         return int(ids[min(index, len(ids) - 1)])
 
     def probabilities(self, logits: torch.Tensor) -> dict[int, float]:
@@ -191,34 +195,64 @@ def post_sampling_probabilities(
     return top, dist.get(token, 0.0)
 
 
-def _top_p(values: torch.Tensor, ids: torch.Tensor, top_p: float, min_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _top_n(row: np.ndarray, n: int) -> np.ndarray:
+    """The ids of the n largest logits, largest first, equal logits by id (llama.cpp's partial sort leaves their
+    order unspecified). Without sorting the vocabulary: split into 1,024 strided groups, the n-th largest group
+    maximum bounds the n-th largest logit from below (n groups hold a logit at or above it), so only the logits at
+    or above it are sorted. ~70 us over 248,320 logits where torch's topk takes ~450 us (bench/engine_overhead.py)."""
+    if n >= len(row) or n > _CHUNKS // 2 or len(row) < 2 * _CHUNKS:
+        return np.argsort(-row, kind="stable")[:n]
+    maxima = row[: len(row) // _CHUNKS * _CHUNKS].reshape(-1, _CHUNKS).max(axis=0)  # group j: row[j::1024]
+    bound = np.partition(maxima, _CHUNKS - n)[_CHUNKS - n]
+    if bound == -np.inf:  # a masked row (a grammar's): the finite logits, then banned ones by id to make up n
+        ids = np.flatnonzero(row > -np.inf)
+        if len(ids) < n:
+            banned = np.flatnonzero(row == -np.inf)[: n - len(ids)]
+            return np.concatenate([ids[np.argsort(-row[ids], kind="stable")], banned])
+    else:
+        ids = np.flatnonzero(row >= bound)
+    if len(ids) > 8 * n:  # many logits near the top (a flat row): narrow to the n-th largest among them first
+        nth = np.partition(row[ids], len(ids) - n)[len(ids) - n]
+        ids = ids[row[ids] >= nth]
+    return ids[np.argsort(-row[ids], kind="stable")[:n]]
+
+
+_CHUNKS = 1024
+
+
+def _softmax(values: np.ndarray) -> np.ndarray:
+    """llama.cpp's softmax: float32, the sum taken in order."""
+    weights = np.exp(values - values.max())
+    return weights / np.cumsum(weights)[-1]
+
+
+def _top_p(values: np.ndarray, ids: np.ndarray, top_p: float, min_keep: int) -> tuple[np.ndarray, np.ndarray]:
     """Keep the smallest prefix (values sorted descending) whose mass reaches top_p, at least min_keep."""
-    cumulative = torch.softmax(values, 0).cumsum(0)
-    reached = (cumulative >= top_p).nonzero()
+    cumulative = np.cumsum(_softmax(values))
+    reached = np.flatnonzero(cumulative >= np.float32(top_p))
     keep = len(values) if len(reached) == 0 else int(reached[0]) + 1
     keep = max(keep, min(min_keep, len(values)))
     return values[:keep], ids[:keep]
 
 
-def _min_p(values: torch.Tensor, ids: torch.Tensor, min_p: float, min_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _min_p(values: np.ndarray, ids: np.ndarray, min_p: float, min_keep: int) -> tuple[np.ndarray, np.ndarray]:
     """Keep tokens with p >= min_p * p_max, i.e. logit >= max_logit + log(min_p); at least min_keep."""
-    threshold = float(values.max()) + math.log(min_p)
+    threshold = np.float32(float(values.max()) + math.log(min_p))
     keep = values >= threshold
     if int(keep.sum()) < max(min_keep, 1):
         keep[: max(min_keep, 1)] = True  # values are sorted: the best ones
     return values[keep], ids[keep]
 
 
-def _typical(
-    values: torch.Tensor, ids: torch.Tensor, typical_p: float, min_keep: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _typical(values: np.ndarray, ids: np.ndarray, typical_p: float, min_keep: int) -> tuple[np.ndarray, np.ndarray]:
     """Locally typical sampling: order by |-log p - entropy|, keep until the mass exceeds typical_p."""
-    probs = torch.softmax(values, 0)
-    logp = torch.log(probs)
-    entropy = -(probs * logp).nansum()
-    order = torch.argsort((-logp - entropy).abs(), stable=True)
-    cumulative = probs[order].cumsum(0)
-    past = (cumulative > typical_p).nonzero()
+    probs = _softmax(values)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logp = np.log(probs)
+        entropy = -np.nansum(probs * logp)
+    order = np.argsort(np.abs(-logp - entropy), kind="stable")
+    cumulative = np.cumsum(probs[order])
+    past = np.flatnonzero(cumulative > np.float32(typical_p))
     keep = len(values) if len(past) == 0 else int(past[0]) + 1
     keep = max(keep, min(min_keep, len(values)))
     chosen = order[:keep]
