@@ -72,9 +72,10 @@ def stand_in(vocab: int, agree: bool = False):
         table[:, drafted] = table.max() + 1.0
     mtp_kv = model.mtp_kv_index
 
-    def program_decode(token, state):
-        state.n_past += 1
-        return torch.zeros(1, n_embd)
+    def program_decode(tokens, states):
+        for state in states:
+            state.n_past += 1
+        return torch.zeros(len(states), n_embd)
 
     def forward_batch(batch):
         batch.advance()

@@ -27,7 +27,7 @@ def _decode(key: str, program: bool, monkeypatch, **config) -> tuple[list, int, 
     path = _path(key)
     model, tokenizer = load(path), Tokenizer.from_gguf(path)
     if not program:
-        monkeypatch.setattr(model, "program_decode", lambda token, state: None)
+        monkeypatch.setattr(model, "program_decode", lambda tokens, states: None)
     engine_config = EngineConfig(n_parallel=1, ctx_size=2048, **config)
     text = "The quick brown fox jumps over the lazy dog. " * 8
     prompts = [tokenizer.encode(text), tokenizer.encode(text + "Then it sleeps")]
@@ -61,3 +61,47 @@ def test_a_quantized_kv_cache_decodes_layer_by_layer(monkeypatch):
     """The program reads f16 caches only; a q8_0 cache takes the layer path (and still decodes)."""
     events, served, decodes = _decode("tinyqwen", True, monkeypatch, cache_type_k="q8_0", cache_type_v="q8_0")
     assert served == 0 and len(events) == decodes + 2
+
+
+def _decode_together(key: str, program: bool, monkeypatch) -> tuple[list, list[int], int]:
+    """Three requests at once on three slots (prompts of different lengths, so the sequences decode at different
+    positions): each one's tokens with top probabilities, the sequences in each pass the program served, and the
+    single-token passes that took the layer path."""
+    path = _path(key)
+    model, tokenizer = load(path), Tokenizer.from_gguf(path)
+    served, layered = [], []
+    program_decode, forward_batch = model.program_decode, model.forward_batch
+
+    def counted_program(tokens, states):
+        hidden = program_decode(tokens, states) if program else None
+        if hidden is not None:
+            served.append(len(states))
+        return hidden
+
+    def counted_layers(batch):
+        if batch.n_tokens == 1:
+            layered.append(len(batch.states))
+        return forward_batch(batch)
+
+    monkeypatch.setattr(model, "program_decode", counted_program)
+    monkeypatch.setattr(model, "forward_batch", counted_layers)
+    engine_config = EngineConfig(n_parallel=3, ctx_size=3 * 1024)
+    texts = ["The quick brown fox jumps over the lazy dog. " * n for n in (2, 5, 9)]
+    with Engine(model, tokenizer, engine_config, plan_for_file(path, engine_config)) as engine:
+        streams = [
+            engine.submit(Request(tokenizer.encode(t), GREEDY, n_predict=N_PREDICT, n_probs=3, ignore_eos=True))
+            for t in texts
+        ]
+        events = [[(e.token, e.top_probs) for e in stream if isinstance(e, TokenEvent)] for stream in streams]
+    return events, served, len(layered)
+
+
+@pytest.mark.parametrize("key", ["smollm2", "gemma3", "tinyqwen"])
+def test_several_sequences_decode_in_one_program_call_with_the_layer_paths_tokens(key, monkeypatch):
+    """Continuous batching: a decode pass over several slots is one program call for all of them (the matmuls take
+    every sequence's row at once), never the layer path, and gives each sequence the layer path's tokens."""
+    fast, served, fallbacks = _decode_together(key, True, monkeypatch)
+    assert fallbacks == 0 and max(served) > 1  # some passes held several sequences, none left the program
+    layered, none, _ = _decode_together(key, False, monkeypatch)
+    assert none == []
+    assert fast == layered

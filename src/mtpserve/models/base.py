@@ -11,7 +11,7 @@ import torch
 
 from ..cache import CellTable, KVCache, KVPool, RecurrentState
 from ..gguf import GGUFFile, TensorInfo
-from ..ops.decode_program import DecodeProgram
+from ..ops.decode_program import DecodeProgram, run_programs
 from ..ops.device import canonical_device, gpu_path
 from ..ops.embedding import embedding
 from ..ops.linear import linear
@@ -413,21 +413,25 @@ class CausalLM:
         for state in states:
             if state.n_past + 1 > state.capacity:
                 raise ValueError(f"context size {state.capacity} is full")
-        if len(states) == 1 and (hidden := self.program_decode(tokens[0], states[0])) is not None:
+        if (hidden := self.program_decode(tokens, states)) is not None:
             return self.logits(hidden, seq_len=1)
         return self.logits(self.forward_batch(Batch.of(torch.tensor(tokens), states)), seq_len=1)
 
-    def program_decode(self, token: int, state: ModelState) -> torch.Tensor | None:
-        """One token of one sequence through the CPU decode program (one C call for every block,
-        ops.decode_program): the final-normed hidden state [1, n_embd], or None where the program cannot serve
-        (`decode_program`, a ring that wrapped); the layer path then does, to the same bits."""
-        if gpu_path(self.output_norm) or (program := self.decode_program(state)) is None:  # GPU, or emulated
+    def program_decode(self, tokens: list[int], states: list[ModelState]) -> torch.Tensor | None:
+        """One token of each sequence through the CPU decode program (one C call for every block of every sequence,
+        ops.decode_program): the final-normed hidden states [n_seq, n_embd], or None where the program cannot serve
+        one of them (`decode_program`, a ring that wrapped); the layer path then does, to the same bits."""
+        if gpu_path(self.output_norm):  # GPU, or emulated
             return None
-        if not program.ready(state.n_past):  # a full context, or a ring that wrapped
+        programs = [self.decode_program(state) for state in states]
+        if not all(p is not None and p.ready(s.n_past) for p, s in zip(programs, states)):  # a full context, a wrap
             return None
-        ropes = [table.span(state.n_past, 1) for table in self.decode_rope_tables()]
-        x = program.run(self._inputs(Batch.of(torch.tensor([token]), [state])), state.n_past, ropes)
-        state.n_past += 1
+        tables = self.decode_rope_tables()
+        ropes = [[table.span(state.n_past, 1) for table in tables] for state in states]
+        x = self._inputs(Batch.of(torch.tensor(tokens), states))
+        run_programs(programs, x, [state.n_past for state in states], ropes)  # type: ignore[arg-type]
+        for state in states:
+            state.n_past += 1
         return self.final_norm(x)
 
     def decode_program(self, state: ModelState) -> DecodeProgram | None:

@@ -1,4 +1,5 @@
-"""A single-token CPU decode step's blocks in one C call (`mtp_run_blocks`, kernels/cpu/blocks.c).
+"""A CPU decode step's blocks in one C call (`mtp_run_blocks`, kernels/cpu/blocks.c): one token of each of one or
+more sequences.
 
 On a small model the Python around a token's ~20 kernel calls (argument checks, ctypes conversions, the layer loop)
 costs as much as their arithmetic: tinyqwen35 spent ~45 % of a token there. Each block's one-call entry point (the
@@ -125,29 +126,51 @@ class DecodeProgram:
 
     def __init__(self, blocks: Sequence[ctypes.Structure], caches: Sequence, ring_caches: Sequence, capacity: int):
         self.blocks = list(blocks)  # kept alive: the C side reads them through raw pointers
-        self._table = (_Block * len(blocks))(*[_Block(b.kind, ctypes.addressof(b)) for b in blocks])
+        self.table = (_Block * len(blocks))(*[_Block(b.kind, ctypes.addressof(b)) for b in blocks])
         self.caches, self.ring_caches, self.capacity = list(caches), list(ring_caches), capacity
-        self.step = Step()
-        self._step_address = ctypes.addressof(self.step)
 
     def ready(self, position: int) -> bool:
         """Whether the token at `position` can take the program (each cache's cell for it is the position itself)."""
         return position < self.capacity and all(position < kv.capacity for kv in self.ring_caches)
 
-    def run(self, x: torch.Tensor, position: int, ropes: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """x [1, E] (the token's embedding, a fresh float32 tensor: updated in place) through every block; each KV
-        cache then holds the position. `ropes`: cos, sin [1, n_rot / 2] of the position from each table the
-        attention blocks name."""
-        st = self.step
-        for i, (cos, sin) in enumerate(ropes):
-            st.cos[i], st.sin[i], st.n_rot[i] = cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1]
-        st.start = position
-        st.n_cells, st.n_split = decode_cache_view(position + 1, 1)
-        rc = cpu_kernels.load().mtp_run_blocks(
-            self._table, len(self.blocks), x.data_ptr(), x.shape[-1], self._step_address, torch.get_num_threads()
-        )
-        if rc != 0:
-            raise RuntimeError(f"mtp_run_blocks failed ({rc})")
+    def advance(self, position: int) -> None:
+        """Each KV cache now holds `position` (the C side wrote its cell)."""
         for kv in self.caches:
             kv.length = position + 1
-        return x
+
+
+def run_programs(
+    programs: Sequence[DecodeProgram],
+    x: torch.Tensor,
+    positions: Sequence[int],
+    ropes: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
+) -> torch.Tensor:
+    """One token of each of one or more sequences (their programs, over one model's blocks) in one call: x [n_seq, E]
+    (the tokens' embeddings, a fresh float32 tensor: updated in place), row s through `programs[s]` at
+    `positions[s]`; `ropes[s]`: cos, sin [1, n_rot / 2] of that position from each table the attention blocks name.
+    The matmuls take all rows at once; every row's numbers are those of its sequence stepped alone."""
+    steps = (Step * len(programs))()
+    for step, position, rope in zip(steps, positions, ropes, strict=True):
+        _set_step(step, position, rope)
+    tables = (_ptr * len(programs))(*[ctypes.addressof(p.table) for p in programs])
+    rc = cpu_kernels.load().mtp_run_blocks(
+        tables,
+        len(programs),
+        len(programs[0].blocks),
+        x.data_ptr(),
+        x.shape[-1],
+        ctypes.addressof(steps),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"mtp_run_blocks failed ({rc})")
+    for program, position in zip(programs, positions):
+        program.advance(position)
+    return x
+
+
+def _set_step(st: Step, position: int, ropes: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for i, (cos, sin) in enumerate(ropes):
+        st.cos[i], st.sin[i], st.n_rot[i] = cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1]
+    st.start = position
+    st.n_cells, st.n_split = decode_cache_view(position + 1, 1)

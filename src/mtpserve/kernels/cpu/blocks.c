@@ -150,28 +150,18 @@ int mtp_attention(const float *q, const void *kp, const void *vp, int kv_f16, co
 
 int mtp_sigmoid_gate(const float *x, const float *g, float *y, int64_t n);
 
-/* A pre-norm residual attention block over an ordered f16/f32 KV cache (cell i holds position i), for a few tokens
- * of one sequence at positions start..start+T-1: h = rms_norm(x) * norm_w; q, k, v = h Wq, h Wk, h Wv; optional
- * per-head RMSNorm of q and k; RoPE (cos/sin [T, n_rot/2]); k, v stored in cells start.. (f16 rounded to nearest
- * even) with their positions; attention over cells 0..start+T-1 (mtp_attention's n_cells / n_split); y = x + o Wo
- * (y may alias x). The composition of the library's own entry points: the same numbers as the calls one by one. */
-int mtp_residual_attention(const float *x, int64_t T, int64_t E, const float *norm_w, float eps, const int *qkv_types,
-                           const uint8_t *const *qkv_W, int64_t H, int64_t Hkv, int64_t D, int q_gated, const float *q_norm,
-                           const float *k_norm, const float *cos_c, const float *sin_c, int64_t n_rot, int neox,
-                           float q_scale, void *k_cache, void *v_cache, int kv_f16, int64_t *cell_pos, int64_t start,
-                           float scale, int64_t window, int64_t n_cells, int64_t n_split, int t_out, const uint8_t *w_out,
-                           const float *post_norm, float *y, int n_threads) {
-    const int64_t nq = H * D, nkv = Hkv * D, nqg = q_gated ? 2 * nq : nq;
+/* The attention block's middle for one sequence's T rows at positions start..start+T-1, after the QKV projections
+ * (qg [T, nqg], k, v [T, nkv]): optional per-head RMSNorm of q and k; RoPE (cos/sin [T, n_rot/2]); k, v stored in
+ * cells start.. (f16 rounded to nearest even) with their positions; attention over cells 0..start+T-1 (mtp_attention's
+ * n_cells / n_split); the output gate. o [T, nq]; q [T, nq] is scratch. */
+static int attention_rows(float *qg, float *k, const float *v, float *q, float *o, int64_t T, int64_t H, int64_t Hkv,
+                          int64_t D, int q_gated, const float *q_norm, const float *k_norm, const float *cos_c,
+                          const float *sin_c, int64_t n_rot, int neox, float q_scale, void *k_cache, void *v_cache,
+                          int kv_f16, int64_t *cell_pos, int64_t start, float scale, int64_t window, int64_t n_cells,
+                          int64_t n_split, float eps, int n_threads) {
+    const int64_t nq = H * D, nkv = Hkv * D;
     int64_t q_pos[8];
     if (T > 8) return 1;
-    float *h = thread_floats(T * (E + nqg + 2 * nkv + nq + nq + E));
-    if (!h) return 2;
-    float *qg = h + T * E, *k = qg + T * nqg, *v = k + T * nkv, *q = v + T * nkv, *o = q + T * nq, *out = o + T * nq;
-    mtp_rms_norm(x, norm_w, h, T, E, eps);
-    const int64_t rows[3] = {nqg, nkv, nkv};
-    float *outs[3] = {qg, k, v};
-    int rc = mtp_matmul_many(3, qkv_types, qkv_W, rows, E, h, T, T, outs, n_threads);
-    if (rc) return rc;
     if (q_gated) /* Qwen3.5: per head a query row, then its output gate row */
         for (int64_t th = 0; th < T * H; th++) memcpy(q + th * D, qg + 2 * th * D, sizeof(float) * D);
     else
@@ -197,11 +187,37 @@ int mtp_residual_attention(const float *x, int64_t T, int64_t E, const float *no
             memcpy((float *)v_cache + cell * nkv, v + t * nkv, sizeof(float) * nkv);
         }
     }
-    rc = mtp_attention(q, k_cache, v_cache, kv_f16, q_pos, cell_pos, T, start + T, H, Hkv, D, scale, window, kv_f16,
-                       n_cells, n_split, o, n_threads);
+    const int rc = mtp_attention(q, k_cache, v_cache, kv_f16, q_pos, cell_pos, T, start + T, H, Hkv, D, scale, window,
+                                 kv_f16, n_cells, n_split, o, n_threads);
     if (rc) return rc;
     if (q_gated)
         for (int64_t th = 0; th < T * H; th++) mtp_sigmoid_gate(o + th * D, qg + (2 * th + 1) * D, o + th * D, D);
+    return 0;
+}
+
+/* A pre-norm residual attention block over an ordered f16/f32 KV cache (cell i holds position i), for a few tokens
+ * of one sequence at positions start..start+T-1: h = rms_norm(x) * norm_w; q, k, v = h Wq, h Wk, h Wv; then
+ * attention_rows; y = x + o Wo (y may alias x), with Gemma's norm after the block where post_norm is given. The
+ * composition of the library's own entry points: the same numbers as the calls one by one. */
+int mtp_residual_attention(const float *x, int64_t T, int64_t E, const float *norm_w, float eps, const int *qkv_types,
+                           const uint8_t *const *qkv_W, int64_t H, int64_t Hkv, int64_t D, int q_gated, const float *q_norm,
+                           const float *k_norm, const float *cos_c, const float *sin_c, int64_t n_rot, int neox,
+                           float q_scale, void *k_cache, void *v_cache, int kv_f16, int64_t *cell_pos, int64_t start,
+                           float scale, int64_t window, int64_t n_cells, int64_t n_split, int t_out, const uint8_t *w_out,
+                           const float *post_norm, float *y, int n_threads) {
+    const int64_t nq = H * D, nkv = Hkv * D, nqg = q_gated ? 2 * nq : nq;
+    if (T > 8) return 1;
+    float *h = thread_floats(T * (E + nqg + 2 * nkv + nq + nq + E));
+    if (!h) return 2;
+    float *qg = h + T * E, *k = qg + T * nqg, *v = k + T * nkv, *q = v + T * nkv, *o = q + T * nq, *out = o + T * nq;
+    mtp_rms_norm(x, norm_w, h, T, E, eps);
+    const int64_t rows[3] = {nqg, nkv, nkv};
+    float *outs[3] = {qg, k, v};
+    int rc = mtp_matmul_many(3, qkv_types, qkv_W, rows, E, h, T, T, outs, n_threads);
+    if (rc) return rc;
+    rc = attention_rows(qg, k, v, q, o, T, H, Hkv, D, q_gated, q_norm, k_norm, cos_c, sin_c, n_rot, neox, q_scale, k_cache,
+                        v_cache, kv_f16, cell_pos, start, scale, window, n_cells, n_split, eps, n_threads);
+    if (rc) return rc;
     rc = mtp_matmul(t_out, w_out, E, nq, o, T, T, out, n_threads);
     if (rc) return rc;
     if (post_norm) mtp_rms_norm(out, post_norm, out, T, E, eps); /* Gemma: a norm after the block too */
@@ -239,9 +255,9 @@ int mtp_residual_glu_ffn(const float *x, int64_t T, int64_t seq_len, int64_t E, 
 
 /* ---- a decode step's blocks in one call ------------------------------------------------------------------------ */
 
-/* A single-token decode step of one sequence runs its blocks in order over the residual stream, each the entry point
- * above with the arguments a block's Python call would pass: on a 9M-parameter model the Python around ~20 calls a
- * token cost as much as their arithmetic. The constant arguments sit in one struct a block (built once per sequence
+/* A decode step (one token of each of one or more sequences) runs its blocks in order over the residual stream, each
+ * the entry point above with the arguments a block's Python call would pass: on a 9M-parameter model the Python
+ * around ~20 calls a token cost as much as their arithmetic. The constant arguments sit in one struct a block (built once per sequence
  * state: its recurrent state and KV cache pointers are fixed for the state's life), the position-dependent ones in
  * mtp_step (set per token). Python mirror: ops/decode_program.py. */
 
@@ -298,29 +314,66 @@ typedef struct {
     const void *args;
 } mtp_block;
 
-/* x [1, E] <- the blocks applied in order, in place. Returns the first failing block's code (x then undefined). */
-int mtp_run_blocks(const mtp_block *blocks, int64_t n_blocks, float *x, int64_t E, const mtp_step *st, int n_threads) {
-    for (int64_t i = 0; i < n_blocks; i++) {
-        int rc = 1;
-        if (blocks[i].kind == BLOCK_ATTENTION) {
-            const mtp_attention_block *b = blocks[i].args;
-            rc = mtp_residual_attention(x, 1, E, b->norm_w, b->eps, b->qkv_types, b->qkv_W, b->H, b->Hkv, b->D, b->q_gated,
-                                        b->q_norm, b->k_norm, st->cos[b->rope], st->sin[b->rope], st->n_rot[b->rope],
-                                        b->neox, b->q_scale, b->k_cache, b->v_cache, b->kv_f16, b->cell_pos, st->start,
-                                        b->scale, b->window, st->n_cells, st->n_split, b->t_out, b->w_out, b->post_norm,
-                                        x, n_threads);
-        } else if (blocks[i].kind == BLOCK_GDN) {
-            const mtp_gdn_block *b = blocks[i].args;
-            float *conv[1] = {b->conv_state}, *ssm[1] = {b->ssm};
-            rc = mtp_residual_gdn_mixer(x, 1, 1, E, b->norm_w, b->eps, b->types, b->W, b->dt_bias, b->a, conv, b->conv_w,
+/* One decode step of n_seq sequences: x [n_seq, E] <- each sequence's blocks (tables[s], the same layers in the
+ * same order over its own caches and states) applied in order, one token each at steps[s]. The matmuls take every
+ * sequence's row in one call (m = n_seq, each row rounded as its own sequence of one token: the numbers of each
+ * sequence stepped alone, bit for bit); the attention over a sequence's cache and the DeltaNet
+ * recurrence run per sequence. */
+int mtp_run_blocks(const mtp_block *const *tables, int64_t n_seq, int64_t n_blocks, float *x, int64_t E,
+                        const mtp_step *steps, int n_threads) {
+    float **conv = malloc(sizeof(float *) * 2 * n_seq);
+    if (!conv) return 2;
+    float **ssm = conv + n_seq;
+    int rc = 0;
+    for (int64_t i = 0; i < n_blocks && rc == 0; i++) {
+        const int kind = tables[0][i].kind;
+        for (int64_t s = 1; s < n_seq; s++)
+            if (tables[s][i].kind != kind) rc = 1;
+        if (rc) break;
+        if (kind == BLOCK_ATTENTION) {
+            const mtp_attention_block *b = tables[0][i].args;
+            const int64_t nq = b->H * b->D, nkv = b->Hkv * b->D, nqg = b->q_gated ? 2 * nq : nq, T = n_seq;
+            float *h = thread_floats(T * (E + nqg + 2 * nkv + nq + nq + E));
+            if (!h) {
+                rc = 2;
+                break;
+            }
+            float *qg = h + T * E, *k = qg + T * nqg, *v = k + T * nkv, *q = v + T * nkv, *o = q + T * nq;
+            float *out = o + T * nq;
+            mtp_rms_norm(x, b->norm_w, h, T, E, b->eps);
+            const int64_t rows[3] = {nqg, nkv, nkv};
+            float *outs[3] = {qg, k, v};
+            rc = mtp_matmul_many(3, b->qkv_types, b->qkv_W, rows, E, h, T, 1, outs, n_threads);
+            for (int64_t s = 0; s < n_seq && rc == 0; s++) {
+                const mtp_attention_block *c = tables[s][i].args;
+                const mtp_step *st = steps + s;
+                rc = attention_rows(qg + s * nqg, k + s * nkv, v + s * nkv, q + s * nq, o + s * nq, 1, c->H, c->Hkv,
+                                    c->D, c->q_gated, c->q_norm, c->k_norm, st->cos[c->rope], st->sin[c->rope],
+                                    st->n_rot[c->rope], c->neox, c->q_scale, c->k_cache, c->v_cache, c->kv_f16,
+                                    c->cell_pos, st->start, c->scale, c->window, st->n_cells, st->n_split, c->eps,
+                                    n_threads);
+            }
+            if (rc == 0) rc = mtp_matmul(b->t_out, b->w_out, E, nq, o, T, 1, out, n_threads);
+            if (rc == 0 && b->post_norm) mtp_rms_norm(out, b->post_norm, out, T, E, b->eps);
+            if (rc == 0) residual_add(x, out, x, T * E);
+        } else if (kind == BLOCK_GDN) {
+            const mtp_gdn_block *b = tables[0][i].args;
+            for (int64_t s = 0; s < n_seq; s++) {
+                const mtp_gdn_block *c = tables[s][i].args;
+                conv[s] = c->conv_state;
+                ssm[s] = c->ssm;
+            }
+            rc = mtp_residual_gdn_mixer(x, n_seq, 1, E, b->norm_w, b->eps, b->types, b->W, b->dt_bias, b->a, conv, b->conv_w,
                                         ssm, b->ssm_norm_w, b->Hk, b->Hv, b->K, b->V, b->n_conv, b->ssm_eps, b->t_out,
                                         b->w_out, x, NULL, NULL, n_threads);
-        } else if (blocks[i].kind == BLOCK_FFN) {
-            const mtp_ffn_block *b = blocks[i].args;
-            rc = mtp_residual_glu_ffn(x, 1, 1, E, b->norm_w, b->eps, b->gelu, b->t_gate, b->w_gate, b->t_up, b->w_up, b->F,
-                                      b->t_down, b->w_down, b->post_w, x, n_threads);
+        } else if (kind == BLOCK_FFN) {
+            const mtp_ffn_block *b = tables[0][i].args;
+            rc = mtp_residual_glu_ffn(x, n_seq, 1, E, b->norm_w, b->eps, b->gelu, b->t_gate, b->w_gate, b->t_up, b->w_up,
+                                      b->F, b->t_down, b->w_down, b->post_w, x, n_threads);
+        } else {
+            rc = 1;
         }
-        if (rc) return rc;
     }
-    return 0;
+    free(conv);
+    return rc;
 }
