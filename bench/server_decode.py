@@ -1,7 +1,8 @@
 """Server against server: the same /completion request to mtpserve and llama-server, as a user sends it, and the
 speeds each server reports for it (`timings.predicted_per_second`, `timings.prompt_per_second`).
 
-    .venv/bin/python bench/server_decode.py --llama-server PATH [--rounds 3] [--busy] [--spec] [--json PATH]
+    .venv/bin/python bench/server_decode.py --llama-server PATH [--rounds 3] [--busy] [--spec] [--parallel N]
+                                            [--json PATH]
 
 For each model (SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M, tinyqwen35 Q4_K_M) both servers run at once, each with
 `-m MODEL -np 1 -c 4096 -t 2` (and, with `--spec`, a second pair on tinyqwen35 with `--spec-type draft-mtp
@@ -10,6 +11,10 @@ first server alternating between rounds, so a machine drifting over minutes move
 128-token prompt (a different first token each time, so nothing is reused from the last request), 64 greedy tokens
 with `ignore_eos`. The table gives medians over the rounds and mtpserve / llama-server. `--busy` runs one CPU-bound
 neighbour process (a spinning Python loop) throughout, the case of a machine doing other work.
+
+`--parallel N`: continuous batching. Both servers get `-np N`, and each round sends N such requests at once (each
+its own prompt); the table then gives the total generated tokens/s over the round's wall time (prompts included,
+as a user waiting for all N sees it) and the median stream's decode speed from its `timings`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -73,8 +80,50 @@ def measure(urls: dict[str, str], prompt: list[int], rounds: int, say) -> dict[s
     return out
 
 
+def measure_parallel(urls: dict[str, str], prompt: list[int], rounds: int, n: int, say) -> dict[str, list[dict]]:
+    """Per server, one row per round: the round's total generated tokens/s (N requests at once) and the median
+    stream's decode speed."""
+    out: dict[str, list[dict]] = {name: [] for name in urls}
+    with httpx.Client(timeout=600, limits=httpx.Limits(max_connections=2 * n)) as client, ThreadPoolExecutor(n) as pool:
+        for r in range(rounds + 1):  # the first warms up
+            names = list(urls) if r % 2 == 0 else list(reversed(urls))
+            for name in names:
+                prompts = [[2 + r * n + i, *prompt] for i in range(n)]
+                t0 = time.perf_counter()
+                streams = list(pool.map(lambda p, url=urls[name]: completion(client, url, p), prompts))
+                wall = time.perf_counter() - t0
+                if r == 0:
+                    continue
+                row = {
+                    "total_per_second": sum(t["predicted_n"] for t in streams) / wall,
+                    "predicted_per_second": statistics.median(t["predicted_per_second"] for t in streams),
+                    "prompt_per_second": statistics.median(t["prompt_per_second"] for t in streams),
+                    "streams": streams,
+                }
+                out[name].append(row)
+                say(
+                    f"  round {r} {name}: {n} streams, total {row['total_per_second']:.1f} t/s, "
+                    f"median stream decode {row['predicted_per_second']:.1f} t/s"
+                )
+    return out
+
+
 def median(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
+
+
+def print_table(results: list[dict], columns: list[tuple[str, str]]) -> None:
+    """Per model, each column's median for mtpserve, llama-server and their ratio."""
+    (first, _), measured = columns[0], columns[1:]
+    print(f"| {first} | " + " | ".join(f"mtpserve {name} | llama-server | ratio" for name, _ in measured) + " |")
+    print("|---" * (1 + 3 * len(measured)) + "|")
+    for row in results:
+        ours, theirs = row["timings"]["mtpserve"], row["timings"]["llama-server"]
+        cells = []
+        for _, key in measured:
+            a, b = median(ours, key), median(theirs, key)
+            cells.append(f"{a:.1f} | {b:.1f} | {a / b:.2f}x")
+        print(f"| {row['model']} | " + " | ".join(cells) + " |")
 
 
 def main() -> int:
@@ -83,8 +132,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--busy", action="store_true", help="one CPU-bound neighbour process runs throughout")
     ap.add_argument("--spec", action="store_true", help="also tinyqwen35 with draft-mtp n_max 2 on both")
+    ap.add_argument("--parallel", type=int, default=1, help="-np N and N requests at once (continuous batching)")
     ap.add_argument("--json", type=Path, help="write every request's timings here")
     args = ap.parse_args()
+    flags = [*FLAGS[:1], str(args.parallel), *FLAGS[2:]]
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -97,32 +148,31 @@ def main() -> int:
             tokens = Tokenizer.from_gguf(model).encode(TEXT.read_text(encoding="utf-8"), add_special=False)
             prompt = tokens[: N_PROMPT - 1]
             commands = {
-                "mtpserve": mtpserve_command(str(model), [*FLAGS, *extra]),
-                "llama-server": [args.llama_server, "-m", str(model), *FLAGS, *extra, "--no-webui"],
+                "mtpserve": mtpserve_command(str(model), [*flags, *extra]),
+                "llama-server": [args.llama_server, "-m", str(model), *flags, *extra, "--no-webui"],
             }
-            say(f"{label} ({' '.join(FLAGS + extra)}{', busy' if args.busy else ''}; logs in {log_dir})")
+            say(f"{label} ({' '.join(flags + extra)}{', busy' if args.busy else ''}; logs in {log_dir})")
             with contextlib.ExitStack() as stack:
                 urls = {
                     name: stack.enter_context(managed_server(command, log_dir / f"{name}-{len(results)}.log"))
                     for name, command in commands.items()
                 }
-                timings = measure(urls, prompt, args.rounds, say)
-            results.append({"model": label, "busy": args.busy, "timings": timings})
+                if args.parallel > 1:
+                    timings = measure_parallel(urls, prompt, args.rounds, args.parallel, say)
+                else:
+                    timings = measure(urls, prompt, args.rounds, say)
+            results.append({"model": label, "busy": args.busy, "parallel": args.parallel, "timings": timings})
     finally:
         if neighbour is not None:
             neighbour.kill()
-    print("| model | mtpserve decode t/s | llama-server | ratio | mtpserve prompt t/s | llama-server | ratio |")
-    print("|---|---|---|---|---|---|---|")
-    for row in results:
-        ours, theirs = row["timings"]["mtpserve"], row["timings"]["llama-server"]
-        d_ours, d_theirs = median(ours, "predicted_per_second"), median(theirs, "predicted_per_second")
-        p_ours, p_theirs = median(ours, "prompt_per_second"), median(theirs, "prompt_per_second")
-        print(
-            f"| {row['model']} | {d_ours:.1f} | {d_theirs:.1f} | {d_ours / d_theirs:.2f}x "
-            f"| {p_ours:.1f} | {p_theirs:.1f} | {p_ours / p_theirs:.2f}x |"
-        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+    if args.parallel > 1:
+        columns = [(f"model (-np {args.parallel})", ""), ("total t/s", "total_per_second")]
+        columns.append(("stream decode t/s", "predicted_per_second"))
+    else:
+        columns = [("model", ""), ("decode t/s", "predicted_per_second"), ("prompt t/s", "prompt_per_second")]
+    print_table(results, columns)
     return 0
 
 
