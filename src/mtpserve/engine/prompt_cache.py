@@ -106,7 +106,7 @@ class PromptCache:
         self.entries: OrderedDict[int, CachedPrompt] = OrderedDict()
         self.tree = RadixTree()
         self.nbytes = 0
-        self.hits = self.tokens_restored = self.tokens_evicted = self.saves = 0
+        self.hits = self.tokens_restored = self.tokens_evicted = 0
 
     # --- lookup --------------------------------------------------------------------------------------
 
@@ -172,7 +172,6 @@ class PromptCache:
         entry.nodes = self.tree.mark(entry.tokens, entry.marks(), entry.key)
         self.entries[entry.key] = entry
         self.nbytes += entry.nbytes
-        self.saves += 1
         return entry
 
     def _room_for(self, nbytes: int) -> bool:
