@@ -44,6 +44,7 @@ from mtpserve.engine import (
     TokenEvent,
 )
 from mtpserve.engine.planner import plan_for_file
+from mtpserve.models.base import Batch
 from mtpserve.models.loader import load
 from mtpserve.ops.linear import linear
 from mtpserve.tokenizer import Tokenizer
@@ -72,10 +73,8 @@ def stand_in(vocab: int, agree: bool = False):
         table[:, drafted] = table.max() + 1.0
     mtp_kv = model.mtp_kv_index
 
-    def program_decode(tokens, states):
-        for state in states:
-            state.n_past += 1
-        return torch.zeros(len(states), n_embd)
+    def program_decode(tokens, states, steps=None):
+        return forward_batch(Batch.of(torch.tensor(tokens), states))
 
     def forward_batch(batch):
         batch.advance()

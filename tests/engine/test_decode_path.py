@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mtpserve.engine import Engine, EngineConfig, Request, SamplingParams, TokenEvent
+from mtpserve.engine import Engine, EngineConfig, Request, SamplingParams, SpecConfig, TokenEvent
 from mtpserve.engine.planner import plan_for_file
 from mtpserve.models.loader import load
 from mtpserve.tokenizer import Tokenizer
@@ -27,7 +27,7 @@ def _decode(key: str, program: bool, monkeypatch, **config) -> tuple[list, int, 
     path = _path(key)
     model, tokenizer = load(path), Tokenizer.from_gguf(path)
     if not program:
-        monkeypatch.setattr(model, "program_decode", lambda tokens, states: None)
+        monkeypatch.setattr(model, "program_decode", lambda tokens, states, steps=None: None)
     engine_config = EngineConfig(n_parallel=1, ctx_size=2048, **config)
     text = "The quick brown fox jumps over the lazy dog. " * 8
     prompts = [tokenizer.encode(text), tokenizer.encode(text + "Then it sleeps")]
@@ -72,8 +72,8 @@ def _decode_together(key: str, program: bool, monkeypatch) -> tuple[list, list[i
     served, layered = [], []
     program_decode, forward_batch = model.program_decode, model.forward_batch
 
-    def counted_program(tokens, states):
-        hidden = program_decode(tokens, states) if program else None
+    def counted_program(tokens, states, steps=None):
+        hidden = program_decode(tokens, states, steps) if program else None
         if hidden is not None:
             served.append(len(states))
         return hidden
@@ -105,3 +105,40 @@ def test_several_sequences_decode_in_one_program_call_with_the_layer_paths_token
     layered, none, _ = _decode_together(key, False, monkeypatch)
     assert none == []
     assert fast == layered
+
+
+def test_draft_verifications_take_the_program_with_the_layer_paths_tokens(monkeypatch):
+    """draft-mtp: every verification (the sampled token and its drafts, the DeltaNet states after each kept for the
+    rollback) is one program call, never the layer path, with the layer path's tokens; the acceptance is the same."""
+
+    def run(program: bool) -> tuple[list, int, int, tuple[int, int]]:
+        path = _path("tinyqwen")
+        model, tokenizer = load(path), Tokenizer.from_gguf(path)
+        program_decode, forward_batch = model.program_decode, model.forward_batch
+        layered = []
+
+        def counted_layers(batch):
+            if batch.keep_steps or (batch.n_tokens == 1 and not batch.checkpoint_every):  # a verification, a decode
+                layered.append(batch.n_tokens)
+            return forward_batch(batch)
+
+        if not program:
+            monkeypatch.setattr(model, "program_decode", lambda tokens, states, steps=None: None)
+        monkeypatch.setattr(model, "forward_batch", counted_layers)
+        config = EngineConfig(n_parallel=1, ctx_size=2048, spec=SpecConfig(type="draft-mtp", n_max=2))
+        prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)
+        with Engine(model, tokenizer, config, plan_for_file(path, config)) as engine:
+            request = Request(prompt, GREEDY, n_predict=3 * N_PREDICT, n_probs=3, ignore_eos=True)
+            stream = list(engine.submit(request))
+            served = engine.runner.n_program_decodes
+        events = [(e.token, e.top_probs) for e in stream if isinstance(e, TokenEvent)]
+        timings = stream[-1].timings
+        monkeypatch.setattr(model, "program_decode", program_decode)
+        return events, served, layered, (timings.draft_n, timings.draft_n_accepted)
+
+    fast, served, fallbacks, drafts = run(True)
+    assert served > 0 and fallbacks == [] and drafts[0] > 0
+    layered, none, verifications, layered_drafts = run(False)
+    assert len(verifications) == served  # the same passes, layer by layer
+    assert none == 0
+    assert fast == layered and drafts == layered_drafts

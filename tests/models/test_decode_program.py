@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mtpserve.kernels import cpu as cpu_kernels
-from mtpserve.models.base import CausalLM
+from mtpserve.models.base import Batch, CausalLM
 from mtpserve.models.loader import load
 
 from ..conftest import default_model, tinyqwen_path
@@ -64,6 +64,46 @@ def test_decode_program_equals_the_layers_one_by_one(name: str, monkeypatch: pyt
         _layer_by_layer(m)
         layers = _decode(model, prompt, tokens, 768)
     _assert_same(program[:3], layers[:3])
+
+
+def _verify_shaped(model, prompts: list[torch.Tensor], drafts: list[list[int]], program: bool):
+    """A draft verification's pass (every sequence's next tokens at once, each DeltaNet state after every token kept)
+    through the program or the layers: hidden states, each state's caches and recurrent states, the kept states."""
+    states = []
+    for prompt in prompts:
+        state = model.new_state(1024)
+        model.prefill(prompt, state)
+        states.append(state)
+    tokens = [t for draft in drafts for t in draft]
+    if program:
+        steps: dict = {}
+        hidden = model.program_decode(tokens, states, steps)
+        assert hidden is not None, "the program must serve a verification of this shape"
+    else:
+        batch = Batch.of(torch.tensor(tokens), states)
+        batch.keep_steps = True
+        hidden, steps = model.forward_batch(batch), batch.steps
+    caches = [[(kv.k.data, kv.v.data, kv.positions, kv.length) for kv in st.kv.values()] for st in states]
+    recurrent = [[(r.conv, r.ssm) for r in st.recurrent.values()] for st in states]
+    kept = [[[(r.conv, r.ssm) for r in per_token] for per_token in steps[layer]] for layer in sorted(steps)]
+    return hidden, caches, recurrent, kept
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["smollm2", "gemma3", "tinyqwen35"])
+@pytest.mark.parametrize("n_seq", [1, 3])
+def test_a_verification_through_the_program_equals_the_layers(name: str, n_seq: int) -> None:
+    """Several tokens a sequence (a draft's verification: 3 here) of one or several sequences at different depths in
+    one program call: the layers' hidden states, caches and recurrent states bit for bit, and the DeltaNet states
+    after every token (the rollback points) kept as the layers keep them."""
+    model = _model(name)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, model.config.n_vocab, (n,), generator=gen) for n in (37, 520, 99)[:n_seq]]
+    drafts = [torch.randint(0, model.config.n_vocab, (3,), generator=gen).tolist() for _ in range(n_seq)]
+    program = _verify_shaped(model, prompts, drafts, program=True)
+    layers = _verify_shaped(model, prompts, drafts, program=False)
+    assert (len(program[3]) > 0) == (name == "tinyqwen35")
+    _assert_same(program, layers)
 
 
 def _count_program_calls(m: pytest.MonkeyPatch) -> list[int]:

@@ -74,10 +74,11 @@ class ModelRunner:
         if self.graphs and logits and not checkpoint_every:  # decode and verification (prompts ask no logits)
             hidden, out, steps = self._graph(states, n_tokens, keep_steps).step(tokens)
             return Forward(hidden, out, steps)
-        if len(tokens) == len(states) and logits and not (keep_steps or checkpoint_every or keep_at):  # one C call
-            if (hidden := self.model.program_decode(tokens, states)) is not None:
+        if logits and not (checkpoint_every or keep_at):  # decode and verification: one C call on the CPU
+            steps: dict = {} if keep_steps else None  # type: ignore[assignment]
+            if (hidden := self.model.program_decode(tokens, states, steps)) is not None:
                 self.n_program_decodes += 1
-                return Forward(hidden, self.model.logits(hidden, seq_len=1))
+                return Forward(hidden, self.model.logits(hidden, seq_len=n_tokens), steps or {})
         batch = Batch.of(torch.tensor(tokens), states, checkpoint_every, next_checkpoint, keep_at)
         batch.keep_steps = keep_steps
         hidden = self.model.forward_batch(batch)

@@ -417,21 +417,37 @@ class CausalLM:
             return self.logits(hidden, seq_len=1)
         return self.logits(self.forward_batch(Batch.of(torch.tensor(tokens), states)), seq_len=1)
 
-    def program_decode(self, tokens: list[int], states: list[ModelState]) -> torch.Tensor | None:
-        """One token of each sequence through the CPU decode program (one C call for every block of every sequence,
-        ops.decode_program): the final-normed hidden states [n_seq, n_embd], or None where the program cannot serve
-        one of them (`decode_program`, a ring that wrapped); the layer path then does, to the same bits."""
+    def program_decode(
+        self, tokens: list[int], states: list[ModelState], steps: dict[int, list[list[RecurrentState]]] | None = None
+    ) -> torch.Tensor | None:
+        """The next len(tokens) / len(states) tokens (1 to 8: a decode, or a draft's verification) of each sequence
+        through the CPU decode program (one C call for every block of every sequence, ops.decode_program): the
+        final-normed hidden states [len(tokens), n_embd], or None where the program cannot serve one of them
+        (`decode_program`, a ring that wrapped, a full context); the layer path then does, to the same bits. With
+        `steps`, each DeltaNet layer's states after every token go there as `Batch.steps` keeps them."""
         if gpu_path(self.output_norm):  # GPU, or emulated
             return None
+        T = len(tokens) // len(states)
         programs = [self.decode_program(state) for state in states]
-        if not all(p is not None and p.ready(s.n_past) for p, s in zip(programs, states)):  # a full context, a wrap
+        if not all(p is not None and p.ready(s.n_past, T) for p, s in zip(programs, states)):
             return None
         tables = self.decode_rope_tables()
-        ropes = [[table.span(state.n_past, 1) for table in tables] for state in states]
+        ropes = [[table.span(state.n_past, T) for table in tables] for state in states]
+        kept = None
+        if steps is not None:  # per DeltaNet layer in order (the program's blocks), then per sequence
+            layers = sorted(states[0].recurrent)
+            kept_ssm = [torch.empty(T, *s.recurrent[i].ssm.shape) for i in layers for s in states]
+            kept_conv = [torch.empty(T, *s.recurrent[i].conv.shape) for i in layers for s in states]
+            kept = kept_ssm, kept_conv
         x = self._inputs(Batch.of(torch.tensor(tokens), states))
-        run_programs(programs, x, [state.n_past for state in states], ropes)  # type: ignore[arg-type]
+        run_programs(programs, x, [state.n_past for state in states], ropes, kept)  # type: ignore[arg-type]
         for state in states:
-            state.n_past += 1
+            state.n_past += T
+        if kept is not None:
+            n = len(states)
+            for g, layer in enumerate(layers):
+                per_sequence = zip(kept_conv[g * n : (g + 1) * n], kept_ssm[g * n : (g + 1) * n])
+                steps[layer] = [[RecurrentState(conv[t], ssm[t]) for t in range(T)] for conv, ssm in per_sequence]
         return self.final_norm(x)
 
     def decode_program(self, state: ModelState) -> DecodeProgram | None:

@@ -129,14 +129,18 @@ class DecodeProgram:
         self.table = (_Block * len(blocks))(*[_Block(b.kind, ctypes.addressof(b)) for b in blocks])
         self.caches, self.ring_caches, self.capacity = list(caches), list(ring_caches), capacity
 
-    def ready(self, position: int) -> bool:
-        """Whether the token at `position` can take the program (each cache's cell for it is the position itself)."""
-        return position < self.capacity and all(position < kv.capacity for kv in self.ring_caches)
+    def ready(self, position: int, n_tokens: int = 1) -> bool:
+        """Whether tokens at position.. can take the program (each cache's cell for each is the position itself)."""
+        end = position + n_tokens
+        return n_tokens <= MAX_TOKENS and end <= self.capacity and all(end <= kv.capacity for kv in self.ring_caches)
 
-    def advance(self, position: int) -> None:
-        """Each KV cache now holds `position` (the C side wrote its cell)."""
+    def advance(self, end: int) -> None:
+        """Each KV cache now holds positions up to `end` (the C side wrote their cells)."""
         for kv in self.caches:
-            kv.length = position + 1
+            kv.length = end
+
+
+MAX_TOKENS = 8  # tokens a sequence a program call takes (mtp_run_blocks; a draft's verification at most)
 
 
 def run_programs(
@@ -144,33 +148,36 @@ def run_programs(
     x: torch.Tensor,
     positions: Sequence[int],
     ropes: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
+    kept: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
 ) -> torch.Tensor:
-    """One token of each of one or more sequences (their programs, over one model's blocks) in one call: x [n_seq, E]
-    (the tokens' embeddings, a fresh float32 tensor: updated in place), row s through `programs[s]` at
-    `positions[s]`; `ropes[s]`: cos, sin [1, n_rot / 2] of that position from each table the attention blocks name.
-    The matmuls take all rows at once; every row's numbers are those of its sequence stepped alone."""
-    steps = (Step * len(programs))()
+    """T tokens of each of one or more sequences (their programs, over one model's blocks) in one call: x [n_seq T,
+    E] (the tokens' embeddings, a fresh float32 tensor: updated in place), sequence s's rows through `programs[s]`
+    at `positions[s]`..; `ropes[s]`: cos, sin [T, n_rot / 2] of those positions from each table the attention
+    blocks name. `kept` (ssm, conv): per DeltaNet block in order, then per sequence, buffers [T, *state shape] that
+    receive the states after every token. The matmuls take all rows at once; every sequence's numbers are those of
+    it stepped alone."""
+    n_seq = len(programs)
+    T = x.shape[0] // n_seq
+    steps = (Step * n_seq)()
     for step, position, rope in zip(steps, positions, ropes, strict=True):
-        _set_step(step, position, rope)
-    tables = (_ptr * len(programs))(*[ctypes.addressof(p.table) for p in programs])
+        _set_step(step, position, T, rope)
+    tables = (_ptr * n_seq)(*[ctypes.addressof(p.table) for p in programs])
+    kept_ptrs: list = [None, None]
+    if kept is not None:
+        kept_ptrs = [(_ptr * len(buffers))(*[b.data_ptr() for b in buffers]) for buffers in kept]
     rc = cpu_kernels.load().mtp_run_blocks(
-        tables,
-        len(programs),
-        len(programs[0].blocks),
-        x.data_ptr(),
-        x.shape[-1],
-        ctypes.addressof(steps),
+        tables, n_seq, T, len(programs[0].blocks), x.data_ptr(), x.shape[-1], ctypes.addressof(steps), *kept_ptrs,
         torch.get_num_threads(),
-    )
+    )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"mtp_run_blocks failed ({rc})")
     for program, position in zip(programs, positions):
-        program.advance(position)
+        program.advance(position + T)
     return x
 
 
-def _set_step(st: Step, position: int, ropes: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _set_step(st: Step, position: int, n_tokens: int, ropes: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for i, (cos, sin) in enumerate(ropes):
         st.cos[i], st.sin[i], st.n_rot[i] = cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1]
     st.start = position
-    st.n_cells, st.n_split = decode_cache_view(position + 1, 1)
+    st.n_cells, st.n_split = decode_cache_view(position + n_tokens, n_tokens)

@@ -224,7 +224,10 @@ def load() -> ctypes.CDLL | None:
         *(i64, i64, i64, i64, i64, f32, ctypes.c_int, ptr),  # Hk, Hv, K, V, conv width, eps, output type and data
         *(i64, ptr, ptr, ptr, ptr, ctypes.c_int),  # kept states: count, offsets, conv and ssm buffers; out, threads
     ]
-    lib.mtp_run_blocks.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]  # tables, n_seq, n, x, E, steps, threads
+    lib.mtp_run_blocks.argtypes = [
+        *(ptr, i64, i64, i64, ptr, i64, ptr),  # tables, n_seq, T, n_blocks, x, E, steps
+        *(ptr, ptr, ctypes.c_int),  # kept ssm / conv states (or NULL), threads
+    ]
     lib.mtp_sigmoid_gate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.mtp_gdn_gates.argtypes = [ptr, ptr, ptr, ptr, i64, i64]  # beta, alpha -> g (in place), dt_bias, a, T, Hv
     lib.mtp_gdn_gates.restype = None

@@ -262,10 +262,10 @@ int mtp_residual_glu_ffn(const float *x, int64_t T, int64_t seq_len, int64_t E, 
  * mtp_step (set per token). Python mirror: ops/decode_program.py. */
 
 typedef struct {
-    const float *cos[2], *sin[2]; /* each RoPE table's row for this position: [n_rot / 2] */
+    const float *cos[2], *sin[2]; /* each RoPE table's rows for the step's positions: [T, n_rot / 2] */
     int64_t n_rot[2];
-    int64_t start;            /* the token's position (= its KV cell: ordered caches) */
-    int64_t n_cells, n_split; /* mtp_attention's view of the caches at this position */
+    int64_t start;            /* the first token's position (= its KV cell: ordered caches) */
+    int64_t n_cells, n_split; /* mtp_attention's view of the caches for the step's tokens */
 } mtp_step;
 
 typedef struct {
@@ -314,48 +314,53 @@ typedef struct {
     const void *args;
 } mtp_block;
 
-/* One decode step of n_seq sequences: x [n_seq, E] <- each sequence's blocks (tables[s], the same layers in the
- * same order over its own caches and states) applied in order, one token each at steps[s]. The matmuls take every
- * sequence's row in one call (m = n_seq, each row rounded as its own sequence of one token: the numbers of each
- * sequence stepped alone, bit for bit); the attention over a sequence's cache and the DeltaNet
- * recurrence run per sequence. */
-int mtp_run_blocks(const mtp_block *const *tables, int64_t n_seq, int64_t n_blocks, float *x, int64_t E,
-                        const mtp_step *steps, int n_threads) {
+/* One decode step of n_seq sequences of T tokens each (T = 1: a decode; 2-8: a draft's verification): x [n_seq T, E]
+ * <- each sequence's blocks (tables[s], the same layers in the same order over its own caches and states) applied
+ * in order, sequence s's rows at steps[s] (positions start..start+T-1). The matmuls take every sequence's rows in
+ * one call (m = n_seq T, each sequence rounded as if alone: the numbers of each sequence stepped alone, bit for
+ * bit); the attention over a sequence's cache and the DeltaNet recurrence run per sequence. With ssm_steps /
+ * conv_steps, the g-th DeltaNet block keeps sequence s's states after every token in ssm_steps[g n_seq + s]
+ * [T, Hv, K, V] and conv_steps[g n_seq + s] [T, C, W-1] (a verification's rollback points). */
+int mtp_run_blocks(const mtp_block *const *tables, int64_t n_seq, int64_t T, int64_t n_blocks, float *x, int64_t E,
+                   const mtp_step *steps, float *const *ssm_steps, float *const *conv_steps, int n_threads) {
+    if (T < 1 || T > 8) return 1;
     float **conv = malloc(sizeof(float *) * 2 * n_seq);
     if (!conv) return 2;
     float **ssm = conv + n_seq;
+    const int64_t m = n_seq * T;
     int rc = 0;
-    for (int64_t i = 0; i < n_blocks && rc == 0; i++) {
+    for (int64_t i = 0, g = 0; i < n_blocks && rc == 0; i++) {
         const int kind = tables[0][i].kind;
         for (int64_t s = 1; s < n_seq; s++)
             if (tables[s][i].kind != kind) rc = 1;
         if (rc) break;
         if (kind == BLOCK_ATTENTION) {
             const mtp_attention_block *b = tables[0][i].args;
-            const int64_t nq = b->H * b->D, nkv = b->Hkv * b->D, nqg = b->q_gated ? 2 * nq : nq, T = n_seq;
-            float *h = thread_floats(T * (E + nqg + 2 * nkv + nq + nq + E));
+            const int64_t nq = b->H * b->D, nkv = b->Hkv * b->D, nqg = b->q_gated ? 2 * nq : nq;
+            float *h = thread_floats(m * (E + nqg + 2 * nkv + nq + nq + E));
             if (!h) {
                 rc = 2;
                 break;
             }
-            float *qg = h + T * E, *k = qg + T * nqg, *v = k + T * nkv, *q = v + T * nkv, *o = q + T * nq;
-            float *out = o + T * nq;
-            mtp_rms_norm(x, b->norm_w, h, T, E, b->eps);
+            float *qg = h + m * E, *k = qg + m * nqg, *v = k + m * nkv, *q = v + m * nkv, *o = q + m * nq;
+            float *out = o + m * nq;
+            mtp_rms_norm(x, b->norm_w, h, m, E, b->eps);
             const int64_t rows[3] = {nqg, nkv, nkv};
             float *outs[3] = {qg, k, v};
-            rc = mtp_matmul_many(3, b->qkv_types, b->qkv_W, rows, E, h, T, 1, outs, n_threads);
+            rc = mtp_matmul_many(3, b->qkv_types, b->qkv_W, rows, E, h, m, T, outs, n_threads);
             for (int64_t s = 0; s < n_seq && rc == 0; s++) {
                 const mtp_attention_block *c = tables[s][i].args;
                 const mtp_step *st = steps + s;
-                rc = attention_rows(qg + s * nqg, k + s * nkv, v + s * nkv, q + s * nq, o + s * nq, 1, c->H, c->Hkv,
+                const int64_t r = s * T;
+                rc = attention_rows(qg + r * nqg, k + r * nkv, v + r * nkv, q + r * nq, o + r * nq, T, c->H, c->Hkv,
                                     c->D, c->q_gated, c->q_norm, c->k_norm, st->cos[c->rope], st->sin[c->rope],
                                     st->n_rot[c->rope], c->neox, c->q_scale, c->k_cache, c->v_cache, c->kv_f16,
                                     c->cell_pos, st->start, c->scale, c->window, st->n_cells, st->n_split, c->eps,
                                     n_threads);
             }
-            if (rc == 0) rc = mtp_matmul(b->t_out, b->w_out, E, nq, o, T, 1, out, n_threads);
-            if (rc == 0 && b->post_norm) mtp_rms_norm(out, b->post_norm, out, T, E, b->eps);
-            if (rc == 0) residual_add(x, out, x, T * E);
+            if (rc == 0) rc = mtp_matmul(b->t_out, b->w_out, E, nq, o, m, T, out, n_threads);
+            if (rc == 0 && b->post_norm) mtp_rms_norm(out, b->post_norm, out, m, E, b->eps);
+            if (rc == 0) residual_add(x, out, x, m * E);
         } else if (kind == BLOCK_GDN) {
             const mtp_gdn_block *b = tables[0][i].args;
             for (int64_t s = 0; s < n_seq; s++) {
@@ -363,12 +368,15 @@ int mtp_run_blocks(const mtp_block *const *tables, int64_t n_seq, int64_t n_bloc
                 conv[s] = c->conv_state;
                 ssm[s] = c->ssm;
             }
-            rc = mtp_residual_gdn_mixer(x, n_seq, 1, E, b->norm_w, b->eps, b->types, b->W, b->dt_bias, b->a, conv, b->conv_w,
+            float *const *kept_ssm = ssm_steps ? ssm_steps + g * n_seq : NULL;
+            float *const *kept_conv = conv_steps ? conv_steps + g * n_seq : NULL;
+            rc = mtp_residual_gdn_mixer(x, m, T, E, b->norm_w, b->eps, b->types, b->W, b->dt_bias, b->a, conv, b->conv_w,
                                         ssm, b->ssm_norm_w, b->Hk, b->Hv, b->K, b->V, b->n_conv, b->ssm_eps, b->t_out,
-                                        b->w_out, x, NULL, NULL, n_threads);
+                                        b->w_out, x, kept_ssm, kept_conv, n_threads);
+            g++;
         } else if (kind == BLOCK_FFN) {
             const mtp_ffn_block *b = tables[0][i].args;
-            rc = mtp_residual_glu_ffn(x, n_seq, 1, E, b->norm_w, b->eps, b->gelu, b->t_gate, b->w_gate, b->t_up, b->w_up,
+            rc = mtp_residual_glu_ffn(x, m, T, E, b->norm_w, b->eps, b->gelu, b->t_gate, b->w_gate, b->t_up, b->w_up,
                                       b->F, b->t_down, b->w_down, b->post_w, x, n_threads);
         } else {
             rc = 1;
