@@ -142,3 +142,37 @@ def test_quantized_kv_caches_stay_layer_by_layer() -> None:
     assert state.decode_program is False  # decided once per state
     model.decode(1, state)
     assert state.n_past == 1
+
+
+def _mtp_rows(model, program: bool, monkeypatch: pytest.MonkeyPatch):
+    """Catch-up rows for 3 tokens, then two chained draft steps, through the MTP block: logits, hidden states, and
+    the MTP cache afterwards."""
+    from mtpserve.models.qwen35 import Qwen35ForCausalLM
+
+    if not program:
+        monkeypatch.setattr(Qwen35ForCausalLM, "_mtp_program", lambda self, state: None)
+    gen = torch.Generator().manual_seed(3)
+    state = model.new_state(1024, mtp=True)
+    hidden = model.forward(torch.randint(0, model.config.n_vocab, (40,), generator=gen), state)
+    tokens = torch.randint(0, model.config.n_vocab, (40,), generator=gen)
+    outs = [model.mtp_step(hidden[:-1], tokens[1:], state)]  # a prompt's rows, past 8 tokens: the layer path
+    outs.append(model.mtp_step(hidden[-3:], torch.tensor([5, 6, 7]), state))  # catch-up rows after a verification
+    h = outs[-1][1][-1:]
+    for token in (8, 9):  # chained drafts: each step reads the last one's hidden state
+        outs.append(model.mtp_step(h, torch.tensor([token]), state))
+        h = outs[-1][1]
+    assert bool(state.mtp_program) == program  # the steps of up to 8 rows took the program, or could not
+    kv = state.kv[model.mtp_kv_index]
+    return outs, (kv.k.data, kv.v.data, kv.positions, kv.length)
+
+
+@needs_kernels
+def test_the_mtp_block_through_the_program_equals_the_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3.5's MTP block (a draft step, its catch-up rows) as a decode program over the state's MTP cache: the
+    layer's logits, hidden states and cache bit for bit."""
+    model = _model("tinyqwen35")
+    with monkeypatch.context() as m:
+        program = _mtp_rows(model, True, m)
+    with monkeypatch.context() as m:
+        layer = _mtp_rows(model, False, m)
+    _assert_same(program, layer)

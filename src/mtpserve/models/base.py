@@ -104,6 +104,7 @@ class ModelState:
     # The CPU decode step over this state's caches in one C call (CausalLM.decode_program), built at its first
     # decode: None until then, False where the model's blocks cannot take it.
     decode_program: DecodeProgram | bool | None = field(default=None, repr=False, compare=False)
+    mtp_program: DecodeProgram | bool | None = field(default=None, repr=False, compare=False)  # the MTP block's
 
     @property
     def kv_nbytes(self) -> int:
