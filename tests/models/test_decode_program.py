@@ -59,7 +59,7 @@ def test_decode_program_equals_the_layers_one_by_one(name: str, monkeypatch: pyt
         calls = _count_program_calls(m)
         program = _decode(model, prompt, tokens, 768)
     assert len(calls) == len(tokens)  # every decode took the one call
-    assert len(program[3].decode_program.blocks) == 2 * model.config.n_layer
+    assert len(program[3].programs["trunk"].blocks) == 2 * model.config.n_layer
     with monkeypatch.context() as m:
         _layer_by_layer(m)
         layers = _decode(model, prompt, tokens, 768)
@@ -139,7 +139,7 @@ def test_quantized_kv_caches_stay_layer_by_layer() -> None:
     model = _model("smollm2")
     state = model.new_state(256, "q8_0", "q8_0")
     assert model.decode_program(state) is None
-    assert state.decode_program is False  # decided once per state
+    assert state.programs["trunk"] is False  # decided once per state
     model.decode(1, state)
     assert state.n_past == 1
 
@@ -147,10 +147,11 @@ def test_quantized_kv_caches_stay_layer_by_layer() -> None:
 def _mtp_rows(model, program: bool, monkeypatch: pytest.MonkeyPatch):
     """Catch-up rows for 3 tokens, then two chained draft steps, through the MTP block: logits, hidden states, and
     the MTP cache afterwards."""
-    from mtpserve.models.qwen35 import Qwen35ForCausalLM
-
     if not program:
-        monkeypatch.setattr(Qwen35ForCausalLM, "_mtp_program", lambda self, state: None)
+        program_over = model.program_over
+        monkeypatch.setattr(
+            model, "program_over", lambda s, name, layers: None if name == "mtp" else program_over(s, name, layers)
+        )
     gen = torch.Generator().manual_seed(3)
     state = model.new_state(1024, mtp=True)
     hidden = model.forward(torch.randint(0, model.config.n_vocab, (40,), generator=gen), state)
@@ -161,7 +162,7 @@ def _mtp_rows(model, program: bool, monkeypatch: pytest.MonkeyPatch):
     for token in (8, 9):  # chained drafts: each step reads the last one's hidden state
         outs.append(model.mtp_step(h, torch.tensor([token]), state))
         h = outs[-1][1]
-    assert bool(state.mtp_program) == program  # the steps of up to 8 rows took the program, or could not
+    assert bool(state.programs.get("mtp")) == program  # the steps of up to 8 rows took the program, or could not
     kv = state.kv[model.mtp_kv_index]
     return outs, (kv.k.data, kv.v.data, kv.positions, kv.length)
 

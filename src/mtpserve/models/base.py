@@ -101,10 +101,9 @@ class ModelState:
     recurrent: dict[int, RecurrentState] = field(default_factory=dict)  # Gated DeltaNet layer -> state
     n_past: int = 0  # positions already evaluated
     capacity: int = 0  # context size of this sequence
-    # The CPU decode step over this state's caches in one C call (CausalLM.decode_program), built at its first
-    # decode: None until then, False where the model's blocks cannot take it.
-    decode_program: DecodeProgram | bool | None = field(default=None, repr=False, compare=False)
-    mtp_program: DecodeProgram | bool | None = field(default=None, repr=False, compare=False)  # the MTP block's
+    # CPU decode programs over this state's caches, one C call each (CausalLM.program_over), by what they step:
+    # "trunk" (the model's layers), "mtp" (an MTP block). Built at first use; False where the blocks cannot take one.
+    programs: dict[str, DecodeProgram | bool] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def kv_nbytes(self) -> int:
@@ -455,20 +454,25 @@ class CausalLM:
         """The CPU decode step over `state` as one C call (ops.decode_program), built at the state's first decode;
         None where a block cannot take part (GPU or split devices, quantized or shared KV caches, weights the
         kernels lack): the layer-by-layer path then serves."""
-        if state.decode_program is None:
-            state.decode_program = self._build_decode_program(state) or False
-        return state.decode_program or None
+        return self.program_over(state, "trunk", self.layers)  # type: ignore[attr-defined]
 
-    def _build_decode_program(self, state: ModelState) -> DecodeProgram | None:
+    def program_over(self, state: ModelState, name: str, layers: Sequence) -> DecodeProgram | None:
+        """The decode program of `layers` over `state`'s caches, kept in `state.programs[name]` from its first use;
+        None where a block cannot take part."""
+        if name not in state.programs:
+            state.programs[name] = self._build_program(state, layers) or False
+        return state.programs[name] or None
+
+    def _build_program(self, state: ModelState, layers: Sequence) -> DecodeProgram | None:
         if self.layer_devices or self.row_split or self.device.type != "cpu":
             return None
         blocks = []
-        for layer in self.layers:  # type: ignore[attr-defined]
+        for layer in layers:
             layer_blocks = layer.decode_blocks(state) if hasattr(layer, "decode_blocks") else None
             if layer_blocks is None:
                 return None
             blocks += layer_blocks
-        caches = [state.kv[layer.index] for layer in self.layers if layer.index in state.kv]  # type: ignore[attr-defined]
+        caches = [state.kv[layer.index] for layer in layers if layer.index in state.kv]
         capacity = min([kv.capacity for kv in caches if not kv.ring] + [state.capacity])
         return DecodeProgram(blocks, caches, [kv for kv in caches if kv.ring], capacity)
 

@@ -16,7 +16,7 @@ from ..cache import KVCache, RecurrentState
 from ..cache.kv import rope_append_and_attend
 from ..ops.activations import ResidualGatedFFN, sigmoid_gate_for, swiglu_ffn
 from ..ops.conv import causal_conv1d
-from ..ops.decode_program import DecodeProgram, run_programs
+from ..ops.decode_program import run_programs
 from ..ops.device import gpu_path
 from ..ops.embedding import embedding
 from ..ops.gated_delta import (
@@ -332,7 +332,7 @@ class Qwen35ForCausalLM(CausalLM):
             torch.cat((rms_norm(e, head.enorm, c.rms_eps), rms_norm(hidden, head.hnorm, c.rms_eps)), -1), head.eh_proj
         )
         start = kv.length if positions is None else -1  # MTP positions follow its own cache
-        program = self._mtp_program(state) if positions is None and not gpu_path(u) else None
+        program = None if positions is not None or gpu_path(u) else self.program_over(state, "mtp", [head.block])
         if program is not None and program.ready(start, len(tokens)):  # one C call, the block's numbers
             run_programs([program], u, [start], [[self.rope_table.span(start, len(tokens))]])
         else:
@@ -342,18 +342,6 @@ class Qwen35ForCausalLM(CausalLM):
         if not with_logits:
             return None, h_mtp
         return linear(h_mtp.to(head.head.data.device), head.head).cpu(), h_mtp
-
-    def _mtp_program(self, state: ModelState) -> DecodeProgram | None:
-        """The MTP block over `state`'s MTP cache as a decode program (ops.decode_program), built at its first draft;
-        None where the block cannot take one (the layer then runs it, to the same bits)."""
-        if state.mtp_program is None:
-            block = self.mtp[0].block
-            on_cpu = not (self.layer_devices or self.row_split) and self.device.type == "cpu"
-            blocks = block.decode_blocks(state) if on_cpu else None
-            kv = state.kv[block.index]
-            program = DecodeProgram(blocks, [kv], [], min(kv.capacity, state.capacity)) if blocks else None
-            state.mtp_program = program or False
-        return state.mtp_program or None
 
     def mtp_embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The MTP block's token rows: its own table, or the trunk's."""
