@@ -274,8 +274,8 @@ class KVCache:
         q_scale: float = 1.0,
         post_norm: torch.Tensor | None = None,
     ) -> AttentionBlock | None:
-        """`residual_attention` for one token in a CPU decode program (ops.decode_program) over this cache, the
-        position's RoPE rows from the program's table `rope`; None where the one call cannot serve this cache. A ring
+        """`residual_attention` for a step's tokens in a CPU decode program (ops.decode_program) over this cache,
+        their RoPE rows from the program's table `rope`; None where the one call cannot serve this cache. A ring
         takes part until it wraps (`DecodeProgram.ready`)."""
         if not (self._ordered or self.ring) or not self._fused_block_fits(qkv, wo):
             return None

@@ -75,10 +75,10 @@ class ModelRunner:
             hidden, out, steps = self._graph(states, n_tokens, keep_steps).step(tokens)
             return Forward(hidden, out, steps)
         if logits and not (checkpoint_every or keep_at):  # decode and verification: one C call on the CPU
-            steps: dict = {} if keep_steps else None  # type: ignore[assignment]
-            if (hidden := self.model.program_decode(tokens, states, steps)) is not None:
+            steps: dict[int, list[list[RecurrentState]]] = {}
+            if (hidden := self.model.program_decode(tokens, states, steps if keep_steps else None)) is not None:
                 self.n_program_decodes += 1
-                return Forward(hidden, self.model.logits(hidden, seq_len=n_tokens), steps or {})
+                return Forward(hidden, self.model.logits(hidden, seq_len=n_tokens), steps)
         batch = Batch.of(torch.tensor(tokens), states, checkpoint_every, next_checkpoint, keep_at)
         batch.keep_steps = keep_steps
         hidden = self.model.forward_batch(batch)

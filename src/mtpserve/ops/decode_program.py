@@ -1,5 +1,5 @@
-"""A CPU decode step's blocks in one C call (`mtp_run_blocks`, kernels/cpu/blocks.c): one token of each of one or
-more sequences.
+"""A CPU decode step's blocks in one C call (`mtp_run_blocks`, kernels/cpu/blocks.c): 1-8 tokens of each of one or
+more sequences (a decode, a draft's verification).
 
 On a small model the Python around a token's ~20 kernel calls (argument checks, ctypes conversions, the layer loop)
 costs as much as their arithmetic: tinyqwen35 spent ~45 % of a token there. Each block's one-call entry point (the

@@ -150,79 +150,121 @@ int mtp_attention(const float *q, const void *kp, const void *vp, int kv_f16, co
 
 int mtp_sigmoid_gate(const float *x, const float *g, float *y, int64_t n);
 
-/* The attention block's middle for one sequence's T rows at positions start..start+T-1, after the QKV projections
- * (qg [T, nqg], k, v [T, nkv]): optional per-head RMSNorm of q and k; RoPE (cos/sin [T, n_rot/2]); k, v stored in
- * cells start.. (f16 rounded to nearest even) with their positions; attention over cells 0..start+T-1 (mtp_attention's
- * n_cells / n_split); the output gate. o [T, nq]; q [T, nq] is scratch. */
-static int attention_rows(float *qg, float *k, const float *v, float *q, float *o, int64_t T, int64_t H, int64_t Hkv,
-                          int64_t D, int q_gated, const float *q_norm, const float *k_norm, const float *cos_c,
-                          const float *sin_c, int64_t n_rot, int neox, float q_scale, void *k_cache, void *v_cache,
-                          int kv_f16, int64_t *cell_pos, int64_t start, float scale, int64_t window, int64_t n_cells,
-                          int64_t n_split, float eps, int n_threads) {
-    const int64_t nq = H * D, nkv = Hkv * D;
+/* The arguments of one attention block over one sequence's cache (constant for the sequence state's life), and of
+ * one step of T tokens at positions start..start+T-1 (set per step). The decode program's structs: Python mirror
+ * ops/decode_program.py. */
+typedef struct {
+    const float *norm_w;
+    float eps;
+    const int *qkv_types;
+    const uint8_t *const *qkv_W;
+    int64_t H, Hkv, D;
+    int q_gated, neox, rope, kv_f16; /* rope: which of mtp_step's tables */
+    const float *q_norm, *k_norm;
+    float q_scale, scale;
+    void *k_cache, *v_cache;
+    int64_t *cell_pos;
+    int64_t window;
+    int t_out;
+    const uint8_t *w_out;
+    const float *post_norm;
+} mtp_attention_block;
+
+typedef struct {
+    const float *cos[2], *sin[2]; /* each RoPE table's rows for the step's positions: [T, n_rot / 2] */
+    int64_t n_rot[2];
+    int64_t start;            /* the first token's position (= its KV cell: ordered caches) */
+    int64_t n_cells, n_split; /* mtp_attention's view of the caches for the step's tokens */
+} mtp_step;
+
+/* The attention block's middle for one sequence's T rows, after the QKV projections (qg [T, nqg], k, v [T, nkv]):
+ * optional per-head RMSNorm of q and k; RoPE (the step's rows of table c->rope); k, v stored in cells start.. (f16
+ * rounded to nearest even) with their positions; attention over cells 0..start+T-1 (the step's n_cells / n_split);
+ * the output gate. o [T, nq]; q [T, nq] is scratch. */
+static int attention_rows(const mtp_attention_block *c, const mtp_step *st, int64_t T, float *qg, float *k,
+                          const float *v, float *q, float *o, int n_threads) {
+    const int64_t H = c->H, Hkv = c->Hkv, D = c->D, nq = H * D, nkv = Hkv * D, start = st->start;
     int64_t q_pos[8];
     if (T > 8) return 1;
-    if (q_gated) /* Qwen3.5: per head a query row, then its output gate row */
+    if (c->q_gated) /* Qwen3.5: per head a query row, then its output gate row */
         for (int64_t th = 0; th < T * H; th++) memcpy(q + th * D, qg + 2 * th * D, sizeof(float) * D);
     else
         memcpy(q, qg, sizeof(float) * T * nq);
-    if (q_norm) mtp_rms_norm(q, q_norm, q, T * H, D, eps);
-    if (k_norm) mtp_rms_norm(k, k_norm, k, T * Hkv, D, eps);
-    mtp_rope_apply(q, cos_c, sin_c, T, H, D, n_rot, neox);
-    mtp_rope_apply(k, cos_c, sin_c, T, Hkv, D, n_rot, neox);
-    if (q_scale != 1.0f) /* Gemma: the query scaled before attention, the softmax scale then 1 */
-        for (int64_t i = 0; i < T * nq; i++) q[i] *= q_scale;
+    if (c->q_norm) mtp_rms_norm(q, c->q_norm, q, T * H, D, c->eps);
+    if (c->k_norm) mtp_rms_norm(k, c->k_norm, k, T * Hkv, D, c->eps);
+    const float *cos_c = st->cos[c->rope], *sin_c = st->sin[c->rope];
+    mtp_rope_apply(q, cos_c, sin_c, T, H, D, st->n_rot[c->rope], c->neox);
+    mtp_rope_apply(k, cos_c, sin_c, T, Hkv, D, st->n_rot[c->rope], c->neox);
+    if (c->q_scale != 1.0f) /* Gemma: the query scaled before attention, the softmax scale then 1 */
+        for (int64_t i = 0; i < T * nq; i++) q[i] *= c->q_scale;
     for (int64_t t = 0; t < T; t++) {
         const int64_t cell = start + t;
         q_pos[t] = cell;
-        cell_pos[cell] = cell;
-        if (kv_f16) {
-            half *kc = (half *)k_cache + cell * nkv, *vc = (half *)v_cache + cell * nkv;
+        c->cell_pos[cell] = cell;
+        if (c->kv_f16) {
+            half *kc = (half *)c->k_cache + cell * nkv, *vc = (half *)c->v_cache + cell * nkv;
             for (int64_t i = 0; i < nkv; i++) {
                 kc[i] = f2h(k[t * nkv + i]);
                 vc[i] = f2h(v[t * nkv + i]);
             }
         } else {
-            memcpy((float *)k_cache + cell * nkv, k + t * nkv, sizeof(float) * nkv);
-            memcpy((float *)v_cache + cell * nkv, v + t * nkv, sizeof(float) * nkv);
+            memcpy((float *)c->k_cache + cell * nkv, k + t * nkv, sizeof(float) * nkv);
+            memcpy((float *)c->v_cache + cell * nkv, v + t * nkv, sizeof(float) * nkv);
         }
     }
-    const int rc = mtp_attention(q, k_cache, v_cache, kv_f16, q_pos, cell_pos, T, start + T, H, Hkv, D, scale, window,
-                                 kv_f16, n_cells, n_split, o, n_threads);
+    const int rc = mtp_attention(q, c->k_cache, c->v_cache, c->kv_f16, q_pos, c->cell_pos, T, start + T, H, Hkv, D,
+                                 c->scale, c->window, c->kv_f16, st->n_cells, st->n_split, o, n_threads);
     if (rc) return rc;
-    if (q_gated)
+    if (c->q_gated)
         for (int64_t th = 0; th < T * H; th++) mtp_sigmoid_gate(o + th * D, qg + (2 * th + 1) * D, o + th * D, D);
     return 0;
 }
 
-/* A pre-norm residual attention block over an ordered f16/f32 KV cache (cell i holds position i), for a few tokens
- * of one sequence at positions start..start+T-1: h = rms_norm(x) * norm_w; q, k, v = h Wq, h Wk, h Wv; then
- * attention_rows; y = x + o Wo (y may alias x), with Gemma's norm after the block where post_norm is given. The
- * composition of the library's own entry points: the same numbers as the calls one by one. */
+/* A pre-norm residual attention block for n_seq sequences of T tokens each over ordered f16/f32 KV caches (cell i
+ * holds position i): h = rms_norm(x) * norm_w; q, k, v = h Wq, h Wk, h Wv for all rows at once (each sequence rounded
+ * as if alone); attention_rows per sequence (per_seq[s], steps[s]); y = x + o Wo (y may alias x), with Gemma's norm
+ * after the block where post_norm is given. The weights are per_seq[0]'s (every sequence's are the same layer's). */
+static int attention_block(const mtp_attention_block *const *per_seq, const mtp_step *steps, int64_t n_seq, int64_t T,
+                           const float *x, int64_t E, float *y, int n_threads) {
+    const mtp_attention_block *b = per_seq[0];
+    const int64_t m = n_seq * T, nq = b->H * b->D, nkv = b->Hkv * b->D, nqg = b->q_gated ? 2 * nq : nq;
+    if (T > 8) return 1;
+    float *h = thread_floats(m * (E + nqg + 2 * nkv + nq + nq + E));
+    if (!h) return 2;
+    float *qg = h + m * E, *k = qg + m * nqg, *v = k + m * nkv, *q = v + m * nkv, *o = q + m * nq, *out = o + m * nq;
+    mtp_rms_norm(x, b->norm_w, h, m, E, b->eps);
+    const int64_t rows[3] = {nqg, nkv, nkv};
+    float *outs[3] = {qg, k, v};
+    int rc = mtp_matmul_many(3, b->qkv_types, b->qkv_W, rows, E, h, m, T, outs, n_threads);
+    for (int64_t s = 0; s < n_seq && rc == 0; s++) {
+        const int64_t r = s * T;
+        rc = attention_rows(per_seq[s], steps + s, T, qg + r * nqg, k + r * nkv, v + r * nkv, q + r * nq, o + r * nq,
+                            n_threads);
+    }
+    if (rc == 0) rc = mtp_matmul(b->t_out, b->w_out, E, nq, o, m, T, out, n_threads);
+    if (rc) return rc;
+    if (b->post_norm) mtp_rms_norm(out, b->post_norm, out, m, E, b->eps); /* Gemma: a norm after the block too */
+    residual_add(x, out, y, m * E);
+    return 0;
+}
+
+/* attention_block for a few tokens of one sequence, its arguments one by one (the layers' call, cache/kv.py). */
 int mtp_residual_attention(const float *x, int64_t T, int64_t E, const float *norm_w, float eps, const int *qkv_types,
                            const uint8_t *const *qkv_W, int64_t H, int64_t Hkv, int64_t D, int q_gated, const float *q_norm,
                            const float *k_norm, const float *cos_c, const float *sin_c, int64_t n_rot, int neox,
                            float q_scale, void *k_cache, void *v_cache, int kv_f16, int64_t *cell_pos, int64_t start,
                            float scale, int64_t window, int64_t n_cells, int64_t n_split, int t_out, const uint8_t *w_out,
                            const float *post_norm, float *y, int n_threads) {
-    const int64_t nq = H * D, nkv = Hkv * D, nqg = q_gated ? 2 * nq : nq;
-    if (T > 8) return 1;
-    float *h = thread_floats(T * (E + nqg + 2 * nkv + nq + nq + E));
-    if (!h) return 2;
-    float *qg = h + T * E, *k = qg + T * nqg, *v = k + T * nkv, *q = v + T * nkv, *o = q + T * nq, *out = o + T * nq;
-    mtp_rms_norm(x, norm_w, h, T, E, eps);
-    const int64_t rows[3] = {nqg, nkv, nkv};
-    float *outs[3] = {qg, k, v};
-    int rc = mtp_matmul_many(3, qkv_types, qkv_W, rows, E, h, T, T, outs, n_threads);
-    if (rc) return rc;
-    rc = attention_rows(qg, k, v, q, o, T, H, Hkv, D, q_gated, q_norm, k_norm, cos_c, sin_c, n_rot, neox, q_scale, k_cache,
-                        v_cache, kv_f16, cell_pos, start, scale, window, n_cells, n_split, eps, n_threads);
-    if (rc) return rc;
-    rc = mtp_matmul(t_out, w_out, E, nq, o, T, T, out, n_threads);
-    if (rc) return rc;
-    if (post_norm) mtp_rms_norm(out, post_norm, out, T, E, eps); /* Gemma: a norm after the block too */
-    residual_add(x, out, y, T * E);
-    return 0;
+    const mtp_attention_block b = {
+        .norm_w = norm_w, .eps = eps, .qkv_types = qkv_types, .qkv_W = qkv_W, .H = H, .Hkv = Hkv, .D = D,
+        .q_gated = q_gated, .neox = neox, .rope = 0, .kv_f16 = kv_f16, .q_norm = q_norm, .k_norm = k_norm,
+        .q_scale = q_scale, .scale = scale, .k_cache = k_cache, .v_cache = v_cache, .cell_pos = cell_pos,
+        .window = window, .t_out = t_out, .w_out = w_out, .post_norm = post_norm,
+    };
+    const mtp_step st = {.cos = {cos_c}, .sin = {sin_c}, .n_rot = {n_rot}, .start = start, .n_cells = n_cells,
+                         .n_split = n_split};
+    const mtp_attention_block *per_seq[1] = {&b};
+    return attention_block(per_seq, &st, 1, T, x, E, y, n_threads);
 }
 
 int mtp_geglu(const float *x, const float *g, float *y, int64_t n);
@@ -255,35 +297,11 @@ int mtp_residual_glu_ffn(const float *x, int64_t T, int64_t seq_len, int64_t E, 
 
 /* ---- a decode step's blocks in one call ------------------------------------------------------------------------ */
 
-/* A decode step (one token of each of one or more sequences) runs its blocks in order over the residual stream, each
- * the entry point above with the arguments a block's Python call would pass: on a 9M-parameter model the Python
- * around ~20 calls a token cost as much as their arithmetic. The constant arguments sit in one struct a block (built once per sequence
- * state: its recurrent state and KV cache pointers are fixed for the state's life), the position-dependent ones in
- * mtp_step (set per token). Python mirror: ops/decode_program.py. */
-
-typedef struct {
-    const float *cos[2], *sin[2]; /* each RoPE table's rows for the step's positions: [T, n_rot / 2] */
-    int64_t n_rot[2];
-    int64_t start;            /* the first token's position (= its KV cell: ordered caches) */
-    int64_t n_cells, n_split; /* mtp_attention's view of the caches for the step's tokens */
-} mtp_step;
-
-typedef struct {
-    const float *norm_w;
-    float eps;
-    const int *qkv_types;
-    const uint8_t *const *qkv_W;
-    int64_t H, Hkv, D;
-    int q_gated, neox, rope, kv_f16; /* rope: which of mtp_step's tables */
-    const float *q_norm, *k_norm;
-    float q_scale, scale;
-    void *k_cache, *v_cache;
-    int64_t *cell_pos;
-    int64_t window;
-    int t_out;
-    const uint8_t *w_out;
-    const float *post_norm;
-} mtp_attention_block;
+/* A decode step (1-8 tokens of each of one or more sequences) runs its blocks in order over the residual stream,
+ * each the entry point above with the arguments a block's Python call would pass: on a 9M-parameter model the
+ * Python around ~20 calls a token cost as much as their arithmetic. The constant arguments sit in one struct a block
+ * (built once per sequence state: its recurrent state and KV cache pointers are fixed for the state's life), the
+ * position-dependent ones in mtp_step (set per step). Python mirror: ops/decode_program.py. */
 
 typedef struct {
     const float *norm_w;
@@ -324,9 +342,10 @@ typedef struct {
 int mtp_run_blocks(const mtp_block *const *tables, int64_t n_seq, int64_t T, int64_t n_blocks, float *x, int64_t E,
                    const mtp_step *steps, float *const *ssm_steps, float *const *conv_steps, int n_threads) {
     if (T < 1 || T > 8) return 1;
-    float **conv = malloc(sizeof(float *) * 2 * n_seq);
-    if (!conv) return 2;
-    float **ssm = conv + n_seq;
+    void **per_seq = malloc(sizeof(void *) * 3 * n_seq); /* each sequence's block of the current layer */
+    if (!per_seq) return 2;
+    const mtp_attention_block **attn = (const mtp_attention_block **)per_seq;
+    float **conv = (float **)per_seq + n_seq, **ssm = conv + n_seq;
     const int64_t m = n_seq * T;
     int rc = 0;
     for (int64_t i = 0, g = 0; i < n_blocks && rc == 0; i++) {
@@ -335,32 +354,8 @@ int mtp_run_blocks(const mtp_block *const *tables, int64_t n_seq, int64_t T, int
             if (tables[s][i].kind != kind) rc = 1;
         if (rc) break;
         if (kind == BLOCK_ATTENTION) {
-            const mtp_attention_block *b = tables[0][i].args;
-            const int64_t nq = b->H * b->D, nkv = b->Hkv * b->D, nqg = b->q_gated ? 2 * nq : nq;
-            float *h = thread_floats(m * (E + nqg + 2 * nkv + nq + nq + E));
-            if (!h) {
-                rc = 2;
-                break;
-            }
-            float *qg = h + m * E, *k = qg + m * nqg, *v = k + m * nkv, *q = v + m * nkv, *o = q + m * nq;
-            float *out = o + m * nq;
-            mtp_rms_norm(x, b->norm_w, h, m, E, b->eps);
-            const int64_t rows[3] = {nqg, nkv, nkv};
-            float *outs[3] = {qg, k, v};
-            rc = mtp_matmul_many(3, b->qkv_types, b->qkv_W, rows, E, h, m, T, outs, n_threads);
-            for (int64_t s = 0; s < n_seq && rc == 0; s++) {
-                const mtp_attention_block *c = tables[s][i].args;
-                const mtp_step *st = steps + s;
-                const int64_t r = s * T;
-                rc = attention_rows(qg + r * nqg, k + r * nkv, v + r * nkv, q + r * nq, o + r * nq, T, c->H, c->Hkv,
-                                    c->D, c->q_gated, c->q_norm, c->k_norm, st->cos[c->rope], st->sin[c->rope],
-                                    st->n_rot[c->rope], c->neox, c->q_scale, c->k_cache, c->v_cache, c->kv_f16,
-                                    c->cell_pos, st->start, c->scale, c->window, st->n_cells, st->n_split, c->eps,
-                                    n_threads);
-            }
-            if (rc == 0) rc = mtp_matmul(b->t_out, b->w_out, E, nq, o, m, T, out, n_threads);
-            if (rc == 0 && b->post_norm) mtp_rms_norm(out, b->post_norm, out, m, E, b->eps);
-            if (rc == 0) residual_add(x, out, x, m * E);
+            for (int64_t s = 0; s < n_seq; s++) attn[s] = tables[s][i].args;
+            rc = attention_block(attn, steps, n_seq, T, x, E, x, n_threads);
         } else if (kind == BLOCK_GDN) {
             const mtp_gdn_block *b = tables[0][i].args;
             for (int64_t s = 0; s < n_seq; s++) {
@@ -382,6 +377,6 @@ int mtp_run_blocks(const mtp_block *const *tables, int64_t n_seq, int64_t T, int
             rc = 1;
         }
     }
-    free(conv);
+    free(per_seq);
     return rc;
 }
