@@ -128,6 +128,31 @@ def lm_tensor_specs(n_vocab: int, n_embd: int) -> list[TensorSpec]:
     ]
 
 
+def attention_specs(b: str, n_embd: int, q_rows: int, kv_rows: int, n_out: int, qk_norm: int = 0) -> list[TensorSpec]:
+    """A block's attention weights (`b`: "blk.N"): q [q_rows, E], k and v [kv_rows, E], the output [E, n_out], and
+    with `qk_norm` (the head size) the per-head q and k norms."""
+    E = n_embd
+    specs = [
+        TensorSpec(f"{b}.attn_q.weight", (q_rows, E)),
+        TensorSpec(f"{b}.attn_k.weight", (kv_rows, E)),
+        TensorSpec(f"{b}.attn_v.weight", (kv_rows, E)),
+        TensorSpec(f"{b}.attn_output.weight", (E, n_out)),
+    ]
+    if qk_norm:
+        specs += [TensorSpec(f"{b}.attn_q_norm.weight", (qk_norm,)), TensorSpec(f"{b}.attn_k_norm.weight", (qk_norm,))]
+    return specs
+
+
+def ffn_specs(b: str, n_embd: int, n_ff: int) -> list[TensorSpec]:
+    """A block's gated FFN: gate and up [F, E], down [E, F]."""
+    E, F = n_embd, n_ff
+    return [
+        TensorSpec(f"{b}.ffn_gate.weight", (F, E)),
+        TensorSpec(f"{b}.ffn_up.weight", (F, E)),
+        TensorSpec(f"{b}.ffn_down.weight", (E, F)),
+    ]
+
+
 def vocab_size(md: Metadata) -> int:
     """The vocabulary size as llama.cpp takes it: the token list's length, else `<arch>.vocab_size`."""
     tokens = md.values.get("tokenizer.ggml.tokens")

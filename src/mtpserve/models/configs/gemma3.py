@@ -11,7 +11,9 @@ from ..config import (
     AttentionCacheSpec,
     CacheLayout,
     TensorSpec,
+    attention_specs,
     common_hparams,
+    ffn_specs,
     lm_tensor_specs,
 )
 
@@ -81,21 +83,10 @@ class Gemma3Config:
         specs = lm_tensor_specs(V, E)
         for i in range(self.n_layer):
             b = f"blk.{i}"
-            specs += [
-                TensorSpec(f"{b}.attn_norm.weight", (E,)),
-                TensorSpec(f"{b}.attn_q.weight", (H * hd, E)),
-                TensorSpec(f"{b}.attn_k.weight", (Hkv * hd, E)),
-                TensorSpec(f"{b}.attn_v.weight", (Hkv * hd, E)),
-                TensorSpec(f"{b}.attn_output.weight", (E, H * hd)),
-                TensorSpec(f"{b}.attn_q_norm.weight", (hd,)),
-                TensorSpec(f"{b}.attn_k_norm.weight", (hd,)),
-                TensorSpec(f"{b}.post_attention_norm.weight", (E,)),
-                TensorSpec(f"{b}.ffn_norm.weight", (E,)),
-                TensorSpec(f"{b}.ffn_gate.weight", (F, E)),
-                TensorSpec(f"{b}.ffn_up.weight", (F, E)),
-                TensorSpec(f"{b}.ffn_down.weight", (E, F)),
-                TensorSpec(f"{b}.post_ffw_norm.weight", (E,)),
-            ]
+            norms = ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")
+            specs += [TensorSpec(f"{b}.{norm}.weight", (E,)) for norm in norms]
+            specs += attention_specs(b, E, H * hd, Hkv * hd, H * hd, qk_norm=hd)
+            specs += ffn_specs(b, E, F)
         return specs
 
     def cache_layout(self) -> CacheLayout:

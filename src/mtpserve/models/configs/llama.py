@@ -11,7 +11,9 @@ from ..config import (
     AttentionCacheSpec,
     CacheLayout,
     TensorSpec,
+    attention_specs,
     common_hparams,
+    ffn_specs,
     lm_tensor_specs,
 )
 
@@ -70,27 +72,14 @@ class LlamaConfig:
         specs = lm_tensor_specs(V, E)
         for i in range(self.n_layer):
             b = f"blk.{i}"
-            specs += [
-                TensorSpec(f"{b}.attn_norm.weight", (E,)),
-                TensorSpec(f"{b}.attn_q.weight", (H * hd, E)),
-                TensorSpec(f"{b}.attn_k.weight", (Hkv * hd, E)),
-                TensorSpec(f"{b}.attn_v.weight", (Hkv * hd, E)),
-                TensorSpec(f"{b}.attn_output.weight", (E, H * hd)),
-                TensorSpec(f"{b}.ffn_norm.weight", (E,)),
-                TensorSpec(f"{b}.ffn_gate.weight", (F, E)),
-                TensorSpec(f"{b}.ffn_up.weight", (F, E)),
-                TensorSpec(f"{b}.ffn_down.weight", (E, F)),
-            ]
+            specs += [TensorSpec(f"{b}.attn_norm.weight", (E,)), TensorSpec(f"{b}.ffn_norm.weight", (E,))]
+            specs += attention_specs(b, E, H * hd, Hkv * hd, H * hd, qk_norm=hd if self.qk_norm else 0)
+            specs += ffn_specs(b, E, F)
             if self.qkv_bias:
                 specs += [
                     TensorSpec(f"{b}.attn_q.bias", (H * hd,)),
                     TensorSpec(f"{b}.attn_k.bias", (Hkv * hd,)),
                     TensorSpec(f"{b}.attn_v.bias", (Hkv * hd,)),
-                ]
-            if self.qk_norm:
-                specs += [
-                    TensorSpec(f"{b}.attn_q_norm.weight", (hd,)),
-                    TensorSpec(f"{b}.attn_k_norm.weight", (hd,)),
                 ]
         return specs
 

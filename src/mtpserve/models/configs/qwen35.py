@@ -15,8 +15,10 @@ from ..config import (
     CacheLayout,
     RecurrentStateSpec,
     TensorSpec,
+    attention_specs,
     common_hparams,
     common_metadata,
+    ffn_specs,
     lm_tensor_specs,
 )
 
@@ -135,13 +137,8 @@ class Qwen35Config:
         specs = lm_tensor_specs(V, E)
         for i in range(self.n_layer + self.n_nextn):
             b = f"blk.{i}"
-            specs += [
-                TensorSpec(f"{b}.attn_norm.weight", (E,)),
-                TensorSpec(f"{b}.post_attention_norm.weight", (E,)),
-                TensorSpec(f"{b}.ffn_gate.weight", (F, E)),
-                TensorSpec(f"{b}.ffn_up.weight", (F, E)),
-                TensorSpec(f"{b}.ffn_down.weight", (E, F)),
-            ]
+            specs += [TensorSpec(f"{b}.attn_norm.weight", (E,)), TensorSpec(f"{b}.post_attention_norm.weight", (E,))]
+            specs += ffn_specs(b, E, F)
             if self.recurrent[i]:
                 specs += [
                     TensorSpec(f"{b}.attn_qkv.weight", (self.conv_dim, E)),
@@ -154,16 +151,8 @@ class Qwen35Config:
                     TensorSpec(f"{b}.ssm_norm.weight", (self.ssm_head_dim,)),
                     TensorSpec(f"{b}.ssm_out.weight", (E, self.value_dim)),
                 ]
-            else:
-                specs += [
-                    # Joint query + output gate, interleaved per head: [H, 2, hd].
-                    TensorSpec(f"{b}.attn_q.weight", (2 * H * hd, E)),
-                    TensorSpec(f"{b}.attn_k.weight", (Hkv * hd, E)),
-                    TensorSpec(f"{b}.attn_v.weight", (Hkv * hd, E)),
-                    TensorSpec(f"{b}.attn_output.weight", (E, H * hd)),
-                    TensorSpec(f"{b}.attn_q_norm.weight", (hd,)),
-                    TensorSpec(f"{b}.attn_k_norm.weight", (hd,)),
-                ]
+            else:  # the query rows hold the output gate too, interleaved per head: [H, 2, hd]
+                specs += attention_specs(b, E, 2 * H * hd, Hkv * hd, H * hd, qk_norm=hd)
             if i >= self.n_layer:
                 specs += [
                     TensorSpec(f"{b}.nextn.eh_proj.weight", (E, 2 * E)),
