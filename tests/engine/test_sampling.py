@@ -3,6 +3,7 @@ fixed logit vector), penalties and biases act as llama.cpp's, seeds reproduce.""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -168,6 +169,7 @@ def test_greedy_without_a_copy_takes_the_token_of_the_biased_copy(bias):
         assert int(ids[0]) == int(biased.argmax()) and float(values[0]) == float(biased.max())
 
 
+@functools.cache
 def _rows() -> dict[str, np.ndarray]:
     """Vocabulary-sized rows of the shapes the chunked top-k meets: a model's, ties, a grammar's mask, a flat row."""
     rng = np.random.default_rng(7)
