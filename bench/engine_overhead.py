@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,6 +46,7 @@ from mtpserve.models.base import Batch
 from mtpserve.models.loader import load
 from mtpserve.ops.linear import linear
 from mtpserve.tokenizer import Tokenizer
+from mtpserve.tuning.runner import managed_server
 
 MODEL = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "tinyqwen35-mtp-Q4_K_M.gguf"
 QWEN_VOCAB = 248_320
@@ -124,7 +123,7 @@ def engine_case(args, tokenizer, vocab: int, sampling: SamplingParams, grammar, 
     return samples
 
 
-def serve(port: int, vocab: int, tokens: int) -> None:
+def serve(host: str, port: int, vocab: int, tokens: int) -> None:
     """The HTTP server over the stand-in (run in its own process by `http_case`)."""
     import uvicorn
 
@@ -139,51 +138,39 @@ def serve(port: int, vocab: int, tokens: int) -> None:
     torch.set_num_threads(2)
     state = StandInState(ServerSettings(model=MODEL, engine=engine_config(tokens)))
     state.load()
-    config = uvicorn.Config(create_app(state), port=port, log_config=None, loop="asyncio", http="h11", lifespan="on")
+    config = uvicorn.Config(
+        create_app(state), host=host, port=port, log_config=None, loop="asyncio", http="h11", lifespan="on"
+    )
     uvicorn.Server(config).run()
 
 
 def http_case(args, vocab: int) -> list[float]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, __file__, "--serve", str(port), "--vocab", str(vocab), "--tokens", str(args.tokens)]
-    server = subprocess.Popen(command, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        with httpx.Client(timeout=120) as client:
-            for _ in range(600):
-                try:
-                    if client.get(f"{url}/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
-            body = {"prompt": PROMPT, "n_predict": args.tokens, "ignore_eos": True, "temperature": 0, "stream": True}
-            body["cache_prompt"] = False
-            samples = []
-            for _ in range(args.rounds + 1):
-                stamps = []
-                with client.stream("POST", f"{url}/completion", json=body) as response:
-                    for line in response.iter_lines():
-                        if line.startswith("data: ") and not json.loads(line[6:])["stop"]:  # one event a token
-                            stamps.append(time.perf_counter())
-                samples.append((stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e6)
-            return samples
-    finally:
-        server.terminate()
-        server.wait(30)
+    command = [sys.executable, __file__, "--serve", "--vocab", str(vocab), "--tokens", str(args.tokens)]
+    with managed_server(command) as url, httpx.Client(timeout=120) as client:
+        body = {"prompt": PROMPT, "n_predict": args.tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+        body["cache_prompt"] = False
+        samples = []
+        for _ in range(args.rounds + 1):
+            stamps = []
+            with client.stream("POST", f"{url}/completion", json=body) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and not json.loads(line[6:])["stop"]:  # one event a token
+                        stamps.append(time.perf_counter())
+            samples.append((stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e6)
+        return samples
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the HTTP case's server process: its port
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the HTTP case's server process
+    ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, default=QWEN_VOCAB, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        serve(args.serve, args.vocab, args.tokens)
+        serve(args.host, args.port, args.vocab, args.tokens)
         return 0
     torch.set_num_threads(2)
     tokenizer = Tokenizer.from_gguf(MODEL)
