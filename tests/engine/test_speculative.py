@@ -10,6 +10,7 @@ from functools import cache
 
 import numpy as np
 import pytest
+import torch
 
 from mtpserve.engine import Engine, EngineConfig, EngineError, Request, SamplingParams, SpecConfig, TokenEvent
 from mtpserve.engine.config import AUTO_N_MAX
@@ -102,6 +103,58 @@ def test_draft_mtp_changes_no_greedy_token_and_drafts_like_llama_cpp(quant):
         for r in results:  # llama-server's identity: first token + one per verification + accepted drafts
             plain_steps = r.timings.predicted_n - 1 - r.verify_steps - r.timings.draft_n_accepted
             assert plain_steps >= 0 and sum(r.accepted_per_position) == r.timings.draft_n_accepted
+
+
+def test_each_kept_mtp_row_is_computed_once_from_the_trunk_state_before_it(monkeypatch):
+    """draft-mtp's MTP cache after a request: one row per kept position, each computed once (draft step 0's row is
+    the sampled token's catch-up row and stays; a verification leaves only its accepted drafts to catch up, where
+    llama.cpp recomputes every verified row), and each the row of its token and the trunk's state at the position
+    before: one MTP pass over the kept tokens and the trunk states the engine produced writes the same rows (a row
+    paired with another position's state differs by ~2-5)."""
+    from mtpserve.engine.drafters import MTPDrafter
+
+    path, model, tokenizer = _model("Q4_K_M")
+    mtp_rows: list[int] = []
+    draft_steps: list[int] = []
+    trunk: list[torch.Tensor] = []  # the trunk's final states at the kept positions, in order
+    mtp_step, draft = type(model).mtp_step, MTPDrafter.draft
+    after_prompt, after_verify = MTPDrafter.after_prompt, MTPDrafter.after_verify
+
+    def counted_mtp_step(self, hidden, tokens, state, *args, **kwargs):
+        mtp_rows.append(len(tokens))
+        return mtp_step(self, hidden, tokens, state, *args, **kwargs)
+
+    def counted_draft(self, slot, n_max):
+        draft_steps.append(n_max)
+        return draft(self, slot, n_max)
+
+    def seen_prompt(self, slot, hidden, tokens):
+        trunk.extend(hidden.clone())
+        after_prompt(self, slot, hidden, tokens)
+
+    def seen_verify(self, slot, hidden, tokens, n_accepted):
+        trunk.extend(hidden[: n_accepted + 1].clone())
+        after_verify(self, slot, hidden, tokens, n_accepted)
+
+    monkeypatch.setattr(type(model), "mtp_step", counted_mtp_step)
+    monkeypatch.setattr(MTPDrafter, "draft", counted_draft)
+    monkeypatch.setattr(MTPDrafter, "after_prompt", seen_prompt)
+    monkeypatch.setattr(MTPDrafter, "after_verify", seen_verify)
+    with _engine("Q4_K_M", SpecConfig("draft-mtp", n_max=2)) as engine:
+        result = engine.submit(_requests("Q4_K_M")[1]).result()
+        state, kept = engine.slots[0].state, list(engine.slots[0].tokens)
+    mtp_kv, n = state.kv[model.mtp_kv_index], len(kept)
+    assert result.timings.draft_n_accepted > 0 and mtp_kv.length == state.n_past == n == len(trunk)
+    # every kept row once, plus each draft's chained steps after step 0 (whose rows go)
+    assert sum(mtp_rows) == n + sum(steps - 1 for steps in draft_steps)
+    reference = model.new_state(4096, mtp=True)
+    states = torch.stack(trunk)
+    mtp_step(
+        model, torch.cat((states.new_zeros(1, states.shape[-1]), states[:-1])), torch.tensor(kept), reference, False
+    )
+    expected = reference.kv[model.mtp_kv_index]
+    torch.testing.assert_close(mtp_kv.k.data[:n], expected.k.data[:n], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(mtp_kv.v.data[:n], expected.v.data[:n], rtol=1e-3, atol=1e-3)
 
 
 def test_four_concurrent_speculative_streams_match_each_alone():

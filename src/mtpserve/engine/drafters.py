@@ -5,9 +5,12 @@ Each implements `Drafter` and owns whatever state it keeps per slot; the engine 
   of the position before it), each next step the MTP's own output hidden state; the draft is the argmax of each
   step (a draft stops early when that token's probability, renormalised over the top 10, is below `p_min`;
   drafts shorter than `n_min` are dropped). The MTP KV cache only ever keeps rows computed from the trunk's
-  hidden states (the "catch-up" pass after every trunk pass); draft-time rows are removed. Passes without a
-  draft defer their catch-up rows, written in one pass before the next draft -- or before the slot's cache is
-  reused or cut, so that the MTP cache always ends where the trunk's does when a request starts.
+  hidden states: draft step 0's row is one (the sampled token and the trunk's state before it) and stays; the
+  chained steps' rows go. After a verification only the accepted drafts' rows are missing ("catch-up"); they
+  wait and go in the same MTP pass as the next draft's step 0 -- or are written before the slot's cache is
+  reused or cut, so that the MTP cache ends where the trunk's does when a request starts. llama.cpp recomputes
+  every verified row, step 0's and the rejected drafts' included, in a pass of its own
+  (`TAG_SPEC_AVOID_DRAFT_REEVAL` in its source): with few drafts accepted that pass is a third of the MTP work.
 * `draft-simple` (`DraftModelDrafter`): a separate small model with the same vocabulary (`--model-draft`),
   greedy, one token at a time from its own state, which catches up on the accepted tokens before each draft
   and returns to them afterwards (its recurrent state, if any, from a snapshot).
@@ -109,6 +112,7 @@ class _MTPSlot:
 
     pending_h: torch.Tensor | None = None  # the trunk's hidden state at position n_past - 1
     backlog: list[tuple[torch.Tensor, list[int]]] = field(default_factory=list)  # catch-up rows not written yet
+    drafted: bool = False  # the MTP cache holds the sampled token's row (draft step 0), not yet verified
     draft_graphs: dict[int, MTPDraftGraph] = field(default_factory=dict)  # chained draft steps, by n_max
     rows_graphs: dict[int, MTPRowsGraph] = field(default_factory=dict)  # catch-up passes, by rows
 
@@ -138,60 +142,86 @@ class MTPDrafter:
         return self._slots.setdefault(slot.id, _MTPSlot())
 
     def draft(self, slot: Slot, n_max: int) -> list[int]:
-        """Up to n_max chained draft tokens after the sampled token (at position n_past). Captured, all n_max
+        """Up to n_max chained draft tokens after the sampled token (at position n_past). Step 0's row stays in the
+        MTP cache (it is the catch-up row of the sampled token); the later steps' rows go. Captured, all n_max
         steps run, and the tokens after the first one below p_min are dropped on the host: the same draft, as
         later steps cannot change earlier ones."""
         assert slot.job is not None
         mine = self._of(slot)
-        self._flush(slot, mine)
         kv = slot.state.kv[self.kv_index]
-        start, sampled = kv.length, slot.job.pending
+        sampled = slot.job.pending
         pending_h = mine.pending_h if mine.pending_h is not None else torch.zeros(self.model.config.n_embd)
         proposals: Iterable[tuple[int, float]]
         if self.graphs:
+            self._flush(slot, mine)
+            start = kv.length
             if n_max not in mine.draft_graphs:
                 mine.draft_graphs[n_max] = MTPDraftGraph(self.model, slot.state, n_max, self.head, DRAFT_TOP_K)
             proposals = mine.draft_graphs[n_max].propose(pending_h, sampled)
+            kv.length = start + 1  # the captured steps leave the length to the caller; step 0's row stays
         else:
-            proposals = self._proposals(slot.state, pending_h, sampled, n_max)
-        tokens: list[int] = []
+            waiting, tokens = self._take_backlog(mine)  # written in step 0's pass
+            start = kv.length + len(tokens)
+            hidden = pending_h[None] if waiting is None else torch.cat((waiting, pending_h[None]))
+            proposals = self._proposals(slot.state, hidden, [*tokens, sampled], n_max)
+        draft: list[int] = []
         for token, p_top in proposals:
             if self.config.p_min > 0 and p_top < self.config.p_min:
                 break
-            tokens.append(token)
-        kv.truncate(start)  # draft-time rows go: the catch-up pass rewrites them from the trunk's states
-        return tokens if len(tokens) >= self.config.n_min else []
+            draft.append(token)
+        kv.truncate(start + 1)
+        mine.drafted = True
+        return draft if len(draft) >= self.config.n_min else []
 
     def _proposals(
-        self, state: ModelState, pending_h: torch.Tensor, sampled: int, n_max: int
+        self, state: ModelState, hidden: torch.Tensor, tokens: list[int], n_max: int
     ) -> Iterator[tuple[int, float]]:
         """Eager draft steps, one at a time (the caller stops pulling at the first token below p_min): each
-        step's argmax and its probability over the top DRAFT_TOP_K."""
-        hidden, token = pending_h[None], sampled
+        step's argmax and its probability over the top DRAFT_TOP_K. Step 0's pass takes every row of `tokens`
+        (the waiting catch-up rows, then the sampled token's) and drafts from the last."""
         for _ in range(n_max):
-            _, hidden = self.mtp.mtp_step(hidden, torch.tensor([token]), state, with_logits=False)
+            _, h_mtp = self.mtp.mtp_step(hidden, torch.tensor(tokens), state, with_logits=False)
+            hidden = h_mtp[-1:]
             top = linear(hidden.to(self.head.data.device), self.head)[0].float().topk(DRAFT_TOP_K)
-            token = int(top.indices[0])
-            yield token, float(torch.softmax(top.values, 0)[0])
+            tokens = [int(top.indices[0])]
+            yield tokens[0], float(torch.softmax(top.values, 0)[0])
 
     def after_prompt(self, slot: Slot, hidden: torch.Tensor, tokens: list[int]) -> None:
-        self._catch_up(slot, hidden, tokens, defer=False)
+        """The chunk's MTP rows, written now: row i pairs token i with the trunk's state at the position before."""
+        mine = self._of(slot)
+        previous = mine.pending_h if mine.pending_h is not None else hidden.new_zeros(hidden.shape[-1])
+        mine.pending_h = hidden[-1].clone()
+        self._flush(slot, mine)
+        self._write(slot, mine, torch.cat((previous[None], hidden[:-1])), tokens)
 
     def after_verify(self, slot: Slot, hidden: torch.Tensor, tokens: list[int], n_accepted: int) -> None:
-        """The catch-up of the verified tokens (the rows of rejected drafts go with the trunk's, cut by the caller),
-        and the hidden state the next row reads: the trunk's at the last kept position. A step without a draft
-        defers its rows."""
-        self._catch_up(slot, hidden, tokens, defer=len(tokens) == 1)
-        self._of(slot).pending_h = hidden[n_accepted].clone()
+        """The catch-up rows of the kept tokens wait for the next draft's pass: the sampled token's (unless draft
+        step 0 wrote it) and the accepted drafts', each with the trunk's state before it; rejected drafts need
+        none. The next row reads the trunk's state at the last kept position."""
+        mine = self._of(slot)
+        kept = n_accepted + 1
+        previous = mine.pending_h if mine.pending_h is not None else hidden.new_zeros(hidden.shape[-1])
+        inputs = torch.cat((previous[None], hidden[: kept - 1]))
+        first = 1 if mine.drafted else 0
+        if kept > first:
+            mine.backlog.append((inputs[first:], tokens[first:kept]))
+        mine.drafted = False
+        mine.pending_h = hidden[n_accepted].clone()
 
     def finish(self, slot: Slot) -> None:
-        """Write the deferred rows: between requests the MTP cache ends where the trunk's does, so a prefix reuse
-        cuts both alike."""
-        self._flush(slot, self._of(slot))
+        """Write the waiting rows (and drop a drafted row no verification confirmed): between requests the MTP
+        cache ends where the trunk's does, so a prefix reuse cuts both alike."""
+        mine = self._of(slot)
+        self._flush(slot, mine)
+        if mine.drafted:
+            kv = slot.state.kv[self.kv_index]
+            kv.truncate(min(kv.length, slot.state.n_past))
+            mine.drafted = False
 
     def rewind(self, slot: Slot, reuse: Reuse) -> None:
         """The next row reads the hidden state of the restored checkpoint (nothing, on a cleared slot)."""
         mine = self._of(slot)
+        mine.drafted = False
         if reuse.keep == 0:
             mine.backlog.clear()
             mine.pending_h = None
@@ -203,25 +233,20 @@ class MTPDrafter:
         self._flush(slot, mine)
         return mine.pending_h
 
-    def _catch_up(self, slot: Slot, hidden: torch.Tensor, tokens: list[int], defer: bool) -> None:
-        """MTP cache rows for tokens the trunk evaluated: row i pairs token i with the trunk's hidden state at the
-        position before it. Deferred rows are written, in one pass, before the next draft or the next rows."""
-        mine = self._of(slot)
-        previous = mine.pending_h if mine.pending_h is not None else hidden.new_zeros(hidden.shape[-1])
-        mine.pending_h = hidden[-1].clone()
-        inputs = torch.cat((previous[None], hidden[:-1]))
-        if defer:
-            mine.backlog.append((inputs, tokens))
-            return
-        self._flush(slot, mine)
-        self._write(slot, mine, inputs, tokens)
-
     def _flush(self, slot: Slot, mine: _MTPSlot) -> None:
-        if mine.backlog:
-            inputs = torch.cat([h for h, _ in mine.backlog])
-            tokens = [t for _, ts in mine.backlog for t in ts]
-            mine.backlog.clear()
+        inputs, tokens = self._take_backlog(mine)
+        if inputs is not None:
             self._write(slot, mine, inputs, tokens)
+
+    @staticmethod
+    def _take_backlog(mine: _MTPSlot) -> tuple[torch.Tensor | None, list[int]]:
+        """The waiting catch-up rows' inputs [n, E] and tokens, in order (None, []: none wait)."""
+        if not mine.backlog:
+            return None, []
+        inputs = torch.cat([h for h, _ in mine.backlog])
+        tokens = [t for _, ts in mine.backlog for t in ts]
+        mine.backlog.clear()
+        return inputs, tokens
 
     def _write(self, slot: Slot, mine: _MTPSlot, inputs: torch.Tensor, tokens: list[int]) -> None:
         n = len(tokens)

@@ -128,7 +128,7 @@ class ModelState:
         if n > self.n_past:
             raise ValueError(f"cannot truncate a sequence of {self.n_past} positions to {n}")
         for kv in self.kv.values():
-            kv.truncate(n)
+            kv.truncate(min(n, kv.length))  # an MTP cache may lag by the catch-up rows its drafter holds back
         self.n_past = n
 
 
