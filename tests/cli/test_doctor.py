@@ -59,3 +59,31 @@ def test_doctor_plans_layers_over_what_if_gpus(capsys):
     assert "--gpu-layers all --split-mode layer --tensor-split 5,5" in out  # 8 blocks + MTP + output, halved
     assert main(["doctor", "-m", path, "--gpus", "0.5"]) == 0  # less than llama.cpp's 1 GiB fit margin
     assert "--gpu-layers 0 --split-mode layer" in capsys.readouterr().out
+
+
+def test_doctor_plans_the_gpus_asked_about_whatever_the_hosts_memory(capsys, monkeypatch):
+    """--gpus: the plan for those cards with the flags asked (262144 tokens stays 262144), the same on a host with
+    little free memory as on a roomy one; --spec-type draft-mtp adds the MTP block and its KV cache to it."""
+    from mtpserve.engine import planner
+
+    path = str(tinyqwen_path("Q4_K_M"))
+    args = ["doctor", "-m", path, "-c", "262144", "-ctk", "q8_0", "-ctv", "q8_0", "--gpus", "2,2"]
+    outputs = []
+    for host_free in (64 * GIB, 1 << 20):
+        monkeypatch.setattr(planner, "available_memory", lambda device, free=host_free: free)
+        for spec in ([], ["--spec-type", "draft-mtp", "--spec-draft-n-max", "2"]):
+            assert main([*args, *spec]) == 0
+            outputs.append([line for line in capsys.readouterr().out.splitlines() if "CUDA" in line or "GPU" in line])
+    assert outputs[0] == outputs[2] and outputs[1] == outputs[3]  # the host's memory changes nothing
+    assert outputs[0] != outputs[1]  # the MTP block and its cache are planned
+    assert main([*args, "--spec-type", "draft-mtp", "--spec-draft-n-max", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "-c 262144 " in out and "--spec-type draft-mtp --spec-draft-n-max 2 --gpu-layers" in out
+
+
+def test_doctor_notes_what_can_give_way_and_refuses_only_the_resident_part(capsys):
+    path = str(tinyqwen_path("Q4_K_M"))
+    assert main(["doctor", "-m", path, "--memory", "0.005"]) == 0  # 4096 tokens: ~4.1 MiB resident
+    out = capsys.readouterr().out
+    assert "memory-mapped, not counted as resident" in out and "[ note  ] memory" in out
+    assert "the weights (0.01 GiB, memory-mapped) do not all fit" in out

@@ -204,7 +204,7 @@ def test_the_planner_refuses_what_does_not_fit_before_loading():
     config = EngineConfig(n_parallel=2, ctx_size=8192)
     small = plan_for_file(path, config)
     tight = plan(model.config, 5_930_656, 0, config, available_bytes=small.required_bytes - 1)
-    with pytest.raises(InsufficientMemory, match="Lower --ctx-size"):
+    with pytest.raises(InsufficientMemory, match="Use -ctk q8_0 -ctv q8_0, a smaller --ctx-size, fewer --parallel"):
         tight.check()
     # What the engine allocates is what the plan says.
     with _engine(n_parallel=2, ctx_per_slot=4096) as engine:
@@ -254,8 +254,38 @@ def test_the_deployments_262144_token_context_is_plannable():
     # 48 DeltaNet layers x (conv 10240 x 3 + state 48 x 128 x 128) x 4 B per checkpoint, 32 kept.
     assert p.checkpoint_bytes == 48 * (10240 * 3 + 48 * 128 * 128) * 4 and p.max_checkpoints == 32
     p.check()  # fits two 22 GB cards
-    with pytest.raises(InsufficientMemory, match="--cache-type-k/--cache-type-v q8_0"):
+    with pytest.raises(InsufficientMemory) as refused:
         plan(config, weights, 0, deployment, device="cuda:0", available_bytes=16 * 1024**3).check()
+    # every part added up; the advice leaves out the q8_0 cache already asked for
+    assert "weights 15.65 GiB (resident), KV cache 8.50 GiB" in str(refused.value)
+    assert str(refused.value).endswith("Use a smaller --ctx-size.")
+
+
+def test_the_deployments_line_plans_on_a_24_gb_host():
+    """The deployment's flags on a CPU host with 19.36 GiB free: the resident part (KV caches, the MTP block's
+    included, recurrent state and its rollback copies) fits; the memory-mapped weights and the checkpoints, which
+    can give way, are warnings with their numbers, not a refusal."""
+    from mtpserve.engine import SpecConfig
+    from mtpserve.models import config_from_metadata
+
+    from ..models.test_config import QWEN36_27B
+
+    config = config_from_metadata(QWEN36_27B)
+    weights, mtp_weights = 16_800_000_000, 400_000_000
+    line = EngineConfig(
+        n_parallel=1, ctx_size=262144, cache_type_k="q8_0", cache_type_v="q8_0", spec=SpecConfig("draft-mtp", n_max=2)
+    )
+    free = int(19.36 * 1024**3)
+    p = plan(config, weights, mtp_weights, line, device="cpu", available_bytes=free)
+    assert p.weights_mapped and p.mtp_kv_bytes == 2176 * 262144  # one attention layer's cache
+    assert p.rollback_bytes == 3 * p.estimate.recurrent_bytes  # the state after each of 3 verified tokens
+    assert p.required_bytes == p.estimate.kv_bytes + p.mtp_kv_bytes + 4 * p.estimate.recurrent_bytes
+    p.check()
+    assert "MTP KV cache 0.53 GiB" in p.parts_text() and "memory-mapped, not counted as resident" in p.parts_text()
+    weights_note, checkpoints_note = p.warnings()
+    assert "15.65 GiB, memory-mapped" in weights_note and "--ctx-checkpoints 32" in checkpoints_note
+    # The same flags with the weights in device memory (a GPU) count them as resident.
+    assert plan(config, weights, mtp_weights, line, "cuda:0", free).required_bytes == p.required_bytes + weights
 
 
 def _faulty_sample(real):

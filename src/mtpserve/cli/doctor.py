@@ -8,8 +8,10 @@ exit status is 1 when something would stop `mtpserve serve` (no compiler, a mode
 
 GPUs: with GPUs visible to torch, or given as a what-if (`--gpus 22,22`: two GPUs with 22 GiB free),
 doctor plans the layers over them with the server's placement planner (engine/placement.py, llama.cpp's
-rule, `--gpu-layers auto`) and recommends `--gpu-layers`/`--tensor-split`, which `serve` then runs on the
-CUDA path (ops/device.py).
+rule, `--gpu-layers auto`) for the flags asked (`--spec-type draft-mtp` adds the MTP block and its KV cache),
+whatever this host's memory, and recommends `--gpu-layers`/`--tensor-split`, which `serve` then runs on the
+CUDA path (ops/device.py). Without GPUs it plans the host: what must stay resident (caches, recurrent
+state) against free memory, and what can give way (memory-mapped weights, checkpoints) as notes.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ..engine.planner import recommend
 from ..gguf import open_gguf
 from ..models import config_from_gguf
 from ..quant import CACHE_TYPES
-from .common import model_path
+from .common import add_spec_arguments, model_path, spec_config
 
 GIB = 1 << 30
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni")
@@ -47,8 +49,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--cache-ram", type=int, default=8192, help="MiB of host memory for the prompt cache, as serve's (default 8192)"
     )
+    p.add_argument("--ctx-checkpoints", type=int, default=32, help="recurrent-state checkpoints per slot, as serve's")
     p.add_argument("--memory", type=float, help="plan for this many GiB free instead of what is free now")
     p.add_argument("--gpus", help="plan for these GPUs instead of the ones here: free GiB each, e.g. 22,22")
+    add_spec_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -140,7 +144,14 @@ def run(args: argparse.Namespace) -> int:
         cache_type_k=args.cache_type_k,
         cache_type_v=args.cache_type_v,
         cache_ram=args.cache_ram,
+        ctx_checkpoints=args.ctx_checkpoints,
+        spec=spec_config(args),
     )
+    devices = _gpu_devices(args.gpus)
+    if devices:  # the question is the GPUs': planned with what was asked, whatever this host's memory
+        failed, gpu_flags = _plan_gpus(path, engine, devices)
+        _recommend(path, engine, gpu_flags)
+        return 1 if problems + failed else 0
     available = int(args.memory * GIB) if args.memory is not None else None
     rec = recommend(path, engine, "cpu", available)
     plan = rec.plan
@@ -163,24 +174,21 @@ def run(args: argparse.Namespace) -> int:
             f"{path.name} does not fit even with {' '.join(rec.changes) or asked}: needs "
             f"{need:.2f} GiB, {free:.2f} GiB free",
         )
-    e = plan.estimate
-    c = rec.config
-    print(
-        f"{'':10}memory: weights {e.weights_bytes / GIB:.2f} GiB, KV {e.kv_bytes / GIB:.2f} GiB, recurrent state "
-        f"{e.recurrent_bytes / GIB:.3f} GiB, checkpoints up to {plan.checkpoints_bytes_max / GIB:.3f} GiB; "
-        f"{plan.prompt_cache_text} (grows as conversations are displaced, not reserved)"
-    )
-    devices = _gpu_devices(args.gpus)
-    gpu_flags = "--gpu-layers 0"
-    if devices:
-        failed, gpu_flags = _plan_gpus(path, rec.config, devices)
-        problems += failed
-    print(
-        f"{'':10}recommended: mtpserve serve -m {path} -c {c.ctx_size} -np {c.n_parallel} "
-        f"-ctk {c.cache_type_k} -ctv {c.cache_type_v} --ctx-checkpoints {c.ctx_checkpoints} --cache-ram {c.cache_ram} "
-        f"{gpu_flags}"
-    )
+    print(f"{'':10}memory: {plan.parts_text()}")
+    for warning in plan.warnings():
+        _line("note", "memory", warning)
+    _recommend(path, rec.config, "--gpu-layers 0")
     return 1 if problems else 0
+
+
+def _recommend(path: Path, c: EngineConfig, gpu_flags: str) -> None:
+    spec = ""
+    if c.spec.enabled:
+        spec = f" --spec-type {c.spec.type} --spec-draft-n-max {'auto' if c.spec.auto else c.spec.n_max}"
+    print(
+        f"{'':10}recommended: mtpserve serve -m {path} -c {c.ctx_size} -np {c.n_parallel} -ctk {c.cache_type_k} "
+        f"-ctv {c.cache_type_v} --ctx-checkpoints {c.ctx_checkpoints} --cache-ram {c.cache_ram}{spec} {gpu_flags}"
+    )
 
 
 def _gpu_devices(what_if: str | None) -> list[Device]:

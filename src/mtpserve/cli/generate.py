@@ -30,6 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-ctv", "--cache-type-v", default="f16", choices=sorted(CACHE_TYPES))
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--ctx-checkpoints", type=int, default=32, help="recurrent-state checkpoints (default 32)")
     add_spec_arguments(p)
     add_threads_argument(p)
     p.set_defaults(func=run)
@@ -39,7 +40,11 @@ def run(args: argparse.Namespace) -> int:
     apply_threads(args)
     path = model_path(args)
     config = EngineConfig(
-        ctx_size=args.ctx_size, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, spec=spec_config(args)
+        ctx_size=args.ctx_size,
+        cache_type_k=args.cache_type_k,
+        cache_type_v=args.cache_type_v,
+        ctx_checkpoints=args.ctx_checkpoints,
+        spec=spec_config(args),
     )
     prompt = Tokenizer.from_gguf(path).encode(args.prompt, add_special=True, parse_special=True)
     sampling = SamplingParams(

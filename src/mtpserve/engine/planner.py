@@ -21,6 +21,11 @@ GIB = 1024**3
 
 @dataclass(frozen=True)
 class MemoryPlan:
+    """What a configuration costs on a device, in two parts: what must stay resident (the KV caches, recurrent
+    state and its rollback copies, and weights held in anonymous memory), which start-up refuses when it exceeds
+    free memory; and what can give way (weights memory-mapped from the file, which the kernel drops and reads
+    again, and recurrent-state checkpoints, made as prompts are read), which start-up only warns about."""
+
     estimate: MemoryEstimate  # weights, KV, recurrent state of all slots
     slot_ctx: int  # cells per slot
     kv_bytes_per_token: float  # one token in every attention layer of one slot
@@ -28,13 +33,18 @@ class MemoryPlan:
     max_checkpoints: int  # per slot
     device: str
     available_bytes: int | None  # free memory on the device when planned
+    mtp: bool = False  # the MTP block's KV cache is allocated (draft-mtp)
+    prompt_cache_bytes: int = 0  # --cache-ram: host memory the prompt cache may fill (-1: no limit); not reserved
+    rollback_bytes: int = 0  # speculative verification: the recurrent state after each verified token, all slots
+    weights_mapped: bool = False  # the weights are pages of the memory-mapped file (the CPU path)
 
     @property
     def checkpoints_bytes_max(self) -> int:
         return self.estimate.parallel * self.max_checkpoints * self.checkpoint_bytes
 
-    mtp: bool = False  # the MTP block's KV cache is allocated (draft-mtp)
-    prompt_cache_bytes: int = 0  # --cache-ram: host memory the prompt cache may fill (-1: no limit); not reserved
+    @property
+    def mtp_kv_bytes(self) -> int:
+        return self.estimate.mtp_kv_bytes if self.mtp else 0
 
     @property
     def prompt_cache_text(self) -> str:
@@ -46,24 +56,75 @@ class MemoryPlan:
 
     @property
     def required_bytes(self) -> int:
-        mtp_kv = self.estimate.mtp_kv_bytes if self.mtp else 0
-        return self.estimate.total_bytes - self.estimate.mtp_kv_bytes + mtp_kv + self.checkpoints_bytes_max
+        """What must stay resident: the caches, the recurrent state and its rollback copies, and the weights
+        unless they are file-backed pages."""
+        e = self.estimate
+        weights = 0 if self.weights_mapped else e.weights_bytes
+        return weights + e.kv_bytes + self.mtp_kv_bytes + e.recurrent_bytes + self.rollback_bytes
+
+    @property
+    def wanted_bytes(self) -> int:
+        """Everything at its most: the resident part, all the weights in memory, every checkpoint made."""
+        mapped = self.estimate.weights_bytes if self.weights_mapped else 0
+        return self.required_bytes + mapped + self.checkpoints_bytes_max
+
+    def parts_text(self) -> str:
+        """Every part that was added up, with the flags that size it."""
+        e = self.estimate
+        weights = "memory-mapped, not counted as resident" if self.weights_mapped else "resident"
+        mtp = f", MTP KV cache {self.mtp_kv_bytes / GIB:.2f} GiB" if self.mtp else ""
+        rollback = f", rollback states {self.rollback_bytes / GIB:.2f} GiB" if self.rollback_bytes else ""
+        return (
+            f"weights {e.weights_bytes / GIB:.2f} GiB ({weights}), KV cache {e.kv_bytes / GIB:.2f} GiB (-c "
+            f"{e.ctx_size} over -np {e.parallel}, -ctk {e.cache_type_k} -ctv {e.cache_type_v}, "
+            f"{self.kv_bytes_per_token / 1024:.1f} KiB per token and slot){mtp}, recurrent state "
+            f"{e.recurrent_bytes / GIB:.2f} GiB{rollback}; checkpoints up to {self.checkpoints_bytes_max / GIB:.2f} "
+            f"GiB and {self.prompt_cache_text}, made as used and not reserved"
+        )
 
     def check(self) -> None:
-        """Raise InsufficientMemory, saying what to lower, when the plan does not fit."""
+        """Raise InsufficientMemory, listing every part and saying what to lower, when the resident part does not
+        fit."""
         if self.available_bytes is None or self.required_bytes <= self.available_bytes:
             return
         e = self.estimate
+        changes = []
+        if (e.cache_type_k, e.cache_type_v) != ("q8_0", "q8_0") and e.kv_bytes:
+            changes.append("-ctk q8_0 -ctv q8_0")
+        if e.kv_bytes:
+            changes.append("a smaller --ctx-size")
+        if e.parallel > 1:
+            changes.append("fewer --parallel slots")
+        if self.rollback_bytes:
+            changes.append("a smaller --spec-draft-n-max")
+        advice = f" Use {', '.join(changes)}." if changes else ""
         raise InsufficientMemory(
-            f"this configuration needs {self.required_bytes / GIB:.2f} GiB on {self.device} but "
-            f"{self.available_bytes / GIB:.2f} GiB is free: weights {e.weights_bytes / GIB:.2f} GiB, KV cache "
-            f"{e.kv_bytes / GIB:.2f} GiB (-c {e.ctx_size} over -np {e.parallel}, "
-            f"{self.kv_bytes_per_token / 1024:.1f} KiB per token and slot), recurrent state "
-            f"{e.recurrent_bytes / GIB:.2f} GiB, checkpoints up to {self.checkpoints_bytes_max / GIB:.2f} GiB "
-            f"(beside them {self.prompt_cache_text}, which is not reserved). "
-            "Lower --ctx-size, use --cache-type-k/--cache-type-v q8_0, fewer --parallel slots or fewer "
-            "--ctx-checkpoints."
+            f"this configuration needs {self.required_bytes / GIB:.2f} GiB resident on {self.device} but "
+            f"{self.available_bytes / GIB:.2f} GiB is free: {self.parts_text()}.{advice}"
         )
+
+    def warnings(self) -> list[str]:
+        """What may not fit beside the resident part, with the numbers: it runs, more slowly."""
+        if self.available_bytes is None:
+            return []
+        out = []
+        left = self.available_bytes - self.required_bytes
+        if self.weights_mapped and self.estimate.weights_bytes > left:
+            out.append(
+                f"the weights ({self.estimate.weights_bytes / GIB:.2f} GiB, memory-mapped) do not all fit in the "
+                f"{max(left, 0) / GIB:.2f} GiB left beside the caches: the kernel reads evicted pages from the "
+                "file again, and decoding slows to the disk's speed"
+            )
+            left = 0
+        else:
+            left -= self.estimate.weights_bytes if self.weights_mapped else 0
+        if self.checkpoints_bytes_max > left:
+            out.append(
+                f"recurrent-state checkpoints (up to {self.checkpoints_bytes_max / GIB:.2f} GiB: --ctx-checkpoints "
+                f"{self.max_checkpoints} of {self.checkpoint_bytes / 2**20:.0f} MiB per slot) are made as prompts "
+                f"are read, in the {max(left, 0) / GIB:.2f} GiB left; each takes memory from the weights' pages"
+            )
+        return out
 
 
 def available_memory(device: str) -> int | None:
@@ -140,6 +201,9 @@ def plan(
         available_bytes=available_bytes,
         mtp=engine.spec.enabled and engine.spec.type == "draft-mtp",
         prompt_cache_bytes=engine.cache_ram * 1024**2 if engine.cache_ram >= 0 else -1,
+        # a verification keeps the state after each of its n_max + 1 tokens (ModelRunner.run, keep_steps)
+        rollback_bytes=estimate.recurrent_bytes * (engine.spec.n_max + 1) if engine.spec.enabled else 0,
+        weights_mapped=device == "cpu",
     )
 
 
@@ -166,8 +230,8 @@ def recommend(
     path: str | Path, engine: EngineConfig, device: str = "cpu", available_bytes: int | None = None
 ) -> Recommendation:
     """The configuration to run `path` with: the one asked for if it fits, else the nearest that does, by
-    the server's own planner -- first a q8_0 KV cache, then fewer checkpoints, then a halved context down
-    to 4096 tokens per slot. `available_bytes` overrides the free memory measured now (for what-ifs)."""
+    the server's own planner -- first a q8_0 KV cache, then a halved context down to 4096 tokens per slot.
+    `available_bytes` overrides the free memory measured now (for what-ifs)."""
     gguf = open_gguf(path)
     config = config_from_gguf(gguf)
     total, mtp = weight_bytes(gguf, config)
@@ -181,8 +245,6 @@ def recommend(
     steps: list[tuple[str, dict]] = []
     if (engine.cache_type_k, engine.cache_type_v) != ("q8_0", "q8_0"):
         steps.append(("-ctk q8_0 -ctv q8_0", {"cache_type_k": "q8_0", "cache_type_v": "q8_0"}))
-    if engine.ctx_checkpoints > 8 and "gated_deltanet" in config.layer_kinds():
-        steps.append(("--ctx-checkpoints 8", {"ctx_checkpoints": 8}))
     ctx = slot_context(config, engine) * engine.n_parallel
     while ctx // 2 >= 4096 * engine.n_parallel:
         ctx //= 2

@@ -40,6 +40,8 @@ def load_for_engine(
     plan = plan_for_file(path, config, "cpu" if gpu else device)
     if gpu is None:
         plan.check()
+        for warning in plan.warnings():
+            log.warning("srv    load_model: %s", warning)
         model = load(path, device=device)
     else:
         model = _load_placed(path, config, gpu)
