@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: serve test test-all test-compat install models browser bench lint format clean webui-assets
+.PHONY: serve test test-all test-compat install install-dev models browser bench lint format clean webui-assets
 
 # The OpenAI-compatible server on the default model (SmolLM2-135M-Instruct); flags as llama-server's:
 # `make serve ARGS="--port 8000 --api-key secret"`.
@@ -18,12 +19,12 @@ test: lint models browser
 
 # Formatting, lint rules (ruff, configured in pyproject.toml) and the one-way layering (lint-imports).
 # `make format` rewrites the files ruff would change.
-lint: install
+lint: install-dev
 	$(VENV)/bin/ruff format --check --quiet src tests bench
 	$(VENV)/bin/ruff check --quiet src tests bench
 	$(VENV)/bin/lint-imports
 
-format: install
+format: install-dev
 	$(VENV)/bin/ruff format --quiet src tests bench
 	$(VENV)/bin/ruff check --quiet --fix src tests bench
 
@@ -33,7 +34,7 @@ test-all: lint models browser
 
 # llama.cpp's own server test suite against mtpserve (tests/compat, docs/compat.md): about 15 minutes, outside
 # `make test`; the first run downloads the llama.cpp source. `make test-compat TESTS=unit/test_basic.py` runs a part.
-test-compat: install models
+test-compat: install-dev models
 	$(PY) tests/compat/run_llama_suite.py $(TESTS)
 
 # The web page is tested in a real headless Chromium (Debian's chromium and chromium-driver).
@@ -46,7 +47,10 @@ browser:
 webui-assets:
 	tools/vendor_webui.sh
 
+# `make serve` installs what serving needs; the test, lint and cluster tools (Ray, schemathesis, selenium, pytest)
+# come with `make test` (install-dev).
 install: $(STAMP)
+install-dev: $(DEV_STAMP)
 
 # The CPU kernels are C, compiled on first use: a machine without a compiler gets gcc from apt.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -56,6 +60,10 @@ $(STAMP): pyproject.toml
 	@command -v cc >/dev/null || command -v gcc >/dev/null || { echo "installing gcc for the CPU kernels"; \
 		$(SUDO) apt-get update && $(SUDO) apt-get install -y gcc; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -e .
+	touch $@
+
+$(DEV_STAMP): $(STAMP)
 	$(PY) -m pip install -e '.[test,cluster]'
 	$(PY) -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' || $(PY) -m pip install -e '.[triton-interpreter]'
 	touch $@
@@ -64,7 +72,7 @@ $(STAMP): pyproject.toml
 models: install
 	$(VENV)/bin/mtpserve fetch-defaults
 
-bench: install models
+bench: install-dev models
 	$(PY) bench/dequant.py
 	$(PY) bench/tokenizer.py
 	$(PY) bench/decode_cpu.py $(if $(LLAMA_BENCH),--llama-bench $(LLAMA_BENCH))

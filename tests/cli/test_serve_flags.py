@@ -32,6 +32,17 @@ def test_cors_and_tags_reach_the_settings(tmp_path):
     assert settings.tags == ["chat", "fim"]
 
 
+def test_checkpoint_flags_reach_the_engine(tmp_path):
+    """llama-server's -ctxcp/--ctx-checkpoints/--swa-checkpoints and -cms/--checkpoint-min-step."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    for flags in (["-ctxcp", "8", "-cms", "4096"], ["--swa-checkpoints", "8", "--checkpoint-min-step", "4096"]):
+        engine = settings_from_args(build_parser().parse_args(["serve", "-m", str(model), *flags])).engine
+        assert (engine.ctx_checkpoints, engine.checkpoint_min_step) == (8, 4096)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "-m", str(model), "-cms", "-1"])
+
+
 @pytest.mark.parametrize("flags,says", [(["--tools", "all"], "--tools"), (["--ui-mcp-proxy"], "--ui-mcp-proxy")])
 def test_unbuilt_features_stop_the_start_with_one_line(tmp_path, flags, says):
     model = tmp_path / "m.gguf"

@@ -212,6 +212,26 @@ def test_the_planner_refuses_what_does_not_fit_before_loading():
     assert allocated == small.estimate.kv_bytes + small.estimate.recurrent_bytes
 
 
+def test_checkpoint_min_step_spaces_the_checkpoints_inside_a_prompt():
+    """-cms N (llama-server's --checkpoint-min-step): checkpoints inside a prompt at least N tokens apart; the
+    ones at the prompt's end (4 and 4 + ubatch tokens before it) come besides. Without it they spread over the
+    prompt, --ctx-checkpoints of them."""
+    _, _, tokenizer = _model()
+    text = shared_path("fixtures", "eval", "eval_code_public.txt").read_text(encoding="utf-8")
+    prompt = tokenizer.encode(text)[:3000]
+    n = len(prompt)
+    positions = {}
+    for min_step in (0, 1000):
+        with _engine(checkpoint_min_step=min_step, ctx_checkpoints=32) as engine:
+            engine.submit(Request(prompt, GREEDY, n_predict=1)).result()
+            positions[min_step] = [c.position for c in engine.slots[0].checkpoints]
+    tail = {n - 4, n - 4 - 512}
+    spread, spaced = ([p for p in positions[m] if p not in tail] for m in (0, 1000))
+    assert tail <= set(positions[1000]) and tail <= set(positions[0])
+    assert len(spaced) == 2 and spaced[1] - spaced[0] >= 1000 and spaced[0] >= 1000
+    assert len(spread) >= 16 and all(128 <= b - a < 1000 for a, b in zip(spread, spread[1:]))  # 3000 / 32 -> 128
+
+
 def _async_run(prompt: list[int], ctx_per_slot: int) -> list:
     import asyncio
 

@@ -49,6 +49,25 @@ def load_model(args: argparse.Namespace) -> tuple[CausalLM, Tokenizer]:
     return load(path), Tokenizer.from_gguf(path)
 
 
+def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
+    """llama-server's recurrent-state checkpoint flags."""
+    p.add_argument(
+        "-ctxcp", "--ctx-checkpoints", "--swa-checkpoints", type=int, default=32,
+        help="recurrent-state checkpoints per slot (default 32)",
+    )  # fmt: skip
+    p.add_argument(
+        "-cms", "--checkpoint-min-step", type=_non_negative, default=0,
+        help="tokens at least between checkpoints inside a prompt (default 0: spread over the prompt)",
+    )  # fmt: skip
+
+
+def _non_negative(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError("checkpoint-min-step must be non-negative")
+    return n
+
+
 def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     """llama-server's speculative-decoding flags."""
     p.add_argument("--spec-type", default="none", choices=SPEC_TYPES, help="drafter (default none)")

@@ -33,7 +33,7 @@ from ..engine.planner import recommend
 from ..gguf import open_gguf
 from ..models import config_from_gguf
 from ..quant import CACHE_TYPES
-from .common import add_spec_arguments, model_path, spec_config
+from .common import add_checkpoint_arguments, add_spec_arguments, model_path, spec_config
 
 GIB = 1 << 30
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni")
@@ -49,7 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--cache-ram", type=int, default=8192, help="MiB of host memory for the prompt cache, as serve's (default 8192)"
     )
-    p.add_argument("--ctx-checkpoints", type=int, default=32, help="recurrent-state checkpoints per slot, as serve's")
+    add_checkpoint_arguments(p)
     p.add_argument("--memory", type=float, help="plan for this many GiB free instead of what is free now")
     p.add_argument("--gpus", help="plan for these GPUs instead of the ones here: free GiB each, e.g. 22,22")
     add_spec_arguments(p)
@@ -145,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         cache_type_v=args.cache_type_v,
         cache_ram=args.cache_ram,
         ctx_checkpoints=args.ctx_checkpoints,
+        checkpoint_min_step=args.checkpoint_min_step,
         spec=spec_config(args),
     )
     devices = _gpu_devices(args.gpus)

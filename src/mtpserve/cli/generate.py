@@ -10,7 +10,15 @@ from ..engine import Engine, EngineConfig, FinishEvent, Request, TokenEvent
 from ..engine.sampling import RANDOM_SEED, SamplingParams
 from ..quant import CACHE_TYPES
 from ..tokenizer import Tokenizer
-from .common import add_model_argument, add_spec_arguments, add_threads_argument, apply_threads, model_path, spec_config
+from .common import (
+    add_checkpoint_arguments,
+    add_model_argument,
+    add_spec_arguments,
+    add_threads_argument,
+    apply_threads,
+    model_path,
+    spec_config,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -30,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-ctv", "--cache-type-v", default="f16", choices=sorted(CACHE_TYPES))
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    p.add_argument("--ctx-checkpoints", type=int, default=32, help="recurrent-state checkpoints (default 32)")
+    add_checkpoint_arguments(p)
     add_spec_arguments(p)
     add_threads_argument(p)
     p.set_defaults(func=run)
@@ -44,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         cache_type_k=args.cache_type_k,
         cache_type_v=args.cache_type_v,
         ctx_checkpoints=args.ctx_checkpoints,
+        checkpoint_min_step=args.checkpoint_min_step,
         spec=spec_config(args),
     )
     prompt = Tokenizer.from_gguf(path).encode(args.prompt, add_special=True, parse_special=True)

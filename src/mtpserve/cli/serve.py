@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -37,7 +38,14 @@ from ..quant import CACHE_TYPES
 from ..server.chat import REASONING_FORMATS, ChatSettings
 from ..server.middleware import CorsSettings
 from ..server.state import DEFAULT_MAX_BODY, ServerSettings
-from .common import add_spec_arguments, add_threads_argument, apply_threads, model_path, spec_config
+from .common import (
+    add_checkpoint_arguments,
+    add_spec_arguments,
+    add_threads_argument,
+    apply_threads,
+    model_path,
+    spec_config,
+)
 
 if TYPE_CHECKING:
     from ..cluster.app import ClusterOptions
@@ -127,7 +135,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "-b", "--batch-size", type=int, default=2048, help="logical batch (accepted; prompts go in -ub chunks)"
     )
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="prompt tokens per forward pass (default 512)")
-    p.add_argument("--ctx-checkpoints", type=int, default=32, help="recurrent-state checkpoints per slot (default 32)")
+    add_checkpoint_arguments(p)
     p.add_argument("-sps", "--slot-prompt-similarity", type=float, default=0.1)
     p.add_argument(
         "-kvu", "--kv-unified", action="store_true", help="one pool of --ctx-size KV cells shared by all slots"
@@ -303,6 +311,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         cache_type_k=args.cache_type_k,
         cache_type_v=args.cache_type_v,
         ctx_checkpoints=args.ctx_checkpoints,
+        checkpoint_min_step=args.checkpoint_min_step,
         n_predict=args.n_predict,
         slot_prompt_similarity=args.slot_prompt_similarity,
         kv_unified=args.kv_unified,
@@ -424,6 +433,8 @@ def run(args: argparse.Namespace) -> int:
         args.model = str(hub.pull(args.hf_repo, files, token=args.hf_token)[0])
     settings = settings_from_args(args)
     if args.replicas:  # a cluster: the replicas set their own threads (cluster.replica)
+        if importlib.util.find_spec("ray") is None:
+            raise SystemExit("--replicas runs on Ray Serve, which is not installed: pip install 'mtpserve[cluster]'")
         from ..cluster.launch import serve_cluster
 
         return serve_cluster(settings, cluster_options(args), args.ray_address)

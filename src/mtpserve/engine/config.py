@@ -48,6 +48,9 @@ class EngineConfig:
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     ctx_checkpoints: int = 32  # per slot: recurrent-state checkpoints kept for prompt reuse
+    # -cms: tokens at least between checkpoints inside a prompt. 0 here (llama-server: 8192): the checkpoints are
+    # spread over the prompt (ctx_checkpoints of them), so a conversation that parts mid-prompt resumes near there
+    checkpoint_min_step: int = 0
     n_predict: int = -1  # server-wide default limit
     slot_prompt_similarity: float = 0.1  # -sps
     kv_unified: bool = False  # --kv-unified: one pool of -c cells shared by all slots

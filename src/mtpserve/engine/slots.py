@@ -228,11 +228,13 @@ class Slots:
         return ends, frozenset(cuts), keep
 
     def checkpoint_spacing(self, n_prompt: int) -> int:
-        """Checkpoints inside a prompt: spread so that `ctx_checkpoints` of them cover it (they fall on the
-        chunked rule's 64-token grid)."""
+        """Checkpoints inside a prompt: spread so that `ctx_checkpoints` of them cover it, and at least
+        `checkpoint_min_step` tokens apart (llama-server's -cms; the ones at named positions and the prompt's end
+        come besides), on the chunked rule's 64-token grid."""
         if not self.recurrent or self.config.ctx_checkpoints <= 0:
             return 0
-        return max(CHUNK, -(-n_prompt // self.config.ctx_checkpoints))
+        step = -(-self.config.checkpoint_min_step // CHUNK) * CHUNK
+        return max(CHUNK, step, -(-n_prompt // self.config.ctx_checkpoints))
 
     def keep_prompt_checkpoints(self, slot: Slot, forward: Forward, start: int, at_end: bool) -> None:
         """Keep the recurrent states a prompt chunk from `start` took on the way, and with `at_end` the state

@@ -1,0 +1,122 @@
+"""The deployment's size: the 27B-shaped file (bench/make_qwen35_27b.py) served by mtpserve and by llama-server with
+the deployment's flags, one server after the other in one run: time to /health, peak RSS, and the prompt and decode
+speeds of a chat request from `timings` (with draft counts).
+
+    .venv/bin/python bench/scale.py --llama-server PATH [--model FILE] [--configs deployment,no-spec,32k]
+                                    [--n-predict 8] [--json PATH]
+
+Configurations (each adds `-np 1 -fa on --alias qwopus --api-key k -t 2`):
+* deployment: `-c 262144 -ctk q8_0 -ctv q8_0 --spec-type draft-mtp --spec-draft-n-max 2` (the deployment's line);
+* no-spec: the same without speculative decoding;
+* 32k: the deployment's line with `-c 32768`.
+
+One server at a time (two would share the machine's memory and page cache, each evicting the other's weights), the
+page cache dropped of the file between them where the machine allows it (root: /proc/sys/vm/drop_caches), so each
+reads the file from disk as a fresh start does. Peak RSS is the process's VmHWM at the end (file-backed weight pages
+it touched included). The request: a short chat (n_predict tokens, greedy, `ignore_eos`); on a CPU machine that
+reads a 16 GB model from a 24 GB host, decode measures paging as much as arithmetic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from mtpserve.tuning.runner import managed_server, mtpserve_command
+from mtpserve.tuning.synthetic import default_path
+
+COMMON = ["-np", "1", "-fa", "on", "--alias", "qwopus", "--api-key", "k", "-t", "2"]
+DEPLOYMENT = ["-c", "262144", "-ctk", "q8_0", "-ctv", "q8_0", "--spec-type", "draft-mtp", "--spec-draft-n-max", "2"]
+CONFIGS = {
+    "deployment": DEPLOYMENT,
+    "no-spec": DEPLOYMENT[:6],
+    "32k": ["-c", "32768", *DEPLOYMENT[2:]],
+}
+MESSAGES = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
+
+
+def peak_rss_gib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def drop_page_cache() -> bool:
+    try:
+        subprocess.run(["sync"], check=True)
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def measure(name: str, command: list[str], n_predict: int, say) -> dict:
+    dropped = drop_page_cache()
+    info: dict = {}
+    t0 = time.perf_counter()
+    with managed_server(command, info=info) as url, httpx.Client(timeout=3600) as client:
+        ready = time.perf_counter() - t0
+        say(f"  {name}: /health after {ready:.1f} s")
+        body = {
+            "model": "qwopus",
+            "messages": MESSAGES,
+            "max_tokens": n_predict,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        response = client.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"})
+        response.raise_for_status()
+        timings = response.json().get("timings", {})
+        rss = peak_rss_gib(info["pid"])
+    row = {"server": name, "health_s": ready, "peak_rss_gib": rss, "page_cache_dropped": dropped, "timings": timings}
+    say(
+        f"  {name}: prompt {timings.get('prompt_per_second', 0):.2f} t/s, decode "
+        f"{timings.get('predicted_per_second', 0):.2f} t/s, drafts {timings.get('draft_n_accepted', '-')}/"
+        f"{timings.get('draft_n', '-')}, peak RSS {rss:.2f} GiB"
+    )
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-server", required=True)
+    ap.add_argument("--model", type=Path, default=default_path(64))
+    ap.add_argument("--configs", default="deployment,no-spec,32k")
+    ap.add_argument("--n-predict", type=int, default=8)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if not args.model.exists():
+        sys.exit(f"{args.model} is missing: make it with bench/make_qwen35_27b.py")
+    rows = []
+    for config in args.configs.split(","):
+        flags = [*COMMON, *CONFIGS[config]]
+        print(f"{config}: {' '.join(flags)}", flush=True)
+        for server, command in (
+            ("mtpserve", mtpserve_command(str(args.model), flags)),
+            ("llama-server", [args.llama_server, "-m", str(args.model), *flags]),
+        ):
+            row = measure(server, command, args.n_predict, lambda s: print(s, flush=True))
+            rows.append({"config": config, **row})
+    print("\n| configuration | server | /health (s) | peak RSS (GiB) | prompt t/s | decode t/s | drafts accepted |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        t = r["timings"]
+        drafts = f"{t['draft_n_accepted']}/{t['draft_n']}" if "draft_n" in t else "-"
+        print(
+            f"| {r['config']} | {r['server']} | {r['health_s']:.1f} | {r['peak_rss_gib']:.2f} | "
+            f"{t.get('prompt_per_second', 0):.2f} | {t.get('predicted_per_second', 0):.2f} | {drafts} |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
