@@ -232,6 +232,23 @@ def test_checkpoint_min_step_spaces_the_checkpoints_inside_a_prompt():
     assert len(spread) >= 16 and all(128 <= b - a < 1000 for a, b in zip(spread, spread[1:]))  # 3000 / 32 -> 128
 
 
+def test_checkpoints_give_way_when_host_memory_runs_short(monkeypatch):
+    """A checkpoint in host memory is kept while the host has HOST_RESERVE free; below it the slot's oldest go,
+    the newest stays (a follow-up resumes from it)."""
+    from mtpserve.engine import slots as slots_module
+
+    _, _, tokenizer = _model()
+    text = shared_path("fixtures", "eval", "eval_code_public.txt").read_text(encoding="utf-8")
+    prompt = tokenizer.encode(text)[:3000]
+    kept = {}
+    for free in (64 << 30, 512 << 20):
+        monkeypatch.setattr(slots_module, "available_memory", lambda device, free=free: free)
+        with _engine() as engine:
+            engine.submit(Request(prompt, GREEDY, n_predict=1)).result()
+            kept[free] = [c.position for c in engine.slots[0].checkpoints]
+    assert len(kept[64 << 30]) >= 16 and kept[512 << 20] == kept[64 << 30][-1:]
+
+
 def _async_run(prompt: list[int], ctx_per_slot: int) -> list:
     import asyncio
 

@@ -17,6 +17,7 @@ from .config import EngineConfig
 from .errors import InsufficientMemory
 
 GIB = 1024**3
+HOST_RESERVE = GIB  # host memory what grows as it is used (checkpoints, the prompt cache) always leaves free
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..cache import RecurrentState
-from .planner import available_memory
+from .planner import HOST_RESERVE, available_memory
 from .radix import Node, RadixTree
 from .slots import Checkpoint, Slot, Slots
 
@@ -33,7 +33,6 @@ log = logging.getLogger("mtpserve.engine")
 
 MIB = 1 << 20
 BLOCK_ALIGN = 64  # bytes: each tensor of an entry starts on a cache line of its block
-HOST_RESERVE = 1 << 30  # bytes of host memory the cache always leaves free, whatever its limit
 SAVE_BELOW = 7 / 8  # a slot is saved when a new request keeps less than this share of what it holds
 
 

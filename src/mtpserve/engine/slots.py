@@ -20,6 +20,7 @@ context (finish_reason "length", truncated).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,8 +33,11 @@ from ..ops.device import gpu_path
 from .client import SlotInfo
 from .config import EngineConfig
 from .job import Job, Phase, Probs
+from .planner import HOST_RESERVE, available_memory
 from .request import Request
 from .runner import Forward
+
+log = logging.getLogger("mtpserve.engine")
 
 CHECKPOINT_TAIL = 4  # llama-server keeps a checkpoint this many tokens before the end of a prompt
 CHUNK = 64  # recurrent checkpoints inside a prompt fall on the chunked rule's grid
@@ -248,10 +252,21 @@ class Slots:
             self.keep_checkpoint(slot, Checkpoint(slot.n_past, current, forward.hidden[-1].clone()))
 
     def keep_checkpoint(self, slot: Slot, checkpoint: Checkpoint) -> None:
+        """Keep it, the newest `ctx_checkpoints`; in host memory, the slot's oldest go while the host has less than
+        HOST_RESERVE free (the newest stays: a follow-up resumes from it)."""
         slot.checkpoints = [c for c in slot.checkpoints if c.position != checkpoint.position]
         slot.checkpoints.append(checkpoint)
         slot.checkpoints.sort(key=lambda c: c.position)
         del slot.checkpoints[: max(0, len(slot.checkpoints) - self.config.ctx_checkpoints)]
+        if self.hidden_device.type != "cpu":
+            return
+        while len(slot.checkpoints) > 1 and (free := available_memory("cpu")) is not None and free < HOST_RESERVE:
+            old = slot.checkpoints.pop(0)
+            log.warning(
+                "slot create_check: id %2d | erasing old context checkpoint (pos = %d, size = %.3f MiB): %.0f MiB of "
+                "host memory free", slot.id, old.position, old.nbytes / 2**20, free / 2**20,
+            )  # fmt: skip
+            del old  # its tensors go back before free memory is read again
 
     # --- cells (--kv-unified) ---------------------------------------------------------------------------
 
