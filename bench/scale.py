@@ -12,9 +12,10 @@ Configurations (each adds `-np 1 -fa on --alias qwopus --api-key k -t 2`):
 
 One server at a time (two would share the machine's memory and page cache, each evicting the other's weights), the
 page cache dropped of the file between them where the machine allows it (root: /proc/sys/vm/drop_caches), so each
-reads the file from disk as a fresh start does. Peak RSS is the process's VmHWM at the end (file-backed weight pages
-it touched included). The request: a short chat (n_predict tokens, greedy, `ignore_eos`); on a CPU machine that
-reads a 16 GB model from a 24 GB host, decode measures paging as much as arithmetic.
+reads the file from disk as a fresh start does. Peak memory is sampled every 0.2 s from /proc: VmRSS (the file's
+cached pages the server maps included) and RssAnon (its own memory, which the kernel cannot drop without swap). The
+request: a short chat (n_predict tokens, greedy, `ignore_eos`); on a CPU machine that reads a 16 GB model from a 24
+GB host, decode measures paging as much as arithmetic.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,11 +43,31 @@ CONFIGS = {
 MESSAGES = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
 
 
-def peak_rss_gib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 2**20
-    return float("nan")
+class MemorySampler:
+    """The server's peak resident memory, sampled every 0.2 s: all of it (VmRSS, the file's cached pages it maps
+    included) and its own (RssAnon: what the kernel cannot drop without swap)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak = pid, {"VmRSS": 0, "RssAnon": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                lines = Path(f"/proc/{self.pid}/status").read_text().splitlines()
+            except OSError:
+                return
+            for line in lines:
+                key = line.split(":")[0]
+                if key in self.peak:
+                    self.peak[key] = max(self.peak[key], int(line.split()[1]) * 1024)
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        return {key: value / 2**30 for key, value in self.peak.items()}
 
 
 def drop_page_cache() -> bool:
@@ -63,6 +85,7 @@ def measure(name: str, command: list[str], n_predict: int, say) -> dict:
     t0 = time.perf_counter()
     with managed_server(command, info=info) as url, httpx.Client(timeout=3600) as client:
         ready = time.perf_counter() - t0
+        sampler = MemorySampler(info["pid"])
         say(f"  {name}: /health after {ready:.1f} s")
         body = {
             "model": "qwopus",
@@ -74,12 +97,19 @@ def measure(name: str, command: list[str], n_predict: int, say) -> dict:
         response = client.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"})
         response.raise_for_status()
         timings = response.json().get("timings", {})
-        rss = peak_rss_gib(info["pid"])
-    row = {"server": name, "health_s": ready, "peak_rss_gib": rss, "page_cache_dropped": dropped, "timings": timings}
+        peak = sampler.stop()
+    row = {
+        "server": name,
+        "health_s": ready,
+        "peak_rss_gib": peak["VmRSS"],
+        "peak_anon_gib": peak["RssAnon"],
+        "page_cache_dropped": dropped,
+        "timings": timings,
+    }
     say(
         f"  {name}: prompt {timings.get('prompt_per_second', 0):.2f} t/s, decode "
         f"{timings.get('predicted_per_second', 0):.2f} t/s, drafts {timings.get('draft_n_accepted', '-')}/"
-        f"{timings.get('draft_n', '-')}, peak RSS {rss:.2f} GiB"
+        f"{timings.get('draft_n', '-')}, peak RSS {peak['VmRSS']:.2f} GiB (own {peak['RssAnon']:.2f} GiB)"
     )
     return row
 
@@ -104,13 +134,17 @@ def main() -> int:
         ):
             row = measure(server, command, args.n_predict, lambda s: print(s, flush=True))
             rows.append({"config": config, **row})
-    print("\n| configuration | server | /health (s) | peak RSS (GiB) | prompt t/s | decode t/s | drafts accepted |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "\n| configuration | server | /health (s) | peak RSS (GiB) | peak anonymous (GiB) | prompt t/s | decode t/s "
+        "| drafts accepted |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         t = r["timings"]
         drafts = f"{t['draft_n_accepted']}/{t['draft_n']}" if "draft_n" in t else "-"
         print(
             f"| {r['config']} | {r['server']} | {r['health_s']:.1f} | {r['peak_rss_gib']:.2f} | "
+            f"{r['peak_anon_gib']:.2f} | "
             f"{t.get('prompt_per_second', 0):.2f} | {t.get('predicted_per_second', 0):.2f} | {drafts} |"
         )
     if args.json:

@@ -5,6 +5,8 @@ dimension, so a block never crosses a head)."""
 from __future__ import annotations
 
 import ctypes
+import math
+import mmap
 from typing import Any
 
 import torch
@@ -30,6 +32,19 @@ DECODE_MAX_QUERIES = 16  # GPU path: up to this many query rows read the cache a
 _FLOAT_TYPES = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
 
 
+LAZY_BYTES = 64 << 20  # host stores at least this large are committed page by page as they are written
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.zeros; in host memory, a large store is an anonymous mapping, which reads as zeros and takes memory
+    page by page as it is written. A 262144-token cache so costs what the context holds, not its capacity, and
+    the memory-mapped weights keep the rest as page cache (llama.cpp clears its cache buffers: all committed)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes < LAZY_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)  # the tensor keeps the mapping
+
+
 class _Rows:
     """A [capacity, n_heads, dim] store in one GGML type; reads come back as float32."""
 
@@ -38,12 +53,12 @@ class _Rows:
     ) -> None:
         self.n_heads, self.dim, self.type = n_heads, dim, ggml_type
         if ggml_type in _FLOAT_TYPES:
-            self.data = torch.zeros(capacity, n_heads, dim, dtype=_FLOAT_TYPES[ggml_type], device=device)
+            self.data = zeros((capacity, n_heads, dim), _FLOAT_TYPES[ggml_type], device)
         elif ggml_type in QUANTIZERS:
             block_size, type_size = block_geometry(ggml_type)
             if dim % block_size:
                 raise ValueError(f"head dim {dim} is not a multiple of the {ggml_type.name} block size {block_size}")
-            self.data = torch.zeros(capacity, n_heads * dim // block_size * type_size, dtype=torch.uint8, device=device)
+            self.data = zeros((capacity, n_heads * dim // block_size * type_size), torch.uint8, device)
         else:
             raise ValueError(f"cache type {ggml_type.name} is not supported (use f32, f16, bf16, q8_0 or q4_0)")
 
