@@ -1,6 +1,7 @@
 """The deployment's size: the 27B-shaped file (bench/make_qwen35_27b.py) served by mtpserve and by llama-server with
 the deployment's flags, one server after the other in one run: time to /health, peak RSS, and the prompt and decode
-speeds of a chat request from `timings` (with draft counts).
+speeds of a chat request from `timings` (with draft counts): the first answer's time from the start, then a second
+request's speeds, once the weights are in memory.
 
     .venv/bin/python bench/scale.py --llama-server PATH [--model FILE] [--configs deployment,no-spec,32k]
                                     [--n-predict 8] [--json PATH]
@@ -94,13 +95,18 @@ def measure(name: str, command: list[str], n_predict: int, say) -> dict:
             "temperature": 0.0,
             "ignore_eos": True,
         }
-        response = client.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"})
-        response.raise_for_status()
-        timings = response.json().get("timings", {})
+        first_answer = 0.0
+        for i in range(2):  # the first answer after the start, then the speeds once the weights are in
+            response = client.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"})
+            response.raise_for_status()
+            timings = response.json().get("timings", {})
+            first_answer = first_answer or time.perf_counter() - t0
+            body["messages"] = [{"role": "user", "content": f"{MESSAGES[0]['content']} ({i + 1})"}]
         peak = sampler.stop()
     row = {
         "server": name,
         "health_s": ready,
+        "first_answer_s": first_answer,
         "peak_rss_gib": peak["VmRSS"],
         "peak_anon_gib": peak["RssAnon"],
         "page_cache_dropped": dropped,
@@ -109,7 +115,8 @@ def measure(name: str, command: list[str], n_predict: int, say) -> dict:
     say(
         f"  {name}: prompt {timings.get('prompt_per_second', 0):.2f} t/s, decode "
         f"{timings.get('predicted_per_second', 0):.2f} t/s, drafts {timings.get('draft_n_accepted', '-')}/"
-        f"{timings.get('draft_n', '-')}, peak RSS {peak['VmRSS']:.2f} GiB (own {peak['RssAnon']:.2f} GiB)"
+        f"{timings.get('draft_n', '-')}, peak RSS {peak['VmRSS']:.2f} GiB (own {peak['RssAnon']:.2f} GiB), "
+        f"first answer after {first_answer:.1f} s"
     )
     return row
 
@@ -135,16 +142,16 @@ def main() -> int:
             row = measure(server, command, args.n_predict, lambda s: print(s, flush=True))
             rows.append({"config": config, **row})
     print(
-        "\n| configuration | server | /health (s) | peak RSS (GiB) | peak anonymous (GiB) | prompt t/s | decode t/s "
-        "| drafts accepted |"
+        "\n| configuration | server | /health (s) | first answer (s) | peak RSS (GiB) | peak anonymous (GiB) "
+        "| prompt t/s | decode t/s | drafts accepted |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         t = r["timings"]
         drafts = f"{t['draft_n_accepted']}/{t['draft_n']}" if "draft_n" in t else "-"
         print(
-            f"| {r['config']} | {r['server']} | {r['health_s']:.1f} | {r['peak_rss_gib']:.2f} | "
-            f"{r['peak_anon_gib']:.2f} | "
+            f"| {r['config']} | {r['server']} | {r['health_s']:.1f} | {r['first_answer_s']:.1f} | "
+            f"{r['peak_rss_gib']:.2f} | {r['peak_anon_gib']:.2f} | "
             f"{t.get('prompt_per_second', 0):.2f} | {t.get('predicted_per_second', 0):.2f} | {drafts} |"
         )
     if args.json:

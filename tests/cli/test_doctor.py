@@ -86,4 +86,4 @@ def test_doctor_notes_what_can_give_way_and_refuses_only_the_resident_part(capsy
     assert main(["doctor", "-m", path, "--memory", "0.005"]) == 0  # 4096 tokens: ~4.1 MiB resident
     out = capsys.readouterr().out
     assert "memory-mapped, not counted as resident" in out and "[ note  ] memory" in out
-    assert "the weights (0.01 GiB, memory-mapped) do not all fit" in out
+    assert "the weights (0.01 GiB, memory-mapped) stay in memory while the context is short" in out

@@ -112,9 +112,10 @@ class MemoryPlan:
         left = self.available_bytes - self.required_bytes
         if self.weights_mapped and self.estimate.weights_bytes > left:
             out.append(
-                f"the weights ({self.estimate.weights_bytes / GIB:.2f} GiB, memory-mapped) do not all fit in the "
-                f"{max(left, 0) / GIB:.2f} GiB left beside the caches: the kernel reads evicted pages from the "
-                "file again, and decoding slows to the disk's speed"
+                f"the weights ({self.estimate.weights_bytes / GIB:.2f} GiB, memory-mapped) stay in memory while the "
+                "context is short (the caches take memory as positions are written); with every position written, "
+                f"{max(left, 0) / GIB:.2f} GiB is left for them, and the kernel reads evicted pages from the file "
+                "again: decoding then slows toward the disk's speed"
             )
             left = 0
         else:

@@ -139,8 +139,8 @@ class ServerState:
         s = self.settings
         plan = plan_for_file(s.model, s.engine)
         plan.check()  # refuse before reading gigabytes
-        if s.warm_page_cache:
-            warm_page_cache(s.model)
+        if s.warm_page_cache:  # in the background: the server answers meanwhile, its first pages read on demand
+            threading.Thread(target=warm_page_cache, args=(s.model,), name="warm-page-cache", daemon=True).start()
         return Engine.from_file(s.model, s.engine, gpu=s.gpu, draft_gpu=s.draft_gpu)
 
     def close(self) -> None:
@@ -150,15 +150,23 @@ class ServerState:
 
 
 def warm_page_cache(path: Path, chunk: int = 64 << 20) -> None:
-    """Read the file once, showing progress: the weights are memory-mapped, and the first request would
-    otherwise wait on the disk page by page. A terminal gets a bar; a log gets a line per quarter."""
+    """Read the file once, showing progress: the weights are memory-mapped, and requests would otherwise wait on
+    the disk page by page. A terminal gets a bar; a log gets a line per quarter. Runs beside the loading and
+    serving (a 16.8 GB file takes ~40 s here, where /health is ready in ~9 s): llama-server reads the whole file
+    before /health answers."""
     size = path.stat().st_size
     tty = os.isatty(2)
     done, quarter = 0, 0
     with (
         open(path, "rb", buffering=0) as f,
         tqdm(
-            total=size, unit="B", unit_scale=True, unit_divisor=1024, desc="loading model", leave=False, disable=not tty
+            total=size,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc="reading the weights ahead",
+            leave=False,
+            disable=not tty,
         ) as bar,
     ):
         while data := f.read(chunk):
@@ -166,4 +174,4 @@ def warm_page_cache(path: Path, chunk: int = 64 << 20) -> None:
             done += len(data)
             if not tty and size and done * 4 // size > quarter:
                 quarter = done * 4 // size
-                log.info("srv    load_model: loading model: %3d%% of %.1f MiB", 25 * quarter, size / 2**20)
+                log.info("srv    load_model: reading the weights ahead: %3d%% of %.1f MiB", 25 * quarter, size / 2**20)
