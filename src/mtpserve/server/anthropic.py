@@ -299,6 +299,8 @@ def _tools(value: Any) -> list[dict[str, Any]]:
         if tool.get("type", "custom") != "custom":
             raise invalid(f"tools.{i}: server tools ({tool['type']!r}) are not supported; send custom tools"[:300])
         schema = tool.get("input_schema") or {"type": "object", "properties": {}}
+        if not isinstance(schema, dict):
+            raise invalid(f"tools.{i}.input_schema: expected a JSON Schema object, got {type(schema).__name__}")
         function = {"name": tool["name"], "description": tool.get("description") or "", "parameters": schema}
         out.append({"type": "function", "function": function})
     return out

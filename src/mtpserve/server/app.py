@@ -367,8 +367,8 @@ def create_app(state: ServerState) -> FastAPI:
         parser that turns its text into OpenAI deltas. The Anthropic and Responses endpoints convert their
         bodies to a chat body and come through here too."""
         job, plan = await prepare_chat(body)
-        stream = await submit(state, job)
-        return job, plan, stream, ChatOutput(plan, state.loaded_template())
+        output = ChatOutput(plan, state.loaded_template())  # before queueing: what fails here leaves nothing running
+        return job, plan, await submit(state, job), output
 
     @router.post("/v1/chat/completions", openapi_extra=schema.body(schema.CHAT))
     @router.post("/chat/completions", include_in_schema=False)
@@ -377,10 +377,10 @@ def create_app(state: ServerState) -> FastAPI:
         job, plan = await prepare_chat(body)
         jobs = params.choices(job, params.n_choices(body))
         cid = "chatcmpl-" + _random_id()
+        output = ChatOutput(plan, state.loaded_template())  # before queueing: what fails here leaves nothing running
         if job.stream:
             if len(jobs) > 1:
                 raise unsupported("streaming several choices (n > 1) is not supported (send one request each)")
-            output = ChatOutput(plan, state.loaded_template())
             return sse(chat_stream(state, request, await submit(state, job), job, plan, output, cid))
         tokenizer = state.loaded_tokenizer()
         results = await run_all(state, request, jobs)

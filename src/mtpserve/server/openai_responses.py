@@ -307,6 +307,8 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         if kind != "function":
             raise unsupported(f"Field 'tools[{i}].type': only function tools are supported, got {kind!r}"[:300])
         function = {"name": _string(tool, "name", f"tools[{i}]")}
+        if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+            raise invalid(f"Field 'tools[{i}].parameters': expected a JSON Schema object")
         for key in ("description", "parameters", "strict"):
             if tool.get(key) is not None:
                 function[key] = tool[key]

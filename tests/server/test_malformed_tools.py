@@ -1,0 +1,72 @@
+"""Tools whose schema is not an object: a 400 in each API's own error shape naming the field, and nothing left
+generating (issue 36, findings 1 and 5: these were 500s answered after the job was queued, which then generated to
+max_tokens for nobody)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from .conftest import TINY_KEY
+
+HEADERS = {"Authorization": f"Bearer {TINY_KEY}", "x-api-key": TINY_KEY}
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _bodies(schema) -> list[tuple[str, dict, str]]:
+    """(path, body, the field the error names) on the three APIs."""
+    chat = [
+        (
+            "/v1/chat/completions",
+            {
+                "messages": MESSAGES,
+                "max_tokens": 4096,
+                "ignore_eos": True,
+                "tool_choice": choice,
+                "stream": stream,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+            },
+            "tools[0].function.parameters",
+        )  # fmt: skip
+        for choice in ("auto", "required")
+        for stream in (False, True)
+    ]
+    return [
+        *chat,
+        (
+            "/v1/messages",
+            {
+                "model": "m",
+                "max_tokens": 4096,
+                "ignore_eos": True,
+                "messages": MESSAGES,
+                "tools": [{"name": "f", "input_schema": schema}],
+            },
+            "tools.0.input_schema",
+        ),
+        (
+            "/v1/responses",
+            {
+                "model": "m",
+                "max_output_tokens": 4096,
+                "ignore_eos": True,
+                "input": "hi",
+                "tools": [{"type": "function", "name": "f", "parameters": schema}],
+            },
+            "tools[0].parameters",
+        ),  # fmt: skip
+    ]
+
+
+@pytest.mark.parametrize("schema", ["string", [1, 2]], ids=["string", "list"])
+def test_a_tool_schema_that_is_not_an_object_is_a_400_and_leaves_nothing_running(tiny_server, schema):
+    with httpx.Client(base_url=tiny_server.url, headers=HEADERS, timeout=30) as client:
+        for path, body, field in _bodies(schema):
+            response = client.post(path, json=body)
+            assert response.status_code == 400, (path, response.text)
+            error = response.json()["error"]
+            assert field in error["message"] and error["type"] == "invalid_request_error"
+            if path == "/v1/messages":
+                assert response.json()["type"] == "error"  # Anthropic's shape
+        # a refused request queued nothing: a queued one would still be generating its 4096 tokens
+        assert not any(s["is_processing"] for s in client.get("/slots").json())
