@@ -24,6 +24,7 @@ def saving(tmp_path_factory):
     args = ["-m", str(tinyqwen_path("Q4_K_M")), "-np", "2", "-c", "4096", "-t", "2", "--slot-save-path", str(directory)]
     process = ServerProcess([*args, "--spec-type", "draft-mtp"], tmp_path_factory.mktemp("server") / "server.log")
     with httpx.Client(base_url=process.url, timeout=60) as client:
+        client.server_pid = process.proc.pid  # type: ignore[attr-defined]
         yield client, directory
     process.stop()
 
@@ -89,6 +90,19 @@ def test_a_symlink_out_of_the_directory_is_not_followed(saving, tmp_path):
         response = _action(client, 0, action, "escape.bin")
         assert response.status_code == 400 and "symbolic link" in response.json()["error"]["message"]
     assert outside.read_bytes() == b"not yours"
+
+
+def test_a_directory_is_a_400_and_costs_no_file_descriptor(saving):
+    """Saving over, or restoring from, a name that is a directory (these were 500s, and each restore leaked a
+    descriptor)."""
+    client, directory = saving
+    (directory / "adir").mkdir()
+    descriptors = len(os.listdir(f"/proc/{client.server_pid}/fd"))
+    for _ in range(5):
+        for action in ("save", "restore"):
+            response = _action(client, 0, action, "adir")
+            assert response.status_code == 400 and "not a regular file" in response.json()["error"]["message"]
+    assert len(os.listdir(f"/proc/{client.server_pid}/fd")) == descriptors
 
 
 def test_bad_requests(saving):

@@ -210,6 +210,8 @@ def write(path: Path, image: SlotImage, fingerprint: Fingerprint) -> int:
     header = json.dumps(
         {**image.header, "fingerprint": fingerprint.digest, "model": fingerprint.model, "tensors": specs}
     ).encode()
+    if path.exists() and not path.is_symlink() and not path.is_file():  # (links: refused by the caller)
+        raise SlotFileError(f"Unable to save slot: {path.name!r} is not a regular file in --slot-save-path")
     tmp = path.with_name(f".slot-{os.getpid()}-{time.monotonic_ns()}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     try:
@@ -243,10 +245,15 @@ def read(path: Path, fingerprint: Fingerprint) -> tuple[SlotImage, int]:
         raise SlotFileError(f"Unable to restore slot: there is no file {name!r} in --slot-save-path") from None
     except OSError as e:
         raise SlotFileError(f"Unable to restore slot: cannot open {name!r}: {e.strerror or e}") from None
-    with os.fdopen(fd, "rb") as f:
+    try:  # a directory opens too, but os.fdopen refuses it: the descriptor is closed here either way
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise SlotFileError(f"Unable to restore slot: {name!r} is not a regular file")
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
         header, raw = _read_header(f, name, info.st_size)
         _check_fingerprint(header, name, fingerprint)
         specs = header.pop("tensors")

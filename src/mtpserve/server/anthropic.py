@@ -268,7 +268,10 @@ def _assistant_turn(content: list[Any], where: str) -> dict[str, Any]:
         if kind == "text":
             parts.append({"type": "text", "text": _text(block, f"{where}.content.{j}")})
         elif kind == "thinking":
-            reasoning += block.get("thinking") or ""
+            thinking = block.get("thinking") or ""
+            if not isinstance(thinking, str):
+                raise invalid(f"{where}.content.{j}.thinking: expected a string, got {type(thinking).__name__}")
+            reasoning += thinking
         elif kind == "tool_use":
             calls.append(_tool_call(block, f"{where}.content.{j}"))
         elif kind != "redacted_thinking":

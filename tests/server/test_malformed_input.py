@@ -1,6 +1,6 @@
-"""Tools whose schema is not an object: a 400 in each API's own error shape naming the field, and nothing left
-generating (issue 36, findings 1 and 5: these were 500s answered after the job was queued, which then generated to
-max_tokens for nobody)."""
+"""Malformed bodies answer 400 in their API's own error shape, naming the field, and leave nothing generating
+(issue 36, findings 1 and 5: these were 500s, the tool ones answered after the job was queued, which then generated
+to max_tokens for nobody). Slot files named as directories: tests/server/test_slot_save.py."""
 
 from __future__ import annotations
 
@@ -70,3 +70,19 @@ def test_a_tool_schema_that_is_not_an_object_is_a_400_and_leaves_nothing_running
                 assert response.json()["type"] == "error"  # Anthropic's shape
         # a refused request queued nothing: a queued one would still be generating its 4096 tokens
         assert not any(s["is_processing"] for s in client.get("/slots").json())
+
+
+def test_a_thinking_block_that_is_not_a_string_is_an_anthropic_400(tiny_server):
+    turn = [{"type": "thinking", "thinking": 123, "signature": ""}, {"type": "text", "text": "ok"}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": turn},
+        {"role": "user", "content": "go"},
+    ]
+    with httpx.Client(base_url=tiny_server.url, headers=HEADERS, timeout=30) as client:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            response = client.post(path, json={"model": "m", "max_tokens": 8, "messages": messages})
+            assert response.status_code == 400, (path, response.text)
+            body = response.json()
+            assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+            assert "messages.1.content.0.thinking" in body["error"]["message"]
