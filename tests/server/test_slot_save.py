@@ -4,12 +4,17 @@ a busy slot's action deferred until its request ends, and llama-server's 501 wit
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import threading
 import time
+import zlib
 
 import httpx
 import pytest
+
+from mtpserve.engine import slot_files
 
 from ..conftest import default_model, tinyqwen_path
 from ..support.server_process import ServerProcess
@@ -103,6 +108,42 @@ def test_a_directory_is_a_400_and_costs_no_file_descriptor(saving):
             response = _action(client, 0, action, "adir")
             assert response.status_code == 400 and "not a regular file" in response.json()["error"]["message"]
     assert len(os.listdir(f"/proc/{client.server_pid}/fd")) == descriptors
+
+
+def test_forged_slot_files_are_400s_and_the_slot_still_restores(saving):
+    """A file with the right fingerprint and checksum but a forged header: absurd shapes (2**62 rows: no
+    allocation, no wrap-around), entries that are not tensors, layout fields of the wrong type."""
+    client, directory = saving
+    assert client.post("/completion", json={"prompt": "a b c d e f g", "n_predict": 2, "id_slot": 0}).status_code == 200
+    assert _action(client, 0, "save", "genuine.bin").status_code == 200
+    raw = (directory / "genuine.bin").read_bytes()
+    magic, version, n = slot_files._PREFIX.unpack(raw[: slot_files._PREFIX.size])
+    header = json.loads(raw[slot_files._PREFIX.size : slot_files._PREFIX.size + n])
+    data = raw[slot_files._PREFIX.size + n : -slot_files._CRC.size]
+
+    def forged(change) -> str:
+        h = copy.deepcopy(header)
+        change(h)
+        encoded = json.dumps(h).encode()
+        crc = zlib.crc32(data, zlib.crc32(encoded))
+        (directory / "forged.bin").write_bytes(
+            slot_files._PREFIX.pack(magic, version, len(encoded)) + encoded + data + slot_files._CRC.pack(crc)
+        )
+        return "forged.bin"
+
+    changes = [
+        lambda h: h["tensors"][0].update(shape=[2**62, 2**3]),
+        lambda h: h["tensors"].__setitem__(0, "x"),
+        lambda h: h.update(tensors={"a": 1}),
+        lambda h: h["tensors"][0].update(name=5),
+        lambda h: h.update(n_past="many"),
+        lambda h: h.update(kv=None),
+        lambda h: h.update(checkpoints=-5),
+    ]
+    for change in changes:
+        response = _action(client, 1, "restore", forged(change))
+        assert response.status_code == 400 and "Unable to restore slot" in response.json()["error"]["message"]
+    assert _action(client, 1, "restore", "genuine.bin").status_code == 200
 
 
 def test_bad_requests(saving):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import stat
 import struct
@@ -310,7 +311,7 @@ def _check_fingerprint(header: dict[str, Any], name: str, fingerprint: Fingerpri
 
 
 def _nbytes(spec: dict[str, Any]) -> int:
-    return int(np.prod(spec["shape"], dtype=np.int64)) * _DTYPES[spec["dtype"]].itemsize
+    return math.prod(spec["shape"]) * _DTYPES[spec["dtype"]].itemsize  # exact: a forged shape cannot wrap around
 
 
 def _tensor(data: bytearray, spec: dict[str, Any]) -> torch.Tensor:
