@@ -62,6 +62,9 @@ def test_compiled_grammars_are_cached_by_content():
         (GrammarSpec("json_schema", "{not json"), "json schema"),
         (GrammarSpec("json_schema", json.dumps({"type": "objekt"})), "json schema"),
         (GrammarSpec("lark", "start: 'a'"), "unknown grammar kind"),
+        # issue 36 finding 6: accepted and ignored (token 0 sampled from an all -inf row), NaN probabilities
+        (GrammarSpec("gbnf", "root ::= [^\\x00-\\U0010FFFF]"), "matches no text"),
+        (GrammarSpec("json_schema", json.dumps({"type": "string", "enum": []})), "json schema"),
     ],
 )
 def test_a_bad_grammar_names_its_problem(spec, says):
@@ -85,6 +88,14 @@ def test_the_mask_follows_the_grammar_and_rolls_back():
     assert not constraint.accept(tokenizer.encode("no", add_special=False)[0])  # refused, state unchanged
     constraint.rollback(len(yes))
     assert _allowed(constraint, n) == first
+
+
+def test_a_mask_that_leaves_no_token_ends_the_request_instead_of_drawing_one():
+    compiler = _compiler()
+    constraint = compiler.constraint(GrammarSpec("gbnf", 'root ::= "yes"'))
+    constraint._allowed = torch.zeros_like(constraint._allowed)  # every token banned: as if only banned ones fit
+    with pytest.raises(InvalidGrammar, match="allows no token here"):
+        constraint.masked(torch.zeros(compiler.n_vocab))
 
 
 def test_control_tokens_outside_keep_special_are_banned():

@@ -90,11 +90,20 @@ class GrammarCompiler:
             raise InvalidGrammar(str(e)) from None
         except Exception as e:  # noqa: BLE001 - the library's errors (RuntimeError, ValueError, its own) say what is wrong
             raise InvalidGrammar(f"invalid {spec.kind.replace('_', ' ')}: {library_message(e)}"[:500]) from None
+        if spec.kind != "structural_tag" and not self._starts(compiled):
+            what = "JSON schema" if spec.kind == "json_schema" else "grammar"
+            raise InvalidGrammar(f"the {what} matches no text: no token can start it")
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _starts(self, compiled: xgrammar.CompiledGrammar) -> bool:
+        """Whether any token (an end-of-generation token included, for a grammar that matches "") may come first."""
+        bitmask = self._xgr.allocate_token_bitmask(1, self.n_vocab)
+        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        return bool(bitmask.any())
 
     def constraint(self, spec: GrammarSpec, keep_special: Collection[int] = ()) -> Constraint:
         """A fresh matcher for one request; the control tokens outside `keep_special` banned."""
@@ -152,6 +161,8 @@ class Constraint:
             self._fill()
         out = logits.float().clone()
         self._xgr.apply_token_bitmask_inplace(out[None, : self.n_vocab], self._bitmask)
+        if out.max() == float("-inf"):  # nothing to draw: the request ends here, never with a made-up token
+            raise InvalidGrammar("the grammar allows no token here (the tokens it expects are banned special tokens)")
         return out
 
     def accept(self, token: int, prefetch: bool = True) -> bool:
