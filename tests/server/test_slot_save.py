@@ -10,6 +10,7 @@ import os
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -171,6 +172,44 @@ def test_a_busy_slots_action_waits_for_its_request(saving):
     saved = _action(client, 1, "save", "busy.bin").json()  # deferred, as llama-server defers it
     worker.join()
     assert saved["n_saved"] == result["tokens_evaluated"] + result["tokens_predicted"] - 1
+
+
+def test_actions_waiting_on_a_busy_slot_hold_no_request_thread(tmp_path):
+    """45 saves queued on busy slot 0 (each waits for its request to end) leave the server's request threads
+    free: a chat on slot 1 answers while slot 0 still generates. They once took the 40 threads the server shares,
+    and the chat waited for slot 0 (issue 36, finding 2). Slot 0 generates 30,000 tokens (seconds at the least),
+    until the test leaves its stream."""
+    directory = tmp_path / "slots"
+    directory.mkdir()
+    args = [
+        "-m",
+        str(tinyqwen_path("Q4_K_M")),
+        "-np",
+        "2",
+        "-c",
+        "65536",
+        "-t",
+        "2",
+        "--slot-save-path",
+        str(directory),
+    ]
+    process = ServerProcess(args, tmp_path / "server.log")
+    limits = httpx.Limits(max_connections=64)
+    try:
+        with httpx.Client(base_url=process.url, timeout=120, limits=limits) as client, ThreadPoolExecutor(48) as pool:
+            body = {"prompt": "x", "n_predict": 30000, "ignore_eos": True, "id_slot": 0, "stream": True}
+            with client.stream("POST", "/completion", json=body) as busy:
+                lines = busy.iter_lines()  # kept: a dropped iterator closes the stream, which cancels the request
+                next(lines)  # slot 0 is generating
+                saves = [pool.submit(_action, client, 0, "save", f"waiting{i}.bin") for i in range(45)]
+                time.sleep(1.0)  # the saves reach the server (were they slower, the test could only pass wrongly)
+                chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "id_slot": 1}
+                answer = client.post("/v1/chat/completions", json=chat)
+                assert answer.status_code == 200 and _processing(client, 0)
+                lines.close()
+            assert all(f.result().status_code == 200 for f in saves)  # leaving the stream freed slot 0
+    finally:
+        process.stop()
 
 
 def test_without_slot_save_path_the_actions_are_not_supported(tiny_server):

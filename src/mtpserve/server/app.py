@@ -9,14 +9,16 @@ client that goes away cancels its request and frees its slot.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
 import string
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,6 +49,8 @@ from .responses import (
     token_logprobs,
 )
 from .state import ServerState
+
+T = TypeVar("T")
 
 log = logging.getLogger("mtpserve.server")
 
@@ -84,6 +88,7 @@ def create_app(state: ServerState) -> FastAPI:
     )
     prefix = settings.api_prefix.rstrip("/")
     router = APIRouter()
+    slot_workers = SlotWorkers(settings.engine.n_parallel)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -217,13 +222,13 @@ def create_app(state: ServerState) -> FastAPI:
             raise invalid("Invalid slot ID") from None
         action, engine = request.query_params.get("action", ""), state.loaded_engine()
         if action == "erase":
-            erased = await run_in_threadpool(engine.slot_action, n, "erase")
+            erased = await slot_workers.run(n, engine.slot_action, n, "erase")
             return {"id_slot": n, "n_erased": erased.n_tokens}
         if action not in ("save", "restore"):
             raise invalid("Invalid action")
         filename = (await _body(request, settings.max_body_bytes)).raw("filename")
         path = slot_file_path(settings.slot_save_path, filename)
-        done = await run_in_threadpool(engine.slot_action, n, action, path)
+        done = await slot_workers.run(n, engine.slot_action, n, action, path)
         if action == "save":
             counts = {"n_saved": done.n_tokens, "n_written": done.n_bytes, "timings": {"save_ms": done.ms}}
         else:
@@ -545,3 +550,18 @@ def _slot_json(s: SlotInfo, speculative: bool, params: dict[str, Any]) -> dict[s
 
 def _random_id() -> str:
     return "".join(secrets.choice(ID_ALPHABET) for _ in range(32))
+
+
+class SlotWorkers:
+    """One thread per slot for its actions: an action waits (blocking, in the engine's slot task queue) while its
+    slot serves a request, so it must not hold one of the request threads the server shares (45 waiting saves on a
+    busy slot once stalled a chat on a free slot). A slot's actions run in order; another slot's never wait on
+    them."""
+
+    def __init__(self, n_slots: int) -> None:
+        self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"mtpserve-slot-{i}") for i in range(max(n_slots, 1))]
+
+    async def run(self, id_slot: int, fn: Callable[..., T], *args: Any) -> T:
+        if not 0 <= id_slot < len(self._workers):  # refused at once (an invalid id): no wait to take off the loop
+            return await run_in_threadpool(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._workers[id_slot], fn, *args)
