@@ -141,6 +141,40 @@ def test_unterminated_call_keeps_complete_params():
     assert parse(WEATHER + "\n<tool_call>\n<func").tool_calls == [call("get_weather", {"city": "Paris", "days": 3})]
 
 
+@pytest.mark.parametrize(
+    "tail,arguments",
+    [
+        ("<parameter=city>\nPar", '{"city":"Par'),  # a string value begun: left open
+        ("<parameter=city>\nParis\n</parameter>\n<parameter=days>\n1", '{"city":"Paris","days":1'),
+        ("<parameter=city>\nParis\n</parameter>\n<param", '{"city":"Paris"'),  # the next tag not yet whole
+        ("<parame", "{"),
+    ],
+)
+def test_a_call_cut_by_the_token_limit_keeps_the_arguments_generated(tail, arguments):
+    """finish(cut=True) (finish_reason "length"): the arguments as far as the model wrote them, an unfinished JSON
+    prefix as OpenAI returns it, never a closed object; streamed or whole, the same text. Without `cut` (the model
+    ended the output) the call is closed with its complete params, as before (issue 36, finding 8: a cut call
+    came back as `"{}"`)."""
+    text = "<tool_call>\n<function=get_weather>\n" + tail
+    for pieces in ([text], [text[:9], text[9:30], text[30:]]):
+        stream = ToolCallStream(TOOLS, make_id=ids())
+        streamed = "".join(d["function"].get("arguments", "") for p in pieces for d in stream.feed(p).tool_calls)
+        streamed += "".join(d["function"].get("arguments", "") for d in stream.finish(cut=True).tool_calls)
+        assert stream.cut_call and streamed == arguments == stream.tool_calls[0]["function"]["arguments"]
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(arguments)
+    ended = ToolCallStream(TOOLS, make_id=ids())
+    ended.feed(text)
+    ended.finish()
+    assert not ended.cut_call and json.loads(ended.tool_calls[0]["function"]["arguments"]) == (
+        {"city": "Paris"} if "Paris\n</parameter>" in tail else {}
+    )
+    closed = ToolCallStream(TOOLS, make_id=ids())  # `</function>` written: the call is whole, cut or not
+    closed.feed(WEATHER.removesuffix("\n</tool_call>"))
+    closed.finish(cut=True)
+    assert not closed.cut_call and closed.tool_calls == [call("get_weather", {"city": "Paris", "days": 3})]
+
+
 def test_malformed_blocks():
     # A block without a function is dropped once another block is a call; text after the calls too.
     text = "A <tool_call>junk</tool_call>" + block("ping") + " trailing"

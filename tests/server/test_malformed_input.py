@@ -86,3 +86,56 @@ def test_a_thinking_block_that_is_not_a_string_is_an_anthropic_400(tiny_server):
             body = response.json()
             assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
             assert "messages.1.content.0.thinking" in body["error"]["message"]
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+    "required": ["city", "unit"],
+}
+
+
+def test_a_forced_call_cut_by_max_tokens_is_reported_cut(tiny_server):
+    """tool_choice required/any and a token limit that ends the call mid-argument (greedy, 64 tokens: tinyqwen35
+    writes the name, then a city that runs on): chat says finish_reason "length" with the arguments generated (an
+    unfinished JSON prefix, as OpenAI returns it), Responses an incomplete function_call, Anthropic max_tokens with
+    no tool_use block (issue 36, finding 8: `"arguments": "{}"` and `input: {}`, complete-looking calls)."""
+    with httpx.Client(base_url=tiny_server.url, headers=HEADERS, timeout=60) as client:
+        chat = {
+            "messages": [{"role": "user", "content": "weather in Paris?"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
+            "tool_choice": "required",
+            "temperature": 0,
+            "max_tokens": 64,
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+        choice = client.post("/v1/chat/completions", json=chat).json()["choices"][0]
+        (call,) = choice["message"]["tool_calls"]
+        arguments = call["function"]["arguments"]
+        assert choice["finish_reason"] == "length" and call["function"]["name"] == "get_weather"
+        assert arguments.startswith('{"city":"') and not arguments.endswith("}")
+        responses = {
+            "model": "m",
+            "input": "weather in Paris?",
+            "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER}],
+            "tool_choice": "required",
+            "temperature": 0,
+            "max_output_tokens": 64,
+            "reasoning": {"effort": "none"},
+        }
+        response = client.post("/v1/responses", json=responses).json()
+        (item,) = [i for i in response["output"] if i["type"] == "function_call"]
+        assert response["status"] == "incomplete" and item["status"] == "incomplete"
+        assert item["arguments"].startswith("{") and not item["arguments"].endswith("}")
+        messages = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "weather in Paris?"}],
+            "tools": [{"name": "get_weather", "input_schema": WEATHER}],
+            "tool_choice": {"type": "any"},
+            "temperature": 0,
+            "max_tokens": 64,
+            "thinking": {"type": "disabled"},
+        }
+        message = client.post("/v1/messages", json=messages).json()
+        assert message["stop_reason"] == "max_tokens"
+        assert not [block for block in message["content"] if block["type"] == "tool_use"]

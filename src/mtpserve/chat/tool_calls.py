@@ -74,6 +74,7 @@ class _Block:
     name: str | None
     params: list[tuple[str, str]]
     closed: bool  # `</function>` seen: params are final however the block goes on
+    partial: tuple[str, str] | None = None  # a param whose value has begun but not ended: (name, value so far)
 
 
 def _schemas(tools: Tools) -> Schemas:
@@ -164,7 +165,8 @@ def _parse_block(body: str) -> _Block:
         key = _tag_value(body, pos, PARAM)
         end = body.find(END_PARAM, key[1]) if key else -1
         if key is None or end < 0:
-            return _Block(name, params, False)
+            partial = (key[0], body[key[1] :].removeprefix("\n")) if key else None
+            return _Block(name, params, False, partial)
         params.append((key[0], body[key[1] : end].removeprefix("\n").removesuffix("\n")))
         pos = end + len(END_PARAM)
 
@@ -181,6 +183,20 @@ def _arguments(block: _Block, schemas: Schemas) -> str:
     assert block.name is not None
     props = schemas.get(block.name, {})
     return json.dumps({k: _typed(v, props.get(k)) for k, v in block.params}, ensure_ascii=False, separators=(",", ":"))
+
+
+def _cut_arguments(block: _Block, schemas: Schemas) -> str:
+    """The arguments of a call cut off by the token limit, as far as they were generated: a JSON prefix (what
+    OpenAI returns with finish_reason "length"), a begun string value left open; never a closed object the
+    model did not write."""
+    assert block.name is not None
+    text = _arguments(block, schemas)[:-1]  # the params that ended, without the closing brace
+    if block.partial is None:
+        return text
+    key, value = block.partial
+    types = _types(schemas.get(block.name, {}).get(key))
+    raw = json.dumps(value, ensure_ascii=False)[:-1] if not types or "string" in types else value
+    return f"{text}{',' if block.params else ''}{json.dumps(key, ensure_ascii=False)}:{raw}"
 
 
 def parse_tool_calls(
@@ -227,6 +243,8 @@ class ToolCallStream:
         self._done = False  # parallel=False and the first call is complete
         self.content = ""
         self.tool_calls: list[dict[str, Any]] = []
+        self._cut = False  # finish(cut=True): the token limit ended the output
+        self.cut_call = False  # the last call was cut off by the token limit: its arguments are unfinished
 
     def feed(self, delta: str) -> ToolCallDelta:
         if not self._enabled:
@@ -234,8 +252,11 @@ class ToolCallStream:
             return ToolCallDelta(delta)
         return self._advance(delta, final=False)
 
-    def finish(self) -> ToolCallDelta:
-        """End of output: held-back text is released; a call cut short is closed with its complete params."""
+    def finish(self, cut: bool = False) -> ToolCallDelta:
+        """End of output: held-back text is released. A call cut short is closed with its complete params when
+        the model ended it (an end-of-generation token: the call is taken as meant); with `cut` (the token limit
+        ended it) its arguments are what was generated, an unfinished JSON prefix, and `cut_call` says so."""
+        self._cut = cut
         return self._advance("", final=True)
 
     def _advance(self, delta: str, final: bool) -> ToolCallDelta:
@@ -275,12 +296,14 @@ class ToolCallStream:
                 self._update(_parse_block(section[start:]), False, deltas)
                 break
             body_end, self._search = end or (len(section), len(section))
-            self._update(_parse_block(section[start:body_end]), True, deltas)
+            block = _parse_block(section[start:body_end])
+            self._update(block, True, deltas, cut=end is None and self._cut and not block.closed)
             self._block, self._current = None, None
         return deltas
 
-    def _update(self, block: _Block, complete: bool, deltas: list[dict[str, Any]]) -> None:
-        """Send the block's id and name once its name is known, its arguments once they are final."""
+    def _update(self, block: _Block, complete: bool, deltas: list[dict[str, Any]], cut: bool = False) -> None:
+        """Send the block's id and name once its name is known, its arguments once they are final (`cut`: as far
+        as they were generated)."""
         if block.name is None:
             return
         if self._current is None:
@@ -291,7 +314,9 @@ class ToolCallStream:
             self._calls += 1
             self._sent = False
         if (complete or block.closed) and not self._sent:
-            arguments = self._current["function"]["arguments"] = _arguments(block, self._schemas)
+            arguments = _cut_arguments(block, self._schemas) if cut else _arguments(block, self._schemas)
+            self._current["function"]["arguments"] = arguments
+            self.cut_call = cut
             self.tool_calls.append(self._current)
             deltas.append({"index": self._calls - 1, "function": {"arguments": arguments}})
             self._sent, self._done = True, not self._parallel

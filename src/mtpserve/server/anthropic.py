@@ -110,8 +110,10 @@ def add_routes(router: APIRouter, state: ServerState, start_chat: StartChat, rea
         except (APIError, EngineError) as e:
             return error_response(e)
         blocks = Blocks(omit_thinking=omit)
-        blocks.feed(output.feed(finish.text) + output.finish())
+        blocks.feed(output.feed(finish.text) + output.finish(cut=finish.finish_reason == "length"))
         blocks.close()
+        if output.cut_call and blocks.content and blocks.content[-1]["type"] == "tool_use":
+            blocks.content.pop()  # cut off by max_tokens: no input the model did not finish (streamed: partial JSON)
         message = _message(state, mid, blocks.content, usage(finish))
         message.update(_stop(finish, output))
         return JSONResponse(message)
@@ -500,7 +502,8 @@ async def _stream(
                 for name, data in blocks.feed(output.feed(event.text)):
                     yield _event(name, data)
                 continue
-            for name, data in blocks.feed(output.feed(event.tail) + output.finish()) + blocks.close():
+            cut = event.finish_reason == "length"
+            for name, data in blocks.feed(output.feed(event.tail) + output.finish(cut=cut)) + blocks.close():
                 yield _event(name, data)
             delta = {"type": "message_delta", "delta": _stop(event, output), "usage": usage(event)}
             yield _event("message_delta", delta)

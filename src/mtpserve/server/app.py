@@ -393,7 +393,7 @@ def create_app(state: ServerState) -> FastAPI:
         for i, (finish, tokens) in enumerate(results):
             output = ChatOutput(plan, state.loaded_template())
             output.feed(finish.text)
-            output.finish()
+            output.finish(cut=finish.finish_reason == "length")
             choice: dict[str, Any] = {
                 "finish_reason": chat_finish_reason(finish, output),
                 "index": i,

@@ -273,14 +273,20 @@ class ChatOutput:
     def feed(self, text: str) -> list[dict[str, Any]]:
         return self._release() + self._deltas(self.reasoning.feed(text), final=False)
 
-    def finish(self) -> list[dict[str, Any]]:
-        return self._release() + self._deltas(self.reasoning.finish(), final=True)
+    def finish(self, cut: bool = False) -> list[dict[str, Any]]:
+        """The rest; `cut`: the token limit ended the output (a call it cut off keeps the arguments generated)."""
+        return self._release() + self._deltas(self.reasoning.finish(), final=True, cut=cut)
+
+    @property
+    def cut_call(self) -> bool:
+        """The last tool call was cut off by the token limit: its arguments are unfinished JSON."""
+        return self.tool_calls.cut_call
 
     def _release(self) -> list[dict[str, Any]]:
         held, self._held = self._held, []
         return held
 
-    def _deltas(self, split: Any, final: bool) -> list[dict[str, Any]]:
+    def _deltas(self, split: Any, final: bool, cut: bool = False) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if split.reasoning_content:
             self.reasoning_content += split.reasoning_content
@@ -288,7 +294,7 @@ class ChatOutput:
         parsed = self.tool_calls.feed(split.content) if split.content else None
         pieces = [parsed] if parsed else []
         if final:
-            pieces.append(self.tool_calls.finish())
+            pieces.append(self.tool_calls.finish(cut))
         for piece in pieces:
             if piece.content:
                 self.content += piece.content

@@ -414,7 +414,7 @@ class _Items:
         return events
 
     def finish(self, finish: FinishEvent) -> list[dict[str, Any]]:
-        events = self._apply(self.output.feed(finish.tail) + self.output.finish())
+        events = self._apply(self.output.feed(finish.tail) + self.output.finish(cut=finish.finish_reason == "length"))
         self.status = "incomplete" if finish.finish_reason == "length" else "completed"
         events += self._close("incomplete" if self.status == "incomplete" else "completed")
         reasoning_tokens = min(self.n_before_content, len(finish.tokens)) if self.output.reasoning_content else 0

@@ -283,7 +283,7 @@ async def chat_stream(
                 if logprobs and not deltas:
                     yield chunk({}, **logprobs)
                 continue
-            for delta in output.feed(event.tail) + output.finish():
+            for delta in output.feed(event.tail) + output.finish(cut=event.finish_reason == "length"):
                 yield chunk(delta)
             timings = {"timings": event.timings.as_dict()}
             last = _data(
