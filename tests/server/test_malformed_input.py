@@ -4,6 +4,8 @@ to max_tokens for nobody). Slot files named as directories: tests/server/test_sl
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -139,3 +141,24 @@ def test_a_forced_call_cut_by_max_tokens_is_reported_cut(tiny_server):
         message = client.post("/v1/messages", json=messages).json()
         assert message["stop_reason"] == "max_tokens"
         assert not [block for block in message["content"] if block["type"] == "tool_use"]
+
+
+def test_a_reasoning_budget_message_that_ends_the_reasoning_is_a_400(tiny_server):
+    """Forced text is not drawn through the response format's mask: a budget message holding `</think>` ended the
+    reasoning inside it and the rest came out as unconstrained content, invalid JSON under finish_reason stop
+    (issue 36, finding 7)."""
+    body = {
+        "messages": [{"role": "user", "content": "give me a JSON object"}],
+        "response_format": {"type": "json_object"},
+        "reasoning_budget_tokens": 4,
+        "max_tokens": 64,
+    }
+    with httpx.Client(base_url=tiny_server.url, headers=HEADERS, timeout=60) as client:
+        for message in ("done.</think>not json", "calling <tool_call>"):
+            response = client.post("/v1/chat/completions", json={**body, "reasoning_budget_message": message})
+            assert response.status_code == 400 and "reasoning_budget_message" in response.json()["error"]["message"]
+        fine = client.post("/v1/chat/completions", json={**body, "reasoning_budget_message": "Enough thinking."})
+        assert fine.status_code == 200
+        choice = fine.json()["choices"][0]
+        if choice["finish_reason"] == "stop":  # not cut by max_tokens: the format held
+            assert isinstance(json.loads(choice["message"]["content"]), dict)

@@ -185,6 +185,12 @@ def _reasoning_budget(
     tags = template.think_tags
     if tokens < 0 or tags is None or not opens_reasoning(generation_prompt, tags.start, tags.closers):
         return None
+    closer = next((c for c in tags.closers if c in message), None)
+    if closer is not None:  # forced text is not drawn through the mask: past its closer, nothing would constrain it
+        source = (
+            "Field 'reasoning_budget_message'" if body.has("reasoning_budget_message") else "--reasoning-budget-message"
+        )
+        raise invalid(f"{source} must not contain {closer!r}: the budget's message ends the reasoning itself")
     return budget_spec(tokenizer, tokens, message, tags.end, tags.interrupts)
 
 
