@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 GRAMMAR_KINDS = ("json_schema", "gbnf", "structural_tag")
 CACHE_SIZE = 256  # compiled grammars kept (each a few hundred KB at most for a tool set)
+CACHE_BYTES = 256 << 20  # ... and their memory at most, ours and xgrammar's own cache each (unbounded by default)
 
 
 class InvalidGrammar(InvalidRequest):
@@ -53,14 +54,15 @@ class InvalidGrammar(InvalidRequest):
 class GrammarCompiler:
     """Compiles grammars against one tokenizer's vocabulary (padded to the model's `n_vocab` rows of logits)."""
 
-    def __init__(self, tokenizer: Tokenizer, n_vocab: int, threads: int = 2) -> None:
+    def __init__(self, tokenizer: Tokenizer, n_vocab: int, threads: int = 2, cache_bytes: int = CACHE_BYTES) -> None:
         import xgrammar
 
         self._xgr = xgrammar
         eog = sorted(tokenizer.eog_ids)
         vocab = [b"" if i in tokenizer.eog_ids else tokenizer.token_bytes(i) for i in range(tokenizer.n_vocab)]
         info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW, vocab_size=n_vocab, stop_token_ids=eog)
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=threads)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=threads, cache_limit_bytes=cache_bytes)
+        self.cache_bytes, self._cached_bytes = cache_bytes, 0
         self.n_vocab = n_vocab
         self.control = torch.zeros(n_vocab, dtype=torch.bool)
         for i in range(tokenizer.n_vocab):
@@ -94,10 +96,18 @@ class GrammarCompiler:
             what = "JSON schema" if spec.kind == "json_schema" else "grammar"
             raise InvalidGrammar(f"the {what} matches no text: no token can start it")
         with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            if key not in self._cache:
+                self._cache[key] = compiled
+                self._cached_bytes += compiled.memory_size_bytes
+            while len(self._cache) > CACHE_SIZE or (self._cached_bytes > self.cache_bytes and len(self._cache) > 1):
+                _, dropped = self._cache.popitem(last=False)
+                self._cached_bytes -= dropped.memory_size_bytes
         return compiled
+
+    @property
+    def cached_bytes(self) -> int:
+        """Memory of the compiled grammars this compiler keeps (xgrammar's own cache is bounded alike)."""
+        return self._cached_bytes
 
     def _starts(self, compiled: xgrammar.CompiledGrammar) -> bool:
         """Whether any token (an end-of-generation token included, for a grammar that matches "") may come first."""
