@@ -87,16 +87,21 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
     if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)):
         raise ChatTemplateError(f"Failed to parse tools: expected an array, got {_dump(tools)}")
     out = []
-    for tool in tools:
+    for i, tool in enumerate(tools):
         if not isinstance(tool, Mapping) or tool.get("type") != "function":
             raise ChatTemplateError(f"Failed to parse tools: unsupported tool {_dump(tool)}")
         function = tool.get("function")
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
             raise ChatTemplateError(f"Failed to parse tools: missing function name in {_dump(tool)}")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, Mapping):
+            raise ChatTemplateError(
+                f"Failed to parse tools: 'tools[{i}].function.parameters' is not a JSON Schema object"
+            )
         function_out = {
             "name": function["name"],
             "description": function.get("description") or "",
-            "parameters": function.get("parameters") if function.get("parameters") is not None else {},
+            "parameters": parameters if parameters is not None else {},
         }
         out.append({"type": "function", "function": function_out})
     return out

@@ -243,7 +243,6 @@ class ToolCallStream:
         self._done = False  # parallel=False and the first call is complete
         self.content = ""
         self.tool_calls: list[dict[str, Any]] = []
-        self._cut = False  # finish(cut=True): the token limit ended the output
         self.cut_call = False  # the last call was cut off by the token limit: its arguments are unfinished
 
     def feed(self, delta: str) -> ToolCallDelta:
@@ -256,10 +255,9 @@ class ToolCallStream:
         """End of output: held-back text is released. A call cut short is closed with its complete params when
         the model ended it (an end-of-generation token: the call is taken as meant); with `cut` (the token limit
         ended it) its arguments are what was generated, an unfinished JSON prefix, and `cut_call` says so."""
-        self._cut = cut
-        return self._advance("", final=True)
+        return self._advance("", final=True, cut=cut)
 
-    def _advance(self, delta: str, final: bool) -> ToolCallDelta:
+    def _advance(self, delta: str, final: bool, cut: bool = False) -> ToolCallDelta:
         content, deltas, scan = "", [], final or ">" in delta
         if self._section is None:
             buf = self._buf + delta
@@ -276,13 +274,13 @@ class ToolCallStream:
             self._section += delta
         # Any change in the section (its start, a tag, a block's end) comes with a `>`: no scan without one.
         if scan and self._section is not None and not self._done:
-            deltas = self._scan(final)
+            deltas = self._scan(final, cut)
         if final and self._section is not None and self._calls == 0:
             content += self._gap + self._section  # no call after all: it was prose
         self.content += content
         return ToolCallDelta(content, deltas)
 
-    def _scan(self, final: bool) -> list[dict[str, Any]]:
+    def _scan(self, final: bool, cut: bool) -> list[dict[str, Any]]:
         section, deltas = self._section or "", []
         while not self._done:
             if self._block is None:
@@ -297,7 +295,7 @@ class ToolCallStream:
                 break
             body_end, self._search = end or (len(section), len(section))
             block = _parse_block(section[start:body_end])
-            self._update(block, True, deltas, cut=end is None and self._cut and not block.closed)
+            self._update(block, True, deltas, cut=cut and end is None and not block.closed)
             self._block, self._current = None, None
         return deltas
 

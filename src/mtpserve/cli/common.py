@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -64,8 +65,21 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
 def _non_negative(value: str) -> int:
     n = int(value)
     if n < 0:
-        raise argparse.ArgumentTypeError("checkpoint-min-step must be non-negative")
+        raise argparse.ArgumentTypeError(f"must be non-negative, not {n}")
     return n
+
+
+def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields of the flags serve, generate and doctor share: context, KV cache types, recurrent
+    checkpoints and speculative decoding."""
+    return {
+        "ctx_size": args.ctx_size,
+        "cache_type_k": args.cache_type_k,
+        "cache_type_v": args.cache_type_v,
+        "ctx_checkpoints": args.ctx_checkpoints,
+        "checkpoint_min_step": args.checkpoint_min_step,
+        "spec": spec_config(args),
+    }
 
 
 def add_spec_arguments(p: argparse.ArgumentParser) -> None:

@@ -33,7 +33,7 @@ from ..engine.planner import recommend
 from ..gguf import open_gguf
 from ..models import config_from_gguf
 from ..quant import CACHE_TYPES
-from .common import add_checkpoint_arguments, add_spec_arguments, model_path, spec_config
+from .common import add_checkpoint_arguments, add_spec_arguments, engine_flags, model_path
 
 GIB = 1 << 30
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni")
@@ -138,16 +138,7 @@ def run(args: argparse.Namespace) -> int:
         )
 
     path = model_path(args)
-    engine = EngineConfig(
-        n_parallel=args.parallel,
-        ctx_size=args.ctx_size,
-        cache_type_k=args.cache_type_k,
-        cache_type_v=args.cache_type_v,
-        cache_ram=args.cache_ram,
-        ctx_checkpoints=args.ctx_checkpoints,
-        checkpoint_min_step=args.checkpoint_min_step,
-        spec=spec_config(args),
-    )
+    engine = EngineConfig(**engine_flags(args), n_parallel=args.parallel, cache_ram=args.cache_ram)
     devices = _gpu_devices(args.gpus)
     if devices:  # the question is the GPUs': planned with what was asked, whatever this host's memory
         failed, gpu_flags = _plan_gpus(path, engine, devices)

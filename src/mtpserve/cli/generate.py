@@ -16,8 +16,8 @@ from .common import (
     add_spec_arguments,
     add_threads_argument,
     apply_threads,
+    engine_flags,
     model_path,
-    spec_config,
 )
 
 
@@ -47,14 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     apply_threads(args)
     path = model_path(args)
-    config = EngineConfig(
-        ctx_size=args.ctx_size,
-        cache_type_k=args.cache_type_k,
-        cache_type_v=args.cache_type_v,
-        ctx_checkpoints=args.ctx_checkpoints,
-        checkpoint_min_step=args.checkpoint_min_step,
-        spec=spec_config(args),
-    )
+    config = EngineConfig(**engine_flags(args))
     prompt = Tokenizer.from_gguf(path).encode(args.prompt, add_special=True, parse_special=True)
     sampling = SamplingParams(
         temperature=args.temp,

@@ -43,8 +43,8 @@ from .common import (
     add_spec_arguments,
     add_threads_argument,
     apply_threads,
+    engine_flags,
     model_path,
-    spec_config,
 )
 
 if TYPE_CHECKING:
@@ -305,19 +305,14 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     if args.chat_template_file:
         template = args.chat_template_file
     engine = EngineConfig(
+        **engine_flags(args),
         n_parallel=args.parallel,
-        ctx_size=args.ctx_size,
         ubatch=args.ubatch_size,
-        cache_type_k=args.cache_type_k,
-        cache_type_v=args.cache_type_v,
-        ctx_checkpoints=args.ctx_checkpoints,
-        checkpoint_min_step=args.checkpoint_min_step,
         n_predict=args.n_predict,
         slot_prompt_similarity=args.slot_prompt_similarity,
         kv_unified=args.kv_unified,
         cache_ram=args.cache_ram,
         cache_idle_slots=args.cache_idle_slots,
-        spec=spec_config(args),
     )
     sampling = SamplingParams(
         temperature=args.temp,

@@ -37,6 +37,17 @@ class SpecConfig:
     def enabled(self) -> bool:
         return self.type != "none" and self.n_max > 0
 
+    @property
+    def draft_mtp(self) -> bool:
+        """The model's MTP block drafts (its KV cache is allocated)."""
+        return self.enabled and self.type == "draft-mtp"
+
+    @property
+    def verified_tokens(self) -> int:
+        """Tokens a verification runs (n_max + 1), each leaving a recurrent state kept for the rollback; 0 without
+        speculation."""
+        return self.n_max + 1 if self.enabled else 0
+
 
 @dataclass(frozen=True)
 class EngineConfig:

@@ -199,12 +199,12 @@ class MTPDrafter:
         step 0 wrote it) and the accepted drafts', each with the trunk's state before it; rejected drafts need
         none. The next row reads the trunk's state at the last kept position."""
         mine = self._of(slot)
-        kept = n_accepted + 1
+        kept = tokens[: n_accepted + 1]
         previous = mine.pending_h if mine.pending_h is not None else hidden.new_zeros(hidden.shape[-1])
-        inputs = torch.cat((previous[None], hidden[: kept - 1]))
-        first = 1 if mine.drafted else 0
-        if kept > first:
-            mine.backlog.append((inputs[first:], tokens[first:kept]))
+        before = torch.cat((previous[None], hidden[:n_accepted]))  # the trunk's state before each kept token
+        first = 1 if mine.drafted else 0  # draft step 0 wrote the sampled token's row
+        if len(kept) > first:
+            mine.backlog.append((before[first:], kept[first:]))
         mine.drafted = False
         mine.pending_h = hidden[n_accepted].clone()
 

@@ -292,7 +292,7 @@ def _costs(config: ModelConfig, layer_bytes: Mapping[LayerKey, int], engine: Eng
     missing = [k for k in (*range(config.n_layer), "output", "token_embd") if k not in layer_bytes]
     if missing:
         raise ValueError(f"layer_bytes lacks {missing[:5]}: expected every trunk block, 'output' and 'token_embd'")
-    mtp_on = bool(mtp_blocks) and engine.spec.enabled and engine.spec.type == "draft-mtp"
+    mtp_on = bool(mtp_blocks) and engine.spec.draft_mtp
     weights = [int(layer_bytes[i]) for i in range(config.n_layer)]
     mtp_total = int(layer_bytes.get("mtp", 0)) if mtp_on else 0
     for j in range(len(mtp_blocks)):  # "mtp" holds all MTP blocks: share it evenly (qwen35 has at most one)
@@ -301,8 +301,6 @@ def _costs(config: ModelConfig, layer_bytes: Mapping[LayerKey, int], engine: Eng
     ctx = _padded_ctx(config, engine)
     layout = config.cache_layout()
     kv, state, mtp_kv, rollback, prompt_kv = [0] * n_all, [0] * n_all, [0] * n_all, [0] * n_all, [0] * n_all
-    # A verification of n_max drafted tokens runs n_max + 1 tokens and keeps the state after each (rollback).
-    verified_tokens = engine.spec.n_max + 1 if engine.spec.enabled else 0
 
     def kv_of(spec) -> int:
         cells = kv_cells(spec, ctx, engine.n_parallel, False, engine.ubatch)
@@ -323,7 +321,7 @@ def _costs(config: ModelConfig, layer_bytes: Mapping[LayerKey, int], engine: Eng
     for r in layout.recurrent:
         one = 4 * (r.conv_state_elements + r.ssm_state_elements)
         state[r.layer] += one * engine.n_parallel
-        rollback[r.layer] += one * engine.n_parallel * verified_tokens
+        rollback[r.layer] += one * engine.n_parallel * engine.spec.verified_tokens
         checkpoint += one
     n_checkpoints = engine.ctx_checkpoints if layout.recurrent else 0
     return _Costs(

@@ -63,12 +63,6 @@ class MemoryPlan:
         weights = 0 if self.weights_mapped else e.weights_bytes
         return weights + e.kv_bytes + self.mtp_kv_bytes + e.recurrent_bytes + self.rollback_bytes
 
-    @property
-    def wanted_bytes(self) -> int:
-        """Everything at its most: the resident part, all the weights in memory, every checkpoint made."""
-        mapped = self.estimate.weights_bytes if self.weights_mapped else 0
-        return self.required_bytes + mapped + self.checkpoints_bytes_max
-
     def parts_text(self) -> str:
         """Every part that was added up, with the flags that size it."""
         e = self.estimate
@@ -109,22 +103,21 @@ class MemoryPlan:
         if self.available_bytes is None:
             return []
         out = []
-        left = self.available_bytes - self.required_bytes
-        if self.weights_mapped and self.estimate.weights_bytes > left:
+        left = self.available_bytes - self.required_bytes  # beside the resident part
+        weights = self.estimate.weights_bytes if self.weights_mapped else 0  # resident weights are counted already
+        if weights > left:
             out.append(
-                f"the weights ({self.estimate.weights_bytes / GIB:.2f} GiB, memory-mapped) stay in memory while the "
-                "context is short (the caches take memory as positions are written); with every position written, "
+                f"the weights ({weights / GIB:.2f} GiB, memory-mapped) stay in memory while the context is short "
+                "(the caches take memory as positions are written); with every position written, "
                 f"{max(left, 0) / GIB:.2f} GiB is left for them, and the kernel reads evicted pages from the file "
                 "again: decoding then slows toward the disk's speed"
             )
-            left = 0
-        else:
-            left -= self.estimate.weights_bytes if self.weights_mapped else 0
+        left = max(left - weights, 0)
         if self.checkpoints_bytes_max > left:
             out.append(
                 f"recurrent-state checkpoints (up to {self.checkpoints_bytes_max / GIB:.2f} GiB: --ctx-checkpoints "
                 f"{self.max_checkpoints} of {self.checkpoint_bytes / 2**20:.0f} MiB per slot) are made as prompts "
-                f"are read, in the {max(left, 0) / GIB:.2f} GiB left; each takes memory from the weights' pages"
+                f"are read, in the {left / GIB:.2f} GiB left; each takes memory from the weights' pages"
             )
         return out
 
@@ -201,10 +194,9 @@ def plan(
         max_checkpoints=engine.ctx_checkpoints if layout.recurrent else 0,
         device=device,
         available_bytes=available_bytes,
-        mtp=engine.spec.enabled and engine.spec.type == "draft-mtp",
+        mtp=engine.spec.draft_mtp,
         prompt_cache_bytes=engine.cache_ram * 1024**2 if engine.cache_ram >= 0 else -1,
-        # a verification keeps the state after each of its n_max + 1 tokens (ModelRunner.run, keep_steps)
-        rollback_bytes=estimate.recurrent_bytes * (engine.spec.n_max + 1) if engine.spec.enabled else 0,
+        rollback_bytes=estimate.recurrent_bytes * engine.spec.verified_tokens,
         weights_mapped=device == "cpu",
     )
 

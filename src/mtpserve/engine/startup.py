@@ -62,7 +62,7 @@ def _load_placed(path: str | Path, config: EngineConfig, gpu: GpuRequest) -> Cau
 def log_start(config: EngineConfig, plan: MemoryPlan, name: str, n_embd: int) -> None:
     """llama-server's start-up lines."""
     spec = config.spec
-    if spec.enabled and spec.type == "draft-mtp":
+    if spec.draft_mtp:
         log.info("common_speculative_init_result: creating MTP draft context against the target model '%s'", name)
     if spec.enabled and spec.type == "draft-simple":
         log.info("srv    load_model: loaded draft model '%s'", spec.draft_model)

@@ -72,11 +72,6 @@ def plan_chat(body: Body, template: ChatTemplate, tokenizer: Tokenizer, settings
     tools = body.raw("tools")
     if tools is not None and not isinstance(tools, list):
         raise invalid("Field 'tools': expected an array")
-    for i, tool in enumerate(tools or []):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        parameters = function.get("parameters") if isinstance(function, dict) else None
-        if parameters is not None and not isinstance(parameters, dict):
-            raise invalid(f"Field 'tools[{i}].function.parameters': expected a JSON Schema object")
     tool_choice = body.raw("tool_choice", "auto")
     if not (tool_choice in ("auto", "none", "required") or _named_choice(tool_choice)):
         raise invalid(

@@ -93,24 +93,23 @@ def use_more_bits(i: int, n: int) -> bool:
 def tensors(shape: Qwen35Shape) -> list[TensorSpec]:
     """Every tensor of the file, in the order llama.cpp's converter writes them, with its Q4_K_M type."""
     s, E = shape, shape.n_embd
-    blocks = range(s.n_layer + 1)  # the MTP block last
-    n_v = sum(1 for _ in blocks)  # one attn_v or GDN attn_qkv per block
+    n_blocks = s.n_layer + 1  # the MTP block last
     out = [TensorSpec("token_embd.weight", (E, s.n_vocab), "Q4_K")]
-    i_v = i_down = 0
 
     def mat(name: str, cols: int, rows: int, quant: str = "Q4_K") -> TensorSpec:
         if cols % QK_K:  # llama-quantize's fallback where a row is not whole super-blocks
             quant = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}[quant]
         return TensorSpec(name, (cols, rows), quant)
 
-    for il in blocks:
+    for il in range(n_blocks):
         p = f"blk.{il}."
         block = [TensorSpec(p + "attn_norm.weight", (E,), "F32")]
-        v_type = "Q6_K" if use_more_bits(i_v, n_v) else "Q4_K"
-        i_v += 1
+        # llama-quantize counts attn_v (with the GDN attn_qkv) and ffn_down tensors in file order: one of each
+        # per block, so the count is the block's index
+        wide = "Q6_K" if use_more_bits(il, n_blocks) else "Q4_K"
         if s.recurrent(il):
             block += [
-                mat(p + "attn_qkv.weight", E, s.conv_dim, v_type),
+                mat(p + "attn_qkv.weight", E, s.conv_dim, wide),
                 mat(p + "attn_gate.weight", E, s.ssm_inner),
                 mat(p + "ssm_beta.weight", E, s.ssm_rank),
                 mat(p + "ssm_alpha.weight", E, s.ssm_rank),
@@ -124,18 +123,16 @@ def tensors(shape: Qwen35Shape) -> list[TensorSpec]:
             block += [
                 mat(p + "attn_q.weight", E, 2 * s.n_head * s.head_dim),
                 mat(p + "attn_k.weight", E, s.n_head_kv * s.head_dim),
-                mat(p + "attn_v.weight", E, s.n_head_kv * s.head_dim, v_type),
+                mat(p + "attn_v.weight", E, s.n_head_kv * s.head_dim, wide),
                 mat(p + "attn_output.weight", s.n_head * s.head_dim, E),
                 TensorSpec(p + "attn_q_norm.weight", (s.head_dim,), "F32"),
                 TensorSpec(p + "attn_k_norm.weight", (s.head_dim,), "F32"),
             ]
-        down_type = "Q6_K" if use_more_bits(i_down, s.n_layer + 1) else "Q4_K"
-        i_down += 1
         block += [
             TensorSpec(p + "post_attention_norm.weight", (E,), "F32"),
             mat(p + "ffn_gate.weight", E, s.n_ff),
             mat(p + "ffn_up.weight", E, s.n_ff),
-            mat(p + "ffn_down.weight", s.n_ff, E, down_type),
+            mat(p + "ffn_down.weight", s.n_ff, E, wide),
         ]
         if il == s.n_layer:
             block += [
@@ -279,9 +276,10 @@ def write(
             writer.add_tensor_info(spec.name, tuple(reversed(spec.ne)), np.dtype(np.float32), spec.nbytes)
         else:
             qtype = gguf.GGMLQuantizationType[spec.type]
-            rows, cols = int(np.prod(spec.ne[1:])), spec.ne[0]
-            byte_shape = (rows, cols // QK_K * (Q4_K_BYTES if spec.type == "Q4_K" else Q6_K_BYTES))
-            writer.add_tensor_info(spec.name, byte_shape, np.dtype(np.uint8), spec.nbytes, raw_dtype=qtype)
+            rows = int(np.prod(spec.ne[1:]))
+            writer.add_tensor_info(
+                spec.name, (rows, spec.nbytes // rows), np.dtype(np.uint8), spec.nbytes, raw_dtype=qtype
+            )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
