@@ -3,6 +3,8 @@ equal to llama-server's generated text, streaming decode equal to full decode.""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -102,6 +104,18 @@ def test_parse_special_reads_control_tokens_only_on_request():
     plain = tok.encode("<|im_start|>user<think>", parse_special=False)
     assert im_start not in plain and think not in plain
     assert tok.decode(plain) == "<|im_start|>user<think>"
+
+
+def test_encodes_with_both_special_settings_at_once_give_each_its_own_ids():
+    """Each setting has its own copy of the library's tokenizer (none is switched while another thread encodes
+    with it), so many threads mixing the two get what one thread gets."""
+    tok = model_tokenizer("tinyqwen35-mtp-F16")
+    texts = [f"<|im_start|>user {i} <think>" * 50 for i in range(16)]
+    expected = [(tok.encode(t, parse_special=True), tok.encode(t, parse_special=False)) for t in texts]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda t: (tok.encode(t, parse_special=True), tok.encode(t, parse_special=False)), texts))
+    assert got == expected
+    assert expected[0][0] != expected[0][1]
 
 
 def test_user_defined_tokens_are_always_split_out():
