@@ -9,6 +9,7 @@ import pytest
 
 from mtpserve.cli import build_parser, llama_flag_names
 from mtpserve.cli.serve import listening_sockets, settings_from_args
+from mtpserve.engine.config import GrammarLimits
 
 
 def parse(*flags: str):
@@ -30,6 +31,18 @@ def test_cors_and_tags_reach_the_settings(tmp_path):
     settings = settings_from_args(args)
     assert settings.cors.origins == "localhost" and not settings.cors.credentials
     assert settings.tags == ["chat", "fim"]
+
+
+def test_grammar_limits_reach_the_engine(tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    flags = ["--grammar-max-size", "4096", "--grammar-timeout", "2.5", "--grammar-max-memory", "300"]
+    engine = settings_from_args(
+        build_parser().parse_args(["serve", "-m", str(model), *flags, "--grammar-workers", "3"])
+    ).engine
+    assert engine.grammar == GrammarLimits(max_bytes=4096, timeout_s=2.5, max_memory=300 << 20, workers=3)
+    with pytest.raises(ValueError, match="grammar-workers"):
+        settings_from_args(build_parser().parse_args(["serve", "-m", str(model), "--grammar-workers", "0"]))
 
 
 def test_checkpoint_flags_reach_the_engine(tmp_path):

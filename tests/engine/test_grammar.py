@@ -56,9 +56,9 @@ def test_compiled_grammars_are_cached_by_content():
 
 
 def test_the_compiled_grammar_cache_is_bounded_in_bytes():
-    """Distinct schemas compiled one after another keep at most `cache_bytes` of compiled grammars here, and
-    xgrammar's own cache gets the same limit (300 distinct 120-property schemas once grew RSS by 570 MiB and kept
-    growing: issue 36, finding 4)."""
+    """Distinct schemas compiled one after another keep at most `cache_bytes` of compiled grammars here (300
+    distinct 120-property schemas once grew RSS by 570 MiB and kept growing: issue 36, finding 4). xgrammar's own
+    cache is off: it lives in the worker processes, which keep nothing between compiles."""
     _, model, tokenizer = _model()
     compiler = GrammarCompiler(tokenizer, model.config.n_vocab, cache_bytes=2 << 20)
     sizes = []
@@ -67,7 +67,6 @@ def test_the_compiled_grammar_cache_is_bounded_in_bytes():
         sizes.append(compiler.compile(GrammarSpec("json_schema", json.dumps(schema))).memory_size_bytes)
         assert compiler.cached_bytes <= max(2 << 20, sizes[-1])
     assert sum(sizes) > 2 << 20  # the limit was reached: something was let go
-    assert compiler._compiler.cache_limit_bytes == 2 << 20
 
 
 @pytest.mark.parametrize(

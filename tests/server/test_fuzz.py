@@ -1,5 +1,6 @@
 """Hostile HTTP input against the real server: schemathesis over the OpenAPI schema (every documented
-endpoint, bodies valid and invalid), and hand-written cases. A client mistake is never a 5xx, and the
+endpoint of the three APIs and llama-server's, bodies valid and invalid, grammar fields included), and
+hand-written cases. A client mistake is never a 5xx, and the
 server keeps serving."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ..conftest import default_model
 from ..support.server_process import ServerProcess
@@ -52,7 +54,19 @@ def test_no_input_makes_a_server_error(server):
 
     api = schemathesis.openapi.from_url(f"{server.url}/openapi.json", headers=AUTH)
     operations = [result.ok() for result in api.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/completion", "/tokenize"}
+    assert {op.path for op in operations} >= {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/completion",
+        "/tokenize",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/responses",
+        "/slots/{id_slot}",
+    }
+    # the grammar fields are described, so that drawn bodies reach the grammar compiler
+    described = json.dumps(api.raw_schema["paths"])
+    assert all(f'"{field}"' in described for field in ("grammar", "json_schema", "response_format", "input_schema"))
     tried = 0
     for operation in operations:
         modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if operation.method.upper() == "POST" else [])
@@ -158,3 +172,49 @@ def test_no_endpoint_reads_files(server):
     response = httpx.post(f"{server.url}/slots/0?action=save", json={"filename": "../../etc/passwd"}, headers=AUTH)
     assert response.status_code == 400 and "root:" not in response.text  # confined to --slot-save-path
     assert json.loads(response.text)["error"]
+
+
+# JSON schemas as a careless or hostile client writes them: every keyword a schema grammar reads, with values of
+# the right and the wrong kind, nested
+_KEYWORDS = ("type", "properties", "required", "enum", "const", "items", "anyOf", "minimum", "maxLength", "pattern")
+_VALUES = st.one_of(
+    st.sampled_from(["object", "string", "integer", "number", "boolean", "array", "null"]),
+    st.integers(-3, 3),
+    st.text(max_size=6),
+    st.lists(st.text(max_size=4), max_size=3),
+    st.none(),
+)
+SCHEMAS = st.recursive(
+    st.dictionaries(st.sampled_from(_KEYWORDS), _VALUES, max_size=4),
+    lambda inner: st.one_of(
+        st.dictionaries(st.sampled_from(_KEYWORDS), inner, max_size=3),
+        st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(st.text(max_size=5), inner)}),
+        st.lists(inner, max_size=3),
+    ),
+    max_leaves=12,
+)
+# GBNF made of its own pieces, so most draws parse and many do not
+GBNF = st.lists(
+    st.sampled_from(["root ::= ", '"a"', " | ", "(", ")", "*", "+", "?", "[a-z]", "[^\\x00-\\U0010FFFF]", "x", "\n"]),
+    max_size=12,
+).map("".join)
+
+
+@given(schema=SCHEMAS, grammar=GBNF)
+@settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+def test_drawn_schemas_and_grammars_get_an_answer_or_a_4xx(server, schema, grammar):
+    """Through every API that takes one: a 200 (the output held to it) or a 4xx naming the problem, never a 5xx."""
+    fmt = {"type": "json_schema", "schema": schema}
+    user = [{"role": "user", "content": "a"}]
+    requests = [
+        ("/completion", {"prompt": "a", "n_predict": 4, "json_schema": schema}),
+        ("/completion", {"prompt": "a", "n_predict": 4, "grammar": grammar}),
+        ("/v1/chat/completions", {"messages": user, "max_tokens": 4, "response_format": {**fmt, "json_schema": fmt}}),
+        ("/v1/responses", {"input": "a", "max_output_tokens": 4, "text": {"format": {**fmt, "name": "o"}}}),
+        ("/v1/messages", {"max_tokens": 4, "messages": user, "output_config": {"format": fmt}}),
+    ]
+    for path, body in requests:
+        response = httpx.post(f"{server.url}{path}", json=body, headers=AUTH, timeout=60)
+        assert response.status_code < 500, f"{path} {json.dumps(body)[:300]} -> {response.text[:300]}"
+        if response.status_code >= 400:
+            assert "Traceback" not in response.text and response.json()["error"]["message"]

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..engine import EngineConfig, SamplingParams
+from ..engine.config import GrammarLimits
 from ..engine.devices import GpuRequest, cuda_devices, list_devices_text
 from ..engine.sampling import RANDOM_SEED
 from ..quant import CACHE_TYPES
@@ -184,6 +185,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=False,
         help="keep history reasoning in Qwen3.6 templates (preserve_thinking)",
     )
+    # constrained decoding: what one grammar (a response format, a tool set, a GBNF grammar) may cost to compile
+    limits = GrammarLimits()
+    p.add_argument(
+        "--grammar-max-size", type=int, default=limits.max_bytes, help="largest schema or grammar, bytes (400 above)"
+    )
+    p.add_argument(
+        "--grammar-timeout", type=float, default=limits.timeout_s, help="seconds a grammar may take to compile"
+    )
+    p.add_argument(
+        "--grammar-max-memory", type=int, default=limits.max_memory >> 20, help="MiB a compile may use (Linux)"
+    )
+    p.add_argument(
+        "--grammar-workers", type=int, default=limits.workers, help="grammar compiler processes (compiles at once)"
+    )
     # sampling defaults
     p.add_argument("-n", "--n-predict", type=int, default=-1, help="default generation limit (-1: none)")
     p.add_argument("--temp", type=float, default=0.8)
@@ -313,6 +328,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         kv_unified=args.kv_unified,
         cache_ram=args.cache_ram,
         cache_idle_slots=args.cache_idle_slots,
+        grammar=GrammarLimits(
+            args.grammar_max_size, args.grammar_timeout, args.grammar_max_memory << 20, args.grammar_workers
+        ),
     )
     sampling = SamplingParams(
         temperature=args.temp,
@@ -333,6 +351,10 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         strict_model=args.strict_model,
         api_keys=api_keys,
         cors=CorsSettings(args.cors_origins, args.cors_methods, args.cors_headers, args.cors_credentials),
+            args.cors_methods,
+            args.cors_headers,
+            args.cors_credentials,
+        ),
         tags=[t.strip() for t in args.tags.split(",") if t.strip()],
         host=args.host,
         port=args.port,
@@ -459,7 +481,7 @@ def run(args: argparse.Namespace) -> int:
         loop="asyncio",
         http="h11",
     )
-    server = _server_class()(config)
+    server = _server_class(state.stop_compiling)(config)  # a compile is not a running request: not waited for
     address = f"unix:{uds}" if uds else ", ".join(f"http://{_bracketed(h)}:{args.port}" for h in hosts)
 
     def load() -> None:
@@ -520,7 +542,8 @@ def _bracketed(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _server_class() -> type:
+def _server_class(on_signal: Callable[[], None]) -> type:
+    """uvicorn's server, calling `on_signal` at the first SIGINT/SIGTERM."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -531,6 +554,7 @@ def _server_class() -> type:
                     sig,
                     self.config.timeout_graceful_shutdown or 0,
                 )
+                on_signal()
             super().handle_exit(sig, frame)
             self._captured_signals.clear()  # a graceful stop exits 0 (uvicorn would re-raise the signal)
 

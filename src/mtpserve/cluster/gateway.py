@@ -46,7 +46,7 @@ class GatewayState(ServerState):
         self._reports = reports
         threading.Thread(target=self._refresh, name="mtpserve-reports", daemon=True).start()
         info = EngineInfo(**next(iter(reports.values()))["info"])
-        return RemoteEngine(self._handle, info, tokenizer, lambda: self._reports)
+        return RemoteEngine(self._handle, info, tokenizer, lambda: self._reports, self.settings.engine.grammar)
 
     def _refresh(self) -> None:
         while not self._closed.wait(stats.PUBLISH_PERIOD):

@@ -13,6 +13,7 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from ..engine import (
     SlotInfo,
 )
 from ..engine.client import SlotFileResult, SpecStats, check_request
+from ..engine.config import GrammarLimits
 from ..engine.grammar import LazyGrammarCompiler
 from ..engine.request import GrammarSpec
 from ..tokenizer import Tokenizer
@@ -67,13 +69,20 @@ class RemoteEngine:
     """`EngineClient` over a Serve handle to the engine deployment. `reports()` gives the replicas' latest reports
     (stats.StatsBoard.snapshot), by replica id."""
 
-    def __init__(self, handle: Any, info: EngineInfo, tokenizer: Tokenizer, reports: Callable[[], dict]) -> None:
+    def __init__(
+        self,
+        handle: Any,
+        info: EngineInfo,
+        tokenizer: Tokenizer,
+        reports: Callable[[], dict],
+        grammar_limits: GrammarLimits,
+    ) -> None:
         self.handle = handle.options(stream=True)
         self.info = info
         self._tokenizer = tokenizer
         self._reports = reports
         self._waiting = 0  # requests sent and not yet taken by a replica: in Serve's queue
-        self._grammars = LazyGrammarCompiler(tokenizer, info.n_vocab)
+        self._grammars = LazyGrammarCompiler(tokenizer, info.n_vocab, grammar_limits)
 
     # --- requests ---------------------------------------------------------------------------------------------
 
@@ -115,9 +124,9 @@ class RemoteEngine:
             if waiting:
                 self._waiting -= 1
 
-    def compile_grammar(self, grammar: GrammarSpec) -> None:
+    def compile_grammar(self, grammar: GrammarSpec, cancelled: threading.Event | None = None) -> None:
         """Check the grammar here (the same compiler as the replicas'), so a bad one is a 400 before any routing."""
-        self._grammars.get().compile(grammar)
+        self._grammars.get().compile(grammar, cancelled)
 
     @property
     def queued(self) -> int:
@@ -156,8 +165,11 @@ class RemoteEngine:
     def slot_action(self, id_slot: int, action: str, path: Path | None = None) -> SlotFileResult:
         raise InvalidRequest("slot save/restore/erase is not available through a cluster (a slot lives on a replica)")
 
+    def stop_compiling(self) -> None:
+        self._grammars.stop_compiling()
+
     def close(self) -> None:
-        pass
+        self._grammars.close()
 
 
 def _summed(cls: type, rows: list[dict[str, int]]) -> Any:

@@ -209,9 +209,15 @@ class EngineClient(Protocol):
         """Queue a request (refusing what can never run with an EngineError); its events come on the stream."""
         ...
 
-    def compile_grammar(self, grammar: GrammarSpec) -> None:
-        """Compile (and cache) a request's grammar, raising InvalidRequest when it does not compile: slow the first
-        time (seconds for a large tool set), so the server calls it off its event loop before `submit`."""
+    def compile_grammar(self, grammar: GrammarSpec, cancelled: threading.Event | None = None) -> None:
+        """Compile (and cache) a request's grammar, raising InvalidRequest when it does not compile or runs past the
+        server's limits, Cancelled once `cancelled` is set (its client left): slow the first time (seconds for a
+        large tool set), so the server calls it off its event loop before `submit`."""
+        ...
+
+    def stop_compiling(self) -> None:
+        """The server was told to stop (SIGTERM): grammars still compiling end with ShuttingDown (503), and so do
+        later ones; running requests go on for the shutdown timeout."""
         ...
 
     @property

@@ -50,6 +50,23 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
+class GrammarLimits:
+    """What one grammar may cost (serve's --grammar-* flags)."""
+
+    max_bytes: int = 1 << 20  # the schema or grammar's source (Claude Code's 24 tools: ~100 KB as a structural tag)
+    timeout_s: float = 30.0  # waiting for a worker and compiling, together
+    max_memory: int = 1 << 30  # a worker's resident memory while it compiles (24 tools at 152K tokens: 331 MiB; Linux)
+    workers: int = 2  # compiles at once
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.timeout_s <= 0 or self.max_bytes <= 0 or self.max_memory <= 0:
+            raise ValueError("--grammar-workers, -timeout, -max-size and -max-memory must each be above 0")
+
+
+DEFAULT_GRAMMAR_LIMITS = GrammarLimits()
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """llama-server's slot and cache flags."""
 
@@ -70,3 +87,4 @@ class EngineConfig:
         True  # --cache-idle-slots: an idle slot's state is saved before --kv-unified takes its cells
     )
     spec: SpecConfig = field(default_factory=SpecConfig)  # --spec-type and --spec-draft-*
+    grammar: GrammarLimits = field(default_factory=GrammarLimits)  # --grammar-*: what one grammar may cost

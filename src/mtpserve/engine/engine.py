@@ -77,7 +77,7 @@ class Engine:
         self.info = EngineInfo(c.n_vocab, c.context_length, c.n_embd, plan.slot_ctx, config.n_parallel)
         log_start(config, plan, name, c.n_embd)
         self.slots: Slots
-        self.grammars = LazyGrammarCompiler(tokenizer, self.info.n_vocab)  # constrained requests' grammars
+        self.grammars = LazyGrammarCompiler(tokenizer, self.info.n_vocab, config.grammar)  # requests' grammars
         self.prompt_cache = PromptCache(config.cache_ram) if config.cache_ram else None
         self._queue: deque[Job] = deque()
         self._wake = threading.Condition()
@@ -110,16 +110,17 @@ class Engine:
         """Queue a request; errors a request can be refused with (empty or over-long prompt, bad slot) are raised
         here, before anything runs."""
         check_request(request, self.info)
-        if request.grammar is not None:
-            self.grammars.get().compile(request.grammar)  # a bad grammar is refused here; compiled once (cached)
+        constraint = None
+        if request.grammar is not None:  # refused here if bad; compiled now (cached), not on the engine thread
+            constraint = self.grammars.get().constraint(request.grammar, request.keep_special)
         stream = RequestStream()
         with self._wake:
-            self._queue.append(Job(request, stream))
+            self._queue.append(Job(request, stream, constraint=constraint))
             self._wake.notify()
         return stream
 
-    def compile_grammar(self, grammar: GrammarSpec) -> None:
-        self.grammars.get().compile(grammar)
+    def compile_grammar(self, grammar: GrammarSpec, cancelled: threading.Event | None = None) -> None:
+        self.grammars.get().compile(grammar, cancelled)
 
     @property
     def queued(self) -> int:
@@ -154,6 +155,9 @@ class Engine:
         Waits while the slot serves a request; file errors are InvalidRequest (400) with what is wrong."""
         hidden = slot_files.HiddenSpec(self.model.output_norm.device, self.info.n_embd)
         return self.slot_tasks.act(id_slot, action, path, self.reuse, hidden)
+
+    def stop_compiling(self) -> None:
+        self.grammars.stop_compiling()
 
     def close(self) -> None:
         with self._wake:
@@ -244,7 +248,7 @@ class Engine:
         job.batch_ends, job.checkpoint_at, job.keep_at = self.slots.schedule(
             prompt, slot.n_past, request.checkpoint_at, resume
         )
-        job.begin(self.tokenizer, self.config.n_predict, self.info.n_ctx_slot, self.grammars.made)
+        job.begin(self.tokenizer, self.config.n_predict, self.info.n_ctx_slot)
         slot.job = job
         job.report_progress(slot.n_past)
         log.info(

@@ -44,6 +44,16 @@ class ServerError(EngineError):
     code = 500
 
 
+class ShuttingDown(ServerError):
+    """Work that had not started when the server was told to stop (SIGTERM), a grammar's compile included."""
+
+    type = "unavailable_error"
+    code = 503
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down")
+
+
 class ContextPoolFull(ServerError):
     """--kv-unified: the shared pool has no cell left for a generating slot's next token. llama-server ends the
     requests with this message (a 500); here only the slot that found no cell, the others go on."""

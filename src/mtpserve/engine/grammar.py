@@ -8,8 +8,9 @@ compiled grammars by content hash, so an agent's resent tools compile once); xgr
 XML tool-call format as a preset (parameters typed by each tool's JSON schema, the reasoning block before the
 calls, `required` / forced / `parallel_tool_calls`), and it is vLLM's and SGLang's engine.
 
-`GrammarCompiler` (one per engine: it holds the vocabulary) compiles a `GrammarSpec`, cached; a bad grammar is
-an `InvalidGrammar` (400) naming the library's complaint. `Constraint` is one request's matcher: `masked`
+`GrammarCompiler` (one per engine: it holds the vocabulary) compiles a `GrammarSpec` in a worker process within
+the server's limits (grammar_process.py), cached; a bad grammar is an `InvalidGrammar` (400) naming the library's
+complaint or the limit it ran past. `Constraint` is one request's matcher: `masked`
 gives the logits with every token the grammar forbids at -inf, `accept` advances it past the token sampled,
 `rollback` undoes accepted tokens. A JSON schema's values are laid out as `JSON.stringify(value, null, 2)`
 with bounded digit runs (chat.structured.json_grammar says why). The vocabulary gives control tokens their
@@ -25,7 +26,6 @@ and `masked` waits for it.
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Collection
@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..chat.structured import StructuredOutputError, json_grammar, library_message
 from ..tokenizer import Tokenizer
-from .errors import InvalidRequest
+from .config import DEFAULT_GRAMMAR_LIMITS, GrammarLimits
+from .grammar_process import CompilerProcesses, InvalidGrammar
 from .request import GrammarSpec
 
 if TYPE_CHECKING:
@@ -44,24 +44,29 @@ if TYPE_CHECKING:
 
 GRAMMAR_KINDS = ("json_schema", "gbnf", "structural_tag")
 CACHE_SIZE = 256  # compiled grammars kept (each a few hundred KB at most for a tool set)
-CACHE_BYTES = 256 << 20  # ... and their memory at most, ours and xgrammar's own cache each (unbounded by default)
+CACHE_BYTES = 256 << 20  # ... and their memory at most
 
-
-class InvalidGrammar(InvalidRequest):
-    """A schema or grammar that does not compile."""
+__all__ = ["Constraint", "GrammarCompiler", "GrammarLimits", "InvalidGrammar", "LazyGrammarCompiler"]
 
 
 class GrammarCompiler:
     """Compiles grammars against one tokenizer's vocabulary (padded to the model's `n_vocab` rows of logits)."""
 
-    def __init__(self, tokenizer: Tokenizer, n_vocab: int, threads: int = 2, cache_bytes: int = CACHE_BYTES) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        n_vocab: int,
+        limits: GrammarLimits = DEFAULT_GRAMMAR_LIMITS,
+        threads: int = 2,
+        cache_bytes: int = CACHE_BYTES,
+    ) -> None:
         import xgrammar
 
         self._xgr = xgrammar
         eog = sorted(tokenizer.eog_ids)
         vocab = [b"" if i in tokenizer.eog_ids else tokenizer.token_bytes(i) for i in range(tokenizer.n_vocab)]
-        info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW, vocab_size=n_vocab, stop_token_ids=eog)
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=threads, cache_limit_bytes=cache_bytes)
+        self._info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW, vocab_size=n_vocab, stop_token_ids=eog)
+        self.processes = CompilerProcesses(self._info.serialize_json(), limits, threads)
         self.cache_bytes, self._cached_bytes = cache_bytes, 0
         self.n_vocab = n_vocab
         self.control = torch.zeros(n_vocab, dtype=torch.bool)
@@ -72,8 +77,9 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._masks = ThreadPoolExecutor(1, thread_name_prefix="mtpserve-grammar")
 
-    def compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
-        """The compiled grammar of `spec` (from the cache when it was compiled before)."""
+    def compile(self, spec: GrammarSpec, cancelled: threading.Event | None = None) -> xgrammar.CompiledGrammar:
+        """The compiled grammar of `spec` (from the cache when it was compiled before); given up with Cancelled
+        when `cancelled` is set first (its client left)."""
         if spec.kind not in GRAMMAR_KINDS:
             raise InvalidGrammar(f"unknown grammar kind {spec.kind!r} (expected one of {', '.join(GRAMMAR_KINDS)})")
         key = (spec.kind, hashlib.sha256(spec.source.encode()).hexdigest())
@@ -81,20 +87,8 @@ class GrammarCompiler:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        try:
-            if spec.kind == "json_schema":
-                compiled = self._compiler.compile_grammar(json_grammar(json.loads(spec.source)))
-            elif spec.kind == "gbnf":
-                compiled = self._compiler.compile_grammar(spec.source)
-            else:
-                compiled = self._compiler.compile_structural_tag(spec.source)
-        except StructuredOutputError as e:
-            raise InvalidGrammar(str(e)) from None
-        except Exception as e:  # noqa: BLE001 - the library's errors (RuntimeError, ValueError, its own) say what is wrong
-            raise InvalidGrammar(f"invalid {spec.kind.replace('_', ' ')}: {library_message(e)}"[:500]) from None
-        if spec.kind != "structural_tag" and not self._starts(compiled):
-            what = "JSON schema" if spec.kind == "json_schema" else "grammar"
-            raise InvalidGrammar(f"the {what} matches no text: no token can start it")
+        serialized = self.processes.compile(spec.kind, spec.source, cancelled)
+        compiled = self._xgr.CompiledGrammar.deserialize_json(serialized, self._info)
         with self._lock:
             if key not in self._cache:
                 self._cache[key] = compiled
@@ -106,14 +100,8 @@ class GrammarCompiler:
 
     @property
     def cached_bytes(self) -> int:
-        """Memory of the compiled grammars this compiler keeps (xgrammar's own cache is bounded alike)."""
+        """Memory of the compiled grammars this compiler keeps."""
         return self._cached_bytes
-
-    def _starts(self, compiled: xgrammar.CompiledGrammar) -> bool:
-        """Whether any token (an end-of-generation token included, for a grammar that matches "") may come first."""
-        bitmask = self._xgr.allocate_token_bitmask(1, self.n_vocab)
-        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
-        return bool(bitmask.any())
 
     def constraint(self, spec: GrammarSpec, keep_special: Collection[int] = ()) -> Constraint:
         """A fresh matcher for one request; the control tokens outside `keep_special` banned."""
@@ -126,26 +114,42 @@ class GrammarCompiler:
         )
 
     def close(self) -> None:
+        """Kill the compiler processes (compiles under way end with an error) and stop filling masks."""
+        self.processes.close()
         self._masks.shutdown(wait=False, cancel_futures=True)
 
 
 class LazyGrammarCompiler:
     """A GrammarCompiler made on first use (its vocabulary takes ~1 s at 250K tokens), from any thread."""
 
-    def __init__(self, tokenizer: Tokenizer, n_vocab: int) -> None:
-        self._args = (tokenizer, n_vocab)
+    def __init__(self, tokenizer: Tokenizer, n_vocab: int, limits: GrammarLimits) -> None:
+        self._args = (tokenizer, n_vocab, limits)
         self._lock = threading.Lock()
+        self._stopped = self._closed = False
         self.made: GrammarCompiler | None = None
 
     def get(self) -> GrammarCompiler:
         with self._lock:
             if self.made is None:
                 self.made = GrammarCompiler(*self._args)
+                if self._closed:
+                    self.made.close()
+                elif self._stopped:
+                    self.made.processes.close()
             return self.made
 
+    def stop_compiling(self) -> None:
+        """Compiles under way or to come end with ShuttingDown; running requests' constraints go on."""
+        with self._lock:
+            self._stopped = True
+            if self.made is not None:
+                self.made.processes.close()
+
     def close(self) -> None:
-        if self.made is not None:
-            self.made.close()
+        with self._lock:
+            self._stopped = self._closed = True
+            if self.made is not None:
+                self.made.close()
 
 
 class Constraint:

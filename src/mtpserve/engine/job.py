@@ -10,7 +10,7 @@ import torch
 
 from ..tokenizer import Tokenizer
 from .client import RequestStream, count_accepted
-from .grammar import Constraint, GrammarCompiler
+from .grammar import Constraint
 from .output import RequestOutput, Stop
 from .reasoning_budget import ReasoningBudget
 from .request import FinishEvent, ProgressEvent, Request, Timings, TokenEvent
@@ -30,7 +30,7 @@ class Job:
     request: Request
     stream: RequestStream
     sampler: Sampler | None = None
-    constraint: Constraint | None = None  # with request.grammar: its matcher
+    constraint: Constraint | None = None  # with request.grammar: its matcher (made when the request is submitted)
     budget: ReasoningBudget | None = None  # with request.reasoning_budget: what it forces
     output: RequestOutput | None = None
     phase: Phase = Phase.PROMPT
@@ -45,13 +45,10 @@ class Job:
     verify_steps: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
 
-    def begin(self, tokenizer: Tokenizer, n_predict: int, n_ctx: int, grammars: GrammarCompiler | None = None) -> None:
-        """Set up the sampler, the constraint and the output (`n_predict`: the server's default limit; `n_ctx`:
-        the slot's; `grammars`: the engine's compiler, for a request with a grammar)."""
+    def begin(self, tokenizer: Tokenizer, n_predict: int, n_ctx: int) -> None:
+        """Set up the sampler and the output (`n_predict`: the server's default limit; `n_ctx`: the slot's)."""
         request = self.request
-        if request.grammar is not None:
-            assert grammars is not None
-            self.constraint = grammars.constraint(request.grammar, request.keep_special)
+        assert (request.grammar is None) == (self.constraint is None)
         params = request.sampling
         # llama-server: ignore_eos is a -inf bias on every end-of-generation token; with a grammar the end is the
         # grammar's (only allowed once it is complete), so the bias would leave no token to sample there

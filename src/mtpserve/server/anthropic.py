@@ -48,7 +48,7 @@ from .params import Body, Completion
 from .responses import collect, events, sse
 from .state import ServerState
 
-StartChat = Callable[[Body], Awaitable[tuple[Completion, ChatPlan, RequestStream, ChatOutput]]]
+StartChat = Callable[[Request, Body], Awaitable[tuple[Completion, ChatPlan, RequestStream, ChatOutput]]]
 ReadBody = Callable[[Request], Awaitable[Body]]
 
 ERROR_TYPES = {
@@ -75,6 +75,11 @@ _MESSAGE = {
     "required": ["role", "content"],
     "properties": {"role": {"type": "string", "enum": ["user", "assistant"]}, "content": _CONTENT},
 }
+_TOOL = {
+    "type": "object",
+    "required": ["name", "input_schema"],
+    "properties": {"name": {"type": "string"}, "input_schema": schema.JSON_SCHEMA},
+}
 # the request bodies in /openapi.json (schemathesis fuzzes from it); the handlers have the last word
 COUNT_TOKENS = {
     "type": "object",
@@ -84,10 +89,18 @@ COUNT_TOKENS = {
         "messages": {"type": "array", "items": _MESSAGE},
         "system": _CONTENT,
         "stop_sequences": {"type": "array", "items": {"type": "string"}},
-        "tools": {"type": "array", "items": {"type": "object"}},
-        "tool_choice": {"type": "object"},
+        "tools": {"type": "array", "items": {"oneOf": [_TOOL, {"type": "object"}]}},
+        "tool_choice": {"type": "object", "properties": {"type": {"type": "string", "enum": ["auto", "any", "none"]}}},
         "thinking": {"type": "object"},
-        "output_config": {"type": "object"},
+        "output_config": {
+            "type": "object",
+            "properties": {
+                "format": {
+                    "type": "object",
+                    "properties": {"type": {"type": "string", "enum": ["json_schema"]}, "schema": schema.JSON_SCHEMA},
+                }
+            },
+        },
         "metadata": {"type": "object"},
     },
 }
@@ -102,7 +115,7 @@ def add_routes(router: APIRouter, state: ServerState, start_chat: StartChat, rea
     async def messages(request: Request) -> Response:
         try:
             body = await read_body(request)
-            job, plan, stream, output = await start_chat(Body(to_chat(body)))
+            job, plan, stream, output = await start_chat(request, Body(to_chat(body)))
             mid, omit = "msg_" + _random_id(24), _omits_thinking(body)
             if job.stream:
                 return sse(_stream(state, request, stream, plan, output, mid, omit))

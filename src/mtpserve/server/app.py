@@ -14,6 +14,7 @@ import json
 import logging
 import secrets
 import string
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import EngineError, FinishEvent, RequestStream, TokenEvent
-from ..engine.client import SlotInfo
+from ..engine.client import SlotInfo, check_request
 from ..engine.slot_files import slot_file_path
 from ..tokenizer import Tokenizer
 from . import anthropic, openai_responses, params, schema
@@ -47,6 +48,7 @@ from .responses import (
     sse,
     text_stream,
     token_logprobs,
+    watch_client,
 )
 from .state import ServerState
 
@@ -325,7 +327,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def completion_native(request: Request) -> Response:
         jobs, _ = await text_jobs(request, "n_probs")
         if jobs[0].stream:
-            return sse(native_stream(state, request, await submit(state, jobs[0]), jobs[0]))
+            return sse(native_stream(state, request, await submit(state, request, jobs[0]), jobs[0]))
         results = await run_all(state, request, jobs)
         answers = [native_final(state, j, f, t, f.text, i) for i, (j, (f, t)) in enumerate(zip(jobs, results))]
         return JSONResponse(answers[0] if len(answers) == 1 else answers)
@@ -335,7 +337,7 @@ def create_app(state: ServerState) -> FastAPI:
         jobs, tokenizer = await text_jobs(request, "logprobs")
         cid = "cmpl-" + _random_id()
         if jobs[0].stream:
-            return sse(text_stream(state, request, await submit(state, jobs[0]), jobs[0], cid))
+            return sse(text_stream(state, request, await submit(state, request, jobs[0]), jobs[0], cid))
         results = await run_all(state, request, jobs)
         choices = [
             {
@@ -367,13 +369,13 @@ def create_app(state: ServerState) -> FastAPI:
         job.request.resume_at = plan.resume_at
         return job, plan
 
-    async def start_chat(body: Body) -> tuple[Completion, ChatPlan, RequestStream, ChatOutput]:
+    async def start_chat(request: Request, body: Body) -> tuple[Completion, ChatPlan, RequestStream, ChatOutput]:
         """An OpenAI chat body queued on the engine: the request, its plan, its event stream and the output
         parser that turns its text into OpenAI deltas. The Anthropic and Responses endpoints convert their
         bodies to a chat body and come through here too."""
         job, plan = await prepare_chat(body)
         output = ChatOutput(plan, state.loaded_template())  # before queueing: what fails here leaves nothing running
-        return job, plan, await submit(state, job), output
+        return job, plan, await submit(state, request, job), output
 
     @router.post("/v1/chat/completions", openapi_extra=schema.body(schema.CHAT))
     @router.post("/chat/completions", include_in_schema=False)
@@ -386,7 +388,7 @@ def create_app(state: ServerState) -> FastAPI:
         if job.stream:
             if len(jobs) > 1:
                 raise unsupported("streaming several choices (n > 1) is not supported (send one request each)")
-            return sse(chat_stream(state, request, await submit(state, job), job, plan, output, cid))
+            return sse(chat_stream(state, request, await submit(state, request, job), job, plan, output, cid))
         tokenizer = state.loaded_tokenizer()
         results = await run_all(state, request, jobs)
         choices = []
@@ -503,17 +505,24 @@ async def run_all(
     streams: list[RequestStream] = []
     try:
         for job in jobs:
-            streams.append(await submit(state, job))
+            streams.append(await submit(state, request, job))
         return [await collect(request, stream) for stream in streams]
     finally:
         for stream in streams:
             stream.cancel()  # a no-op for those that finished
 
 
-async def submit(state: ServerState, job: Completion) -> RequestStream:
-    """`_submit`, the request's grammar compiled first off the event loop (up to seconds, once: cached)."""
+async def submit(state: ServerState, request: Request, job: Completion) -> RequestStream:
+    """`_submit`, the request's grammar compiled first off the event loop (up to seconds, once: cached), given up
+    if its client leaves meanwhile; a request refused anyway (its context) is refused before that."""
     if job.request.grammar is not None:
-        await run_in_threadpool(state.loaded_engine().compile_grammar, job.request.grammar)
+        check_request(job.request, state.loaded_engine().info)
+        left = threading.Event()
+        watcher = asyncio.create_task(watch_client(request, left.set))
+        try:
+            await run_in_threadpool(state.loaded_engine().compile_grammar, job.request.grammar, left)
+        finally:
+            watcher.cancel()
     return _submit(state, job)
 
 

@@ -50,9 +50,18 @@ from .params import Body, Completion
 from .responses import collect, events, sse
 from .state import ServerState
 
-StartChat = Callable[[Body], Awaitable[tuple[Completion, ChatPlan, RequestStream, ChatOutput]]]
+StartChat = Callable[[Request, Body], Awaitable[tuple[Completion, ChatPlan, RequestStream, ChatOutput]]]
 ReadBody = Callable[[Request], Awaitable[Body]]
 
+_FUNCTION_TOOL = {
+    "type": "object",
+    "required": ["type", "name"],
+    "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "name": {"type": "string"},
+        "parameters": schema.JSON_SCHEMA,
+    },
+}
 # the request body in /openapi.json (schemathesis fuzzes from it); the handler has the last word
 RESPONSE_BODY = {
     "type": "object",
@@ -61,11 +70,23 @@ RESPONSE_BODY = {
         **schema.SAMPLING,
         "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
         "instructions": {"type": "string"},
-        "tools": {"type": "array", "items": {"type": "object"}},
-        "tool_choice": {"oneOf": [{"type": "string"}, {"type": "object"}]},
+        "tools": {"type": "array", "items": {"oneOf": [_FUNCTION_TOOL, {"type": "object"}]}},
+        "tool_choice": {"oneOf": [{"type": "string", "enum": ["auto", "none", "required"]}, {"type": "object"}]},
         "parallel_tool_calls": schema.BOOLEAN,
         "max_output_tokens": schema.INTEGER,
-        "text": {"type": "object"},
+        "text": {
+            "type": "object",
+            "properties": {
+                "format": {
+                    "type": "object",
+                    "properties": {
+                        "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+                        "name": {"type": "string"},
+                        "schema": schema.JSON_SCHEMA,
+                    },
+                }
+            },
+        },
         "reasoning": {"type": "object"},
         "stream": schema.BOOLEAN,
         "store": schema.BOOLEAN,
@@ -112,7 +133,7 @@ def add_routes(router: APIRouter, state: ServerState, start_chat: StartChat, rea
     @router.post("/responses", include_in_schema=False)
     async def create_response(request: Request) -> Response:
         body = await read_body(request)
-        job, _, stream, output = await start_chat(Body(chat_body(body)))
+        job, _, stream, output = await start_chat(request, Body(chat_body(body)))
         items = _Items(_envelope(state, body), output)
         if job.stream:
             return sse(_stream(state, request, stream, items))

@@ -9,7 +9,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -63,12 +63,12 @@ def generation_settings(state: ServerState, job: Completion | None = None) -> di
     return out
 
 
-async def _watch(request: Request, stream: RequestStream) -> None:
-    """Cancel the request when its client goes away (the slot is freed at the engine's next step)."""
+async def watch_client(request: Request, on_leave: Callable[[], None]) -> None:
+    """Call `on_leave` when the client goes away (a stream's cancel: the slot is freed at the engine's next step)."""
     while True:
         await asyncio.sleep(WATCH_INTERVAL)
         if await request.is_disconnected():
-            stream.cancel()
+            on_leave()
             return
 
 
@@ -77,7 +77,7 @@ async def events(
 ) -> AsyncIterator[TokenEvent | ProgressEvent | FinishEvent | None]:
     """The engine's events for one request; None after `ping` seconds of silence (time for a keep-alive).
     The request is cancelled if the client leaves or the consumer stops early."""
-    watcher = asyncio.create_task(_watch(request, stream))
+    watcher = asyncio.create_task(watch_client(request, stream.cancel))
     finished = False
     try:
         while True:

@@ -32,6 +32,45 @@ SAMPLING: dict[str, Any] = {
     "model": {"type": "string"},
 }
 
+# a JSON schema as clients send them for formats and tool parameters: shaped enough that fuzzed bodies reach the
+# grammar compiler (most draws compile), loose enough that broken schemas are drawn too
+JSON_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "type": {"type": "string", "enum": ["object", "string", "integer", "number", "boolean", "array", "null"]},
+        "properties": {"type": "object", "additionalProperties": {"type": "object"}},
+        "required": {"type": "array", "items": {"type": "string"}},
+        "enum": {"type": "array"},
+        "items": {"type": "object"},
+        "additionalProperties": BOOLEAN,
+    },
+}
+FUNCTION_TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {"name": {"type": "string"}, "description": {"type": "string"}, "parameters": JSON_SCHEMA},
+        },
+    },
+}
+RESPONSE_FORMAT = {
+    "oneOf": [
+        {"type": "object", "properties": {"type": {"type": "string", "enum": ["text", "json_object"]}}},
+        {
+            "type": "object",
+            "required": ["type", "json_schema"],
+            "properties": {
+                "type": {"type": "string", "enum": ["json_schema"]},
+                "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": JSON_SCHEMA}},
+            },
+        },
+    ]
+}
+
 PROMPT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"oneOf": [INTEGER, {"type": "string"}]}}]}
 MESSAGE = {
     "type": "object",
@@ -57,10 +96,10 @@ CHAT = {
         "n": INTEGER,
         "logprobs": BOOLEAN,
         "top_logprobs": INTEGER,
-        "tools": {"type": "array", "items": {"type": "object"}},
-        "tool_choice": {"oneOf": [{"type": "string"}, {"type": "object"}]},
+        "tools": {"type": "array", "items": {"oneOf": [FUNCTION_TOOL, {"type": "object"}]}},
+        "tool_choice": {"oneOf": [{"type": "string", "enum": ["auto", "none", "required"]}, {"type": "object"}]},
         "parallel_tool_calls": BOOLEAN,
-        "response_format": {"type": "object"},
+        "response_format": RESPONSE_FORMAT,
         "chat_template_kwargs": {"type": "object"},
         "reasoning_format": {"type": "string"},
         "stream_options": {"type": "object", "properties": {"include_usage": BOOLEAN}},
@@ -74,7 +113,15 @@ COMPLETION = {
 NATIVE = {
     "type": "object",
     "required": ["prompt"],
-    "properties": {**SAMPLING, "prompt": PROMPT, "n_predict": INTEGER, "n_probs": INTEGER, "return_tokens": BOOLEAN},
+    "properties": {
+        **SAMPLING,
+        "prompt": PROMPT,
+        "n_predict": INTEGER,
+        "n_probs": INTEGER,
+        "return_tokens": BOOLEAN,
+        "grammar": {"type": "string"},
+        "json_schema": JSON_SCHEMA,
+    },
 }
 TOKENIZE = {
     "type": "object",

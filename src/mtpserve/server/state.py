@@ -143,6 +143,11 @@ class ServerState:
             threading.Thread(target=warm_page_cache, args=(s.model,), name="warm-page-cache", daemon=True).start()
         return Engine.from_file(s.model, s.engine, gpu=s.gpu, draft_gpu=s.draft_gpu)
 
+    def stop_compiling(self) -> None:
+        """SIGTERM: requests still compiling their grammar are refused (503) rather than waited for."""
+        if self.engine is not None:
+            self.engine.stop_compiling()
+
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
