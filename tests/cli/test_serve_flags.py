@@ -33,6 +33,14 @@ def test_cors_and_tags_reach_the_settings(tmp_path):
     assert settings.tags == ["chat", "fim"]
 
 
+def test_cors_defaults_to_any_origin_with_a_key_and_localhost_without(tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    open_server = settings_from_args(build_parser().parse_args(["serve", "-m", str(model)]))
+    keyed = settings_from_args(build_parser().parse_args(["serve", "-m", str(model), "--api-key", "k"]))
+    assert open_server.cors.origins == "localhost" and keyed.cors.origins == "*"
+
+
 def test_grammar_limits_reach_the_engine(tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")

@@ -1,18 +1,20 @@
-"""The Gatekeeper in front of the app (llama-server's pre-routing rules): CORS by --cors-origins, preflights
-answered before the key is asked for, 503 while loading, 401 without the key, header names in their canonical
-case. On a bare ASGI app: no model needed."""
+"""The Gatekeeper in front of the app (llama-server's pre-routing rules): CORS by --cors-origins, pages of other
+origins refused where origins are restricted, preflights answered before the key is asked for, 503 while loading,
+401 without the key, header names in their canonical case. On a bare ASGI app: no model needed."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from mtpserve.server.middleware import CorsSettings, Gatekeeper, canonical_header, unauthorized_body
+from mtpserve.server.middleware import CorsSettings, Gatekeeper, canonical_header, error_bodies, resolve_origins
 
 KEY = "k-123"
+REACHED: list[str] = []  # paths the app behind the gatekeeper was called for
 
 
 async def hello(scope, receive, send):
+    REACHED.append(scope["path"])
     await send({"type": "http.response.start", "status": 200, "headers": [(b"x-process-start-time-unix", b"1")]})
     await send({"type": "http.response.body", "body": b"{}"})
 
@@ -20,14 +22,14 @@ async def hello(scope, receive, send):
 DEFAULT_CORS = CorsSettings()
 
 
-def client(cors: CorsSettings = DEFAULT_CORS, ready: bool = True) -> httpx.AsyncClient:
+def client(cors: CorsSettings = DEFAULT_CORS, ready: bool = True, keys: tuple[str, ...] = (KEY,)) -> httpx.AsyncClient:
     app = Gatekeeper(
         hello,
         cors=cors,
-        api_keys=[KEY],
+        api_keys=list(keys),
         prefix="",
         ready=lambda: ready,
-        unauthorized_body=unauthorized_body(lambda message, code: {"type": "error", "error": {"message": message}}),
+        error_body=error_bodies(lambda message, code: {"type": "error", "error": {"message": message}}),
     )
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
@@ -62,7 +64,37 @@ async def test_a_preflight_is_answered_without_the_key_with_llama_servers_header
 async def test_localhost_origins_only(origin, allowed):
     async with client(CorsSettings(origins="localhost")) as c:
         response = await c.get("/health", headers={"Origin": origin})
+        preflight = await c.options("/completions", headers={"Origin": origin, **PREFLIGHT})
     assert response.headers.get("access-control-allow-origin") == (origin if allowed else None)
+    assert response.status_code == (200 if allowed else 403)
+    assert preflight.status_code == 200  # llama-server's: answered, without the origin for a foreign page
+    assert preflight.headers.get("access-control-allow-origin") == (origin if allowed else None)
+
+
+def test_auto_origins_are_any_with_a_key_and_localhost_without():
+    assert resolve_origins("auto", has_api_key=True) == "*"
+    assert resolve_origins("auto", has_api_key=False) == "localhost"
+    assert resolve_origins("https://a.example", has_api_key=False) == "https://a.example"
+
+
+@pytest.mark.anyio
+async def test_a_foreign_page_cannot_drive_a_keyless_server():
+    """A page elsewhere sending a request that needs no preflight (a form POST; a slot erase has no body) is refused
+    before the app sees it, not only left unreadable (issue 36, finding 9)."""
+    REACHED.clear()
+    async with client(CorsSettings(origins="localhost"), keys=()) as c:
+        erase = await c.post("/slots/0?action=erase", headers={"Origin": "https://evil.example"})
+        messages = await c.post("/v1/messages", content=b"{}", headers={"Origin": "https://evil.example"})
+        form = await c.post("/completion", data={"prompt": "x"}, headers={"Origin": "null"})  # a file:// page
+        own_page = await c.post("/completion", json={}, headers={"Origin": "http://test"})  # Host: test
+        no_origin = await c.post("/completion", json={})  # curl, the SDKs, agents
+    for refused in (erase, messages, form):
+        assert refused.status_code == 403
+        assert "--cors-origins" in refused.text
+    assert erase.json()["error"]["type"] == "permission_error"
+    assert messages.json()["type"] == "error"  # Anthropic's shape under /v1/messages
+    assert own_page.status_code == 200 and no_origin.status_code == 200
+    assert REACHED == ["/completion", "/completion"]
 
 
 @pytest.mark.anyio

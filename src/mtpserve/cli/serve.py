@@ -37,7 +37,7 @@ from ..engine.devices import GpuRequest, cuda_devices, list_devices_text
 from ..engine.sampling import RANDOM_SEED
 from ..quant import CACHE_TYPES
 from ..server.chat import REASONING_FORMATS, ChatSettings
-from ..server.middleware import CorsSettings
+from ..server.middleware import CorsSettings, resolve_origins
 from ..server.state import DEFAULT_MAX_BODY, ServerSettings
 from .common import (
     add_checkpoint_arguments,
@@ -80,8 +80,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tags", default="", help="model tags, comma-separated (informational: listed by /v1/models)")
     p.add_argument(
         "--cors-origins",
-        default="*",
-        help="allowed origins: * (default), localhost (only localhost origins), or a comma-separated list",
+        default="auto",
+        help="web pages that may call the server: auto (default: * with --api-key, else localhost), *, localhost, "
+        "or a comma-separated list; other pages are refused (403)",
     )
     p.add_argument("--cors-methods", default="GET, POST, DELETE, OPTIONS", help="Access-Control-Allow-Methods")
     p.add_argument("--cors-headers", default="*", help="Access-Control-Allow-Headers")
@@ -350,7 +351,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         aliases=[a for a in (args.alias or "").split(",") if a],
         strict_model=args.strict_model,
         api_keys=api_keys,
-        cors=CorsSettings(args.cors_origins, args.cors_methods, args.cors_headers, args.cors_credentials),
+        cors=CorsSettings(
+            resolve_origins(args.cors_origins, bool(api_keys)),
             args.cors_methods,
             args.cors_headers,
             args.cors_credentials,

@@ -34,7 +34,7 @@ from ..tokenizer import Tokenizer
 from . import anthropic, openai_responses, params, schema
 from .chat import ChatOutput, ChatPlan, plan_chat
 from .errors import NOT_FOUND, APIError, invalid, unsupported
-from .middleware import PAGE_ASSETS, Gatekeeper, unauthorized_body
+from .middleware import PAGE_ASSETS, Gatekeeper, error_bodies
 from .params import Body, Completion
 from .responses import (
     chat_finish_reason,
@@ -86,7 +86,7 @@ def create_app(state: ServerState) -> FastAPI:
         api_keys=settings.api_keys,
         prefix=settings.api_prefix,
         ready=lambda: state.ready,
-        unauthorized_body=unauthorized_body(anthropic.error_body),
+        error_body=error_bodies(anthropic.error_body),
     )
     prefix = settings.api_prefix.rstrip("/")
     router = APIRouter()

@@ -7,9 +7,17 @@ public set. It is plain ASGI rather than Starlette's BaseHTTPMiddleware, which h
 from handlers whose answer has not started (a non-streamed completion must see it to free its slot).
 
 CORS, llama-server's flags (`--cors-origins`, `--cors-methods`, `--cors-headers`, `--cors-credentials`):
-`*` with credentials (the default) echoes the request's Origin; `localhost` echoes only a localhost origin
-(http://localhost, 127.0.0.1 or [::1], any port); a comma-separated list echoes an origin found in it (where
-llama-server would send the list itself, which browsers reject).
+`*` with credentials echoes the request's Origin; `localhost` echoes only a localhost origin (http://localhost,
+127.0.0.1 or [::1], any port); a comma-separated list echoes an origin found in it (where llama-server would
+send the list itself, which browsers reject). The default, `auto`, is `*` with an API key (llama-server's
+default: the key is the guard, and a page cannot send it without knowing it) and `localhost` without one.
+
+Where origins are restricted, a request from a web page of another origin is refused (403), not only left
+unreadable: CORS alone stops a page reading an answer, not sending a request (a form POST, or
+`POST /slots/0?action=erase` with no body, needs no preflight), so without this any page the user visits could
+drive an open server on their machine (issue 36, finding 9). Ollama refuses such origins the same way. Requests
+without an Origin (curl, the SDKs, agents) and the server's own page (its Origin is the Host it was asked at)
+pass.
 
 Response header names go out in their canonical case (`Access-Control-Allow-Origin`,
 `Process-Start-Time-Unix`): HTTP says case does not matter, but clients that read headers into a plain
@@ -27,7 +35,7 @@ from importlib import resources
 from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import LOADING, UNAUTHORIZED
+from .errors import LOADING, UNAUTHORIZED, APIError
 
 log = logging.getLogger("mtpserve.server")
 
@@ -72,7 +80,7 @@ PAGE_ASSETS = _page_assets()
 class CorsSettings:
     """llama-server's CORS flags and their defaults."""
 
-    origins: str = "*"
+    origins: str = "*"  # resolved: "auto" is decided by resolve_origins before this is made
     methods: str = "GET, POST, DELETE, OPTIONS"
     headers: str = "*"
     credentials: bool = True
@@ -85,6 +93,21 @@ class CorsSettings:
             return origin if origin and is_localhost(origin) else None
         allowed = {o.strip() for o in self.origins.split(",") if o.strip()}
         return origin if origin in allowed else None
+
+
+def resolve_origins(origins: str, has_api_key: bool) -> str:
+    """--cors-origins as given, `auto` decided: `*` with an API key, `localhost` without."""
+    if origins != "auto":
+        return origins
+    return "*" if has_api_key else "localhost"
+
+
+def same_origin(origin: str, host: str) -> bool:
+    """Whether a browser's Origin is the address it asked this server at (the Host header): the server's own page."""
+    try:
+        return bool(host) and urlsplit(origin).netloc.lower() == host.lower()
+    except ValueError:
+        return False
 
 
 def is_localhost(origin: str) -> bool:
@@ -102,8 +125,8 @@ def canonical_header(name: bytes) -> bytes:
 
 class Gatekeeper:
     """The ASGI layer in front of the FastAPI app (see the module docstring). `ready()`: whether the model is
-    loaded; `api_keys`: empty for an open server; `on_unauthorized(path)`: the 401 body for a path (Anthropic's
-    clients read their own error shape)."""
+    loaded; `api_keys`: empty for an open server; `error_body(path, error)`: an error's body for a path
+    (Anthropic's clients read their own error shape)."""
 
     def __init__(
         self,
@@ -113,19 +136,21 @@ class Gatekeeper:
         api_keys: list[str],
         prefix: str,
         ready: Callable[[], bool],
-        unauthorized_body: Callable[[str], dict[str, Any]],
+        error_body: Callable[[str, APIError], dict[str, Any]],
     ) -> None:
         self.app, self.cors, self.api_keys, self.prefix = app, cors, api_keys, prefix.rstrip("/")
-        self.ready, self.unauthorized_body = ready, unauthorized_body
+        self.ready, self.error_body = ready, error_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        allow_origin = self.cors.allowed_origin(headers.get("origin", ""))
-        if allow_origin is None and headers.get("origin"):
-            log.warning("srv  log_server_r: (CORS) skip origin: %s", headers["origin"][:200])
+        origin = headers.get("origin", "")
+        allow_origin = self.cors.allowed_origin(origin)
+        foreign = bool(origin) and allow_origin is None and not same_origin(origin, headers.get("host", ""))
+        if foreign:
+            log.warning("srv  log_server_r: (CORS) skip origin: %s", origin[:200])
         extra: list[tuple[bytes, bytes]] = []
         if allow_origin is not None:
             extra.append((b"access-control-allow-origin", allow_origin.encode("latin-1")))
@@ -147,13 +172,15 @@ class Gatekeeper:
                 (b"access-control-allow-headers", self.cors.headers.encode("latin-1")),
             ]
             await _answer(send_with_headers, 200, None)
+        elif foreign:
+            await _answer(send_with_headers, 403, self.error_body(path, _foreign(origin)))
         elif path in PAGE_PATHS or (path.startswith(STATIC) and path[len(STATIC) :] in PAGE_ASSETS):
             await self.app(scope, receive, send_with_headers)
         elif not self.ready():
             await _answer(send_with_headers, 503, LOADING.body())
         elif self.api_keys and path not in PUBLIC_PATHS and not key_ok(headers, self.api_keys):
             log.warning("srv  log_server_r: unauthorized: Invalid API Key")
-            await _answer(send_with_headers, 401, self.unauthorized_body(path))
+            await _answer(send_with_headers, 401, self.error_body(path, UNAUTHORIZED))
         else:
             await self.app(scope, receive, send_with_headers)
 
@@ -178,12 +205,22 @@ async def _answer(send: Send, status: int, body: dict[str, Any] | None) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-def unauthorized_body(anthropic_error: Callable[[str, int], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
-    """The 401 body by path: Anthropic's shape under /v1/messages, OpenAI's elsewhere."""
+def error_bodies(anthropic_error: Callable[[str, int], dict[str, Any]]) -> Callable[[str, APIError], dict[str, Any]]:
+    """An error's body by path: Anthropic's shape under /v1/messages, OpenAI's elsewhere."""
 
-    def body(path: str) -> dict[str, Any]:
+    def body(path: str, error: APIError) -> dict[str, Any]:
         if path.startswith("/v1/messages"):
-            return anthropic_error(UNAUTHORIZED.message, 401)
-        return UNAUTHORIZED.body()
+            return anthropic_error(error.message, error.code)
+        return error.body()
 
     return body
+
+
+def _foreign(origin: str) -> APIError:
+    return APIError(
+        f"requests from web pages at {origin[:200]} are refused: this server allows its own page and localhost "
+        "pages (--cors-origins); allow this origin with --cors-origins, or set --api-key (any origin may then ask, "
+        "with the key)",
+        "permission_error",
+        403,
+    )
