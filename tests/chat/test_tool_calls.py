@@ -6,9 +6,10 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from functools import cache
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from mtpserve.chat.tool_calls import (
@@ -292,3 +293,62 @@ def test_an_enum_value_loses_the_whitespace_around_it_a_free_string_keeps_it():
     text = "<tool_call>\n<function=pick>\n<parameter=unit> celsius\n</parameter>\n<parameter=note>  hi \n</parameter>\n</function>\n</tool_call>"  # noqa: E501
     split = parse_tool_calls(text, tools)
     assert json.loads(split.tool_calls[0]["function"]["arguments"]) == {"unit": "celsius", "note": "  hi "}
+
+
+# Every tag of the Qwen 3.5/3.6 format, for arguments that hold them (an agent editing this very parser writes them)
+FORMAT_TAGS = ["<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>", "<think>"]
+FORMAT_TAGS += ["</think>", "<parameter=path>", "<function=write>", ">", "\n"]
+ARGUMENT = st.lists(st.one_of(st.sampled_from(FORMAT_TAGS), st.text(max_size=4)), max_size=10).map("".join)
+WRITE = _tool("write", path={"type": "string"}, content={"type": "string"})
+
+
+@cache
+def _qwen_template():
+    from mtpserve.chat import ChatTemplate
+
+    from ..support.vocabs import model_tokenizer
+
+    return ChatTemplate.for_tokenizer(model_tokenizer("tinyqwen35-mtp-F16"))
+
+
+def _rendered_call(path: str, content: str) -> str:
+    """The assistant turn the Qwen template writes for a `write` call, as the model would have generated it."""
+    arguments = json.dumps({"path": path, "content": content})
+    calls = [{"type": "function", "id": "c", "function": {"name": "write", "arguments": arguments}}]
+    answer = {"role": "assistant", "content": "", "tool_calls": calls}
+    messages = [{"role": "user", "content": "go"}, answer]
+    prompt = _qwen_template().apply(messages, tools=[WRITE], add_generation_prompt=False).prompt
+    turn = prompt[prompt.rindex("<|im_start|>assistant\n") + len("<|im_start|>assistant\n") :]
+    turn = turn[: turn.rindex("<|im_end|>")]
+    return turn[turn.index("</think>") + len("</think>") :].lstrip() if "</think>" in turn else turn
+
+
+def test_an_argument_holding_tool_call_tags_keeps_its_content():
+    """A `write` whose content mentions `<tool_call>` once came back as {"path": "t.py"} (issue 37)."""
+    content = 'OPEN = "<tool_call>"\nCLOSE = "</tool_call>"\nEND = "</parameter>"  # then </function>, <think>'
+    text = _rendered_call("t.py", content)
+    split = parse_tool_calls(text, [WRITE], make_id=ids())
+    assert split.tool_calls == [call("write", {"path": "t.py", "content": content})]
+    assert _streamed(text, [WRITE], 1).tool_calls == split.tool_calls
+
+
+@settings(max_examples=300, deadline=None)
+@given(path=ARGUMENT, content=ARGUMENT, chunk=st.integers(1, 7))
+def test_any_arguments_round_trip_through_the_template_and_the_parser(path, content, chunk):
+    """Arguments holding any of the format's tags come back as they went in, whole and streamed; the template
+    writes values unescaped, so the one text no parser can read back is a value holding `</parameter>` followed
+    by the next tag the format writes there (left out below), and values keep no leading or trailing newline."""
+    assume(not any(re.search(r"</parameter>\s*(<parameter=[^\s<>]+>|</function>)", v) for v in (path, content)))
+    assume(all(v == v.strip("\n") for v in (path, content)))
+    text = _rendered_call(path, content)
+    split = parse_tool_calls(text, [WRITE], make_id=ids())
+    assert split.tool_calls == [call("write", {"path": path, "content": content})], text
+    assert _streamed(text, [WRITE], chunk).tool_calls == split.tool_calls
+
+
+def _streamed(text: str, tools: list, chunk: int) -> ToolCallStream:
+    stream = ToolCallStream(tools, make_id=ids())
+    for i in range(0, len(text), chunk):
+        stream.feed(text[i : i + chunk])
+    stream.finish()
+    return stream

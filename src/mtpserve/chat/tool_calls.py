@@ -15,9 +15,14 @@ llama-server constrains the calls with a grammar, so its output is always well f
 one, so this parser is lenient and these are our decisions for the cases llama.cpp never sees:
 * Unknown tool or param: no schema to go by, so a value that parses as JSON is JSON, else the raw string.
   A param typed string-or-X (e.g. `["integer", "string"]`) is JSON only if it parses to one of the X.
-* A block is `<tool_call>` up to `</tool_call>`, the next `<tool_call>` or the end of the text. It is a call
-  when it starts with a complete `<function=NAME>`; its params are those complete before `</function>` or
-  before anything that is not a param. So a call cut short (a length stop) keeps its complete params.
+* A value ends only at a `</parameter>` that the next `<parameter=NAME>` or `</function>` follows: the
+  template writes values unescaped, and an agent's file may hold any of the format's tags (a `write` whose
+  content mentioned `<tool_call>` once lost its content). A `</parameter>` that nothing follows, or the last
+  one when none is followed so, ends it in a whole text.
+* A block is `<tool_call>` up to `</tool_call>`, the next `<tool_call>` or the end of the text, looked for
+  after its last value. It is a call when it starts with a complete `<function=NAME>`; its params are those
+  complete before `</function>` or before anything that is not a param. So a call cut short (a length stop)
+  keeps its complete params.
 * Text between or after blocks, and blocks without a name, are dropped once there is a call (the template
   forbids text after calls). If no block has a name, there were no calls: the whole text is content, as if
   `<tool_call>` were prose. With `parallel=False` only the first call is kept.
@@ -150,9 +155,37 @@ def _tag_value(text: str, pos: int, tag: str) -> tuple[str, int] | None:
     return value, gt + 1
 
 
-def _parse_block(body: str) -> _Block:
-    """The text after `<tool_call>`, whole or as far as it has arrived: a tag only counts once its `>` is
-    in, and no delimiter prefix holds `>`, so what this finds in a prefix stays true for the whole block."""
+def _value_end(text: str, pos: int, whole: bool) -> int | None:
+    """Where the value starting at `pos` ends: at a `</parameter>` that a complete `<parameter=NAME>` or
+    `</function>` follows (whitespace between), so that a value may hold any of the format's tags, its own
+    closing tag included (the template writes values unescaped). In a `whole` text, a `</parameter>` that
+    nothing more follows ends the value, and so does the last one when none is followed so (malformed output:
+    the value is what came before it); in a text still arriving those are undecided (None), as is a value
+    with no `</parameter>` yet."""
+    end, last = text.find(END_PARAM, pos), None
+    while end >= 0:
+        after = _skip_ws(text, end + len(END_PARAM))
+        rest = text[after:]
+        if _tag_value(text, after, PARAM) is not None or rest.startswith(END_FUNCTION):
+            return end
+        if _may_become(rest, PARAM) or END_FUNCTION.startswith(rest):
+            return end if whole else None  # what follows is not in yet
+        end, last = text.find(END_PARAM, end + len(END_PARAM)), end
+    return last if whole else None
+
+
+def _may_become(rest: str, tag: str) -> bool:
+    """Whether more text could make `rest` a complete `tag NAME>` (it is a prefix of one)."""
+    if len(rest) <= len(tag):
+        return tag.startswith(rest)
+    name = rest[len(tag) :]
+    return rest.startswith(tag) and not any(c in WHITESPACE or c in "<>" for c in name)
+
+
+def _parse_block(body: str, whole: bool) -> _Block:
+    """The text after `<tool_call>`, whole or as far as it has arrived: a tag only counts once its `>` is in,
+    and a value's end once what follows it says so (_value_end), so what this finds in a prefix stays true
+    for the whole block."""
     head = _tag_value(body, _skip_ws(body, 0), FUNCTION)
     if head is None:
         return _Block(None, [], False)
@@ -163,17 +196,28 @@ def _parse_block(body: str) -> _Block:
         if body.startswith(END_FUNCTION, pos):
             return _Block(name, params, True)
         key = _tag_value(body, pos, PARAM)
-        end = body.find(END_PARAM, key[1]) if key else -1
-        if key is None or end < 0:
+        end = _value_end(body, key[1], whole) if key else None
+        if key is None or end is None:
             partial = (key[0], body[key[1] :].removeprefix("\n")) if key else None
             return _Block(name, params, False, partial)
         params.append((key[0], body[key[1] : end].removeprefix("\n").removesuffix("\n")))
         pos = end + len(END_PARAM)
 
 
-def _block_end(text: str, start: int) -> tuple[int, int] | None:
-    """(end of body, where to look for the next block) for the block whose body starts at `start`."""
-    close, reopen = text.find(CLOSE, start), text.find(OPEN, start)
+def _block_end(text: str, start: int, whole: bool) -> tuple[int, int] | None:
+    """(end of body, where to look for the next block) for the block whose body starts at `start`: its
+    `</tool_call>`, or the next `<tool_call>`, after its last parameter, never inside a value. None while a
+    value has not ended, or no end has arrived."""
+    pos = start
+    head = _tag_value(text, _skip_ws(text, start), FUNCTION)
+    if head is not None:
+        pos = head[1]
+        while (key := _tag_value(text, _skip_ws(text, pos), PARAM)) is not None:
+            end = _value_end(text, key[1], whole)
+            if end is None:
+                return None
+            pos = end + len(END_PARAM)
+    close, reopen = text.find(CLOSE, pos), text.find(OPEN, pos)
     if close >= 0 and (reopen < 0 or close < reopen):
         return close, close + len(CLOSE)
     return (reopen, reopen) if reopen >= 0 else None
@@ -211,8 +255,8 @@ def parse_tool_calls(
     at = first
     while at >= 0 and (parallel or not calls):
         start = at + len(OPEN)
-        body_end, after = _block_end(text, start) or (len(text), len(text))
-        block = _parse_block(text[start:body_end])
+        body_end, after = _block_end(text, start, whole=True) or (len(text), len(text))
+        block = _parse_block(text[start:body_end], whole=True)
         if block.name is not None:
             function = {"name": block.name, "arguments": _arguments(block, schemas)}
             calls.append({"type": "function", "function": function, "id": make_id()})
@@ -289,12 +333,12 @@ class ToolCallStream:
                     self._block = None
                     break
             start = self._block + len(OPEN)
-            end = _block_end(section, start)
+            end = _block_end(section, start, whole=final)
             if end is None and not final:
-                self._update(_parse_block(section[start:]), False, deltas)
+                self._update(_parse_block(section[start:], whole=False), False, deltas)
                 break
             body_end, self._search = end or (len(section), len(section))
-            block = _parse_block(section[start:body_end])
+            block = _parse_block(section[start:body_end], whole=True)
             self._update(block, True, deltas, cut=cut and end is None and not block.closed)
             self._block, self._current = None, None
         return deltas
