@@ -121,8 +121,42 @@ def test_qwen36_preserved_thinking(qwen35):
 def test_qwen35_template_errors_are_clear(qwen35):
     with pytest.raises(ChatTemplateError, match="^No user query found in messages.$"):
         qwen35.apply([{"role": "assistant", "content": "hi"}])
-    with pytest.raises(ChatTemplateError, match="^System message must be at the beginning.$"):
-        qwen35.apply([*HELLO, {"role": "system", "content": "late"}])
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def _system(text: str, role: str = "system") -> dict:
+    return {"role": role, "content": text}
+
+
+def test_system_messages_go_where_a_template_that_reads_one_at_the_start_takes_them(qwen35):
+    """Qwen 3.5/3.6 raise "System message must be at the beginning" for a second or a late system message, which
+    agents send (Codex: two leading developer items; Claude Code: a system message after the first user turn).
+    The leading ones are joined; a late one joins the user message before it, else the one after it."""
+    plain = {"enable_thinking": False}
+
+    def prompt(messages: list[dict]) -> str:
+        return qwen35.apply(messages, add_generation_prompt=False, chat_template_kwargs=plain).prompt
+
+    assert prompt([_system("Base.", "developer"), _system("Permissions."), _user("Hi")]) == prompt(
+        [_system("Base.\n\nPermissions."), _user("Hi")]
+    )
+    assert prompt([_user("Hi"), _system("Agents: a, b.")]) == prompt([_user("Hi\n\nAgents: a, b.")])
+    answer = {"role": "assistant", "content": "Hello."}
+    late = [_user("Hi"), answer, _system("Be brief."), _user("Why?")]
+    assert prompt(late) == prompt([_user("Hi"), answer, _user("Be brief.\n\nWhy?")])
+    # each turn's prompt extends the last one's: the late system message stays where it was sent
+    first = [_user("Hi"), _system("Agents: a, b.")]
+    assert prompt([*first, answer, _user("Go on.")]).startswith(prompt(first).removesuffix("<|im_end|>\n"))
+
+
+def test_a_template_that_reads_system_messages_anywhere_gets_them_as_sent():
+    chatml = ChatTemplate(CHATML_TEMPLATE)
+    messages = [_system("A"), _system("B"), _user("Hi"), _system("late"), _user("Go")]
+    rendered = chatml.apply(messages, add_generation_prompt=False).prompt
+    assert rendered.count("<|im_start|>system\n") == 3 and "<|im_start|>system\nlate<|im_end|>" in rendered
 
 
 @pytest.mark.parametrize("ref", REF_MODELS)

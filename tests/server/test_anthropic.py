@@ -193,9 +193,7 @@ def test_a_conversation_converts_to_the_chat_body_llama_server_builds():
 @pytest.mark.parametrize(
     "change",
     [
-        {"messages": [{"role": "system", "content": "x"}]},
         {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-        {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
         {"tool_choice": {"type": "sometimes"}},
         {"thinking": {"type": "enabled"}},
     ],
@@ -204,3 +202,21 @@ def test_requests_this_server_cannot_serve_are_refused(change):
     with pytest.raises(APIError) as refused:
         to_chat(Body({"max_tokens": 8, "messages": HELLO, **change}))
     assert refused.value.code == 400
+
+
+def test_a_system_message_inside_messages_and_server_tools_are_taken_as_claude_code_sends_them():
+    """Claude Code sends a system message after the first user turn (for every model that is not Claude) and may
+    list server tools; the first was a 400 on its first request (issue 37), the second is skipped with a warning."""
+    agents = {"role": "system", "content": [{"type": "text", "text": "Available agent types: general."}]}
+    server_tool = {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}
+    body = {"max_tokens": 8, "messages": [*HELLO, agents], "tools": [WEATHER, server_tool]}
+    chat = to_chat(Body(body | {"output_config": {"effort": "low"}}))
+    assert chat["messages"][-1] == {"role": "system", "content": "Available agent types: general."}
+    assert [t["function"]["name"] for t in chat["tools"]] == ["get_weather"]
+    assert chat["reasoning_effort"] == "low"  # a thinking budget, as on chat
+
+
+def test_claude_codes_first_request_is_answered(client):
+    agents = {"role": "system", "content": "Available agent types for the Agent tool: general-purpose."}
+    reply = _create(client, messages=[*HELLO, agents], system="You are Claude Code.", thinking=NO_THINKING)
+    assert reply.stop_reason in ("end_turn", "max_tokens") and reply.content[0].type == "text"

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
 from mtpserve.server.errors import APIError
-from mtpserve.server.openai_responses import chat_body
+from mtpserve.server.openai_responses import chat_body, tool_namespaces
 from mtpserve.server.params import Body
 
 from .conftest import TINY_ALIAS, TINY_KEY, WEATHER_PARAMETERS
@@ -146,7 +147,6 @@ def test_stateful_requests_are_refused(client, extra, message):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({"tools": [{"type": "web_search"}]}, "only function tools"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "launch"}}, "not among the tools"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "only text"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
@@ -205,6 +205,44 @@ def test_input_items_become_chat_messages():
     assert chat["max_tokens"] == 50 and chat["reasoning_effort"] == "none" and chat["top_k"] == 5
     assert chat["response_format"]["json_schema"]["schema"] == YES_NO["schema"]
     assert chat["model"] == "gpt-5" and "input" not in chat and "store" not in chat
+
+
+def test_tools_it_cannot_run_are_skipped_and_namespaced_tools_flattened():
+    """Codex sends `namespace` (MCP servers' tools) and `web_search` tools beside its function tools: the first are
+    flattened with their names kept, the second skipped with a warning, as llama-server skips them (issue 37)."""
+    read_file = {"type": "function", "name": "read_file", "parameters": {"type": "object", "properties": {}}}
+    tools = [
+        {"type": "namespace", "name": "mcp__fs", "description": "Files.", "tools": [read_file]},
+        {"type": "web_search", "external_web_access": False},
+        {"type": "file_search", "vector_store_ids": ["vs_1"]},
+        WEATHER,
+    ]
+    chat = chat_body(Body({"input": "Hi", "tools": tools}))
+    assert [t["function"]["name"] for t in chat["tools"]] == ["read_file", "get_weather"]
+    assert tool_namespaces(tools) == {"read_file": "mcp__fs"}
+
+
+def test_a_codex_shaped_request_is_served_and_its_call_names_its_namespace(tiny_server):
+    """Two leading developer items (base instructions, then permissions: the Qwen template reads one system
+    message, at the start), a namespaced tool and a web search tool; the forced call carries its namespace back."""
+    texts = ("Base instructions.", "Permissions: workspace-write.")
+    developer = [{"role": "developer", "content": [{"type": "input_text", "text": text}]} for text in texts]
+    weather = {k: v for k, v in WEATHER.items() if k != "strict"}
+    body = {
+        "model": "gpt-5-codex",
+        "instructions": "You are Codex.",
+        "input": [*developer, {"role": "user", "content": "Weather in Paris this week?"}],
+        "tools": [{"type": "namespace", "name": "mcp__weather", "tools": [weather]}, {"type": "web_search"}],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_output_tokens": 300,
+        **THINK,
+    }
+    auth = {"Authorization": f"Bearer {TINY_KEY}"}
+    reply = httpx.post(f"{tiny_server.url}/v1/responses", json=body, headers=auth, timeout=120)
+    assert reply.status_code == 200, reply.text
+    calls = [item for item in reply.json()["output"] if item["type"] == "function_call"]
+    assert [(c["name"], c["namespace"]) for c in calls] == [("get_weather", "mcp__weather")]
 
 
 def test_item_references_need_storage():

@@ -51,6 +51,13 @@ def chat(oai: openai.OpenAI, max_tokens: int = 40, **extra):
     return reply, tokens, close
 
 
+def streamed(oai: openai.OpenAI, **extra):
+    """The same greedy chat as `chat`, streamed."""
+    return oai.chat.completions.create(
+        model="tinyqwen", messages=MESSAGES, max_tokens=40, temperature=0, stream=True, **extra
+    )
+
+
 def reasoning(reply) -> str:
     return (reply.choices[0].message.model_extra or {}).get("reasoning_content") or ""
 
@@ -80,14 +87,7 @@ def test_the_request_message_is_forced_before_the_end_tag(server, oai):
 
 def test_the_streamed_answer_is_the_whole_answer(oai):
     whole, _, _ = chat(oai, reasoning_budget_tokens=3)
-    stream = oai.chat.completions.create(
-        model="tinyqwen",
-        messages=MESSAGES,
-        max_tokens=40,
-        temperature=0,
-        stream=True,
-        extra_body={"reasoning_budget_tokens": 3},
-    )
+    stream = streamed(oai, extra_body={"reasoning_budget_tokens": 3})
     parts = {"content": "", "reasoning_content": ""}
     for chunk in stream:
         if chunk.choices:
@@ -131,3 +131,25 @@ def test_the_command_line_sets_the_defaults(tmp_path):
     assert settings.chat.reasoning_budget == 0 and settings.chat.reasoning_budget_message == "Done."
     with pytest.raises(ValueError, match="--reasoning-budget"):
         settings_from_args(parse(["serve", "-m", model, "--reasoning-budget", "-2"]))
+
+
+def test_chat_usage_counts_the_reasoning_tokens(oai):
+    """`completion_tokens_details.reasoning_tokens`: the tokens before the first content (opencode showed 0)."""
+    reply, tokens, close = chat(oai)
+    details = reply.usage.completion_tokens_details
+    assert close is not None and close + 1 <= details.reasoning_tokens < len(tokens)
+    last = list(streamed(oai, stream_options={"include_usage": True}))[-1]
+    assert last.usage.completion_tokens_details.reasoning_tokens == details.reasoning_tokens
+    off, _, _ = chat(oai, chat_template_kwargs={"enable_thinking": False})
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+@pytest.mark.parametrize(("effort", "budget"), [("low", 1024), ("medium", 8192), ("high", BUDGET), ("minimal", 256)])
+def test_an_effort_is_a_thinking_budget(oai, effort, budget):
+    """`reasoning_effort` sets the budget when the request sets none (server.chat.EFFORT_BUDGETS; "high": the
+    server's); Anthropic's `output_config.effort` and Responses' `reasoning.effort` arrive as it."""
+    by_effort, _, _ = chat(oai, reasoning_effort=effort)
+    by_budget, _, _ = chat(oai, reasoning_budget_tokens=budget)
+    assert by_effort.choices[0].message == by_budget.choices[0].message
+    explicit, _, _ = chat(oai, reasoning_effort=effort, reasoning_budget_tokens=0)
+    assert reasoning(explicit) == ""  # a budget the request sets wins

@@ -269,6 +269,21 @@ class _Variant:
         return as_string is not None and _PROBE in as_string, as_parts is not None and _PROBE in as_parts
 
     @cached_property
+    def several_systems(self) -> bool:
+        """Whether it reads two system messages in a row at the start (Qwen 3.5/3.6 raise "System message must
+        be at the beginning" for the second)."""
+        two = [{"role": "system", "content": "A"}, {"role": "system", "content": _PROBE}]
+        out = self._probe([*two, {"role": "user", "content": "Hi"}])
+        return out is not None and _PROBE in out
+
+    @cached_property
+    def late_systems(self) -> bool:
+        """Whether it reads a system message after the conversation has begun."""
+        turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        out = self._probe([*turns, {"role": "system", "content": _PROBE}, {"role": "user", "content": "Hi"}])
+        return out is not None and _PROBE in out
+
+    @cached_property
     def ignores_system(self) -> bool:
         out = self._probe([{"role": "system", "content": _PROBE}, {"role": "user", "content": "Hi"}])
         return out is not None and _PROBE not in out
@@ -285,7 +300,9 @@ class _Variant:
         return (found[1], found[2]) if found else (tags.start, tags.end)
 
     def adapt(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """llama.cpp's workarounds for what this template cannot read."""
+        """llama.cpp's workarounds for what this template cannot read, and system messages placed where it reads
+        them (`place_systems`)."""
+        messages = place_systems(messages, self.several_systems, self.late_systems)
         strings, parts = self.content_kinds
         for m in messages:
             if strings and not parts and isinstance(m["content"], list):
@@ -297,6 +314,34 @@ class _Variant:
             if messages:
                 messages[0]["content"] = f"{as_text(first['content'])}\n{as_text(messages[0]['content'])}"
         return messages
+
+
+def place_systems(messages: list[dict[str, Any]], several: bool, late: bool) -> list[dict[str, Any]]:
+    """System (and developer) messages where a template that reads only one, at the start, can take them: agents
+    send more (Codex: base instructions and permissions as two leading developer items; Claude Code: a system
+    message after the first user turn). The leading ones are joined into one (blank line between). A later one
+    joins the user message just before it, or else the one just after it, or else becomes a user message of its
+    own: never the leading system prompt, whose change would make every turn re-read the whole conversation,
+    and never an earlier place than it was sent at (so each turn's prompt extends the last one's)."""
+    lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    if lead > 1 and not several:
+        joined = {"role": "system", "content": "\n\n".join(as_text(m["content"]) for m in messages[:lead])}
+        messages, lead = [joined, *messages[lead:]], 1
+    if late:
+        return messages
+    out = messages[:lead]
+    for i in range(lead, len(messages)):
+        m = messages[i]
+        if m["role"] != "system":
+            out.append(m)
+        elif out[lead:] and out[-1]["role"] == "user":
+            out[-1] = {**out[-1], "content": f"{as_text(out[-1]['content'])}\n\n{as_text(m['content'])}"}
+        elif i + 1 < len(messages) and messages[i + 1]["role"] == "user":
+            after = messages[i + 1]
+            messages[i + 1] = {**after, "content": f"{as_text(m['content'])}\n\n{as_text(after['content'])}"}
+        else:
+            out.append({"role": "user", "content": m["content"]})
+    return out
 
 
 def _common_prefix(a: str, b: str) -> str:

@@ -15,15 +15,18 @@ Decisions where Anthropic's API or llama-server's conversion is silent or does n
 * `tool_result` with `is_error: true`: its text is prefixed with "Error: " (a chat template has no error flag).
 * `system` text blocks are joined without a separator, as llama-server does; user and assistant text blocks stay
   text parts (the template joins them).
-* Images, documents and server tools (`web_search_*`, `bash_*` ...) are refused with a 400: this server has no
-  vision and runs no tools itself.
+* Images and documents are refused with a 400 (this server has no vision); server tools (`web_search_*`,
+  `bash_*` ...) are skipped with a warning in the log, as llama-server skips tools it cannot run.
+* `system` messages inside `messages` (Claude Code sends one after the first user turn) are accepted and placed
+  where the template reads them (chat.template.place_systems).
 * Errors carry `code` (the HTTP status) besides Anthropic's `type` and `message`, as every error of this server does.
 * `usage.input_tokens` counts the prompt tokens not read from the cache, `cache_read_input_tokens` those that were
   (Anthropic's split: their sum is the prompt, what count_tokens returns); `cache_creation_input_tokens` is 0.
 * stop_reason: `tool_use` (calls made), `max_tokens`, `model_context_window_exceeded` (the context filled up),
   `stop_sequence` (with `stop_sequence`), else `end_turn`.
-* `output_config.format` (a JSON schema) constrains the output as response_format does; `output_config.effort`,
-  `metadata`, `service_tier`, `cache_control` and Anthropic's other fields this server has no use for are ignored.
+* `output_config.format` (a JSON schema) constrains the output as response_format does; `output_config.effort` is
+  a thinking budget, as `reasoning_effort` on chat (server.chat.EFFORT_BUDGETS); `metadata`, `service_tier`,
+  `cache_control` and Anthropic's other fields this server has no use for are ignored.
 * Fields outside Anthropic's API pass through to the chat pipeline, as on /v1/responses: `temperature`, `top_p`,
   `top_k` (recent SDKs send them only as extra body fields), `seed`, `min_p`, `reasoning_budget_tokens`, ...
 """
@@ -31,6 +34,7 @@ Decisions where Anthropic's API or llama-server's conversion is silent or does n
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import string
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -47,6 +51,8 @@ from .errors import APIError, invalid
 from .params import Body, Completion
 from .responses import collect, events, sse
 from .state import ServerState
+
+log = logging.getLogger("mtpserve.server")
 
 StartChat = Callable[[Request, Body], Awaitable[tuple[Completion, ChatPlan, RequestStream, ChatOutput]]]
 ReadBody = Callable[[Request], Awaitable[Body]]
@@ -73,7 +79,7 @@ _CONTENT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "o
 _MESSAGE = {
     "type": "object",
     "required": ["role", "content"],
-    "properties": {"role": {"type": "string", "enum": ["user", "assistant"]}, "content": _CONTENT},
+    "properties": {"role": {"type": "string", "enum": ["user", "assistant", "system"]}, "content": _CONTENT},
 }
 _TOOL = {
     "type": "object",
@@ -219,13 +225,15 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, message in enumerate(value):
         role = message.get("role") if isinstance(message, dict) else None
-        if role not in ("user", "assistant"):
-            raise invalid(f"messages.{i}.role: expected 'user' or 'assistant', got {role!r}"[:300])
+        if role not in ("user", "assistant", "system"):  # system: Claude Code's mid-conversation system messages
+            raise invalid(f"messages.{i}.role: expected 'user', 'assistant' or 'system', got {role!r}"[:300])
         content = message.get("content")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
         elif not isinstance(content, list):
             raise invalid(f"messages.{i}.content: expected a string or an array of content blocks")
+        elif role == "system":
+            out.append({"role": "system", "content": _system(content)})
         elif role == "user":
             out += _user_turn(content, f"messages.{i}")
         else:
@@ -314,8 +322,11 @@ def _tools(value: Any) -> list[dict[str, Any]]:
     for i, tool in enumerate(value):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
             raise invalid(f"tools.{i}: expected a tool with a 'name'")
-        if tool.get("type", "custom") != "custom":
-            raise invalid(f"tools.{i}: server tools ({tool['type']!r}) are not supported; send custom tools"[:300])
+        if tool.get("type", "custom") != "custom":  # a server tool (web_search_*, bash_* ...): nothing here runs it
+            log.warning(
+                "srv  messages: tools.%d, a server tool of type %r, is not run by this server: skipped", i, tool["type"]
+            )
+            continue
         schema = tool.get("input_schema") or {"type": "object", "properties": {}}
         if not isinstance(schema, dict):
             raise invalid(f"tools.{i}.input_schema: expected a JSON Schema object, got {type(schema).__name__}")
@@ -339,13 +350,22 @@ def _tool_choice(choice: dict[str, Any]) -> dict[str, Any]:
 
 
 def _output_format(config: dict[str, Any]) -> dict[str, Any]:
-    """`output_config.format` (structured outputs: a JSON schema) -> response_format; `effort` is ignored."""
+    """`output_config.format` (structured outputs: a JSON schema) -> response_format; `output_config.effort` ->
+    chat's reasoning_effort (a thinking budget, as on the other APIs: server.chat.EFFORT_BUDGETS)."""
+    out: dict[str, Any] = {}
+    effort = config.get("effort")
+    if effort is not None:
+        if not isinstance(effort, str):
+            raise invalid("output_config.effort: expected a string")
+        out["reasoning_effort"] = effort
     spec = config.get("format")
     if spec is None:
-        return {}
+        return out
     if not isinstance(spec, dict) or spec.get("type") != "json_schema" or not isinstance(spec.get("schema"), dict):
         raise invalid("output_config.format: expected {'type': 'json_schema', 'schema': {...}}")
-    return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": spec["schema"]}}}
+    return out | {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": spec["schema"]}}
+    }
 
 
 def _thinking(thinking: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:

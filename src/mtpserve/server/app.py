@@ -391,11 +391,14 @@ def create_app(state: ServerState) -> FastAPI:
             return sse(chat_stream(state, request, await submit(state, request, job), job, plan, output, cid))
         tokenizer = state.loaded_tokenizer()
         results = await run_all(state, request, jobs)
-        choices = []
+        choices, reasoning_tokens = [], 0
         for i, (finish, tokens) in enumerate(results):
             output = ChatOutput(plan, state.loaded_template())
-            output.feed(finish.text)
+            for token in tokens:
+                output.feed_token(token.text)
+            output.feed(finish.tail)
             output.finish(cut=finish.finish_reason == "length")
+            reasoning_tokens += output.reasoning_tokens(len(finish.tokens))
             choice: dict[str, Any] = {
                 "finish_reason": chat_finish_reason(finish, output),
                 "index": i,
@@ -404,7 +407,9 @@ def create_app(state: ServerState) -> FastAPI:
             if plan.logprobs:
                 choice["logprobs"] = token_logprobs(tokenizer, tokens, plan.top_logprobs)
             choices.append(choice)
-        out = envelope(state, cid, "chat.completion", choices, merged_finish(jobs, [f for f, _ in results]))
+        out = envelope(
+            state, cid, "chat.completion", choices, merged_finish(jobs, [f for f, _ in results]), reasoning_tokens
+        )
         if job.verbose:
             out["__verbose"] = native_final(state, job, *results[0], results[0][0].text)
         return JSONResponse(out)

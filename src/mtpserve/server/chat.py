@@ -23,6 +23,11 @@ from .params import Body
 
 REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's; others are refused
+# A request's effort (chat `reasoning_effort`, Responses `reasoning.effort`, Anthropic `output_config.effort`) as a
+# thinking budget in tokens when it sets none itself; "none" turns thinking off; -1: the server's --reasoning-budget.
+# Chosen for Qwen 3.5/3.6, whose thinking on a coding turn runs to a few thousand tokens: low and minimal cut it
+# short, medium leaves room for most turns, high and above leave it to the model.
+EFFORT_BUDGETS = {"minimal": 256, "low": 1024, "medium": 8192, "high": -1, "xhigh": -1, "max": -1}
 PRESERVED_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>")  # special tokens emitted as text
 USER_PROBE = "\ue000mtpserve-user\ue000"  # stands for a user message's content to find where it starts
 
@@ -175,6 +180,9 @@ def _reasoning_budget(
     block (the generation prompt opened it) is limited, as llama-server feeds that prompt to its sampler."""
     key = "reasoning_budget_tokens" if body.has("reasoning_budget_tokens") else "thinking_budget_tokens"
     tokens = body.int(key, -1, lo=-1)
+    effort = body.raw("reasoning_effort")
+    if not body.has(key) and isinstance(effort, str):
+        tokens = EFFORT_BUDGETS.get(effort, -1)
     message = body.str("reasoning_budget_message", settings.reasoning_budget_message)
     tokens = settings.reasoning_budget if tokens == -1 else tokens
     tags = template.think_tags
@@ -270,9 +278,22 @@ class ChatOutput:
         self._held: list[dict[str, Any]] = []
         prefill = self.feed(plan.prefill) if plan.prefill else []
         self._held = prefill if plan.stream_prefill else []
+        self._n_tokens = self._n_before_content = 0  # generated tokens fed, and those before the first content
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         return self._release() + self._deltas(self.reasoning.feed(text), final=False)
+
+    def feed_token(self, text: str) -> list[dict[str, Any]]:
+        """`feed` of one generated token's text, counted for `reasoning_tokens`."""
+        deltas = self.feed(text)
+        self._n_tokens += 1
+        if not self.reasoning.content:
+            self._n_before_content = self._n_tokens
+        return deltas
+
+    def reasoning_tokens(self, n_generated: int) -> int:
+        """The generated tokens that were reasoning (those before the first content; 0 without reasoning)."""
+        return min(self._n_before_content, n_generated) if self.reasoning_content else 0
 
     def finish(self, cut: bool = False) -> list[dict[str, Any]]:
         """The rest; `cut`: the token limit ended the output (a call it cut off keeps the arguments generated)."""

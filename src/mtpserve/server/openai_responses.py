@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -49,6 +50,8 @@ from .errors import APIError, invalid, unsupported
 from .params import Body, Completion
 from .responses import collect, events, sse
 from .state import ServerState
+
+log = logging.getLogger("mtpserve.server")
 
 StartChat = Callable[[Request, Body], Awaitable[tuple[Completion, ChatPlan, RequestStream, ChatOutput]]]
 ReadBody = Callable[[Request], Awaitable[Body]]
@@ -134,7 +137,7 @@ def add_routes(router: APIRouter, state: ServerState, start_chat: StartChat, rea
     async def create_response(request: Request) -> Response:
         body = await read_body(request)
         job, _, stream, output = await start_chat(request, Body(chat_body(body)))
-        items = _Items(_envelope(state, body), output)
+        items = _Items(_envelope(state, body), output, tool_namespaces(body.raw("tools")))
         if job.stream:
             return sse(_stream(state, request, stream, items))
         finish, tokens = await collect(request, stream)
@@ -317,7 +320,9 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str:
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
-    """Responses' flat function tools -> chat's nested ones."""
+    """Responses' flat function tools -> chat's nested ones; a namespace's function tools flattened with their
+    names kept (tool_namespaces says where each came from); tools this server cannot run (`web_search`,
+    `file_search`, `computer_use_preview`, `mcp`, ...) skipped with a warning, as llama-server skips them."""
     if tools is None:
         return []
     if not isinstance(tools, list):
@@ -325,16 +330,38 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     out = []
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            raise unsupported(f"Field 'tools[{i}].type': only function tools are supported, got {kind!r}"[:300])
-        function = {"name": _string(tool, "name", f"tools[{i}]")}
-        if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
-            raise invalid(f"Field 'tools[{i}].parameters': expected a JSON Schema object")
-        for key in ("description", "parameters", "strict"):
-            if tool.get(key) is not None:
-                function[key] = tool[key]
-        out.append({"type": "function", "function": function})
+        if kind == "namespace" and isinstance(tool.get("tools"), list):
+            out += [_function(child, f"tools[{i}].tools[{j}]") for j, child in _functions(tool["tools"])]
+        elif kind == "function":
+            out.append(_function(tool, f"tools[{i}]"))
+        else:
+            log.warning("srv  responses: tools[%d] of type %r is not run by this server: skipped", i, kind)
     return out
+
+
+def tool_namespaces(tools: Any) -> dict[str, str]:
+    """The namespace of each function tool that came in one, by tool name: its calls carry it back."""
+    found: dict[str, str] = {}
+    for tool in tools if isinstance(tools, list) else []:
+        if isinstance(tool, dict) and tool.get("type") == "namespace" and isinstance(tool.get("name"), str):
+            for _, child in _functions(tool.get("tools") or []):
+                if isinstance(child.get("name"), str):
+                    found[child["name"]] = tool["name"]
+    return found
+
+
+def _functions(tools: list[Any]) -> list[tuple[int, dict[str, Any]]]:
+    return [(j, t) for j, t in enumerate(tools) if isinstance(t, dict) and t.get("type", "function") == "function"]
+
+
+def _function(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    function = {"name": _string(tool, "name", where)}
+    if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+        raise invalid(f"Field '{where}.parameters': expected a JSON Schema object")
+    for key in ("description", "parameters", "strict"):
+        if tool.get(key) is not None:
+            function[key] = tool[key]
+    return {"type": "function", "function": function}
 
 
 def _tool_choice(choice: Any) -> Any:
@@ -403,13 +430,11 @@ class _Items:
     """Chat deltas -> output items (reasoning, message, function_call) and the stream events that build them; a
     new item opens whenever the kind of output changes or a new call starts."""
 
-    def __init__(self, envelope: dict[str, Any], output: ChatOutput) -> None:
-        self.envelope, self.output = envelope, output
+    def __init__(self, envelope: dict[str, Any], output: ChatOutput, namespaces: dict[str, str]) -> None:
+        self.envelope, self.output, self.namespaces = envelope, output, namespaces
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
         self.seq = 0
-        self.n_tokens = 0
-        self.n_before_content = 0  # tokens fed before the first content: the reasoning's share
         self.status = "in_progress"
         self.usage: dict[str, Any] | None = None
 
@@ -428,17 +453,13 @@ class _Items:
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """One token's text."""
-        events = self._apply(self.output.feed(text))
-        self.n_tokens += 1
-        if not self.output.reasoning.content:
-            self.n_before_content = self.n_tokens
-        return events
+        return self._apply(self.output.feed_token(text))
 
     def finish(self, finish: FinishEvent) -> list[dict[str, Any]]:
         events = self._apply(self.output.feed(finish.tail) + self.output.finish(cut=finish.finish_reason == "length"))
         self.status = "incomplete" if finish.finish_reason == "length" else "completed"
         events += self._close("incomplete" if self.status == "incomplete" else "completed")
-        reasoning_tokens = min(self.n_before_content, len(finish.tokens)) if self.output.reasoning_content else 0
+        reasoning_tokens = self.output.reasoning_tokens(len(finish.tokens))
         self.usage = {
             "input_tokens": finish.n_prompt_tokens,
             "input_tokens_details": {"cached_tokens": finish.timings.cache_n},
@@ -497,7 +518,10 @@ class _Items:
         events: list[dict[str, Any]] = []
         function = call.get("function", {})
         if "id" in call:
-            item = {"type": "function_call", "id": _id("fc"), "call_id": call["id"], "name": function.get("name", "")}
+            name = function.get("name", "")
+            item = {"type": "function_call", "id": _id("fc"), "call_id": call["id"], "name": name}
+            if name in self.namespaces:
+                item["namespace"] = self.namespaces[name]
             events += self._start(item | {"arguments": "", "status": "in_progress"})
         arguments = function.get("arguments", "")
         if arguments and self.open is not None and self.open["type"] == "function_call":

@@ -148,19 +148,28 @@ def _log_timings(state: ServerState, event: FinishEvent, task: int) -> None:
     )
 
 
-def _usage(finish: FinishEvent) -> dict[str, Any]:
+def usage(finish: FinishEvent, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; for a chat, the reasoning tokens among the completion's (opencode shows them)."""
     t = finish.timings
     n_prompt = finish.n_prompt_tokens
-    return {
+    out: dict[str, Any] = {
         "completion_tokens": len(finish.tokens),
         "prompt_tokens": n_prompt,
         "total_tokens": n_prompt + len(finish.tokens),
         "prompt_tokens_details": {"cached_tokens": t.cache_n},
     }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def envelope(
-    state: ServerState, cid: str, obj: str, choices: list[dict[str, Any]], finish: FinishEvent | None
+    state: ServerState,
+    cid: str,
+    obj: str,
+    choices: list[dict[str, Any]],
+    finish: FinishEvent | None,
+    reasoning_tokens: int | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {
         "choices": choices,
@@ -170,7 +179,7 @@ def envelope(
         "object": obj,
     }
     if finish is not None:
-        out["usage"] = _usage(finish)
+        out["usage"] = usage(finish, reasoning_tokens)
     out["id"] = cid
     if finish is not None:
         out["timings"] = finish.timings.as_dict()
@@ -277,7 +286,7 @@ async def chat_stream(
                 yield chunk({"role": "assistant", "content": None})
             if isinstance(event, TokenEvent):
                 logprobs = {"logprobs": token_logprobs(tokenizer, [event], plan.top_logprobs)} if plan.logprobs else {}
-                deltas = output.feed(event.text)
+                deltas = output.feed_token(event.text)
                 for i, delta in enumerate(deltas):
                     yield chunk(delta, **(logprobs if i == 0 else {}))
                 if logprobs and not deltas:
@@ -295,7 +304,8 @@ async def chat_stream(
             )
             yield last
             if job.include_usage:
-                yield _data({"choices": [], **base, "usage": _usage(event), **timings})
+                reasoning = output.reasoning_tokens(len(event.tokens))
+                yield _data({"choices": [], **base, "usage": usage(event, reasoning), **timings})
             yield "data: [DONE]\n\n"
 
     async for piece in _guarded(chunks()):
