@@ -414,7 +414,7 @@ def create_app(state: ServerState) -> FastAPI:
             out["__verbose"] = native_final(state, job, *results[0], results[0][0].text)
         return JSONResponse(out)
 
-    @router.post("/v1/chat/completions/input_tokens", include_in_schema=False)
+    @router.post("/v1/chat/completions/input_tokens", openapi_extra=schema.body(schema.CHAT))
     @router.post("/chat/completions/input_tokens", include_in_schema=False)
     async def chat_input_tokens(request: Request) -> dict[str, int]:
         """llama-server's count of a chat request's prompt tokens (the template applied), nothing generated."""
