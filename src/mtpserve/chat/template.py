@@ -323,6 +323,7 @@ def place_systems(messages: list[dict[str, Any]], several: bool, late: bool) -> 
     joins the user message just before it, or else the one just after it, or else becomes a user message of its
     own: never the leading system prompt, whose change would make every turn re-read the whole conversation,
     and never an earlier place than it was sent at (so each turn's prompt extends the last one's)."""
+    messages = list(messages)  # a copy: a late system message may change the user message after it
     lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
     if lead > 1 and not several:
         joined = {"role": "system", "content": "\n\n".join(as_text(m["content"]) for m in messages[:lead])}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -28,6 +29,8 @@ from typing import Any
 
 from .config import GrammarLimits
 from .errors import Cancelled, InvalidRequest, ServerError, ShuttingDown
+
+log = logging.getLogger("mtpserve.engine")
 
 POLL_S = 0.05  # how often a waiting compile looks at its deadline, its client, its worker's memory
 START_S = 120.0  # a worker's start (python, xgrammar, torch, the vocabulary: ~3 s), which no grammar is charged for
@@ -229,6 +232,7 @@ class CompilerProcesses:
                     raise ShuttingDown()
                 worker = self._workers[slot] = self._starter.submit(_Worker).result()
                 self.started += 1
+                log.info("srv  grammar: compiler process %d started (pid %d)", self.started, worker.proc.pid)
             return worker
 
     def _wait(
