@@ -76,7 +76,7 @@ def test_a_compile_past_its_memory_is_killed():
 
 
 def test_a_compile_is_given_up_when_its_client_leaves():
-    compiler = _compiler(timeout_s=600.0)
+    compiler = _compiler(timeout_s=600.0, max_memory=8 << 30)  # limits the heavy schema does not reach in seconds
     try:
         compiler.compile(SMALL)  # the workers are up: the client leaves mid-compile
         left = threading.Event()
@@ -90,7 +90,7 @@ def test_a_compile_is_given_up_when_its_client_leaves():
 
 
 def test_closing_ends_compiles_under_way_and_kills_the_workers():
-    compiler = _compiler(timeout_s=600.0)
+    compiler = _compiler(timeout_s=600.0, max_memory=8 << 30)
     outcome: list[BaseException] = []
 
     def compile_heavy() -> None:
