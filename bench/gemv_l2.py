@@ -10,7 +10,7 @@ many launches is replayed (no Python or launch gaps between them), timed by CUDA
 (1: decode, 3: a verification at n_max 2) and kernel (the float GEMV's word and sub-tile kernels, the integer
 quant_gemv_q8 where it exists for the type): microseconds a launch, weight GB/s, and the fraction of a 2 GiB
 device-to-device copy's bandwidth (read + write), the ceiling. Off CUDA each case is one eager launch (the wiring,
-not a timing).
+not a timing). Any row that fails (an error instead of a time) makes the run exit 1, and so fails its stage.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -51,8 +52,10 @@ def l2_size(device: torch.device) -> int:
 
 
 def kernel_calls(qtype: GGMLType) -> dict:
-    """name -> fn(x, blocks) for every kernel that multiplies this type."""
+    """name -> fn(x, blocks) for every kernel that multiplies this type. GEMV_L2_BREAK=KERNEL makes that kernel
+    raise (the check that an error row fails the run: tests/bench/test_gpu_check.py)."""
     from mtpserve.kernels import triton as kernels
+    from mtpserve.ops.activation_rounding import PAIRED_ACTIVATIONS, ActFormat
     from mtpserve.ops.rowwise import quantize_rows_reference
 
     calls = {
@@ -63,13 +66,23 @@ def kernel_calls(qtype: GGMLType) -> dict:
     if hasattr(kernels, "quant_gemv_q8") and int(qtype) in q8_types:
         quants: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
+        # the activations as the decode path rounds them for this type (ops.linear_gpu.integer_format)
+        fmt = ActFormat(kernels.act_block(int(qtype)), qtype in PAIRED_ACTIVATIONS)
+
         def q8(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             if id(x) not in quants:  # quantized once, outside the timing (its own kernel is cased apart)
-                quants[id(x)] = quantize_rows_reference(x, 256)
+                quants[id(x)] = quantize_rows_reference(x, fmt)
             return kernels.quant_gemv_q8(*quants[id(x)], b, int(qtype))
 
         calls["q8"] = q8
+    broken = os.environ.get("GEMV_L2_BREAK")
+    if broken in calls:
+        calls[broken] = _raises
     return calls
+
+
+def _raises(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("GEMV_L2_BREAK: this kernel was made to fail")
 
 
 def time_rotation(fn, copies: list[torch.Tensor], x: torch.Tensor, launches: int, replays: int) -> float:
@@ -154,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    errors = [row for row in result["gemv"] if "error" in row]
+    if errors:  # a row that measured nothing fails the run (and its stage), however many others ran
+        print(f"bench/gemv_l2.py: {len(errors)} of {len(result['gemv'])} rows failed", file=sys.stderr)
+        return 1
     return 0
 
 

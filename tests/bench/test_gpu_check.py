@@ -5,6 +5,7 @@ bench/gpu_smoke.py's cases on small shapes under the Triton interpreter (the wir
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -79,3 +80,30 @@ def test_gpu_smoke_cases_run_on_small_shapes_under_the_interpreter() -> None:
         assert any(line.startswith("PASS " + label) for line in lines), run.stdout
     assert not any(line.startswith("FAIL") for line in lines)
     assert lines[-1].startswith("gpu_smoke: 0 failed of ")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("broken", [None, "q8"])
+def test_gemv_l2_measures_every_kernel_and_an_error_row_fails_the_run(tmp_path: Path, broken: str | None) -> None:
+    """The integer GEMV once errored on every row (its activations quantized with a block size where a format is
+    needed) while the stage still passed (issue 38): every kernel now measures, and a kernel made to raise makes
+    the run, so the bench stage, fail, the other kernels measured all the same."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"} | ({"GEMV_L2_BREAK": broken} if broken else {})
+    out = tmp_path / "gemv.json"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gemv_l2.py"), "--device", "cpu", "--tiny", "--json", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    rows = json.loads(out.read_text())["gemv"]
+    assert {(r["matrix"], r["kernel"]) for r in rows} == {
+        (m, k) for m in ("attn_qkv", "ffn_down") for k in ("words", "sub_tile", "q8")
+    }
+    failed = {(r["matrix"], r["kernel"]) for r in rows if "error" in r}
+    if broken is None:
+        assert run.returncode == 0 and not failed, run.stdout + run.stderr
+    else:
+        assert run.returncode == 1 and failed == {("attn_qkv", "q8"), ("ffn_down", "q8")}, run.stdout + run.stderr
