@@ -309,6 +309,85 @@ def _gated_delta_recurrent(s: Shapes, device: torch.device) -> list[Case]:
     return [case(1), case(3)]
 
 
+@smoke_case("gdn_decode_inputs")
+def _gdn_decode_inputs(s: Shapes, device: torch.device) -> list[Case]:
+    from mtpserve.ops.gated_delta import gdn_decode_inputs_reference
+
+    def case(tokens: int) -> Case:
+        def run() -> list[Comparison]:
+            gen = _gen(device, 8)
+            C, W = 2 * s.n_k_heads * s.ssm_dim + s.n_v_heads * s.ssm_dim, 4
+            mixed = _randn(gen, 1, tokens, C + 7)[..., 3 : 3 + C]  # a column slice of the projection: strided rows
+            conv_weight, conv_state = _randn(gen, C, W) * 0.5, _randn(gen, 1, C, W - 1)
+            heads = {"n_k_heads": s.n_k_heads, "head_k": s.ssm_dim, "head_v": s.ssm_dim, "eps": 1e-6}
+            want_state = conv_state.clone()
+            want = gdn_decode_inputs_reference(mixed, conv_weight, want_state, **heads)
+            got = kernels().gdn_decode_inputs(mixed, conv_weight, conv_state, **heads)
+            return [Comparison((got,), (want,), "float32"), Comparison((conv_state,), (want_state,), "exact")]
+
+        return Case(f"gdn_decode_inputs C={2 * s.n_k_heads * s.ssm_dim + s.n_v_heads * s.ssm_dim} W=4 T={tokens}", run)
+
+    return [case(1), case(3)]
+
+
+@smoke_case("gated_delta_decode")
+def _gated_delta_decode(s: Shapes, device: torch.device) -> list[Case]:
+    from mtpserve.ops.gated_delta import gated_delta_decode_reference
+
+    def case(tokens: int) -> Case:
+        def run() -> list[Comparison]:
+            gen = _gen(device, 9)
+            q, k, v, _, _, state = _delta_inputs(s, gen, tokens)
+            Hv, V = s.n_v_heads, s.ssm_dim
+            proj = _randn(gen, 1, tokens, Hv * V + 2 * Hv)  # z | beta | alpha, as the layer's projection lays them
+            gates = {
+                "alpha": proj[..., Hv * V + Hv :] * 3,
+                "beta": proj[..., Hv * V : Hv * V + Hv],
+                "z": proj[..., : Hv * V].unflatten(-1, (Hv, V)),
+            }
+            consts = {"dt_bias": _randn(gen, Hv) * 10, "a": -torch.rand(Hv, device=device, generator=gen) * 2}
+            consts |= {"norm_weight": _randn(gen, V), "eps": 1e-6}
+            want_state = state.clone()
+            want = gated_delta_decode_reference(q=q, k=k, v=v, state=want_state, **gates, **consts)
+            got = kernels().gated_delta_decode(q, k, v, gates["alpha"], gates["beta"], gates["z"], state, **consts)
+            return [Comparison((got,), (want,), "float32"), Comparison((state,), (want_state,), "float32")]
+
+        return Case(f"gated_delta_decode Hk={s.n_k_heads} Hv={s.n_v_heads} K=V={s.ssm_dim} T={tokens}", run)
+
+    return [case(1), case(3)]
+
+
+@smoke_case("norm_rope_store")
+def _norm_rope_store(s: Shapes, device: torch.device) -> list[Case]:
+    from mtpserve.ops.rope import norm_rope_store_reference, rope_cos_sin
+    from mtpserve.quant.types import GGMLType, block_geometry
+
+    def case(tokens: int) -> Case:
+        def run() -> list[Comparison]:
+            gen = _gen(device, 10)
+            H, n_kv, D = s.n_head, s.n_head_kv, s.head_dim
+            positions = torch.arange(s.context - tokens, s.context, device=device)
+            cos, sin = rope_cos_sin(positions.cpu(), D // 4, 1e7)  # the 27B rotates a quarter of each head
+            x = {"q": _randn(gen, tokens, H, 2, D)[:, :, 0] * 3, "k": _randn(gen, tokens, n_kv, D) * 2}
+            x |= {"v": _randn(gen, tokens, n_kv, D), "cos": cos.to(device), "sin": sin.to(device)}
+            x |= {"cells": positions.clone(), "positions": positions}
+            norms = {"q_norm": 1 + _randn(gen, D).abs(), "k_norm": 1 + _randn(gen, D).abs(), "eps": 1e-6}
+            block, size = block_geometry(GGMLType.Q8_0)
+            outs = []
+            for fn in (kernels().norm_rope_store, norm_rope_store_reference):
+                k_store = torch.zeros(s.context, n_kv * D // block * size, dtype=torch.uint8, device=device)
+                v_store, cell_pos = k_store.clone(), torch.full((s.context,), -1, dtype=torch.long, device=device)
+                q8 = int(GGMLType.Q8_0)
+                q = fn(*x.values(), k_store, v_store, q8, q8, cell_pos, **norms)
+                outs.append((q, k_store, v_store, cell_pos))
+            got, want = outs
+            return [Comparison(got[:1], want[:1], "float32"), Comparison(got[1:], want[1:], "exact")]
+
+        return Case(f"norm_rope_store H={s.n_head}/{s.n_head_kv} D={s.head_dim} q8_0 cache T={tokens}", run)
+
+    return [case(1), case(3)]
+
+
 @smoke_case("gated_delta_chunk_scan")
 def _gated_delta_chunk_scan(s: Shapes, device: torch.device) -> list[Case]:
     from mtpserve.ops.gated_delta import gated_delta_chunk_scan_reference
