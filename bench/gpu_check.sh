@@ -16,13 +16,14 @@
 #   smoke 150 s  smoke.txt  bench/gpu_smoke.py: every Triton wrapper of mtpserve.kernels.triton once at the 27B's
 #                           shapes against its PyTorch twin, and one CUDA graph capture + replay of a small model's
 #                           decode step against eager: a PASS/FAIL/SKIP line per case (~60 s, most of it compiling).
-#   bench 200 s  bench.txt  bench/gemv_l2.py -> gemv.json: the GEMVs with weights rotated through > 2x L2, timed in a
-#                gemv.json  CUDA graph (GB/s, fraction of a copy's); then bench/gpu.py -> decode.json: decode at depth
-#                decode.json 4096 with and without the matmuls (their time apart from the small kernels'), kernels
-#                           launched per token.
-#   tests 170 s  tests.txt  pytest -m 'not slow' on tests/kernels, tests/models/test_gpu_path.py, tests/ops (8 xdist
-#                           workers when the image has xdist; --timeout per test when it has pytest-timeout); the -ra
-#                           summary names every failure.
+#   bench 200 s  bench.txt  most wanted first: bench/gpu.py -> decode.json: decode tok/s at depths 4096 and 65536, with
+#                decode.json draft-mtp (n_max 2) and without, with and without the matmuls (their time apart from the
+#                gemv.json  small kernels'), kernels launched per token, then prefill of 8192 tokens (one model build);
+#                           then bench/gemv_l2.py -> gemv.json: the GEMVs with weights rotated through > 2x L2, timed in
+#                           a CUDA graph (GB/s, fraction of a copy's; any error row fails the stage).
+#   tests 170 s  tests.txt  pytest on tests/kernels, tests/models/test_gpu_path.py, tests/ops, the slow tests too (8
+#                           xdist workers when the image has xdist; --timeout per test when it has pytest-timeout); -v
+#                           names each test's outcome as it ends, the -ra summary every failure again.
 #   rest  (what is left)    rest.txt, gpu.json: the whole bench/gpu.py (its JSON saved after each part), with
 #                           llama.cpp's llama-bench only if its build has already finished (else "peer skipped: build
 #                           not finished"; no waiting), and the build log's tail.
@@ -137,14 +138,19 @@ PY
         "$PY" bench/gpu_smoke.py
         ;;
     bench)
-        # Two programs, each run whatever the other did; the stage fails if either does.
+        # Two runs, each run whatever the other did; the stage fails if either does. The numbers the project lacks
+        # first: decode and the MTP cycle at two depths, then prefill, in one model build (a second build of the
+        # 27B-shaped model would cost the stage more than the GEMVs' order is worth), then the GEMV calibration.
         local rc=0
+        "$PY" bench/gpu.py --parts decode,mtp,prefill --contexts 4096,65536 --prefill 8192 --batch 1 --memory-ctx 0 \
+            --split-matmuls --json "$OUT/decode.json" || rc=$?
         "$PY" bench/gemv_l2.py --json "$OUT/gemv.json" || rc=$?
-        "$PY" bench/gpu.py --parts decode --contexts 4096 --split-matmuls --json "$OUT/decode.json" || rc=$?
         return $rc
         ;;
     tests)
-        local args=(-q -p no:cacheprovider -m 'not slow' -ra --durations=15)
+        # every GPU-path test, the slow ones too (cheap on a GPU: the deployed configuration's graph captures, the
+        # Gemma slice), each named with its outcome as it ends (-v), not only in the summary at exit
+        local args=(-v -p no:cacheprovider -m '' -ra --durations=15 --tb=short)
         "$PY" -c 'import xdist' 2>/dev/null && args+=(-n 8)  # Triton compiles each configuration once a process
         "$PY" -c 'import pytest_timeout' 2>/dev/null && args+=(--timeout=120)  # else only the stage's own timeout
         "$PY" -m pytest "${args[@]}" tests/kernels tests/models/test_gpu_path.py tests/ops
