@@ -103,7 +103,9 @@ def test_several_sequences_decode_in_one_program_call_with_the_layer_paths_token
     fast, served, fallbacks = _decode_together(key, True, monkeypatch)
     assert fallbacks == 0 and max(served) > 1  # some passes held several sequences, none left the program
     layered, _, layer_passes = _decode_together(key, False, monkeypatch)
-    assert layer_passes == len(served)  # the same decode passes, layer by layer
+    # (how the passes group the sequences depends on when each request reached the engine thread, so the two runs'
+    # pass counts may differ; each sequence's tokens may not)
+    assert layer_passes > 0
     assert fast == layered
 
 
