@@ -9,6 +9,7 @@ it ran past, or the client left), and the peak resident memory of the server wit
 from __future__ import annotations
 
 import json
+import statistics
 import threading
 import time
 from collections import Counter
@@ -55,7 +56,7 @@ class StormReport:
 
     @property
     def chat_p50_s(self) -> float:
-        return _quantile(self.chat_latency_s, 0.5)
+        return statistics.median(self.chat_latency_s) if self.chat_latency_s else float("nan")
 
     @property
     def chat_max_s(self) -> float:
@@ -139,10 +140,3 @@ def _limit_named(text: str) -> str:
         if flag in message:
             return flag
     return message[:60]
-
-
-def _quantile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
