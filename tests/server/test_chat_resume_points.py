@@ -60,3 +60,19 @@ def test_a_side_request_and_the_next_turn_part_at_the_resume_points(template, to
     turn = _plan(template, tokenizer, [*first, reply, {"role": "user", "content": "And sizes?"}], thinking)
     assert messages_end <= _shared(plan.prompt, turn.prompt)
     assert turn.resume_at[0] == system_end  # the system prompt's end does not move as the conversation grows
+
+
+def test_tool_choice_none_keeps_the_tools_in_the_prompt(tokenizer):
+    """As llama-server renders them: a client that turns calls off for one turn (the turn after a tool result, a
+    summary) keeps its conversation's prefix; only no call is parsed or constrained on that turn."""
+    qwen35 = ChatTemplate.for_tokenizer(tokenizer)
+    tool = {"type": "function", "function": {"name": "read", "parameters": {"type": "object", "properties": {}}}}
+    messages = [{"role": "user", "content": "List the files."}]
+
+    def plan(choice: str):
+        body = {"messages": messages, "tools": [tool], "tool_choice": choice}
+        return plan_chat(Body(body), qwen35, tokenizer, ChatSettings())
+
+    auto, none = plan("auto"), plan("none")
+    assert none.prompt == auto.prompt and '"name": "read"' in none.prompt_text
+    assert auto.tools == [tool] and none.tools is None and none.grammar is None

@@ -83,8 +83,9 @@ def plan_chat(body: Body, template: ChatTemplate, tokenizer: Tokenizer, settings
             "Field 'tool_choice': expected 'auto', 'none', 'required' or "
             f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}"[:300]
         )
-    if tool_choice == "none":
-        tools = None
+    # tool_choice "none": the tools are still in the prompt (as llama-server renders them: a client that turns
+    # tool calls off for one turn keeps its conversation's prefix), only no call is parsed or constrained
+    parsed_tools = None if tool_choice == "none" else tools or None
     try:
         schema = response_schema(body.dict("response_format"))
     except StructuredOutputError as e:
@@ -147,7 +148,7 @@ def plan_chat(body: Body, template: ChatTemplate, tokenizer: Tokenizer, settings
         prompt=prompt,
         generation_prompt=generation_prompt,
         extract_reasoning=reasoning_format != "none",
-        tools=tools or None,
+        tools=parsed_tools,
         parallel_tool_calls=body.bool("parallel_tool_calls", True),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
