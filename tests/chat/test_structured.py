@@ -93,6 +93,17 @@ def test_auto_leaves_text_free_and_holds_calls_to_their_schema():
     assert not accepts(grammar, "Checking.\n" + CALL.replace("days", "weeks"))
 
 
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_strict_false_still_holds_calls_to_their_schema(choice):
+    """Codex sends `strict: false` on every tool; xgrammar's preset would leave such arguments free (a forced call
+    came back as `{}`), where the server enforces every schema."""
+    lax = {"type": "function", "function": {**TOOL["function"], "strict": False}}
+    grammar = _plan(tools=[lax], tool_choice=choice, tool_format=QWEN_XML)
+    assert accepts(grammar, CALL)
+    assert not accepts(grammar, "<tool_call>\n<function=get_weather>\n</function>\n</tool_call>")
+    assert not accepts(grammar, CALL.replace("\n3\n", "\n9\n"))
+
+
 def test_a_json_answer_or_calls_when_both_are_asked_for():
     grammar = _plan(tools=[TOOL], tool_choice="auto", tool_format=QWEN_XML, response_schema=SCHEMA)
     assert accepts(grammar, '{\n  "n": 1\n}') and accepts(grammar, CALL)

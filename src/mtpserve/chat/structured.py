@@ -12,7 +12,8 @@ and llama-server leave room:
   template is refused (400): without a grammar the call could not be guaranteed. "auto" is lazy, as in
   llama-server: text is free until the model opens `<tool_call>`, then the call is held to the tools' schemas.
 * `response_format` with tools under "auto": the answer is either JSON matching the schema or tool calls.
-  `strict` is accepted and ignored: every schema is enforced.
+  `strict` is accepted and ignored: every schema is enforced (xgrammar's preset would leave a `strict: false`
+  tool's arguments free, and Codex sends that flag on every tool).
 * `json_object` without a schema: any JSON object.
 * JSON answers are laid out as `JSON.stringify(value, null, 2)` would (xgrammar's `indent=2`, no other
   whitespace): a sampling model given free whitespace pads with runs of newlines until the tokens run out
@@ -151,10 +152,11 @@ def _qwen_calls(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any], 
         names = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)]
         if not isinstance(name, str) or name not in names:
             raise StructuredOutputError(f"tool_choice names the function {name!r}, which is not among the tools")
+    enforced = [_without_strict(t) for t in tools]
     try:
         tag = get_model_structural_tag(
             "qwen_3_5",
-            tools=tools,
+            tools=enforced,
             tool_choice=tool_choice,
             reasoning="disabled",
             parallel_tool_calls=parallel,
@@ -167,6 +169,13 @@ def _qwen_calls(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any], 
         return calls
     tags = [calls] if isinstance(calls, st.TagFormat) else list(calls.tags)
     return st.TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True, stop_after_first=not parallel)
+
+
+def _without_strict(tool: dict[str, Any]) -> dict[str, Any]:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or "strict" not in function:
+        return tool
+    return {**tool, "function": {k: v for k, v in function.items() if k != "strict"}}
 
 
 def response_schema(response_format: dict[str, Any]) -> dict[str, Any] | None:

@@ -10,8 +10,9 @@ cannot disagree. Decisions, where the API leaves room or this server cannot foll
   false (OpenAI's default is true, but there is nothing to store into). Clients send the whole conversation.
 * `model` is checked as on `/v1/chat/completions` (any name, or with `--strict-model` only the served one's); the
   response names the served model.
-* Only `function` tools; hosted tools (web/file search, computer use, MCP, custom) are refused. `strict` is
-  accepted: every tool's arguments are held to its schema anyway (constrained decoding).
+* `function` tools, and those inside a `namespace` (flattened, names kept; calls carry the namespace back);
+  hosted tools (web/file search, computer use, MCP, ...) are skipped with a warning, as llama-server skips them.
+  `strict` is accepted: every tool's arguments are held to its schema either way (constrained decoding).
 * Input messages may carry `input_text`/`output_text`/`refusal` parts; images, files and audio are refused.
   Consecutive assistant-side items (a reasoning item, an assistant message, function calls) merge into one
   assistant chat message, as the turn that produced them.
