@@ -289,10 +289,17 @@ def test_stream_one_character_at_a_time(text):
 def test_an_enum_value_loses_the_whitespace_around_it_a_free_string_keeps_it():
     """Constrained calls may put one whitespace character where the template writes a newline
     (`<parameter=unit> celsius`): a value from a fixed set has no whitespace of its own."""
-    tools = [_tool("pick", unit={"type": "string", "enum": ["celsius", "fahrenheit"]}, note={"type": "string"})]
-    text = "<tool_call>\n<function=pick>\n<parameter=unit> celsius\n</parameter>\n<parameter=note>  hi \n</parameter>\n</function>\n</tool_call>"  # noqa: E501
+    tools = [
+        _tool(
+            "pick",
+            unit={"type": "string", "enum": ["celsius", "fahrenheit"]},
+            note={"type": "string"},
+            cmd={"const": "ls"},
+        )
+    ]
+    text = "<tool_call>\n<function=pick>\n<parameter=unit> celsius\n</parameter>\n<parameter=note>  hi \n</parameter>\n<parameter=cmd> ls</parameter>\n</function>\n</tool_call>"  # noqa: E501
     split = parse_tool_calls(text, tools)
-    assert json.loads(split.tool_calls[0]["function"]["arguments"]) == {"unit": "celsius", "note": "  hi "}
+    assert json.loads(split.tool_calls[0]["function"]["arguments"]) == {"unit": "celsius", "note": "  hi ", "cmd": "ls"}
 
 
 # Every tag of the Qwen 3.5/3.6 format, for arguments that hold them (an agent editing this very parser writes them)

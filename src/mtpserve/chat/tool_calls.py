@@ -8,7 +8,7 @@ common/parsers/qwen3-coder.cpp):
 The input here is the *content* part that `reasoning.py` split off. Content is the text before the first
 `<tool_call>` (trailing whitespace dropped); from there on come the calls. A value is the text between
 `<parameter=KEY>` and `</parameter>` less one leading and one trailing newline, typed by the tool's JSON
-schema: string params stay raw (an enum's or const's value stripped of surrounding whitespace), others are
+schema: string params stay raw (an enum's or const's value stripped of surrounding whitespace, typed or not), others are
 `json.loads`-ed (the raw string if that fails).
 
 llama-server constrains the calls with a grammar, so its output is always well formed; we may run without
@@ -93,7 +93,8 @@ def _schemas(tools: Tools) -> Schemas:
 
 
 def _types(schema: Any) -> set[str]:
-    """JSON types a schema allows (`type`, its `anyOf`/`oneOf` members, an all-string `enum`); empty if unknown."""
+    """JSON types a schema allows (`type`, its `anyOf`/`oneOf` members, an all-string `enum`, a string `const`);
+    empty if unknown."""
     if not isinstance(schema, Mapping):
         return set()
     t = schema.get("type")
@@ -103,6 +104,8 @@ def _types(schema: Any) -> set[str]:
             types |= _types(sub)
     enum = schema.get("enum")
     if not types and isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        types = {"string"}
+    if not types and isinstance(schema.get("const"), str):
         types = {"string"}
     return types
 
