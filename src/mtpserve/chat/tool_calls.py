@@ -8,8 +8,8 @@ common/parsers/qwen3-coder.cpp):
 The input here is the *content* part that `reasoning.py` split off. Content is the text before the first
 `<tool_call>` (trailing whitespace dropped); from there on come the calls. A value is the text between
 `<parameter=KEY>` and `</parameter>` less one leading and one trailing newline, typed by the tool's JSON
-schema: string params stay raw (an enum's or const's value stripped of surrounding whitespace, typed or not), others are
-`json.loads`-ed (the raw string if that fails).
+schema: string params stay raw (an enum's or const's value stripped of surrounding whitespace, typed or not),
+others are `json.loads`-ed (the raw string if that fails).
 
 llama-server constrains the calls with a grammar, so its output is always well formed; we may run without
 one, so this parser is lenient and these are our decisions for the cases llama.cpp never sees:
