@@ -7,7 +7,8 @@ common/parsers/qwen3-coder.cpp):
 
 The input here is the *content* part that `reasoning.py` split off. Content is the text before the first
 `<tool_call>` (trailing whitespace dropped); from there on come the calls. A value is the text between
-`<parameter=KEY>` and `</parameter>` less one leading and one trailing newline, typed by the tool's JSON
+`<parameter=KEY>` and `</parameter>` less one leading and one trailing whitespace character (the template
+writes a newline there, the grammar lets any one whitespace character stand for it), typed by the tool's JSON
 schema: string params stay raw (an enum's or const's value stripped of surrounding whitespace, typed or not),
 others are `json.loads`-ed (the raw string if that fails).
 
@@ -201,10 +202,18 @@ def _parse_block(body: str, whole: bool) -> _Block:
         key = _tag_value(body, pos, PARAM)
         end = _value_end(body, key[1], whole) if key else None
         if key is None or end is None:
-            partial = (key[0], body[key[1] :].removeprefix("\n")) if key else None
+            partial = (key[0], _unpad(body[key[1] :], end=False)) if key else None
             return _Block(name, params, False, partial)
-        params.append((key[0], body[key[1] : end].removeprefix("\n").removesuffix("\n")))
+        params.append((key[0], _unpad(body[key[1] : end])))
         pos = end + len(END_PARAM)
+
+
+def _unpad(value: str, end: bool = True) -> str:
+    """A value less the one whitespace character on each side that stands for the template's newline (the
+    grammar lets a space or tab stand there: a constrained tiny model wrote `<parameter=filePath> /tmp/a`)."""
+    if value[:1] in WHITESPACE:
+        value = value[1:]
+    return value[:-1] if end and value[-1:] in WHITESPACE else value
 
 
 def _block_end(text: str, start: int, whole: bool) -> tuple[int, int] | None:
