@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: serve test test-all test-compat install install-dev models browser bench lint format clean webui-assets
+.PHONY: serve test test-all test-agents test-compat install install-dev models browser bench lint format clean webui-assets
 
 # The OpenAI-compatible server on the default model (SmolLM2-135M-Instruct); flags as llama-server's:
 # `make serve ARGS="--port 8000 --api-key secret"`.
@@ -30,7 +30,14 @@ format: install-dev
 
 # Everything, the tests marked slow included (the real models' perplexity runs, ...): about 5 minutes more.
 test-all: lint models browser
-	MTPSERVE_REQUIRE_MODELS=1 $(PY) -m pytest -q -m ''
+	MTPSERVE_REQUIRE_MODELS=1 $(PY) -m pytest -q -m 'not agents'
+
+# Claude Code, Codex, opencode and openai-agents against the server, each one task with a tool call (tests/agents,
+# docs/serving.md "Agent clients"): about 3 minutes, outside `make test` (the clients come from npm); run it
+# before resolving anything that touches server/ or chat/. The clients are installed once into the cache.
+test-agents: install-dev
+	PY=$(PY) tools/install_agents.sh
+	MTPSERVE_REQUIRE_AGENTS=1 $(PY) -m pytest -q -m agents tests/agents
 
 # llama.cpp's own server test suite against mtpserve (tests/compat, docs/compat.md): about 15 minutes, outside
 # `make test`; the first run downloads the llama.cpp source. `make test-compat TESTS=unit/test_basic.py` runs a part.
