@@ -35,6 +35,11 @@ the model ignores.
 
 `--quick` (the test suite's run): the counts, and only the decode launches marked quick. The full run compiles
 every decode configuration for both archs in parallel (minutes on 2 cores).
+
+Then the decode cycle's time model (bench/gpu_time_model.py, its assumptions in its docstring) from these counts
+and decode attention's bounds, with the host time measured here by bench/engine_overhead.py's stand-in: the JSON's
+`predicted` (tok/s and ms a token by part for an H200 and 2 x RTX 2080 Ti, at 4096 and 131072 tokens, with and
+without draft-mtp) and `host_ms_per_mtp_cycle`.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+import gpu_time_model  # noqa: E402
 
 from tests.support import gpu_compile, sass  # noqa: E402
 
@@ -224,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--quick", action="store_true", help="the counts and only the quick decode launches")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel")
+    parser.add_argument("--host-tokens", type=int, default=256, help="tokens a round of the host-time stand-in")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
@@ -255,10 +263,13 @@ def main(argv: list[str] | None = None) -> int:
         "kernels": rows,
         "summary": summarise(rows),
     }
+    timed = gpu_time_model.model(result, gpu_time_model.measure_host(tokens=args.host_tokens))
+    result.update(timed)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(report(result))
+    print("\n" + gpu_time_model.table(result))
     return 0
 
 

@@ -23,7 +23,7 @@ def test_gpu_static_quick(tmp_path: Path) -> None:
     out = tmp_path / "static.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--json", str(out)],
+        [sys.executable, str(SCRIPT), "--quick", "--host-tokens", "64", "--json", str(out)],
         check=False,
         env=env,
         capture_output=True,
@@ -62,3 +62,13 @@ def test_gpu_static_quick(tmp_path: Path) -> None:
     assert r["kernels_per_verify_step"] <= 1.2 * r["kernels_per_decode_step"]
     q4k = [k for k in kernels if k["kernel"] == "gemv_q8" and "Q4_K" in k["name"]]
     assert {k["arch"] for k in q4k} == {"sm_90", "sm_75"} and all(k["ok"] for k in q4k), q4k
+
+    # the time model on these counts and bounds (its arithmetic: test_gpu_time_model.py)
+    predicted = {(p["device"], p["context"], p["spec"]): p for p in r["predicted"]}
+    assert set(predicted) == {
+        (d, c, s) for d in ("H200", "2x2080Ti") for c in (4096, 131072) for s in ("none", "draft-mtp")
+    }
+    assert r["host_ms_per_mtp_cycle"] > 0 and r["host_ms_per_token"] > 0
+    for p in predicted.values():
+        assert set(p["ms"]) == {"weights", "attention", "launches", "host", "other"}
+        assert abs(p["tok_s"] - 1e3 / sum(p["ms"].values())) <= 0.01 * p["tok_s"]

@@ -1,0 +1,299 @@
+"""The decode cycle's time model: what a token of Qwen3.6-27B Q4_K_M costs on a GPU, part by part, without a GPU.
+
+    .venv/bin/python bench/gpu_time_model.py [--static docs/perf/gpu_static_after.json] [--json OUT]
+
+bench/gpu_static.py calls `predict` too (its JSON's `predicted` and `host_ms_per_mtp_cycle`). A step (one token,
+or a verification of 1 + n_max tokens, or an MTP draft) costs the sum of five parts:
+
+* weights: the bytes the step's matrices hold (tuning.synthetic's tensors of the deployment's file: the 64 layers
+  with the output norm and layer, 15.82 GB; the token embedding gives one row) over HBM x BANDWIDTH_FRACTION. A
+  verification reads them once for all its rows (the GEMVs take 1-8 rows a pass). A draft step reads the MTP
+  block and the output layer (1.31 GB), a catch-up the MTP block alone.
+* attention: the KV cache's bytes at the context (16 layers, K and V, 4 KV heads x 256 at q8_0's 34 bytes a 32)
+  times the passes over them, over decode attention's own bound: min(its issue bound from gpu_static's table,
+  HBM x BANDWIDTH_FRACTION). A verification's 3 tokens x 6 query heads a KV head are 18 query rows, two 16-row
+  blocks: two passes. A draft step attends in the MTP block's one layer.
+* other: the Gated DeltaNet states (48 layers x 48 heads x 128 x 128 float32) read and written each step, a
+  verification writing one per token (kept for the rollback); with the layer split, the hidden state handed to
+  the next card (n_embd float32 over PCIe, plus its latency).
+* launches: the step's kernels (bench/decode_launches.py: 709 a step or verification, 27 a draft, 21 a catch-up)
+  x LAUNCH_US each, the fixed cost of a kernel in a graph replay beyond its memory time.
+* host: the engine's own time per cycle, measured by bench/engine_overhead.py's stand-in (tinyqwen35 whose passes
+  cost nothing, with 248,320-token logits: the engine step, the sampler, speculation's bookkeeping), plus each
+  logits row copied to the host (the GPU path samples there: graphs.py's `.cpu()`), rows x vocab x 4 B at
+  PCIE_COPY_GBPS and COPY_LATENCY_US a copy.
+
+The parts add: kernels run one after another in one stream, and the host and the device do not overlap (the
+engine waits for the logits before it prepares the next step). No speculation: a step gives one token. draft-mtp
+(n_max 2): a cycle is one verification, two draft steps and one catch-up, and gives 1 + 2 x acceptance tokens
+(acceptance: accepted / drafted, llama.cpp's measure; the deployment's 63%). The layer split over two RTX 2080 Ti
+runs the cards in series, so a step costs what one card streaming every weight would, plus the hand-over.
+
+Every assumption is a named constant below, with where it comes from; none is tuned to reach a goal. Calibration,
+once a GPU is lent: bench/gpu_check.sh's GEMV micro-benchmark measures BANDWIDTH_FRACTION per kernel, its
+profiler table the launch cost, and its decode tok/s the whole; docs/performance.md puts them beside this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Assumptions (module docstring).
+BANDWIDTH_FRACTION = 0.80  # of HBM a streaming kernel reaches: issue 38's rule until bench/gemv_l2.py measures it
+LAUNCH_US = 1.5  # per kernel in a graph replay: docs/gpu-decode.md's 1-2.5 us, the middle (not yet measured)
+COPY_LATENCY_US = 10.0  # a synchronizing device-to-host copy's fixed cost (not yet measured)
+ACCEPTANCE = 0.63  # the deployment's draft acceptance with llama.cpp, n_max 2
+N_MAX = 2
+CONTEXTS = (4096, 131072)
+
+# The deployment's model (../shared/spec/qwen35-architecture.md; tuning.synthetic.Qwen35Shape).
+N_EMBD = 5120
+VOCAB = 248_320
+ATTENTION_LAYERS, KV_HEADS, HEAD_DIM, QUERY_HEADS = 16, 4, 256, 24
+Q8_0_BYTES_PER_VALUE = 34 / 32
+GDN_LAYERS, GDN_HEADS, GDN_DIM = 48, 48, 128
+QUERY_BLOCK = 16  # decode attention's BLOCK_M: query rows a program holds
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    arch: str  # gpu_static's arch key for decode attention's issue bound
+    hbm_tbps: float
+    pcie_copy_gbps: float  # a pageable device-to-host copy (`.cpu()`): half the link's rate, assumed
+    cards_in_series: int  # layer split: a step crosses cards - 1 boundaries
+    attention_tbps_fallback: float  # decode attention's issue bound when no gpu_static table is given
+
+
+DEVICES = {
+    # H200: 4.8 TB/s HBM3e; PCIe 5.0 x16 (64 GB/s a direction) at half for pageable copies
+    "H200": Device("H200", "sm_90", 4.8, 25.0, 1, 1.083),
+    # RTX 2080 Ti: 616 GB/s GDDR6; PCIe 3.0 x16 (~12 GB/s in practice) at half; layer split 1:1 over two cards
+    "2x2080Ti": Device("2x2080Ti", "sm_75", 0.616, 6.0, 2, 0.40),
+}
+
+
+@dataclass(frozen=True)
+class Bytes:
+    """Bytes each kind of step reads from the model's weights (the deployment's file)."""
+
+    trunk: int  # 64 layers + output norm + output layer
+    mtp_block: int
+    output_layer: int
+
+    @classmethod
+    def of_deployment(cls) -> Bytes:
+        from mtpserve.tuning.synthetic import Qwen35Shape, tensors
+
+        shape = Qwen35Shape()
+        specs = tensors(shape)
+        mtp = sum(t.nbytes for t in specs if t.name.startswith(f"blk.{shape.n_layer}."))
+        embedding = sum(t.nbytes for t in specs if t.name == "token_embd.weight")
+        output = sum(t.nbytes for t in specs if t.name == "output.weight")
+        return cls(sum(t.nbytes for t in specs) - mtp - embedding, mtp, output)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Kernels a step launches (bench/decode_launches.py, through gpu_static's JSON)."""
+
+    decode: int = 709
+    verify: int = 709
+    draft: int = 27
+    catch_up: int = 21
+
+
+def kv_bytes(context: int, layers: int = ATTENTION_LAYERS) -> float:
+    return layers * 2 * KV_HEADS * HEAD_DIM * Q8_0_BYTES_PER_VALUE * context
+
+
+def gdn_state_bytes() -> int:
+    return GDN_LAYERS * GDN_HEADS * GDN_DIM * GDN_DIM * 4
+
+
+def attention_passes(tokens: int) -> int:
+    return math.ceil(tokens * (QUERY_HEADS // KV_HEADS) / QUERY_BLOCK)
+
+
+@dataclass
+class Parts:
+    weights: float = 0.0
+    attention: float = 0.0
+    launches: float = 0.0
+    host: float = 0.0
+    other: float = 0.0
+
+    def add(self, other: Parts) -> None:
+        for key, value in asdict(other).items():
+            setattr(self, key, getattr(self, key) + value)
+
+    def total(self) -> float:
+        return sum(asdict(self).values())
+
+
+def step(
+    device: Device,
+    attention_tbps: float,
+    *,
+    weights: float,
+    tokens: int,
+    context: int,
+    trunk: bool,
+    kernels: int,
+    logits_rows: int,
+) -> Parts:
+    """One pass on the device and its logits' way to the host, in ms (the engine's own host time not included).
+    `trunk`: the 64 layers (else the MTP block's one); a trunk pass of several tokens keeps each one's states."""
+    stream_tbps = device.hbm_tbps * BANDWIDTH_FRACTION
+    layers = ATTENTION_LAYERS if trunk else 1
+    states = gdn_state_bytes() * (1 + tokens) if trunk else 0  # read once, written once a token
+    handover = (device.cards_in_series - 1) * (
+        tokens * N_EMBD * 4 / (device.pcie_copy_gbps * 1e6) + COPY_LATENCY_US / 1e3
+    )
+    copies = logits_rows * VOCAB * 4 / (device.pcie_copy_gbps * 1e6) + (COPY_LATENCY_US / 1e3 if logits_rows else 0)
+    return Parts(
+        weights=weights / (stream_tbps * 1e9),
+        attention=kv_bytes(context, layers) * attention_passes(tokens) / (min(attention_tbps, stream_tbps) * 1e9),
+        launches=kernels * LAUNCH_US / 1e3,
+        host=copies,
+        other=states / (stream_tbps * 1e9) + (handover if trunk else 0),
+    )
+
+
+def predict(
+    *,
+    host_ms_per_token: float,
+    host_ms_per_mtp_cycle: float,
+    attention_tbps: dict[str, float] | None = None,
+    kernels: Kernels = Kernels(),
+    weights: Bytes | None = None,
+) -> list[dict]:
+    """tok/s and ms a token by part, for each device, context and speculation setting."""
+    w = weights or Bytes.of_deployment()
+    out = []
+    for device in DEVICES.values():
+        at = (attention_tbps or {}).get(device.arch, device.attention_tbps_fallback)
+        for context in CONTEXTS:
+            plain = step(device, at, weights=w.trunk, tokens=1, context=context, trunk=True, kernels=kernels.decode,
+                         logits_rows=1)  # fmt: skip
+            plain.host += host_ms_per_token
+            cycle = step(device, at, weights=w.trunk, tokens=1 + N_MAX, context=context, trunk=True,
+                         kernels=kernels.verify, logits_rows=1 + N_MAX)  # fmt: skip
+            for _ in range(N_MAX):
+                cycle.add(step(device, at, weights=w.mtp_block + w.output_layer, tokens=1, context=context,
+                               trunk=False, kernels=kernels.draft, logits_rows=1))  # fmt: skip
+            cycle.add(step(device, at, weights=w.mtp_block, tokens=1, context=context, trunk=False,
+                           kernels=kernels.catch_up, logits_rows=0))  # fmt: skip
+            cycle.host += host_ms_per_mtp_cycle
+            for spec, parts, tokens in (("none", plain, 1.0), ("draft-mtp", cycle, 1 + N_MAX * ACCEPTANCE)):
+                ms = {k: round(v / tokens, 4) for k, v in asdict(parts).items()}
+                tok_s = round(1e3 * tokens / parts.total(), 1)
+                out.append({"device": device.name, "context": context, "spec": spec, "tok_s": tok_s, "ms": ms})
+    return out
+
+
+def assumptions() -> dict:
+    return {
+        "bandwidth_fraction": BANDWIDTH_FRACTION,
+        "launch_us": LAUNCH_US,
+        "copy_latency_us": COPY_LATENCY_US,
+        "acceptance": ACCEPTANCE,
+        "n_max": N_MAX,
+        "devices": {k: asdict(v) for k, v in DEVICES.items()},
+        "parts_add": "kernels in series in one stream; host and device do not overlap",
+    }
+
+
+def attention_bounds(static: dict) -> dict[str, float]:
+    """Decode attention's issue bound per arch (q8_0 cache, D=256, the deployment's), from gpu_static's rows."""
+    rows = [r for r in static.get("kernels", []) if r["kernel"] == "attn_split" and "K=Q8_0" in r["name"]]
+    rows = [r for r in rows if "D=256" in r["name"] and r["issue_bound_tbps"]]
+    return {arch: min(r["issue_bound_tbps"] for r in rows if r["arch"] == arch) for arch in {r["arch"] for r in rows}}
+
+
+def kernel_counts(static: dict) -> Kernels:
+    keys = ("kernels_per_decode_step", "kernels_per_verify_step", "kernels_per_mtp_draft", "kernels_per_mtp_catch_up")
+    if not all(k in static for k in keys):
+        return Kernels()
+    return Kernels(*(static[k] for k in keys))
+
+
+def measure_host(tokens: int = 256, rounds: int = 3) -> tuple[float, float]:
+    """(ms a greedy token, ms an MTP cycle) of host work: bench/engine_overhead.py's stand-in at Qwen's vocabulary,
+    draft-mtp with every draft accepted (so a cycle is 1 + n_max tokens)."""
+    import statistics
+
+    import torch
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import engine_overhead as eo
+
+    from mtpserve.engine import SamplingParams, SpecConfig
+    from mtpserve.tokenizer import Tokenizer
+
+    torch.set_num_threads(2)
+    args = argparse.Namespace(tokens=tokens, rounds=rounds)
+    tokenizer = Tokenizer.from_gguf(eo.MODEL)
+    greedy = SamplingParams(temperature=0.0)
+    plain = eo.engine_case(args, tokenizer, eo.QWEN_VOCAB, greedy, None, None)
+    mtp = eo.engine_case(args, tokenizer, eo.QWEN_VOCAB, greedy, None, SpecConfig(type="draft-mtp", n_max=N_MAX))
+    return statistics.median(plain[1:]) / 1e3, statistics.median(mtp[1:]) / 1e3 * (1 + N_MAX)
+
+
+def model(static: dict | None = None, host: tuple[float, float] | None = None) -> dict:
+    """The whole prediction: gpu_static's JSON (or {}) for the kernel counts and attention bounds, and the host
+    time measured here unless given."""
+    static = static or {}
+    per_token, per_cycle = host or measure_host()
+    return {
+        "host_ms_per_token": round(per_token, 4),
+        "host_ms_per_mtp_cycle": round(per_cycle, 4),
+        "assumptions": assumptions(),
+        "predicted": predict(
+            host_ms_per_token=per_token,
+            host_ms_per_mtp_cycle=per_cycle,
+            attention_tbps=attention_bounds(static) or None,
+            kernels=kernel_counts(static),
+        ),
+    }
+
+
+def table(result: dict) -> str:
+    lines = [
+        f"host time (bench/engine_overhead.py's stand-in): {result['host_ms_per_token']:.3f} ms a greedy token, "
+        f"{result['host_ms_per_mtp_cycle']:.3f} ms an MTP cycle",
+        "",
+        "| device | context | spec | tok/s | weights | attention | launches | host | other (ms a token) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in result["predicted"]:
+        m = p["ms"]
+        lines.append(
+            f"| {p['device']} | {p['context']:,} | {p['spec']} | {p['tok_s']} | {m['weights']:.2f} | "
+            f"{m['attention']:.2f} | {m['launches']:.2f} | {m['host']:.2f} | {m['other']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--static", default=str(REPO / "docs" / "perf" / "gpu_static_after.json"))
+    parser.add_argument("--json", default=None, help="write the prediction here")
+    args = parser.parse_args(argv)
+    static = json.loads(Path(args.static).read_text()) if args.static else {}
+    result = model(static)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

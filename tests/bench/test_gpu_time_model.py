@@ -1,0 +1,89 @@
+"""bench/gpu_time_model.py's arithmetic, against sums done by hand from its stated assumptions (80% of HBM, 1.5 us
+a kernel, the deployment's shapes), with the host time given rather than measured."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import gpu_time_model as tm  # noqa: E402
+
+WEIGHTS = tm.Bytes(trunk=15_821_244_416, mtp_block=263_313_408, output_layer=1_042_944_000)
+
+
+def test_the_deployments_bytes_come_from_its_tensors():
+    assert tm.Bytes.of_deployment() == WEIGHTS  # the file is 16,799,719,424 bytes with the embedding's 715 MB
+
+
+def test_query_rows_fill_16_row_blocks():
+    assert [tm.attention_passes(t) for t in (1, 2, 3, 4)] == [1, 1, 2, 2]  # 6 query heads a KV head
+
+
+def _predicted(**kw) -> dict:
+    rows = tm.predict(host_ms_per_token=0.2, host_ms_per_mtp_cycle=0.9, weights=WEIGHTS, **kw)
+    return {(p["device"], p["context"], p["spec"]): p for p in rows}
+
+
+def test_one_token_on_two_2080ti_by_hand():
+    p = _predicted()[("2x2080Ti", 4096, "none")]
+    stream = 0.616e9 * 0.8  # bytes a ms
+    kv = 16 * 2 * 4 * 256 * 34 / 32 * 4096  # 142.6 MB
+    states = 48 * 48 * 128 * 128 * 4 * 2  # read and written
+    handover = 5120 * 4 / 6e6 + 0.010  # one boundary between the cards
+    copy = 248_320 * 4 / 6e6 + 0.010
+    expected = {
+        "weights": 15_821_244_416 / stream,  # 32.10 ms
+        "attention": kv / 0.40e9,  # decode attention's sm_75 issue bound, under 80% of 616 GB/s
+        "launches": 709 * 1.5e-3,
+        "host": 0.2 + copy,
+        "other": states / stream + handover,
+    }
+    assert p["ms"] == pytest.approx(expected, rel=1e-3)
+    assert p["tok_s"] == pytest.approx(1e3 / sum(expected.values()), abs=0.05)  # rounded to 0.1
+
+
+def test_an_mtp_cycle_on_an_h200_by_hand():
+    p = _predicted()[("H200", 131072, "draft-mtp")]
+    stream = 4.8e9 * 0.8
+    kv = 16 * 2 * 4 * 256 * 34 / 32 * 131072
+    weights = 15_821_244_416 + 2 * (263_313_408 + 1_042_944_000) + 263_313_408  # verify, two drafts, a catch-up
+    attention = kv * 2 / 1.083e9 + 2 * (kv / 16) / 1.083e9 + (kv / 16) / 1.083e9  # the verification reads it twice
+    tokens = 1 + 2 * 0.63
+    assert p["ms"]["weights"] == pytest.approx(weights / stream / tokens, rel=1e-3)
+    assert p["ms"]["attention"] == pytest.approx(attention / tokens, rel=1e-3)
+    assert p["ms"]["launches"] == pytest.approx((709 + 2 * 27 + 21) * 1.5e-3 / tokens, rel=1e-3)
+    copies = 5 * 248_320 * 4 / 25e6 + 3 * 0.010  # 3 verified rows in one copy, a draft row in each of two
+    assert p["ms"]["host"] == pytest.approx((0.9 + copies) / tokens, rel=1e-3)
+
+
+def test_measured_bounds_and_counts_replace_the_fallbacks():
+    slow = _predicted(attention_tbps={"sm_90": 0.5}, kernels=tm.Kernels(1000, 1000, 50, 40))
+    base = _predicted()
+    key = ("H200", 131072, "none")
+    assert slow[key]["ms"]["attention"] == pytest.approx(base[key]["ms"]["attention"] * 1.083 / 0.5, rel=1e-3)
+    assert slow[key]["ms"]["launches"] == pytest.approx(1000 * 1.5e-3, rel=1e-3)
+    assert slow[("2x2080Ti", 131072, "none")]["ms"] == base[("2x2080Ti", 131072, "none")]["ms"] | {"launches": 1.5}
+
+
+def test_attention_bounds_read_from_gpu_statics_rows():
+    rows = [
+        {
+            "kernel": "attn_split",
+            "name": "attn_split K=Q8_0 V=Q8_0 D=256 T=1",
+            "arch": "sm_90",
+            "issue_bound_tbps": 1.1,
+        },
+        {
+            "kernel": "attn_split",
+            "name": "attn_split K=Q8_0 V=Q8_0 D=256 T=3",
+            "arch": "sm_90",
+            "issue_bound_tbps": 1.0,
+        },
+        {"kernel": "attn_split", "name": "attn_split K=F16 V=F16 D=256 T=1", "arch": "sm_90", "issue_bound_tbps": 2.4},
+        {"kernel": "attn_split", "name": "attn_split K=Q8_0 V=Q8_0 D=64 T=1", "arch": "sm_75", "issue_bound_tbps": 0.3},
+    ]
+    assert tm.attention_bounds({"kernels": rows}) == {"sm_90": 1.0}
