@@ -57,10 +57,12 @@ PROMPT = list(range(100, 116))
 SCHEMA = '{"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}}}'
 
 
-def stand_in(vocab: int, agree: bool = False):
+def stand_in(vocab: int, agree: bool = False, fresh_logits: bool = True):
     """tinyqwen35 whose passes cost nothing and whose logits are `vocab` wide. `agree`: every logits row prefers
     the token the MTP head drafts (the stand-in's MTP rows return one fixed hidden state), so every draft is
-    accepted."""
+    accepted. `fresh_logits` False hands out rows of the fixed table itself, uncopied (the GPU time model, which
+    counts the logits' copy to the host as PCIe time of its own); the engine must then not write into them, and
+    `engine_case` checks that it did not."""
     model = load(MODEL)
     n_embd, n_model = model.config.n_embd, model.config.n_vocab
     generator = torch.Generator().manual_seed(0)
@@ -90,7 +92,11 @@ def stand_in(vocab: int, agree: bool = False):
     model.program_decode = program_decode
     model.forward_batch = forward_batch
     model.mtp_step = mtp_step
-    model.logits = lambda hidden, seq_len=None: table[: len(hidden)].clone()
+    if fresh_logits:
+        model.logits = lambda hidden, seq_len=None: table[: len(hidden)].clone()
+    else:
+        model.logits = lambda hidden, seq_len=None: table[: len(hidden)]
+    model.logits_table = table
     return model
 
 
@@ -110,8 +116,11 @@ def per_token_us(engine: Engine, request: Request) -> float:
     return (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e6
 
 
-def engine_case(args, tokenizer, vocab: int, sampling: SamplingParams, grammar, spec: SpecConfig | None) -> list[float]:
-    model = stand_in(vocab, agree=spec is not None)
+def engine_case(
+    args, tokenizer, vocab: int, sampling: SamplingParams, grammar, spec: SpecConfig | None, fresh_logits: bool = True
+) -> list[float]:
+    model = stand_in(vocab, agree=spec is not None, fresh_logits=fresh_logits)
+    table = model.logits_table.clone()
     config = engine_config(args.tokens, spec)
     samples = []
     with Engine(model, tokenizer, config, plan_for_file(MODEL, config)) as engine:
@@ -120,6 +129,7 @@ def engine_case(args, tokenizer, vocab: int, sampling: SamplingParams, grammar, 
                 list(PROMPT), sampling, n_predict=args.tokens, ignore_eos=True, grammar=grammar, cache_prompt=False
             )
             samples.append(per_token_us(engine, request))
+    assert torch.equal(model.logits_table, table), "the engine wrote into the logits it was handed"
     return samples
 
 
