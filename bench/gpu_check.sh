@@ -23,7 +23,10 @@
 #                           a CUDA graph (GB/s, fraction of a copy's; any error row fails the stage).
 #   tests 170 s  tests.txt  pytest on tests/kernels, tests/models/test_gpu_path.py, tests/ops, the slow tests too (8
 #                           xdist workers when the image has xdist; --timeout per test when it has pytest-timeout); -v
-#                           names each test's outcome as it ends, the -ra summary every failure again.
+#                           names each test's outcome as it ends, the -ra summary every failure again. Then the GPU
+#                           path's tests again with MTPSERVE_CUDA_CAPABILITY=7.5: the RTX 2080 Ti's branches on this
+#                           GPU (if the stage's time runs out first, GPU_CHECK_STAGES="env tests"
+#                           GPU_CHECK_TIMEOUT_TESTS=400 on the warm machine runs both).
 #   rest  (what is left)    rest.txt, gpu.json: the whole bench/gpu.py (its JSON saved after each part), with
 #                           llama.cpp's llama-bench only if its build has already finished (else "peer skipped: build
 #                           not finished"; no waiting), and the build log's tail.
@@ -154,6 +157,14 @@ PY
         "$PY" -c 'import xdist' 2>/dev/null && args+=(-n 8)  # Triton compiles each configuration once a process
         "$PY" -c 'import pytest_timeout' 2>/dev/null && args+=(--timeout=120)  # else only the stage's own timeout
         "$PY" -m pytest "${args[@]}" tests/kernels tests/models/test_gpu_path.py tests/ops
+        local native=$?
+        # Then the RTX 2080 Ti's branches on this GPU (kernels/capability.py): fp16 prompt GEMMs through cuBLAS, the
+        # PyTorch chunk loop, SDPA in fp16 at D = 256, the GEMM's 8 warps, against the same twins and references.
+        echo "--- again with MTPSERVE_CUDA_CAPABILITY=7.5: the sm_75 branches"
+        MTPSERVE_CUDA_CAPABILITY=7.5 "$PY" -m pytest "${args[@]}" tests/models/test_gpu_path.py tests/ops \
+            tests/kernels/test_triton_gemm.py tests/kernels/test_triton_gated_delta.py
+        local turing=$?
+        return $((native != 0 ? native : turing))
         ;;
     rest)
         local peer=()

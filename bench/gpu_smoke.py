@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from gpu import TINY, random_blocks, random_weights  # bench/gpu.py, beside this file
 
+from mtpserve.kernels.capability import cuda_capability
+
 # Relative error allowed (largest |kernel - twin| over the twin's largest |value|) by compute type.
 TOLERANCE = {"exact": 0.0, "float32": 1e-4, "tf32x3": 5e-4, "float16": 5e-3, "bfloat16": 3e-2}
 # Exported helpers that launch nothing (no case needed).
@@ -102,7 +104,7 @@ def gemm_dtype(device: torch.device) -> str:
     """The tensor-core input type of the GEMM and the chunk scan: bf16 from sm_80, f16 below (float32 on CPU)."""
     if device.type != "cuda":
         return "float32"
-    return "bfloat16" if torch.cuda.get_device_capability(device)[0] >= 8 else "float16"
+    return "bfloat16" if cuda_capability(device)[0] >= 8 else "float16"
 
 
 def _gemv_matrices(s: Shapes) -> list[tuple[str, str, int, int]]:
@@ -507,7 +509,9 @@ def device_name(device: torch.device) -> str:
     if device.type != "cuda":
         return "CPU, Triton interpreter"
     major, minor = torch.cuda.get_device_capability(device)
-    return f"{torch.cuda.get_device_name(device)}, sm_{major}{minor}"
+    branches = cuda_capability(device)
+    as_older = "" if branches == (major, minor) else f", its branches as sm_{branches[0]}{branches[1]}'s"
+    return f"{torch.cuda.get_device_name(device)}, sm_{major}{minor}{as_older}"
 
 
 def main(argv: list[str] | None = None) -> int:

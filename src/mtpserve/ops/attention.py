@@ -21,6 +21,7 @@ from torch.backends.cuda import SDPAParams
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from ..kernels import cpu as cpu_kernels
+from ..kernels.capability import cuda_capability
 from ..quant.dequant import dequantize
 from ..quant.qtensor import QTensor
 from ..quant.types import GGMLType
@@ -196,7 +197,7 @@ def prompt_attention_dtype(device: torch.device) -> torch.dtype:
     elsewhere. Callers dequantize the cache straight to it (no float32 copy of a 262144-token cache)."""
     if device.type != "cuda":
         return torch.float32
-    return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
+    return torch.bfloat16 if cuda_capability(device) >= (8, 0) else torch.float16
 
 
 def attention_gpu(

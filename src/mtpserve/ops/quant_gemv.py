@@ -24,6 +24,7 @@ from types import ModuleType
 
 import torch
 
+from ..kernels.capability import cuda_capability
 from ..quant.dequant import dequantize
 from ..quant.qtensor import QTensor
 from ..quant.types import GGMLType, block_geometry
@@ -101,7 +102,7 @@ def _pow2(n: int, lo: int, hi: int) -> int:
 
 def gemm_compute_dtype(device: torch.device) -> torch.dtype:
     """The tensor-core input type: bf16 from compute capability 8.0, fp16 before (and under the interpreter)."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
+    if device.type == "cuda" and cuda_capability(device)[0] >= 8:
         return torch.bfloat16
     return torch.float16
 
@@ -161,7 +162,7 @@ def quant_linear(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
         return quant_gemv(x, weight)
     kernels = triton_kernels()
     assert kernels is not None
-    if x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] < 8:
+    if x2.is_cuda and cuda_capability(x2.device)[0] < 8:
         # Triton emits no tensor-core instructions below sm_80: dequantize (exact) and let cuBLAS multiply in fp16.
         w = kernels.dequant_blocks(weight.data, int(t)).half()
         return (x2.half() @ w.T).float().reshape(*lead, weight.shape[0])

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..capability import cuda_capability
 from ._device import on_input_device
 
 MAX_K = 256  # the state tile is [next_pow2(K), BLOCK_V] registers: beyond this BLOCK_V would shrink to nothing
@@ -528,7 +529,7 @@ def chunk_scan_supported(device: torch.device, chunk: int, k_dim: int) -> bool:
     interpreter on CPU)."""
     if chunk < 16 or chunk & (chunk - 1) or not 1 <= k_dim <= MAX_K:
         return False
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= CHUNK_SCAN_MIN_CAPABILITY
+    return device.type != "cuda" or cuda_capability(device) >= CHUNK_SCAN_MIN_CAPABILITY
 
 
 def default_dot_dtype(device: torch.device) -> torch.dtype:

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..capability import cuda_capability
 from ._device import on_input_device
 from .gemv import GEMV_TYPES, SUB, _check, _dequant_sub
 
@@ -104,7 +105,7 @@ def _gemm_kernel(
 
 def _num_warps(device: torch.device) -> int:
     """NUM_WARPS, or 8 before sm_80: tl.dot's FMA lowering there spills with 4 warps at 64 x 64 (ptxas -v)."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+    if device.type == "cuda" and cuda_capability(device)[0] < 8:
         return 2 * NUM_WARPS
     return NUM_WARPS
 
