@@ -40,6 +40,9 @@ timed again with every matmul of the GPU path (ops.quant_gemv's entries and the 
 holds them) replaced by a no-op returning an empty output of the same shape, so the graph holds only the small
 kernels (norms, roundings, rope, attention, the recurrence, ...); the difference is the matmuls' time. Each eager
 step's GPU kernels are also counted with and without them (torch.profiler), the launches a token costs.
+On CUDA, one graphed decode step and one graphed MTP cycle (verification, drafts, catch-up) at each depth are
+profiled kernel by kernel (torch.profiler): count, busy time, the span and the idle time between kernels, the top
+kernels by time, printed as each is made and kept in the JSON (`decode_profile`, `mtp_cycle_profile`).
 
 The GPU's numbers go into docs/performance.md (a dated entry with the GPU's name), the headline into the README.
 """
@@ -341,6 +344,50 @@ def count_kernels(fn: Callable[[], object], device: torch.device) -> int | None:
         return None
 
 
+def kernel_table(events: list, top: int = 25) -> dict:
+    """GPU kernels of one profiled call, from torch.profiler's CUDA events (each with `name` and `time_range`):
+    their count, summed time, the span from the first start to the last end (span - sum: the GPU idle between
+    them, the launch gaps a graph should close), and the `top` kernels by time with their counts."""
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        entry = by_name.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.elapsed_us()
+    busy = sum(t for _, t in by_name.values())
+    span = max((e.time_range.end for e in events), default=0) - min((e.time_range.start for e in events), default=0)
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "kernels": sum(n for n, _ in by_name.values()),
+        "busy_us": round(busy, 1),
+        "span_us": round(span, 1),
+        "idle_us": round(max(span - busy, 0.0), 1),
+        "top": [{"name": name[:120], "count": n, "us": round(t, 1)} for name, (n, t) in ranked],
+    }
+
+
+def profile_kernels(label: str, fn: Callable[[], object], device: torch.device) -> dict | None:
+    """`kernel_table` of one call of fn (after it ran warm), printed as it is made; None off CUDA or if the
+    profiler fails (the timings stand without it)."""
+    if device.type != "cuda":
+        return None
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize(device)
+        table = kernel_table([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
+    except Exception as e:  # noqa: BLE001
+        print(f"profile of {label} failed: {e!r}", file=sys.stderr, flush=True)
+        return None
+    print(
+        f"{label}: {table['kernels']} kernels, {table['busy_us']:.0f} us busy in a {table['span_us']:.0f} us span "
+        f"({table['idle_us']:.0f} us idle)",
+        flush=True,
+    )
+    for k in table["top"][:10]:
+        print(f"  {k['us']:9.1f} us  {k['count']:4d} x  {k['name']}", flush=True)
+    return table
+
+
 def measure_without_matmuls(model, state, depth: int, token: int, args: argparse.Namespace, timer: Timer) -> dict:
     """The decode step with and without its matmuls (`matmuls_skipped`): graphed times and eager kernel counts."""
 
@@ -402,6 +449,7 @@ def measure_decode(
         "kv_bytes_per_token": kv_bytes,
         "bandwidth_fraction": (weight_bytes + kv_bytes) / t_decode / copy_bytes_per_s,
     }
+    row["decode_profile"] = profile_kernels(f"graphed decode step at depth {depth}", decode_graphed, device)
     if args.split_matmuls:
         row.update(measure_without_matmuls(model, state, depth, token, args, timer))
         row["matmul_ms"] = row["decode_ms"] - row["decode_no_matmul_ms"]
@@ -446,6 +494,13 @@ def measure_decode(
     t_catch_up = timer.median(catch_up, args.reps, warmup=3)
     t_verify_eager = timer.median(verify_eager, args.reps)
     t_verify = timer.median(verify, args.reps, warmup=3)
+
+    def cycle() -> None:  # one MTP cycle's device work, as the server replays it: verify, draft, catch up
+        verify()
+        draft_chain()
+        catch_up()
+
+    row["mtp_cycle_profile"] = profile_kernels(f"graphed MTP cycle at depth {depth}", cycle, device)
     truncate(state, depth)
     accepted = args.acceptance * args.n_max
     t_step = t_verify + t_drafts + t_catch_up

@@ -18,7 +18,9 @@
 #                           decode step against eager: a PASS/FAIL/SKIP line per case (~60 s, most of it compiling).
 #   bench 200 s  bench.txt  most wanted first: bench/gpu.py -> decode.json: decode tok/s at depths 4096 and 65536, with
 #                decode.json draft-mtp (n_max 2) and without, with and without the matmuls (their time apart from the
-#                gemv.json  small kernels'), kernels launched per token, then prefill of 8192 tokens (one model build);
+#                gemv.json  small kernels'), kernels launched per token, a per-kernel table (torch.profiler) of one
+#                           graphed decode step and one MTP cycle at each depth, printed as made, then prefill of 8192
+#                           tokens (one model build);
 #                           then bench/gemv_l2.py -> gemv.json: the GEMVs with weights rotated through > 2x L2, timed in
 #                           a CUDA graph (GB/s, fraction of a copy's; any error row fails the stage).
 #   tests 170 s  tests.txt  pytest on tests/kernels, tests/models/test_gpu_path.py, tests/ops, the slow tests too (8

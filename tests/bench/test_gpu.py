@@ -128,3 +128,19 @@ def test_bench_gpu_refuses_cuda_without_a_gpu() -> None:
         [sys.executable, str(REPO / "bench" / "gpu.py")], capture_output=True, text=True, timeout=120, check=False
     )
     assert run.returncode == 2 and "no CUDA GPU" in run.stderr
+
+
+def test_the_kernel_table_sums_counts_and_finds_the_idle_gaps() -> None:
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu import kernel_table  # bench/gpu.py: imported here, where triton is known to be installed
+
+    def kernel(name: str, start: float, end: float) -> SimpleNamespace:
+        span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+        return SimpleNamespace(name=name, time_range=span)
+
+    events = [kernel("gemv", 0, 10), kernel("norm", 12, 13), kernel("gemv", 15, 25), kernel("attn", 30, 36)]
+    table = kernel_table(events, top=2)
+    assert (table["kernels"], table["busy_us"], table["span_us"], table["idle_us"]) == (4, 27.0, 36.0, 9.0)
+    assert table["top"] == [{"name": "gemv", "count": 2, "us": 20.0}, {"name": "attn", "count": 1, "us": 6.0}]
