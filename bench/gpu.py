@@ -330,15 +330,20 @@ def matmuls_skipped() -> Iterator[None]:
             setattr(module, name, value)
 
 
+def cuda_events(fn: Callable[[], object], device: torch.device) -> list:
+    """The GPU kernels one call of fn launches, as torch.profiler's CUDA events (raises if the profiler fails)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def count_kernels(fn: Callable[[], object], device: torch.device) -> int | None:
-    """GPU kernels one call of fn launches (torch.profiler's CUDA events); None off CUDA or without the profiler."""
+    """GPU kernels one call of fn launches; None off CUDA or without the profiler."""
     if device.type != "cuda":
         return None
     try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize(device)
-        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        return len(cuda_events(fn, device))
     except Exception as e:  # noqa: BLE001 - a count is a nicety; the timings stand without it
         print(f"kernel count failed: {e!r}", file=sys.stderr, flush=True)
         return None
@@ -371,11 +376,8 @@ def profile_kernels(label: str, fn: Callable[[], object], device: torch.device) 
     if device.type != "cuda":
         return None
     try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize(device)
-        table = kernel_table([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
-    except Exception as e:  # noqa: BLE001
+        table = kernel_table(cuda_events(fn, device))
+    except Exception as e:  # noqa: BLE001 - as count_kernels
         print(f"profile of {label} failed: {e!r}", file=sys.stderr, flush=True)
         return None
     print(
