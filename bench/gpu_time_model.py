@@ -174,8 +174,10 @@ def predict(
     attention_tbps: dict[str, float] | None = None,
     kernels: Kernels = Kernels(),
     weights: Bytes | None = None,
+    acceptance: float = ACCEPTANCE,
 ) -> list[dict]:
-    """tok/s and ms a token by part, for each device, context and speculation setting."""
+    """tok/s and ms a token by part, for each device, context and speculation setting (`weights`: the steps' bytes,
+    the deployment's by default; bench/draft_vocab.py cuts the draft's output layer)."""
     w = weights or Bytes.of_deployment()
     out = []
     for device in DEVICES.values():
@@ -192,7 +194,7 @@ def predict(
             cycle.add(step(device, at, weights=w.mtp_block, tokens=1, context=context, trunk=False,
                            kernels=kernels.catch_up, logits_rows=0))  # fmt: skip
             cycle.host += host_ms_per_mtp_cycle
-            for spec, parts, tokens in (("none", plain, 1.0), ("draft-mtp", cycle, 1 + N_MAX * ACCEPTANCE)):
+            for spec, parts, tokens in (("none", plain, 1.0), ("draft-mtp", cycle, 1 + N_MAX * acceptance)):
                 ms = {k: round(v / tokens, 4) for k, v in asdict(parts).items()}
                 tok_s = round(1e3 * tokens / parts.total(), 1)
                 out.append({"device": device.name, "context": context, "spec": spec, "tok_s": tok_s, "ms": ms})
