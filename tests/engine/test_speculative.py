@@ -13,8 +13,11 @@ import pytest
 import torch
 
 from mtpserve.engine import Engine, EngineConfig, EngineError, Request, SamplingParams, SpecConfig, TokenEvent
+from mtpserve.engine.client import RequestStream
 from mtpserve.engine.config import AUTO_N_MAX
+from mtpserve.engine.job import Job
 from mtpserve.engine.planner import plan_for_file
+from mtpserve.engine.request import Timings
 from mtpserve.models.loader import load
 from mtpserve.tokenizer import Tokenizer
 
@@ -176,13 +179,16 @@ def test_four_concurrent_speculative_streams_match_each_alone():
 
 # per arm: with 1,000 a first token off by 0.05 in probability fails the test (z = 3.29) most of the time (slow,
 # 25-40 s: `make test-all`); with 400 one off by 0.08
+@pytest.mark.parametrize("drafts", ["greedy", "probabilistic"])
 @pytest.mark.parametrize("n", [400, pytest.param(1000, marks=pytest.mark.slow)])
-def test_speculation_keeps_the_sampling_distribution(n: int):
+def test_speculation_keeps_the_sampling_distribution(n: int, drafts: str):
     """At temperature 1 the first three tokens are distributed as without speculation (chi-square test
-    of homogeneity over the first token and over the whole 3-token prefix)."""
+    of homogeneity over the first token and over the whole 3-token prefix), the drafts the MTP head's argmax
+    or drawn from it (engine.rejection's ratio rule; its own tests hold the rule to the exact distribution)."""
     prompt = _reference("Q4_K_M")["greedy"]["completions"][0]["prompt_token_ids"]
     samples, accepted = {}, 0
-    for name, spec, first_seed in (("plain", SpecConfig(), 0), ("mtp", SpecConfig("draft-mtp", n_max=2), 10**6)):
+    mtp = SpecConfig("draft-mtp", n_max=2, draft_sampling=drafts)
+    for name, spec, first_seed in (("plain", SpecConfig(), 0), ("mtp", mtp, 10**6)):
         with _engine("Q4_K_M", spec) as engine:
             results = [
                 engine.submit(
@@ -217,6 +223,32 @@ def _homogeneity(a: Counter, b: Counter) -> tuple[float, int]:
 
 def _chi2_critical(df: int, z: float = 3.29) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_probabilistic_drafts_repeat_with_a_seed_and_leave_greedy_requests_as_they_were():
+    prompts = _requests("Q4_K_M")[:3]
+    sampling = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=42)
+    runs = []
+    for _ in range(2):
+        with _engine("Q4_K_M", SpecConfig("draft-mtp", n_max=2, draft_sampling="probabilistic")) as engine:
+            runs.append([engine.submit(Request(r.prompt, sampling, n_predict=32)).result() for r in prompts])
+    assert [r.tokens for r in runs[0]] == [r.tokens for r in runs[1]]
+    assert sum(r.timings.draft_n_accepted for r in runs[0]) > 0
+    greedy = {}
+    for drafts in ("greedy", "probabilistic"):
+        with _engine("Q4_K_M", SpecConfig("draft-mtp", n_max=2, draft_sampling=drafts)) as engine:
+            greedy[drafts] = [engine.submit(r).result().tokens for r in prompts]
+    assert greedy["probabilistic"] == greedy["greedy"]
+
+
+def test_a_requests_timings_count_drafts_by_position():
+    timings = Timings()
+    job = Job(Request([1], SamplingParams()), RequestStream(), timings=timings)
+    for drafted, accepted in ((3, 1), (3, 3), (2, 0)):
+        job.count_verification(drafted, accepted)
+    assert timings.as_dict()["draft_n_per_pos"] == [3, 3, 2]
+    assert timings.as_dict()["draft_n_accepted_per_pos"] == [2, 1, 1]
+    assert sum(timings.draft_n_per_pos) == timings.draft_n == 8
 
 
 def test_ngram_drafter_changes_no_greedy_token():

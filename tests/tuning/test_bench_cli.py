@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from mtpserve.tuning.runner import Point, parse_sweep
-from mtpserve.tuning.workload import RequestResult, summarize
+from mtpserve.tuning.workload import RequestResult, per_position, summarize
 
 from ..conftest import tinyqwen_path
 from ..support.server_process import ServerProcess
@@ -61,6 +61,18 @@ def test_summary_sums_as_the_guide_does():
     assert s.acceptance == pytest.approx(60 / 100)  # sum accepted / sum drafted
     assert s.tokens_per_step == pytest.approx(100 / (100 - 60))
     assert results[0].tokens_per_step == pytest.approx(50 / 20)
+
+
+def test_acceptance_by_draft_position_sums_the_requests():
+    results = [
+        RequestResult("a", draft_n=5, draft_n_accepted=3, draft_n_per_pos=[3, 2], draft_n_accepted_per_pos=[2, 1]),
+        RequestResult(
+            "b", draft_n=9, draft_n_accepted=4, draft_n_per_pos=[4, 3, 2], draft_n_accepted_per_pos=[3, 1, 0]
+        ),
+        RequestResult("c"),  # a server that reports no positions
+    ]
+    assert [(p.drafted, p.accepted) for p in per_position(results)] == [(7, 5), (5, 2), (2, 0)]
+    assert summarize(results).acceptance_per_pos == pytest.approx([5 / 7, 2 / 5, 0.0])
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:

@@ -46,6 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", help="a JSON file with a list of prompts (strings)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None, help="sent with each request (default: the server's)")
+    p.add_argument("--top-p", type=float, default=None, help="sent with each request (default: the server's)")
     p.add_argument("--depths", default="", help="extra requests with this much filler context, e.g. 1024,4096")
     p.add_argument("--rounds", type=int, default=1, help="repeat everything, configurations interleaved; medians")
     p.add_argument("--out", default="bench-results", help="folder for bench.md, bench.json and the PNGs")
@@ -54,7 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prompts = json.loads(Path(args.prompts).read_text()) if args.prompts else None
-    workload = Workload(max_tokens=args.max_tokens, temperature=args.temperature)
+    workload = Workload(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if prompts is not None:
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts) or not prompts:
             raise ValueError(f"{args.prompts}: expected a JSON list of prompt strings")

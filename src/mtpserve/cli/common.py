@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..engine.config import AUTO_N_MAX, SPEC_TYPES, SpecConfig
+from ..engine.config import AUTO_N_MAX, DRAFT_SAMPLINGS, SPEC_TYPES, SpecConfig
 from ..models.base import CausalLM
 from ..models.loader import load
 from ..tokenizer import Tokenizer
@@ -90,6 +90,12 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-draft-p-min", type=float, default=0.0, help="stop a draft below this top-10 probability")
     p.add_argument("-md", "--model-draft", help="draft-simple: a small GGUF with the same vocabulary")
     p.add_argument("--spec-draft-vocab", type=int, default=0, help="draft-mtp: draft only among the first N token ids")
+    p.add_argument(
+        "--spec-draft-sampling",
+        default="greedy",
+        choices=DRAFT_SAMPLINGS,
+        help="draft-mtp at a temperature: the draft's argmax (default), or a draw kept by the ratio rule",
+    )
 
 
 def spec_config(args: argparse.Namespace) -> SpecConfig:
@@ -106,4 +112,5 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
         auto=auto,
         draft_model=args.model_draft,
         draft_vocab=args.spec_draft_vocab,
+        draft_sampling=args.spec_draft_sampling,
     )

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from .errors import InvalidRequest
 
 SPEC_TYPES = ("none", "draft-mtp", "draft-simple", "ngram")
+DRAFT_SAMPLINGS = ("greedy", "probabilistic")  # --spec-draft-sampling (engine.rejection)
 AUTO_N_MAX = 4  # --spec-draft-n-max auto tries drafts of up to this many tokens
 
 
@@ -22,6 +23,7 @@ class SpecConfig:
     ngram_size: int = 3
     draft_model: str | None = None  # --model-draft: the GGUF of draft-simple
     draft_vocab: int = 0  # draft-mtp: score only the first N token ids when drafting (0: all)
+    draft_sampling: str = "greedy"  # draft-mtp at a temperature: the draft's argmax, or a draw from its chain
 
     def __post_init__(self) -> None:
         if self.type not in SPEC_TYPES:
@@ -30,12 +32,22 @@ class SpecConfig:
             raise InvalidRequest("--spec-draft-n-max and --spec-draft-n-min must be >= 0")
         if self.draft_vocab < 0:
             raise InvalidRequest(f"--spec-draft-vocab must be >= 0 (0: the whole vocabulary), not {self.draft_vocab}")
+        if self.draft_sampling not in DRAFT_SAMPLINGS:
+            raise InvalidRequest(
+                f"unknown --spec-draft-sampling '{self.draft_sampling}' (use one of {', '.join(DRAFT_SAMPLINGS)})"
+            )
         if self.type == "draft-simple" and not self.draft_model:
             raise InvalidRequest("--spec-type draft-simple needs a draft model (--model-draft FILE)")
 
     @property
     def enabled(self) -> bool:
         return self.type != "none" and self.n_max > 0
+
+    @property
+    def probabilistic(self) -> bool:
+        """Drafts drawn from the draft's distribution and kept by the ratio rule (draft-mtp; the other drafters'
+        drafts are deterministic, and comparing is then the exact rule)."""
+        return self.draft_mtp and self.draft_sampling == "probabilistic"
 
     @property
     def draft_mtp(self) -> bool:

@@ -33,6 +33,7 @@ from ..ops.linear import linear
 from ..tokenizer import Tokenizer
 from .config import SpecConfig
 from .errors import InvalidRequest
+from .rejection import DraftPicker
 from .slots import Reuse, Slot
 
 DRAFT_TOP_K = 10  # p_min is measured against the draft's top-10, renormalised (llama.cpp)
@@ -41,8 +42,9 @@ DRAFT_TOP_K = 10  # p_min is measured against the draft's top-10, renormalised (
 class Drafter(Protocol):
     """Proposes tokens for a slot's next verification and keeps its own per-slot state in step with the slot."""
 
-    def draft(self, slot: Slot, n_max: int) -> list[int]:
-        """Up to n_max tokens to follow the slot's sampled, not yet evaluated token (`slot.job.pending`)."""
+    def draft(self, slot: Slot, n_max: int, picker: DraftPicker | None = None) -> list[int]:
+        """Up to n_max tokens to follow the slot's sampled, not yet evaluated token (`slot.job.pending`); with a
+        `picker` (probabilistic drafting, draft-mtp), each token drawn through it."""
         ...
 
     def after_prompt(self, slot: Slot, hidden: torch.Tensor, tokens: list[int]) -> None:
@@ -141,18 +143,19 @@ class MTPDrafter:
     def _of(self, slot: Slot) -> _MTPSlot:
         return self._slots.setdefault(slot.id, _MTPSlot())
 
-    def draft(self, slot: Slot, n_max: int) -> list[int]:
+    def draft(self, slot: Slot, n_max: int, picker: DraftPicker | None = None) -> list[int]:
         """Up to n_max chained draft tokens after the sampled token (at position n_past). Step 0's row stays in the
         MTP cache (it is the catch-up row of the sampled token); the later steps' rows go. Captured, all n_max
         steps run, and the tokens after the first one below p_min are dropped on the host: the same draft, as
-        later steps cannot change earlier ones."""
+        later steps cannot change earlier ones. With a `picker` (probabilistic drafting) each step's token is
+        drawn from its chain and fed to the next step, eagerly: the captured steps chain argmaxes."""
         assert slot.job is not None
         mine = self._of(slot)
         kv = slot.state.kv[self.kv_index]
         sampled = slot.job.pending
         pending_h = mine.pending_h if mine.pending_h is not None else torch.zeros(self.model.config.n_embd)
         proposals: Iterable[tuple[int, float]]
-        if self.graphs:
+        if self.graphs and picker is None:
             self._flush(slot, mine)
             start = kv.length
             if n_max not in mine.draft_graphs:
@@ -163,7 +166,7 @@ class MTPDrafter:
             waiting, tokens = self._take_backlog(mine)  # written in step 0's pass
             start = kv.length + len(tokens)
             hidden = pending_h[None] if waiting is None else torch.cat((waiting, pending_h[None]))
-            proposals = self._proposals(slot.state, hidden, [*tokens, sampled], n_max)
+            proposals = self._proposals(slot.state, hidden, [*tokens, sampled], n_max, picker)
         draft: list[int] = []
         for token, p_top in proposals:
             if self.config.p_min > 0 and p_top < self.config.p_min:
@@ -174,17 +177,22 @@ class MTPDrafter:
         return draft if len(draft) >= self.config.n_min else []
 
     def _proposals(
-        self, state: ModelState, hidden: torch.Tensor, tokens: list[int], n_max: int
+        self, state: ModelState, hidden: torch.Tensor, tokens: list[int], n_max: int, picker: DraftPicker | None
     ) -> Iterator[tuple[int, float]]:
         """Eager draft steps, one at a time (the caller stops pulling at the first token below p_min): each
-        step's argmax and its probability over the top DRAFT_TOP_K. Step 0's pass takes every row of `tokens`
-        (the waiting catch-up rows, then the sampled token's) and drafts from the last."""
+        step's argmax (or the picker's draw) and the argmax's probability over the top DRAFT_TOP_K. Step 0's pass
+        takes every row of `tokens` (the waiting catch-up rows, then the sampled token's) and drafts from the
+        last."""
         for _ in range(n_max):
             _, h_mtp = self.mtp.mtp_step(hidden, torch.tensor(tokens), state, with_logits=False)
             hidden = h_mtp[-1:]
-            top = linear(hidden.to(self.head.data.device), self.head)[0].float().topk(DRAFT_TOP_K)
-            tokens = [int(top.indices[0])]
-            yield tokens[0], float(torch.softmax(top.values, 0)[0])
+            row = linear(hidden.to(self.head.data.device), self.head)[0].float()
+            top = row.topk(DRAFT_TOP_K)
+            token = int(top.indices[0]) if picker is None else picker.pick(row.cpu())
+            if token is None:  # the grammar leaves the draft nothing
+                return
+            tokens = [token]
+            yield token, float(torch.softmax(top.values, 0)[0])
 
     def after_prompt(self, slot: Slot, hidden: torch.Tensor, tokens: list[int]) -> None:
         """The chunk's MTP rows, written now: row i pairs token i with the trunk's state at the position before."""
@@ -307,7 +315,7 @@ class DraftModelDrafter(NullHooks):
         self.model, self.config, self.ubatch = model, config, ubatch
         self._states: dict[int, DraftState] = {}
 
-    def draft(self, slot: Slot, n_max: int) -> list[int]:
+    def draft(self, slot: Slot, n_max: int, picker: DraftPicker | None = None) -> list[int]:
         """Up to n_max greedy tokens after the slot's tokens + [sampled]; the draft state ends holding the
         slot's tokens."""
         assert slot.job is not None
@@ -362,7 +370,7 @@ class NGramDrafter(NullHooks):
     def __init__(self, config: SpecConfig) -> None:
         self.config = config
 
-    def draft(self, slot: Slot, n_max: int) -> list[int]:
+    def draft(self, slot: Slot, n_max: int, picker: DraftPicker | None = None) -> list[int]:
         """The tokens that followed the latest earlier occurrence of the context's last n tokens."""
         assert slot.job is not None
         context = [*slot.tokens, slot.job.pending]

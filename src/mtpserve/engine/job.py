@@ -13,8 +13,9 @@ from .client import RequestStream, count_accepted
 from .grammar import Constraint
 from .output import RequestOutput, Stop
 from .reasoning_budget import ReasoningBudget
+from .rejection import Distribution, accept_or_resample, spec_stream
 from .request import FinishEvent, ProgressEvent, Request, Timings, TokenEvent
-from .sampling import Sampler, post_sampling_probabilities, top_probabilities
+from .sampling import Mt19937Uniform, Sampler, post_sampling_probabilities, top_probabilities
 
 Probs = tuple[list[tuple[int, float]], float]  # with n_probs: the top tokens, and the sampled one's probability
 NO_PROBS: Probs = ([], 0.0)
@@ -43,7 +44,7 @@ class Job:
     t_first: float = 0.0
     t_last_chunk: float = 0.0
     verify_steps: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
+    _spec_rng: Mt19937Uniform | None = None
 
     def begin(self, tokenizer: Tokenizer, n_predict: int, n_ctx: int) -> None:
         """Set up the sampler and the output (`n_predict`: the server's default limit; `n_ctx`: the slot's)."""
@@ -69,6 +70,29 @@ class Job:
         if token is None:
             allowed = self.constraint.masked(logits) if self.constraint else logits
             token = self.sampler.sample(allowed)
+        return token, self._take(token, logits, allowed)
+
+    def verify_draft(self, logits: torch.Tensor, drafted: int, q: Distribution) -> tuple[int, Probs]:
+        """The token at a drafted position whose draft was drawn from `q` (engine.rejection): `drafted`, kept with
+        probability min(1, p / q) against the request's distribution p at `logits`, or a draw from the residual."""
+        assert self.sampler is not None
+        if self.budget is not None and self.budget.forced() is not None:
+            return self.sample(logits)  # p is the forced token alone: comparing is the same rule
+        allowed = self.constraint.masked(logits) if self.constraint else logits
+        p = self.sampler.probabilities(allowed)
+        token = accept_or_resample(p, q, drafted, self.spec_rng())
+        return token, self._take(token, logits, allowed)
+
+    def spec_rng(self) -> Mt19937Uniform:
+        """The draws of probabilistic drafting and its acceptance: a stream of the job's own (engine.rejection)."""
+        assert self.sampler is not None
+        if self._spec_rng is None:
+            self._spec_rng = spec_stream(self.sampler)
+        return self._spec_rng
+
+    def _take(self, token: int, logits: torch.Tensor, allowed: torch.Tensor) -> Probs:
+        """`token` is the request's next: its probabilities with n_probs; the sampler, grammar and budget move on."""
+        assert self.sampler is not None
         n_probs, probs = self.request.n_probs, NO_PROBS
         if n_probs and self.request.post_sampling_probs:  # before accept: the penalties the draw saw
             probs = post_sampling_probabilities(self.sampler, allowed, n_probs, token)
@@ -79,7 +103,7 @@ class Job:
             self.constraint.accept(token)
         if self.budget is not None:
             self.budget.observe(token)
-        return token, probs
+        return probs
 
     def deliver(self, token: int, probs: Probs, position: int) -> Stop | None:
         """Send a sampled token that takes context `position`; why the request ends there, if it does."""
@@ -100,10 +124,12 @@ class Job:
         self.stream.put(ProgressEvent(total, self.timings.cache_n, processed, elapsed, timings))
 
     def count_verification(self, n_drafted: int, n_accepted: int) -> None:
-        self.timings.draft_n += n_drafted
-        self.timings.draft_n_accepted += n_accepted
+        t = self.timings
+        t.draft_n += n_drafted
+        t.draft_n_accepted += n_accepted
         self.verify_steps += 1
-        count_accepted(self.accepted_per_position, n_drafted, n_accepted)
+        count_accepted(t.draft_n_accepted_per_pos, n_drafted, n_accepted)
+        count_accepted(t.draft_n_per_pos, n_drafted, n_drafted)
 
     def finished(self, stop: Stop, id_slot: int) -> FinishEvent:
         """The request's last event."""
@@ -120,6 +146,6 @@ class Job:
             truncated=stop.truncated,
             n_prompt_tokens=len(self.request.prompt),
             id_slot=id_slot,
-            accepted_per_position=list(self.accepted_per_position),
+            accepted_per_position=list(self.timings.draft_n_accepted_per_pos),
             verify_steps=self.verify_steps,
         )

@@ -65,6 +65,8 @@ class Timings:
     predicted_ms: float = 0.0
     draft_n: int = 0
     draft_n_accepted: int = 0
+    draft_n_per_pos: list[int] = field(default_factory=list)  # drafts that reached position i (from 0)
+    draft_n_accepted_per_pos: list[int] = field(default_factory=list)  # ... and were kept there
 
     @property
     def prompt_per_token_ms(self) -> float:
@@ -102,6 +104,8 @@ class Timings:
         if self.draft_n:
             out["draft_n"] = self.draft_n
             out["draft_n_accepted"] = self.draft_n_accepted
+            out["draft_n_per_pos"] = list(self.draft_n_per_pos)  # mtpserve's: acceptance by draft position
+            out["draft_n_accepted_per_pos"] = list(self.draft_n_accepted_per_pos)
         return out
 
 

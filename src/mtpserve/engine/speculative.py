@@ -6,7 +6,8 @@ Acceptance is llama.cpp's: sample each position from the trunk with the request'
 the draft while the sample equals it (greedy: while the argmax equals it). With deterministic drafts (an argmax,
 a lookup) this *is* distribution-preserving speculative sampling: accepting a draft d with probability
 min(1, p(d) / q(d)) = p(d) and resampling from the normalised residual p - q is the same as drawing from p and
-comparing, so no separate rule is needed; a stochastic drafter would need the ratio rule.
+comparing, so no separate rule is needed. With `--spec-draft-sampling probabilistic` a sampling request's MTP
+draft is drawn from the draft's own distribution, and its positions take the ratio rule (engine.rejection).
 
 With a grammar (engine.grammar) a draft is cut at its first token the grammar forbids, and each verified row is
 sampled through the request's matcher in order, so the output is the one without speculation.
@@ -31,29 +32,49 @@ from .client import SpecStats
 from .config import SpecConfig
 from .drafters import Drafter
 from .job import Probs
+from .rejection import Distribution, DraftPicker
 from .runner import Forward, ModelRunner
 from .slots import Outcome, Slot
 
 
 class Speculator:
     def __init__(
-        self, drafter: Drafter, runner: ModelRunner, spec: SpecConfig, slot_ctx: int, eog_ids: frozenset[int]
+        self,
+        drafter: Drafter,
+        runner: ModelRunner,
+        spec: SpecConfig,
+        slot_ctx: int,
+        eog_ids: frozenset[int],
+        n_vocab: int = 0,
     ) -> None:
         self.drafter, self.runner, self.spec = drafter, runner, spec
         self.slot_ctx, self.eog_ids = slot_ctx, eog_ids
         self.stats = SpecStats()
         self.lengths: dict[int, AdaptiveLength] = {}  # --spec-draft-n-max auto: one per slot
+        self.draws: dict[int, list[Distribution]] = {}  # probabilistic drafting: each draft token's q, by slot
+        self.n_vocab = n_vocab
 
     def step(self, slots: list[Slot], room: dict[int, int]) -> list[Outcome]:
         """Draft, verify and accept for `slots`; `room[slot.id]`: positions past n_past the slot has cells for."""
         drafts: dict[int, list[int]] = {}
         draft_ms: dict[int, float] = {}
         outcomes = {slot.id: Outcome(slot) for slot in slots}
+        self.draws = {}
         for slot in slots:
             t0 = time.perf_counter()
             try:
                 n_max = self._length(slot, room[slot.id])
-                drafts[slot.id] = _allowed(slot, self.drafter.draft(slot, n_max) if n_max > 0 else [])
+                picker = self._picker(slot)
+                if n_max <= 0:
+                    draft = []
+                elif picker is None:
+                    draft = self.drafter.draft(slot, n_max)
+                else:
+                    draft = self.drafter.draft(slot, n_max, picker)
+                if picker is not None:
+                    picker.rollback()
+                    self.draws[slot.id] = picker.qs[: len(draft)]
+                drafts[slot.id] = _allowed(slot, draft)
             except Exception as e:  # noqa: BLE001 - this slot's failure, not the others'
                 outcomes[slot.id].error = e
             draft_ms[slot.id] = 1000 * (time.perf_counter() - t0)
@@ -106,8 +127,9 @@ class Speculator:
         hidden, logits = forward.hidden[rows], forward.logits[rows]
         n_past = slot.state.n_past - n  # before the pass
         accepted: list[tuple[int, Probs, int]] = []
+        draws = self.draws.get(slot.id, [])
         for i, row in enumerate(logits):
-            token, probs = job.sample(row)
+            token, probs = job.verify_draft(row, draft[i], draws[i]) if i < len(draws) else job.sample(row)
             accepted.append((token, probs, n_past + 1 + i))
             if i == len(draft) or token != draft[i] or token in self.eog_ids:
                 break
@@ -122,6 +144,15 @@ class Speculator:
             job.count_verification(len(draft), n_accepted)
             self.stats.add(len(draft), n_accepted)
         return accepted
+
+    def _picker(self, slot: Slot) -> DraftPicker | None:
+        """Probabilistic drafting's token choices for a sampling request (greedy ones keep the argmax: their p has
+        one token, and comparing is the same rule)."""
+        job = slot.job
+        assert job is not None and job.sampler is not None
+        if not self.spec.probabilistic or job.sampler.params.greedy:
+            return None
+        return DraftPicker(job.sampler, job.constraint, job.spec_rng(), self.n_vocab)
 
     def _length(self, slot: Slot, room: int) -> int:
         """The longest draft this step may verify: llama-server's budget (two cells short of the context, one

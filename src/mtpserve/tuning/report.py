@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .runner import Run
-from .workload import RequestResult, Summary, summarize
+from .workload import RequestResult, Summary, per_position, summarize
 
 
 def _f(x: float | None, fmt: str = ".1f") -> str:
@@ -124,6 +124,20 @@ def depth_rows(run: Run) -> list[dict[str, Any]]:
     return rows
 
 
+def position_table(run: Run) -> str | None:
+    """Acceptance by draft position, every round's requests together (None when the server reports none)."""
+    rows = {p.name: per_position([r for rnd in run.rounds for r in rnd[p.name] if r.ok]) for p in run.points}
+    depth = max((len(v) for v in rows.values()), default=0)
+    if not depth:
+        return None
+    lines = ["| configuration | " + " | ".join(f"position {i + 1}" for i in range(depth)) + " |"]
+    lines.append("|---|" + "---:|" * depth)
+    for name, values in rows.items():
+        cells = [f"{v.accepted} / {v.drafted} = {v.rate:.3f}" if v.drafted else "-" for v in values]
+        lines.append(f"| {name} | " + " | ".join(cells + ["-"] * (depth - len(cells))) + " |")
+    return "\n".join(lines)
+
+
 def markdown(run: Run) -> str:
     parts = ["# mtpserve bench", ""]
     for point in run.points:
@@ -137,6 +151,9 @@ def markdown(run: Run) -> str:
         configuration_table(configurations(run), bool(run.peer_rounds)),
         "",
     ]
+    positions = position_table(run)
+    if positions:
+        parts += ["## Acceptance by draft position (accepted / drafted, all rounds)", "", positions, ""]
     depth = depth_rows(run)
     if depth:
         parts += [

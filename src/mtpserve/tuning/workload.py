@@ -43,6 +43,8 @@ class RequestResult:
     predicted_per_second: float = 0.0
     draft_n: int = 0
     draft_n_accepted: int = 0
+    draft_n_per_pos: list[int] = field(default_factory=list)  # mtpserve's timings: drafts by position
+    draft_n_accepted_per_pos: list[int] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)  # seconds after the first chunk, one per text chunk
 
     @property
@@ -65,6 +67,8 @@ class Workload:
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
     max_tokens: int = 256
     temperature: float = 0.0
+    top_k: int | None = None  # None: the server's default
+    top_p: float | None = None
     depths: list[int] = field(default_factory=list)  # extra requests with this much filler context
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     seed: int = 42
@@ -108,6 +112,9 @@ def run_request(
     }
     if model:
         body["model"] = model
+    for key in ("top_k", "top_p"):
+        if getattr(workload, key) is not None:
+            body[key] = getattr(workload, key)
     if workload.chat_template_kwargs:
         body["chat_template_kwargs"] = workload.chat_template_kwargs
     result = RequestResult(label, depth)
@@ -132,6 +139,8 @@ def run_request(
         setattr(result, key, int(timings.get(key, 0)))
     for key in ("prompt_per_second", "predicted_per_second"):
         setattr(result, key, float(timings.get(key, 0.0)))
+    for key in ("draft_n_per_pos", "draft_n_accepted_per_pos"):
+        setattr(result, key, [int(n) for n in timings.get(key, [])])
     if result.ok and not timings:
         result.ok, result.error = False, "the stream carried no timings (not llama-server's API?)"
     return result
@@ -166,6 +175,7 @@ class Summary:
     draft_n_accepted: int
     ttft_ms: float  # median
     tokens_per_step: float
+    acceptance_per_pos: list[float | None] = field(default_factory=list)  # accepted / drafted at each position
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -188,4 +198,25 @@ def summarize(results: list[RequestResult]) -> Summary:
         draft_n_accepted=accepted,
         ttft_ms=statistics.median(r.ttft_ms for r in ok) if ok else 0.0,
         tokens_per_step=predicted / steps if steps > 0 else 0.0,
+        acceptance_per_pos=[p.rate if p.drafted else None for p in per_position(ok)],
     )
+
+
+@dataclass(frozen=True)
+class PositionCount:
+    drafted: int
+    accepted: int
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def per_position(results: list[RequestResult]) -> list[PositionCount]:
+    """Drafts and kept drafts at each draft position, summed over the requests ([] from a server without them)."""
+    depth = max((len(r.draft_n_per_pos) for r in results), default=0)
+
+    def total(key: str, i: int) -> int:
+        return sum(getattr(r, key)[i] for r in results if i < len(getattr(r, key)))
+
+    return [PositionCount(total("draft_n_per_pos", i), total("draft_n_accepted_per_pos", i)) for i in range(depth)]
