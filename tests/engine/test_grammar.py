@@ -158,6 +158,26 @@ def test_draft_mtp_through_a_grammar_gives_the_tokens_without_speculation(n_max)
     assert all(r.timings.draft_n_accepted <= r.timings.draft_n for r in results)
 
 
+def test_probabilistic_drafts_through_a_grammar_stay_inside_it():
+    """Drawn drafts are masked by the grammar advanced through them, and the matcher is rolled back after each
+    draft: a sampling request's output is a valid document, seeded runs repeat, and drafts are kept."""
+    _, _, tokenizer = _model()
+    sampling = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=7)
+    requests = [Request(tokenizer.encode(p), sampling, n_predict=48, grammar=JSON_SPEC) for p in PROMPTS]
+    runs = []
+    for _ in range(2):
+        with _engine(SpecConfig(type="draft-mtp", n_max=2, draft_sampling="probabilistic")) as engine:
+            runs.append([engine.submit(r).result() for r in requests])
+    assert [r.tokens for r in runs[0]] == [r.tokens for r in runs[1]]
+    assert sum(r.timings.draft_n_accepted for r in runs[0]) > 0
+    for result in runs[0]:
+        if result.finish_reason == "stop":
+            doc = json.loads(result.text)
+            assert set(doc) == {"name", "count", "tags"} and set(doc["tags"]) <= {"red", "green"}
+        else:
+            assert result.text.lstrip().startswith("{")
+
+
 def test_four_slots_with_their_own_grammars_in_one_batch():
     _, _, tokenizer = _model()
     grammars = [
