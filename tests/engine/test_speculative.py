@@ -179,16 +179,18 @@ def test_four_concurrent_speculative_streams_match_each_alone():
 
 # per arm: with 1,000 a first token off by 0.05 in probability fails the test (z = 3.29) most of the time (slow,
 # 25-40 s: `make test-all`); with 400 one off by 0.08
-@pytest.mark.parametrize("drafts", ["greedy", "probabilistic"])
+@pytest.mark.parametrize("drafter", ["draft-mtp greedy", "draft-mtp probabilistic", "draft-simple probabilistic"])
 @pytest.mark.parametrize("n", [400, pytest.param(1000, marks=pytest.mark.slow)])
-def test_speculation_keeps_the_sampling_distribution(n: int, drafts: str):
+def test_speculation_keeps_the_sampling_distribution(n: int, drafter: str):
     """At temperature 1 the first three tokens are distributed as without speculation (chi-square test
-    of homogeneity over the first token and over the whole 3-token prefix), the drafts the MTP head's argmax
+    of homogeneity over the first token and over the whole 3-token prefix), the drafts the draft's argmax
     or drawn from it (engine.rejection's ratio rule; its own tests hold the rule to the exact distribution)."""
     prompt = _reference("Q4_K_M")["greedy"]["completions"][0]["prompt_token_ids"]
     samples, accepted = {}, 0
-    mtp = SpecConfig("draft-mtp", n_max=2, draft_sampling=drafts)
-    for name, spec, first_seed in (("plain", SpecConfig(), 0), ("mtp", mtp, 10**6)):
+    kind, drafts = drafter.split()
+    draft_model = str(tinyqwen_path("F16")) if kind == "draft-simple" else None
+    speculative = SpecConfig(kind, n_max=2, draft_sampling=drafts, draft_model=draft_model)
+    for name, spec, first_seed in (("plain", SpecConfig(), 0), ("mtp", speculative, 10**6)):
         with _engine("Q4_K_M", spec) as engine:
             results = [
                 engine.submit(

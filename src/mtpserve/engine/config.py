@@ -45,9 +45,10 @@ class SpecConfig:
 
     @property
     def probabilistic(self) -> bool:
-        """Drafts drawn from the draft's distribution and kept by the ratio rule (draft-mtp; the other drafters'
-        drafts are deterministic, and comparing is then the exact rule)."""
-        return self.draft_mtp and self.draft_sampling == "probabilistic"
+        """Drafts drawn from the draft's distribution and kept by the ratio rule (draft-mtp, draft-simple: the
+        drafters with a distribution; n-gram drafts are lookups, and comparing is the exact rule for them)."""
+        drafts_from_a_model = self.type in ("draft-mtp", "draft-simple")
+        return self.enabled and drafts_from_a_model and self.draft_sampling == "probabilistic"
 
     @property
     def draft_mtp(self) -> bool:

@@ -316,8 +316,8 @@ class DraftModelDrafter(NullHooks):
         self._states: dict[int, DraftState] = {}
 
     def draft(self, slot: Slot, n_max: int, picker: DraftPicker | None = None) -> list[int]:
-        """Up to n_max greedy tokens after the slot's tokens + [sampled]; the draft state ends holding the
-        slot's tokens."""
+        """Up to n_max greedy tokens (or the picker's draws) after the slot's tokens + [sampled]; the draft state
+        ends holding the slot's tokens."""
         assert slot.job is not None
         if slot.id not in self._states:
             self._states[slot.id] = DraftState(self.model.new_state(slot.state.capacity))
@@ -346,7 +346,10 @@ class DraftModelDrafter(NullHooks):
             top = logits.topk(DRAFT_TOP_K)
             if self.config.p_min > 0 and float(torch.softmax(top.values, 0)[0]) < self.config.p_min:
                 break
-            token = int(top.indices[0])
+            picked = int(top.indices[0]) if picker is None else picker.pick(logits)
+            if picked is None:  # the grammar leaves the draft nothing
+                break
+            token = picked
             tokens.append(token)
         for i, s in state.recurrent.items():  # back to the accepted tokens
             s.restore(snapshot[i])
