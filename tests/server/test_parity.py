@@ -13,6 +13,7 @@ import math
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ..conftest import default_model, shared_path, tinyqwen_path
 from ..support.server_process import ServerProcess
@@ -114,7 +115,7 @@ def test_the_deployment_command_line_serves_tinyqwen_with_mtp(tmp_path):
     for flag in ("--host", "--port"):  # the test's own address
         i = args.index(flag)
         del args[i : i + 2]
-    server = ServerProcess(args, tmp_path / "server.log")
+    server = ServerProcess([*args, "--metrics"], tmp_path / "server.log")  # and /metrics, to read its counters
     try:
         headers = {"Authorization": "Bearer local-qwopus-key"}
         body = {
@@ -128,6 +129,18 @@ def test_the_deployment_command_line_serves_tinyqwen_with_mtp(tmp_path):
         result = response.json()
         timings = result["timings"]
         assert timings["draft_n"] > 0 and timings["draft_n_accepted"] > 0
+        # acceptance by draft position: in timings, and in /metrics as llama.cpp names its counters
+        assert sum(timings["draft_n_per_pos"]) == timings["draft_n"] and len(timings["draft_n_per_pos"]) <= 2
+        assert sum(timings["draft_n_accepted_per_pos"]) == timings["draft_n_accepted"]
+        scraped = httpx.get(f"{server.url}/metrics", headers=headers, timeout=30).text
+        samples = {
+            (s.name, s.labels.get("position")): s.value
+            for family in text_string_to_metric_families(scraped)
+            for s in family.samples
+        }
+        accepted = [samples[("llamacpp:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(2)]
+        assert accepted == [float(n) for n in timings["draft_n_accepted_per_pos"]]  # the server's only request
+        assert samples[("llamacpp:spec_decode_num_drafts_total", None)] > 0
         assert result["model"] == "Qwopus3.6-27B-v2-MTP"
         log = server.log()
         positions = [log.find(line) for line in STARTUP_LINES]
