@@ -94,7 +94,7 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
         "--spec-draft-sampling",
         default="greedy",
         choices=DRAFT_SAMPLINGS,
-        help="draft-mtp at a temperature: the draft's argmax (default), or a draw kept by the ratio rule",
+        help="draft-mtp/draft-simple at a temperature: the draft's argmax (default), or a draw kept by the ratio rule",
     )
 
 

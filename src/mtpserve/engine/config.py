@@ -23,7 +23,7 @@ class SpecConfig:
     ngram_size: int = 3
     draft_model: str | None = None  # --model-draft: the GGUF of draft-simple
     draft_vocab: int = 0  # draft-mtp: score only the first N token ids when drafting (0: all)
-    draft_sampling: str = "greedy"  # draft-mtp at a temperature: the draft's argmax, or a draw from its chain
+    draft_sampling: str = "greedy"  # at a temperature: the draft model's argmax, or a draw from its chain
 
     def __post_init__(self) -> None:
         if self.type not in SPEC_TYPES:

@@ -44,7 +44,7 @@ class Drafter(Protocol):
 
     def draft(self, slot: Slot, n_max: int, picker: DraftPicker | None = None) -> list[int]:
         """Up to n_max tokens to follow the slot's sampled, not yet evaluated token (`slot.job.pending`); with a
-        `picker` (probabilistic drafting, draft-mtp), each token drawn through it."""
+        `picker` (probabilistic drafting: draft-mtp, draft-simple), each token drawn through it."""
         ...
 
     def after_prompt(self, slot: Slot, hidden: torch.Tensor, tokens: list[int]) -> None:

@@ -6,8 +6,9 @@ Acceptance is llama.cpp's: sample each position from the trunk with the request'
 the draft while the sample equals it (greedy: while the argmax equals it). With deterministic drafts (an argmax,
 a lookup) this *is* distribution-preserving speculative sampling: accepting a draft d with probability
 min(1, p(d) / q(d)) = p(d) and resampling from the normalised residual p - q is the same as drawing from p and
-comparing, so no separate rule is needed. With `--spec-draft-sampling probabilistic` a sampling request's MTP
-draft is drawn from the draft's own distribution, and its positions take the ratio rule (engine.rejection).
+comparing, so no separate rule is needed. With `--spec-draft-sampling probabilistic` a sampling request's draft
+(draft-mtp's or draft-simple's) is drawn from the draft's own distribution, and its positions take the ratio rule
+(engine.rejection).
 
 With a grammar (engine.grammar) a draft is cut at its first token the grammar forbids, and each verified row is
 sampled through the request's matcher in order, so the output is the one without speculation.
@@ -45,7 +46,7 @@ class Speculator:
         spec: SpecConfig,
         slot_ctx: int,
         eog_ids: frozenset[int],
-        n_vocab: int = 0,
+        n_vocab: int,
     ) -> None:
         self.drafter, self.runner, self.spec = drafter, runner, spec
         self.slot_ctx, self.eog_ids = slot_ctx, eog_ids
