@@ -322,7 +322,7 @@ def test_the_static_mtp_steps_equal_the_eager_ones(chained: bool) -> None:
         pending = hidden[-1]
         for t in range(0, 6, 2):  # three rounds as the engine's: draft, a trunk pass of two tokens, its catch-up
             tokens = rest[t : t + 2]
-            plain = list(drafter._proposals(eager, pending[None], [tokens[0]], 3))
+            plain = list(drafter._proposals(eager, pending[None], [tokens[0]], 3, None))
             eager.kv[drafter.kv_index].truncate(eager.kv[drafter.kv_index].length - 3)
             proposed = draft.propose(pending, tokens[0])
             graphed.kv[drafter.kv_index].truncate(graphed.kv[drafter.kv_index].length)
