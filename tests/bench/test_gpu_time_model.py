@@ -34,7 +34,7 @@ def test_one_token_on_two_2080ti_by_hand():
     kv = 16 * 2 * 4 * 256 * 34 / 32 * 4096  # 142.6 MB
     states = 48 * 48 * 128 * 128 * 4 * 2  # read and written
     handover = 5120 * 4 / 6e6 + 0.010  # one boundary between the cards
-    copy = 248_320 * 4 / 6e6 + 0.010
+    copy = 0.020 + 0.010  # the row ranked on the device, its candidates copied
     expected = {
         "weights": 15_821_244_416 / stream,  # 32.10 ms
         "attention": kv / 0.40e9,  # decode attention's sm_75 issue bound, under 80% of 616 GB/s
@@ -56,7 +56,7 @@ def test_an_mtp_cycle_on_an_h200_by_hand():
     assert p["ms"]["weights"] == pytest.approx(weights / stream / tokens, rel=1e-3)
     assert p["ms"]["attention"] == pytest.approx(attention / tokens, rel=1e-3)
     assert p["ms"]["launches"] == pytest.approx((709 + 2 * 27 + 21) * 1.5e-3 / tokens, rel=1e-3)
-    copies = 5 * 248_320 * 4 / 25e6 + 3 * 0.010  # 3 verified rows in one copy, a draft row in each of two
+    copies = 5 * (0.020 + 0.010)  # 3 verified rows and a draft row in each of two, each ranked and copied
     assert p["ms"]["host"] == pytest.approx((0.9 + copies) / tokens, rel=1e-3)
 
 

@@ -216,3 +216,54 @@ def test_the_chain_over_a_large_vocabulary_keeps_the_definitions_survivors(param
     want = expected(penalized, **{k: v for k, v in {**full, **params}.items() if k in keys})
     assert set(got) == set(np.nonzero(want)[0].tolist())
     assert [got[t] for t in sorted(got)] == pytest.approx([want[t] for t in sorted(got)], rel=1e-4)
+
+
+CHAINS = [
+    dict(temperature=0.0),
+    dict(temperature=0.0, logit_bias={5: 3.5, 9: -math.inf}, repeat_penalty=1.3),
+    dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
+    dict(temperature=0.6, top_k=20, top_p=0.95, repeat_penalty=1.1, presence_penalty=0.4, frequency_penalty=0.2),
+    dict(temperature=1.0, top_k=300, typical_p=0.9, logit_bias={100: 0.1, 101: -2.0}),
+    dict(temperature=1.0, top_k=0, top_p=0.9),  # the whole vocabulary: the row comes over
+]
+
+
+@pytest.mark.parametrize("name", ["model", "ties", "masked", "sparse", "flat", "small"])
+@pytest.mark.parametrize("params", CHAINS, ids=["greedy", "greedy-biased", "defaults", "qwen", "typical", "no-top-k"])
+def test_a_row_ranked_on_its_device_gives_the_host_rows_tokens(name, params, monkeypatch):
+    """The GPU path leaves logits on the device and ranks them there (torch: biases, penalties, top-k), copying only
+    the candidates; its twin is the numpy path over the whole row. Run on CPU tensors by taking "cpu" off the host
+    devices: the same candidates with the same float32 values, the same probabilities and the same seeded draws,
+    on rows with ties at the n-th place (the row then comes over), masked rows and a flat one."""
+    from mtpserve.engine import sampling
+
+    row = torch.from_numpy(_rows()[name])
+    history = [int(t) for t in np.argsort(-_rows()[name], kind="stable")[:50:3]] + [1, 2, 3]
+    on_device = []
+    for devices in (sampling.HOST_DEVICES, frozenset()):
+        monkeypatch.setattr(sampling, "HOST_DEVICES", devices)
+        sampler = Sampler(SamplingParams(seed=1234, **params), history=history)
+        ids, values = sampler.candidates(row)
+        draws = []
+        for _ in range(20):
+            draws.append(sampler.sample(row))
+        on_device.append((ids.tolist(), values.numpy().tobytes(), sampler.probabilities(row), draws))
+    assert on_device[1] == on_device[0]
+
+
+def test_the_device_ranking_leaves_only_unambiguous_rankings_to_itself():
+    """`ranked_on_device` declines (None) exactly when the (n+1)-th logit ties the n-th, where the host's whole row
+    decides by id; otherwise its n are the host's, equal logits inside ordered by id."""
+    from mtpserve.engine.sampling import DeviceBias, ranked_on_device
+
+    row = torch.tensor([1.0, 3.0, 2.0, 3.0, 2.0, -math.inf, 0.5])
+    assert ranked_on_device(row, 2, None, {}, 1.0, 0.0, 0.0)[0].tolist() == [1, 3]  # tied inside: by id
+    assert ranked_on_device(row, 3, None, {}, 1.0, 0.0, 0.0) is None  # 2.0 at ids 2 and 4 straddle the cut
+    assert ranked_on_device(row, 4, None, {}, 1.0, 0.0, 0.0)[0].tolist() == [1, 3, 2, 4]
+    raise_3 = DeviceBias.of({3: 1.0}, row.device)
+    assert ranked_on_device(row, 1, raise_3, {}, 1.0, 0.0, 0.0)[0].tolist() == [3]  # the bias decides
+    ban_1 = DeviceBias.of({1: -math.inf}, row.device)
+    assert ranked_on_device(row, 1, ban_1, {}, 1.0, 0.0, 0.0)[0].tolist() == [3]  # the best banned: the copy decides
+    assert ranked_on_device(row, 1, None, {}, 1.0, 0.0, 0.0)[0].tolist() == [1]  # a tie for the best: the first
+    ids, values = ranked_on_device(row, 5, None, {1: 2}, 2.0, 0.25, 0.0)  # id 1: 3 / 2 - 2 * 0.25 = 1.0
+    assert ids.tolist() == [3, 2, 4, 0, 1] and values.tolist() == [3.0, 2.0, 2.0, 1.0, 1.0]

@@ -243,6 +243,41 @@ def test_probabilistic_drafts_repeat_with_a_seed_and_leave_greedy_requests_as_th
     assert greedy["probabilistic"] == greedy["greedy"]
 
 
+def test_rows_ranked_on_the_device_give_the_hosts_tokens(monkeypatch):
+    """The GPU path leaves a pass's logits on the device and ranks each row there (engine.sampling.ranked_on_device);
+    through the engine, with "cpu" taken off the host devices so the CPU's rows take that path: the same tokens and
+    probabilities as the numpy path for greedy requests, seeded sampling with penalties and probabilistic MTP
+    drafts (the draft's rows ranked so too)."""
+    from mtpserve.engine import sampling
+
+    prompts = _requests("Q4_K_M")[:2]
+    chains = [
+        GREEDY,
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.95, repeat_penalty=1.1, presence_penalty=0.3, seed=7),
+    ]
+    spec = SpecConfig("draft-mtp", n_max=2, draft_sampling="probabilistic")
+    runs = []
+    for devices in (sampling.HOST_DEVICES, frozenset()):
+        monkeypatch.setattr(sampling, "HOST_DEVICES", devices)
+        with _engine("Q4_K_M", spec) as engine:
+            out = []
+            for chain in chains:
+                for r in prompts:
+                    events = list(
+                        engine.submit(Request(r.prompt, chain, n_predict=24, n_probs=2, post_sampling_probs=True))
+                    )
+                    out.append(
+                        (
+                            [e.token for e in events if isinstance(e, TokenEvent)],
+                            [e.top_probs for e in events if isinstance(e, TokenEvent)],
+                            events[-1].timings.draft_n_accepted,
+                        )
+                    )
+            runs.append(out)
+    assert runs[1] == runs[0]
+    assert sum(accepted for *_, accepted in runs[0]) > 0
+
+
 def test_a_requests_timings_count_drafts_by_position():
     timings = Timings()
     job = Job(Request([1], SamplingParams()), RequestStream(), timings=timings)

@@ -649,3 +649,31 @@ def test_the_prompt_cache_restores_a_displaced_slot_on_the_gpu_path(monkeypatch:
         kept.timings.draft_n,
         kept.timings.draft_n_accepted,
     )
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_logits_ranked_on_the_device_are_the_hosts_candidates(greedy: bool) -> None:
+    """The GPU path ranks each logits row where it is (engine.sampling.ranked_on_device: biases, penalties, the
+    argmax or the top-k in torch on the device) and copies only the candidates: on the lent GPU, its ids and float32
+    values against the numpy path over the whole row, on a 248,320-token row with tied and banned logits."""
+    from mtpserve.engine.sampling import DeviceBias, Sampler, SamplingParams, ranked_on_device
+
+    generator = torch.Generator().manual_seed(3)
+    row = torch.randn(248_320, generator=generator)
+    row[:1000] += 3.0
+    row[10:16] = 7.0  # a six-way tie at the top: ordered by id
+    row[5:9] = float("-inf")
+    params = SamplingParams(
+        temperature=0.0 if greedy else 0.8,
+        top_k=40,
+        repeat_penalty=1.2,
+        presence_penalty=0.5,
+        logit_bias={17: 2.5, 5: 1.0, 100_000: 9.0},
+    )
+    sampler = Sampler(params, history=[int(t) for t in row.argsort(descending=True)[:30:2]])
+    n = 1 if greedy else 40
+    host = sampler._ranked(row, n)
+    bias = DeviceBias.of(params.logit_bias, torch.device(DEVICE))
+    on_device = ranked_on_device(row.to(DEVICE), n, bias, dict(sampler.counts), 1.2, 0.0, 0.5)
+    assert on_device is not None  # no tie at the 40th place of this row
+    assert on_device[0].tolist() == host[0].tolist() and on_device[1].tobytes() == host[1].tobytes()

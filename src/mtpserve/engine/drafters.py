@@ -188,7 +188,7 @@ class MTPDrafter:
             hidden = h_mtp[-1:]
             row = linear(hidden.to(self.head.data.device), self.head)[0].float()
             top = row.topk(DRAFT_TOP_K)
-            token = int(top.indices[0]) if picker is None else picker.pick(row.cpu())
+            token = int(top.indices[0]) if picker is None else picker.pick(row)
             if token is None:  # the grammar leaves the draft nothing
                 return
             tokens = [token]

@@ -173,7 +173,7 @@ class Constraint:
         self._wait()
         if not self._fresh:
             self._fill()
-        out = logits.float().clone()
+        out = logits.to("cpu", torch.float32, copy=True)  # the mask is applied on the host, where xgrammar fills it
         self._xgr.apply_token_bitmask_inplace(out[None, : self.n_vocab], self._bitmask)
         if out.max() == float("-inf"):  # nothing to draw: the request ends here, never with a made-up token
             raise InvalidGrammar("the grammar allows no token here (the tokens it expects are banned special tokens)")

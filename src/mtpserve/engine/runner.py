@@ -26,9 +26,10 @@ MAX_BATCH_GRAPHS = 16  # captured steps of sets of several states kept
 
 @dataclass
 class Forward:
-    """What a pass gives: final-normed hidden states [rows, E] (on the model's device), logits [rows, V] on the
-    CPU when asked for, per-token recurrent states {layer: [[state after token t] per sequence]} with
-    `keep_steps`, and prompt checkpoints {position: {layer: state}}."""
+    """What a pass gives: final-normed hidden states [rows, E] (on the model's device), float32 logits [rows, V]
+    where the LM head lives when asked for (the sampler ranks them there: engine.sampling), per-token recurrent
+    states {layer: [[state after token t] per sequence]} with `keep_steps`, and prompt checkpoints
+    {position: {layer: state}}."""
 
     hidden: torch.Tensor
     logits: torch.Tensor | None = None
@@ -78,16 +79,19 @@ class ModelRunner:
             steps: dict[int, list[list[RecurrentState]]] = {}
             if (hidden := self.model.program_decode(tokens, states, steps if keep_steps else None)) is not None:
                 self.n_program_decodes += 1
-                return Forward(hidden, self.model.logits(hidden, seq_len=n_tokens), steps)
+                return Forward(hidden, self._logits(hidden, n_tokens), steps)
         batch = Batch.of(torch.tensor(tokens), states, checkpoint_every, next_checkpoint, keep_at)
         batch.keep_steps = keep_steps
         hidden = self.model.forward_batch(batch)
-        out = self.model.logits(hidden, seq_len=n_tokens) if logits else None
+        out = self._logits(hidden, n_tokens) if logits else None
         return Forward(hidden, out, batch.steps, batch.checkpoints)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [rows, V] on the CPU of hidden states a pass gave without them (a prompt's last row)."""
-        return self.model.logits(hidden)
+        """Logits [rows, V] of hidden states a pass gave without them (a prompt's last row), where `run` gives them."""
+        return self._logits(hidden, None)
+
+    def _logits(self, hidden: torch.Tensor, seq_len: int | None) -> torch.Tensor:
+        return self.model.logits_on_device(hidden, seq_len).float()
 
     def _graph(self, states: list[ModelState], n_tokens: int, keep_steps: bool) -> StepGraph:
         """The captured step of these states and this shape, made on first use. One state's graphs stay while

@@ -11,6 +11,11 @@ exp(logit - max) over the survivors, then the first candidate (in the chain's or
 reaches it. The random stream is llama.cpp's too (std::mt19937 seeded with `seed`, read as libstdc++'s
 uniform_real_distribution<double>), so a seed reproduces llama-server's draws: given the same probabilities,
 a seeded request at a temperature picks llama-server's tokens.
+
+A row on a GPU is not copied whole (a 248,320-token row is 1 MB: ~0.17 ms at the 6 GB/s that
+bench/gpu_time_model.py assumes for a 2080 Ti's PCIe 3.0): biases, penalties and the argmax or top-k run there in
+torch (`ranked_on_device`), the same float32 operations as the numpy path, and only the k candidates come over;
+the rest of the chain and the draw run on the host as for a CPU row.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import numpy as np
 import torch
 
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw a fresh seed
+HOST_DEVICES = frozenset({"cpu"})  # rows read by numpy; a row anywhere else is ranked on its device
+DEVICE_TOP_MAX = 1024  # the most candidates ranked on a device (a larger top_k, or none, copies the row)
 
 
 @dataclass
@@ -82,6 +89,7 @@ class Sampler:
         n = params.repeat_last_n
         self.window: deque[int] = deque(maxlen=n if n > 0 else 0)
         self.counts: Counter[int] = Counter()
+        self._device_bias: dict[tuple[torch.device, int], DeviceBias | None] = {}
         for token in history:
             self.accept(token)
 
@@ -140,15 +148,10 @@ class Sampler:
 
     def _survivors(self, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         p = self.params
-        if p.greedy and (best := self._unbiased_argmax(logits)) is not None:
-            return np.array([best]), logits[best : best + 1].float().numpy()
-        row = self._biased(logits)
         if p.greedy:
-            best = int(row.argmax())
-            return np.array([best]), row[best : best + 1]
+            return self._ranked(logits, 1)
         min_keep = max(p.min_keep, 1)
-        ids = _top_n(row, min(max(p.top_k, min_keep), len(row)) if p.top_k > 0 else len(row))
-        values = row[ids]
+        ids, values = self._ranked(logits, min(max(p.top_k, min_keep), len(logits)) if p.top_k > 0 else len(logits))
         if p.typical_p < 1.0:
             values, ids = _typical(values, ids, p.typical_p, p.min_keep)
             order = np.argsort(-values, kind="stable")  # back to logit order for top_p
@@ -158,6 +161,33 @@ class Sampler:
         if p.min_p > 0.0:
             values, ids = _min_p(values, ids, p.min_p, p.min_keep)
         return ids, values / np.float32(p.temperature)
+
+    def _ranked(self, logits: torch.Tensor, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, logits after biases and penalties) of the n highest, highest first, equal logits by id. A row on
+        an accelerator is ranked there, and only the n come over (see `ranked_on_device`)."""
+        if logits.device.type not in HOST_DEVICES:
+            if n <= DEVICE_TOP_MAX and (ranked := self._ranked_on_device(logits, n)) is not None:
+                return ranked
+            logits = logits.to("cpu", torch.float32)  # a whole-vocabulary chain, or a tie at the n-th place
+        if n == 1 and (best := self._unbiased_argmax(logits)) is not None:
+            return np.array([best]), logits[best : best + 1].float().numpy()
+        row = self._biased(logits)
+        if n == 1:
+            best = int(row.argmax())
+            return np.array([best]), row[best : best + 1]
+        ids = _top_n(row, n)
+        return ids, row[ids]
+
+    def _ranked_on_device(self, logits: torch.Tensor, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+        p = self.params
+        key = (logits.device, len(logits))
+        if key not in self._device_bias:
+            self._device_bias[key] = DeviceBias.of(
+                {t: b for t, b in p.logit_bias.items() if 0 <= t < len(logits)}, logits.device
+            )
+        window = dict(self.counts) if self._penalizes else {}
+        bias = self._device_bias[key]
+        return ranked_on_device(logits, n, bias, window, p.repeat_penalty, p.frequency_penalty, p.presence_penalty)
 
     def sample(self, logits: torch.Tensor) -> int:
         ids, values = self._survivors(logits)
@@ -193,6 +223,75 @@ def post_sampling_probabilities(
     dist = sampler.probabilities(logits)
     top = sorted(dist.items(), key=lambda item: -item[1])[:n]
     return top, dist.get(token, 0.0)
+
+
+@dataclass(frozen=True)
+class DeviceBias:
+    """A request's logit biases as tensors on one device, made once (a request's biases do not change)."""
+
+    ids: torch.Tensor
+    values: torch.Tensor
+    tokens: frozenset[int]
+    lowers_only: bool  # bans and other cuts: the best unbiased token stands unless it is itself biased
+
+    @classmethod
+    def of(cls, bias: dict[int, float], device: torch.device) -> DeviceBias | None:
+        if not bias:
+            return None
+        ids = torch.tensor(list(bias), device=device)
+        values = torch.tensor(list(bias.values()), dtype=torch.float32, device=device)
+        return cls(ids, values, frozenset(bias), all(b <= 0 for b in bias.values()))
+
+
+def ranked_on_device(
+    logits: torch.Tensor,
+    n: int,
+    bias: DeviceBias | None,
+    counts: dict[int, int],
+    repeat_penalty: float,
+    frequency_penalty: float,
+    presence_penalty: float,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """`Sampler._ranked`'s twin for a row left on its device: the biases, then the penalties of the tokens in
+    `counts`, as the numpy path computes them (the same float32 operations in the same order), then the n highest
+    found there; only they and the (n+1)-th come over, in one copy (ids as float32: exact below 2^24). None where
+    the (n+1)-th ties the n-th (which of the tied ids the n take is decided by id, on the host's whole row), or the
+    vocabulary is too large for that copy."""
+    if len(logits) > 1 << 24:
+        return None
+    row = logits.float()
+    if n == 1 and not counts and (bias is None or bias.lowers_only):  # the greedy token without a biased copy
+        best = _best_on_device(row)
+        if bias is None or int(best[0][0]) not in bias.tokens:
+            return best
+    if bias is not None or counts:
+        row = row.clone()
+    if bias is not None:
+        row[bias.ids] += bias.values
+    if counts:
+        ids = torch.tensor(list(counts), device=row.device)
+        n_seen = torch.tensor(list(counts.values()), dtype=torch.float32, device=row.device)
+        values = row[ids]
+        values = torch.where(values <= 0, values * np.float32(repeat_penalty), values / np.float32(repeat_penalty))
+        row[ids] = values - n_seen * np.float32(frequency_penalty) - np.float32(presence_penalty)
+    if n == 1:
+        return _best_on_device(row)
+    top = row.topk(min(n + 1, len(row)))
+    values, ids = torch.stack((top.values, top.indices.float())).cpu().numpy()
+    ids = ids.astype(np.int64)
+    if len(ids) > n:
+        if values[n] == values[n - 1]:
+            return None
+        ids, values = ids[:n], values[:n]
+    order = np.lexsort((ids, -values))  # equal logits by id
+    return ids[order], values[order]
+
+
+def _best_on_device(row: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(id, logit) of the first largest logit (torch.max's index, as numpy's argmax), in one copy."""
+    value, best = row.max(0)
+    pair = torch.stack((value, best.float())).cpu().numpy()
+    return pair[1:].astype(np.int64), pair[:1]
 
 
 def _top_n(row: np.ndarray, n: int) -> np.ndarray:

@@ -148,9 +148,10 @@ class StepGraph:
 
     @torch.inference_mode()
     def step(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, Steps]:
-        """`n_tokens` tokens for each sequence in turn -> (hidden [rows, E] on the device, logits [rows, V] on the
-        CPU, per-token recurrent states {layer: [[state after token t] per sequence]} when `keep_steps`). The
-        hidden states and kept states are the graphs' buffers: the next call overwrites them."""
+        """`n_tokens` tokens for each sequence in turn -> (hidden [rows, E] on the device, float32 logits [rows, V]
+        on the LM head's device (a copy: the engine's sampler ranks each row there and copies what it keeps), per-token
+        recurrent states {layer: [[state after token t] per sequence]} when `keep_steps`). The hidden states and kept
+        states are the graphs' buffers: the next call overwrites them."""
         rows = len(self.states) * self.n_tokens
         if len(tokens) != rows:
             raise ValueError(f"this graph evaluates {rows} tokens, not {len(tokens)}")
@@ -174,7 +175,7 @@ class StepGraph:
                 if layer != mtp:  # the MTP block's cache keeps its own length
                     kv.length += self.n_tokens
             state.n_past += self.n_tokens
-        return x, logits.float().cpu(), steps
+        return x, logits.to(torch.float32, copy=True), steps
 
 
 def _runs(model: CausalLM, split_at: Sequence[int] = ()) -> list[tuple[torch.device, range, bool]]:
@@ -310,7 +311,7 @@ class DecodeGraph(StepGraph):
         super().__init__(model, state, 1, False, capture)
 
     def decode(self, token: int) -> torch.Tensor:
-        return self.step([token])[1][0]
+        return self.step([token])[1][0].cpu()
 
 
 def _mtp_on_one_device(model: CausalLM) -> tuple[MTPModel, torch.device]:
