@@ -57,12 +57,13 @@ PROMPT = list(range(100, 116))
 SCHEMA = '{"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}}}'
 
 
-def stand_in(vocab: int, agree: bool = False, fresh_logits: bool = True):
+def stand_in(vocab: int, agree: bool = False, fresh_logits: bool = True, draft_vocab: int = 0):
     """tinyqwen35 whose passes cost nothing and whose logits are `vocab` wide. `agree`: every logits row prefers
     the token the MTP head drafts (the stand-in's MTP rows return one fixed hidden state), so every draft is
     accepted. `fresh_logits` False hands out rows of the fixed table itself, uncopied (the GPU time model, which
-    counts the logits' copy to the host as PCIe time of its own); the engine must then not write into them, and
-    `engine_case` checks that it did not."""
+    counts each row's ranking on the device as time of its own); the engine must then not write into them, and
+    `engine_case` checks that it did not. `draft_vocab`: the drafter scores only that many head rows (what `agree`
+    computes its draft from)."""
     model = load(MODEL)
     n_embd, n_model = model.config.n_embd, model.config.n_vocab
     generator = torch.Generator().manual_seed(0)
@@ -70,7 +71,8 @@ def stand_in(vocab: int, agree: bool = False, fresh_logits: bool = True):
     table[:, :n_model] += 8.0  # the model's own tokens win
     mtp_hidden = torch.randn(n_embd, generator=generator)
     if agree:
-        drafted = int(linear(mtp_hidden[None], model.mtp_head)[0].argmax())
+        head = model.mtp_head.first_rows(draft_vocab) if draft_vocab else model.mtp_head
+        drafted = int(linear(mtp_hidden[None], head)[0].argmax())
         table[:, drafted] = table.max() + 1.0
     mtp_kv = model.mtp_kv_index
 
@@ -93,11 +95,16 @@ def stand_in(vocab: int, agree: bool = False, fresh_logits: bool = True):
     model.forward_batch = forward_batch
     model.mtp_step = mtp_step
     if fresh_logits:
-        model.logits = lambda hidden, seq_len=None: table[: len(hidden)].clone()
+        model.logits_on_device = lambda hidden, seq_len=None: table[: len(hidden)].clone()
     else:
-        model.logits = lambda hidden, seq_len=None: table[: len(hidden)]
+        model.logits_on_device = lambda hidden, seq_len=None: table[: len(hidden)]
     model.logits_table = table
     return model
+
+
+def stand_in_model_vocab() -> int:
+    """The narrowest logits the stand-in can hand over: the fixture model's own vocabulary."""
+    return load(MODEL).config.n_vocab
 
 
 def engine_config(tokens: int, spec: SpecConfig | None = None) -> EngineConfig:
@@ -119,7 +126,8 @@ def per_token_us(engine: Engine, request: Request) -> float:
 def engine_case(
     args, tokenizer, vocab: int, sampling: SamplingParams, grammar, spec: SpecConfig | None, fresh_logits: bool = True
 ) -> list[float]:
-    model = stand_in(vocab, agree=spec is not None, fresh_logits=fresh_logits)
+    draft_vocab = spec.draft_vocab if spec else 0
+    model = stand_in(vocab, agree=spec is not None, fresh_logits=fresh_logits, draft_vocab=draft_vocab)
     table = model.logits_table.clone()
     config = engine_config(args.tokens, spec)
     samples = []

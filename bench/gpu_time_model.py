@@ -20,8 +20,10 @@ or a verification of 1 + n_max tokens, or an MTP draft) costs the sum of five pa
   x LAUNCH_US each, the fixed cost of a kernel in a graph replay beyond its memory time.
 * host: the engine's own time per cycle, measured by bench/engine_overhead.py's stand-in (tinyqwen35 whose passes
   cost nothing, with 248,320-token logits handed over uncopied: the engine step, the sampler, speculation's
-  bookkeeping), plus each logits row copied to the host (the GPU path samples there: graphs.py's `.cpu()`), rows x
-  vocab x 4 B at the device's `pcie_copy_gbps` and COPY_LATENCY_US a copy.
+  bookkeeping), plus each logits row's ranking: the GPU path leaves the logits on the device and ranks each row
+  there (engine.sampling.ranked_on_device: the argmax, or the top-k of a sampling request), RANK_US of device time,
+  then one synchronizing copy of its candidates (COPY_LATENCY_US; a few hundred bytes). The host stand-in's own
+  sampler still ranks the whole row in numpy (~70 us of the measured time at top-k 40), an over-count kept.
 
 The parts add: kernels run one after another in one stream, and the host and the device do not overlap (the
 engine waits for the logits before it prepares the next step). No speculation: a step gives one token. draft-mtp
@@ -49,13 +51,14 @@ REPO = Path(__file__).resolve().parents[1]
 BANDWIDTH_FRACTION = 0.80  # of HBM a streaming kernel reaches: issue 38's rule until bench/gemv_l2.py measures it
 LAUNCH_US = 1.5  # per kernel in a graph replay: docs/gpu-decode.md's 1-2.5 us, the middle (not yet measured)
 COPY_LATENCY_US = 10.0  # a synchronizing device-to-host copy's fixed cost (not yet measured)
+DRAFT_HEAD_ROWS = 64  # the stand-in's draft head in the host measurement (its rows are device work)
+RANK_US = 20.0  # a 248,320-logit row's argmax or top-k on the device, eager kernels included (not yet measured)
 ACCEPTANCE = 0.63  # the deployment's draft acceptance with llama.cpp, n_max 2
 N_MAX = 2
 CONTEXTS = (4096, 131072)
 
 # The deployment's model (../shared/spec/qwen35-architecture.md; tuning.synthetic.Qwen35Shape).
 N_EMBD = 5120
-VOCAB = 248_320
 ATTENTION_LAYERS, KV_HEADS, HEAD_DIM, QUERY_HEADS = 16, 4, 256, 24
 Q8_0_BYTES_PER_VALUE = 34 / 32
 GDN_LAYERS, GDN_HEADS, GDN_DIM = 48, 48, 128
@@ -149,7 +152,7 @@ def step(
     kernels: int,
     logits_rows: int,
 ) -> Parts:
-    """One pass on the device and its logits' way to the host, in ms (the engine's own host time not included).
+    """One pass on the device and its logits rows' ranking, in ms (the engine's own host time not included).
     `trunk`: the 64 layers (else the MTP block's one); a trunk pass of several tokens keeps each one's states."""
     stream_tbps = device.hbm_tbps * BANDWIDTH_FRACTION
     layers = ATTENTION_LAYERS if trunk else 1
@@ -157,7 +160,7 @@ def step(
     handover = (device.cards_in_series - 1) * (
         tokens * N_EMBD * 4 / (device.pcie_copy_gbps * 1e6) + COPY_LATENCY_US / 1e3
     )
-    copies = logits_rows * VOCAB * 4 / (device.pcie_copy_gbps * 1e6) + (COPY_LATENCY_US / 1e3 if logits_rows else 0)
+    copies = logits_rows * (RANK_US + COPY_LATENCY_US) / 1e3  # each row ranked on the device, its candidates copied
     return Parts(
         weights=weights / (stream_tbps * 1e9),
         attention=kv_bytes(context, layers) * attention_passes(tokens) / (min(attention_tbps, stream_tbps) * 1e9),
@@ -206,6 +209,7 @@ def assumptions() -> dict:
         "bandwidth_fraction": BANDWIDTH_FRACTION,
         "launch_us": LAUNCH_US,
         "copy_latency_us": COPY_LATENCY_US,
+        "rank_us": RANK_US,
         "acceptance": ACCEPTANCE,
         "n_max": N_MAX,
         "devices": {k: asdict(v) for k, v in DEVICES.items()},
@@ -227,7 +231,7 @@ def kernel_counts(static: dict) -> Kernels:
     return Kernels(*(static[k] for k in keys))
 
 
-def measure_host(tokens: int = 256, rounds: int = 3) -> tuple[float, float]:
+def measure_host(tokens: int = 1024, rounds: int = 5) -> tuple[float, float]:
     """(ms a greedy token, ms an MTP cycle) of host work: bench/engine_overhead.py's stand-in at Qwen's vocabulary,
     draft-mtp with every draft accepted (so a cycle is 1 + n_max tokens)."""
     import statistics
@@ -237,17 +241,27 @@ def measure_host(tokens: int = 256, rounds: int = 3) -> tuple[float, float]:
     sys.path.insert(0, str(REPO / "bench"))
     import engine_overhead as eo
 
-    from mtpserve.engine import SamplingParams, SpecConfig
+    from mtpserve.engine import SamplingParams, SpecConfig, sampling
     from mtpserve.tokenizer import Tokenizer
 
     torch.set_num_threads(2)
     args = argparse.Namespace(tokens=tokens, rounds=rounds)
     tokenizer = Tokenizer.from_gguf(eo.MODEL)
     greedy = SamplingParams(temperature=0.0)
-    draft_mtp = SpecConfig(type="draft-mtp", n_max=N_MAX)
-    # the logits rows uncopied: their way to the host is the model's PCIe term (`step`), not counted twice
-    plain = eo.engine_case(args, tokenizer, eo.QWEN_VOCAB, greedy, None, None, fresh_logits=False)
-    mtp = eo.engine_case(args, tokenizer, eo.QWEN_VOCAB, greedy, None, draft_mtp, fresh_logits=False)
+    # The GPU path's host work, not its device work: every logits row takes the device ranking's code (torch ops,
+    # here on CPU tensors) and is as narrow as the stand-in allows (the fixture's own vocabulary), the draft head
+    # scores DRAFT_HEAD_ROWS rows, the rows are handed over uncopied, so what the CPU computes is negligible and the
+    # time is the engine's own plus its torch calls' dispatch. The rows' ranking and the draft's output layer on
+    # the device are `step`'s terms (RANK_US, the weights), not counted twice.
+    draft_mtp = SpecConfig(type="draft-mtp", n_max=N_MAX, draft_vocab=DRAFT_HEAD_ROWS)
+    vocab = eo.stand_in_model_vocab()
+    saved = sampling.HOST_DEVICES
+    sampling.HOST_DEVICES = frozenset()
+    try:
+        plain = eo.engine_case(args, tokenizer, vocab, greedy, None, None, fresh_logits=False)
+        mtp = eo.engine_case(args, tokenizer, vocab, greedy, None, draft_mtp, fresh_logits=False)
+    finally:
+        sampling.HOST_DEVICES = saved
     return statistics.median(plain[1:]) / 1e3, statistics.median(mtp[1:]) / 1e3 * (1 + N_MAX)
 
 
