@@ -267,6 +267,21 @@ def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int) -> float:
     return 2 * nbytes / t
 
 
+def measure_ranking(device: torch.device, timer: Timer, n_vocab: int, reps: int) -> dict:
+    """Microseconds to rank one logits row where it is and bring its candidates over (engine.sampling: the argmax of
+    a greedy request with a ban, the top 40 of a sampling one with a 64-token penalty window), against copying the
+    row whole: calibrates bench/gpu_time_model.py's RANK_US + COPY_LATENCY_US."""
+    from mtpserve.engine.sampling import DeviceBias, ranked_on_device
+
+    row = torch.randn(n_vocab, generator=torch.Generator().manual_seed(5)).to(device)
+    ban = DeviceBias.of({n_vocab - 1: float("-inf")}, device)
+    window = {t: 1 for t in range(64)}
+    greedy = timer.median(lambda: ranked_on_device(row, 1, ban, {}, 1.0, 0.0, 0.0), reps)
+    top40 = timer.median(lambda: ranked_on_device(row, 40, ban, window, 1.1, 0.0, 0.0), reps)
+    whole = timer.median(lambda: row.cpu(), reps)
+    return {"vocab": n_vocab, "greedy_us": 1e6 * greedy, "top40_us": 1e6 * top40, "row_copy_us": 1e6 * whole}
+
+
 def fill_to_depth(model, state, depth: int, gen: torch.Generator) -> int:
     """Pretend `depth` tokens were evaluated: KV cells 0..depth-1 hold random rows (valid q8_0 blocks), the
     recurrent states random values. Returns the KV bytes a decoded token then reads."""
@@ -797,6 +812,7 @@ def main(argv: list[str] | None = None) -> int:
     result["weight_bytes_per_token"] = per_token
     result["weight_bytes_per_draft_step"] = per_draft
     result["copy_bytes_per_s"] = copy_bandwidth(device, timer, 64 << 20 if args.tiny else 2 << 30)
+    result["ranking"] = measure_ranking(device, timer, config.n_vocab, args.reps)
 
     def save() -> None:
         """The results so far to --json: a run cut short by a time limit still leaves what it measured."""
@@ -865,6 +881,15 @@ def report(r: dict) -> str:
         (
             f"weight bytes per token {r['weight_bytes_per_token'] / gib:.3f} GiB, per MTP draft step "
             f"{r['weight_bytes_per_draft_step'] / gib:.3f} GiB; copy bandwidth {r['copy_bytes_per_s'] / 1e9:.0f} GB/s"
+        ),
+        *(
+            [
+                f"a logits row of {rk['vocab']:,} ranked where it is and its candidates copied: greedy "
+                f"{rk['greedy_us']:.0f} us, top-40 with penalties {rk['top40_us']:.0f} us (the whole row copied: "
+                f"{rk['row_copy_us']:.0f} us)"
+            ]
+            if (rk := r.get("ranking"))
+            else []
         ),
         "",
         "| GEMV | rows | word kernel us (of copy bw) | sub-tile kernel us (of copy bw) |",
