@@ -31,6 +31,13 @@ engine waits for the logits before it prepares the next step). No speculation: a
 (acceptance: accepted / drafted, llama.cpp's measure; the deployment's 63%). The layer split over two RTX 2080 Ti
 runs the cards in series, so a step costs what one card streaming every weight would, plus the hand-over.
 
+Row split as tensor parallelism (issue 40, planned, not built): the same two cards each hold half of every matrix,
+of the KV heads (2 of 4) and of the DeltaNet states, and stream them at once; they meet in two all-reduces a layer
+(after the attention or DeltaNet output projection and after the FFN's down projection, as vLLM's Qwen models do)
+of the tokens' float32 hidden states, plus one gathering the vocabulary-split output layer's candidates, each
+costing the link's latency plus its bytes and a launch. Priced over PCIe 3.0 through host memory and over the 2080
+Ti's NVLink bridge (DEVICES); `row_split_vs_layer_split` gives each over the layer split's tok/s.
+
 Every assumption is a named constant below, with where it comes from; none is tuned to reach a goal. Calibration,
 once a GPU is lent: bench/gpu_check.sh's GEMV micro-benchmark measures BANDWIDTH_FRACTION per kernel, its
 profiler table the launch cost, and its decode tok/s the whole; docs/performance.md puts them beside this.
@@ -52,7 +59,9 @@ BANDWIDTH_FRACTION = 0.80  # of HBM a streaming kernel reaches: issue 38's rule 
 LAUNCH_US = 1.5  # per kernel in a graph replay: docs/gpu-decode.md's 1-2.5 us, the middle (not yet measured)
 COPY_LATENCY_US = 10.0  # a synchronizing device-to-host copy's fixed cost (not yet measured)
 DRAFT_HEAD_ROWS = 64  # the stand-in's draft head in the host measurement (its rows are device work)
-RANK_US = 20.0  # a 248,320-logit row's argmax or top-k on the device, eager kernels included (not yet measured)
+# a 248,320-logit row's argmax or top-k on the device, eager kernels included (bench/gpu.py's `ranking` measures it
+# with the copy; not yet run on a GPU)
+RANK_US = 20.0
 ACCEPTANCE = 0.63  # the deployment's draft acceptance with llama.cpp, n_max 2
 N_MAX = 2
 CONTEXTS = (4096, 131072)
@@ -73,6 +82,9 @@ class Device:
     pcie_copy_gbps: float  # a pageable device-to-host copy (`.cpu()`): half the link's rate, assumed
     cards_in_series: int  # layer split: a step crosses cards - 1 boundaries
     attention_tbps_fallback: float  # decode attention's issue bound when no gpu_static table is given
+    tensor_parallel: int = 1  # row split (issue 40): cards that each hold 1/tp of every matrix, KV head and state
+    allreduce_us: float = 0.0  # a small all-reduce's latency between those cards
+    allreduce_gbps: float = 0.0  # and the rate its bytes move at
 
 
 DEVICES = {
@@ -80,7 +92,15 @@ DEVICES = {
     "H200": Device("H200", "sm_90", 4.8, 25.0, 1, 1.083),
     # RTX 2080 Ti: 616 GB/s GDDR6; PCIe 3.0 x16 (~12 GB/s in practice) at half; layer split 1:1 over two cards
     "2x2080Ti": Device("2x2080Ti", "sm_75", 0.616, 6.0, 2, 0.40),
+    # The same two cards as tensor parallelism (issue 40's `-sm row`): both stream half of every matrix at once.
+    # Over PCIe 3.0 through host memory (GeForce cards without peer-to-peer): NCCL's small all-reduce between two
+    # such cards takes ~12 us (all-to-all of 8-64 B, 2 x RTX 4090, P2P off: tinygrad/open-gpu-kernel-modules#17),
+    # 15 assumed for the older platform, its bytes at the 6 GB/s of a copy. Over the 2080 Ti's NVLink bridge (two
+    # links, 50 GB/s a direction): ~10 us (2 GPUs over NVLink, all_reduce_perf at 8-128 B: NVIDIA/nccl-tests#123).
+    "2x2080Ti-row-pcie": Device("2x2080Ti-row-pcie", "sm_75", 0.616, 6.0, 1, 0.40, 2, 15.0, 6.0),
+    "2x2080Ti-row-nvlink": Device("2x2080Ti-row-nvlink", "sm_75", 0.616, 6.0, 1, 0.40, 2, 10.0, 50.0),
 }
+ALLREDUCES_PER_LAYER = 2  # row split: after the attention or DeltaNet output projection, and after the FFN's down
 
 
 @dataclass(frozen=True)
@@ -153,20 +173,32 @@ def step(
     logits_rows: int,
 ) -> Parts:
     """One pass on the device and its logits rows' ranking, in ms (the engine's own host time not included).
-    `trunk`: the 64 layers (else the MTP block's one); a trunk pass of several tokens keeps each one's states."""
+    `trunk`: the 64 layers (else the MTP block's one); a trunk pass of several tokens keeps each one's states.
+    With tensor parallelism each card streams 1/tp of the weights, KV heads and states at once, and the cards meet
+    in ALLREDUCES_PER_LAYER all-reduces of the tokens' float32 hidden states a layer (each also a kernel), plus
+    one that gathers the vocabulary-split output layer's candidates where logits are asked for."""
     stream_tbps = device.hbm_tbps * BANDWIDTH_FRACTION
-    layers = ATTENTION_LAYERS if trunk else 1
+    layers = (GDN_LAYERS + ATTENTION_LAYERS) if trunk else 1
+    attention_layers = ATTENTION_LAYERS if trunk else 1
+    tp = device.tensor_parallel
     states = gdn_state_bytes() * (1 + tokens) if trunk else 0  # read once, written once a token
     handover = (device.cards_in_series - 1) * (
         tokens * N_EMBD * 4 / (device.pcie_copy_gbps * 1e6) + COPY_LATENCY_US / 1e3
     )
     copies = logits_rows * (RANK_US + COPY_LATENCY_US) / 1e3  # each row ranked on the device, its candidates copied
+    n_allreduce = (layers * ALLREDUCES_PER_LAYER + (1 if logits_rows else 0)) if tp > 1 else 0
+    allreduce = n_allreduce * (
+        device.allreduce_us / 1e3 + (tokens * N_EMBD * 4 / (device.allreduce_gbps * 1e6) if tp > 1 else 0)
+    )
     return Parts(
-        weights=weights / (stream_tbps * 1e9),
-        attention=kv_bytes(context, layers) * attention_passes(tokens) / (min(attention_tbps, stream_tbps) * 1e9),
-        launches=kernels * LAUNCH_US / 1e3,
+        weights=weights / tp / (stream_tbps * 1e9),
+        attention=kv_bytes(context, attention_layers)
+        / tp
+        * attention_passes(tokens)
+        / (min(attention_tbps, stream_tbps) * 1e9),
+        launches=(kernels + n_allreduce) * LAUNCH_US / 1e3,
         host=copies,
-        other=states / (stream_tbps * 1e9) + (handover if trunk else 0),
+        other=states / tp / (stream_tbps * 1e9) + (handover if trunk else 0) + allreduce,
     )
 
 
@@ -214,6 +246,7 @@ def assumptions() -> dict:
         "n_max": N_MAX,
         "devices": {k: asdict(v) for k, v in DEVICES.items()},
         "parts_add": "kernels in series in one stream; host and device do not overlap",
+        "allreduces_per_layer": ALLREDUCES_PER_LAYER,
     }
 
 
@@ -270,17 +303,34 @@ def model(static: dict | None = None, host: tuple[float, float] | None = None) -
     time measured here unless given."""
     static = static or {}
     per_token, per_cycle = host or measure_host()
+    predicted = predict(
+        host_ms_per_token=per_token,
+        host_ms_per_mtp_cycle=per_cycle,
+        attention_tbps=attention_bounds(static) or None,
+        kernels=kernel_counts(static),
+    )
     return {
         "host_ms_per_token": round(per_token, 4),
         "host_ms_per_mtp_cycle": round(per_cycle, 4),
         "assumptions": assumptions(),
-        "predicted": predict(
-            host_ms_per_token=per_token,
-            host_ms_per_mtp_cycle=per_cycle,
-            attention_tbps=attention_bounds(static) or None,
-            kernels=kernel_counts(static),
-        ),
+        "predicted": predicted,
+        "row_split_vs_layer_split": row_split_ratios(predicted),
     }
+
+
+def row_split_ratios(predicted: list[dict]) -> list[dict]:
+    """Each tensor-parallel 2080 Ti prediction over the layer split's at the same context and speculation."""
+    layer = {(p["context"], p["spec"]): p["tok_s"] for p in predicted if p["device"] == "2x2080Ti"}
+    return [
+        {
+            "device": p["device"],
+            "context": p["context"],
+            "spec": p["spec"],
+            "ratio": round(p["tok_s"] / layer[(p["context"], p["spec"])], 2),
+        }
+        for p in predicted
+        if DEVICES[p["device"]].tensor_parallel > 1
+    ]
 
 
 def table(result: dict) -> str:
@@ -297,6 +347,11 @@ def table(result: dict) -> str:
             f"| {p['device']} | {p['context']:,} | {p['spec']} | {p['tok_s']} | {m['weights']:.2f} | "
             f"{m['attention']:.2f} | {m['launches']:.2f} | {m['host']:.2f} | {m['other']:.2f} |"
         )
+    lines += ["", "| row split over layer split | context | spec | ratio |", "|---|---:|---|---:|"]
+    lines += [
+        f"| {r['device']} | {r['context']:,} | {r['spec']} | {r['ratio']:.2f}x |"
+        for r in result["row_split_vs_layer_split"]
+    ]
     return "\n".join(lines)
 
 

@@ -87,3 +87,29 @@ def test_attention_bounds_read_from_gpu_statics_rows():
         {"kernel": "attn_split", "name": "attn_split K=Q8_0 V=Q8_0 D=64 T=1", "arch": "sm_75", "issue_bound_tbps": 0.3},
     ]
     assert tm.attention_bounds({"kernels": rows}) == {"sm_90": 1.0}
+
+
+def test_a_row_split_mtp_cycle_on_two_2080ti_by_hand():
+    """Issue 40's tensor parallelism over PCIe: each card streams half of every matrix, holds half the KV heads and
+    DeltaNet states, and the cards meet in two all-reduces a layer (15 us and 6 GB/s each, assumed) plus one for
+    the vocabulary-split output layer's candidates wherever a row is ranked."""
+    p = _predicted()[("2x2080Ti-row-pcie", 4096, "draft-mtp")]
+    stream = 0.616e9 * 0.8
+    kv = 16 * 2 * 4 * 256 * 34 / 32 * 4096
+    states = 48 * 48 * 128 * 128 * 4
+    tokens = 1 + 2 * 0.63
+
+    def allreduce(n_tokens: int) -> float:
+        return 15e-3 + n_tokens * 5120 * 4 / 6e6
+
+    verify = 129 * allreduce(3)  # 64 layers x 2, and the output layer's
+    drafts = 2 * 3 * allreduce(1)  # the MTP block's two and the output layer's, a draft step
+    catch_up = 2 * allreduce(1)
+    weights = (15_821_244_416 + 2 * (263_313_408 + 1_042_944_000) + 263_313_408) / 2
+    attention = (kv * 2 + 3 * kv / 16) / 2 / 0.40e9
+    assert p["ms"]["weights"] == pytest.approx(weights / stream / tokens, rel=1e-3)
+    assert p["ms"]["attention"] == pytest.approx(attention / tokens, rel=1e-3)
+    assert p["ms"]["other"] == pytest.approx((states * 4 / 2 / stream + verify + drafts + catch_up) / tokens, rel=1e-3)
+    assert p["ms"]["launches"] == pytest.approx((709 + 129 + 2 * (27 + 3) + 21 + 2) * 1.5e-3 / tokens, rel=1e-3)
+    layer = _predicted()[("2x2080Ti", 4096, "draft-mtp")]
+    assert 1.5 < p["tok_s"] / layer["tok_s"] < 2.0
