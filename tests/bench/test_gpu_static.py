@@ -66,11 +66,16 @@ def test_gpu_static_quick(tmp_path: Path) -> None:
     # the time model on these counts and bounds (its arithmetic: test_gpu_time_model.py)
     predicted = {(p["device"], p["context"], p["spec"]): p for p in r["predicted"]}
     assert set(predicted) == {
+        (d, c, s) for d in ("H200", "2x2080Ti") for c in (4096, 131072) for s in ("none", "draft-mtp")
+    }
+    planned = {(p["device"], p["context"], p["spec"]) for p in r["predicted_row_split"]}
+    assert planned == {
         (d, c, s)
-        for d in ("H200", "2x2080Ti", "2x2080Ti-row-pcie", "2x2080Ti-row-nvlink")
+        for d in ("2x2080Ti-row-pcie", "2x2080Ti-row-nvlink")
         for c in (4096, 131072)
         for s in ("none", "draft-mtp")
     }
+    assert {(x["device"], x["context"], x["spec"]) for x in r["row_split_vs_layer_split"]} == planned
     assert r["host_ms_per_mtp_cycle"] > 0 and r["host_ms_per_token"] > 0
     for p in predicted.values():
         assert set(p["ms"]) == {"weights", "attention", "launches", "host", "other"}

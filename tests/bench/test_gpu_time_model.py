@@ -113,3 +113,17 @@ def test_a_row_split_mtp_cycle_on_two_2080ti_by_hand():
     assert p["ms"]["launches"] == pytest.approx((709 + 129 + 2 * (27 + 3) + 21 + 2) * 1.5e-3 / tokens, rel=1e-3)
     layer = _predicted()[("2x2080Ti", 4096, "draft-mtp")]
     assert 1.5 < p["tok_s"] / layer["tok_s"] < 2.0
+
+
+def test_the_draft_vocabulary_bench_predicts_through_the_model(monkeypatch):
+    """bench/draft_vocab.py's prediction: the whole vocabulary at full acceptance is the model's own draft-mtp row,
+    and a cut output layer at the same acceptance is faster on both devices."""
+    import draft_vocab
+
+    monkeypatch.setattr(tm, "measure_host", lambda: (0.2, 0.9))
+    rows = draft_vocab.predicted({size: 1.0 for size in draft_vocab.QWEN_SIZES})
+    whole = next(r for r in rows if r["draft_vocab"] == tm.VOCAB)
+    own = _predicted()
+    assert whole["tok_s"] == {d: own[(d, 4096, "draft-mtp")]["tok_s"] for d in tm.DEVICES}
+    cut = next(r for r in rows if r["draft_vocab"] == 32768)
+    assert all(cut["tok_s"][d] > whole["tok_s"][d] for d in ("H200", "2x2080Ti"))
