@@ -127,9 +127,9 @@ def test_each_kept_mtp_row_is_computed_once_from_the_trunk_state_before_it(monke
         mtp_rows.append(len(tokens))
         return mtp_step(self, hidden, tokens, state, *args, **kwargs)
 
-    def counted_draft(self, slot, n_max):
+    def counted_draft(self, slot, n_max, picker=None):
         draft_steps.append(n_max)
-        return draft(self, slot, n_max)
+        return draft(self, slot, n_max, picker)
 
     def seen_prompt(self, slot, hidden, tokens):
         trunk.extend(hidden.clone())

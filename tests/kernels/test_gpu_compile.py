@@ -19,7 +19,7 @@ from mtpserve.default_models import cache_dir
 from tests.support.compiler import require_compiler
 
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "gpu_compile.py"
-LENT_TRITON = "3.6.0"  # the H200 image's (/work/.library/device/KINDS.md, and bench/gpu_check.sh's report)
+LENT_TRITON = "3.6.0"  # the lent H200 image's Triton, as bench/gpu_check.sh's report names it
 KERNELS = (
     "gemv",
     "gemv_q8",

@@ -75,6 +75,15 @@ def test_acceptance_by_draft_position_sums_the_requests():
     assert summarize(results).acceptance_per_pos == pytest.approx([5 / 7, 2 / 5, 0.0])
 
 
+def test_reports_show_the_server_command_without_this_machines_paths():
+    """bench.json's `target` is kept in docs/perf: our own server as `mtpserve ...`, a peer's binary by its name."""
+    from mtpserve.tuning.runner import mtpserve_command, shown_command
+
+    ours = shown_command(mtpserve_command("m.gguf", ["--spec-type", "draft-mtp", "--api-key", "a b"]))
+    assert ours == "mtpserve serve -m m.gguf --no-webui --metrics --spec-type draft-mtp --api-key 'a b'"
+    assert shown_command(["/opt/llama.cpp/build/bin/llama-server", "-m", "m.gguf"]) == "llama-server -m m.gguf"
+
+
 def _bench(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "mtpserve", "bench", *args], capture_output=True, text=True, timeout=600
@@ -149,3 +158,4 @@ def test_bench_sweep_restarts_the_server_and_writes_table_json_and_plots(tmp_pat
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| spec-draft-n-max=1 |" in (out / "bench.md").read_text()
     assert len(list(out.glob("server-*.log"))) == 2  # one server per configuration
+    assert data["meta"]["target"].startswith("mtpserve serve -m ") and sys.executable not in data["meta"]["target"]

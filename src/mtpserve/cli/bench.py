@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from ..tuning import report
-from ..tuning.runner import Target, mtpserve_command, parse_sweep, run_experiment
+from ..tuning.runner import Target, mtpserve_command, parse_sweep, run_experiment, shown_command
 from ..tuning.workload import Workload
 
 
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     title = Path(args.model).name if args.model else args.url
     meta = {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "target": args.url or " ".join(command),
+        "target": args.url or shown_command(command),
         "peer": args.peer_url,
         "rounds": args.rounds,
         "max_tokens": args.max_tokens,

@@ -71,8 +71,7 @@ class Engine:
         self.speculator = None
         self.stepper: PlainDecode | Speculator = PlainDecode(self.runner)  # the generating slots' step
         if self.drafter is not None:
-            spec, eog = config.spec, tokenizer.eog_ids
-            self.speculator = Speculator(self.drafter, self.runner, spec, plan.slot_ctx, eog, model.config.n_vocab)
+            self.speculator = Speculator(self.drafter, self.runner, config.spec, plan.slot_ctx, tokenizer.eog_ids)
             self.stepper = self.speculator
         c = model.config
         self.info = EngineInfo(c.n_vocab, c.context_length, c.n_embd, plan.slot_ctx, config.n_parallel)

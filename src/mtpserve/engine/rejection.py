@@ -35,11 +35,6 @@ def spec_stream(sampler: Sampler) -> Mt19937Uniform:
     return Mt19937Uniform((sampler.seed ^ SPEC_SEED_MIX) & 0xFFFFFFFF)
 
 
-def chain_distribution(sampler: Sampler, logits: torch.Tensor) -> Distribution:
-    """The distribution `sampler` draws from at `logits` (float64 softmax over the chain's survivors)."""
-    return sampler.probabilities(logits)
-
-
 def draw(dist: Distribution, rng: Mt19937Uniform) -> int:
     """A token from `dist` with one uniform draw (inverse CDF in the dict's order)."""
     ids = np.fromiter(dist.keys(), dtype=np.int64, count=len(dist))
@@ -81,7 +76,7 @@ class DraftPicker:
             row = self.constraint.masked(row)
             if not bool(torch.isfinite(row).any()):
                 return None
-        q = chain_distribution(self.sampler, row)
+        q = self.sampler.probabilities(row)  # float64 softmax over the chain's survivors
         token = draw(q, self.rng)
         self.qs.append(q)
         self.sampler.accept(token)

@@ -40,20 +40,14 @@ from .slots import Outcome, Slot
 
 class Speculator:
     def __init__(
-        self,
-        drafter: Drafter,
-        runner: ModelRunner,
-        spec: SpecConfig,
-        slot_ctx: int,
-        eog_ids: frozenset[int],
-        n_vocab: int,
+        self, drafter: Drafter, runner: ModelRunner, spec: SpecConfig, slot_ctx: int, eog_ids: frozenset[int]
     ) -> None:
         self.drafter, self.runner, self.spec = drafter, runner, spec
         self.slot_ctx, self.eog_ids = slot_ctx, eog_ids
         self.stats = SpecStats()
         self.lengths: dict[int, AdaptiveLength] = {}  # --spec-draft-n-max auto: one per slot
         self.draws: dict[int, list[Distribution]] = {}  # probabilistic drafting: each draft token's q, by slot
-        self.n_vocab = n_vocab
+        self.n_vocab = runner.model.config.n_vocab  # the width trimmed draft rows are padded to
 
     def step(self, slots: list[Slot], room: dict[int, int]) -> list[Outcome]:
         """Draft, verify and accept for `slots`; `room[slot.id]`: positions past n_past the slot has cells for."""
@@ -66,12 +60,7 @@ class Speculator:
             try:
                 n_max = self._length(slot, room[slot.id])
                 picker = self._picker(slot)
-                if n_max <= 0:
-                    draft = []
-                elif picker is None:
-                    draft = self.drafter.draft(slot, n_max)
-                else:
-                    draft = self.drafter.draft(slot, n_max, picker)
+                draft = self.drafter.draft(slot, n_max, picker) if n_max > 0 else []
                 if picker is not None:
                     picker.rollback()
                     self.draws[slot.id] = picker.qs[: len(draft)]

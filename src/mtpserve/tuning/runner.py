@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shlex
 import socket
 import subprocess
 import sys
@@ -142,6 +143,16 @@ class Target:
 
 def mtpserve_command(model: str, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "mtpserve", "serve", "-m", model, "--no-webui", "--metrics", *extra]
+
+
+def shown_command(command: list[str]) -> str:
+    """A server command as a reader types it, for reports kept in the repository: `mtpserve ...` for our own, the
+    binary's name for a peer's, no path of the machine that ran it."""
+    if command[:3] == [sys.executable, "-m", "mtpserve"]:
+        command = ["mtpserve", *command[3:]]
+    elif command:
+        command = [Path(command[0]).name, *command[1:]]
+    return shlex.join(command)
 
 
 def run_experiment(
