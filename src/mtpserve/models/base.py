@@ -331,6 +331,7 @@ class CausalLM:
         rope = batch.rope(self.rope_table)  # type: ignore[attr-defined]
         blocks = self.layers[layers.start : layers.stop]  # type: ignore[attr-defined]
         if not self.layer_devices:  # one device: no per-block moves to ask for (a small model's decode notices)
+            x = x.to(self.device)  # the embedding table may stay on the host (llama.cpp's placement, ours too)
             for layer in blocks:
                 x = layer(x, rope, batch)
             return x
