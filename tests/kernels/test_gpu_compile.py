@@ -69,6 +69,10 @@ def lent_triton() -> Path:
 @pytest.mark.slow
 def test_kernels_compile_with_the_lent_images_triton() -> None:
     """Every configuration for the H200 (sm_90) and the RTX 2080 Ti (sm_75), about 90 s on 2 cores."""
+    import triton
+
+    if triton.__version__ == LENT_TRITON:  # the lent machine itself (no network there): the other tests compile with it
+        pytest.skip(f"this environment's Triton is the lent image's ({LENT_TRITON})")
     require_compiler()
     out = compile_kernels("--arch", "90,75", pythonpath=str(lent_triton()), timeout=900)
     assert out.startswith(f"triton {LENT_TRITON},"), out[:200]

@@ -91,7 +91,9 @@ def test_without_state_steps_scale_and_value_tiles() -> None:
         o_ref, s_ref = gated_delta_rule_recurrent(q[b], k[b], v[b], g[b], beta[b], state[b], scale=0.3)
         _close(o[b], o_ref)
         _close(final[b], s_ref)
-    assert torch.equal(final, final_whole)  # columns never mix: the tiling changes nothing
+    # Columns never mix, so the tiling changes nothing but each column's summation order: the interpreter keeps it
+    # (bit-equal), a GPU compiler may not (measured on an H200: not bit-equal, within float32 rounding).
+    torch.testing.assert_close(final, final_whole, rtol=1e-6, atol=1e-7)
 
 
 def test_sizes_not_powers_of_two() -> None:

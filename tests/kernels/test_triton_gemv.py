@@ -186,5 +186,5 @@ def test_rejects_unsupported_type_and_bad_shapes() -> None:
         triton_gemv(torch.zeros(1, 256), torch.zeros(4, 84, dtype=torch.uint8), GGMLType.Q2_K)
     with pytest.raises(ValueError, match="x must be"):
         triton_gemv(torch.zeros(1, 64), torch.zeros(4, 34, dtype=torch.uint8), GGMLType.Q8_0)
-    assert not use_triton(torch.zeros(1, 256), GGMLType.Q2_K)
-    assert use_triton(torch.zeros(1, 32), GGMLType.Q5_0)
+    assert not use_triton(torch.zeros(1, 256, device=DEVICE), GGMLType.Q2_K)
+    assert use_triton(torch.zeros(1, 32, device=DEVICE), GGMLType.Q5_0)  # a CPU tensor takes Triton only interpreted

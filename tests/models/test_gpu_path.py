@@ -77,9 +77,10 @@ def _agree_before_first_near_tie(ours: list[int], case: dict) -> None:
 )  # the deployment's pair in the default suite; the other in `make test-all`
 def test_greedy_tokens_match_llama_cpp(quant: str, cache_type: str) -> None:
     """Prompt (the chunked gated delta rule, fused prompt attention) then decode (the recurrent kernel, the
-    decode attention kernel over the cache as stored): llama.cpp's tokens up to its first near tie."""
+    decode attention kernel over the cache as stored): llama.cpp's tokens up to its first near tie. The embedding
+    table stays on the host as the server places it (engine.placement): the first H200 run crashed there."""
     case = _case(quant)
-    model = load(tinyqwen_path(quant), device=DEVICE)
+    model = load(tinyqwen_path(quant), device=DEVICE, token_embd_device="cpu")
     with _gpu_path():
         ours = _greedy(model, case["prompt_token_ids"], 12, cache_type)
     _agree_before_first_near_tie(ours, case)
@@ -123,24 +124,32 @@ def gemma3_slice(directory: Path) -> Path:
     return directory / GEMMA3_SLICE
 
 
+SLICE_MARGIN = 0.5  # nats: the most the prompt GEMMs' half precision moved a margin of the slice (0.41: below)
+
+
 @pytest.mark.slow  # 25 s: Gemma 3's GPU kernels have their twins' tests; the sliding ring its own
 def test_a_gemma3_slice_gives_the_cpu_paths_greedy_tokens(tmp_path: Path) -> None:
     """The Gemma 3 check where the whole file cannot be (the lent GPU machine): the slice's greedy tokens on the
-    GPU path equal the CPU path's up to the CPU path's first near tie (< 0.05 nats), on the fixtures' `fib_def`
-    prompt (its first near tie is at token 11)."""
+    GPU path equal the CPU path's up to the first position where the CPU path's margin is under SLICE_MARGIN, on
+    the fixtures' `stack_class` prompt (38 tokens: the prompt GEMMs run).
+
+    Six layers of eighteen are a model nobody trained to be read there, and its margins move with the prompt
+    GEMMs' half precision: on `fib_def`, position 4's 0.42 nats fell to 0.01 with bf16 GEMM inputs (sm_80+) and to
+    0.05 with fp16 outputs (emulated on this machine), and the H200 running the sm_75 branches took the other
+    token there (2026-12-04). The 0.05-nat near tie of whole models is too tight for the slice."""
     path = gemma3_slice(tmp_path)
     kept = slice_token_ids(path)
     ref = json.loads(shared_path("fixtures", "refs", "gemma-3-270m-q4_k_m.json").read_text())
-    case = next(c for c in ref["greedy"]["completions"] if c["name"] == "fib_def")
+    case = next(c for c in ref["greedy"]["completions"] if c["name"] == "stack_class")
     ids = [kept.index(i) for i in case["prompt_token_ids"]]
     n = 12
     cpu, margins = _greedy_with_margins(load(path), ids, n)
     model = load(path, device=DEVICE)
     with _gpu_path():
         ours, _ = _greedy_with_margins(model, ids, n)
-    first_tie = next((i for i, m in enumerate(margins) if m < 0.05), n)
-    assert first_tie >= 8, f"the slice's margins {margins} leave too little to compare"
-    assert ours[:first_tie] == cpu[:first_tie], f"CPU path {cpu}, GPU path {ours} (first near tie at {first_tie})"
+    first_close = next((i for i, m in enumerate(margins) if m < SLICE_MARGIN), n)
+    assert first_close >= 8, f"the slice's margins {margins} leave too little to compare"
+    assert ours[:first_close] == cpu[:first_close], f"CPU path {cpu}, GPU path {ours} (compared {first_close})"
 
 
 def test_verification_equals_token_by_token_and_keeps_every_state() -> None:
@@ -255,7 +264,7 @@ def test_the_static_verification_step_equals_the_ordinary_one() -> None:
             logits = model.logits(hidden, seq_len=3)
             g_hidden, g_logits, g_steps = verify.step(tokens)
             torch.testing.assert_close(g_hidden, hidden, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(g_logits, logits, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(g_logits.cpu(), logits.cpu(), rtol=1e-4, atol=1e-4)  # the step's stay on device
             for layer, per_sequence in batch.steps.items():
                 for ours, theirs in zip(g_steps[layer][0], per_sequence[0]):
                     torch.testing.assert_close(ours.ssm, theirs.ssm, rtol=1e-4, atol=1e-5)
@@ -287,7 +296,7 @@ def test_a_static_step_of_several_sequences_equals_decode_batch() -> None:
         tokens = [5, 6, 7]
         for _ in range(3):
             logits = model.decode_batch(tokens, ordinary)
-            torch.testing.assert_close(graph.step(tokens)[1], logits, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(graph.step(tokens)[1].cpu(), logits.cpu(), rtol=1e-4, atol=1e-4)
             tokens = logits.argmax(-1).tolist()
     for a, b in zip(ordinary, graphed):
         assert a.n_past == b.n_past
@@ -528,10 +537,12 @@ def test_gpu_linear_is_the_cpu_numerics_up_to_summation_order(qtype: str) -> Non
     """The GPU path's matmul (activations rounded to the vec_dot type, then the Triton GEMV / GEMM on float values)
     against linear_reference, llama.cpp's CPU numerics in plain PyTorch: equal up to float32 summation order
     (measured ~2e-7), and the GEMM's fp16 inputs (~3e-4); Q4_1's min term takes the exact block sum where the
-    CPU takes its f16 rounding (~4e-4)."""
+    CPU takes its f16 rounding (~4e-4). From sm_80 the GEMM's inputs are bf16 (ops.quant_gemv.gemm_compute_dtype):
+    ~2.3e-3 on an H200 for every type."""
     from gguf.quants import quantize as gguf_quantize
 
     from mtpserve.ops.linear import linear, linear_reference
+    from mtpserve.ops.quant_gemv import gemm_compute_dtype
     from mtpserve.quant.qtensor import QTensor
     from mtpserve.quant.quantize import quantize
     from mtpserve.quant.types import GGMLType
@@ -551,7 +562,8 @@ def test_gpu_linear_is_the_cpu_numerics_up_to_summation_order(qtype: str) -> Non
         with _gpu_path(matmul="triton"):
             got = linear(x.to(DEVICE), weight).cpu()
         rel = ((got - expected).norm() / expected.norm()).item()
-        assert rel <= (1e-3 if t == GGMLType.Q4_1 else 2e-3 if rows > 8 else 1e-5), (rows, rel)
+        gemm = 4e-3 if gemm_compute_dtype(torch.device(DEVICE)) == torch.bfloat16 else 2e-3  # bf16: 8-bit mantissa
+        assert rel <= (gemm if rows > 8 else 1e-3 if t == GGMLType.Q4_1 else 1e-5), (rows, rel)
 
 
 def test_kernels_launch_on_their_inputs_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

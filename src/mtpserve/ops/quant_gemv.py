@@ -163,9 +163,10 @@ def quant_linear(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
     kernels = triton_kernels()
     assert kernels is not None
     if x2.is_cuda and cuda_capability(x2.device)[0] < 8:
-        # Triton emits no tensor-core instructions below sm_80: dequantize (exact) and let cuBLAS multiply in fp16.
+        # Triton emits no tensor-core instructions below sm_80: dequantize (exact) and let cuBLAS multiply in fp16,
+        # into float32 (an fp16 output is a third rounding; on the Gemma 3 slice it moved a 0.42-nat margin to 0.05).
         w = kernels.dequant_blocks(weight.data, int(t)).half()
-        return (x2.half() @ w.T).float().reshape(*lead, weight.shape[0])
+        return torch.mm(x2.half(), w.T, out_dtype=torch.float32).reshape(*lead, weight.shape[0])
     tiles = {}
     if _interpreter_tiles(x2):
         tiles = {"block_m": _pow2(x2.shape[0], 16, 128), "block_n": _pow2(weight.shape[0], 16, 512)}
