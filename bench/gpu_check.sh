@@ -13,17 +13,18 @@
 #                           L2, the git commit when .git travelled, the stage plan; each stage's outcome is appended
 #                           as it ends, so env.txt is also the run's index. llama.cpp's build starts here (setsid, in
 #                           the background: it outlives the call, log /tmp/llama.cpp-build.log).
-#   smoke 150 s  smoke.txt  bench/gpu_smoke.py: every Triton wrapper of mtpserve.kernels.triton once at the 27B's
+#   smoke 120 s  smoke.txt  bench/gpu_smoke.py: every Triton wrapper of mtpserve.kernels.triton once at the 27B's
 #                           shapes against its PyTorch twin, and one CUDA graph capture + replay of a small model's
 #                           decode step against eager: a PASS/FAIL/SKIP line per case (~60 s, most of it compiling).
-#   bench 200 s  bench.txt  most wanted first: bench/gpu.py -> decode.json: decode tok/s at depths 4096 and 65536, with
+#   bench 230 s  bench.txt  most wanted first: bench/gpu.py -> decode.json: decode tok/s at depths 4096 and 65536, with
 #                decode.json draft-mtp (n_max 2) and without, with and without the matmuls (their time apart from the
 #                gemv.json  small kernels'), kernels launched per token, a per-kernel table (torch.profiler) of one
 #                           graphed decode step and one MTP cycle at each depth, printed as made, then prefill of 8192
-#                           tokens (one model build);
+#                           tokens (one model build); then bench/attention_gpu.py: decode attention's choices
+#                           (operands, tile, warps, split size) at 4096 and 65536 tokens, its table in bench.txt;
 #                           then bench/gemv_l2.py -> gemv.json: the GEMVs with weights rotated through > 2x L2, timed in
 #                           a CUDA graph (GB/s, fraction of a copy's; any error row fails the stage).
-#   tests 170 s  tests.txt  pytest on tests/kernels, tests/models/test_gpu_path.py, tests/ops, the slow tests too (8
+#   tests 180 s  tests.txt  pytest on tests/kernels, tests/models/test_gpu_path.py, tests/ops, the slow tests too (8
 #                           xdist workers when the image has xdist; --timeout per test when it has pytest-timeout); -v
 #                           names each test's outcome as it ends, the -ra summary every failure again. Then the GPU
 #                           path's tests again with MTPSERVE_CUDA_CAPABILITY=7.5: the RTX 2080 Ti's branches on this
@@ -32,8 +33,9 @@
 #   rest  (what is left)    rest.txt, gpu.json: the whole bench/gpu.py (its JSON saved after each part), with
 #                           llama.cpp's llama-bench only if its build has already finished (else "peer skipped: build
 #                           not finished"; no waiting), and the build log's tail.
-# At most 8 files come back (the device's limit). The first four stages should take ~350 s (not yet measured on a
-# GPU) and take 550 s at their limits; `rest` gets the remainder and, from a first call, rarely finishes: a second
+# At most 8 files come back (the device's limit). The first H200 run (2026-12-04) took env 12 s, smoke 108 s, bench
+# ~80 s (decode, MTP, prefill, GEMVs), tests over 170 s (cut at 99% of the native pass; the sm_75 pass alone 53 s);
+# the limits add to the 560 s budget; `rest` gets the remainder and, from a first call, rarely finishes: a second
 # call, on the still-warm machine (the build kept running), runs it alone with the whole budget:
 # GPU_CHECK_STAGES="env rest" bash bench/gpu_check.sh run (then `peer` if llama.cpp was still building).
 #
@@ -61,7 +63,7 @@ RESULTS=/tmp/mtpserve-gpu.json
 STAGES=${GPU_CHECK_STAGES:-env smoke bench tests rest}
 GPU_CHECK_FAIL=${GPU_CHECK_FAIL:-}
 BUDGET=${GPU_CHECK_BUDGET:-560}
-declare -A LIMIT=([env]=30 [smoke]=150 [bench]=200 [tests]=170 [rest]=0)  # rest: whatever the budget has left
+declare -A LIMIT=([env]=30 [smoke]=120 [bench]=230 [tests]=180 [rest]=0)  # rest: whatever the budget has left
 declare -A FILE=([env]=env.txt [smoke]=smoke.txt [bench]=bench.txt [tests]=tests.txt [rest]=rest.txt)
 declare -A NEEDS_GPU=([env]=0 [smoke]=1 [bench]=1 [tests]=1 [rest]=1)
 
@@ -149,6 +151,7 @@ PY
         local rc=0
         "$PY" bench/gpu.py --parts decode,mtp,prefill --contexts 4096,65536 --prefill 8192 --batch 1 --memory-ctx 0 \
             --split-matmuls --json "$OUT/decode.json" || rc=$?
+        "$PY" bench/attention_gpu.py || rc=$?  # decode attention's choices (its table in bench.txt)
         "$PY" bench/gemv_l2.py --json "$OUT/gemv.json" || rc=$?
         return $rc
         ;;

@@ -69,8 +69,11 @@ def _check(
     q_dtype: torch.dtype = torch.float32,
     seed: int = 1,
     ordered: bool = False,
+    tol: float = TOL,
+    **options: object,
 ) -> torch.Tensor:
-    """decode_attention of T queries (by default the last T cached positions) against the twin."""
+    """decode_attention of T queries (by default the last T cached positions) against the twin; `options` go to
+    decode_attention (precision, block_s, num_warps)."""
     dim = kv.k.dim
     S = kv.capacity
     q = torch.randn(T, n_heads, dim, generator=torch.Generator().manual_seed(seed)).to(q_dtype)
@@ -91,6 +94,7 @@ def _check(
         window=kv.window,
         n_splits=n_splits,
         ordered=ordered,
+        **options,
     ).cpu()
     expected = decode_attention_reference(
         q,
@@ -107,7 +111,7 @@ def _check(
     assert got.dtype == torch.float32 and got.shape == (T, n_heads, dim)
     assert torch.isfinite(got).all()
     rel = ((got - expected).norm() / expected.norm()).item()
-    assert rel <= TOL, rel
+    assert rel <= tol, rel
     return got
 
 
@@ -142,6 +146,29 @@ def test_splits_agree(n_splits: int | None) -> None:
     """Any number of key ranges (1000: more than there are tiles, so capped) gives the twin's result."""
     kv = _cache("q8_0", "q8_0", 700, 1, 64, seed=2)
     _check(kv, 2, 2, n_splits=n_splits)
+
+
+@pytest.mark.parametrize(
+    ("precision", "block_s", "num_warps", "tol"),
+    [
+        ("tf32", 32, 4, 3e-3),
+        ("fp16", 32, 4, 3e-3),
+        pytest.param(
+            "bf16",
+            16,
+            8,
+            2e-2,
+            marks=pytest.mark.skipif(
+                DEVICE == "cpu", reason="the Triton interpreter's tl.dot multiplies bf16 as raw bits"
+            ),
+        ),
+    ],
+)
+def test_tensor_core_operands_and_tile_choices(precision: str, block_s: int, num_warps: int, tol: float) -> None:
+    """The choices bench/attention_gpu.py measures on a lent GPU, at the 27B's head geometry (D = 256, 6 query heads
+    a KV head, q8_0 cache): the twin's result within the operands' rounding (bf16 keeps 8 bits, fp16 and tf32 11)."""
+    kv = _cache("q8_0", "q8_0", 200, 1, 256, seed=4)
+    _check(kv, 6, 3, n_splits=3, tol=tol, precision=precision, block_s=block_s, num_warps=num_warps)
 
 
 def test_sliding_window() -> None:

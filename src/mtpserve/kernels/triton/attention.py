@@ -88,6 +88,18 @@ def _load_half(base, ok, D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexp
 
 
 @triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b in float32: "bf16" / "fp16" round the operands to that type for the tensor cores; otherwise
+    tl.dot's input_precision on float32 operands ("ieee": FMAs, "tf32", "tf32x3")."""
+    if PRECISION == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    elif PRECISION == "fp16":
+        return tl.dot(a.to(tl.float16), b.to(tl.float16), acc)
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _split_range(qpos_ptr, T, S, n_splits, min_keys, T_PAD: tl.constexpr, BLOCK_S: tl.constexpr, ORDERED: tl.constexpr):
     """(keys per split, splits with work) over the cells that can hold a visible key: all S, or for an ordered cache
     those up to the last query position. Both passes compute it alike from the same device-side positions."""
@@ -175,9 +187,9 @@ def _split_kernel(
         k_at = k_head + keys.to(tl.int64)[:, None] * sk_s
         v_at = v_head + keys.to(tl.int64)[:, None] * sv_s
         k = _load_half(k_at, ok, D, D_PAD, 0, K_TYPE)  # [BLOCK_S, D_PAD / 2]
-        s = tl.dot(q0, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_S], log2 units
+        s = _dot(q0, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_S], tl.float32), PRECISION)  # log2 units
         k = _load_half(k_at, ok, D, D_PAD, 1, K_TYPE)
-        s = tl.dot(q1, tl.trans(k), s, input_precision=PRECISION)
+        s = _dot(q1, tl.trans(k), s, PRECISION)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0 / 0
@@ -185,9 +197,9 @@ def _split_kernel(
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _load_half(v_at, ok, D, D_PAD, 0, V_TYPE)
-        acc0 = tl.dot(p, v, acc0 * alpha[:, None], input_precision=PRECISION)
+        acc0 = _dot(p, v, acc0 * alpha[:, None], PRECISION)
         v = _load_half(v_at, ok, D, D_PAD, 1, V_TYPE)
-        acc1 = tl.dot(p, v, acc1 * alpha[:, None], input_precision=PRECISION)
+        acc1 = _dot(p, v, acc1 * alpha[:, None], PRECISION)
         m_i = m_new
 
     out_rows = split.to(tl.int64) * T * H + t * H + h  # scratch row of (split, token, head)
@@ -308,6 +320,8 @@ def decode_attention(
     ordered: bool = False,
     min_keys: int = MIN_KEYS_PER_SPLIT,
     split_counts: torch.Tensor | None = None,
+    block_s: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v over the visible cached keys -> float32 [T, H, head_dim] (0 for a row that sees
     no key), with K and V read as stored (`k_type` / `v_type`: GGML type ids, see module docstring).
@@ -318,7 +332,10 @@ def decode_attention(
     a visible key (see `ordered`), read on the device, none shorter than `min_keys` (so fewer splits have work at
     a shallow depth). `split_counts` (int32 [n_splits], tests): receives the cells each split walked.
     `precision` is tl.dot's input_precision for the two float32 products: by default "ieee" (float32 FMAs, exact to
-    float32 rounding); "tf32x3" runs them on tensor cores at about float32 accuracy, "tf32" at ~1e-3 error.
+    float32 rounding); "tf32x3" runs them on tensor cores at about float32 accuracy, "tf32" at ~1e-3 error; "bf16"
+    and "fp16" round both operands (q and K, the softmax weights and V) to that type for the tensor cores, as
+    vLLM's and SGLang's decode kernels multiply. `block_s` (keys a tile) and `num_warps` override the defaults
+    below (bench/attention_gpu.py measures the choices on a lent GPU).
     `ordered`: the caller guarantees cell i holds position i or is empty (a cache that is not a ring), so the
     splits share the cells up to the last query position: a captured step over a 262144-cell cache then walks only
     the cells filled so far, spread over all its splits, instead of masking the rest tile by tile.
@@ -342,7 +359,7 @@ def decode_attention(
     # tests/support/gpu_compile.py). 32 keys or 4 warps spill ~1.5 KB even with half-D tiles.
     # At D = 64, 64-key tiles spilled up to 2.8 KB a thread on sm_75 (250 B on sm_80); 32-key tiles spill nothing
     # with an f16 cache, but a quantized one's unpacking spills 8-40 B on 4 warps (sm_90, ptxas): it takes 8.
-    block_s = 32 if d_pad <= 128 else 16
+    block_s = block_s or (32 if d_pad <= 128 else 16)
     block_m = min(max(16, triton.next_power_of_2(T * G)), 64 if d_pad <= 128 else 16)  # tl.dot needs >= 16 rows
     wanted = auto_splits(S) if n_splits is None else max(1, int(n_splits))
     splits = min(wanted, triton.cdiv(S, block_s))  # at least a tile each when the cache is full
@@ -392,7 +409,7 @@ def decode_attention(
         PRECISION=precision,
         ORDERED=ordered,
         T_PAD=t_pad,
-        num_warps=8 if d_pad >= 256 or k_type != GGMLQuantizationType.F16 else 4,
+        num_warps=num_warps or (8 if d_pad >= 256 or k_type != GGMLQuantizationType.F16 else 4),
         **({} if split_counts is None else {"counts_ptr": split_counts, "COUNT": True}),
     )
     _combine_kernel[(T * H,)](

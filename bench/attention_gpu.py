@@ -1,0 +1,135 @@
+"""Decode attention's choices measured on a lent GPU: `python bench/attention_gpu.py [--json FILE]`.
+
+The first H200 run (2026-12-04, docs/gpu-decode.md) found decode attention at 2-4% of HBM where the static model
+put it at 22% (1.08 TB/s): 193 us a layer at 4,096 tokens, 1.6 ms at 65,536, the same ~190 us for every program
+whatever its keys held, i.e. each program's 16 tiles of 16 keys bound by latency, one 8-warp program an SM (210
+registers a thread). Only a GPU can say which choice cures it, so this script measures them all in one call at the
+27B's shapes (24 query heads over 4 KV heads, D = 256, a q8_0 cache of 262,144 cells filled to each depth, in
+order): the kernel's operands (float32 FMAs, tf32, fp16 or bf16 tensor cores), keys a tile, warps, and the fewest
+keys a split takes (at 4,096 tokens the default's 256 leaves 16 splits x 4 heads = 64 programs for 132 SMs).
+
+Each row: microseconds a call (triton.testing.do_bench, L2 flushed between calls), the cache bytes it must read
+over that time (GB/s), and its error against the float32 FMA kernel (relative, whole output). One compile per
+(choice, rows); about a minute on an H200. bench/gpu_check.sh's bench stage runs it after the decode numbers.
+`--device cpu --tiny` runs its wiring under the Triton interpreter (tests/bench/test_attention_gpu.py), the bf16
+choices left out there (the interpreter multiplies bf16 as raw bits), each call timed once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
+
+from mtpserve.kernels.triton.attention import decode_attention  # noqa: E402
+
+N_HEAD, N_HEAD_KV, HEAD_DIM, CELLS = 24, 4, 256, 262144  # Qwen3.6-27B's attention, the deployment's context
+# (name, precision, keys a tile, warps, fewest keys a split): today's default first, the reference of the errors.
+VARIANTS = (
+    ("default", "ieee", 16, 8, 256),
+    ("ieee min64", "ieee", 16, 8, 64),
+    ("tf32 s16 w4", "tf32", 16, 4, 64),
+    ("tf32 s32 w4", "tf32", 32, 4, 64),
+    ("fp16 s16 w8", "fp16", 16, 8, 64),  # 160 registers a thread on sm_90 (ptxas, Triton 3.9): the fewest here
+    ("fp16 s32 w4", "fp16", 32, 4, 64),
+    ("bf16 s32 w4", "bf16", 32, 4, 64),
+    ("bf16 s64 w8", "bf16", 64, 8, 64),
+)
+
+
+def q8_0_cache(cells: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """A q8_0 cache of random blocks: f16 scales ~1e-2 and random int8 quants, [cells, Hkv * D / 32 * 34] bytes."""
+    _, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
+    blocks = torch.randint(-127, 128, (cells, N_HEAD_KV * HEAD_DIM // 32, size), generator=gen, dtype=torch.int16)
+    scale = (torch.rand(cells, N_HEAD_KV * HEAD_DIM // 32, generator=gen) * 1e-2 + 5e-3).half()
+    raw = blocks.to(torch.int8).view(torch.uint8)
+    raw[..., :2] = scale.view(torch.uint8).reshape(cells, -1, 2)
+    return raw.reshape(cells, -1).to(device)
+
+
+def microseconds(call: Callable[[], object], device: torch.device) -> float:
+    """A call's time: do_bench's (L2 flushed between calls) on CUDA, one timed call elsewhere (the interpreter)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(call, warmup=10, rep=40)) * 1e3
+    start = time.perf_counter()
+    call()
+    return (time.perf_counter() - start) * 1e6
+
+
+def measure(depths: list[int], rows: list[int], device: torch.device, cells: int = CELLS) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = q8_0_cache(cells, gen, device), q8_0_cache(cells, gen, device)
+    head_bytes = k_cache.shape[1] // N_HEAD_KV
+    q8 = int(GGMLQuantizationType.Q8_0)
+    out = []
+    for depth in depths:
+        k_pos = torch.full((cells,), -1, dtype=torch.int64, device=device)
+        k_pos[:depth] = torch.arange(depth, device=device)
+        for T in rows:
+            q = torch.randn(T, N_HEAD, HEAD_DIM, generator=gen).to(device)
+            q_pos = torch.arange(depth - T, depth, device=device)
+            nbytes = 2 * depth * N_HEAD_KV * head_bytes  # K and V of every filled cell, once
+
+            reference = None
+            for name, precision, block_s, warps, min_keys in VARIANTS:
+                if precision == "bf16" and device.type != "cuda":
+                    continue
+
+                call = partial(
+                    decode_attention, q, k_cache, v_cache, q8, q8, q_pos, k_pos, n_kv_heads=N_HEAD_KV,
+                    head_dim=HEAD_DIM, scale=HEAD_DIM**-0.5, precision=precision, ordered=True, min_keys=min_keys,
+                    block_s=block_s, num_warps=warps,
+                )  # fmt: skip
+
+                row = {"variant": name, "depth": depth, "rows": T}
+                try:
+                    got = call()
+                    reference = got if reference is None else reference
+                    row["error"] = float((got - reference).norm() / reference.norm())
+                    row["us"] = microseconds(call, device)
+                    row["gb_per_s"] = nbytes / row["us"] / 1e3
+                except Exception as e:  # noqa: BLE001 -- a choice that fails to compile or run leaves the others measured
+                    row["failed"] = f"{type(e).__name__}: {e}"[:300]
+                out.append(row)
+                shown = (
+                    row.get("failed") or f"{row['us']:9.1f} us {row['gb_per_s']:8.0f} GB/s  error {row['error']:.1e}"
+                )
+                print(f"depth {depth:>6} rows {T}  {name:<14} {shown}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--depths", default="4096,65536", help="filled cells, comma-separated")
+    p.add_argument("--rows", default="1,3", help="query tokens (1: decode; 3: draft-mtp n_max 2's verification)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a 256-cell cache at depth 64 (the wiring, any device)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("attention_gpu: no CUDA device", file=sys.stderr)
+        return 1
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    print(f"attention_gpu: {name}, q8_0 K/V, H={N_HEAD} Hkv={N_HEAD_KV} D={HEAD_DIM}")
+    depths = [64] if args.tiny else [int(d) for d in args.depths.split(",")]
+    rows = measure(depths, [int(t) for t in args.rows.split(",")], device, cells=256 if args.tiny else CELLS)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": name, "rows": rows}, indent=1))
+    return 1 if any("failed" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

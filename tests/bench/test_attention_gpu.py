@@ -1,0 +1,35 @@
+"""bench/attention_gpu.py's wiring under the Triton interpreter: every choice a lent GPU will measure runs, at both row
+counts the bench asks for on the GPU's first call, and gives the float32 kernel's output within its operands'
+rounding. A choice that fails makes the script exit 1 (the GPU check's bench stage then fails)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+
+from attention_gpu import VARIANTS  # noqa: E402
+
+
+def test_every_choice_runs_and_agrees_with_the_float32_kernel(tmp_path: Path) -> None:
+    out = tmp_path / "attention.json"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "attention_gpu.py"), "--device", "cpu", "--tiny", "--rows", "1"]
+        + ["--json", str(out)],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = json.loads(out.read_text())["rows"]
+    on_cpu = [v for v in VARIANTS if v[1] != "bf16"]  # the interpreter multiplies bf16 as raw bits
+    assert [r["variant"] for r in rows] == [v[0] for v in on_cpu]
+    for row, (_, precision, *_) in zip(rows, on_cpu):
+        assert "failed" not in row and row["us"] > 0
+        assert row["error"] <= (1e-3 if precision == "fp16" else 1e-6), row
