@@ -8,10 +8,11 @@ it from L2 and flatters the kernel. Here each matrix is copied until the copies 
 (`torch.cuda.get_device_properties(0).L2_cache_size`), the launches rotate through the copies, and a CUDA graph of
 many launches is replayed (no Python or launch gaps between them), timed by CUDA events. Reported per matrix, rows
 (1: decode, 3: a verification at n_max 2) and kernel (the float GEMV's word and sub-tile kernels, the integer
-quant_gemv_q8 where it exists for the type): microseconds a launch, weight GB/s, and the fraction of a 2 GiB
-device-to-device copy's bandwidth (read + write), the ceiling. Off CUDA each case is one eager launch (the wiring,
-not a timing). Any row that fails (an error instead of a time) makes the run exit 1, and so fails its stage.
-"""
+quant_gemv_q8 where it exists for the type, and its tile's choices, Q8_TILES; `--integer-only` leaves the float
+GEMVs out, as the GPU check does since the first H200 run measured them at 5-16% of a copy): microseconds a launch,
+weight GB/s, and the fraction of a 2 GiB device-to-device copy's bandwidth (read + write), the ceiling. Off CUDA
+each case is one eager launch (the wiring, not a timing). Any row that fails (an error instead of a time) makes the
+run exit 1, and so fails its stage."""
 
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ def matrices(tiny: bool) -> list[tuple[str, GGMLType, int, int]]:
     if not tiny:
         out += [("ffn_up", GGMLType.Q4_K, c.n_ff, c.n_embd), ("output", GGMLType.Q6_K, c.n_vocab, c.n_embd)]
     return out
+
+
+Q8_TILES = (("q8 rows/2", 2, 1), ("q8 w2", 1, 2), ("q8 w4", 1, 4), ("q8 rows/2 w2", 2, 2))  # (name, divisor, warps)
 
 
 def copies_needed(nbytes: int, l2_bytes: int) -> int:
@@ -69,12 +73,15 @@ def kernel_calls(qtype: GGMLType) -> dict:
         # the activations as the decode path rounds them for this type (ops.linear_gpu.integer_format)
         fmt = ActFormat(kernels.act_block(int(qtype)), qtype in PAIRED_ACTIVATIONS)
 
-        def q8(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        def q8(x: torch.Tensor, b: torch.Tensor, rows_divisor: int = 1, num_warps: int = 1) -> torch.Tensor:
             if id(x) not in quants:  # quantized once, outside the timing (its own kernel is cased apart)
                 quants[id(x)] = quantize_rows_reference(x, fmt)
-            return kernels.quant_gemv_q8(*quants[id(x)], b, int(qtype))
+            return kernels.quant_gemv_q8(*quants[id(x)], b, int(qtype), rows_divisor=rows_divisor, num_warps=num_warps)
 
         calls["q8"] = q8
+        # the tile's choices (the first H200 run: ~5 one-warp programs an SM, 27-58% of a copy's bandwidth)
+        for name, divisor, warps in Q8_TILES:
+            calls[name] = lambda x, b, d=divisor, w=warps: q8(x, b, d, w)
     broken = os.environ.get("GEMV_L2_BREAK")
     if broken in calls:
         calls[broken] = _raises
@@ -114,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--launches", type=int, default=48, help="launches per graph replay (rounded up to the copies)")
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--json", default=None)
+    p.add_argument("--integer-only", action="store_true", help="the integer GEMV's tiles only (not the float GEMVs)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -133,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         for rows in (1,) if args.tiny else (1, 3):
             x = torch.randn(rows, k, device=device, generator=gen)
             for kernel, fn in kernel_calls(qtype).items():
+                if args.integer_only and not kernel.startswith("q8"):
+                    continue
                 try:
                     t = time_rotation(fn, copies, x, launches, args.replays)
                 except Exception as e:  # noqa: BLE001 - one kernel's failure is its row; the others still run

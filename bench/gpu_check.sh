@@ -22,8 +22,9 @@
 #                           graphed decode step and one MTP cycle at each depth, printed as made, then prefill of 8192
 #                           tokens (one model build); then bench/attention_gpu.py: decode attention's choices
 #                           (operands, tile, warps, split size) at 4096 and 65536 tokens, its table in bench.txt;
-#                           then bench/gemv_l2.py -> gemv.json: the GEMVs with weights rotated through > 2x L2, timed in
-#                           a CUDA graph (GB/s, fraction of a copy's; any error row fails the stage).
+#                           then bench/gemv_l2.py --integer-only -> gemv.json: the integer GEMV and its tile's
+#                           choices with weights rotated through > 2x L2, timed in a CUDA graph (GB/s, fraction of a
+#                           copy's; any error row fails the stage).
 #   tests 180 s  tests.txt  pytest on tests/kernels, tests/models/test_gpu_path.py, tests/ops, the slow tests too (8
 #                           xdist workers when the image has xdist; --timeout per test when it has pytest-timeout); -v
 #                           names each test's outcome as it ends, the -ra summary every failure again. Then the GPU
@@ -152,7 +153,7 @@ PY
         "$PY" bench/gpu.py --parts decode,mtp,prefill --contexts 4096,65536 --prefill 8192 --batch 1 --memory-ctx 0 \
             --split-matmuls --json "$OUT/decode.json" || rc=$?
         "$PY" bench/attention_gpu.py || rc=$?  # decode attention's choices (its table in bench.txt)
-        "$PY" bench/gemv_l2.py --json "$OUT/gemv.json" || rc=$?
+        "$PY" bench/gemv_l2.py --integer-only --json "$OUT/gemv.json" || rc=$?  # the integer GEMV and its tiles
         return $rc
         ;;
     tests)

@@ -90,6 +90,27 @@ def test_rows_are_independent_of_batch_size(qtype: GGMLType) -> None:
     assert torch.equal(triton_gemv_q8(xq, xd, blocks, qtype), alone)
 
 
+@pytest.mark.parametrize(
+    ("qtype", "rows_divisor", "num_warps"),
+    [
+        (GGMLType.Q4_K, 2, 1),
+        (GGMLType.Q4_K, 1, 2),
+        (GGMLType.Q6_K, 2, 2),
+        (GGMLType.IQ4_XS, 2, 1),
+        (GGMLType.Q8_0, 2, 1),
+    ],
+)
+def test_the_tiles_bench_choices_change_no_bit(qtype: GGMLType, rows_divisor: int, num_warps: int) -> None:
+    """The tile choices bench/gemv_l2.py measures on a lent GPU (fewer weight rows a program, more warps) give the
+    default tile's result bit for bit, 1 and 3 activation rows, a partial last tile (40 rows)."""
+    blocks = _blocks(qtype, 40, 1024, seed=7).to(DEVICE)
+    for m in (1, 3):
+        xq, xd = (t.to(DEVICE) for t in _activations(qtype, m, 1024, seed=8 + m))
+        default = triton_gemv_q8(xq, xd, blocks, qtype)
+        chosen = triton_gemv_q8(xq, xd, blocks, qtype, rows_divisor=rows_divisor, num_warps=num_warps)
+        assert torch.equal(chosen, default)
+
+
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.IQ4_XS, GGMLType.Q5_0])
 def test_adds_a_residual_in_the_same_launch(qtype: GGMLType) -> None:
     """`add` (the residual stream) summed in the epilogue: bit-identical to adding after the launch (one rounding

@@ -766,10 +766,16 @@ def quant_gemv_q8(
     *,
     out: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
+    rows_divisor: int = 1,
+    num_warps: int = 1,
 ) -> torch.Tensor:
     """Quantized activations (xq int8 [m, k], xd float32 [m, k / act_block(qtype)]) times the GGUF matrix W [n, k]
     in `blocks` -> float32 [m, n] (into `out` when given: any [m, n] float32 view with unit column stride), plus
-    `add` (float32 [m, n], unit column stride: a residual stream) when given, in the same launch."""
+    `add` (float32 [m, n], unit column stride: a residual stream) when given, in the same launch.
+
+    `rows_divisor` and `num_warps` are the tile's choices bench/gemv_l2.py measures on a lent GPU (the first H200 run
+    found these kernels at 27-58% of a copy's bandwidth with ~5 one-warp programs an SM): a program's weight rows
+    divided by it (more programs), and warps a program. Each output row's sum keeps its order either way."""
     t, k = _check(xq, xd, blocks, qtype)
     n, m = blocks.shape[0], xq.shape[0]
     if out is None:
@@ -787,6 +793,10 @@ def quant_gemv_q8(
         xs, ds, ys = xq[start : start + rows], xd[start : start + rows], out[start : start + rows]
         adds = ys if add is None else add[start : start + rows]
         kernel, steps, stride_w, cfg = _config(t, n, k, blocks.stride(0), rows)
+        if rows_divisor > 1:
+            cfg = {**cfg, "BLOCK_N": max(1, cfg["BLOCK_N"] // rows_divisor)}
+            if "EVEN_N" in cfg:
+                cfg["EVEN_N"] = n % cfg["BLOCK_N"] == 0
         kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             xs,
             ds,
@@ -805,7 +815,7 @@ def quant_gemv_q8(
             M_PAD=triton.next_power_of_2(rows),
             ASM=INLINE_ASM,
             HAS_ADD=add is not None,
-            num_warps=1,
+            num_warps=num_warps,
             **cfg,
         )
     return out
