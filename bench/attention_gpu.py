@@ -41,6 +41,8 @@ VARIANTS = (
     ("tf32 s16 w4", "tf32", 16, 4, 64),
     ("tf32 s32 w4", "tf32", 32, 4, 64),
     ("fp16 s16 w8", "fp16", 16, 8, 64),  # 160 registers a thread on sm_90 (ptxas, Triton 3.9): the fewest here
+    ("fp16 s16 w2", "fp16", 16, 2, 64),  # 249 registers at 2 warps: 4 programs an SM where the default fits 1
+    ("bf16 s16 w2", "bf16", 16, 2, 64),
     ("fp16 s32 w4", "fp16", 32, 4, 64),
     ("bf16 s32 w4", "bf16", 32, 4, 64),
     ("bf16 s64 w8", "bf16", 64, 8, 64),
