@@ -31,9 +31,10 @@
 #                           path's tests again with MTPSERVE_CUDA_CAPABILITY=7.5: the RTX 2080 Ti's branches on this
 #                           GPU (if the stage's time runs out first, GPU_CHECK_STAGES="env tests"
 #                           GPU_CHECK_TIMEOUT_TESTS=400 on the warm machine runs both).
-#   rest  (what is left)    rest.txt, gpu.json: the whole bench/gpu.py (its JSON saved after each part), with
-#                           llama.cpp's llama-bench only if its build has already finished (else "peer skipped: build
-#                           not finished"; no waiting), and the build log's tail.
+#   rest  (what is left)    rest.txt, gpu.json: bench/gpu.py's parts the bench stage left out (4 sequences at once,
+#                           the chunk scan, memory at 262144 tokens), then llama.cpp's llama-bench against the bench
+#                           stage's rows (into decode.json) only if its build has already finished (else "peer
+#                           skipped: build not finished"; no waiting), and the build log's tail.
 # At most 8 files come back (the device's limit). The first H200 run (2026-12-04) took env 12 s, smoke 108 s, bench
 # ~80 s (decode, MTP, prefill, GEMVs), tests over 170 s (cut at 99% of the native pass; the sm_75 pass alone 53 s);
 # the limits add to the 560 s budget; `rest` gets the remainder and, from a first call, rarely finishes: a second
@@ -152,6 +153,7 @@ PY
         local rc=0
         "$PY" bench/gpu.py --parts decode,mtp,prefill --contexts 4096,65536 --prefill 8192 --batch 1 --memory-ctx 0 \
             --split-matmuls --json "$OUT/decode.json" || rc=$?
+        cp "$OUT/decode.json" "$RESULTS" 2>/dev/null  # what llama.cpp's rows are compared with (rest, peer)
         "$PY" bench/attention_gpu.py || rc=$?  # decode attention's choices (its table in bench.txt)
         "$PY" bench/gemv_l2.py --integer-only --json "$OUT/gemv.json" || rc=$?  # the integer GEMV and its tiles
         return $rc
@@ -173,17 +175,18 @@ PY
         return $((native != 0 ? native : turing))
         ;;
     rest)
-        local peer=()
-        if [ -x "$LLAMA_BENCH" ]; then
-            peer=(--llama-bench "$LLAMA_BENCH" --peer-reps 2 --peer-timeout 100)
+        # What the bench stage left out (several sequences at once, the chunk scan, memory at 262144 tokens), then
+        # llama.cpp on the same model against the bench stage's rows, into decode.json, if its build has finished.
+        "$PY" bench/gpu.py --parts batch,chunk_scan,memory --contexts 4096 --json "$OUT/gpu.json"
+        local rc=$?
+        if [ -x "$LLAMA_BENCH" ] && [ -f "$RESULTS" ]; then
+            "$PY" bench/gpu.py --peer-only "$RESULTS" --prefill 8192 --json "$OUT/decode.json" \
+                --llama-bench "$LLAMA_BENCH" --peer-reps 2 --peer-timeout 100 || rc=$?
         elif [ -f .gpu/llama.cpp.tar.xz ]; then
             echo "peer skipped: build not finished (no $LLAMA_BENCH yet; a later \`peer\` call adds it)"
         else
             echo "peer skipped: no .gpu/llama.cpp.tar.xz (run prepare here)"
         fi
-        "$PY" bench/gpu.py --json "$OUT/gpu.json" "${peer[@]}"
-        local rc=$?
-        cp "$OUT/gpu.json" "$RESULTS" 2>/dev/null
         [ -f "$BUILD_LOG" ] && { echo "--- llama.cpp build log, last lines"; tail -n 15 "$BUILD_LOG"; }
         return $rc
         ;;
@@ -271,7 +274,8 @@ stage) # one of run's stages (run calls it under the stage's timeout)
 peer)
     : "${OUT:?run on the GPU machine, where \$OUT is the folder that comes back}"
     environment
-    timeout 280 python3 bench/gpu.py --peer-only "$RESULTS" --json "$OUT/gpu.json" --llama-bench "$LLAMA_BENCH" \
+    timeout 280 python3 bench/gpu.py --peer-only "$RESULTS" --prefill 8192 --json "$OUT/decode.json" \
+        --llama-bench "$LLAMA_BENCH" \
         --peer-wait 120 --peer-reps 2 --peer-timeout 100 2>&1 | tee "$OUT/peer.log"
     cp "$BUILD_LOG" "$OUT/llama.cpp-build.log" 2>/dev/null
     true
