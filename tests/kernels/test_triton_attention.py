@@ -171,6 +171,38 @@ def test_tensor_core_operands_and_tile_choices(precision: str, block_s: int, num
     _check(kv, 6, 3, n_splits=3, tol=tol, precision=precision, block_s=block_s, num_warps=num_warps)
 
 
+def _both_ways(kv: KVCache, n_heads: int, T: int, q_pos: torch.Tensor | None = None, **options: object) -> None:
+    """loads_first's result is the default's, bit for bit (the same values, only the loads' order moves), and the
+    twin's."""
+    runs = [_check(kv, n_heads, T, q_pos=q_pos, loads_first=first, **options) for first in (False, True)]
+    assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize(
+    "case", ["q8_0-gqa", "q4_0-f16-window", "ring", "nan-garbage", "d256-verify", "ordered"], ids=str
+)
+def test_loads_first_is_the_default_bit_for_bit(case: str) -> None:
+    """bench/attention_gpu.py's loads_first choice reads every cell of a tile's range (a ring's stale cells, a
+    truncated cache's NaN garbage) and selects the unseen ones away: no value of theirs reaches the result."""
+    if case == "q8_0-gqa":
+        _both_ways(_cache("q8_0", "q8_0", 333, 2, 64, seed=1), 8, 4, n_splits=3)
+    elif case == "q4_0-f16-window":
+        _both_ways(_cache("q4_0", "f16", 500, 2, 64, window=100, seed=3), 4, 4, n_splits=4)
+    elif case == "ring":
+        kv = _cache("q8_0", "q8_0", 700, 2, 64, capacity=320, window=256, ring=True, chunk=64, seed=4)
+        _both_ways(kv, 4, 3, n_splits=3)
+    elif case == "nan-garbage":
+        kv = _cache("q8_0", "q4_0", 400, 2, 64, capacity=480, seed=5)
+        kv.truncate(350)
+        for rows in (kv.k, kv.v):
+            rows.data[350:] = 0xFF  # every f16 scale 0xFFFF: NaN
+        _both_ways(kv, 4, 4, q_pos=torch.arange(350, 354), n_splits=4)
+    elif case == "d256-verify":
+        _both_ways(_cache("q8_0", "q8_0", 200, 1, 256, seed=4), 6, 3, n_splits=3)
+    else:
+        _both_ways(_cache("q8_0", "q8_0", 300, 2, 64, capacity=2048, seed=6), 4, 3, ordered=True)
+
+
 def test_sliding_window() -> None:
     """A window of 100 over 500 positions: each of the 4 queries sees a different 100-key band."""
     kv = _cache("q4_0", "f16", 500, 2, 64, window=100, seed=3)

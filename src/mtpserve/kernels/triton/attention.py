@@ -66,25 +66,44 @@ def _half_dims(D_PAD: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _load_half(base, ok, D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, TYPE: tl.constexpr):
-    """Half HALF (see _half_dims) of the head vectors starting at base ([BLOCK_S, 1] pointers: elements of a float
-    cache, bytes of a block cache) -> float32 [BLOCK_S, D_PAD / 2], 0 where a row is not ok. Each 16-run of a half
-    lies in one 32-block, so a block cache reads its f16 scale once per element (broadcast) and one byte."""
+def _raw_half(base, ok, D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, TYPE: tl.constexpr):
+    """The loads of half HALF (see _half_dims) of the head vectors starting at base ([BLOCK_S, 1] pointers: elements
+    of a float cache, bytes of a block cache), where ok: (quants or values, f16 scales; a float cache's values twice).
+    Each 16-run of a half lies in one 32-block, so a block cache reads its scale once per element (broadcast) and
+    one byte."""
     c = tl.arange(0, D_PAD // 2)[None, :]
     if TYPE == _Q8_0:
         blk = base + (c // 16) * 34  # scales are 2-byte aligned: every block and row size is even
-        scale = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)
-        q = tl.load(blk + 2 + HALF * 16 + c % 16, mask=ok, other=0).to(tl.int8, bitcast=True)
-        x = q.to(tl.float32) * scale
+        scale = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
+        q = tl.load(blk + 2 + HALF * 16 + c % 16, mask=ok, other=0)
     elif TYPE == _Q4_0:
         blk = base + (c // 16) * 18
-        scale = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)
-        byte = tl.load(blk + 2 + c % 16, mask=ok, other=0).to(tl.int32)
-        x = (((byte >> (HALF * 4)) & 0x0F) - 8).to(tl.float32) * scale  # low nibbles: elements 0..15
+        scale = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
+        q = tl.load(blk + 2 + c % 16, mask=ok, other=0)
     else:
         d = (c // 16) * 32 + HALF * 16 + c % 16
-        x = tl.load(base + d, mask=ok & (d < D), other=0.0).to(tl.float32)
+        q = tl.load(base + d, mask=ok & (d < D), other=0.0)
+        scale = q
+    return q, scale
+
+
+@triton.jit
+def _values_half(q, scale, HALF: tl.constexpr, TYPE: tl.constexpr):
+    """_raw_half's loads as float32 [BLOCK_S, D_PAD / 2] (the same values as mtpserve.quant.dequant)."""
+    if TYPE == _Q8_0:
+        x = q.to(tl.int8, bitcast=True).to(tl.float32) * scale.to(tl.float32)
+    elif TYPE == _Q4_0:
+        x = (((q.to(tl.int32) >> (HALF * 4)) & 0x0F) - 8).to(tl.float32) * scale.to(tl.float32)  # low nibbles: 0..15
+    else:
+        x = q.to(tl.float32)
     return x
+
+
+@triton.jit
+def _load_half(base, ok, D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, TYPE: tl.constexpr):
+    """Half HALF of the head vectors as float32 [BLOCK_S, D_PAD / 2], 0 where a row is not ok."""
+    q, scale = _raw_half(base, ok, D, D_PAD, HALF, TYPE)
+    return _values_half(q, scale, HALF, TYPE)
 
 
 @triton.jit
@@ -148,6 +167,7 @@ def _split_kernel(
     T_PAD: tl.constexpr,
     counts_ptr=None,
     COUNT: tl.constexpr = False,
+    LOADS_FIRST: tl.constexpr = False,
 ):
     """Pass 1: program (row block, KV head hk, split) -> partial max / sum / acc of its rows over its keys."""
     hk = tl.program_id(1)
@@ -177,6 +197,14 @@ def _split_kernel(
     acc1 = tl.zeros([BLOCK_M, D_PAD // 2], tl.float32)
     for s0 in range(start, end, BLOCK_S):
         keys = s0 + tl.arange(0, BLOCK_S)
+        k_at = k_head + keys.to(tl.int64)[:, None] * sk_s
+        v_at = v_head + keys.to(tl.int64)[:, None] * sv_s
+        if LOADS_FIRST:  # every load of the tile issued at once, their latencies overlapping; masked by range only
+            in_range = (keys < end)[:, None]
+            kq0, ks0 = _raw_half(k_at, in_range, D, D_PAD, 0, K_TYPE)
+            kq1, ks1 = _raw_half(k_at, in_range, D, D_PAD, 1, K_TYPE)
+            vq0, vs0 = _raw_half(v_at, in_range, D, D_PAD, 0, V_TYPE)
+            vq1, vs1 = _raw_half(v_at, in_range, D, D_PAD, 1, V_TYPE)
         k_pos = tl.load(kpos_ptr + keys, mask=keys < end, other=-1)
         delta = q_pos[:, None] - k_pos[None, :]
         visible = (k_pos[None, :] >= 0) & (delta >= 0)
@@ -184,11 +212,15 @@ def _split_kernel(
             visible = visible & (delta < window)
         seen = tl.max(visible.to(tl.int32), axis=0) > 0  # [BLOCK_S]: keys some row sees; only their bytes load
         ok = seen[:, None]
-        k_at = k_head + keys.to(tl.int64)[:, None] * sk_s
-        v_at = v_head + keys.to(tl.int64)[:, None] * sv_s
-        k = _load_half(k_at, ok, D, D_PAD, 0, K_TYPE)  # [BLOCK_S, D_PAD / 2]
+        if LOADS_FIRST:  # a cell no row sees may hold anything (NaN scales): selected away, never multiplied
+            k = tl.where(ok, _values_half(kq0, ks0, 0, K_TYPE), 0.0)
+        else:
+            k = _load_half(k_at, ok, D, D_PAD, 0, K_TYPE)  # [BLOCK_S, D_PAD / 2]
         s = _dot(q0, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_S], tl.float32), PRECISION)  # log2 units
-        k = _load_half(k_at, ok, D, D_PAD, 1, K_TYPE)
+        if LOADS_FIRST:
+            k = tl.where(ok, _values_half(kq1, ks1, 1, K_TYPE), 0.0)
+        else:
+            k = _load_half(k_at, ok, D, D_PAD, 1, K_TYPE)
         s = _dot(q1, tl.trans(k), s, PRECISION)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -196,9 +228,15 @@ def _split_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_half(v_at, ok, D, D_PAD, 0, V_TYPE)
+        if LOADS_FIRST:
+            v = tl.where(ok, _values_half(vq0, vs0, 0, V_TYPE), 0.0)
+        else:
+            v = _load_half(v_at, ok, D, D_PAD, 0, V_TYPE)
         acc0 = _dot(p, v, acc0 * alpha[:, None], PRECISION)
-        v = _load_half(v_at, ok, D, D_PAD, 1, V_TYPE)
+        if LOADS_FIRST:
+            v = tl.where(ok, _values_half(vq1, vs1, 1, V_TYPE), 0.0)
+        else:
+            v = _load_half(v_at, ok, D, D_PAD, 1, V_TYPE)
         acc1 = _dot(p, v, acc1 * alpha[:, None], PRECISION)
         m_i = m_new
 
@@ -322,6 +360,7 @@ def decode_attention(
     split_counts: torch.Tensor | None = None,
     block_s: int | None = None,
     num_warps: int | None = None,
+    loads_first: bool = False,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v over the visible cached keys -> float32 [T, H, head_dim] (0 for a row that sees
     no key), with K and V read as stored (`k_type` / `v_type`: GGML type ids, see module docstring).
@@ -335,7 +374,10 @@ def decode_attention(
     float32 rounding); "tf32x3" runs them on tensor cores at about float32 accuracy, "tf32" at ~1e-3 error; "bf16"
     and "fp16" round both operands (q and K, the softmax weights and V) to that type for the tensor cores, as
     vLLM's and SGLang's decode kernels multiply. `block_s` (keys a tile) and `num_warps` override the defaults
-    below (bench/attention_gpu.py measures the choices on a lent GPU).
+    below (bench/attention_gpu.py measures the choices on a lent GPU). `loads_first` issues a tile's K, V and
+    position loads together, masked by the range alone, and selects the unseen cells' values away: one memory
+    latency a tile instead of five in a row (the first H200 run: 12.7 us a 16-key tile), at the cost of reading a
+    ring's cells outside the window.
     `ordered`: the caller guarantees cell i holds position i or is empty (a cache that is not a ring), so the
     splits share the cells up to the last query position: a captured step over a 262144-cell cache then walks only
     the cells filled so far, spread over all its splits, instead of masking the rest tile by tile.
@@ -410,6 +452,7 @@ def decode_attention(
         ORDERED=ordered,
         T_PAD=t_pad,
         num_warps=num_warps or (8 if d_pad >= 256 or k_type != GGMLQuantizationType.F16 else 4),
+        LOADS_FIRST=loads_first,
         **({} if split_counts is None else {"counts_ptr": split_counts, "COUNT": True}),
     )
     _combine_kernel[(T * H,)](
