@@ -41,7 +41,15 @@ def matrices(tiny: bool) -> list[tuple[str, GGMLType, int, int]]:
     return out
 
 
-Q8_TILES = (("q8 rows/2", 2, 1), ("q8 w2", 1, 2), ("q8 w4", 1, 4), ("q8 rows/2 w2", 2, 2))  # (name, divisor, warps)
+# (name, rows divisor, warps, prefetch: Q4_K and Q5_K only)
+Q8_TILES = (
+    ("q8 rows/2", 2, 1, False),
+    ("q8 w2", 1, 2, False),
+    ("q8 w4", 1, 4, False),
+    ("q8 rows/2 w2", 2, 2, False),
+    ("q8 prefetch", 1, 1, True),
+    ("q8 rows/2 prefetch", 2, 1, True),
+)
 
 
 def copies_needed(nbytes: int, l2_bytes: int) -> int:
@@ -73,15 +81,19 @@ def kernel_calls(qtype: GGMLType) -> dict:
         # the activations as the decode path rounds them for this type (ops.linear_gpu.integer_format)
         fmt = ActFormat(kernels.act_block(int(qtype)), qtype in PAIRED_ACTIVATIONS)
 
-        def q8(x: torch.Tensor, b: torch.Tensor, rows_divisor: int = 1, num_warps: int = 1) -> torch.Tensor:
+        def q8(x: torch.Tensor, b: torch.Tensor, rows_divisor: int = 1, num_warps: int = 1, prefetch: bool = False):
             if id(x) not in quants:  # quantized once, outside the timing (its own kernel is cased apart)
                 quants[id(x)] = quantize_rows_reference(x, fmt)
-            return kernels.quant_gemv_q8(*quants[id(x)], b, int(qtype), rows_divisor=rows_divisor, num_warps=num_warps)
+            return kernels.quant_gemv_q8(
+                *quants[id(x)], b, int(qtype), rows_divisor=rows_divisor, num_warps=num_warps, prefetch=prefetch
+            )
 
         calls["q8"] = q8
         # the tile's choices (the first H200 run: ~5 one-warp programs an SM, 27-58% of a copy's bandwidth)
-        for name, divisor, warps in Q8_TILES:
-            calls[name] = lambda x, b, d=divisor, w=warps: q8(x, b, d, w)
+        for name, divisor, warps, prefetch in Q8_TILES:
+            if prefetch and qtype not in (GGMLType.Q4_K, GGMLType.Q5_K):
+                continue
+            calls[name] = lambda x, b, d=divisor, w=warps, p=prefetch: q8(x, b, d, w, p)
     broken = os.environ.get("GEMV_L2_BREAK")
     if broken in calls:
         calls[broken] = _raises

@@ -111,6 +111,24 @@ def test_the_tiles_bench_choices_change_no_bit(qtype: GGMLType, rows_divisor: in
         assert torch.equal(chosen, default)
 
 
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q5_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [2048, 768, 256])  # 8, 3 and 1 super-blocks: 2 steps of 4, 3 of 1, 1 of 1
+def test_prefetch_changes_no_bit(qtype: GGMLType, k: int) -> None:
+    """Q4_K/Q5_K's prefetch (each step's weight words loaded in the step before) gives the default's result bit for
+    bit, 1 and 3 activation rows; other types refuse it."""
+    blocks = _blocks(qtype, 24, k, seed=9).to(DEVICE)
+    for m in (1, 3):
+        xq, xd = (t.to(DEVICE) for t in _activations(qtype, m, k, seed=10 + m))
+        default = triton_gemv_q8(xq, xd, blocks, qtype)
+        assert torch.equal(triton_gemv_q8(xq, xd, blocks, qtype, prefetch=True), default)
+        _close(default, quant_gemv_q8_reference(xq, xd, blocks, qtype))
+    with pytest.raises(ValueError, match="prefetch is a Q4_K / Q5_K choice"):
+        q6 = _blocks(GGMLType.Q6_K, 8, 256, seed=1).to(DEVICE)
+        triton_gemv_q8(
+            *(t.to(DEVICE) for t in _activations(GGMLType.Q6_K, 1, 256, seed=2)), q6, GGMLType.Q6_K, prefetch=True
+        )
+
+
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.IQ4_XS, GGMLType.Q5_0])
 def test_adds_a_residual_in_the_same_launch(qtype: GGMLType) -> None:
     """`add` (the residual stream) summed in the epilogue: bit-identical to adding after the launch (one rounding

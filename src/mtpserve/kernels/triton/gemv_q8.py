@@ -149,9 +149,11 @@ def _kquant_kernel(
     FIVE: tl.constexpr,
     ASM: tl.constexpr,
     HAS_ADD: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     """Q4_K (FIVE false) and Q5_K: lane c of a super-block takes qs[32c .. 32c + 31] (two 16-byte loads), whose
-    low nibbles are sub-block 2c and high nibbles 2c + 1 (Q5_K: fifth bits 2c and 2c + 1 of qh[0 .. 31])."""
+    low nibbles are sub-block 2c and high nibbles 2c + 1 (Q5_K: fifth bits 2c and 2c + 1 of qh[0 .. 31]).
+    PREFETCH: each step's weight words are loaded in the step before, so their latency overlaps a step's work."""
     WORDS: tl.constexpr = 44 if FIVE else 36  # a block: 176 or 144 bytes
     QS: tl.constexpr = 12 if FIVE else 4  # first word of qs
     pid = tl.program_id(0)
@@ -175,10 +177,23 @@ def _kquant_kernel(
     upper = (c >= 2)[None, :]
     ones = tl.full((BLOCK_N, SB * 4), 0x01010101, tl.int32)
     acc = tl.zeros((M_PAD, BLOCK_N, SB * 4), dtype=tl.float32)
+    if PREFETCH:  # the first step's words; each step then loads the next one's before its own work
+        hw, qa, qb = tl.load(h_at), tl.load(q_at), tl.load(q_at + 4)
+        if FIVE:
+            ea, eb = tl.load(h_at + 4), tl.load(h_at + 8)
     for b0 in range(0, n_sb, SB):
-        h0, h1, h2, h3 = words4(tl.load(h_at + b0 * WORDS))  # pointers: invariant bases plus the block offset
-        lo0, lo1, lo2, lo3 = words4(tl.load(q_at + b0 * WORDS))
-        lo4, lo5, lo6, lo7 = words4(tl.load(q_at + (b0 * WORDS + 4)))
+        if PREFETCH:
+            nxt = tl.minimum(b0 + SB, n_sb - SB) * WORDS  # the last step reloads its own block (a cache hit)
+            hw_n, qa_n, qb_n = tl.load(h_at + nxt), tl.load(q_at + nxt), tl.load(q_at + (nxt + 4))
+            if FIVE:
+                ea_n, eb_n = tl.load(h_at + (nxt + 4)), tl.load(h_at + (nxt + 8))
+            h0, h1, h2, h3 = words4(hw)
+            lo0, lo1, lo2, lo3 = words4(qa)
+            lo4, lo5, lo6, lo7 = words4(qb)
+        else:
+            h0, h1, h2, h3 = words4(tl.load(h_at + b0 * WORDS))  # pointers: invariant bases plus the block offset
+            lo0, lo1, lo2, lo3 = words4(tl.load(q_at + b0 * WORDS))
+            lo4, lo5, lo6, lo7 = words4(tl.load(q_at + (b0 * WORDS + 4)))
         d16 = half(h0, False) if FIVE else half(h0, False) * 0.0625
         dmin = half(h0, True)
         a = h1 >> shift
@@ -191,8 +206,12 @@ def _kquant_kernel(
         mn_lo = mn2 & 0xFF
         mn_hi = mn2 >> 8
         if FIVE:
-            e0, e1, e2, e3 = words4(tl.load(h_at + (b0 * WORDS + 4)) >> (2 * c)[None, :, None])  # qh, bit 2c first
-            e4, e5, e6, e7 = words4(tl.load(h_at + (b0 * WORDS + 8)) >> (2 * c)[None, :, None])
+            if PREFETCH:
+                e0, e1, e2, e3 = words4(ea >> (2 * c)[None, :, None])
+                e4, e5, e6, e7 = words4(eb >> (2 * c)[None, :, None])
+            else:
+                e0, e1, e2, e3 = words4(tl.load(h_at + (b0 * WORDS + 4)) >> (2 * c)[None, :, None])  # qh, bit 2c
+                e4, e5, e6, e7 = words4(tl.load(h_at + (b0 * WORDS + 8)) >> (2 * c)[None, :, None])
             hi0 = ((lo0 >> 4) & 0x0F0F0F0F) | ((e0 << 3) & 0x10101010)
             hi1 = ((lo1 >> 4) & 0x0F0F0F0F) | ((e1 << 3) & 0x10101010)
             hi2 = ((lo2 >> 4) & 0x0F0F0F0F) | ((e2 << 3) & 0x10101010)
@@ -245,6 +264,10 @@ def _kquant_kernel(
             isum_m = mn_lo * s_lo + mn_hi * s_hi
             part = xd * (d16 * isum_d.to(tl.float32) - dmin * isum_m.to(tl.float32))
             acc += tl.where(ms[:, None, None] == m, part[None, :, :], 0.0)
+        if PREFETCH:
+            hw, qa, qb = hw_n, qa_n, qb_n
+            if FIVE:
+                ea, eb = ea_n, eb_n
     _store_rows(acc, y_ptr, stride_y, add_ptr, stride_add, ms, rows, M, row_ok, HAS_ADD)
 
 
@@ -768,6 +791,7 @@ def quant_gemv_q8(
     add: torch.Tensor | None = None,
     rows_divisor: int = 1,
     num_warps: int = 1,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """Quantized activations (xq int8 [m, k], xd float32 [m, k / act_block(qtype)]) times the GGUF matrix W [n, k]
     in `blocks` -> float32 [m, n] (into `out` when given: any [m, n] float32 view with unit column stride), plus
@@ -775,8 +799,11 @@ def quant_gemv_q8(
 
     `rows_divisor` and `num_warps` are the tile's choices bench/gemv_l2.py measures on a lent GPU (the first H200 run
     found these kernels at 27-58% of a copy's bandwidth with ~5 one-warp programs an SM): a program's weight rows
-    divided by it (more programs), and warps a program. Each output row's sum keeps its order either way."""
+    divided by it (more programs), and warps a program; `prefetch` (Q4_K and Q5_K) loads each K step's weight words
+    in the step before. Each output row's sum keeps its order either way."""
     t, k = _check(xq, xd, blocks, qtype)
+    if prefetch and t not in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
+        raise ValueError(f"prefetch is a Q4_K / Q5_K choice, not {t.name}'s")
     n, m = blocks.shape[0], xq.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32, device=xq.device)
@@ -816,6 +843,7 @@ def quant_gemv_q8(
             ASM=INLINE_ASM,
             HAS_ADD=add is not None,
             num_warps=num_warps,
+            **({"PREFETCH": True} if prefetch else {}),
             **cfg,
         )
     return out
