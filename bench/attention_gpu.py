@@ -58,11 +58,11 @@ VARIANTS = (
 def q8_0_cache(cells: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
     """A q8_0 cache of random blocks: f16 scales ~1e-2 and random int8 quants, [cells, Hkv * D / 32 * 34] bytes."""
     _, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
-    blocks = torch.randint(-127, 128, (cells, N_HEAD_KV * HEAD_DIM // 32, size), generator=gen, dtype=torch.int16)
-    scale = (torch.rand(cells, N_HEAD_KV * HEAD_DIM // 32, generator=gen) * 1e-2 + 5e-3).half()
-    raw = blocks.to(torch.int8).view(torch.uint8)
+    shape = (cells, N_HEAD_KV * HEAD_DIM // 32)
+    raw = torch.randint(-127, 128, (*shape, size), generator=gen, dtype=torch.int8, device=device).view(torch.uint8)
+    scale = (torch.rand(shape, generator=gen, device=device) * 1e-2 + 5e-3).half()
     raw[..., :2] = scale.view(torch.uint8).reshape(cells, -1, 2)
-    return raw.reshape(cells, -1).to(device)
+    return raw.reshape(cells, -1)
 
 
 def microseconds(call: Callable[[], object], device: torch.device) -> float:
@@ -77,7 +77,7 @@ def microseconds(call: Callable[[], object], device: torch.device) -> float:
 
 
 def measure(depths: list[int], rows: list[int], device: torch.device, cells: int = CELLS) -> list[dict]:
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)  # the caches made where they are read: no host copy
     k_cache, v_cache = q8_0_cache(cells, gen, device), q8_0_cache(cells, gen, device)
     head_bytes = k_cache.shape[1] // N_HEAD_KV
     q8 = int(GGMLQuantizationType.Q8_0)
@@ -86,7 +86,7 @@ def measure(depths: list[int], rows: list[int], device: torch.device, cells: int
         k_pos = torch.full((cells,), -1, dtype=torch.int64, device=device)
         k_pos[:depth] = torch.arange(depth, device=device)
         for T in rows:
-            q = torch.randn(T, N_HEAD, HEAD_DIM, generator=gen).to(device)
+            q = torch.randn(T, N_HEAD, HEAD_DIM, generator=gen, device=device)
             q_pos = torch.arange(depth - T, depth, device=device)
             nbytes = 2 * depth * N_HEAD_KV * head_bytes  # K and V of every filled cell, once
 

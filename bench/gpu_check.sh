@@ -16,7 +16,7 @@
 #   smoke 120 s  smoke.txt  bench/gpu_smoke.py: every Triton wrapper of mtpserve.kernels.triton once at the 27B's
 #                           shapes against its PyTorch twin, and one CUDA graph capture + replay of a small model's
 #                           decode step against eager: a PASS/FAIL/SKIP line per case (~60 s, most of it compiling).
-#   bench 230 s  bench.txt  most wanted first: bench/gpu.py -> decode.json: decode tok/s at depths 4096 and 65536, with
+#   bench 260 s  bench.txt  most wanted first: bench/gpu.py -> decode.json: decode tok/s at depths 4096 and 65536, with
 #                decode.json draft-mtp (n_max 2) and without, with and without the matmuls (their time apart from the
 #                gemv.json  small kernels'), kernels launched per token, a per-kernel table (torch.profiler) of one
 #                           graphed decode step and one MTP cycle at each depth, printed as made, then prefill of 8192
@@ -25,7 +25,7 @@
 #                           then bench/gemv_l2.py --integer-only -> gemv.json: the integer GEMV and its tile's
 #                           choices with weights rotated through > 2x L2, timed in a CUDA graph (GB/s, fraction of a
 #                           copy's; any error row fails the stage).
-#   tests 180 s  tests.txt  pytest on tests/kernels, tests/models/test_gpu_path.py, tests/ops, the slow tests too (8
+#   tests 150 s  tests.txt  pytest on tests/kernels, tests/models/test_gpu_path.py, tests/ops, the slow tests too (8
 #                           xdist workers when the image has xdist; --timeout per test when it has pytest-timeout); -v
 #                           names each test's outcome as it ends, the -ra summary every failure again. Then the GPU
 #                           path's tests again with MTPSERVE_CUDA_CAPABILITY=7.5: the RTX 2080 Ti's branches on this
@@ -65,7 +65,7 @@ RESULTS=/tmp/mtpserve-gpu.json
 STAGES=${GPU_CHECK_STAGES:-env smoke bench tests rest}
 GPU_CHECK_FAIL=${GPU_CHECK_FAIL:-}
 BUDGET=${GPU_CHECK_BUDGET:-560}
-declare -A LIMIT=([env]=30 [smoke]=120 [bench]=230 [tests]=180 [rest]=0)  # rest: whatever the budget has left
+declare -A LIMIT=([env]=30 [smoke]=120 [bench]=260 [tests]=150 [rest]=0)  # rest: whatever the budget has left
 declare -A FILE=([env]=env.txt [smoke]=smoke.txt [bench]=bench.txt [tests]=tests.txt [rest]=rest.txt)
 declare -A NEEDS_GPU=([env]=0 [smoke]=1 [bench]=1 [tests]=1 [rest]=1)
 
