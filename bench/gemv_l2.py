@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--json", default=None)
     p.add_argument("--integer-only", action="store_true", help="the integer GEMV's tiles only (not the float GEMVs)")
+    p.add_argument("--kernels", default=None, help="only these kernels, comma-separated (the tests' short run)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(rows, k, device=device, generator=gen)
             for kernel, fn in kernel_calls(qtype).items():
                 if args.integer_only and not kernel.startswith("q8"):
+                    continue
+                if args.kernels and kernel not in args.kernels.split(","):
                     continue
                 try:
                     t = time_rotation(fn, copies, x, launches, args.replays)

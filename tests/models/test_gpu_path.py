@@ -631,6 +631,7 @@ def test_a_layer_split_is_captured_as_one_run_of_blocks_per_gpu() -> None:
     torch.testing.assert_close(table.gather(torch.tensor([3, 9]))[0], table.cos[[3, 9]])
 
 
+@pytest.mark.slow  # 59 s under the interpreter (cheap on a GPU, where the check runs it without the filter)
 def test_the_prompt_cache_restores_a_displaced_slot_on_the_gpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """draft-mtp on the GPU path with its captured steps (forced on off CUDA): a conversation displaced by a side
     request and restored from the prompt cache (written into the slot's tensors in place, where the graphs read
