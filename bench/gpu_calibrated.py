@@ -43,10 +43,12 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import gpu_time_model as tm  # noqa: E402
 
+from mtpserve.kernels.triton.attention import MAX_SPLITS, MIN_KEYS_PER_SPLIT  # noqa: E402  the kernel's split rule
+
 MEASURED = REPO / "docs" / "perf" / "h200_decode_2026-12-04.json"
 H200_CLOCK_GHZ, TURING_CLOCK_GHZ = 1.98, 1.545  # boost clocks: the H200 as the lent one read it, the 2080 Ti's spec
 SMS = {"H200": 132, "2x2080Ti": 68}
-MIN_KEYS, MAX_SPLITS, KEYS_PER_TILE = 256, 256, 16  # kernels.triton.attention's split rule and tile at D = 256
+KEYS_PER_TILE = 16  # decode_attention's tile at D = 256
 CONTEXTS = (4096, 65536, 131072, 262144)
 GEMV_KERNELS = ("_kquant_kernel", "_q6k_kernel")
 ATTENTION_KERNELS = ("_split_kernel", "_combine_kernel")
@@ -69,7 +71,7 @@ def _kernel_us(profile: dict, names: tuple[str, ...]) -> float:
 def attention_programs(context: int, rows: int) -> tuple[int, int]:
     """(programs, tiles a program) of one layer's split pass at `context` filled cells of the 262,144-cell cache:
     the kernel's ranges over the filled cells, 6 query rows a token in 16-row blocks."""
-    per = math.ceil(max(math.ceil(context / MAX_SPLITS), MIN_KEYS) / KEYS_PER_TILE) * KEYS_PER_TILE
+    per = math.ceil(max(math.ceil(context / MAX_SPLITS), MIN_KEYS_PER_SPLIT) / KEYS_PER_TILE) * KEYS_PER_TILE
     splits = min(math.ceil(context / per), MAX_SPLITS)
     row_blocks = math.ceil(rows * (tm.QUERY_HEADS // tm.KV_HEADS) / tm.QUERY_BLOCK)
     return splits * tm.KV_HEADS * row_blocks, per // KEYS_PER_TILE

@@ -185,9 +185,9 @@ class Sampler:
             self._device_bias[key] = DeviceBias.of(
                 {t: b for t, b in p.logit_bias.items() if 0 <= t < len(logits)}, logits.device
             )
-        window = dict(self.counts) if self._penalizes else {}
+        counts = self.counts if self._penalizes else {}
         bias = self._device_bias[key]
-        return ranked_on_device(logits, n, bias, window, p.repeat_penalty, p.frequency_penalty, p.presence_penalty)
+        return ranked_on_device(logits, n, bias, counts, p.repeat_penalty, p.frequency_penalty, p.presence_penalty)
 
     def sample(self, logits: torch.Tensor) -> int:
         ids, values = self._survivors(logits)
