@@ -4,12 +4,13 @@ detokenizing, handing the token to the request's stream, and with `http` the ser
 
     .venv/bin/python bench/engine_overhead.py [--tokens 512] [--rounds 3]
 
-The stand-in is tinyqwen35 (its tokenizer, config and states) with `program_decode`, `forward_batch`, `logits` and
-`mtp_step` replaced: a pass advances the states' positions and returns zeros, and the logits are a fixed random
-tensor of the vocabulary size asked (copied for each pass, as a real LM head makes a fresh one), the model's 4,096
-tokens scoring highest so every sampled token is one the tokenizer can decode. Each case is one request on one
-slot (`-np 1`): a 16-token prompt, `--tokens` tokens with `ignore_eos`, timed from the first token's event to the
-last's as the request's reader sees them, divided by the tokens after the first; medians over `--rounds`.
+The stand-in is tinyqwen35 (its tokenizer, config and states) with `program_decode`, `forward_batch`, `logits`,
+`mtp_step` and `mtp_draft` replaced: a pass advances the states' positions and returns zeros, and the logits are a
+fixed random tensor of the vocabulary size asked (copied for each pass, as a real LM head makes a fresh one), the
+model's 4,096 tokens scoring highest so every sampled token is one the tokenizer can decode. Each case is one
+request on one slot (`-np 1`): a 16-token prompt, `--tokens` tokens with `ignore_eos`, timed from the first token's
+event to the last's as the request's reader sees them, divided by the tokens after the first; medians over
+`--rounds`.
 
 Cases: greedy and the full sampler chain (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat, presence and
 frequency penalties) at the model's vocabulary and at Qwen3.5/3.6's 248,320; a JSON-schema grammar at the model's
@@ -91,9 +92,14 @@ def stand_in(vocab: int, agree: bool = False, fresh_logits: bool = True, draft_v
         state.kv[mtp_kv].length += len(tokens)
         return None, mtp_hidden.expand(len(tokens), n_embd)
 
+    def mtp_draft(hidden, tokens, state, n_steps, head, top_k, p_min):  # the C chain: the head's product a step
+        state.kv[mtp_kv].length += len(tokens) + n_steps - 1
+        return [(int(linear(mtp_hidden[None], head)[0].argmax()), 1.0) for _ in range(n_steps)]
+
     model.program_decode = program_decode
     model.forward_batch = forward_batch
     model.mtp_step = mtp_step
+    model.mtp_draft = mtp_draft
     if fresh_logits:
         model.logits_on_device = lambda hidden, seq_len=None: table[: len(hidden)].clone()
     else:

@@ -2,7 +2,7 @@
 speeds each server reports for it (`timings.predicted_per_second`, `timings.prompt_per_second`).
 
     .venv/bin/python bench/server_decode.py --llama-server PATH [--rounds 3] [--busy] [--spec] [--parallel N]
-                                            [--json PATH]
+                                            [--json PATH] [--only LABEL]
 
 For each model (SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M, tinyqwen35 Q4_K_M) both servers run at once, each with
 `-m MODEL -np 1 -c 4096 -t 2` (and, with `--spec`, a second pair on tinyqwen35 with `--spec-type draft-mtp
@@ -134,6 +134,7 @@ def main() -> int:
     ap.add_argument("--spec", action="store_true", help="also tinyqwen35 with draft-mtp n_max 2 on both")
     ap.add_argument("--parallel", type=int, default=1, help="-np N and N requests at once (continuous batching)")
     ap.add_argument("--json", type=Path, help="write every request's timings here")
+    ap.add_argument("--only", help="measure only the cases whose label contains this (e.g. 'draft-mtp')")
     args = ap.parse_args()
     flags = [*FLAGS[:1], str(args.parallel), *FLAGS[2:]]
 
@@ -145,6 +146,8 @@ def main() -> int:
     results = []
     try:
         for label, model, extra in cases(args.spec):
+            if args.only and args.only not in label:
+                continue
             tokens = Tokenizer.from_gguf(model).encode(TEXT.read_text(encoding="utf-8"), add_special=False)
             prompt = tokens[: N_PROMPT - 1]
             commands = {

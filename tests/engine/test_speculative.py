@@ -120,12 +120,17 @@ def test_each_kept_mtp_row_is_computed_once_from_the_trunk_state_before_it(monke
     mtp_rows: list[int] = []
     draft_steps: list[int] = []
     trunk: list[torch.Tensor] = []  # the trunk's final states at the kept positions, in order
-    mtp_step, draft = type(model).mtp_step, MTPDrafter.draft
+    mtp_step, mtp_draft, draft = type(model).mtp_step, type(model).mtp_draft, MTPDrafter.draft
     after_prompt, after_verify = MTPDrafter.after_prompt, MTPDrafter.after_verify
 
     def counted_mtp_step(self, hidden, tokens, state, *args, **kwargs):
         mtp_rows.append(len(tokens))
         return mtp_step(self, hidden, tokens, state, *args, **kwargs)
+
+    def counted_mtp_draft(self, hidden, tokens, state, *args, **kwargs):  # step 0: its rows; later steps: one each
+        chain = mtp_draft(self, hidden, tokens, state, *args, **kwargs)
+        mtp_rows.append(len(tokens) + len(chain) - 1 if chain is not None else 0)
+        return chain
 
     def counted_draft(self, slot, n_max, picker=None):
         draft_steps.append(n_max)
@@ -140,6 +145,7 @@ def test_each_kept_mtp_row_is_computed_once_from_the_trunk_state_before_it(monke
         after_verify(self, slot, hidden, tokens, n_accepted)
 
     monkeypatch.setattr(type(model), "mtp_step", counted_mtp_step)
+    monkeypatch.setattr(type(model), "mtp_draft", counted_mtp_draft)
     monkeypatch.setattr(MTPDrafter, "draft", counted_draft)
     monkeypatch.setattr(MTPDrafter, "after_prompt", seen_prompt)
     monkeypatch.setattr(MTPDrafter, "after_verify", seen_verify)

@@ -177,3 +177,71 @@ def test_the_mtp_block_through_the_program_equals_the_layer(monkeypatch: pytest.
     with monkeypatch.context() as m:
         layer = _mtp_rows(model, False, m)
     _assert_same(program, layer)
+
+
+def _eager_drafts(model, state, hidden, tokens, n_steps, head, top_k=40, p_min=0.0):
+    """The drafter's eager chain (engine.drafters.MTPDrafter._proposals without the C call): `mtp_step`, then the
+    head's row, its argmax and the argmax's softmax over the top_k, each step fed the last."""
+    from mtpserve.ops.linear import linear
+
+    out, ids = [], torch.tensor(tokens)
+    for _ in range(n_steps):
+        _, h = model.mtp_step(hidden, ids, state, with_logits=False)
+        hidden = h[-1:]
+        top = linear(hidden, head)[0].float().topk(top_k)
+        out.append((int(top.indices[0]), float(torch.softmax(top.values, 0)[0])))
+        if out[-1][1] < p_min:
+            break
+        ids = torch.tensor([out[-1][0]])
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("quant", ["Q4_K_M", "Q8_0", "Q6_K", "F16"])
+@pytest.mark.parametrize(
+    ("n_rows", "n_steps", "draft_vocab", "p_min"), [(1, 2, 0, 0.0), (3, 3, 0, 0.0), (2, 4, 1024, 0.2)]
+)
+def test_the_mtp_draft_chain_in_one_call_equals_the_eager_steps(quant, n_rows, n_steps, draft_vocab, p_min) -> None:
+    """`mtp_draft` (the whole greedy chain in one C call): the eager steps' tokens, the same MTP cache bit for bit
+    (every step's rows at their positions), and each token's top-40 softmax to float32 rounding (the sum's order
+    differs from torch's); with p_min the chain stops after the first draft below it, as the eager one does. Step 0
+    takes several rows (catch-up rows waiting, then the sampled token's); a trimmed draft vocabulary scores the
+    head's first rows."""
+    model = load(tinyqwen_path(quant))
+    head = model.mtp_head.first_rows(draft_vocab) if draft_vocab else model.mtp_head
+    gen = torch.Generator().manual_seed(n_rows)
+    prompt = torch.randint(0, model.config.n_vocab, (40,), generator=gen)
+    hidden = torch.randn(n_rows, model.config.n_embd, generator=gen)
+    tokens = torch.randint(0, model.config.n_vocab, (n_rows,), generator=gen).tolist()
+    results = []
+    for chain in (True, False):
+        state = model.new_state(256, mtp=True)
+        with torch.inference_mode():
+            trunk = model.forward_batch(Batch.of(prompt, [state]))
+            model.mtp_step(torch.cat((trunk.new_zeros(1, trunk.shape[-1]), trunk[:-1])), prompt, state, False)
+            if chain:
+                drafts = model.mtp_draft(hidden, tokens, state, n_steps, head, 40, p_min)
+            else:
+                drafts = _eager_drafts(model, state, hidden, tokens, n_steps, head, 40, p_min)
+        kv = state.kv[model.mtp_kv_index]
+        results.append((drafts, kv.k.data.clone(), kv.v.data.clone(), kv.positions.clone(), kv.length))
+    (chain, *chain_cache), (eager, *eager_cache) = results
+    assert [t for t, _ in chain] == [t for t, _ in eager]
+    assert len(chain) == (n_steps if p_min == 0 else len(eager)) and (p_min == 0 or len(chain) < n_steps)
+    for (_, p), (_, q) in zip(chain, eager):
+        assert p == pytest.approx(q, rel=1e-5)
+    _assert_same(chain_cache, eager_cache)
+    assert chain_cache[-1] == 40 + n_rows + len(chain) - 1
+
+
+def test_the_mtp_draft_chain_leaves_what_it_cannot_serve_to_the_eager_steps() -> None:
+    """No chain where the block's program cannot serve (a quantized MTP cache) or the cache lacks room for every
+    step's row; the drafter then steps eagerly."""
+    model = _model("tinyqwen35")
+    hidden, head = torch.zeros(1, model.config.n_embd), model.mtp_head
+    quantized = model.new_state(256, "q8_0", "q8_0", mtp=True)
+    assert model.mtp_draft(hidden, [1], quantized, 2, head, 40, 0.0) is None
+    full = model.new_state(256, mtp=True)
+    full.kv[model.mtp_kv_index].length = full.capacity - 2
+    assert model.mtp_draft(hidden, [1], full, 3, head, 40, 0.0) is None
+    assert model.mtp_draft(hidden, [1], full, 2, head, 40, 0.0) is not None

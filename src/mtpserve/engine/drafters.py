@@ -182,7 +182,12 @@ class MTPDrafter:
         """Eager draft steps, one at a time (the caller stops pulling at the first token below p_min): each
         step's argmax (or the picker's draw) and the argmax's probability over the top DRAFT_TOP_K. Step 0's pass
         takes every row of `tokens` (the waiting catch-up rows, then the sampled token's) and drafts from the
-        last."""
+        last. Greedy steps on the CPU run as one C call (`mtp_draft`: the same tokens and cache rows)."""
+        if picker is None:
+            chain = self.mtp.mtp_draft(hidden, tokens, state, n_max, self.head, DRAFT_TOP_K, self.config.p_min)
+            if chain is not None:
+                yield from chain
+                return
         for _ in range(n_max):
             _, h_mtp = self.mtp.mtp_step(hidden, torch.tensor(tokens), state, with_logits=False)
             hidden = h_mtp[-1:]

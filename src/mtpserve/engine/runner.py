@@ -51,7 +51,8 @@ class ModelRunner:
         self._graphs: OrderedDict[tuple[tuple[int, ...], int, bool], StepGraph] = OrderedDict()
         self.n_passes = 0  # forward passes (llama-server's n_decode_total)
         self.n_sequences = 0  # sequences those passes evaluated, summed
-        self.n_program_decodes = 0  # passes the CPU decode program served (models.base.program_decode)
+        self.n_program_decodes = 0  # decode passes the CPU decode program served (models.base.program_decode)
+        self.n_program_prompts = 0  # prompt chunks it served (a checkpoint's tail of a few tokens)
 
     @torch.inference_mode()
     def run(
@@ -75,11 +76,16 @@ class ModelRunner:
         if self.graphs and logits and not checkpoint_every:  # decode and verification (prompts ask no logits)
             hidden, out, steps = self._graph(states, n_tokens, keep_steps).step(tokens)
             return Forward(hidden, out, steps)
-        if logits and not (checkpoint_every or keep_at):  # decode and verification: one C call on the CPU
+        if not _keeps_inside(keep_at, states, n_tokens):
+            # decode, verification and a prompt's tail of a few tokens: one C call on the CPU (1-8 tokens, fewer
+            # than a prompt checkpoint's grid of 64, so no checkpoint falls inside the pass)
             steps: dict[int, list[list[RecurrentState]]] = {}
             if (hidden := self.model.program_decode(tokens, states, steps if keep_steps else None)) is not None:
-                self.n_program_decodes += 1
-                return Forward(hidden, self._logits(hidden, n_tokens), steps)
+                if logits:
+                    self.n_program_decodes += 1
+                    return Forward(hidden, self._logits(hidden, n_tokens), steps)
+                self.n_program_prompts += 1
+                return Forward(hidden, None, steps)
         batch = Batch.of(torch.tensor(tokens), states, checkpoint_every, next_checkpoint, keep_at)
         batch.keep_steps = keep_steps
         hidden = self.model.forward_batch(batch)
@@ -109,3 +115,8 @@ class ModelRunner:
     def graph_shapes(self) -> list[tuple[int, int, bool]]:
         """(states, tokens per state, per-token states kept) of every captured step it holds."""
         return [(len(ids), n_tokens, keep_steps) for ids, n_tokens, keep_steps in self._graphs]
+
+
+def _keeps_inside(keep_at: tuple[int, ...], states: list[ModelState], n_tokens: int) -> bool:
+    """Whether a pass of n_tokens from each state's position must keep a recurrent state inside it (`keep_at`)."""
+    return any(s.n_past < p < s.n_past + n_tokens for p in keep_at for s in states)

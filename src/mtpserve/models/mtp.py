@@ -42,6 +42,20 @@ class MTPModel(Protocol):
         """MTP rows for tokens [T] at the next positions of the MTP cache: (logits [T, V] or None, h_mtp [T, E])."""
         ...
 
+    def mtp_draft(
+        self,
+        hidden: torch.Tensor,
+        tokens: list[int],
+        state: ModelState,
+        n_steps: int,
+        head: QTensor,
+        top_k: int,
+        p_min: float,
+    ) -> list[tuple[int, float]] | None:
+        """Chained greedy drafts in one call, (token, its softmax over the top_k) a step, stopping after the first
+        below p_min; None where it cannot serve (then `mtp_step` a step at a time)."""
+        ...
+
 
 def mtp_model(model: CausalLM) -> MTPModel | None:
     """`model` as an MTPModel when it has an MTP block, else None."""

@@ -16,7 +16,7 @@ from ..cache import KVCache, RecurrentState
 from ..cache.kv import rope_append_and_attend
 from ..ops.activations import ResidualGatedFFN, sigmoid_gate_for, swiglu_ffn
 from ..ops.conv import causal_conv1d
-from ..ops.decode_program import run_programs
+from ..ops.decode_program import DraftModel, run_draft_chain, run_programs
 from ..ops.device import gpu_path
 from ..ops.embedding import embedding
 from ..ops.gated_delta import (
@@ -27,7 +27,7 @@ from ..ops.gated_delta import (
     gdn_decode_block,
     residual_gated_delta_net_decode,
 )
-from ..ops.linear import WeightGroup, linear, linear_many
+from ..ops.linear import WeightGroup, kernel_supports, linear, linear_many
 from ..ops.linear_gpu import QuantizedRows
 from ..ops.norm import add_rms_norm_for, gated_rms_norm, l2_norm, rms_norm, rms_norm_for
 from ..ops.rope import RopeTable
@@ -281,6 +281,7 @@ class Qwen35ForCausalLM(CausalLM):
         self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")
         self.mtp = [MTPHead(w, i, c, self.output, self.output_norm) for i in c.mtp_layers()]
         self.rope_table = RopeTable(c.n_rot, c.rope_base, sections=c.rope_sections, device=self.device)
+        self._draft_models: dict[tuple[int, int], DraftModel] = {}  # mtp_draft's, by draft head
 
     def new_state(
         self,
@@ -342,6 +343,45 @@ class Qwen35ForCausalLM(CausalLM):
         if not with_logits:
             return None, h_mtp
         return linear(h_mtp.to(head.head.data.device), head.head).cpu(), h_mtp
+
+    def mtp_draft(
+        self,
+        hidden: torch.Tensor,
+        tokens: list[int],
+        state: ModelState,
+        n_steps: int,
+        head: QTensor,
+        top_k: int,
+        p_min: float,
+    ) -> list[tuple[int, float]] | None:
+        """`n_steps` chained greedy drafts in one C call on the CPU (ops.decode_program.run_draft_chain): step 0 over
+        `tokens` with `hidden` (as `mtp_step`), each later step over the previous draft and the block's own output;
+        (argmax of `head`'s row, its softmax over the top `top_k`) per step, stopping after the first below p_min.
+        The steps' rows stay in the MTP cache, its length past them. None where the chain cannot serve (a GPU, a
+        block or weight the kernels lack, a full cache): `mtp_step` one step at a time then does."""
+        block = self.mtp[0]
+        start = state.kv[block.block.index].length
+        program = None if gpu_path(self.output_norm) else self.program_over(state, "mtp", [block.block])
+        end = start + len(tokens) + n_steps - 1
+        if program is None or n_steps < 1 or not program.ready(start, len(tokens)) or end > program.capacity:
+            return None
+        if not all(kernel_supports(w) for w in (self.mtp_table, block.eh_proj, head)):
+            return None
+        spans = lambda position, n: [self.rope_table.span(position, n)]  # noqa: E731
+        return run_draft_chain(self._draft_model(head), program, hidden, tokens, start, n_steps, spans, top_k, p_min)
+
+    def _draft_model(self, head: QTensor) -> DraftModel:
+        """The chain's constant arguments for this draft head (the MTP head, or its first rows), made once."""
+        key = (head.data.data_ptr(), head.shape[0])
+        if key not in self._draft_models:
+            block, table, c = self.mtp[0], self.mtp_table, self.config
+            self._draft_models[key] = DraftModel(
+                int(table.ggml_type), table.data.data_ptr(), table.shape[0], block.enorm.data_ptr(),
+                block.hnorm.data_ptr(), block.norm.data_ptr(), c.rms_eps, int(block.eh_proj.ggml_type),
+                block.eh_proj.data.data_ptr(), None, 0, int(head.ggml_type), head.data.data_ptr(), head.shape[0],
+                c.n_embd,
+            )  # fmt: skip
+        return self._draft_models[key]
 
     def mtp_embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The MTP block's token rows: its own table, or the trunk's."""

@@ -181,3 +181,65 @@ def _set_step(st: Step, position: int, n_tokens: int, ropes: Sequence[tuple[torc
         st.cos[i], st.sin[i], st.n_rot[i] = cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1]
     st.start = position
     st.n_cells, st.n_split = decode_cache_view(position + n_tokens, n_tokens)
+
+
+class DraftModel(ctypes.Structure):
+    """What `mtp_draft_chain` reads (blocks.c mtp_draft_model): the NextN block's token table, input norms and
+    eh_proj, the block's program table, its final norm and the draft head's rows."""
+
+    _fields_ = [
+        ("t_table", _int),
+        ("table", _ptr),
+        ("n_table", _i64),
+        ("enorm", _ptr),
+        ("hnorm", _ptr),
+        ("out_norm", _ptr),
+        ("eps", _f32),
+        ("t_eh", _int),
+        ("eh", _ptr),
+        ("blocks", _ptr),
+        ("n_blocks", _i64),
+        ("t_head", _int),
+        ("head", _ptr),
+        ("n_head", _i64),
+        ("E", _i64),
+    ]
+
+
+def run_draft_chain(
+    model: DraftModel,
+    program: DecodeProgram,
+    hidden: torch.Tensor,
+    tokens: Sequence[int],
+    start: int,
+    n_steps: int,
+    rope_spans,
+    top_k: int,
+    p_min: float,
+) -> list[tuple[int, float]]:
+    """Up to n_steps chained MTP drafts in one call (blocks.c mtp_draft_chain): step 0 over `tokens` [T0] paired with
+    `hidden` [T0, E] at positions start.., each later step over the previous draft at the next position. Returns
+    (token, softmax of its logit over the top_k) per step run; the chain stops after the first below p_min. The
+    block's cache then holds every step's row (its length advanced past them; the drafter cuts it back).
+    `rope_spans(position, n)`: each RoPE table's (cos, sin) rows for n positions from `position`."""
+    T0 = len(tokens)
+    if n_steps < 1:
+        return []
+    positions = [start] + [start + T0 + s for s in range(n_steps - 1)]
+    steps = (Step * n_steps)()
+    for step, position, n in zip(steps, positions, [T0] + [1] * (n_steps - 1)):
+        _set_step(step, position, n, rope_spans(position, n))
+    hidden = hidden.float().contiguous()
+    ids = torch.tensor(list(tokens), dtype=torch.int64)
+    out_tokens, out_p, n_done = (ctypes.c_int64 * n_steps)(), (_f32 * n_steps)(), ctypes.c_int64()
+    model.blocks, model.n_blocks = ctypes.addressof(program.table), len(program.blocks)
+    rc = cpu_kernels.load().mtp_draft_chain(
+        ctypes.byref(model), hidden.data_ptr(), ids.data_ptr(), T0, ctypes.addressof(steps), n_steps, top_k, p_min,
+        out_tokens, out_p, ctypes.byref(n_done), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc == 3:
+        raise IndexError(f"token id out of range [0, {model.n_table}) for the MTP block's token table")
+    if rc != 0:
+        raise RuntimeError(f"mtp_draft_chain failed ({rc})")
+    program.advance(positions[n_done.value - 1] + (T0 if n_done.value == 1 else 1))
+    return [(int(out_tokens[s]), float(out_p[s])) for s in range(n_done.value)]

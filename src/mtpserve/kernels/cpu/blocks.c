@@ -380,3 +380,89 @@ int mtp_run_blocks(const mtp_block *const *tables, int64_t n_seq, int64_t T, int
     free(per_seq);
     return rc;
 }
+
+/* ---- MTP drafts in one call ------------------------------------------------------------------------------------ */
+
+int mtp_get_rows(int type, const uint8_t *W, int64_t n_rows, int64_t k, const int64_t *idx, int64_t n, float *out);
+
+/* What a chain of MTP draft steps reads: the NextN block's token table, its two input norms and eh_proj [E, 2E], the
+ * block itself (a decode program's table over the MTP cache), its final norm and the head's rows (the draft
+ * vocabulary). Python mirror: ops/decode_program.py DraftModel. */
+typedef struct {
+    int t_table;
+    const uint8_t *table;
+    int64_t n_table;
+    const float *enorm, *hnorm, *out_norm;
+    float eps;
+    int t_eh;
+    const uint8_t *eh;
+    const mtp_block *blocks;
+    int64_t n_blocks;
+    int t_head;
+    const uint8_t *head;
+    int64_t n_head, E;
+} mtp_draft_model;
+
+/* The top_k largest of v[0..n) (top_k <= 64): returns the first index of the largest, and p = the largest's softmax
+ * over the top_k (float32 exponentials of v_i - max summed in descending order): the draft's confidence. */
+static int64_t draft_top(const float *v, int64_t n, int top_k, float *p) {
+    float best[64];
+    int kept = 0;
+    int64_t arg = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float x = v[i];
+        if (kept == top_k && !(x > best[kept - 1])) continue;
+        if (x > v[arg]) arg = i;
+        int j = kept < top_k ? kept++ : kept - 1; /* insertion into the descending list */
+        while (j > 0 && best[j - 1] < x) {
+            best[j] = best[j - 1];
+            j--;
+        }
+        best[j] = x;
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < kept; j++) sum += expf(best[j] - best[0]);
+    *p = 1.0f / sum;
+    return arg;
+}
+
+/* Up to n_steps chained MTP drafts: step 0 takes T0 rows (tokens[t] paired with the hidden state hidden[t] that
+ * predicted it: the waiting catch-up rows, then the sampled token's) and drafts from its last row; step s > 0 takes
+ * the previous draft and the MTP block's own last output. Each step is the eager path's sequence of calls (rows of the
+ * table, the two norms side by side, eh_proj, the block at steps[s], the final norm, the head), then the head row's
+ * argmax and its softmax over the top_k: out_tokens[s], out_p[s]. The chain stops after the first step whose p is
+ * below p_min (the drafter drops it and what would follow); *n_done: the steps run. The block's cache cells at
+ * steps[s].start.. are written as the eager path writes them. */
+int mtp_draft_chain(const mtp_draft_model *d, const float *hidden, const int64_t *tokens, int64_t T0,
+                    const mtp_step *steps, int64_t n_steps, int top_k, float p_min, int64_t *out_tokens, float *out_p,
+                    int64_t *n_done, int n_threads) {
+    const int64_t E = d->E;
+    *n_done = 0;
+    if (T0 < 1 || T0 > 8 || top_k < 1 || top_k > 64) return 1;
+    float *buf = malloc(sizeof(float) * (T0 * E * 4 + T0 * 2 * E + d->n_head));
+    if (!buf) return 2;
+    float *e = buf, *h = e + T0 * E, *u = h + T0 * E, *last = u + T0 * E, *in = last + T0 * E, *row = in + T0 * 2 * E;
+    memcpy(h, hidden, sizeof(float) * T0 * E);
+    const mtp_block *table[1] = {d->blocks};
+    int rc = 0;
+    for (int64_t s = 0; s < n_steps && rc == 0; s++) {
+        const int64_t T = s == 0 ? T0 : 1;
+        rc = mtp_get_rows(d->t_table, d->table, d->n_table, E, s == 0 ? tokens : out_tokens + s - 1, T, e);
+        if (rc) break;
+        for (int64_t t = 0; t < T; t++) { /* [norm(e_t) | norm(h_t)] */
+            mtp_rms_norm(e + t * E, d->enorm, in + t * 2 * E, 1, E, d->eps);
+            mtp_rms_norm(h + t * E, d->hnorm, in + t * 2 * E + E, 1, E, d->eps);
+        }
+        rc = mtp_matmul(d->t_eh, d->eh, E, 2 * E, in, T, T, u, n_threads);
+        if (rc == 0) rc = mtp_run_blocks(table, 1, T, d->n_blocks, u, E, steps + s, NULL, NULL, n_threads);
+        if (rc) break;
+        mtp_rms_norm(u + (T - 1) * E, d->out_norm, h, 1, E, d->eps); /* the next step's hidden state */
+        rc = mtp_matmul(d->t_head, d->head, d->n_head, E, h, 1, 1, row, n_threads);
+        if (rc) break;
+        out_tokens[s] = draft_top(row, d->n_head, top_k, out_p + s);
+        *n_done = s + 1;
+        if (out_p[s] < p_min) break;
+    }
+    free(buf);
+    return rc;
+}
