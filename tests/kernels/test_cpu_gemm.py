@@ -1,7 +1,7 @@
-"""The CPU kernels' tiled GEMM (matmul.c, batches of 8+ rows) against their per-row path, which reproduces llama.cpp's
-rounding: bit for bit, for every type the tiles take, quantized and random blocks, partial tiles of weight and
-activation rows, several sequences in one call (llama.cpp's association depends on each one's length), groups of
-weights of mixed types, and thread counts. `mtp_gemm_tiling(0)` is the kernels' switch back to the per-row path."""
+"""The CPU kernels' tiled GEMM (matmul.c: sequences of 8+ rows, and several short sequences together) against their
+per-row path, which reproduces llama.cpp's rounding: bit for bit, for every type the tiles take, quantized and random
+blocks, partial tiles of weight and activation rows, several sequences in one call (llama.cpp's association depends
+on each one's length), groups of weights of mixed types, and thread counts. `mtp_gemm_tiling(0)` is the kernels' switch back to the per-row path."""
 
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ F16_OFFSETS = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "
 # (m, seq_len): single sequences of 8+ rows around the 6-row register tiles and 4-row Q4_K groups, then several
 # sequences per call (rows past the last whole group of 4 in each take Q4_K's other association).
 BATCHES = ((8, 8), (9, 9), (13, 13), (64, 64), (130, 130), (26, 13), (22, 11), (32, 16))
+# several short sequences (seq_len < 8: sequences decoding together, verifications of several), which the tiles take
+# for the 32-element types from 2 rows and Q4_K from 4 (Q4_K's kind 1 rows where a sequence has 4+)
+SHORT_BATCHES = ((2, 1), (3, 1), (4, 1), (7, 1), (6, 3), (9, 3), (8, 4), (12, 4), (10, 5), (21, 7))
 
 
 @contextmanager
@@ -105,7 +108,7 @@ def test_tiles_equal_the_row_path(qtype: GGMLType, make):
     for k in ks:
         for n in (5, 37):  # under one tile of weight rows; two tiles and a partial one
             w = make(qtype, n, k, seed=n + k)
-            for m, seq_len in BATCHES:
+            for m, seq_len in BATCHES + SHORT_BATCHES:
                 _assert_tiles_equal_rows(_activations(m, k, seed=m + k), w, seq_len)
 
 
@@ -117,7 +120,7 @@ def test_llama_cpp_quantized_matrices():
             seen.setdefault((t.ggml_type, tuple(t.shape)), QTensor.from_gguf(t))
     assert {w.ggml_type for w in seen.values()} >= {GGMLType.Q4_K, GGMLType.Q6_K}
     for w in seen.values():
-        for m, seq_len in ((9, 9), (64, 64), (26, 13)):
+        for m, seq_len in ((9, 9), (64, 64), (26, 13), (4, 1), (9, 3)):
             _assert_tiles_equal_rows(_activations(m, w.shape[1], seed=m), w, seq_len)
 
 
@@ -136,7 +139,7 @@ def test_groups_of_mixed_types_and_row_counts(threads: int):
         _random(GGMLType.Q5_K, 33, k, seed=6),
     ]
     with _threads(threads):
-        for m, seq_len in ((9, 9), (48, 24), (130, 130)):
+        for m, seq_len in ((9, 9), (48, 24), (130, 130), (4, 1), (9, 3)):
             x = _activations(m, k, seed=m)
             tiled = linear.linear_many(x, group, seq_len=seq_len)
             with _row_path():
@@ -150,11 +153,12 @@ def test_sequences_in_one_call_are_each_computed_as_alone():
     """The tiles keep the kernels' promise: batching sequences together changes no result."""
     for qtype in (GGMLType.Q4_K, GGMLType.Q5_0, GGMLType.Q6_K):
         w = _random(qtype, 24, 512, seed=7)
-        x = _activations(3 * 11, 512, seed=8)
-        together = linear.linear(x, w, seq_len=11)
-        for s in range(3):
-            rows = slice(11 * s, 11 * (s + 1))
-            assert torch.equal(together[rows], linear.linear(x[rows], w)), (qtype.name, s)
+        for seq_len in (11, 1, 3):  # sequences of 8+ rows; sequences decoding together; verifications of several
+            x = _activations(4 * seq_len, 512, seed=8)
+            together = linear.linear(x, w, seq_len=seq_len)
+            for s in range(4):
+                rows = slice(seq_len * s, seq_len * (s + 1))
+                assert torch.equal(together[rows], linear.linear(x[rows], w)), (qtype.name, seq_len, s)
 
 
 def test_the_weight_helpers_give_whole_finite_blocks():

@@ -10,9 +10,10 @@
  *  - Q4_K (repacked in llama.cpp): one sum per super-block, or per 64 values for whole groups of 4 rows;
  *  - batches of 8+ rows of Q6_K/Q5_K (llama.cpp's tiled path): one exact sum per super-block, scaled by
  *    the weight d, then multiplied into the accumulator with the activation d.
- * Batches under 8 rows dot each weight row with every activation row. Batches of 8+ rows (AVX2) go through
+ * Sequences under 8 rows dot each weight row with every activation row. Sequences of 8+ rows (AVX2) go through
  * register tiles of 16 (AVX-512 VNNI) or 8 weight rows, one output per vector lane: the same exact integer sums,
- * and in every lane the float steps above in the same order, so the two paths agree bit for bit.
+ * and in every lane the float steps above in the same order, so the two paths agree bit for bit; so do several
+ * short sequences together, of the types whose tiles give their numbers (tiles_take).
  */
 
 #include "common.h"
@@ -842,6 +843,21 @@ static inline int gemm_type(int type) {
     }
 }
 
+/* Short sequences (seq_len < 8: decode, verification) go through the tiles where the tiles give their numbers bit
+ * for bit and enough rows share a tile to pay for decoding it (several sequences decoding together, a
+ * verification): the 32-element types (one rule at every batch size) from 2 activation rows, Q4_K (kind 0 or 1 per
+ * row, as dot_q4k_direct) from 4 (measured on tinyqwen35's 256 x 768: 2 rows 10.2 us a row tiled against 6.6, 4 rows
+ * 5.5 against 6.6, 8 rows 3.4 against 6.3). Q5_K and Q6_K round a short sequence differently from their tiles'
+ * llama.cpp GEMM rule: row by row. Returns 0 where the rows go row by row. */
+static inline int short_tile_rows(int type) {
+    if (type == T_Q4_K) return 4;
+    return gemm_type(type) && type != T_Q5_K && type != T_Q6_K ? 2 : 0;
+}
+
+static inline int tiles_take(int type, int64_t m, int64_t seq_len) {
+    return seq_len >= 8 ? gemm_type(type) : short_tile_rows(type) && m >= short_tile_rows(type);
+}
+
 static inline int signed_type(int type) { return type == T_Q4_0 || type == T_Q5_0 || type == T_Q8_0; }
 
 /* GEMM_LW decoded weight rows, lane r = row r: q holds one int32 of 4 weight bytes per lane for each 4-value
@@ -1206,14 +1222,14 @@ typedef struct {
     const void *const *act;
     int64_t m, seq_len;
     float *const *y;
-    int tiled; /* batches of 8+ rows of the types gemm_type takes go through the tiles */
+    int tiled; /* some of the weights go through the tiles (tiles_take) */
     _Atomic int failed;
 } matmul_job;
 
-/* Batches of 8+ rows go through the tiles unless a test turned them off (mtp_gemm_tiling). */
+/* Batches go through the tiles where tiles_take says, unless a test turned them off (mtp_gemm_tiling). */
 static _Atomic int gemm_tiling = 1;
 
-/* Test hook: mtp_gemm_tiling(0) sends batches of 8+ rows down the per-row path (the reference the tiled path
+/* Test hook: mtp_gemm_tiling(0) sends every batch down the per-row path (the reference the tiled path
  * must equal bit for bit), mtp_gemm_tiling(1) restores the tiles; returns the previous setting. */
 int mtp_gemm_tiling(int on) { return atomic_exchange(&gemm_tiling, on != 0); }
 
@@ -1277,7 +1293,7 @@ static void matmul_rows(void *ctx, int64_t begin, int64_t end) {
         const int64_t lo = begin > base ? begin - base : 0, hi = end - base < j->rows[w] ? end - base : j->rows[w];
         const int64_t rb = row_bytes(j->types[w], j->k);
 #ifdef MTP_AVX2
-        if (j->tiled && gemm_type(j->types[w])) {
+        if (j->tiled && tiles_take(j->types[w], j->m, j->seq_len)) {
             if (scratch_tile_reserve(j->k)) {
                 j->failed = 1;
                 return;
@@ -1347,9 +1363,11 @@ int mtp_matmul_many(int n_w, const int *types, const uint8_t *const *W, const in
     if (need[ACT_F16] && !(act[ACT_F16] = scratch_act_reserve(ACT_F16, sizeof(half) * k * m))) return 2;
     int tiled = 0;
 #ifdef MTP_AVX2
-    tiled = seq_len >= 8 && atomic_load(&gemm_tiling);
+    for (int j = 0; j < n_w; j++) tiled |= tiles_take(types[j], m, seq_len);
+    tiled = tiled && atomic_load(&gemm_tiling);
     int need_xc = 0, need_ks = 0;
     for (int j = 0; tiled && j < n_w; j++) {
+        if (!tiles_take(types[j], m, seq_len)) continue;
 #ifdef GEMM_VNNI
         need_xc |= signed_type(types[j]);
 #endif
