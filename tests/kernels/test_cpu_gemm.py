@@ -1,7 +1,8 @@
 """The CPU kernels' tiled GEMM (matmul.c: sequences of 8+ rows, and several short sequences together) against their
 per-row path, which reproduces llama.cpp's rounding: bit for bit, for every type the tiles take, quantized and random
 blocks, partial tiles of weight and activation rows, several sequences in one call (llama.cpp's association depends
-on each one's length), groups of weights of mixed types, and thread counts. `mtp_gemm_tiling(0)` is the kernels' switch back to the per-row path."""
+on each one's length), groups of weights of mixed types, and thread counts. `mtp_gemm_tiling(0)` is the kernels'
+switch back to the per-row path."""
 
 from __future__ import annotations
 
