@@ -845,13 +845,18 @@ static inline int gemm_type(int type) {
 
 /* Short sequences (seq_len < 8: decode, verification) go through the tiles where the tiles give their numbers bit
  * for bit and enough rows share a tile to pay for decoding it (several sequences decoding together, a
- * verification): the 32-element types (one rule at every batch size) from 2 activation rows, Q4_K (kind 0 or 1 per
- * row, as dot_q4k_direct) from 4 (measured on tinyqwen35's 256 x 768: 2 rows 10.2 us a row tiled against 6.6, 4 rows
- * 5.5 against 6.6, 8 rows 3.4 against 6.3). Q5_K and Q6_K round a short sequence differently from their tiles'
- * llama.cpp GEMM rule: row by row. Returns 0 where the rows go row by row. */
+ * verification). Measured against the four-rows-a-pass GEMVs on tinyqwen35's matrices, one thread:
+ *  - the 32-element types (one rule at every batch size): from 2 activation rows (Q5_0 256 x 128: 5.9 us against
+ *    8.0 at 2 rows, 6.9 against 26 at 4);
+ *  - Q4_K (kind 0 or 1 per row, as dot_q4k_direct): from 4 (256 x 768: 2 rows 20.4 us against 13.1, 4 rows 22.1
+ *    against 26.4, 8 rows 27.5 against 50.8);
+ *  - Q6_K (tile_k6_lanes: the eight lanes of the decode rule, not the GEMM rule's one sum): from 2 (the 4096 x 256
+ *    output: 2 rows 105 us against 118, 3 rows 122 against 152, 4 rows 134 against 225).
+ * Q5_K rounds a short sequence differently from its tiles' llama.cpp GEMM rule: row by row. Returns 0 where the
+ * rows go row by row. */
 static inline int short_tile_rows(int type) {
     if (type == T_Q4_K) return 4;
-    return gemm_type(type) && type != T_Q5_K && type != T_Q6_K ? 2 : 0;
+    return gemm_type(type) && type != T_Q5_K ? 2 : 0;
 }
 
 static inline int tiles_take(int type, int64_t m, int64_t seq_len) {
@@ -1095,6 +1100,34 @@ GEMM_INLINE void tile_k6(const wtile *t, const act_q8k *x, const act_kside *ks, 
     for (int i = 0; i < rn; i++) gf_store_n(y + i * ldy, acc[i], nv);
 }
 
+/* Q6_K as dot_k6 not tiled (short sequences' rule, dot_q6k_direct): per super-block eight integer lanes a row, lane L
+ * = sum over the 8 vectors of 32 values of sc[2v + L / 4] (dot of values 32v + 4L..+3) - 32 (sc[2L] bsum[2L] +
+ * sc[2L+1] bsum[2L+1]), each into its own float accumulator, acc[L] = fma(d_x d_w, lane L, acc[L]), hsum8 at the end. */
+#define RNK6L (GEMM_LW == 16 ? 2 : 1)
+GEMM_INLINE void tile_k6_lanes(const wtile *t, const act_q8k *x, const act_kside *ks, int64_t nb, const int rn, float *y,
+                               int64_t ldy, int nv) {
+    gv_f acc[RNK6L][8];
+    for (int i = 0; i < rn; i++)
+        for (int l = 0; l < 8; l++) acc[i][l] = gf_zero();
+    for (int64_t b = 0; b < nb; b++) {
+        const gv_f dw = gf_load(t->d + b * GEMM_LW);
+        for (int l = 0; l < 8; l++) {
+            const gv_i sc0 = gi_load(t->sc + (16 * b + 2 * l) * GEMM_LW), sc1 = gi_load(t->sc + (16 * b + 2 * l + 1) * GEMM_LW);
+            gv_i v[RNK6L];
+            for (int i = 0; i < rn; i++) /* the lane's share of the offset, as llama.cpp's AVX2 kernel lays it out */
+                v[i] = gi_add(gi_mullo(gi_set1(ks[i * nb + b].nbs32[2 * l]), sc0), gi_mullo(gi_set1(ks[i * nb + b].nbs32[2 * l + 1]), sc1));
+            for (int vv = 0; vv < 8; vv++) {
+                const int g = 8 * vv + l; /* values 4g..4g+3 of the super-block, scale 2 vv + l / 4 */
+                const gv_i w = gi_load(t->q + (64 * b + g) * GEMM_LW), sc = gi_load(t->sc + (16 * b + 2 * vv + l / 4) * GEMM_LW);
+                for (int i = 0; i < rn; i++)
+                    v[i] = gi_add(v[i], gi_mullo(gi_dp4(gi_zero(), w, gi_set1(ld32(x[i * nb + b].qs + 4 * g))), sc));
+            }
+            for (int i = 0; i < rn; i++) acc[i][l] = gf_fma(gf_mul(gf_set1(x[i * nb + b].d), dw), gf_cvt(v[i]), acc[i][l]);
+        }
+    }
+    for (int i = 0; i < rn; i++) gf_store_n(y + i * ldy, gf_hsum8(acc[i]), nv);
+}
+
 /* case n: the kernel call with rn = n as a constant (clamped to max so that unused cases still compile) */
 #define RN_CASES(max, CALL)                         \
     case 1: CALL(1); break;                         \
@@ -1127,6 +1160,13 @@ static void pass_k6(const wtile *t, const act_q8k *x, const act_kside *ks, int64
 #define CALL_6(n) tile_k6(t, x, ks, nb, n, y, ldy, nv)
     switch (rn) { RN_CASES(RNK6, CALL_6) }
 #undef CALL_6
+}
+
+static void pass_k6_lanes(const wtile *t, const act_q8k *x, const act_kside *ks, int64_t nb, int rn, float *y, int64_t ldy,
+                          int nv) {
+#define CALL_6L(n) tile_k6_lanes(t, x, ks, nb, n, y, ldy, nv)
+    switch (rn) { RN_CASES(RNK6L, CALL_6L) }
+#undef CALL_6L
 }
 #endif /* MTP_AVX2 */
 
@@ -1241,14 +1281,17 @@ static void gemm_rows(const matmul_job *j, int type, const uint8_t *W, int64_t l
     const act_q8k *xk = j->act[ACT_Q8K];
     const int32_t *xc = j->act[ACT_XC];
     const act_kside *ks = j->act[ACT_KS];
-    const int rn_max = type == T_Q6_K ? RNK6 : type == T_Q4_K || type == T_Q5_K ? RNK4 : RN32;
+    const int short_k6 = type == T_Q6_K && seq_len < 8; /* the decode rule's eight lanes a row */
+    const int rn_max = short_k6 ? RNK6L : type == T_Q6_K ? RNK6 : type == T_Q4_K || type == T_Q5_K ? RNK4 : RN32;
     for (int64_t n0 = lo; n0 < hi; n0 += GEMM_LW) {
         const int nv = hi - n0 < GEMM_LW ? (int)(hi - n0) : GEMM_LW;
         wtile_pack(type, W + n0 * rb, rb, nv, k, &scratch_tile);
         for (int64_t i0 = 0; i0 < m; i0 += rn_max) {
             const int rn = m - i0 < rn_max ? (int)(m - i0) : rn_max;
             float *yi = y + i0 * ldy + n0;
-            if (type == T_Q6_K) {
+            if (short_k6) {
+                pass_k6_lanes(&scratch_tile, xk + i0 * (k / 256), ks + i0 * (k / 256), k / 256, rn, yi, ldy, nv);
+            } else if (type == T_Q6_K) {
                 pass_k6(&scratch_tile, xk + i0 * (k / 256), ks + i0 * (k / 256), k / 256, rn, yi, ldy, nv);
             } else if (type == T_Q4_K || type == T_Q5_K) {
                 uint8_t kind1[RNK4];
