@@ -34,6 +34,9 @@ class RequestStream:
         self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._async_queue: asyncio.Queue[Event] | None = None
+        self._hold = False  # hold_until_finish
+        self._held: list[Event] = []
+        self._held_lock = threading.Lock()
         try:
             self._loop = asyncio.get_running_loop()
             self._async_queue = asyncio.Queue()
@@ -41,10 +44,28 @@ class RequestStream:
             pass
 
     def put(self, event: Event) -> None:
-        if self._loop is not None and self._async_queue is not None:
-            self._loop.call_soon_threadsafe(self._async_queue.put_nowait, event)
-        else:
+        if self._loop is None or self._async_queue is None:
             self._queue.put(event)
+            return
+        with self._held_lock:
+            if self._hold and not isinstance(event, FinishEvent | EngineError):
+                self._held.append(event)
+                return
+            batch, self._held = [*self._held, event], []
+        self._loop.call_soon_threadsafe(self._put_all, batch)
+
+    def _put_all(self, events: list[Event]) -> None:
+        assert self._async_queue is not None
+        for event in events:
+            self._async_queue.put_nowait(event)
+
+    def hold_until_finish(self) -> None:
+        """An async stream's events come in one batch at its end (its FinishEvent, or an error): for a consumer that
+        reads only the whole result (a response that does not stream), the event loop then wakes once a request
+        rather than once a token, and its thread leaves the cores to the decode (on a 2-core machine, ~170 us a
+        token of engine and server work beside a ~350 us tinyqwen35 token). Events already sent stay first."""
+        with self._held_lock:
+            self._hold = True
 
     def cancel(self) -> None:
         """Stop this request at the engine's next step and free its slot."""

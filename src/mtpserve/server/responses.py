@@ -97,7 +97,9 @@ async def events(
 
 
 async def collect(request: Request, stream: RequestStream) -> tuple[FinishEvent, list[TokenEvent]]:
+    """A request's whole result (a response that does not stream): its tokens come in one batch at the end."""
     state: ServerState = request.app.state.server
+    stream.hold_until_finish()
     tokens: list[TokenEvent] = []
     async for event in events(state, request, stream):
         if isinstance(event, TokenEvent):
