@@ -221,10 +221,8 @@ def run_draft_chain(
     `hidden` [T0, E] at positions start.., each later step over the previous draft at the next position. Returns
     (token, softmax of its logit over the top_k) per step run; the chain stops after the first below p_min. The
     block's cache then holds every step's row (its length advanced past them; the drafter cuts it back).
-    `rope_spans(position, n)`: each RoPE table's (cos, sin) rows for n positions from `position`."""
+    `rope_spans(position, n)`: each RoPE table's (cos, sin) rows for n positions from `position`; n_steps >= 1."""
     T0 = len(tokens)
-    if n_steps < 1:
-        return []
     positions = [start] + [start + T0 + s for s in range(n_steps - 1)]
     steps = (Step * n_steps)()
     for step, position, n in zip(steps, positions, [T0] + [1] * (n_steps - 1)):
@@ -241,5 +239,5 @@ def run_draft_chain(
         raise IndexError(f"token id out of range [0, {model.n_table}) for the MTP block's token table")
     if rc != 0:
         raise RuntimeError(f"mtp_draft_chain failed ({rc})")
-    program.advance(positions[n_done.value - 1] + (T0 if n_done.value == 1 else 1))
+    program.advance(start + T0 + n_done.value - 1)  # past the last step's row
     return [(int(out_tokens[s]), float(out_p[s])) for s in range(n_done.value)]

@@ -439,9 +439,9 @@ int mtp_draft_chain(const mtp_draft_model *d, const float *hidden, const int64_t
     const int64_t E = d->E;
     *n_done = 0;
     if (T0 < 1 || T0 > 8 || top_k < 1 || top_k > 64) return 1;
-    float *buf = malloc(sizeof(float) * (T0 * E * 4 + T0 * 2 * E + d->n_head));
+    float *buf = malloc(sizeof(float) * (T0 * E * 3 + T0 * 2 * E + d->n_head));
     if (!buf) return 2;
-    float *e = buf, *h = e + T0 * E, *u = h + T0 * E, *last = u + T0 * E, *in = last + T0 * E, *row = in + T0 * 2 * E;
+    float *e = buf, *h = e + T0 * E, *u = h + T0 * E, *in = u + T0 * E, *row = in + T0 * 2 * E;
     memcpy(h, hidden, sizeof(float) * T0 * E);
     const mtp_block *table[1] = {d->blocks};
     int rc = 0;
