@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -161,17 +160,19 @@ def test_bad_requests(saving):
 
 
 def test_a_busy_slots_action_waits_for_its_request(saving):
+    """The save is sent once slot 1 streams (its first piece read), while 512 tokens are still to come: deferred, it
+    saves what the request left, not what the slot held when the save came. (Polling /slots for is_processing once
+    missed a 32-token request that ended between two polls.)"""
     client, _ = saving
-    result: dict = {}
-    worker = threading.Thread(target=lambda: result.update(_complete(client, 1, n_predict=32)))
-    t0 = time.monotonic()
-    worker.start()
-    while not _processing(client, 1):
-        assert time.monotonic() - t0 < 30, "the request never started"
-        time.sleep(0.02)
-    saved = _action(client, 1, "save", "busy.bin").json()  # deferred, as llama-server defers it
-    worker.join()
-    assert saved["n_saved"] == result["tokens_evaluated"] + result["tokens_predicted"] - 1
+    body = {"prompt": PROMPT, "id_slot": 1, "n_predict": 512, "ignore_eos": True, "temperature": 0, "stream": True}
+    with client.stream("POST", "/completion", json=body) as response, ThreadPoolExecutor(1) as pool:
+        lines = (line for line in response.iter_lines() if line.startswith("data: "))
+        next(lines)  # slot 1 is generating
+        save = pool.submit(_action, client, 1, "save", "busy.bin")  # deferred, as llama-server defers it
+        final = [json.loads(line.removeprefix("data: ")) for line in lines][-1]
+        saved = save.result().json()
+    assert final["stop"] and final["tokens_predicted"] == 512
+    assert saved["n_saved"] == final["tokens_evaluated"] + final["tokens_predicted"] - 1
 
 
 def test_actions_waiting_on_a_busy_slot_hold_no_request_thread(tmp_path):
