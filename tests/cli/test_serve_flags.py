@@ -109,3 +109,21 @@ def test_threads_default_to_the_physical_cores_and_poll_reaches_the_pool():
     finally:
         torch.set_num_threads(before)
         apply_threads(parse("-t", str(before)))  # and --poll back to its default
+
+
+def test_no_repack_stops_the_kernels_keeping_tiles():
+    """llama.cpp's -nr / --no-repack: the kept tiles' limit drops to 0; --repack (the default) restores it."""
+    import torch
+
+    from mtpserve.cli.common import apply_threads
+    from mtpserve.kernels.cpu import KEPT_TILES_LIMIT, tile_limit
+
+    threads = torch.get_num_threads()
+    try:
+        assert parse().repack and not parse("-nr").repack and not parse("--no-repack").repack
+        apply_threads(parse("-t", str(threads), "--no-repack"))
+        assert tile_limit(0) == 0
+        apply_threads(parse("-t", str(threads), "--repack"))
+        assert tile_limit(KEPT_TILES_LIMIT) == KEPT_TILES_LIMIT
+    finally:
+        apply_threads(parse("-t", str(threads)))

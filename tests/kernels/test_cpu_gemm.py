@@ -6,6 +6,7 @@ switch back to the per-row path."""
 
 from __future__ import annotations
 
+import gc
 from contextlib import contextmanager
 
 import numpy as np
@@ -186,3 +187,93 @@ def test_decode_rows_four_at_a_time_equal_the_row_path(seq_len, n_seq):
         with _row_path():
             rows = linear.linear(x, w, seq_len=seq_len)
         assert torch.equal(fast, rows), w.name
+
+
+# --- kept tiles (llama.cpp's repacking: matmul.c kept_tiles) ------------------------------------------------------
+
+
+def _kept(w: QTensor) -> QTensor:
+    """w registered with the kernels, as WeightStore registers every CPU matrix it hands out."""
+    return linear.keep_packed_tiles(w)
+
+
+@pytest.mark.parametrize("qtype", TILED_TYPES, ids=lambda t: t.name)
+def test_kept_tiles_equal_the_row_path(qtype: GGMLType):
+    """A registered matrix's tiles are packed on its first tiled call and reused: every batch, short and long, gives
+    the per-row path's numbers on the first call and on the later ones."""
+    for n in (5, 37):
+        w = _kept(_random(qtype, n, 512, seed=n))
+        before = cpu_kernels.kept_tile_bytes()
+        for m, seq_len in SHORT_BATCHES + BATCHES:
+            _assert_tiles_equal_rows(_activations(m, 512, seed=m), w, seq_len)
+        assert cpu_kernels.kept_tile_bytes() > before, "the first tiled call kept the tiles"
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_kept_tiles_in_groups_whose_chunks_start_inside_a_tile(threads: int):
+    """Weights whose row counts are not whole tiles: a thread's chunk starts inside a kept tile, packs up to that
+    tile's end and takes the kept ones from there; a first_rows view (a draft vocabulary) reads the whole matrix's
+    tiles."""
+    k = 256
+    group = [
+        _kept(_random(GGMLType.Q4_0, 37, k, seed=11)),
+        _kept(_quantized(GGMLType.Q8_0, 20, k, seed=12)),
+        _kept(_random(GGMLType.Q4_K, 45, k, seed=13)),
+        _kept(_quantized(GGMLType.Q6_K, 19, k, seed=14)),
+        _kept(_random(GGMLType.Q4_1, 43, k, seed=15)),
+    ]
+    with _threads(threads):
+        for m, seq_len in ((4, 1), (9, 3), (8, 2), (9, 9), (48, 24)):
+            x = _activations(m, k, seed=m)
+            for _ in range(2):  # packing, then kept
+                kept = linear.linear_many(x, group, seq_len=seq_len)
+                with _row_path():
+                    rows = linear.linear_many(x, group, seq_len=seq_len)
+                for w, a, b in zip(group, kept, rows):
+                    assert torch.equal(a, b), (w.name, m, seq_len)
+            head = group[3].first_rows(11)
+            with _row_path():
+                rows = linear.linear(x, head, seq_len=seq_len)
+            assert torch.equal(linear.linear(x, head, seq_len=seq_len), rows)
+
+
+def test_the_limit_bounds_what_is_kept_and_forgetting_frees_it():
+    """Under a limit of 0 bytes nothing is kept (each call packs its own, with the same numbers); raised, the refused
+    matrix is kept at its next call; when the matrix's bytes go, so do its tiles."""
+    x = _activations(4, 256, seed=1)
+    previous = cpu_kernels.tile_limit(0)
+    try:
+        start = cpu_kernels.kept_tile_bytes()
+        w = _kept(_random(GGMLType.Q5_0, 40, 256, seed=21))
+        _assert_tiles_equal_rows(x, w, 1)
+        assert cpu_kernels.kept_tile_bytes() == start
+        assert cpu_kernels.tile_limit(previous) == 0
+        _assert_tiles_equal_rows(x, w, 1)
+        kept = cpu_kernels.kept_tile_bytes() - start
+        assert kept >= 40 * 256  # at least a byte a weight
+        del w
+        gc.collect()
+        assert cpu_kernels.kept_tile_bytes() == start
+    finally:
+        cpu_kernels.tile_limit(previous)
+
+
+def test_model_weights_are_registered_and_decode_keeps_its_tokens():
+    """Loading a model registers its CPU matrices; several sequences decoding together keep each one's numbers."""
+    from mtpserve.models.loader import load
+
+    model = load(tinyqwen_path("Q4_K_M"))
+    before = cpu_kernels.kept_tile_bytes()
+    states = [model.new_state(64) for _ in range(3)]
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]
+    alone = []
+    for prompt in prompts:
+        state = model.new_state(64)
+        model.forward(torch.tensor(prompt), state)
+        alone.append(model.logits(model.forward(torch.tensor([3]), state)))
+    for prompt, state in zip(prompts, states):
+        model.forward(torch.tensor(prompt), state)
+    together = model.logits(model.program_decode([3, 3, 3], states), 1)
+    assert cpu_kernels.kept_tile_bytes() > before
+    for s in range(3):
+        assert torch.equal(together[s : s + 1], alone[s])

@@ -31,16 +31,22 @@ def add_threads_argument(p: argparse.ArgumentParser) -> None:
         "--poll", type=int, default=50, help="0-100: how long idle threads spin before sleeping (default 50: 0.5 ms)"
     )
     p.add_argument("--cpu-strict", type=int, choices=[0, 1], default=0, help="1: pin each thread to its own CPU")
+    p.add_argument(
+        "--repack", dest="repack", action="store_true", default=True,
+        help="keep the weights' GEMM tiles once packed, up to 1 GiB (default: on)",
+    )  # fmt: skip
+    p.add_argument("-nr", "--no-repack", dest="repack", action="store_false", help="pack tiles on every call")
 
 
 def apply_threads(args: argparse.Namespace) -> None:
-    """Torch's and the kernels' thread counts from -t (default: physical cores, as llama.cpp), and the pool's
-    spinning and pinning from --poll and --cpu-strict."""
-    from ..kernels.cpu import configure_pool, physical_cores
+    """Torch's and the kernels' thread counts from -t (default: physical cores, as llama.cpp), the pool's
+    spinning and pinning from --poll and --cpu-strict, and the kept tiles' limit from --repack / --no-repack."""
+    from ..kernels.cpu import KEPT_TILES_LIMIT, configure_pool, physical_cores, tile_limit
 
     threads = getattr(args, "threads", 0)
     torch.set_num_threads(threads if threads > 0 else physical_cores())
     configure_pool(getattr(args, "poll", 50), bool(getattr(args, "cpu_strict", 0)))
+    tile_limit(KEPT_TILES_LIMIT if getattr(args, "repack", True) else 0)
 
 
 def load_model(args: argparse.Namespace) -> tuple[CausalLM, Tokenizer]:

@@ -14,7 +14,7 @@ from ..gguf import GGUFFile, TensorInfo
 from ..ops.decode_program import DecodeProgram, run_programs
 from ..ops.device import canonical_device, gpu_path
 from ..ops.embedding import embedding
-from ..ops.linear import linear
+from ..ops.linear import keep_packed_tiles, linear
 from ..ops.norm import rms_norm
 from ..ops.rope import RopeTable
 from ..quant.dequant import dequantize_tensor
@@ -80,7 +80,7 @@ class WeightStore:
         home = self.device_of(name)
         if self.row_devices and not lookup and home in self.row_devices:
             return RowSplitQTensor.split(q, self.row_devices, self.row_shares, home)
-        return q.to(home)
+        return keep_packed_tiles(q.to(home))
 
     def dense(self, name: str) -> torch.Tensor:
         t = self.tensors[name]

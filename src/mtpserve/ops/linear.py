@@ -19,6 +19,7 @@ chosen once: the CPU kernel library when it builds, else the reference.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Sequence
 from functools import cache
 
@@ -88,6 +89,19 @@ def kernel_supports(weight: QTensor, split: bool = False) -> bool:
     """Whether the C kernel library is loaded and multiplies this weight: its type, stored whole (not split by
     rows over devices; with `split`, also a split one, whose shards `linear` multiplies one by one)."""
     return _kernel_type(weight.ggml_type) and (split or not isinstance(weight, RowSplitQTensor))
+
+
+def keep_packed_tiles(weight: QTensor) -> QTensor:
+    """llama.cpp's weight repacking, for a matrix on the CPU: the kernels pack its GEMM tiles on the first tiled
+    call (several sequences decoding together, a verification, a prompt) and keep them while its bytes live,
+    within a limit (`cpu_kernels.tile_limit`); the results are those of tiles packed per call. Returns `weight`."""
+    data = weight.data
+    if data.device.type != "cpu" or len(weight.shape) != 2 or isinstance(weight, RowSplitQTensor) or not data.numel():
+        return weight
+    key = (data.data_ptr(), int(weight.ggml_type), weight.shape[0], weight.shape[1])
+    if cpu_kernels.keep_tiles(*key):
+        weakref.finalize(data, cpu_kernels.forget_tiles, *key)  # the tiles go before the bytes they were made of
+    return weight
 
 
 class WeightGroup(tuple):

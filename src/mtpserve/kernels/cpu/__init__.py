@@ -236,7 +236,42 @@ def load() -> ctypes.CDLL | None:
     lib.mtp_gdn_gates.argtypes = [ptr, ptr, ptr, ptr, i64, i64]  # beta, alpha -> g (in place), dt_bias, a, T, Hv
     lib.mtp_gdn_gates.restype = None
     lib.mtp_geglu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.mtp_tiles_register.argtypes = [ptr, ctypes.c_int, i64, i64]  # a matrix's blocks, type, rows, row length
+    lib.mtp_tiles_forget.argtypes = [ptr, ctypes.c_int, i64, i64]
+    lib.mtp_tiles_forget.restype = None
+    lib.mtp_tiles_limit.argtypes = [ctypes.c_size_t]
+    lib.mtp_tiles_limit.restype = ctypes.c_size_t
+    lib.mtp_tiles_kept_bytes.argtypes = []
+    lib.mtp_tiles_kept_bytes.restype = ctypes.c_size_t
     return lib
+
+
+KEPT_TILES_LIMIT = 1 << 30  # bytes of kept tiles by default (matmul.c's tile_limit; --no-repack: 0)
+
+
+def keep_tiles(data_ptr: int, ggml_type: int, rows: int, row_length: int) -> bool:
+    """Registers a matrix's blocks (matmul.c kept_tiles: its GEMM tiles are packed on first use and kept); the
+    caller forgets them (`forget_tiles`) before the bytes go. False where nothing was registered."""
+    lib = load()
+    return lib is not None and bool(lib.mtp_tiles_register(data_ptr, ggml_type, rows, row_length))
+
+
+def forget_tiles(data_ptr: int, ggml_type: int, rows: int, row_length: int) -> None:
+    lib = load()
+    if lib is not None:
+        lib.mtp_tiles_forget(data_ptr, ggml_type, rows, row_length)
+
+
+def tile_limit(n_bytes: int) -> int:
+    """Sets how many bytes of kept tiles the kernels may hold (0: none, each tiled call packs its own); the
+    previous limit."""
+    lib = load()
+    return 0 if lib is None else int(lib.mtp_tiles_limit(n_bytes))
+
+
+def kept_tile_bytes() -> int:
+    lib = load()
+    return 0 if lib is None else int(lib.mtp_tiles_kept_bytes())
 
 
 def configure_pool(poll: int = 50, pin: bool = False) -> None:

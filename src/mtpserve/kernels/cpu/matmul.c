@@ -18,6 +18,7 @@
 
 #include "common.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
 
 #pragma pack(push, 1)
@@ -960,6 +961,158 @@ static void wtile_pack(int type, const uint8_t *src, int64_t rb, int nv, int64_t
                 t->mn[s * GEMM_LW + l] = (int32_t)((uint32_t)(uint16_t)lane[l]->mn[2 * s] | (uint32_t)lane[l]->mn[2 * s + 1] << 16);
 }
 
+/* ---- packed tiles kept between calls (llama.cpp's --repack) ------------------------------------------------- */
+/* A short-sequence batch (several sequences decoding together, a verification) spends most of its time packing
+ * tiles that it then uses for 2-7 activation rows. A matrix registered here (mtp_tiles_register, by the Python
+ * side for every matrix it loads onto the CPU, forgotten when its bytes go) has its tiles packed on its first tiled
+ * call and kept, while the kept bytes stay under the limit (mtp_tiles_limit); past it, a matrix's tiles are packed
+ * per call as before. The kept tiles are the bytes wtile_pack makes for that tile, so no result changes. */
+typedef struct tile_entry {
+    struct tile_entry *next;
+    const uint8_t *W;
+    int type;
+    int64_t rows, k;
+    int refs;
+    int state; /* TILES_* (under tile_lock) */
+    wtile *tiles; /* tile t: rows t LW .. t LW + LW - 1 (past the end: row t LW again, never stored) */
+    void *mem;
+    size_t bytes;
+} tile_entry;
+
+enum { TILES_UNPACKED = 0, TILES_PACKING = 1, TILES_PACKED = 2, TILES_REFUSED = 3 };
+#define TILE_BUCKETS 4096
+static tile_entry *tile_buckets[TILE_BUCKETS];
+static pthread_mutex_t tile_lock = PTHREAD_MUTEX_INITIALIZER;
+static size_t tile_kept_bytes, tile_limit = (size_t)1 << 30; /* 1 GiB unless told otherwise */
+
+static inline size_t tile_bucket(const uint8_t *W) { return (size_t)(((uintptr_t)W >> 4) * 0x9E3779B97F4A7C15ull >> 52); }
+static inline size_t pad64(size_t n) { return (n + 63) / 64 * 64; }
+
+/* Bytes of one kept tile's arrays (each 64-byte aligned): q, d, m, then the K-quants' scales and Q4_K/Q5_K's mins. */
+static size_t tile_arrays(int type, int64_t k, size_t sizes[5]) {
+    const int64_t nb = k / row_block(type);
+    const int kq = row_block(type) == 256, n_sc = type == T_Q6_K ? 16 : 8;
+    sizes[0] = pad64((size_t)(k / 4) * GEMM_LW * 4);
+    sizes[1] = sizes[2] = pad64((size_t)nb * GEMM_LW * 4);
+    sizes[3] = kq ? pad64((size_t)(nb * n_sc) * GEMM_LW * 4) : 0;
+    sizes[4] = type == T_Q4_K || type == T_Q5_K ? pad64((size_t)(nb * 4) * GEMM_LW * 4) : 0;
+    return sizes[0] + sizes[1] + sizes[2] + sizes[3] + sizes[4];
+}
+
+int mtp_tiles_register(const uint8_t *W, int type, int64_t rows, int64_t k) {
+    if (!gemm_type(type) || rows <= 0 || k <= 0 || k % row_block(type)) return 0;
+    pthread_mutex_lock(&tile_lock);
+    tile_entry **head = &tile_buckets[tile_bucket(W)], *e = *head;
+    while (e && !(e->W == W && e->type == type && e->rows == rows && e->k == k)) e = e->next;
+    if (!e && (e = calloc(1, sizeof(*e)))) {
+        *e = (tile_entry){*head, W, type, rows, k, 0, TILES_UNPACKED, NULL, NULL, 0};
+        *head = e;
+    }
+    if (e) e->refs++;
+    pthread_mutex_unlock(&tile_lock);
+    return e != NULL;
+}
+
+void mtp_tiles_forget(const uint8_t *W, int type, int64_t rows, int64_t k) {
+    pthread_mutex_lock(&tile_lock);
+    tile_entry **link = &tile_buckets[tile_bucket(W)];
+    while (*link && !((*link)->W == W && (*link)->type == type && (*link)->rows == rows && (*link)->k == k))
+        link = &(*link)->next;
+    tile_entry *e = *link;
+    if (e && --e->refs == 0) {
+        *link = e->next;
+        if (e->state == TILES_PACKED) tile_kept_bytes -= e->bytes;
+        free(e->mem);
+        free(e->tiles);
+        free(e);
+    }
+    pthread_mutex_unlock(&tile_lock);
+}
+
+/* Sets the limit on kept bytes (matrices refused under the old one may be packed under the new); the previous. */
+size_t mtp_tiles_limit(size_t bytes) {
+    pthread_mutex_lock(&tile_lock);
+    const size_t previous = tile_limit;
+    tile_limit = bytes;
+    for (int b = 0; b < TILE_BUCKETS; b++)
+        for (tile_entry *e = tile_buckets[b]; e; e = e->next)
+            if (e->state == TILES_REFUSED) e->state = TILES_UNPACKED;
+    pthread_mutex_unlock(&tile_lock);
+    return previous;
+}
+
+size_t mtp_tiles_kept_bytes(void) {
+    pthread_mutex_lock(&tile_lock);
+    const size_t n = tile_kept_bytes;
+    pthread_mutex_unlock(&tile_lock);
+    return n;
+}
+
+typedef struct { const tile_entry *e; _Atomic int failed; } pack_job;
+
+static void pack_tiles(void *ctx, int64_t begin, int64_t end) {
+    pack_job *j = ctx;
+    const tile_entry *e = j->e;
+    if (scratch_tile_reserve(e->k)) {
+        j->failed = 1;
+        return;
+    }
+    const int64_t rb = row_bytes(e->type, e->k);
+    for (int64_t t = begin; t < end; t++) {
+        const int64_t n0 = t * GEMM_LW, nv = e->rows - n0 < GEMM_LW ? e->rows - n0 : GEMM_LW;
+        wtile_pack(e->type, e->W + n0 * rb, rb, (int)nv, e->k, &e->tiles[t]);
+    }
+}
+
+/* The kept tiles of W (a matrix of at least `rows` rows), packed now if this is its first tiled call and the limit
+ * allows; NULL where it is not registered, refused, or being packed by another caller. */
+static const wtile *kept_tiles(const uint8_t *W, int type, int64_t rows, int64_t k, int n_threads) {
+    pthread_mutex_lock(&tile_lock);
+    tile_entry *e = tile_buckets[tile_bucket(W)];
+    while (e && !(e->W == W && e->type == type && e->rows >= rows && e->k == k)) e = e->next;
+    size_t sizes[5], per_tile = 0, bytes = 0;
+    int64_t n_tiles = 0;
+    if (e && e->state == TILES_UNPACKED) {
+        per_tile = tile_arrays(type, k, sizes);
+        n_tiles = (e->rows + GEMM_LW - 1) / GEMM_LW;
+        bytes = per_tile * (size_t)n_tiles;
+        e->state = tile_kept_bytes + bytes <= tile_limit ? TILES_PACKING : TILES_REFUSED;
+        if (e->state == TILES_PACKING) tile_kept_bytes += bytes;
+    }
+    const int pack = e && e->state == TILES_PACKING && bytes;
+    const wtile *kept = e && e->state == TILES_PACKED ? e->tiles : NULL;
+    pthread_mutex_unlock(&tile_lock);
+    if (!pack) return kept;
+    uint8_t *mem = aligned_alloc(64, bytes);
+    wtile *tiles = calloc((size_t)n_tiles, sizeof(wtile));
+    pack_job job = {e, 0};
+    if (mem && tiles) {
+        for (int64_t t = 0; t < n_tiles; t++) {
+            uint8_t *p = mem + (size_t)t * per_tile;
+            tiles[t] = (wtile){(int32_t *)p, (float *)(p + sizes[0]), (float *)(p + sizes[0] + sizes[1]),
+                               sizes[3] ? (int32_t *)(p + sizes[0] + sizes[1] + sizes[2]) : NULL,
+                               sizes[4] ? (int32_t *)(p + sizes[0] + sizes[1] + sizes[2] + sizes[3]) : NULL};
+        }
+        e->tiles = tiles;
+        mtp_parallel_for(n_tiles, chunk_grain(n_tiles, n_threads, 4, 1), n_threads, pack_tiles, &job);
+    }
+    const int ok = mem && tiles && !job.failed;
+    pthread_mutex_lock(&tile_lock);
+    if (ok) {
+        e->mem = mem;
+        e->bytes = bytes;
+        e->state = TILES_PACKED;
+    } else {
+        free(mem);
+        free(tiles);
+        e->tiles = NULL;
+        tile_kept_bytes -= bytes;
+        e->state = TILES_REFUSED;
+    }
+    pthread_mutex_unlock(&tile_lock);
+    return ok ? tiles : NULL;
+}
+
 /* Activation side arrays, one set per row: what the tiles need beyond act_q8 / act_q8k. */
 typedef struct { int32_t bsp[4]; int32_t nbs32[16]; } act_kside; /* per super-block */
 
@@ -1170,6 +1323,13 @@ static void pass_k6_lanes(const wtile *t, const act_q8k *x, const act_kside *ks,
 }
 #endif /* MTP_AVX2 */
 
+#ifndef MTP_AVX2 /* no tiles to keep */
+int mtp_tiles_register(const uint8_t *W, int type, int64_t rows, int64_t k) { (void)W, (void)type, (void)rows, (void)k; return 0; }
+void mtp_tiles_forget(const uint8_t *W, int type, int64_t rows, int64_t k) { (void)W, (void)type, (void)rows, (void)k; }
+size_t mtp_tiles_limit(size_t bytes) { (void)bytes; return 0; }
+size_t mtp_tiles_kept_bytes(void) { return 0; }
+#endif
+
 /* ---- matmul ------------------------------------------------------------------------------------------ */
 
 /* Per-thread scratch, kept between calls (the pool's threads persist): no malloc per matmul. */
@@ -1263,6 +1423,7 @@ typedef struct {
     int64_t m, seq_len;
     float *const *y;
     int tiled; /* some of the weights go through the tiles (tiles_take) */
+    const void *const *kept; /* per weight: its kept tiles (wtile *) or NULL */
     _Atomic int failed;
 } matmul_job;
 
@@ -1274,8 +1435,10 @@ static _Atomic int gemm_tiling = 1;
 int mtp_gemm_tiling(int on) { return atomic_exchange(&gemm_tiling, on != 0); }
 
 #ifdef MTP_AVX2
-/* Output rows [lo, hi) of one weight: a tile of GEMM_LW rows at a time, decoded once, against all m rows. */
-static void gemm_rows(const matmul_job *j, int type, const uint8_t *W, int64_t lo, int64_t hi, float *y, int64_t ldy) {
+/* Output rows [lo, hi) of one weight: a tile of GEMM_LW rows at a time, decoded once, against all m rows. With kept
+ * tiles (kept_tiles), each whole one is used as kept; a range starting inside one packs up to its end. */
+static void gemm_rows(const matmul_job *j, int type, const uint8_t *W, const wtile *kept, int64_t lo, int64_t hi,
+                      float *y, int64_t ldy) {
     const int64_t k = j->k, m = j->m, rb = row_bytes(type, k), seq_len = j->seq_len, m_x4 = seq_len - seq_len % 4;
     const act_q8 *x8 = j->act[ACT_Q8];
     const act_q8k *xk = j->act[ACT_Q8K];
@@ -1283,22 +1446,25 @@ static void gemm_rows(const matmul_job *j, int type, const uint8_t *W, int64_t l
     const act_kside *ks = j->act[ACT_KS];
     const int short_k6 = type == T_Q6_K && seq_len < 8; /* the decode rule's eight lanes a row */
     const int rn_max = short_k6 ? RNK6L : type == T_Q6_K ? RNK6 : type == T_Q4_K || type == T_Q5_K ? RNK4 : RN32;
-    for (int64_t n0 = lo; n0 < hi; n0 += GEMM_LW) {
-        const int nv = hi - n0 < GEMM_LW ? (int)(hi - n0) : GEMM_LW;
-        wtile_pack(type, W + n0 * rb, rb, nv, k, &scratch_tile);
+    for (int64_t n0 = lo, nv; n0 < hi; n0 += nv) {
+        const wtile *tile = &scratch_tile;
+        const int64_t end = kept ? (n0 / GEMM_LW + 1) * GEMM_LW : n0 + GEMM_LW; /* kept: up to the tile's end */
+        nv = (hi < end ? hi : end) - n0;
+        if (kept && n0 % GEMM_LW == 0) tile = &kept[n0 / GEMM_LW];
+        else wtile_pack(type, W + n0 * rb, rb, (int)nv, k, &scratch_tile);
         for (int64_t i0 = 0; i0 < m; i0 += rn_max) {
             const int rn = m - i0 < rn_max ? (int)(m - i0) : rn_max;
             float *yi = y + i0 * ldy + n0;
             if (short_k6) {
-                pass_k6_lanes(&scratch_tile, xk + i0 * (k / 256), ks + i0 * (k / 256), k / 256, rn, yi, ldy, nv);
+                pass_k6_lanes(tile, xk + i0 * (k / 256), ks + i0 * (k / 256), k / 256, rn, yi, ldy, (int)nv);
             } else if (type == T_Q6_K) {
-                pass_k6(&scratch_tile, xk + i0 * (k / 256), ks + i0 * (k / 256), k / 256, rn, yi, ldy, nv);
+                pass_k6(tile, xk + i0 * (k / 256), ks + i0 * (k / 256), k / 256, rn, yi, ldy, (int)nv);
             } else if (type == T_Q4_K || type == T_Q5_K) {
                 uint8_t kind1[RNK4];
                 for (int i = 0; i < rn; i++) kind1[i] = (i0 + i) % seq_len < m_x4;
-                pass_k4(&scratch_tile, xk + i0 * (k / 256), ks + i0 * (k / 256), k / 256, rn, type == T_Q5_K, kind1, yi, ldy, nv);
+                pass_k4(tile, xk + i0 * (k / 256), ks + i0 * (k / 256), k / 256, rn, type == T_Q5_K, kind1, yi, ldy, (int)nv);
             } else {
-                pass32(&scratch_tile, x8 + i0 * (k / 32), xc ? xc + i0 * (k / 4) : NULL, k / 32, rn, signed_type(type), yi, ldy, nv);
+                pass32(tile, x8 + i0 * (k / 32), xc ? xc + i0 * (k / 4) : NULL, k / 32, rn, signed_type(type), yi, ldy, (int)nv);
             }
         }
     }
@@ -1341,7 +1507,7 @@ static void matmul_rows(void *ctx, int64_t begin, int64_t end) {
                 j->failed = 1;
                 return;
             }
-            gemm_rows(j, j->types[w], j->W[w], lo, hi, j->y[w], j->rows[w]);
+            gemm_rows(j, j->types[w], j->W[w], j->kept[w], lo, hi, j->y[w], j->rows[w]);
             continue;
         }
 #endif
@@ -1421,8 +1587,15 @@ int mtp_matmul_many(int n_w, const int *types, const uint8_t *const *W, const in
 #endif
     round_job rounding = {x, k, act};
     round_rows(&rounding, 0, m); /* on the calling thread: a few percent of the work, and one pool call per matmul */
-    matmul_job job = {n_w, types, W, rows, k, x, (const void *const *)act, m, seq_len, y, tiled, 0};
+    const void *kept[n_w];
     const int threads = total * k * m >= MTP_PARALLEL_MIN_WORK ? n_threads : 1;
+    for (int j = 0; j < n_w; j++) {
+        kept[j] = NULL;
+#ifdef MTP_AVX2
+        if (tiled && tiles_take(types[j], m, seq_len)) kept[j] = kept_tiles(W[j], types[j], rows[j], k, n_threads);
+#endif
+    }
+    matmul_job job = {n_w, types, W, rows, k, x, (const void *const *)act, m, seq_len, y, tiled, kept, 0};
     int64_t grain = chunk_grain(total, threads, 4, 4);
 #ifdef MTP_AVX2
     if (tiled) grain = (grain + GEMM_LW - 1) / GEMM_LW * GEMM_LW; /* whole tiles */
