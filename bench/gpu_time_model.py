@@ -297,7 +297,8 @@ def measure_host(tokens: int = 1024, rounds: int = 5) -> tuple[float, float]:
         mtp = eo.engine_case(args, tokenizer, vocab, greedy, None, draft_mtp, fresh_logits=False)
     finally:
         sampling.HOST_DEVICES = saved
-    return statistics.median(plain[1:]) / 1e3, statistics.median(mtp[1:]) / 1e3 * (1 + N_MAX)
+    per_token, per_token_mtp = (statistics.median(host for host, _ in case[1:]) / 1e3 for case in (plain, mtp))
+    return per_token, per_token_mtp * (1 + N_MAX)
 
 
 def model(static: dict | None = None, host: tuple[float, float] | None = None) -> dict:
