@@ -14,7 +14,9 @@ neighbour process (a spinning Python loop) throughout, the case of a machine doi
 
 `--parallel N`: continuous batching. Both servers get `-np N`, and each round sends N such requests at once (each
 its own prompt); the table then gives the total generated tokens/s over the round's wall time (prompts included,
-as a user waiting for all N sees it) and the median stream's decode speed from its `timings`.
+as a user waiting for all N sees it), the median stream's decode speed from its `timings`, and the median request's
+latency as its client measured it (prompt, queueing and decode; the ratio is llama-server's over mtpserve's, so
+above 1 is mtpserve faster here too).
 """
 
 from __future__ import annotations
@@ -89,22 +91,29 @@ def measure_parallel(urls: dict[str, str], prompt: list[int], rounds: int, n: in
             names = list(urls) if r % 2 == 0 else list(reversed(urls))
             for name in names:
                 prompts = [[2 + r * n + i, *prompt] for i in range(n)]
+
+                def timed(p: list[int], url: str = urls[name]) -> tuple[dict, float]:
+                    start = time.perf_counter()
+                    return completion(client, url, p), time.perf_counter() - start
+
                 t0 = time.perf_counter()
-                streams = list(pool.map(lambda p, url=urls[name]: completion(client, url, p), prompts))
+                answers = list(pool.map(timed, prompts))
                 wall = time.perf_counter() - t0
+                streams = [timings for timings, _ in answers]
                 if r == 0:
                     continue
                 row = {
                     "total_per_second": sum(t["predicted_n"] for t in streams) / wall,
                     "predicted_per_second": statistics.median(t["predicted_per_second"] for t in streams),
                     "prompt_per_second": statistics.median(t["prompt_per_second"] for t in streams),
+                    "latency_ms": 1000 * statistics.median(seconds for _, seconds in answers),
                     "streams": streams,
                 }
                 out[name].append(row)
                 say(
                     f"  round {r} {name}: {n} streams, total {row['total_per_second']:.1f} t/s, "
                     f"median stream decode {row['predicted_per_second']:.1f} t/s, prompt "
-                    f"{row['prompt_per_second']:.1f} t/s, wall {1000 * wall:.0f} ms"
+                    f"{row['prompt_per_second']:.1f} t/s, median request {row['latency_ms']:.0f} ms, wall {1000 * wall:.0f} ms"
                 )
     return out
 
@@ -114,7 +123,8 @@ def median(rows: list[dict], key: str) -> float:
 
 
 def print_table(results: list[dict], columns: list[tuple[str, str]]) -> None:
-    """Per model, each column's median for mtpserve, llama-server and their ratio."""
+    """Per model, each column's median for mtpserve, llama-server and their ratio, as mtpserve's speed over
+    llama-server's (for a time, a key ending in _ms, llama-server's over mtpserve's)."""
     (first, _), measured = columns[0], columns[1:]
     print(f"| {first} | " + " | ".join(f"mtpserve {name} | llama-server | ratio" for name, _ in measured) + " |")
     print("|---" * (1 + 3 * len(measured)) + "|")
@@ -123,7 +133,7 @@ def print_table(results: list[dict], columns: list[tuple[str, str]]) -> None:
         cells = []
         for _, key in measured:
             a, b = median(ours, key), median(theirs, key)
-            cells.append(f"{a:.1f} | {b:.1f} | {a / b:.2f}x")
+            cells.append(f"{a:.1f} | {b:.1f} | {(b / a if key.endswith('_ms') else a / b):.2f}x")
         print(f"| {row['model']} | " + " | ".join(cells) + " |")
 
 
@@ -173,7 +183,7 @@ def main() -> int:
         args.json.write_text(json.dumps(results, indent=1))
     if args.parallel > 1:
         columns = [(f"model (-np {args.parallel})", ""), ("total t/s", "total_per_second")]
-        columns.append(("stream decode t/s", "predicted_per_second"))
+        columns += [("stream decode t/s", "predicted_per_second"), ("request latency ms", "latency_ms")]
     else:
         columns = [("model", ""), ("decode t/s", "predicted_per_second"), ("prompt t/s", "prompt_per_second")]
     print_table(results, columns)
