@@ -15,11 +15,12 @@ fresh logits, the draft head's product: what a model does), timed around each ca
 
 Cases: greedy and the full sampler chain (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat, presence and
 frequency penalties) at the model's vocabulary and at Qwen3.5/3.6's 248,320; a JSON-schema grammar at the model's
-vocabulary (the grammar's tokenizer is the model's; an object with a required string, which the stand-in's greedy tokens
-keep open, so every token is masked and the request runs its --tokens); draft-mtp with 2 drafts a step, every draft accepted (the
-stand-in's verification rows all prefer the token the MTP head drafts; the head's own product, 4,096 x 256, is
-the one model cost left in); and greedy streamed through the HTTP server (`POST /completion`, `stream: true`), the
-server in its own process as in use, the time taken between the first and last SSE events the client reads.
+vocabulary (the grammar's tokenizer is the model's; an object with a required string, which the stand-in's greedy
+tokens keep open, so every token is masked and the request runs its --tokens); draft-mtp with 2 drafts a step, every
+draft accepted (the stand-in's verification rows all prefer the token the MTP head drafts; the head's own product,
+4,096 x 256, is in the wall time, not the host time); and greedy streamed through the HTTP server (`POST
+/completion`, `stream: true`), the server in its own process as in use, the time taken between the first and last
+SSE events the client reads.
 """
 
 from __future__ import annotations

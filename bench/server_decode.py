@@ -113,7 +113,8 @@ def measure_parallel(urls: dict[str, str], prompt: list[int], rounds: int, n: in
                 say(
                     f"  round {r} {name}: {n} streams, total {row['total_per_second']:.1f} t/s, "
                     f"median stream decode {row['predicted_per_second']:.1f} t/s, prompt "
-                    f"{row['prompt_per_second']:.1f} t/s, median request {row['latency_ms']:.0f} ms, wall {1000 * wall:.0f} ms"
+                    f"{row['prompt_per_second']:.1f} t/s, median request {row['latency_ms']:.0f} ms, "
+                    f"wall {1000 * wall:.0f} ms"
                 )
     return out
 
