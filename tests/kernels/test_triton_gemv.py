@@ -79,6 +79,18 @@ def test_unpacking_is_bit_exact(qtype: GGMLType, source: str) -> None:
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_unpacking_straight_to_half_rounds_once(qtype: GGMLType) -> None:
+    """sm_75's prompt path: the weights written as fp16 are the float32 unpacking rounded once (`.half()`, to
+    nearest even), for every type's bit patterns."""
+    n, k = 40, 512
+    blocks = _random_blocks(qtype, n, k, seed=3)
+    got = dequant_blocks(blocks.to(DEVICE), qtype, dtype=torch.float16).cpu()
+    assert got.dtype == torch.float16 and torch.equal(got, dequantize(blocks, qtype, (n, k)).half())
+    with pytest.raises(ValueError, match="float32 or float16"):
+        dequant_blocks(blocks.to(DEVICE), qtype, dtype=torch.bfloat16)
+
+
 def _gemv_cases() -> list:
     """A spread of shapes, row counts and activation types for every type (each at least once per type), to keep
     the interpreter run short."""

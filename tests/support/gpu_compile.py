@@ -159,10 +159,12 @@ def launches() -> list[Launch]:
                 out.append(
                     Launch("gemv", cfg, f, a, k, quick=quick, rows=m, bytes_per_iteration=per_step, decode=decode)
                 )
-    # dequant_blocks: the prefill path below sm_80 (dequantize, then cuBLAS in fp16).
+    # dequant_blocks: the prefill path below sm_80 (dequantize straight to fp16, then cuBLAS).
     for t in (Q.Q4_K, Q.Q6_K):
         w = weight(t)
-        ((f, a, k),) = _recorded([gemv._dequant_kernel], lambda w=w, t=t: gemv.dequant_blocks(w, t))
+        ((f, a, k),) = _recorded(
+            [gemv._dequant_kernel], lambda w=w, t=t: gemv.dequant_blocks(w, t, dtype=torch.float16)
+        )
         out.append(Launch("dequant", f"{t.name} BLOCK_N={k['BLOCK_N']}", f, a, k, quick=t == Q.Q6_K))
     # Prefill: quant_matmul, float32 activations; bf16 compute from sm_80 (ops.gemm_compute_dtype), fp16 on all.
     for t in (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS):

@@ -163,9 +163,11 @@ def quant_linear(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
     kernels = triton_kernels()
     assert kernels is not None
     if x2.is_cuda and cuda_capability(x2.device)[0] < 8:
-        # Triton emits no tensor-core instructions below sm_80: dequantize (exact) and let cuBLAS multiply in fp16,
-        # into float32 (an fp16 output is a third rounding; on the Gemma 3 slice it moved a 0.42-nat margin to 0.05).
-        w = kernels.dequant_blocks(weight.data, int(t)).half()
+        # Triton emits no tensor-core instructions below sm_80: dequantize (exact, rounded once to fp16 as it is
+        # written: 2 bytes a weight written and read, where float32 then .half() moved 12) and let cuBLAS multiply in
+        # fp16, into float32 (an fp16 output is a third rounding; on the Gemma 3 slice it moved a 0.42-nat margin
+        # to 0.05).
+        w = kernels.dequant_blocks(weight.data, int(t), dtype=torch.float16)
         return torch.mm(x2.half(), w.T, out_dtype=torch.float32).reshape(*lead, weight.shape[0])
     tiles = {}
     if _interpreter_tiles(x2):

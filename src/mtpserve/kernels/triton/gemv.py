@@ -357,8 +357,8 @@ def _dequant_kernel(
     bp = w_ptr + rows64[:, None] * stride_wn + b * TYPE_SIZE
     out_row = out_ptr + rows64[:, None] * (n_blocks * QK) + b * QK
     for j in tl.static_range(QK // 32):
-        w = _dequant_sub(bp, offs[None, :], j, QTYPE)
-        tl.store(out_row + j * 32 + offs[None, :], w, mask=row_ok[:, None])
+        w = _dequant_sub(bp, offs[None, :], j, QTYPE)  # float32, then rounded once to the output's type
+        tl.store(out_row + j * 32 + offs[None, :], w.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def _check(blocks: torch.Tensor, qtype: int, kernel: str = "GEMV") -> tuple[GGMLQuantizationType, int, int]:
@@ -457,11 +457,17 @@ def quant_gemv(
 
 
 @on_input_device
-def dequant_blocks(blocks: torch.Tensor, qtype: int, *, block_n: int = 32) -> torch.Tensor:
-    """The kernels' unpacking on its own: uint8 blocks [n, n_blocks * type_size] -> float32 [n, n_blocks * QK]."""
+def dequant_blocks(
+    blocks: torch.Tensor, qtype: int, *, block_n: int = 32, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The kernels' unpacking on its own: uint8 blocks [n, n_blocks * type_size] -> [n, n_blocks * QK] of `dtype`
+    (float32, or float16: the float32 values rounded once, as `.half()` of the float32 output would, without writing
+    and reading that output: sm_75's prompt path hands fp16 straight to cuBLAS; sm_75 has no bf16)."""
+    if dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"dtype must be float32 or float16, got {dtype}")
     t, qk, type_size = _check(blocks, qtype)
     n, n_blocks = blocks.shape[0], blocks.shape[1] // type_size
-    out = torch.empty(n, n_blocks * qk, dtype=torch.float32, device=blocks.device)
+    out = torch.empty(n, n_blocks * qk, dtype=dtype, device=blocks.device)
     # No fused multiply-add here (on by default for CUDA): q * d + m must round twice, as in mtpserve.quant.
     _dequant_kernel[(triton.cdiv(n, block_n), n_blocks)](
         blocks,
