@@ -138,7 +138,8 @@ def assumptions() -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| prompt | weights dequantized to | tok/s predicted | dequantization s | GEMM s | attention s | KV dequantization s |",
+        "| prompt | weights dequantized to | tok/s predicted | dequantization s | GEMM s | attention s "
+        "| KV dequantization s |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
