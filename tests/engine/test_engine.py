@@ -303,6 +303,7 @@ def test_the_deployments_line_plans_on_a_24_gb_host():
     included, recurrent state and its rollback copies) fits; the memory-mapped weights and the checkpoints, which
     can give way, are warnings with their numbers, not a refusal."""
     from mtpserve.engine import SpecConfig
+    from mtpserve.kernels.cpu import tile_limit
     from mtpserve.models import config_from_metadata
 
     from ..models.test_config import QWEN36_27B
@@ -319,8 +320,18 @@ def test_the_deployments_line_plans_on_a_24_gb_host():
     assert p.required_bytes == p.estimate.kv_bytes + p.mtp_kv_bytes + 4 * p.estimate.recurrent_bytes
     p.check()
     assert "MTP KV cache 0.53 GiB" in p.parts_text() and "memory-mapped, not counted as resident" in p.parts_text()
-    weights_note, checkpoints_note = p.warnings()
+    weights_note, tiles_note, checkpoints_note = p.warnings()
     assert "15.65 GiB, memory-mapped" in weights_note and "--ctx-checkpoints 32" in checkpoints_note
+    # the CPU kernels' kept tiles: the 1 GiB limit, under 2.2x the weights' bytes; none with --no-repack
+    assert p.kept_tiles_bytes == 1024**3 and "kept weight tiles up to 1.00 GiB (--repack)" in p.parts_text()
+    assert "--no-repack" in tiles_note
+    previous = tile_limit(0)
+    try:
+        assert plan(config, weights, mtp_weights, line, device="cpu", available_bytes=free).kept_tiles_bytes == 0
+    finally:
+        tile_limit(previous)
+    small = plan(config, 100_000_000, 0, line, device="cpu", available_bytes=free)
+    assert small.kept_tiles_bytes == 220_000_000
     # The same flags with the weights in device memory (a GPU) count them as resident.
     assert plan(config, weights, mtp_weights, line, "cuda:0", free).required_bytes == p.required_bytes + weights
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..gguf import open_gguf
+from ..kernels.cpu import kept_tiles_limit
 from ..models import config_from_gguf, estimate_memory
 from ..models.config import AttentionCacheSpec, ModelConfig
 from ..models.memory import CTX_PAD, MemoryEstimate, kv_bytes_per_cell, weight_bytes
@@ -17,6 +18,9 @@ from .config import EngineConfig
 from .errors import InsufficientMemory
 
 GIB = 1024**3
+# kept GEMM tiles (--repack) take at most this many times the weights' GGUF bytes: ~1.2-1.3 bytes a weight against
+# Q4_K's 0.56 and Q4_0's 0.5625 (Q6_K 1.56x, Q8_0 1.18x)
+KEPT_TILES_PER_WEIGHT_BYTE = 2.2
 HOST_RESERVE = GIB  # host memory what grows as it is used (checkpoints, the prompt cache) always leaves free
 
 
@@ -38,6 +42,7 @@ class MemoryPlan:
     prompt_cache_bytes: int = 0  # --cache-ram: host memory the prompt cache may fill (-1: no limit); not reserved
     rollback_bytes: int = 0  # speculative verification: the recurrent state after each verified token, all slots
     weights_mapped: bool = False  # the weights are pages of the memory-mapped file (the CPU path)
+    kept_tiles_bytes: int = 0  # the CPU kernels' kept GEMM tiles (--repack) at most: made as used, not reserved
 
     @property
     def checkpoints_bytes_max(self) -> int:
@@ -69,12 +74,17 @@ class MemoryPlan:
         weights = "memory-mapped, not counted as resident" if self.weights_mapped else "resident"
         mtp = f", MTP KV cache {self.mtp_kv_bytes / GIB:.2f} GiB" if self.mtp else ""
         rollback = f", rollback states {self.rollback_bytes / GIB:.2f} GiB" if self.rollback_bytes else ""
+        tiles = (
+            f", kept weight tiles up to {self.kept_tiles_bytes / GIB:.2f} GiB (--repack)"
+            if self.kept_tiles_bytes
+            else ""
+        )
         return (
             f"weights {e.weights_bytes / GIB:.2f} GiB ({weights}), KV cache {e.kv_bytes / GIB:.2f} GiB (-c "
             f"{e.ctx_size} over -np {e.parallel}, -ctk {e.cache_type_k} -ctv {e.cache_type_v}, "
             f"{self.kv_bytes_per_token / 1024:.1f} KiB per token and slot){mtp}, recurrent state "
             f"{e.recurrent_bytes / GIB:.2f} GiB{rollback}; checkpoints up to {self.checkpoints_bytes_max / GIB:.2f} "
-            f"GiB and {self.prompt_cache_text}, made as used and not reserved"
+            f"GiB{tiles} and {self.prompt_cache_text}, made as used and not reserved"
         )
 
     def check(self) -> None:
@@ -113,6 +123,12 @@ class MemoryPlan:
                 "again: decoding then slows toward the disk's speed"
             )
         left = max(left - weights, 0)
+        if self.kept_tiles_bytes > left:
+            out.append(
+                f"the kernels' kept weight tiles (up to {self.kept_tiles_bytes / GIB:.2f} GiB, --repack) are made as "
+                f"batches use them, in the {left / GIB:.2f} GiB left; --no-repack packs them on every call instead"
+            )
+        left = max(left - self.kept_tiles_bytes, 0)
         if self.checkpoints_bytes_max > left:
             out.append(
                 f"recurrent-state checkpoints (up to {self.checkpoints_bytes_max / GIB:.2f} GiB: --ctx-checkpoints "
@@ -198,6 +214,9 @@ def plan(
         prompt_cache_bytes=engine.cache_ram * 1024**2 if engine.cache_ram >= 0 else -1,
         rollback_bytes=estimate.recurrent_bytes * engine.spec.verified_tokens,
         weights_mapped=device == "cpu",
+        kept_tiles_bytes=min(kept_tiles_limit(), round(KEPT_TILES_PER_WEIGHT_BYTE * weights_bytes))
+        if device == "cpu"
+        else 0,
     )
 
 

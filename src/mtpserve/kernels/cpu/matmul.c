@@ -1029,7 +1029,8 @@ void mtp_tiles_forget(const uint8_t *W, int type, int64_t rows, int64_t k) {
     pthread_mutex_unlock(&tile_lock);
 }
 
-/* Sets the limit on kept bytes (matrices refused under the old one may be packed under the new); the previous. */
+/* Sets the limit on kept bytes, for matrices packed from now on (tiles already kept stay until their matrix goes;
+ * matrices refused under the old limit may be packed under the new); returns the previous limit. */
 size_t mtp_tiles_limit(size_t bytes) {
     pthread_mutex_lock(&tile_lock);
     const size_t previous = tile_limit;
