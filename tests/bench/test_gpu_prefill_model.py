@@ -18,11 +18,21 @@ ATTENTION_FLOPS = 53.8e12 * 0.25
 
 
 def test_the_prompt_matrices_leave_out_the_embedding_and_the_output_layer():
+    """Counted by hand from the 27B's shapes (../shared/spec/qwen35-architecture.md): n_embd 5120, FFN 17408, a
+    DeltaNet layer's qkv 10240 / gate and output 6144 / beta and alpha 48 rows, an attention layer's q (with its gate)
+    12288 / k and v 1024 / output 6144 rows, the MTP block an attention layer with its FFN and eh_proj [5120, 10240]."""
+    ffn = 3 * 5120 * 17408
+    deltanet = 5120 * (10240 + 6144 + 48 + 48) + 6144 * 5120 + ffn
+    attention = 5120 * (12288 + 1024 + 1024) + 6144 * 5120 + ffn
+    mtp = attention + 10240 * 5120
     weights = pm.PromptWeights.of_deployment()
-    # every quantized matrix of the file: 27,318 M weights in 16,789 MB; the embedding and the output layer are
-    # 1,271 M weights each, in 715 and 1,043 MB
-    assert weights.values == pytest.approx(27.318e9 - 2 * 1.271e9, rel=1e-3)
-    assert weights.stored_bytes == pytest.approx(16.789e9 - 0.715e9 - 1.043e9, rel=1e-3)
+    assert weights.values == 48 * deltanet + 16 * attention + mtp
+    # the file's quantized matrices less the Q4_K embedding and the Q6_K output layer, 248,320 x 5120 each
+    from mtpserve.tuning.synthetic import Qwen35Shape, tensors
+
+    stored = sum(t.nbytes for t in tensors(Qwen35Shape()) if len(t.ne) == 2 and t.type != "F32")
+    embedding, output = 248320 * 5120 // 256 * 144, 248320 * 5120 // 256 * 210
+    assert weights.stored_bytes == stored - embedding - output
 
 
 def test_a_ubatch_through_the_matrices_by_hand():

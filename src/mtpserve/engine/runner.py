@@ -52,9 +52,8 @@ class ModelRunner:
         self.n_passes = 0  # forward passes (llama-server's n_decode_total)
         self.n_sequences = 0  # sequences those passes evaluated, summed
         self.n_program_decodes = 0  # decode passes the CPU decode program served (models.base.program_decode)
-        self.n_program_prompts = (
-            0  # prompt passes of a few tokens it served (a checkpoint's tail, a prefix's new tokens)
-        )
+        # prompt passes of a few tokens it served (a checkpoint's tail, a prefix's new tokens)
+        self.n_program_prompts = 0
 
     @torch.inference_mode()
     def run(

@@ -241,6 +241,8 @@ def load() -> ctypes.CDLL | None:
     lib.mtp_tiles_forget.restype = None
     lib.mtp_tiles_limit.argtypes = [ctypes.c_size_t]
     lib.mtp_tiles_limit.restype = ctypes.c_size_t
+    lib.mtp_tiles_limit_now.argtypes = []
+    lib.mtp_tiles_limit_now.restype = ctypes.c_size_t
     lib.mtp_tiles_kept_bytes.argtypes = []
     lib.mtp_tiles_kept_bytes.restype = ctypes.c_size_t
     return lib
@@ -262,21 +264,21 @@ def forget_tiles(data_ptr: int, ggml_type: int, rows: int, row_length: int) -> N
         lib.mtp_tiles_forget(data_ptr, ggml_type, rows, row_length)
 
 
-_tile_limit = KEPT_TILES_LIMIT  # what tile_limit last set (the C side's own, read without setting it)
-
-
 def tile_limit(n_bytes: int) -> int:
     """Sets how many bytes of kept tiles the kernels may hold (0: none, each tiled call packs its own); the
     previous limit."""
-    global _tile_limit
-    _tile_limit = n_bytes
     lib = load()
     return 0 if lib is None else int(lib.mtp_tiles_limit(n_bytes))
 
 
 def kept_tiles_limit() -> int:
-    """The limit on kept tiles now (KEPT_TILES_LIMIT unless `tile_limit` changed it; 0 with --no-repack)."""
-    return _tile_limit
+    """The limit on kept tiles now (KEPT_TILES_LIMIT unless `tile_limit` changed it; 0 with --no-repack, or
+    without the kernels, which then keep nothing). Reading it builds nothing: before the library is loaded, nothing
+    has changed the C side's default."""
+    if load.cache_info().currsize == 0:
+        return KEPT_TILES_LIMIT
+    lib = load()
+    return 0 if lib is None else int(lib.mtp_tiles_limit_now())
 
 
 def kept_tile_bytes() -> int:

@@ -999,14 +999,21 @@ static size_t tile_arrays(int type, int64_t k, size_t sizes[5]) {
     return sizes[0] + sizes[1] + sizes[2] + sizes[3] + sizes[4];
 }
 
+/* The link to the entry registered for exactly this matrix (*link NULL where there is none); under tile_lock. */
+static tile_entry **entry_link(const uint8_t *W, int type, int64_t rows, int64_t k) {
+    tile_entry **link = &tile_buckets[tile_bucket(W)];
+    while (*link && !((*link)->W == W && (*link)->type == type && (*link)->rows == rows && (*link)->k == k))
+        link = &(*link)->next;
+    return link;
+}
+
 int mtp_tiles_register(const uint8_t *W, int type, int64_t rows, int64_t k) {
     if (!gemm_type(type) || rows <= 0 || k <= 0 || k % row_block(type)) return 0;
     pthread_mutex_lock(&tile_lock);
-    tile_entry **head = &tile_buckets[tile_bucket(W)], *e = *head;
-    while (e && !(e->W == W && e->type == type && e->rows == rows && e->k == k)) e = e->next;
+    tile_entry **link = entry_link(W, type, rows, k), *e = *link;
     if (!e && (e = calloc(1, sizeof(*e)))) {
-        *e = (tile_entry){*head, W, type, rows, k, 0, TILES_UNPACKED, NULL, NULL, 0};
-        *head = e;
+        *e = (tile_entry){NULL, W, type, rows, k, 0, TILES_UNPACKED, NULL, NULL, 0};
+        *link = e; /* the end of its bucket's chain */
     }
     if (e) e->refs++;
     pthread_mutex_unlock(&tile_lock);
@@ -1015,10 +1022,7 @@ int mtp_tiles_register(const uint8_t *W, int type, int64_t rows, int64_t k) {
 
 void mtp_tiles_forget(const uint8_t *W, int type, int64_t rows, int64_t k) {
     pthread_mutex_lock(&tile_lock);
-    tile_entry **link = &tile_buckets[tile_bucket(W)];
-    while (*link && !((*link)->W == W && (*link)->type == type && (*link)->rows == rows && (*link)->k == k))
-        link = &(*link)->next;
-    tile_entry *e = *link;
+    tile_entry **link = entry_link(W, type, rows, k), *e = *link;
     if (e && --e->refs == 0) {
         *link = e->next;
         if (e->state == TILES_PACKED) tile_kept_bytes -= e->bytes;
@@ -1040,6 +1044,14 @@ size_t mtp_tiles_limit(size_t bytes) {
             if (e->state == TILES_REFUSED) e->state = TILES_UNPACKED;
     pthread_mutex_unlock(&tile_lock);
     return previous;
+}
+
+/* The limit on kept bytes now (without setting it: the memory plan reads it). */
+size_t mtp_tiles_limit_now(void) {
+    pthread_mutex_lock(&tile_lock);
+    const size_t n = tile_limit;
+    pthread_mutex_unlock(&tile_lock);
+    return n;
 }
 
 size_t mtp_tiles_kept_bytes(void) {
@@ -1328,6 +1340,7 @@ static void pass_k6_lanes(const wtile *t, const act_q8k *x, const act_kside *ks,
 int mtp_tiles_register(const uint8_t *W, int type, int64_t rows, int64_t k) { (void)W, (void)type, (void)rows, (void)k; return 0; }
 void mtp_tiles_forget(const uint8_t *W, int type, int64_t rows, int64_t k) { (void)W, (void)type, (void)rows, (void)k; }
 size_t mtp_tiles_limit(size_t bytes) { (void)bytes; return 0; }
+size_t mtp_tiles_limit_now(void) { return 0; }
 size_t mtp_tiles_kept_bytes(void) { return 0; }
 #endif
 
