@@ -153,7 +153,12 @@ def per_token_us(engine: Engine, request: Request, calls: list[tuple[float, floa
             finish = event
     timings = finish.timings
     assert timings.draft_n_accepted == timings.draft_n, "the stand-in's drafts are all accepted"
-    assert len(stamps) == request.n_predict, f"{len(stamps)} of {request.n_predict} tokens: the case ended early"
+    return host_and_wall_us(stamps, request.n_predict, calls)
+
+
+def host_and_wall_us(stamps: list[float], n_tokens: int, calls: list[tuple[float, float]]) -> tuple[float, float]:
+    """(host time, wall time) a token from the reader's token stamps, the stand-in's calls taken off the first."""
+    assert len(stamps) == n_tokens, f"{len(stamps)} of {n_tokens} tokens: the case ended early"
     wall = stamps[-1] - stamps[0]
     host = wall - stand_in_seconds(calls, stamps[0], stamps[-1])
     return host / (len(stamps) - 1) * 1e6, wall / (len(stamps) - 1) * 1e6
@@ -214,11 +219,8 @@ def http_case(args, vocab: int) -> list[tuple[float, float]]:
                 for line in response.iter_lines():
                     if line.startswith("data: ") and not json.loads(line[6:])["stop"]:  # one event a token
                         stamps.append(time.perf_counter())
-            assert len(stamps) == args.tokens, f"{len(stamps)} of {args.tokens} tokens: the case ended early"
             calls = [tuple(c) for c in client.get(f"{url}/stand-in-calls").json()]
-            wall = stamps[-1] - stamps[0]
-            host = wall - stand_in_seconds(calls, stamps[0], stamps[-1])
-            samples.append((host / (len(stamps) - 1) * 1e6, wall / (len(stamps) - 1) * 1e6))
+            samples.append(host_and_wall_us(stamps, args.tokens, calls))
         return samples
 
 
