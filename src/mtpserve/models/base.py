@@ -4,13 +4,14 @@ prefill/decode entry points built on each architecture's `forward`."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 import torch
 
 from ..cache import CellTable, KVCache, KVPool, RecurrentState
 from ..gguf import GGUFFile, TensorInfo
+from ..ops.collective import GatheredQTensor, ReducedQTensor
 from ..ops.decode_program import DecodeProgram, run_programs
 from ..ops.device import canonical_device, gpu_path
 from ..ops.embedding import embedding
@@ -19,7 +20,9 @@ from ..ops.norm import rms_norm
 from ..ops.rope import RopeTable
 from ..quant.dequant import dequantize_tensor
 from ..quant.qtensor import QTensor, RowSplitQTensor
+from ..quant.types import GGMLType
 from .config import ModelConfig
+from .tensor_parallel import WHOLE, Partition, Runs
 
 DEFAULT_UBATCH = 512
 CTX_PAD = 256
@@ -33,7 +36,10 @@ class WeightStore:
 
     `row_split` [(device, share)] (--split-mode row): every matrix whose device is one of these is split by rows
     over all of them in proportion to the shares (`RowSplitQTensor`; its outputs gather on its own device), except
-    tables read by row lookup (embeddings), which llama.cpp does not split either."""
+    tables read by row lookup (embeddings), which llama.cpp does not split either.
+
+    `partition`: the tensor-parallel rank these weights are for (models.tensor_parallel); the architectures ask for
+    their share of each tensor by `rows` and `columns` (whole for a single rank, and then not copied)."""
 
     def __init__(
         self,
@@ -42,8 +48,10 @@ class WeightStore:
         layer_devices: Mapping[int, torch.device | str] | None = None,
         tensor_devices: Mapping[str, torch.device | str] | None = None,
         row_split: Sequence[tuple[torch.device | str, float]] = (),
+        partition: Partition = WHOLE,
     ) -> None:
         self.tensors = tensors
+        self.partition = partition
         self.device = canonical_device(device)
         self.layer_devices = {i: canonical_device(d) for i, d in (layer_devices or {}).items()}
         self.tensor_devices = {n: canonical_device(d) for n, d in (tensor_devices or {}).items()}
@@ -58,8 +66,9 @@ class WeightStore:
         layer_devices: Mapping[int, torch.device | str] | None = None,
         tensor_devices: Mapping[str, torch.device | str] | None = None,
         row_split: Sequence[tuple[torch.device | str, float]] = (),
+        partition: Partition = WHOLE,
     ) -> WeightStore:
-        return cls(gguf.tensors, device, layer_devices, tensor_devices, row_split)
+        return cls(gguf.tensors, device, layer_devices, tensor_devices, row_split, partition)
 
     def device_of(self, name: str) -> torch.device:
         if name in self.tensor_devices:
@@ -71,18 +80,49 @@ class WeightStore:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
-    def matrix(self, name: str, lookup: bool = False) -> QTensor:
-        """A matrix in its stored blocks; `lookup`: a table read by rows (an embedding), never split by rows."""
+    def shape(self, name: str) -> tuple[int, ...]:
+        """(rows, row length) of a stored tensor, before any share is taken."""
+        return tuple(self.tensors[name].shape)
+
+    def ggml_type(self, name: str) -> GGMLType:
+        t = self.tensors[name]
+        if isinstance(t, torch.Tensor):
+            raise TypeError(f"tensor '{name}' is a dense {type(t).__name__}, a quantized matrix was expected")
+        return t.ggml_type
+
+    def matrix(
+        self,
+        name: str,
+        lookup: bool = False,
+        *,
+        rows: Runs | None = None,
+        columns: Runs | None = None,
+        partition: Partition = WHOLE,
+        gather: bool = False,
+    ) -> QTensor:
+        """A matrix in its stored blocks; `lookup`: a table read by rows (an embedding), never split by rows.
+        A tensor-parallel share (`partition` split): its `rows` (column-parallel; with `gather` the ranks' outputs
+        concatenated) or its `columns` (row-parallel: the ranks' products added), ops.collective."""
         t = self.tensors[name]
         q = QTensor.from_gguf(t) if isinstance(t, TensorInfo) else t
         if not isinstance(q, QTensor):
             raise TypeError(f"tensor '{name}' is a dense {type(t).__name__}, a quantized matrix was expected")
+        if rows is not None and rows != ((0, q.shape[0]),):
+            q = q.select_rows(rows)
+        if columns is not None and columns != ((0, q.shape[1]),):
+            q = q.select_columns(columns)
         home = self.device_of(name)
         if self.row_devices and not lookup and home in self.row_devices:
             return RowSplitQTensor.split(q, self.row_devices, self.row_shares, home)
-        return keep_packed_tiles(q.to(home))
+        q = keep_packed_tiles(q.to(home))
+        if partition.split and columns is not None:
+            return ReducedQTensor(q.data, q.ggml_type, q.shape, q.name, partition.group)
+        if partition.split and gather:
+            return GatheredQTensor(q.data, q.ggml_type, q.shape, q.name, partition.group)
+        return q
 
-    def dense(self, name: str) -> torch.Tensor:
+    def dense(self, name: str, rows: Runs | None = None) -> torch.Tensor:
+        """A tensor as float32; `rows`: a tensor-parallel share of its first dimension."""
         t = self.tensors[name]
         if isinstance(t, TensorInfo):
             values = dequantize_tensor(t)
@@ -90,6 +130,8 @@ class WeightStore:
             values = t.dequantize()
         else:
             values = t.float()
+        if rows is not None and rows != ((0, values.shape[0]),):
+            values = torch.cat([values[a:b] for a, b in rows])
         return values.to(self.device_of(name))
 
 
@@ -156,12 +198,15 @@ def new_kv_caches(
     mtp: bool = False,
     devices: Mapping[int, torch.device] | None = None,
     shared: SharedKV | None = None,
+    kv_heads: Mapping[int, int] | None = None,
 ) -> dict[int, KVCache]:
     """Each attention layer's cache, on `devices[layer]` (CPU when not given); with `shared`, the full-attention
-    layers' over the shared pools (sliding-window rings stay the sequence's own)."""
+    layers' over the shared pools (sliding-window rings stay the sequence's own). `kv_heads`: the heads a
+    tensor-parallel rank holds of a layer (`CausalLM.kv_heads`), where not all."""
     layout = config.cache_layout()
     caches = {}
     for spec in layout.mtp_attention if mtp else layout.attention:
+        spec = replace(spec, n_kv_heads=(kv_heads or {}).get(spec.layer, spec.n_kv_heads))
         if shared is not None and spec.layer in shared.pools:
             pool = shared.pools[spec.layer]
             caches[spec.layer] = KVCache(ctx, spec.n_kv_heads, spec.k_dim, spec.v_dim, pool=pool, table=shared.table)
@@ -292,6 +337,7 @@ class CausalLM:
     ubatch: int = DEFAULT_UBATCH
     device: torch.device = torch.device("cpu")  # where activations start (the embedding's device)
     layer_devices: Mapping[int, torch.device] = MappingProxyType({})  # blocks not on `device` (a layer split)
+    kv_heads: Mapping[int, int] = MappingProxyType({})  # a tensor-parallel rank's KV heads of a layer, where not all
 
     def device_of(self, layer: int) -> torch.device:
         return self.layer_devices.get(layer, self.device)
@@ -367,8 +413,9 @@ class CausalLM:
         its layer's device; `new_state(shared=...)` makes sequences over them."""
         layout = self.config.cache_layout()
         devices = self._layer_device_map()
+        heads = lambda s: self.kv_heads.get(s.layer, s.n_kv_heads)  # noqa: E731
         return {
-            s.layer: KVPool(n_cells, s.n_kv_heads, s.k_dim, s.v_dim, cache_type_k, cache_type_v, devices[s.layer])
+            s.layer: KVPool(n_cells, heads(s), s.k_dim, s.v_dim, cache_type_k, cache_type_v, devices[s.layer])
             for s in (*layout.attention, *(layout.mtp_attention if mtp else ()))
             if s.sliding_window is None
         }

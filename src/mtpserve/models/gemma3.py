@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from ctypes import Structure
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ from ..ops.norm import rms_norm, rms_norm_for
 from ..ops.rope import RopeTable, apply_rope
 from .base import Batch, CausalLM, ModelState, Rope, SharedKV, WeightStore, new_kv_caches, padded_context
 from .configs.gemma3 import ARCH, DEFAULT_ROPE_BASE_SWA, DEFAULT_SWA_PERIOD, Gemma3Config  # noqa: F401 (re-exported)
+from .tensor_parallel import attention_share, ffn_share, scaled
 
 # --- blocks -------------------------------------------------------------------------------------------
 
@@ -29,10 +31,13 @@ class Attention:
     the last `sliding_window` positions."""
 
     def __init__(self, w: WeightStore, b: str, c: Gemma3Config) -> None:
-        self.c = c
-        self.wq, self.wk, self.wv = (w.matrix(f"{b}.attn_{n}.weight") for n in "qkv")
+        hd, wo = c.head_dim, f"{b}.attn_output.weight"
+        share = attention_share(w.partition, c.n_head, c.n_head_kv, hd, w.ggml_type(wo))  # a rank's heads
+        self.c = c = replace(c, n_head=len(share.heads), n_head_kv=len(share.kv_heads))
+        self.wq = w.matrix(f"{b}.attn_q.weight", rows=share.q_rows(hd))
+        self.wk, self.wv = (w.matrix(f"{b}.attn_{n}.weight", rows=share.kv_rows(hd)) for n in "kv")
         self.qkv = WeightGroup((self.wq, self.wk, self.wv))  # one kernel call for the three
-        self.wo = w.matrix(f"{b}.attn_output.weight")
+        self.wo = w.matrix(wo, columns=share.out_columns(hd), partition=share.partition)
         self.q_norm = w.dense(f"{b}.attn_q_norm.weight")
         self.k_norm = w.dense(f"{b}.attn_k_norm.weight")
         self.query_scale = float(np.float32(1.0) / np.sqrt(np.float32(c.head_dim)))
@@ -82,7 +87,10 @@ class DecoderLayer:
         self.attn = Attention(w, b, c)
         self.attn_post_norm = w.dense(f"{b}.post_attention_norm.weight")
         self.ffn_norm = w.dense(f"{b}.ffn_norm.weight")
-        self.gate, self.up, self.down = (w.matrix(f"{b}.ffn_{n}.weight") for n in ("gate", "up", "down"))
+        down = f"{b}.ffn_down.weight"
+        share = ffn_share(w.partition, w.shape(down)[1], w.ggml_type(down))  # a rank's columns of the FFN
+        self.gate, self.up = (w.matrix(f"{b}.ffn_{n}.weight", rows=share.columns) for n in ("gate", "up"))
+        self.down = w.matrix(down, columns=share.columns, partition=share.partition)
         self.gate_up = WeightGroup((self.gate, self.up))
         self.ffn_post_norm = w.dense(f"{b}.post_ffw_norm.weight")
         ffn = (self.ffn_norm, self.eps, self.gate_up, self.down)
@@ -120,6 +128,11 @@ class Gemma3ForCausalLM(CausalLM):
         self.layers = [DecoderLayer(w, i, c) for i in range(c.n_layer)]
         self.output_norm = w.dense("output_norm.weight")
         self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")
+        if w.partition.split:  # a tensor-parallel rank's rows of the vocabulary, the logits gathered
+            vocab = scaled(w.partition.units(c.n_vocab), 1)
+            name = "token_embd.weight" if c.tied_embeddings else "output.weight"
+            self.output = w.matrix(name, rows=vocab, partition=w.partition, gather=True)
+        self.kv_heads = {layer.index: layer.attn.c.n_head_kv for layer in self.layers if w.partition.split}
 
     def new_state(
         self, ctx_size: int = 0, cache_type_k: str = "f16", cache_type_v: str = "f16", *, shared: SharedKV | None = None
@@ -127,8 +140,9 @@ class Gemma3ForCausalLM(CausalLM):
         ctx = padded_context(ctx_size, self.config)
         devices = self._layer_device_map()
         kv = new_kv_caches(
-            self.config, ctx, cache_type_k, cache_type_v, ubatch=self.ubatch, devices=devices, shared=shared
-        )
+            self.config, ctx, cache_type_k, cache_type_v, ubatch=self.ubatch, devices=devices, shared=shared,
+            kv_heads=self.kv_heads,
+        )  # fmt: skip
         return ModelState(kv, capacity=ctx)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from ctypes import Structure
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,7 @@ from ..ops.rope import RopeTable
 from ..quant.qtensor import QTensor
 from .base import Batch, CausalLM, ModelState, Rope, SharedKV, WeightStore, new_kv_caches, padded_context
 from .configs.qwen35 import ARCH, Qwen35Config  # noqa: F401 (re-exported)
+from .tensor_parallel import attention_share, deltanet_share, ffn_share, scaled
 
 # --- blocks -------------------------------------------------------------------------------------------
 
@@ -43,13 +45,15 @@ class GatedAttention:
     per-head RMSNorm on q and k before partial RoPE."""
 
     def __init__(self, w: WeightStore, b: str, c: Qwen35Config) -> None:
-        self.c = c
-        self.wq = w.matrix(f"{b}.attn_q.weight")  # joint query + gate, [H, 2, hd] per token
-        self.wk = w.matrix(f"{b}.attn_k.weight")
-        self.wv = w.matrix(f"{b}.attn_v.weight")
+        hd, wo = c.head_dim, f"{b}.attn_output.weight"
+        share = attention_share(w.partition, c.n_head, c.n_head_kv, hd, w.ggml_type(wo))  # a rank's heads
+        self.c = c = replace(c, n_head=len(share.heads), n_head_kv=len(share.kv_heads))
+        self.wq = w.matrix(f"{b}.attn_q.weight", rows=share.q_rows(2 * hd))  # joint query + gate, [H, 2, hd] a token
+        self.wk = w.matrix(f"{b}.attn_k.weight", rows=share.kv_rows(hd))
+        self.wv = w.matrix(f"{b}.attn_v.weight", rows=share.kv_rows(hd))
         self.qkv = WeightGroup((self.wq, self.wk, self.wv))  # one kernel call for the three
         self.input_weight = self.wq  # the first matmul of the block's input
-        self.wo = w.matrix(f"{b}.attn_output.weight")
+        self.wo = w.matrix(wo, columns=share.out_columns(hd), partition=share.partition)
         self.q_norm = w.dense(f"{b}.attn_q_norm.weight")
         self.k_norm = w.dense(f"{b}.attn_k_norm.weight")
         # the block's one-call form (KVCache.residual_attention, decode_block): the output gated by a second query
@@ -86,16 +90,20 @@ class GatedDeltaNet:
     the recurrence, and a gated RMSNorm on the output."""
 
     def __init__(self, w: WeightStore, b: str, c: Qwen35Config) -> None:
-        self.c = c
-        qkv = w.matrix(f"{b}.attn_qkv.weight")  # q | k | v rows, V heads in tiled order
-        gate = w.matrix(f"{b}.attn_gate.weight")  # z
+        d, out = c.ssm_head_dim, f"{b}.ssm_out.weight"
+        share = deltanet_share(w.partition, c.n_k_heads, c.n_v_heads, d, w.ggml_type(out))  # a rank's heads
+        channels, heads = share.qkv_rows(d, c.key_dim), share.v_runs(1)  # conv channels; per-V-head rows
+        self.c = c = replace(c, n_k_heads=len(share.k_heads), n_v_heads=len(share.v_heads))
+        qkv = w.matrix(f"{b}.attn_qkv.weight", rows=channels)  # q | k | v rows, V heads in tiled order
+        gate = w.matrix(f"{b}.attn_gate.weight", rows=share.v_runs(d))  # z
+        beta, alpha = (w.matrix(f"{b}.ssm_{n}.weight", rows=heads) for n in ("beta", "alpha"))
         self.w = GatedDeltaNetWeights(
-            projections=WeightGroup((qkv, gate, w.matrix(f"{b}.ssm_beta.weight"), w.matrix(f"{b}.ssm_alpha.weight"))),
-            dt_bias=w.dense(f"{b}.ssm_dt.bias"),
-            a=w.dense(f"{b}.ssm_a"),  # already -exp(A_log)
-            conv_weight=w.dense(f"{b}.ssm_conv1d.weight"),  # [conv_dim, d_conv]
+            projections=WeightGroup((qkv, gate, beta, alpha)),
+            dt_bias=w.dense(f"{b}.ssm_dt.bias", rows=heads),
+            a=w.dense(f"{b}.ssm_a", rows=heads),  # already -exp(A_log)
+            conv_weight=w.dense(f"{b}.ssm_conv1d.weight", rows=channels),  # [conv_dim, d_conv]
             norm_weight=w.dense(f"{b}.ssm_norm.weight"),
-            w_out=w.matrix(f"{b}.ssm_out.weight"),
+            w_out=w.matrix(out, columns=share.v_runs(d), partition=share.partition),
             n_k_heads=c.n_k_heads,
             eps=c.rms_eps,
         )
@@ -183,10 +191,12 @@ class GatedDeltaNet:
 
 class SwiGLU:
     def __init__(self, w: WeightStore, b: str) -> None:
-        self.gate = w.matrix(f"{b}.ffn_gate.weight")
-        self.up = w.matrix(f"{b}.ffn_up.weight")
+        down = f"{b}.ffn_down.weight"
+        share = ffn_share(w.partition, w.shape(down)[1], w.ggml_type(down))  # a rank's columns of the FFN
+        self.gate = w.matrix(f"{b}.ffn_gate.weight", rows=share.columns)
+        self.up = w.matrix(f"{b}.ffn_up.weight", rows=share.columns)
         self.gate_up = WeightGroup((self.gate, self.up))  # one GEMV launch on the GPU path
-        self.down = w.matrix(f"{b}.ffn_down.weight")
+        self.down = w.matrix(down, columns=share.columns, partition=share.partition)
 
     def __call__(
         self, x: torch.Tensor | QuantizedRows, seq_len: int, residual: torch.Tensor | None = None
@@ -261,11 +271,18 @@ class MTPHead:
         self.hnorm = w.dense(f"{b}.hnorm.weight")
         self.embed = w.matrix(f"{b}.embed_tokens.weight", lookup=True) if w.has(f"{b}.embed_tokens.weight") else None
         self.norm = w.dense(f"{b}.shared_head_norm.weight") if w.has(f"{b}.shared_head_norm.weight") else output_norm
-        self.head = w.matrix(f"{b}.shared_head_head.weight") if w.has(f"{b}.shared_head_head.weight") else output
+        own_head = w.has(f"{b}.shared_head_head.weight")
+        self.head = w.matrix(f"{b}.shared_head_head.weight", **vocab_share(w, c)) if own_head else output
         self.block = DecoderLayer(w, i, c)
 
 
 # --- model --------------------------------------------------------------------------------------------
+
+
+def vocab_share(w: WeightStore, c: Qwen35Config) -> dict:
+    """`WeightStore.matrix`'s arguments for a tensor-parallel rank's rows of an output layer."""
+    return {"rows": scaled(w.partition.units(c.n_vocab), 1), "partition": w.partition, "gather": True}
+
 
 RECURRENT_MAX_TOKENS = 8  # up to this many tokens (decode, draft verification) the step-by-step rule wins
 GDN_CHUNK = 64  # the chunked rule's chunk size (gated_delta_rule_chunked's default)
@@ -279,7 +296,11 @@ class Qwen35ForCausalLM(CausalLM):
         self.layers = [DecoderLayer(w, i, c) for i in range(c.n_layer)]
         self.output_norm = w.dense("output_norm.weight")
         self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")
+        if w.partition.split:  # a tensor-parallel rank's rows of the vocabulary, the logits gathered
+            self.output = w.matrix("token_embd.weight" if c.tied_embeddings else "output.weight", **vocab_share(w, c))
         self.mtp = [MTPHead(w, i, c, self.output, self.output_norm) for i in c.mtp_layers()]
+        attention = [layer for layer in (*self.layers, *(m.block for m in self.mtp)) if not layer.recurrent]
+        self.kv_heads = {layer.index: layer.mixer.c.n_head_kv for layer in attention if w.partition.split}
         self.rope_table = RopeTable(c.n_rot, c.rope_base, sections=c.rope_sections, device=self.device)
         self._draft_models: dict[tuple[int, int], DraftModel] = {}  # mtp_draft's, by draft head
 
@@ -295,17 +316,18 @@ class Qwen35ForCausalLM(CausalLM):
         """`mtp` also allocates the MTP block's KV cache (kept in `state.kv` under the block's index)."""
         c = self.config
         ctx = padded_context(ctx_size, c)
+        local = {layer.index: layer.mixer.c for layer in self.layers}  # a tensor-parallel rank's heads
         recurrent = {
-            i: RecurrentState.zeros(c.conv_dim, c.d_conv, c.n_v_heads, c.ssm_head_dim, self.device_of(i))
-            for i in range(c.n_layer)
+            i: RecurrentState.zeros(lc.conv_dim, lc.d_conv, lc.n_v_heads, lc.ssm_head_dim, self.device_of(i))
+            for i, lc in local.items()
             if c.recurrent[i]
         }
-        devices = self._layer_device_map()
-        kv = new_kv_caches(c, ctx, cache_type_k, cache_type_v, devices=devices, shared=shared)
+        where = {"devices": self._layer_device_map(), "shared": shared, "kv_heads": self.kv_heads}
+        kv = new_kv_caches(c, ctx, cache_type_k, cache_type_v, **where)
         if mtp:
             if not self.mtp:
                 raise ValueError("this model has no MTP block (nextn_predict_layers = 0)")
-            kv.update(new_kv_caches(c, ctx, cache_type_k, cache_type_v, mtp=True, devices=devices, shared=shared))
+            kv.update(new_kv_caches(c, ctx, cache_type_k, cache_type_v, mtp=True, **where))
         return ModelState(kv, recurrent, capacity=ctx)
 
     @torch.inference_mode()

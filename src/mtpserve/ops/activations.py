@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import cpu as cpu_kernels
-from ..quant.qtensor import QTensor, RowSplitQTensor
+from ..quant.qtensor import QTensor
 from .decode_program import FFNBlock, ptr
 from .device import gpu_path
-from .linear import WeightGroup, as_rows, kernel_supports, linear, linear_many, linear_reference
+from .linear import SPLIT, WeightGroup, as_rows, kernel_supports, linear, linear_many, linear_reference
 from .linear_gpu import QuantizedRows, decode_format, linear_gpu, matmul_input
 from .norm import rms_norm, rms_norm_for
 from .rowwise import glu_quantize
@@ -83,7 +83,7 @@ def gated_ffn_gpu(
     fmt = decode_format(down, rows)
     y, q, d = glu_quantize(gate.reshape(rows, -1), up.reshape(rows, -1), act, fmt=fmt)
     h = matmul_input(y.reshape(*gate.shape), fmt, q, d)
-    if residual is not None and not isinstance(down, RowSplitQTensor):
+    if residual is not None and not isinstance(down, SPLIT):
         return linear_gpu(h, down, add=residual)
     out = linear(h, down)
     return out if residual is None else residual + out

@@ -36,12 +36,17 @@ from .activation_rounding import (
     quantize_activations_q8_0,
     quantize_activations_q8_k,
 )
+from .collective import GatheredQTensor, ReducedQTensor
 from .device import gpu_path
 from .linear_gpu import QuantizedRows, linear_gpu, linear_many_gpu, merge_rows
 
 
 def linear_reference(x: torch.Tensor, weight: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] -> [..., N] for weight [N, K], with llama.cpp's activation rounding."""
+    """x [..., K] -> [..., N] for weight [N, K], with llama.cpp's activation rounding (a tensor-parallel share's
+    product completed over the ranks, as `linear` does)."""
+    if isinstance(weight, (ReducedQTensor, GatheredQTensor)):
+        y = exchanged(weight, linear_reference(x, weight.local()))
+        return y if bias is None else y + bias
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K).float()
     t = weight.ggml_type
@@ -85,10 +90,20 @@ def _kernel_type(ggml_type: GGMLType) -> bool:
     return lib is not None and bool(lib.mtp_matmul_supported(int(ggml_type)))
 
 
+SPLIT = (RowSplitQTensor, ReducedQTensor, GatheredQTensor)  # products that need more than one kernel call
+
+
+def exchanged(weight: ReducedQTensor | GatheredQTensor, y: torch.Tensor) -> torch.Tensor:
+    """This rank's product with its share of `weight`, completed: the ranks' partial sums added, or their rows of
+    the output gathered (ops.collective)."""
+    return weight.group.all_reduce(y) if isinstance(weight, ReducedQTensor) else weight.group.all_gather(y)
+
+
 def kernel_supports(weight: QTensor, split: bool = False) -> bool:
     """Whether the C kernel library is loaded and multiplies this weight: its type, stored whole (not split by
-    rows over devices; with `split`, also a split one, whose shards `linear` multiplies one by one)."""
-    return _kernel_type(weight.ggml_type) and (split or not isinstance(weight, RowSplitQTensor))
+    rows over devices, nor a tensor-parallel share whose product the ranks exchange; with `split`, also such a one,
+    which `linear` multiplies and completes). Fused kernels that would add to a product ask without `split`."""
+    return _kernel_type(weight.ggml_type) and (split or not isinstance(weight, SPLIT))
 
 
 def keep_packed_tiles(weight: QTensor) -> QTensor:
@@ -117,7 +132,7 @@ class WeightGroup(tuple):
         group.c_rows = (ctypes.c_int64 * n)(*(w.shape[0] for w in group))
         group.on_kernels = all(kernel_supports(w) for w in group)
         group._merged = None
-        whole = not any(isinstance(w, RowSplitQTensor) for w in group)  # a row split multiplies shard by shard
+        whole = not any(isinstance(w, SPLIT) for w in group)  # a row split multiplies shard by shard
         if whole and all(w.data.is_cuda for w in group):  # before any graph capture: merging allocates
             group.merged()
         return group
@@ -144,7 +159,7 @@ def linear_many(
 ) -> list[torch.Tensor]:
     """[linear(x, w, seq_len=seq_len) for w in weights], in one kernel call: one activation rounding and
     one parallel region for all of them (on the GPU path: ops.linear_gpu, one launch per weight type of a group)."""
-    if any(isinstance(w, RowSplitQTensor) for w in weights):
+    if any(isinstance(w, SPLIT) for w in weights):
         return [linear(x, w, seq_len=seq_len) for w in weights]
     if isinstance(x, QuantizedRows) or gpu_path(x):
         return linear_many_gpu(x, weights)
@@ -187,7 +202,12 @@ def linear(
     `QuantizedRows` a fused norm made), integer GEMVs for decode, summed in float32 in the kernels' order.
 
     A matrix split by rows over devices (`RowSplitQTensor`, --split-mode row): each device multiplies its rows
-    (the input copied to it), and the outputs are gathered on the input's device."""
+    (the input copied to it), and the outputs are gathered on the input's device. A tensor-parallel share
+    (ops.collective): this rank's product, then the ranks' partial sums added (`ReducedQTensor`) or their rows of
+    the output gathered (`GatheredQTensor`)."""
+    if isinstance(weight, (ReducedQTensor, GatheredQTensor)):
+        y = exchanged(weight, linear(x, weight.local(), seq_len=seq_len))
+        return y if bias is None else y + bias
     if isinstance(weight, RowSplitQTensor):
         x = x.x if isinstance(x, QuantizedRows) else x
         parts = [linear(x.to(s.data.device), s, seq_len=seq_len).to(x.device) for s in weight.shards]

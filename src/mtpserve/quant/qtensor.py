@@ -56,6 +56,31 @@ class QTensor:
         n = min(n, self.shape[0])
         return QTensor(self.data[:n], self.ggml_type, (n, *self.shape[1:]), f"{self.name}[:{n}]")
 
+    def select_rows(self, runs: Sequence[tuple[int, int]]) -> QTensor:
+        """Rows [a, b) of each run, in order (a tensor-parallel rank's heads): a view for one run, else a copy."""
+        if len(runs) == 1:
+            a, b = runs[0]
+            return QTensor(self.data[a:b], self.ggml_type, (b - a, *self.shape[1:]), f"{self.name}[{a}:{b}]")
+        data = torch.cat([self.data[a:b] for a, b in runs])
+        return QTensor(data, self.ggml_type, (data.shape[0], *self.shape[1:]), f"{self.name}[rows {list(runs)}]")
+
+    def select_columns(self, runs: Sequence[tuple[int, int]]) -> QTensor:
+        """Columns [a, b) of each run, in order, as a copy; every bound must fall on a block boundary (a block's
+        values share its scales). `columns_split` says whether they do."""
+        block, block_bytes = self.block_geometry()
+        if not columns_split(self.ggml_type, runs):
+            raise ValueError(f"'{self.name}' ({self.ggml_type.name}): columns {list(runs)} cut its {block}-wide blocks")
+        parts = [self.data[:, a // block * block_bytes : b // block * block_bytes] for a, b in runs]
+        data = torch.cat(parts, dim=1).contiguous()
+        width = sum(b - a for a, b in runs)
+        return QTensor(data, self.ggml_type, (self.shape[0], width), f"{self.name}[cols {list(runs)}]")
+
+
+def columns_split(ggml_type: GGMLType, runs: Sequence[tuple[int, int]]) -> bool:
+    """Whether column runs [a, b) start and end on block boundaries of `ggml_type`."""
+    block = block_geometry(ggml_type)[0]
+    return all(a % block == 0 and b % block == 0 for a, b in runs)
+
 
 @dataclass(frozen=True)
 class RowSplitQTensor(QTensor):

@@ -1,0 +1,147 @@
+"""Tensor parallelism's communication (`--split-mode row`, issue 40): the ranks a model is split over, how they sum
+and gather, and the matrices whose products need it.
+
+A rank holds a share of every matrix (models.tensor_parallel says which): a column-parallel matrix's rows (its heads
+of a projection, its FFN columns) give a product that is the rank's own; a row-parallel matrix's columns give a
+partial sum that `linear` all-reduces (`ReducedQTensor`); the output layer's vocabulary rows give a slice of the
+logits that `linear` all-gathers (`GatheredQTensor`). Every rank ends each such product with the same bits: the
+sum runs in rank order on each of them, so the replicated residual stream never drifts between ranks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from ..quant.qtensor import QTensor
+
+T = TypeVar("T")
+
+
+class Collective(Protocol):
+    """What a rank needs from the others: every rank calls the same operations in the same order."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `t`, added in rank order (the same bits on every rank)."""
+        ...
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t` concatenated along the last dimension, in rank order (the shards may differ in width)."""
+        ...
+
+
+@dataclass(frozen=True)
+class SingleRank:
+    """No tensor parallelism: one rank, nothing to exchange."""
+
+    rank: int = 0
+    size: int = 1
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+class ThreadGroup:
+    """Ranks that are threads of one process, each driving its own device (or the CPU): an exchange is a barrier
+    around a shared list. What `--device cpu,cpu` runs, and the tests' two ranks; no process, no socket, so a
+    failed rank cannot leave another waiting on a port (`abort` breaks the barrier instead)."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"a group needs at least one rank, not {size}")
+        self.size = size
+        self._barrier = threading.Barrier(size)
+        self._slots: list[torch.Tensor | None] = [None] * size
+
+    def member(self, rank: int) -> ThreadRank:
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} of a group of {self.size}")
+        return ThreadRank(rank, self.size, self)
+
+    def run(self, fn: Callable[[ThreadRank], T]) -> list[T]:
+        """fn(rank) on a thread per rank, its results in rank order; a rank that raises aborts the others' exchanges
+        and its error is raised here (the first rank's, when several fail)."""
+        results: list[Any] = [None] * self.size
+        errors: list[BaseException | None] = [None] * self.size
+
+        def body(rank: int) -> None:
+            try:
+                results[rank] = fn(self.member(rank))
+            except BaseException as e:  # noqa: BLE001 (re-raised below, on the caller's thread)
+                errors[rank] = e
+                self.abort()
+
+        threads = [threading.Thread(target=body, args=(r,), name=f"mtpserve-rank-{r}") for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        failed = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
+        if failed or any(errors):
+            raise (failed or [e for e in errors if e is not None])[0]
+        return results
+
+    def abort(self) -> None:
+        """Wake every rank waiting in an exchange with `threading.BrokenBarrierError` (a rank failed)."""
+        self._barrier.abort()
+
+    def exchange(self, rank: int, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's tensor, once all have given theirs; each rank reads them before any rank's next exchange."""
+        self._slots[rank] = t
+        self._barrier.wait()
+        parts = [s for s in self._slots if s is not None]
+        self._barrier.wait()  # all have read: the slots may be written again
+        return parts
+
+
+@dataclass(frozen=True)
+class ThreadRank:
+    rank: int
+    size: int
+    group: ThreadGroup
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        parts = self.group.exchange(self.rank, t)
+        total = parts[0].to(t.device, copy=True)
+        for part in parts[1:]:
+            total += part.to(t.device)
+        return total
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.to(t.device) for p in self.group.exchange(self.rank, t)], dim=-1)
+
+
+@dataclass(frozen=True)
+class ReducedQTensor(QTensor):
+    """A row-parallel matrix: this rank's columns of it (whole blocks). Its product is a partial sum; `linear` adds
+    the ranks' together. Fused kernels that would add a residual or norm to the partial sum do not take it
+    (`ops.linear.kernel_supports`)."""
+
+    group: Collective = SingleRank()
+
+    def local(self) -> QTensor:
+        return QTensor(self.data, self.ggml_type, self.shape, self.name)
+
+
+@dataclass(frozen=True)
+class GatheredQTensor(QTensor):
+    """A matrix split by rows over the ranks (the output layer's vocabulary): `linear` concatenates the ranks'
+    outputs, so every rank sees every logit."""
+
+    group: Collective = SingleRank()
+
+    def local(self) -> QTensor:
+        return QTensor(self.data, self.ggml_type, self.shape, self.name)
+
+
+ParallelQTensor = (ReducedQTensor, GatheredQTensor)
