@@ -384,6 +384,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         warm_page_cache=not args.no_warmup,
         gpu=gpu_request(args),
         draft_gpu=draft_gpu_request(args),
+        tensor_parallel=cpu_ranks(args),
+        tensor_split=_tensor_split(args) or (),
     )
 
 
@@ -397,12 +399,21 @@ def slot_save_path(value: str | None) -> Path | None:
     return path
 
 
+def cpu_ranks(args: argparse.Namespace) -> tuple[str, ...]:
+    """`-sm row --device cpu,cpu`: tensor parallelism over ranks on the CPU (engine.tensor_parallel), one a device
+    named; () otherwise."""
+    names = tuple(n.strip() for n in (args.device or "").split(",") if n.strip())
+    if args.split_mode == "row" and len(names) > 1 and all(n.lower() == "cpu" for n in names):
+        return names
+    return ()
+
+
 def gpu_request(args: argparse.Namespace, cuda: bool | None = None) -> GpuRequest | None:
     """The layers go on the GPUs when CUDA is available and --gpu-layers asks for any (N > 0, all, auto); without
     --gpu-layers everything stays on the CPU (a decision: llama-server's own default offloads, but the CUDA
     path is new and opt-in until it has been measured on the deployment's GPUs). `--device` narrows the GPUs."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    if not cuda or args.gpu_layers in (None, "0"):
+    if not cuda or args.gpu_layers in (None, "0") or cpu_ranks(args):
         return None
     return GpuRequest(args.gpu_layers, args.split_mode or "layer", _tensor_split(args), args.main_gpu or 0, args.device)
 
@@ -589,7 +600,10 @@ def _log_devices(args: argparse.Namespace) -> None:
             )
     page, pages = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_AVPHYS_PAGES")
     log.info("device_info: CPU: %d threads, %d MiB free", torch.get_num_threads(), page * pages >> 20)
-    given = [f"--{name.replace('_', '-')}" for name in GPU_FLAGS if getattr(args, name) is not None]
+    ranks = ("split_mode", "device", "tensor_split") if cpu_ranks(args) else ()  # they place the CPU ranks
+    given = [
+        f"--{name.replace('_', '-')}" for name in GPU_FLAGS if getattr(args, name) is not None and name not in ranks
+    ]
     if given and not cuda:
         log.warning("main: %s ignored (no CUDA device: everything runs on the CPU)", ", ".join(given))
     draft = [

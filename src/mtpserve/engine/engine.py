@@ -41,6 +41,7 @@ from .planner import MemoryPlan
 from .prompt_cache import PromptCache
 from .request import GrammarSpec, Request
 from .reuse import PrefixReuse
+from .rounds import Mirror
 from .runner import ModelRunner
 from .slot_tasks import SlotTasks
 from .slots import Slot, Slots
@@ -52,6 +53,8 @@ log = logging.getLogger("mtpserve.engine")
 
 class Engine:
     """One model served on `config.n_parallel` slots; implements `EngineClient`."""
+
+    mirror = Mirror()  # the rounds of tensor parallelism's other ranks (engine.tensor_parallel); none here
 
     def __init__(
         self,
@@ -68,11 +71,9 @@ class Engine:
         self.model, self.tokenizer, self.config, self.plan = model, tokenizer, config, plan
         self.runner = ModelRunner(model)
         self.drafter = make_drafter(config.spec, model, tokenizer, self.runner.graphs, draft_model, config.ubatch)
-        self.speculator = None
-        self.stepper: PlainDecode | Speculator = PlainDecode(self.runner)  # the generating slots' step
-        if self.drafter is not None:
-            self.speculator = Speculator(self.drafter, self.runner, config.spec, plan.slot_ctx, tokenizer.eog_ids)
-            self.stepper = self.speculator
+        spec = (self.drafter, self.runner, config.spec, plan.slot_ctx, tokenizer.eog_ids)
+        self.speculator = Speculator(*spec) if self.drafter is not None else None  # type: ignore[arg-type]
+        self.stepper: PlainDecode | Speculator = self.speculator or PlainDecode(self.runner)  # the generating slots'
         c = model.config
         self.info = EngineInfo(c.n_vocab, c.context_length, c.n_embd, plan.slot_ctx, config.n_parallel)
         log_start(config, plan, name, c.n_embd)
@@ -123,8 +124,7 @@ class Engine:
         self.grammars.get().compile(grammar, cancelled)
 
     @property
-    def queued(self) -> int:
-        """Requests waiting for a slot."""
+    def queued(self) -> int:  # requests waiting for a slot
         with self._wake:
             return len(self._queue)
 
@@ -208,7 +208,7 @@ class Engine:
                     break
                 tasks = self.slot_tasks.take(self.slots)
                 if not tasks:
-                    self._drop_cancelled()
+                    self._drop_cancelled(self.mirror.send(self._queue, self.slots))  # the other ranks' round too
                     self._admit()
             if tasks:  # outside the lock (submit never waits on them); admission comes after, next round
                 self.slot_tasks.run(tasks, self.slots)
@@ -333,12 +333,12 @@ class Engine:
             log.error("slot update_slots: id %2d | task %d | failed: %s: %s", slot.id, slot.job.stream.id, name, error)
             self._clear(slot, error if isinstance(error, EngineError) else ServerError(f"{name}: {error}"))
 
-    def _drop_cancelled(self) -> None:
-        for job in [j for j in self._queue if j.stream.cancelled.is_set()]:
+    def _drop_cancelled(self, cancelled: frozenset[int]) -> None:  # stream ids: decided once for every rank
+        for job in [j for j in self._queue if j.stream.id in cancelled]:
             self._queue.remove(job)
             job.stream.put(Cancelled())
         for slot in self.slots.busy():
-            if slot.job is not None and slot.job.stream.cancelled.is_set():
+            if slot.job is not None and slot.job.stream.id in cancelled:
                 self._clear(slot, Cancelled())
 
     def _clear(self, slot: Slot, error: EngineError) -> None:

@@ -21,6 +21,7 @@ from ..chat import ChatTemplate
 from ..engine import Engine, EngineClient, EngineConfig, SamplingParams
 from ..engine.devices import GpuRequest
 from ..engine.planner import plan_for_file
+from ..engine.tensor_parallel import start_tensor_parallel
 from ..tokenizer import Tokenizer
 from .chat import ChatSettings, keep_special_ids
 from .errors import LOADING
@@ -62,6 +63,8 @@ class ServerSettings:
     warm_page_cache: bool = True
     gpu: GpuRequest | None = None  # GPU flags given on a machine with CUDA: the layers go on the GPUs
     draft_gpu: GpuRequest | None = None  # the same for draft-simple's model (--spec-draft-ngl, --spec-draft-device)
+    tensor_parallel: tuple[str, ...] = ()  # -sm row --device cpu,cpu: a rank on each (engine.tensor_parallel)
+    tensor_split: tuple[float, ...] = ()  # --tensor-split: the ranks' shares
 
     @property
     def model_name(self) -> str:
@@ -141,6 +144,8 @@ class ServerState:
         plan.check()  # refuse before reading gigabytes
         if s.warm_page_cache:  # in the background: the server answers meanwhile, its first pages read on demand
             threading.Thread(target=warm_page_cache, args=(s.model,), name="warm-page-cache", daemon=True).start()
+        if s.tensor_parallel:
+            return start_tensor_parallel(s.model, s.engine, s.tensor_parallel, s.tensor_split)
         return Engine.from_file(s.model, s.engine, gpu=s.gpu, draft_gpu=s.draft_gpu)
 
     def stop_compiling(self) -> None:

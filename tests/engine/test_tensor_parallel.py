@@ -1,0 +1,101 @@
+"""Tensor parallelism's engines (engine.tensor_parallel): two ranks of tinyqwen35 on the CPU, each a whole engine
+over its share, kept in step by the leader's rounds. Held to: the same decisions on every rank (each slot holds
+the same tokens, after greedy and sampled requests, a cancellation and prompt-cache reuse), and one rank's greedy
+tokens up to the first near tie, draft-mtp included."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mtpserve.engine import Cancelled, Engine, EngineConfig, Request, SamplingParams, TokenEvent
+from mtpserve.engine.config import SpecConfig
+from mtpserve.engine.errors import InvalidRequest
+from mtpserve.engine.planner import plan_for_file
+from mtpserve.engine.tensor_parallel import FollowerEngine, LeaderEngine, start_tensor_parallel
+from mtpserve.models.loader import load
+from mtpserve.tokenizer import Tokenizer
+
+from ..conftest import tinyqwen_path
+from .test_engine import _cases
+
+GREEDY = SamplingParams(temperature=0.0)
+NEAR_TIE = 0.05  # nats, as in the fixtures
+DRAFT_MTP = SpecConfig(type="draft-mtp", n_max=2)
+
+
+def _config(**kw) -> EngineConfig:
+    return EngineConfig(n_parallel=2, ctx_size=8192, spec=DRAFT_MTP, **kw)
+
+
+def _two_ranks(**kw) -> LeaderEngine:
+    engine = start_tensor_parallel(tinyqwen_path("Q4_K_M"), _config(**kw), ["cpu", "cpu"], ())
+    assert isinstance(engine, LeaderEngine)
+    return engine
+
+
+def _follower(leader: LeaderEngine) -> FollowerEngine:
+    (follower,) = leader.mirror.followers
+    assert isinstance(follower, FollowerEngine)
+    return follower
+
+
+def _assert_same_slots(leader: LeaderEngine) -> None:
+    """Every rank made the same decisions: each slot holds the same tokens (read once the ranks have stopped)."""
+    follower = _follower(leader)
+    for a, b in zip(leader.slots, follower.slots):
+        assert (a.tokens, a.n_past) == (b.tokens, b.n_past), f"slot {a.id}"
+
+
+def test_two_ranks_give_one_ranks_greedy_tokens_with_draft_mtp():
+    path = tinyqwen_path("Q4_K_M")
+    one = Engine(load(path), Tokenizer.from_gguf(path), _config(), plan_for_file(path, _config()))
+    two = _two_ranks()
+    try:
+        for case in _cases():
+            request = Request(case["prompt_token_ids"], GREEDY, n_predict=32, ignore_eos=True, n_probs=2)
+            events = [e for e in one.submit(request) if isinstance(e, TokenEvent)]
+            ties = [i for i, e in enumerate(events) if math.log(e.top_probs[0][1] / e.top_probs[1][1]) < NEAR_TIE]
+            first_tie = min([*ties, *case["near_tie_positions"], len(events)])
+            ours = two.submit(request).result()
+            assert ours.tokens[:first_tie] == [e.token for e in events][:first_tie], case["name"]
+            assert ours.timings.draft_n > 0  # the MTP head drafted on both ranks
+    finally:
+        one.close()
+        two.close()
+    _assert_same_slots(two)
+
+
+def test_every_rank_makes_the_same_decisions():
+    """Greedy and sampled requests (no seed: the leader draws one for every rank) on two slots, one cancelled
+    midway, then a prompt the prompt cache restores: afterwards every slot holds the same tokens on both ranks."""
+    engine = _two_ranks(cache_ram=64)
+    cases = _cases()
+    try:
+        sampled = [
+            engine.submit(Request(cases[i]["prompt_token_ids"], SamplingParams(temperature=0.9), n_predict=n))
+            for i, n in ((0, 20), (1, 9), (2, 15))
+        ]
+        busy = engine.submit(Request(cases[3]["prompt_token_ids"], GREEDY, n_predict=100_000, ignore_eos=True))
+        events = iter(busy)
+        for _ in range(3):
+            assert isinstance(next(events), TokenEvent)
+        busy.cancel()
+        with pytest.raises(Cancelled):
+            for _ in events:
+                pass
+        assert all(s.result().finish_reason in ("stop", "length") for s in sampled)
+        again = engine.submit(Request(cases[0]["prompt_token_ids"], GREEDY, n_predict=4)).result()
+        assert again.timings.cache_n > 0  # reused on both ranks alike
+        with pytest.raises(InvalidRequest, match="not supported with --split-mode row"):
+            engine.slot_action(0, "erase")
+    finally:
+        engine.close()
+    _assert_same_slots(engine)
+    assert not _follower(engine)._thread.is_alive()  # closing the leader ended the follower
+
+
+def test_tensor_parallel_runs_on_cpu_ranks_only():
+    with pytest.raises(InvalidRequest, match="CPU ranks"):
+        start_tensor_parallel(tinyqwen_path("Q4_K_M"), _config(), ["cuda:0", "cuda:1"], ())
