@@ -87,3 +87,12 @@ def test_doctor_notes_what_can_give_way_and_refuses_only_the_resident_part(capsy
     out = capsys.readouterr().out
     assert "memory-mapped, not counted as resident" in out and "[ note  ] memory" in out
     assert "the weights (0.01 GiB, memory-mapped) stay in memory while the context is short" in out
+
+
+def test_doctor_plans_a_row_split_as_each_cards_share(capsys):
+    """-sm row -ts 1,1 --gpus: tensor parallelism's plan, each card's share of every layer printed."""
+    path = str(tinyqwen_path("Q4_K_M"))
+    assert main(["doctor", "-m", path, "-sm", "row", "-ts", "1,1", "--gpus", "2,2", "--spec-type", "draft-mtp"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("50% of every layer") == 2 and "--split-mode row --tensor-split 1,1" in out
+    assert main(["doctor", "-m", path, "-sm", "row", "--gpus", "0.01,0.01"]) == 1  # 10 MiB a card: no

@@ -228,18 +228,25 @@ def test_split_mode_none_puts_everything_on_main_gpu():
         place(CONFIG, LAYER_BYTES, engine, fake_devices(2, 22), "all", "none", main_gpu=2)
 
 
-def test_split_mode_row_splits_weights_by_ratio():
+def test_split_mode_row_splits_every_layer_by_ratio():
+    """Tensor parallelism (issue 40): each GPU holds its share of every layer's weights, KV heads and recurrent
+    heads, and runs every layer (a compute reserve on each, with the whole logits); homes stay on the main GPU."""
     gpus = fake_devices(2, 22)
     p = place(CONFIG, LAYER_BYTES, DEPLOY, gpus, "all", "row", [3, 1], main_gpu=1)
     assert p.row_shares == (0.75, 0.25)
-    # Every layer's home, KV cache and state are on the main GPU; the matrices are split 3:1.
     assert p.layer_ranges() == {"CPU": [], "CUDA0": [], "CUDA1": [(0, 65)]}
     g0, g1 = p.use("CUDA0"), p.use("CUDA1")
     offloaded = FILE_BYTES - LAYER_BYTES["token_embd"]
-    assert g0.weights_bytes + g1.weights_bytes == offloaded
-    assert abs(g0.weights_bytes - 0.75 * offloaded) <= 66  # one byte of rounding per layer at most
-    assert (g0.kv_bytes, g0.recurrent_bytes, g0.compute_bytes) == (0, 0, 0)
-    assert g1.kv_bytes == 16 * KV_LAYER and g1.mtp_kv_bytes == KV_LAYER and g1.recurrent_bytes == 48 * STATE_LAYER
+    parts = {
+        "weights_bytes": offloaded,
+        "kv_bytes": 16 * KV_LAYER,
+        "mtp_kv_bytes": KV_LAYER,
+        "recurrent_bytes": 48 * STATE_LAYER,
+    }
+    for part, total in parts.items():
+        assert getattr(g0, part) + getattr(g1, part) == total, part
+        assert abs(getattr(g0, part) - 0.75 * total) <= 66, part  # one byte of rounding a layer at most
+    assert g0.compute_bytes > g1.compute_bytes > 0 and g0.output and g1.output  # 3:1 of a prompt's dequantized KV
     assert p.fits
 
 
@@ -358,3 +365,16 @@ def test_the_engine_plans_each_model_right_before_loading_it(caplog: pytest.LogC
     assert len(result.tokens) == 6 and result.timings.draft_n > 0
     planned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("load_tensors: CPU")]
     assert len(planned) == 2
+
+
+def test_the_deployment_fits_two_22_gb_cards_tensor_parallel():
+    """Issue 40's line: 262144 tokens of q8_0 KV with draft-mtp, -sm row -ts 1,1 on 2 x 22 GB: each card holds half
+    of everything a layer has (weights, KV heads, DeltaNet heads, the MTP block's), and both run every layer."""
+    p = place(CONFIG, LAYER_BYTES, DEPLOY, fake_devices(2, 22), "all", "row", [1, 1])
+    g0, g1 = p.use("CUDA0"), p.use("CUDA1")
+    assert p.fits and p.row_shares == (0.5, 0.5)
+    for part, total in {"kv_bytes": 16 * KV_LAYER, "recurrent_bytes": 48 * STATE_LAYER}.items():
+        assert getattr(g0, part) == getattr(g1, part) == total // 2, part
+    assert abs(g0.weights_bytes - g1.weights_bytes) <= 66
+    layer = place(CONFIG, LAYER_BYTES, DEPLOY, fake_devices(2, 22), "all", "layer", [1, 1])
+    assert max(g0.total_bytes, g1.total_bytes) < max(u.total_bytes for u in layer.uses[1:])  # evener than layers

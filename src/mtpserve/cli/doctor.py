@@ -28,7 +28,7 @@ import torch
 
 from ..engine.config import EngineConfig
 from ..engine.errors import InsufficientMemory
-from ..engine.placement import Device, layer_bytes_from_gguf, place
+from ..engine.placement import Device, Placement, layer_bytes_from_gguf, place
 from ..engine.planner import recommend
 from ..gguf import open_gguf
 from ..models import config_from_gguf
@@ -52,6 +52,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_checkpoint_arguments(p)
     p.add_argument("--memory", type=float, help="plan for this many GiB free instead of what is free now")
     p.add_argument("--gpus", help="plan for these GPUs instead of the ones here: free GiB each, e.g. 22,22")
+    p.add_argument(
+        "-sm", "--split-mode", choices=("layer", "row"), help="row: tensor parallelism (default: layer, auto-placed)"
+    )
+    p.add_argument("-ts", "--tensor-split", help="the GPUs' shares, e.g. 1,1 (with -sm row; default equal)")
     add_spec_arguments(p)
     p.set_defaults(func=run)
 
@@ -141,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     engine = EngineConfig(**engine_flags(args), n_parallel=args.parallel, cache_ram=args.cache_ram)
     devices = _gpu_devices(args.gpus)
     if devices:  # the question is the GPUs': planned with what was asked, whatever this host's memory
-        failed, gpu_flags = _plan_gpus(path, engine, devices)
+        failed, gpu_flags = _plan_gpus(path, engine, devices, args.split_mode or "layer", args.tensor_split)
         _recommend(path, engine, gpu_flags)
         return 1 if problems + failed else 0
     available = int(args.memory * GIB) if args.memory is not None else None
@@ -183,6 +187,22 @@ def _recommend(path: Path, c: EngineConfig, gpu_flags: str) -> None:
     )
 
 
+def _plan_row(placement: Placement, tensor_split: str | None) -> tuple[int, str]:
+    """Each GPU's share of every layer under tensor parallelism (-sm row), or where it does not fit."""
+    for use, share in zip(placement.uses[1:], placement.row_shares or ()):
+        _line(
+            "ok" if use.fits else "problem",
+            use.device.name,
+            f"{share:.0%} of every layer: {use.total_bytes / GIB:.2f} GiB of {use.device.free_bytes / GIB:.2f} GiB free"
+            f" ({use.describe()})",
+        )
+    flags = (
+        f"--gpu-layers all --split-mode row --tensor-split {tensor_split or ','.join('1' for _ in placement.uses[1:])}"
+    )
+    _line("ok" if placement.fits else "problem", "GPU plan", f"every layer on the GPUs, tensor parallel: {flags}")
+    return (0 if placement.fits else 1), flags
+
+
 def _gpu_devices(what_if: str | None) -> list[Device]:
     if what_if:
         try:
@@ -199,12 +219,19 @@ def _gpu_devices(what_if: str | None) -> list[Device]:
     return out
 
 
-def _plan_gpus(path: Path, engine: EngineConfig, devices: list[Device]) -> tuple[int, str]:
-    """The placement planner's `--gpu-layers auto` over `devices`: (problems, the flags it recommends)."""
+def _plan_gpus(
+    path: Path, engine: EngineConfig, devices: list[Device], split_mode: str, tensor_split: str | None
+) -> tuple[int, str]:
+    """The placement planner over `devices`: `--gpu-layers auto` for the layer split, every layer for the row split
+    (tensor parallelism): (problems, the flags it recommends)."""
     gguf = open_gguf(path)
     config = config_from_gguf(gguf)
+    shares = [float(x) for x in tensor_split.replace("/", ",").split(",")] if tensor_split else None
     try:
-        placement = place(config, layer_bytes_from_gguf(gguf, config), engine, devices, "auto", "layer")
+        layer_bytes = layer_bytes_from_gguf(gguf, config)
+        if split_mode == "row":
+            return _plan_row(place(config, layer_bytes, engine, devices, "all", "row", shares), tensor_split)
+        placement = place(config, layer_bytes, engine, devices, "auto", "layer")
     except InsufficientMemory as e:
         _line("problem", "GPU plan", str(e))
         return 1, "--gpu-layers 0"

@@ -5,8 +5,10 @@ Layers 0..n-1 are the trunk and MTP blocks, layer n the output layer; the token 
 layer rule is llama.cpp's: the last N = --gpu-layers layers are offloaded (from i_gpu_start = max(n + 1 - N, 0),
 act = min(N, n + 1)), layer il to the first device d whose cumulative split share s_d exceeds
 (il - i_gpu_start) / act. Split modes: `layer` (whole layers), `none` (every offloaded layer on --main-gpu), `row`
-(homes on --main-gpu, matrices split by rows). A device counts weights, KV, recurrent state, the MTP block, the
-states a verification keeps and a compute reserve (`DeviceUse`). `auto`: (1) `all` if it leaves a 1 GiB margin;
+(tensor parallelism: each device its share of every offloaded layer's weights, KV heads and recurrent heads, and
+a compute reserve with the whole logits; homes on --main-gpu). A device counts weights, KV, recurrent state, the
+MTP block, the states a verification keeps and a compute reserve (`DeviceUse`). `auto`: (1) `all` if it leaves a
+1 GiB margin;
 (2) with `layer` and no --tensor-split, fill the devices back to front; (3) else the largest N that fits.
 
 Details: docs/gpu-placement.md.
@@ -385,30 +387,31 @@ def _layout(
     tally[host.name].weights = c.token_embd
     tally[host.name].runs = True  # the input embedding always runs on the host
 
-    def add_weights(dev: Device, nbytes: int) -> None:
+    def shares_of(dev: Device, nbytes: int) -> list[tuple[_Tally, int]]:
+        """Who holds nbytes of a layer at home on `dev`: `dev`, or under `row` (tensor parallelism) every device
+        its share (of the weights, the KV heads, the recurrent heads alike)."""
         if row_shares is None or dev is host:
-            tally[dev.name].weights += nbytes
-            return
-        lo, cum = 0, 0.0
+            return [(tally[dev.name], nbytes)]
+        out, lo, cum = [], 0, 0.0
         for i, (d, share) in enumerate(zip(devices, row_shares)):
             cum += share
             hi = nbytes if i == len(devices) - 1 else round(nbytes * cum)
-            tally[d.name].weights += hi - lo
+            out.append((tally[d.name], hi - lo))
             lo = hi
+        return out
 
     for il in range(n):
-        t = tally[home[il].name]
-        t.blocks.append(il)
-        t.runs = True
-        add_weights(home[il], c.weights[il])
-        t.kv += c.kv[il]
-        t.state += c.state[il]
-        t.mtp_kv += c.mtp_kv[il]
-        t.rollback += c.rollback[il]
-        t.prompt_kv = max(t.prompt_kv, c.prompt_kv[il])
+        parts = ("weights", "kv", "state", "mtp_kv", "rollback")
+        for part, nbytes in zip(parts, (c.weights[il], c.kv[il], c.state[il], c.mtp_kv[il], c.rollback[il])):
+            for t, share in shares_of(home[il], nbytes):
+                setattr(t, part, getattr(t, part) + share)
+        for t, share in shares_of(home[il], c.prompt_kv[il]):  # the devices that run the block (a share of it)
+            t.runs, t.prompt_kv = True, max(t.prompt_kv, share)
+            t.blocks.append(il)
     out_dev = home[n]
-    tally[out_dev.name].output = tally[out_dev.name].runs = True
-    add_weights(out_dev, c.output)
+    for t, share in shares_of(out_dev, c.output):
+        t.weights += share
+        t.output = t.runs = True  # row: every rank gathers the whole logits
 
     uses = []
     for d in (host, *devices):

@@ -11,6 +11,7 @@ from ..models.loader import load
 from ..tokenizer import Tokenizer
 from .config import EngineConfig
 from .devices import GpuRequest, to_torch
+from .errors import InvalidRequest
 from .planner import MemoryPlan, plan_for_file
 
 log = logging.getLogger("mtpserve.engine")
@@ -52,6 +53,11 @@ def load_for_engine(
 
 
 def _load_placed(path: str | Path, config: EngineConfig, gpu: GpuRequest) -> CausalLM:
+    if gpu.split_mode == "row":  # planned as tensor parallelism (engine.placement), which runs on CPU ranks only
+        raise InvalidRequest(
+            "--split-mode row is tensor parallelism: built on CPU ranks (--device cpu,cpu), not over CUDA GPUs yet; "
+            "use --split-mode layer"
+        )
     planned = gpu.plan(path, config)
     for use in planned.uses:
         log.info("load_tensors: %s: %s", use.device.name, use.describe())
