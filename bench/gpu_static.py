@@ -40,7 +40,7 @@ Then the decode cycle's time model (bench/gpu_time_model.py, its assumptions in 
 and decode attention's bounds, with the host time measured here by bench/engine_overhead.py's stand-in: the JSON's
 `predicted` (tok/s and ms a token by part for an H200 and 2 x RTX 2080 Ti with the layer split, at 4096 and 131072
 tokens, with and without draft-mtp), `predicted_row_split` (the two 2080 Ti as issue 40's tensor parallelism, over
-PCIe and over NVLink: planned, not built), `row_split_vs_layer_split` and `host_ms_per_mtp_cycle`.
+PCIe and over NVLink: built on CPU ranks, not on CUDA), `row_split_vs_layer_split` and `host_ms_per_mtp_cycle`.
 """
 
 from __future__ import annotations

@@ -31,11 +31,13 @@ engine waits for the logits before it prepares the next step). No speculation: a
 (acceptance: accepted / drafted, llama.cpp's measure; the deployment's 63%). The layer split over two RTX 2080 Ti
 runs the cards in series, so a step costs what one card streaming every weight would, plus the hand-over.
 
-Row split as tensor parallelism (issue 40, planned, not built): the same two cards each hold half of every matrix,
-of the KV heads (2 of 4) and of the DeltaNet states, and stream them at once; they meet in two all-reduces a layer
+Row split as tensor parallelism (issue 40; built on CPU ranks, not on CUDA): the same two cards each hold half of
+every matrix, of the KV heads (2 of 4) and of the DeltaNet states, and stream them at once; they meet in two
+all-reduces a layer
 (after the attention or DeltaNet output projection and after the FFN's down projection, as vLLM's Qwen models do)
-of the tokens' float32 hidden states, plus one gathering the vocabulary-split output layer's candidates, each
-costing the link's latency plus its bytes and a launch. Priced over PCIe 3.0 through host memory and over the 2080
+of the tokens' float32 hidden states, plus one gathering the vocabulary-split output layer's candidates (the CPU
+ranks gather whole logits; on GPUs each row's top candidates would cross), each costing the link's latency plus
+its bytes and a launch. Priced over PCIe 3.0 through host memory and over the 2080
 Ti's NVLink bridge (DEVICES); the JSON keeps them apart from what the code runs (`predicted_row_split`), and
 `row_split_vs_layer_split` gives each over the layer split's tok/s.
 
@@ -318,7 +320,7 @@ def model(static: dict | None = None, host: tuple[float, float] | None = None) -
         "host_ms_per_mtp_cycle": round(per_cycle, 4),
         "assumptions": assumptions(),
         "predicted": [p for p in predicted if p not in planned],  # what the code runs: H200, the layer split
-        "predicted_row_split": planned,  # issue 40's tensor parallelism, not built yet
+        "predicted_row_split": planned,  # issue 40's tensor parallelism: on CPU ranks today, not on CUDA
         "row_split_vs_layer_split": row_split_ratios(predicted),
     }
 

@@ -278,17 +278,13 @@ def test_layer_bytes_from_gguf():
 
 def test_placements_map_to_torch_devices():
     """What the loader is given: the 2 x 22 GB deployment loads blocks 0-32 on cuda:0, the rest with the output
-    layer on cuda:1, the embedding table on the host; a partial offload keeps its first blocks on the CPU; a row
-    split homes every layer on the main GPU and splits the matrices over both by --tensor-split."""
+    layer on cuda:1, the embedding table on the host; a partial offload keeps its first blocks on the CPU."""
     split = to_torch(place(CONFIG, LAYER_BYTES, DEPLOY, fake_devices(2, 22), "all", "layer", [1, 1]))
     assert split.device == "cuda:1" and split.token_embd_device == "cpu"
     assert split.layer_devices == {i: "cuda:0" for i in range(33)}
     partial = to_torch(place(CONFIG, LAYER_BYTES, DEPLOY, fake_devices(2, 22), 40, "layer", [1, 1]))
     assert partial.device == "cuda:1"
     assert partial.layer_devices == {**{i: "cpu" for i in range(26)}, **{i: "cuda:0" for i in range(26, 46)}}
-    row = to_torch(place(CONFIG, LAYER_BYTES, DEPLOY, fake_devices(2, 22), "all", "row", [3, 1], main_gpu=1))
-    assert (row.device, row.layer_devices) == ("cuda:1", {})  # every layer's home: the main GPU
-    assert row.row_split == (("cuda:0", 0.75), ("cuda:1", 0.25))
     assert torch_device_name("CUDA1") == "cuda:1" and torch_device_name("CPU0") == "cpu"
 
 

@@ -517,21 +517,6 @@ def test_the_engine_decodes_several_slots_through_their_graph(monkeypatch: pytes
         _agree_before_first_near_tie(graphed, {**case, "generated_token_ids": plain})
 
 
-def test_a_row_split_model_on_the_gpu_path_gives_the_same_logits() -> None:
-    """--split-mode row on the GPU path: every matrix split 1:1 over two devices (both the CPU when emulated, the
-    first GPU twice on a GPU machine), the unsplit model's logits exactly (each output row is its own product)."""
-    path = tinyqwen_path("Q4_K_M")
-    plain, split = load(path, device=DEVICE), load(path, device=DEVICE, row_split=[(DEVICE, 1), (DEVICE, 1)])
-    ids = _case("Q4_K_M")["prompt_token_ids"]
-    with _gpu_path():
-        states = [m.new_state(256, "q8_0", "q8_0") for m in (plain, split)]
-        a, b = (m.prefill(ids, st) for m, st in zip((plain, split), states))
-        torch.testing.assert_close(b, a, rtol=0, atol=0)
-        for token in (5, 6):
-            torch.testing.assert_close(split.decode(token, states[1]), plain.decode(token, states[0]), rtol=0, atol=0)
-    assert len(split.devices) == 1
-
-
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q4_1", "F16"])
 def test_gpu_linear_is_the_cpu_numerics_up_to_summation_order(qtype: str) -> None:
     """The GPU path's matmul (activations rounded to the vec_dot type, then the Triton GEMV / GEMM on float values)

@@ -12,7 +12,8 @@ from gguf.constants import GGMLQuantizationType as T
 
 from mtpserve.kernels import cpu as cpu_kernels
 from mtpserve.ops import activations, attention, conv, embedding, gated_delta, linear, norm, rope
-from mtpserve.quant.qtensor import QTensor, RowSplitQTensor
+from mtpserve.ops.collective import ReducedQTensor, SingleRank
+from mtpserve.quant.qtensor import QTensor
 from mtpserve.quant.quantize import quantize_q4_0, quantize_q8_0
 
 from ..conftest import default_model, tinyqwen_path
@@ -378,13 +379,18 @@ def test_residual_gated_delta_net_decode_is_the_norm_the_mixer_and_the_add_in_on
             h = norm.rms_norm(x, layer.attn_norm, 1e-6)
             out = x + gated_delta.gated_delta_net_decode(h, weights, *states, **steps)
         runs.append([out, *states[0], *states[1], *steps["conv_steps"], *steps["ssm_steps"]])
-    # matrices split by rows over devices: the unfused kernels inside, the same numbers
-    split = dataclasses.replace(weights, w_out=RowSplitQTensor.split(weights.w_out, ["cpu", "cpu"], [1, 1], "cpu", 64))
+    # a tensor-parallel share's out projection (one rank here): the unfused kernels inside, the same numbers
+    split = dataclasses.replace(weights, w_out=_one_rank(weights.w_out))
     states = [t.clone() for t in conv_states], [t.clone() for t in ssms]
     out = gated_delta.residual_gated_delta_net_decode(x, layer.attn_norm, 1e-6, split, *states)
     assert torch.equal(out, runs[0][0])
     for fused, separate in zip(*runs):
         assert torch.equal(fused, separate)
+
+
+def _one_rank(w: QTensor) -> ReducedQTensor:
+    """`w` as a row-parallel share of a group of one rank: its product is whole, but fused kernels do not take it."""
+    return ReducedQTensor(w.data, w.ggml_type, w.shape, w.name, SingleRank())
 
 
 def _gdn_decode_args(mixer, n_seq, seed=0):
@@ -473,16 +479,13 @@ def test_gated_delta_net_step_kernel_parallel_over_heads_is_the_one_thread_resul
 
 
 @needs_kernels
-def test_gated_delta_net_decode_of_matrices_split_by_rows_is_the_fused_kernels():
-    """Split by rows over devices (--split-mode row), the matrices go through the kernels one call each instead of
-    the fused mixer: the same values bit for bit, per-token states included."""
+def test_gated_delta_net_decode_of_tensor_parallel_shares_is_the_fused_kernels():
+    """A tensor-parallel rank's shares (--split-mode row; one rank here, so each product is whole), the matrices go
+    through the kernels one call each instead of the fused mixer: the same values bit for bit, per-token states
+    included."""
     weights, conv_states, ssms = _gdn_decode_args(_tinyqwen_layers().mixer, 2)
-    split = dataclasses.replace(
-        weights,
-        projections=[RowSplitQTensor.split(p, ["cpu", "cpu"], [1, 1], "cpu", 64) for p in weights.projections],
-        w_out=RowSplitQTensor.split(weights.w_out, ["cpu", "cpu"], [1, 1], "cpu", 64),
-    )
-    assert any(isinstance(p, RowSplitQTensor) for p in split.projections)
+    split = dataclasses.replace(weights, w_out=_one_rank(weights.w_out))
+    assert not split.fused_on_cpu_kernels and split.on_cpu_kernels
     h = torch.randn(2 * 3, weights.projections[0].shape[1])
     runs = []
     for w in (weights, split):

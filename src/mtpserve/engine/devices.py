@@ -23,7 +23,6 @@ class TorchPlacement:
     device: str
     layer_devices: dict[int, str]
     token_embd_device: str
-    row_split: tuple[tuple[str, float], ...] = ()  # `row`: (device, share) over which the matrices are split
 
 
 def torch_device_name(name: str) -> str:
@@ -38,15 +37,8 @@ def torch_device_name(name: str) -> str:
 def to_torch(placement: Placement) -> TorchPlacement:
     device = torch_device_name(placement.output_device)
     layers = {i: torch_device_name(name) for i, name in enumerate(placement.block_device)}
-    row_split: tuple[tuple[str, float], ...] = ()
-    if placement.row_shares is not None:
-        gpus = [u.device.name for u in placement.uses if u.device.name != placement.token_embd_device]
-        row_split = tuple((torch_device_name(name), share) for name, share in zip(gpus, placement.row_shares))
     return TorchPlacement(
-        device,
-        {i: d for i, d in layers.items() if d != device},
-        torch_device_name(placement.token_embd_device),
-        row_split,
+        device, {i: d for i, d in layers.items() if d != device}, torch_device_name(placement.token_embd_device)
     )
 
 

@@ -41,7 +41,7 @@ def graphs_wanted(model: CausalLM) -> bool:
     """Whether this model's steps replay CUDA graphs (see the module docstring)."""
     wanted = os.environ.get("MTPSERVE_CUDA_GRAPHS", "auto")
     on_gpus = all(d.type == "cuda" for d in model.devices)  # a layer split too: one graph per GPU's blocks
-    return not model.row_split and (wanted == "1" or (wanted == "auto" and on_gpus))
+    return not model.tensor_parallel and (wanted == "1" or (wanted == "auto" and on_gpus))
 
 
 class ModelRunner:

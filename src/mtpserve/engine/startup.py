@@ -62,7 +62,7 @@ def _load_placed(path: str | Path, config: EngineConfig, gpu: GpuRequest) -> Cau
     for use in planned.uses:
         log.info("load_tensors: %s: %s", use.device.name, use.describe())
     placement = to_torch(planned)
-    return load(path, placement.device, placement.layer_devices, placement.token_embd_device, placement.row_split)
+    return load(path, placement.device, placement.layer_devices, placement.token_embd_device)
 
 
 def log_start(config: EngineConfig, plan: MemoryPlan, name: str, n_embd: int) -> None:

@@ -19,7 +19,7 @@ from ..ops.linear import keep_packed_tiles, linear
 from ..ops.norm import rms_norm
 from ..ops.rope import RopeTable
 from ..quant.dequant import dequantize_tensor
-from ..quant.qtensor import QTensor, RowSplitQTensor
+from ..quant.qtensor import QTensor
 from ..quant.types import GGMLType
 from .config import ModelConfig
 from .tensor_parallel import WHOLE, Partition, Runs
@@ -34,10 +34,6 @@ class WeightStore:
     `tensor_devices` there, block `blk.N.*` tensors on `layer_devices[N]` when given (a layer split), everything
     else on `device`.
 
-    `row_split` [(device, share)] (--split-mode row): every matrix whose device is one of these is split by rows
-    over all of them in proportion to the shares (`RowSplitQTensor`; its outputs gather on its own device), except
-    tables read by row lookup (embeddings), which llama.cpp does not split either.
-
     `partition`: the tensor-parallel rank these weights are for (models.tensor_parallel); the architectures ask for
     their share of each tensor by `rows` and `columns` (whole for a single rank, and then not copied)."""
 
@@ -47,7 +43,6 @@ class WeightStore:
         device: torch.device | str = "cpu",
         layer_devices: Mapping[int, torch.device | str] | None = None,
         tensor_devices: Mapping[str, torch.device | str] | None = None,
-        row_split: Sequence[tuple[torch.device | str, float]] = (),
         partition: Partition = WHOLE,
     ) -> None:
         self.tensors = tensors
@@ -55,8 +50,6 @@ class WeightStore:
         self.device = canonical_device(device)
         self.layer_devices = {i: canonical_device(d) for i, d in (layer_devices or {}).items()}
         self.tensor_devices = {n: canonical_device(d) for n, d in (tensor_devices or {}).items()}
-        self.row_devices = [canonical_device(d) for d, _ in row_split]
-        self.row_shares = [float(share) for _, share in row_split]
 
     @classmethod
     def from_gguf(
@@ -65,10 +58,9 @@ class WeightStore:
         device: torch.device | str = "cpu",
         layer_devices: Mapping[int, torch.device | str] | None = None,
         tensor_devices: Mapping[str, torch.device | str] | None = None,
-        row_split: Sequence[tuple[torch.device | str, float]] = (),
         partition: Partition = WHOLE,
     ) -> WeightStore:
-        return cls(gguf.tensors, device, layer_devices, tensor_devices, row_split, partition)
+        return cls(gguf.tensors, device, layer_devices, tensor_devices, partition)
 
     def device_of(self, name: str) -> torch.device:
         if name in self.tensor_devices:
@@ -93,16 +85,15 @@ class WeightStore:
     def matrix(
         self,
         name: str,
-        lookup: bool = False,
         *,
         rows: Runs | None = None,
         columns: Runs | None = None,
         partition: Partition = WHOLE,
         gather: bool = False,
     ) -> QTensor:
-        """A matrix in its stored blocks; `lookup`: a table read by rows (an embedding), never split by rows.
-        A tensor-parallel share (`partition` split): its `rows` (column-parallel; with `gather` the ranks' outputs
-        concatenated) or its `columns` (row-parallel: the ranks' products added), ops.collective."""
+        """A matrix in its stored blocks; a tensor-parallel share of it (`partition` split): its `rows`
+        (column-parallel; with `gather` the ranks' outputs concatenated) or its `columns` (row-parallel: the ranks'
+        products added), ops.collective."""
         t = self.tensors[name]
         q = QTensor.from_gguf(t) if isinstance(t, TensorInfo) else t
         if not isinstance(q, QTensor):
@@ -111,10 +102,7 @@ class WeightStore:
             q = q.select_rows(rows)
         if columns is not None and columns != ((0, q.shape[1]),):
             q = q.select_columns(columns)
-        home = self.device_of(name)
-        if self.row_devices and not lookup and home in self.row_devices:
-            return RowSplitQTensor.split(q, self.row_devices, self.row_shares, home)
-        q = keep_packed_tiles(q.to(home))
+        q = keep_packed_tiles(q.to(self.device_of(name)))
         if partition.split and columns is not None:
             return ReducedQTensor(q.data, q.ggml_type, q.shape, q.name, partition.group)
         if partition.split and gather:
@@ -342,22 +330,17 @@ class CausalLM:
     def device_of(self, layer: int) -> torch.device:
         return self.layer_devices.get(layer, self.device)
 
-    row_devices: tuple[torch.device, ...] = ()  # --split-mode row: the devices its matrices are split over
+    tensor_parallel: bool = False  # a rank's share (--split-mode row): its passes exchange with the other ranks'
 
     def _place(self, weights: WeightStore) -> None:
-        """Take the devices the weights were loaded to."""
+        """Take the devices the weights were loaded to, and whether they are a tensor-parallel rank's share."""
         self.device, self.layer_devices = weights.device, dict(weights.layer_devices)
-        self.row_devices = tuple(weights.row_devices)
-
-    @property
-    def row_split(self) -> bool:
-        """Whether its matrices are split by rows over several devices (a step then spans them: not captured)."""
-        return len(set(self.row_devices)) > 1
+        self.tensor_parallel = weights.partition.split
 
     @property
     def devices(self) -> set[torch.device]:
         """Every device that computes part of a forward pass."""
-        return {self.device, *self.layer_devices.values(), *self.row_devices}
+        return {self.device, *self.layer_devices.values()}
 
     def _layer_device_map(self) -> dict[int, torch.device]:
         n_layer = getattr(self.config, "n_layer", 0) + getattr(self.config, "n_nextn", 0)
@@ -512,7 +495,7 @@ class CausalLM:
         return state.programs[name] or None
 
     def _build_program(self, state: ModelState, layers: Sequence) -> DecodeProgram | None:
-        if self.layer_devices or self.row_split or self.device.type != "cpu":
+        if self.layer_devices or self.tensor_parallel or self.device.type != "cpu":
             return None
         blocks = []
         for layer in layers:

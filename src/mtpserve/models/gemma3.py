@@ -118,7 +118,7 @@ class Gemma3ForCausalLM(CausalLM):
     def __init__(self, w: WeightStore, config: Gemma3Config) -> None:
         c = self.config = config
         self._place(w)
-        self.token_embd = w.matrix("token_embd.weight", lookup=True)
+        self.token_embd = w.matrix("token_embd.weight")
         # sqrt(n_embd) rounded to float32, as llama.cpp scales (not HF's bf16 value).
         self.embed_scale = float(np.float32(math.sqrt(c.n_embd)))
         self.rope_tables = {  # sliding-window layers have their own base

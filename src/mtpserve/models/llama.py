@@ -99,7 +99,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, w: WeightStore, config: LlamaConfig) -> None:
         c = self.config = config
         self._place(w)
-        self.token_embd = w.matrix("token_embd.weight", lookup=True)
+        self.token_embd = w.matrix("token_embd.weight")
         self.layers = [DecoderLayer(w, i, c) for i in range(c.n_layer)]
         self.output_norm = w.dense("output_norm.weight")
         self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")

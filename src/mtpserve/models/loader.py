@@ -3,7 +3,7 @@ copied to the device they are placed on."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -21,14 +21,12 @@ def load(
     device: str | torch.device = "cpu",
     layer_devices: Mapping[int, str | torch.device] | None = None,
     token_embd_device: str | torch.device | None = None,
-    row_split: Sequence[tuple[str | torch.device, float]] = (),
     partition: Partition = WHOLE,
 ) -> CausalLM:
     """`device` holds the output layer and every tensor not placed otherwise: `layer_devices` maps block indices
     to devices (a layer split or a partial offload, as engine.placement plans it); `token_embd_device` takes the
     embedding table (llama.cpp keeps it on the host) when it is only that: a tied table is the LM head too and
-    stays on `device`. `row_split` [(device, share)]: --split-mode row (WeightStore); `partition`: the
-    tensor-parallel rank to load the share of (models.tensor_parallel)."""
+    stays on `device`. `partition`: the tensor-parallel rank to load the share of (models.tensor_parallel)."""
     dev = resolve_device(device)
     placed = {i: resolve_device(d) for i, d in (layer_devices or {}).items()}
     gguf = open_gguf(path)
@@ -36,8 +34,7 @@ def load(
     named = {}
     if token_embd_device is not None and "output.weight" in gguf.tensors:
         named["token_embd.weight"] = resolve_device(token_embd_device)
-    split = [(resolve_device(d), share) for d, share in row_split]
-    return build_model(WeightStore.from_gguf(gguf, dev, placed, named, split, partition), config)
+    return build_model(WeightStore.from_gguf(gguf, dev, placed, named, partition), config)
 
 
 def build_model(weights: WeightStore, config: ModelConfig) -> CausalLM:

@@ -72,4 +72,4 @@ def mtp_graphable(model: CausalLM) -> bool:
     """Whether the MTP block and the LM head run on one device (their graphs need that; a layer split puts both on
     its last GPU unless --tensor-split gives the head a GPU of its own)."""
     index = mtp_cache_index(model)
-    return index is not None and model.device_of(index) == model.output.data.device and not model.row_split
+    return index is not None and model.device_of(index) == model.output.data.device and not model.tensor_parallel

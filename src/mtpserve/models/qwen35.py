@@ -269,7 +269,7 @@ class MTPHead:
         self.eh_proj = w.matrix(f"{b}.eh_proj.weight")  # columns: [embedding | hidden]
         self.enorm = w.dense(f"{b}.enorm.weight")
         self.hnorm = w.dense(f"{b}.hnorm.weight")
-        self.embed = w.matrix(f"{b}.embed_tokens.weight", lookup=True) if w.has(f"{b}.embed_tokens.weight") else None
+        self.embed = w.matrix(f"{b}.embed_tokens.weight") if w.has(f"{b}.embed_tokens.weight") else None
         self.norm = w.dense(f"{b}.shared_head_norm.weight") if w.has(f"{b}.shared_head_norm.weight") else output_norm
         own_head = w.has(f"{b}.shared_head_head.weight")
         self.head = w.matrix(f"{b}.shared_head_head.weight", **vocab_share(w, c)) if own_head else output
@@ -292,7 +292,7 @@ class Qwen35ForCausalLM(CausalLM):
     def __init__(self, w: WeightStore, config: Qwen35Config) -> None:
         c = self.config = config
         self._place(w)
-        self.token_embd = w.matrix("token_embd.weight", lookup=True)
+        self.token_embd = w.matrix("token_embd.weight")
         self.layers = [DecoderLayer(w, i, c) for i in range(c.n_layer)]
         self.output_norm = w.dense("output_norm.weight")
         self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")

@@ -27,7 +27,7 @@ import torch
 
 from ..kernels import cpu as cpu_kernels
 from ..quant.dequant import dequantize
-from ..quant.qtensor import QTensor, RowSplitQTensor
+from ..quant.qtensor import QTensor
 from ..quant.types import GGMLType
 from .activation_rounding import (
     Q8_0_ACTIVATIONS,
@@ -90,7 +90,7 @@ def _kernel_type(ggml_type: GGMLType) -> bool:
     return lib is not None and bool(lib.mtp_matmul_supported(int(ggml_type)))
 
 
-SPLIT = (RowSplitQTensor, ReducedQTensor, GatheredQTensor)  # products that need more than one kernel call
+SPLIT = (ReducedQTensor, GatheredQTensor)  # tensor-parallel shares: products the ranks complete
 
 
 def exchanged(weight: ReducedQTensor | GatheredQTensor, y: torch.Tensor) -> torch.Tensor:
@@ -101,8 +101,8 @@ def exchanged(weight: ReducedQTensor | GatheredQTensor, y: torch.Tensor) -> torc
 
 def kernel_supports(weight: QTensor, split: bool = False) -> bool:
     """Whether the C kernel library is loaded and multiplies this weight: its type, stored whole (not split by
-    rows over devices, nor a tensor-parallel share whose product the ranks exchange; with `split`, also such a one,
-    which `linear` multiplies and completes). Fused kernels that would add to a product ask without `split`."""
+    a tensor-parallel share whose product the ranks complete; with `split`, also such a one, which `linear`
+    multiplies and completes). Fused kernels that would add to a product ask without `split`."""
     return _kernel_type(weight.ggml_type) and (split or not isinstance(weight, SPLIT))
 
 
@@ -111,7 +111,7 @@ def keep_packed_tiles(weight: QTensor) -> QTensor:
     call (several sequences decoding together, a verification, a prompt) and keep them while its bytes live,
     within a limit (`cpu_kernels.tile_limit`); the results are those of tiles packed per call. Returns `weight`."""
     data = weight.data
-    if data.device.type != "cpu" or len(weight.shape) != 2 or isinstance(weight, RowSplitQTensor) or not data.numel():
+    if data.device.type != "cpu" or len(weight.shape) != 2 or not data.numel():
         return weight
     key = (data.data_ptr(), int(weight.ggml_type), weight.shape[0], weight.shape[1])
     if cpu_kernels.keep_tiles(*key):
@@ -132,8 +132,7 @@ class WeightGroup(tuple):
         group.c_rows = (ctypes.c_int64 * n)(*(w.shape[0] for w in group))
         group.on_kernels = all(kernel_supports(w) for w in group)
         group._merged = None
-        whole = not any(isinstance(w, SPLIT) for w in group)  # a row split multiplies shard by shard
-        if whole and all(w.data.is_cuda for w in group):  # before any graph capture: merging allocates
+        if all(w.data.is_cuda for w in group):  # before any graph capture: merging allocates
             group.merged()
         return group
 
@@ -201,17 +200,10 @@ def linear(
     On the GPU path (ops.device): `linear_gpu`, the activations rounded as here once (or already, as the
     `QuantizedRows` a fused norm made), integer GEMVs for decode, summed in float32 in the kernels' order.
 
-    A matrix split by rows over devices (`RowSplitQTensor`, --split-mode row): each device multiplies its rows
-    (the input copied to it), and the outputs are gathered on the input's device. A tensor-parallel share
-    (ops.collective): this rank's product, then the ranks' partial sums added (`ReducedQTensor`) or their rows of
-    the output gathered (`GatheredQTensor`)."""
+    A tensor-parallel share (ops.collective, --split-mode row): this rank's product, then the ranks' partial sums
+    added (`ReducedQTensor`) or their rows of the output gathered (`GatheredQTensor`)."""
     if isinstance(weight, (ReducedQTensor, GatheredQTensor)):
         y = exchanged(weight, linear(x, weight.local(), seq_len=seq_len))
-        return y if bias is None else y + bias
-    if isinstance(weight, RowSplitQTensor):
-        x = x.x if isinstance(x, QuantizedRows) else x
-        parts = [linear(x.to(s.data.device), s, seq_len=seq_len).to(x.device) for s in weight.shards]
-        y = torch.cat(parts, dim=-1)
         return y if bias is None else y + bias
     if isinstance(x, QuantizedRows) or gpu_path(x):
         y = linear_gpu(x, weight)

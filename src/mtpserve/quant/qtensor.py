@@ -11,8 +11,6 @@ from ..gguf import TensorInfo
 from .dequant import dequantize
 from .types import GGMLType, block_geometry
 
-ROW_SPLIT_GRANULARITY = 64  # rows: a row split's boundaries fall on multiples of this (whole kernel tiles)
-
 
 @dataclass(frozen=True)
 class QTensor:
@@ -80,69 +78,3 @@ def columns_split(ggml_type: GGMLType, runs: Sequence[tuple[int, int]]) -> bool:
     """Whether column runs [a, b) start and end on block boundaries of `ggml_type`."""
     block = block_geometry(ggml_type)[0]
     return all(a % block == 0 and b % block == 0 for a, b in runs)
-
-
-@dataclass(frozen=True)
-class RowSplitQTensor(QTensor):
-    """A matrix split by rows over devices (llama-server's `--split-mode row`): `shards[i]` holds a contiguous run
-    of rows, in order, on its own device. Each device multiplies its rows and the outputs are gathered on the home
-    device, where `data` is an empty [0, bytes_per_row] tensor: it says where the input and output live, and code
-    that would read the whole matrix from `data` fails rather than compute with part of it."""
-
-    shards: tuple[QTensor, ...] = ()
-
-    @classmethod
-    def split(
-        cls,
-        q: QTensor,
-        devices: Sequence[torch.device | str],
-        shares: Sequence[float],
-        home: torch.device | str,
-        granularity: int = ROW_SPLIT_GRANULARITY,
-    ) -> QTensor:
-        """q's rows over `devices` in proportion to `shares` (cumulative boundaries rounded down to multiples of
-        `granularity` rows, the last device taking the rest); devices whose share rounds to no rows get no
-        shard, and a matrix too small to split stays whole at home, a plain QTensor."""
-        rows = q.shape[0]
-        total = float(sum(shares))
-        if total <= 0 or len(devices) != len(shares):
-            raise ValueError("a row split needs one positive share per device")
-        bounds, acc = [0], 0.0
-        for share in shares[:-1]:
-            acc += share
-            bounds.append(max(bounds[-1], min(rows, int(rows * acc / total) // granularity * granularity)))
-        bounds.append(rows)
-        shards = tuple(
-            QTensor(q.data[a:b], q.ggml_type, (b - a, *q.shape[1:]), f"{q.name}[{a}:{b}]").to(d)
-            for a, b, d in zip(bounds, bounds[1:], devices)
-            if b > a
-        )
-        if len(shards) == 1:  # too few rows to split: whole, at home
-            return q.to(home)
-        empty = torch.empty(0, q.data.shape[1], dtype=q.data.dtype, device=home)
-        return cls(empty, q.ggml_type, q.shape, q.name, shards)
-
-    def to(self, device: torch.device | str) -> QTensor:
-        if torch.device(device) == self.data.device:
-            return self
-        raise ValueError(f"'{self.name}' is split by rows over devices; it is not moved as a whole")
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.shards)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.cat([s.dequantize(dtype).to(self.data.device) for s in self.shards])
-
-    def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.dequantize(dtype)[index.to(self.data.device)]
-
-    def first_rows(self, n: int) -> QTensor:
-        n, start, shards = min(n, self.shape[0]), 0, []
-        for s in self.shards:
-            if start < n:
-                shards.append(s.first_rows(n - start))
-            start += s.shape[0]
-        if len(shards) == 1:
-            return shards[0].to(self.data.device)
-        return RowSplitQTensor(self.data, self.ggml_type, (n, *self.shape[1:]), f"{self.name}[:{n}]", tuple(shards))
