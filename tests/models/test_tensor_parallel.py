@@ -18,10 +18,7 @@ import torch
 
 from mtpserve.models.loader import load
 from mtpserve.models.tensor_parallel import Partition, attention_share, deltanet_share, ffn_share
-from mtpserve.ops.collective import GatheredQTensor, ReducedQTensor, SingleRank, ThreadGroup
-from mtpserve.ops.linear import linear
-from mtpserve.quant.qtensor import QTensor
-from mtpserve.quant.quantize import quantize
+from mtpserve.ops.collective import GatheredQTensor, ReducedQTensor, ThreadGroup
 from mtpserve.quant.types import GGMLType
 
 from ..conftest import default_model, shared_path, tinyqwen_path
@@ -68,50 +65,6 @@ def test_ffn_columns_are_whole_blocks_in_proportion_to_the_shares():
     assert ffn_share(_rank(1), 768, GGMLType.Q6_K).columns == ((256, 768),)  # 3 blocks: 1 and 2
     assert not ffn_share(_rank(0), 96, GGMLType.Q4_K).partition.split  # under one block: whole
     assert ffn_share(Partition(), 768, GGMLType.Q6_K).columns == ((0, 768),)
-
-
-# --- the exchange ---------------------------------------------------------------------------------------------
-
-
-def test_ranks_add_in_rank_order_and_gather_uneven_shards():
-    parts = [torch.randn(3, 5, generator=torch.Generator().manual_seed(r)) for r in range(3)]
-    sums = ThreadGroup(3).run(lambda rank: rank.all_reduce(parts[rank.rank]))
-    assert all(torch.equal(s, (parts[0] + parts[1]) + parts[2]) for s in sums)
-    gathered = ThreadGroup(3).run(lambda rank: rank.all_gather(parts[rank.rank][:, : rank.rank + 1]))
-    assert all(torch.equal(g, torch.cat([p[:, : r + 1] for r, p in enumerate(parts)], -1)) for g in gathered)
-
-
-def test_a_failing_rank_raises_and_leaves_no_rank_waiting():
-    def body(rank):
-        if rank.rank == 1:
-            raise RuntimeError("rank 1 failed")
-        return rank.all_reduce(torch.ones(2))  # would wait for rank 1 forever without the abort
-
-    with pytest.raises(RuntimeError, match="rank 1 failed"):
-        ThreadGroup(2).run(body)
-    assert threading.active_count() < 50  # the rank threads ended (joined by run)
-
-
-def test_split_products_equal_the_whole_matrixs():
-    w = torch.randn(64, 512, generator=torch.Generator().manual_seed(0))
-    q = QTensor(quantize(w, GGMLType.Q4_K), GGMLType.Q4_K, (64, 512), "w")
-    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
-
-    def rank_product(rank):
-        cols = ((rank.rank * 256, rank.rank * 256 + 256),)
-        reduced = q.select_columns(cols)
-        row_parallel = ReducedQTensor(reduced.data, reduced.ggml_type, reduced.shape, reduced.name, rank)
-        rows = q.select_rows(((rank.rank * 32, rank.rank * 32 + 32),))
-        vocab = GatheredQTensor(rows.data, rows.ggml_type, rows.shape, rows.name, rank)
-        return linear(x[:, cols[0][0] : cols[0][1]].contiguous(), row_parallel), linear(x, vocab)
-
-    for reduced, gathered in ThreadGroup(2).run(rank_product):
-        assert torch.allclose(reduced, linear(x, q), rtol=1e-5, atol=1e-5)
-        assert torch.equal(gathered, linear(x, q))  # each output row its own dot product: exact
-    with pytest.raises(ValueError, match="cut its 256-wide blocks"):
-        q.select_columns(((0, 128),))
-    single = ReducedQTensor(q.data, q.ggml_type, q.shape, "w", SingleRank())
-    assert torch.equal(linear(x, single), linear(x, q))
 
 
 # --- models ---------------------------------------------------------------------------------------------------

@@ -121,6 +121,36 @@ class ThreadRank:
         return torch.cat([p.to(t.device) for p in self.group.exchange(self.rank, t)], dim=-1)
 
 
+class ProcessRank:
+    """A rank that is a process of a `torch.distributed` group (gloo on CPUs, NCCL on GPUs), set up by the caller
+    (`init_process_group`): what a rank a GPU will be. Sums and gathers are the backend's collectives, whose results
+    are the same bits on every rank (a ring's chunks are each summed once, then shared), in the backend's order."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self._widths: dict[int, list[int]] = {}  # this rank's gather width -> every rank's (asked once)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        total = t.contiguous().clone()
+        self._dist.all_reduce(total)
+        return total
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        width = t.shape[-1]
+        if width not in self._widths:  # shards may differ in width: the backends gather equal ones, so pad
+            widths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+            self._dist.all_gather(widths, torch.tensor([width]))
+            self._widths[width] = [int(w) for w in widths]
+        widths = self._widths[width]
+        padded = torch.nn.functional.pad(t, (0, max(widths) - width)).contiguous()
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        self._dist.all_gather(parts, padded)
+        return torch.cat([p[..., :w] for p, w in zip(parts, widths)], dim=-1)
+
+
 @dataclass(frozen=True)
 class ReducedQTensor(QTensor):
     """A row-parallel matrix: this rank's columns of it (whole blocks). Its product is a partial sum; `linear` adds
