@@ -156,10 +156,12 @@ def test_gemma3_on_two_ranks_gives_one_ranks_greedy_tokens():
 def test_the_gpu_path_on_two_ranks_gives_one_ranks_greedy_tokens(monkeypatch):
     """The GPU path's code (ops.device; the Triton kernels under the interpreter on a machine without a GPU, the
     quantized matmuls on their PyTorch twins as in tests/models/test_gpu_path.py): fused norms hand quantized rows to
-    the ranks' shares, the FFN's residual add leaves the down projection's launch for after the exchange."""
+    the ranks' shares, the FFN's residual add leaves the down projection's launch for after the exchange; the static
+    step CUDA graphs capture runs too (uncaptured: a rank's exchanges run on the host)."""
     pytest.importorskip("triton", reason="triton is not installed: the GPU path's kernels cannot run")
     from triton.runtime.interpreter import GridExecutor
 
+    from mtpserve.models.graphs import StepGraph
     from mtpserve.ops.device import emulate_gpu
 
     if not torch.cuda.is_available():  # the interpreter rebinds triton.language globally while a kernel runs:
@@ -175,11 +177,15 @@ def test_the_gpu_path_on_two_ranks_gives_one_ranks_greedy_tokens(monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
     def greedy(model) -> torch.Tensor:
+        """The prompt, 2 decode steps, then 2 through the static step a CUDA graph captures (models.graphs)."""
         state, rows = model.new_state(256), []
         with torch.inference_mode():
             rows.append(model.prefill(case["prompt_token_ids"], state))
-            for _ in range(4):
+            for _ in range(2):
                 rows.append(model.decode(int(rows[-1].argmax()), state))
+            static = StepGraph(model, state, capture=False)
+            for _ in range(2):
+                rows.append(static.step([int(rows[-1].argmax())])[1][0])
         return torch.stack(rows).cpu()
 
     with emulate_gpu(matmul="torch") if device == "cpu" else contextlib.nullcontext():
@@ -187,3 +193,18 @@ def test_the_gpu_path_on_two_ranks_gives_one_ranks_greedy_tokens(monkeypatch):
         rank0, rank1 = ThreadGroup(2).run(lambda rank: greedy(load(path, device=device, partition=Partition(rank))))
     assert torch.equal(rank0, rank1)
     _same_tokens_up_to_a_near_tie(one, rank0, "GPU path")
+
+
+def test_uneven_shares_split_by_whole_units_and_give_one_ranks_tokens():
+    """-ts 3,1: the FFN's 3 blocks split 2:1, the vocabulary 3072:1024, the DeltaNet's 2 K heads 1:1 (whole heads)."""
+    path, case = tinyqwen_path("Q4_K_M"), _cases("tinyqwen35-mtp-Q4_K_M")[1]
+    one = _teacher_forced(load(path), case, 12)["logits"]
+
+    def rank_run(rank):
+        model = load(path, partition=Partition(rank, (3.0, 1.0)))
+        return model.layers[0].ffn.down.shape[1], model.output.shape[0], _teacher_forced(model, case, 12)["logits"]
+
+    (ffn0, vocab0, a), (ffn1, vocab1, b) = ThreadGroup(2).run(rank_run)
+    assert (ffn0, ffn1, vocab0, vocab1) == (512, 256, 3072, 1024)
+    assert torch.equal(a, b)
+    _same_tokens_up_to_a_near_tie(one, a, "-ts 3,1")

@@ -134,7 +134,7 @@ class StepGraph:
         capture: bool | None = None,
         split_at: Sequence[int] = (),
     ) -> None:
-        if model.tensor_parallel:  # its exchanges are Python between the ranks' threads (ops.collective)
+        if model.tensor_parallel and capture is not False:  # its exchanges run on the host (ops.collective)
             raise ValueError("a tensor-parallel rank's steps are not captured yet: its exchanges run on the host")
         self.states = [states] if isinstance(states, ModelState) else list(states)
         self.model, self.n_tokens, self.keep_steps = model, n_tokens, keep_steps
