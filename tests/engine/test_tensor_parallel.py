@@ -11,7 +11,7 @@ import pytest
 
 from mtpserve.engine import Cancelled, Engine, EngineConfig, Request, SamplingParams, TokenEvent
 from mtpserve.engine.config import SpecConfig
-from mtpserve.engine.errors import InvalidRequest
+from mtpserve.engine.errors import InvalidRequest, ServerError
 from mtpserve.engine.planner import plan_for_file
 from mtpserve.engine.tensor_parallel import FollowerEngine, LeaderEngine, start_tensor_parallel
 from mtpserve.models.loader import load
@@ -99,3 +99,19 @@ def test_every_rank_makes_the_same_decisions():
 def test_tensor_parallel_runs_on_cpu_ranks_only():
     with pytest.raises(InvalidRequest, match="CPU ranks"):
         start_tensor_parallel(tinyqwen_path("Q4_K_M"), _config(), ["cuda:0", "cuda:1"], ())
+
+
+def test_a_failed_follower_fails_requests_instead_of_hanging_them():
+    """A follower that dies (here: its scheduler raises) breaks the ranks' barrier: the leader's next pass fails its
+    request with a server error rather than wait for the dead rank's exchange forever."""
+    engine = _two_ranks()
+    try:
+
+        def broken() -> None:
+            raise RuntimeError("the follower's scheduler broke")
+
+        _follower(engine)._admit = broken  # type: ignore[method-assign]
+        with pytest.raises(ServerError):
+            engine.submit(Request(_cases()[0]["prompt_token_ids"], GREEDY, n_predict=4)).result()
+    finally:
+        engine.close()

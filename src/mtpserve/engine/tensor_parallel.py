@@ -64,12 +64,19 @@ class LeaderEngine(Engine):
 class FollowerEngine(Engine):
     """A rank other than 0: no clients; each round comes from the leader's `Mirror`."""
 
-    def __init__(self, inbox: queue.SimpleQueue, *args: Any, **kwargs: Any) -> None:
-        self.inbox = inbox  # before the scheduler thread starts
+    def __init__(self, inbox: queue.SimpleQueue, group: ThreadGroup, *args: Any, **kwargs: Any) -> None:
+        self.inbox, self.group = inbox, group  # before the scheduler thread starts
         super().__init__(*args, **kwargs)
 
-    @torch.inference_mode()  # as Engine._serve
     def _serve(self) -> None:
+        try:
+            self._follow()
+        except Exception:  # the leader would wait on this rank's next exchange forever: break its barrier
+            log.exception("srv  tensor parallel: a follower rank failed; the ranks' exchanges are aborted")
+            self.group.abort()
+
+    @torch.inference_mode()  # as Engine._serve
+    def _follow(self) -> None:
         by_leader_id: dict[int, Job] = {}
         while (round_ := self.inbox.get()) is not None:
             for leader_id, request in round_.arrived:
@@ -102,5 +109,7 @@ def start_tensor_parallel(
         "srv    load_model: tensor parallel over %d ranks (%s), shares %s", len(devices), ",".join(devices), shares
     )
     inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in devices[1:]]
-    followers = [FollowerEngine(inbox, m, tokenizer, config, plan, str(path)) for m, inbox in zip(models[1:], inboxes)]
+    followers = [
+        FollowerEngine(inbox, group, m, tokenizer, config, plan, str(path)) for m, inbox in zip(models[1:], inboxes)
+    ]
     return LeaderEngine(Mirror(inboxes, followers), models[0], tokenizer, config, plan, str(path), model_path=path)
