@@ -120,3 +120,8 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
         draft_vocab=args.spec_draft_vocab,
         draft_sampling=args.spec_draft_sampling,
     )
+
+
+def tensor_split(args: argparse.Namespace) -> tuple[float, ...] | None:
+    """--tensor-split: the devices' shares ("1,1" or llama.cpp's "1/1"), None when not given."""
+    return tuple(float(x) for x in args.tensor_split.replace("/", ",").split(",")) if args.tensor_split else None

@@ -33,7 +33,7 @@ from ..engine.planner import recommend
 from ..gguf import open_gguf
 from ..models import config_from_gguf
 from ..quant import CACHE_TYPES
-from .common import add_checkpoint_arguments, add_spec_arguments, engine_flags, model_path
+from .common import add_checkpoint_arguments, add_spec_arguments, engine_flags, model_path, tensor_split
 
 GIB = 1 << 30
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni")
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     engine = EngineConfig(**engine_flags(args), n_parallel=args.parallel, cache_ram=args.cache_ram)
     devices = _gpu_devices(args.gpus)
     if devices:  # the question is the GPUs': planned with what was asked, whatever this host's memory
-        failed, gpu_flags = _plan_gpus(path, engine, devices, args.split_mode or "layer", args.tensor_split)
+        failed, gpu_flags = _plan_gpus(path, engine, devices, args.split_mode or "layer", tensor_split(args))
         _recommend(path, engine, gpu_flags)
         return 1 if problems + failed else 0
     available = int(args.memory * GIB) if args.memory is not None else None
@@ -187,20 +187,19 @@ def _recommend(path: Path, c: EngineConfig, gpu_flags: str) -> None:
     )
 
 
-def _plan_row(placement: Placement, tensor_split: str | None) -> tuple[int, str]:
-    """Each GPU's share of every layer under tensor parallelism (-sm row), or where it does not fit."""
+def _plan_row(placement: Placement, shares: tuple[float, ...] | None) -> tuple[int, str]:
+    """Each GPU's share of every layer under tensor parallelism (-sm row); `place` has refused one that does not fit."""
     for use, share in zip(placement.uses[1:], placement.row_shares or ()):
         _line(
-            "ok" if use.fits else "problem",
+            "ok",
             use.device.name,
             f"{share:.0%} of every layer: {use.total_bytes / GIB:.2f} GiB of {use.device.free_bytes / GIB:.2f} GiB free"
             f" ({use.describe()})",
         )
-    flags = (
-        f"--gpu-layers all --split-mode row --tensor-split {tensor_split or ','.join('1' for _ in placement.uses[1:])}"
-    )
-    _line("ok" if placement.fits else "problem", "GPU plan", f"every layer on the GPUs, tensor parallel: {flags}")
-    return (0 if placement.fits else 1), flags
+    split = ",".join(f"{s:g}" for s in shares or (1,) * (len(placement.uses) - 1))
+    flags = f"--gpu-layers all --split-mode row --tensor-split {split}"
+    _line("ok", "GPU plan", f"every layer on the GPUs, tensor parallel: {flags}")
+    return 0, flags
 
 
 def _gpu_devices(what_if: str | None) -> list[Device]:
@@ -220,17 +219,16 @@ def _gpu_devices(what_if: str | None) -> list[Device]:
 
 
 def _plan_gpus(
-    path: Path, engine: EngineConfig, devices: list[Device], split_mode: str, tensor_split: str | None
+    path: Path, engine: EngineConfig, devices: list[Device], split_mode: str, shares: tuple[float, ...] | None
 ) -> tuple[int, str]:
     """The placement planner over `devices`: `--gpu-layers auto` for the layer split, every layer for the row split
     (tensor parallelism): (problems, the flags it recommends)."""
     gguf = open_gguf(path)
     config = config_from_gguf(gguf)
-    shares = [float(x) for x in tensor_split.replace("/", ",").split(",")] if tensor_split else None
     try:
         layer_bytes = layer_bytes_from_gguf(gguf, config)
         if split_mode == "row":
-            return _plan_row(place(config, layer_bytes, engine, devices, "all", "row", shares), tensor_split)
+            return _plan_row(place(config, layer_bytes, engine, devices, "all", "row", shares), shares)
         placement = place(config, layer_bytes, engine, devices, "auto", "layer")
     except InsufficientMemory as e:
         _line("problem", "GPU plan", str(e))

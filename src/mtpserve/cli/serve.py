@@ -46,6 +46,7 @@ from .common import (
     apply_threads,
     engine_flags,
     model_path,
+    tensor_split,
 )
 
 if TYPE_CHECKING:
@@ -385,7 +386,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         gpu=gpu_request(args),
         draft_gpu=draft_gpu_request(args),
         tensor_parallel=cpu_ranks(args),
-        tensor_split=_tensor_split(args) or (),
+        tensor_split=tensor_split(args) or (),
     )
 
 
@@ -415,7 +416,7 @@ def gpu_request(args: argparse.Namespace, cuda: bool | None = None) -> GpuReques
     cuda = torch.cuda.is_available() if cuda is None else cuda
     if not cuda or args.gpu_layers in (None, "0") or cpu_ranks(args):
         return None
-    return GpuRequest(args.gpu_layers, args.split_mode or "layer", _tensor_split(args), args.main_gpu or 0, args.device)
+    return GpuRequest(args.gpu_layers, args.split_mode or "layer", tensor_split(args), args.main_gpu or 0, args.device)
 
 
 def draft_gpu_request(args: argparse.Namespace, cuda: bool | None = None) -> GpuRequest | None:
@@ -429,15 +430,11 @@ def draft_gpu_request(args: argparse.Namespace, cuda: bool | None = None) -> Gpu
     if args.spec_draft_device and args.spec_draft_device != "none" and len(args.spec_draft_device.split(",")) == 1:
         split_mode = "layer"  # a draft pinned to one device needs no split (llama.cpp does the same)
     devices = args.spec_draft_device or args.device
-    return GpuRequest(args.spec_draft_ngl, split_mode, _tensor_split(args), args.main_gpu or 0, devices)
+    return GpuRequest(args.spec_draft_ngl, split_mode, tensor_split(args), args.main_gpu or 0, devices)
 
 
 def _n_cuda() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _tensor_split(args: argparse.Namespace) -> tuple[float, ...] | None:
-    return tuple(float(x) for x in args.tensor_split.replace("/", ",").split(",")) if args.tensor_split else None
 
 
 def run(args: argparse.Namespace) -> int:

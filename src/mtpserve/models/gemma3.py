@@ -21,7 +21,7 @@ from ..ops.norm import rms_norm, rms_norm_for
 from ..ops.rope import RopeTable, apply_rope
 from .base import Batch, CausalLM, ModelState, Rope, SharedKV, WeightStore, new_kv_caches, padded_context
 from .configs.gemma3 import ARCH, DEFAULT_ROPE_BASE_SWA, DEFAULT_SWA_PERIOD, Gemma3Config  # noqa: F401 (re-exported)
-from .tensor_parallel import attention_share, ffn_share, scaled
+from .tensor_parallel import attention_share, ffn_share, vocab_share
 
 # --- blocks -------------------------------------------------------------------------------------------
 
@@ -129,9 +129,8 @@ class Gemma3ForCausalLM(CausalLM):
         self.output_norm = w.dense("output_norm.weight")
         self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")
         if w.partition.split:  # a tensor-parallel rank's rows of the vocabulary, the logits gathered
-            vocab = scaled(w.partition.units(c.n_vocab), 1)
             name = "token_embd.weight" if c.tied_embeddings else "output.weight"
-            self.output = w.matrix(name, rows=vocab, partition=w.partition, gather=True)
+            self.output = w.matrix(name, **vocab_share(w.partition, c.n_vocab))
         self.kv_heads = {layer.index: layer.attn.c.n_head_kv for layer in self.layers if w.partition.split}
 
     def new_state(

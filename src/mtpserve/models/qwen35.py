@@ -35,7 +35,7 @@ from ..ops.rope import RopeTable
 from ..quant.qtensor import QTensor
 from .base import Batch, CausalLM, ModelState, Rope, SharedKV, WeightStore, new_kv_caches, padded_context
 from .configs.qwen35 import ARCH, Qwen35Config  # noqa: F401 (re-exported)
-from .tensor_parallel import attention_share, deltanet_share, ffn_share, scaled
+from .tensor_parallel import attention_share, deltanet_share, ffn_share, vocab_share
 
 # --- blocks -------------------------------------------------------------------------------------------
 
@@ -271,17 +271,12 @@ class MTPHead:
         self.hnorm = w.dense(f"{b}.hnorm.weight")
         self.embed = w.matrix(f"{b}.embed_tokens.weight") if w.has(f"{b}.embed_tokens.weight") else None
         self.norm = w.dense(f"{b}.shared_head_norm.weight") if w.has(f"{b}.shared_head_norm.weight") else output_norm
-        own_head = w.has(f"{b}.shared_head_head.weight")
-        self.head = w.matrix(f"{b}.shared_head_head.weight", **vocab_share(w, c)) if own_head else output
+        head = f"{b}.shared_head_head.weight"  # its own LM head (a tensor-parallel rank's rows), or the trunk's
+        self.head = w.matrix(head, **vocab_share(w.partition, c.n_vocab)) if w.has(head) else output
         self.block = DecoderLayer(w, i, c)
 
 
 # --- model --------------------------------------------------------------------------------------------
-
-
-def vocab_share(w: WeightStore, c: Qwen35Config) -> dict:
-    """`WeightStore.matrix`'s arguments for a tensor-parallel rank's rows of an output layer."""
-    return {"rows": scaled(w.partition.units(c.n_vocab), 1), "partition": w.partition, "gather": True}
 
 
 RECURRENT_MAX_TOKENS = 8  # up to this many tokens (decode, draft verification) the step-by-step rule wins
@@ -297,7 +292,8 @@ class Qwen35ForCausalLM(CausalLM):
         self.output_norm = w.dense("output_norm.weight")
         self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")
         if w.partition.split:  # a tensor-parallel rank's rows of the vocabulary, the logits gathered
-            self.output = w.matrix("token_embd.weight" if c.tied_embeddings else "output.weight", **vocab_share(w, c))
+            name = "token_embd.weight" if c.tied_embeddings else "output.weight"
+            self.output = w.matrix(name, **vocab_share(w.partition, c.n_vocab))
         self.mtp = [MTPHead(w, i, c, self.output, self.output_norm) for i in c.mtp_layers()]
         attention = [layer for layer in (*self.layers, *(m.block for m in self.mtp)) if not layer.recurrent]
         self.kv_heads = {layer.index: layer.mixer.c.n_head_kv for layer in attention if w.partition.split}

@@ -63,6 +63,11 @@ def scaled(units: range, width: int, offset: int = 0) -> Runs:
     return ((offset + units.start * width, offset + units.stop * width),)
 
 
+def vocab_share(p: Partition, n_vocab: int) -> dict:
+    """`WeightStore.matrix`'s arguments for a rank's rows of an output layer, the logits gathered."""
+    return {"rows": scaled(p.units(n_vocab), 1), "partition": p, "gather": True}
+
+
 @dataclass(frozen=True)
 class AttentionShare:
     heads: range  # query heads
