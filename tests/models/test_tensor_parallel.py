@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from functools import cache
 
 import pytest
 import torch
@@ -105,9 +104,8 @@ def _same_tokens_up_to_a_near_tie(one: torch.Tensor, split: torch.Tensor, what: 
     assert torch.equal(a, b), f"{what}: greedy token {int((a != b).nonzero()[0])} differs before the near tie"
 
 
-@cache
-def _tinyqwen_runs(n: int = 24) -> tuple[list[dict], list[list[dict]]]:
-    path, cases = tinyqwen_path("Q4_K_M"), _cases("tinyqwen35-mtp-Q4_K_M")
+def _tinyqwen_runs(quant: str, n: int = 24) -> tuple[list[dict], list[list[dict]]]:
+    path, cases = tinyqwen_path(quant), _cases(f"tinyqwen35-mtp-{quant}")
     one = [_teacher_forced(load(path), c, n, mtp=True) for c in cases]
 
     def rank_runs(rank):
@@ -117,23 +115,26 @@ def _tinyqwen_runs(n: int = 24) -> tuple[list[dict], list[list[dict]]]:
     return one, ThreadGroup(2).run(rank_runs)
 
 
-def test_tinyqwen35_on_two_ranks_gives_one_ranks_logits_and_mtp_drafts():
-    """Its Gated DeltaNet blocks and FFNs split (its attention's 64-wide heads sit in 256-wide Q4_K blocks, so
-    those blocks are whole on each rank); the prompt path, decode, a verification and the MTP head."""
-    one, (rank0, rank1) = _tinyqwen_runs()
-    for case, a, b, c in zip(_cases("tinyqwen35-mtp-Q4_K_M"), one, rank0, rank1):
+@pytest.mark.parametrize("quant", ["Q4_K_M", "Q8_0"])
+def test_tinyqwen35_on_two_ranks_gives_one_ranks_logits_and_mtp_drafts(quant):
+    """Q4_K_M: its Gated DeltaNet blocks and FFNs split (its attention's 64-wide heads sit in 256-wide Q4_K blocks, so
+    those blocks are whole on each rank); Q8_0 (32-wide blocks): every block split, the MTP block's attention too.
+    The prompt path, decode, a verification and the MTP head."""
+    one, (rank0, rank1) = _tinyqwen_runs(quant)
+    for case, a, b, c in zip(_cases(f"tinyqwen35-mtp-{quant}"), one, rank0, rank1):
         for part in ("logits", "mtp"):
             assert torch.equal(b[part], c[part]), "the ranks' results differ"  # rank-order sums: same bits
             _same_tokens_up_to_a_near_tie(a[part], b[part], f"{case['name']} {part}")
 
 
-def test_a_ranks_share_of_tinyqwen35_holds_half_its_split_state():
-    path = tinyqwen_path("Q4_K_M")
+@pytest.mark.parametrize("quant, kv_share", [("Q4_K_M", 1), ("Q8_0", 2)])
+def test_a_ranks_share_of_tinyqwen35_holds_half_its_split_state(quant, kv_share):
+    path = tinyqwen_path(quant)
     whole = load(path).new_state(256, mtp=True)
     shares = ThreadGroup(2).run(lambda rank: load(path, partition=Partition(rank)).new_state(256, mtp=True))
     for state in shares:
         assert state.recurrent_nbytes * 2 == whole.recurrent_nbytes  # half the DeltaNet heads
-        assert state.kv_nbytes == whole.kv_nbytes  # attention whole (see above)
+        assert state.kv_nbytes * kv_share == whole.kv_nbytes  # Q4_K_M: attention whole (above); Q8_0: half its heads
 
 
 def test_gemma3_on_two_ranks_gives_one_ranks_greedy_tokens():
