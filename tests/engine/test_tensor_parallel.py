@@ -115,3 +115,24 @@ def test_a_failed_follower_fails_requests_instead_of_hanging_them():
             engine.submit(Request(_cases()[0]["prompt_token_ids"], GREEDY, n_predict=4)).result()
     finally:
         engine.close()
+
+
+def test_process_ranks_over_gloo_answer_as_thread_ranks():
+    """Ranks as processes over torch.distributed's gloo (a rank a GPU will be, with NCCL), their rounds sent over a
+    pipe: the thread ranks' tokens exactly, greedy and seeded-sampled (two ranks' sums are the same bits either way,
+    tests/ops/test_collective.py); closing the leader ends the follower process."""
+    path = tinyqwen_path("Q4_K_M")
+    requests = [
+        Request(_cases()[0]["prompt_token_ids"], GREEDY, n_predict=16, ignore_eos=True),
+        Request(_cases()[1]["prompt_token_ids"], SamplingParams(temperature=0.9, seed=7), n_predict=16),
+    ]
+    answers = []
+    for processes in (False, True):
+        engine = start_tensor_parallel(path, _config(), ["cpu", "cpu"], (), processes=processes)
+        try:
+            answers.append([engine.submit(r).result().tokens for r in requests])
+        finally:
+            engine.close()
+    assert answers[0] == answers[1]
+    (follower, _end) = engine.mirror.followers
+    assert follower.process.exitcode == 0

@@ -4,7 +4,6 @@ arrived and what was cancelled, decided once by the leader."""
 from __future__ import annotations
 
 import os
-import queue
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -20,6 +19,12 @@ class Closable(Protocol):
     def close(self) -> None: ...
 
 
+class Outbox(Protocol):
+    """Where a follower's rounds go: a queue it reads in this process, or a pipe to its own."""
+
+    def put(self, item: Round | None) -> None: ...
+
+
 @dataclass(frozen=True)
 class Round:
     """What the leader decided at the start of a round: the requests queued since the last (by stream id, seeds
@@ -32,7 +37,7 @@ class Round:
 class Mirror:
     """The leader's side: each round's inputs, sent to every follower before the leader acts on them."""
 
-    def __init__(self, inboxes: Sequence[queue.SimpleQueue] = (), followers: Sequence[Closable] = ()) -> None:
+    def __init__(self, inboxes: Sequence[Outbox] = (), followers: Sequence[Closable] = ()) -> None:
         self.inboxes, self.followers = list(inboxes), list(followers)
         self._sent: set[int] = set()
 

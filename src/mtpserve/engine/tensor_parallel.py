@@ -18,25 +18,34 @@ from __future__ import annotations
 
 import logging
 import queue
-from collections.abc import Sequence
+import socket
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from ..models.loader import load
 from ..models.tensor_parallel import Partition
-from ..ops.collective import ThreadGroup
+from ..ops.collective import ProcessRank, ThreadGroup
 from ..tokenizer import Tokenizer
 from .client import RequestStream, SlotFileResult
 from .config import EngineConfig
 from .engine import Engine
 from .errors import InvalidRequest
 from .job import Job
-from .planner import plan_for_file
+from .planner import MemoryPlan, plan_for_file
 from .rounds import Mirror
 
 log = logging.getLogger("mtpserve.engine")
+
+
+class Inbox(Protocol):
+    """Where a follower's rounds arrive (a queue in this process, or a pipe from the leader's)."""
+
+    def get(self) -> object: ...
 
 
 class DiscardedStream(RequestStream):
@@ -64,8 +73,10 @@ class LeaderEngine(Engine):
 class FollowerEngine(Engine):
     """A rank other than 0: no clients; each round comes from the leader's `Mirror`."""
 
-    def __init__(self, inbox: queue.SimpleQueue, group: ThreadGroup, *args: Any, **kwargs: Any) -> None:
-        self.inbox, self.group = inbox, group  # before the scheduler thread starts
+    def __init__(self, inbox: Inbox, abort: Callable[[], None] | None, *args: Any, **kwargs: Any) -> None:
+        """`abort`: what breaks the ranks' exchanges when this one fails (ThreadGroup.abort; processes have none: the
+        backend's timeout ends the others' wait)."""
+        self.inbox, self.abort = inbox, abort  # before the scheduler thread starts
         super().__init__(*args, **kwargs)
 
     def _serve(self) -> None:
@@ -73,7 +84,8 @@ class FollowerEngine(Engine):
             self._follow()
         except Exception:  # the leader would wait on this rank's next exchange forever: break its barrier
             log.exception("srv  tensor parallel: a follower rank failed; the ranks' exchanges are aborted")
-            self.group.abort()
+            if self.abort is not None:
+                self.abort()
 
     @torch.inference_mode()  # as Engine._serve
     def _follow(self) -> None:
@@ -94,22 +106,100 @@ class FollowerEngine(Engine):
 
 
 def start_tensor_parallel(
-    path: str | Path, config: EngineConfig, devices: Sequence[str], shares: Sequence[float]
+    path: str | Path,
+    config: EngineConfig,
+    devices: Sequence[str],
+    shares: Sequence[float],
+    *,
+    processes: bool = False,
+    backend: str = "gloo",
 ) -> Engine:
     """The leader engine of len(devices) ranks over the model at `path`, `shares` its split (--tensor-split; equal
-    when empty). CPU devices only (threads); each rank loads its share."""
+    when empty); each rank loads its share. CPU ranks: threads of this process, or with `processes` a process each
+    over torch.distributed's `backend` (`ProcessRank`: what a rank a GPU will be, over NCCL)."""
     if any(d.lower() != "cpu" for d in devices) or len(devices) < 2:
         raise InvalidRequest(f"--split-mode row runs on CPU ranks here (--device cpu,cpu), not {','.join(devices)}")
-    group = ThreadGroup(len(devices))
+    shares = tuple(shares) or (1.0,) * len(devices)
     plan = plan_for_file(path, config, "cpu")
     tokenizer = Tokenizer.from_gguf(path)
-    shares = tuple(shares) or (1.0,) * len(devices)
-    models = [load(path, partition=Partition(group.member(r), shares)) for r in range(len(devices))]
     log.info(
-        "srv    load_model: tensor parallel over %d ranks (%s), shares %s", len(devices), ",".join(devices), shares
-    )
+        "srv    load_model: tensor parallel over %d ranks (%s, %s), shares %s",
+        len(devices), ",".join(devices), f"processes over {backend}" if processes else "threads", shares,
+    )  # fmt: skip
+    if processes:
+        return _start_processes(path, config, len(devices), shares, backend, tokenizer, plan)
+    group = ThreadGroup(len(devices))
+    models = [load(path, partition=Partition(group.member(r), shares)) for r in range(len(devices))]
     inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in devices[1:]]
     followers = [
-        FollowerEngine(inbox, group, m, tokenizer, config, plan, str(path)) for m, inbox in zip(models[1:], inboxes)
+        FollowerEngine(inbox, group.abort, m, tokenizer, config, plan, str(path))
+        for m, inbox in zip(models[1:], inboxes)
     ]
     return LeaderEngine(Mirror(inboxes, followers), models[0], tokenizer, config, plan, str(path), model_path=path)
+
+
+# --- ranks as processes -------------------------------------------------------------------------------------
+
+
+class FollowerProcess:
+    """A follower rank in a process of its own, its rounds sent over a pipe."""
+
+    def __init__(
+        self, rank: int, size: int, address: str, path: str | Path, config: EngineConfig, shares: tuple, backend: str
+    ) -> None:
+        ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+        self.inbox = ctx.Queue()
+        args = (rank, size, address, str(path), config, tuple(shares), backend, self.inbox)
+        self.process = ctx.Process(target=_follower_main, args=args, name=f"mtpserve-rank-{rank}", daemon=True)
+        self.process.start()
+
+    def close(self) -> None:
+        self.process.join(timeout=60)
+        if self.process.is_alive():
+            self.process.terminate()
+
+
+class ProcessGroupEnd:
+    """Closed after the followers: this process leaves the torch.distributed group."""
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _start_processes(
+    path: str | Path,
+    config: EngineConfig,
+    size: int,
+    shares: tuple,
+    backend: str,
+    tokenizer: Tokenizer,
+    plan: MemoryPlan,
+) -> Engine:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    followers = [FollowerProcess(r, size, address, path, config, shares, backend) for r in range(1, size)]
+    dist.init_process_group(backend, init_method=address, rank=0, world_size=size)  # waits for every rank
+    model = load(path, partition=Partition(ProcessRank(), shares))
+    mirror = Mirror([f.inbox for f in followers], [*followers, ProcessGroupEnd()])
+    return LeaderEngine(mirror, model, tokenizer, config, plan, str(path), model_path=path)
+
+
+def _follower_main(
+    rank: int, size: int, address: str, path: str, config: EngineConfig, shares: tuple, backend: str, inbox: Inbox
+) -> None:
+    """A follower process: join the group, load this rank's share, follow the leader's rounds until told to stop."""
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=size)
+    try:
+        model = load(path, partition=Partition(ProcessRank(), shares))
+        plan = plan_for_file(path, config, "cpu")
+        engine = FollowerEngine(inbox, None, model, Tokenizer.from_gguf(path), config, plan, path)
+        engine._thread.join()  # its scheduler ends at the leader's last round
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
