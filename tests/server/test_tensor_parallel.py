@@ -45,7 +45,7 @@ def _ask(server: ServerProcess, question: str):
 
 def test_two_ranks_answer_as_one_with_the_deployments_flags(servers):
     one, two = servers
-    assert "tensor parallel over 2 ranks (cpu,cpu)" in two.log()
+    assert "tensor parallel over 2 ranks (cpu,cpu, threads)" in two.log()
     for question in QUESTIONS:
         a, b = _ask(one, question), _ask(two, question)
         tokens = [t.token for t in a.choices[0].logprobs.content]
