@@ -8,6 +8,7 @@ and `qwen2`/`qwen3` with NeoX (half-split) RoPE.
 from __future__ import annotations
 
 from ctypes import Structure
+from dataclasses import replace
 
 import torch
 
@@ -18,6 +19,7 @@ from ..ops.norm import rms_norm, rms_norm_for
 from ..ops.rope import RopeTable, apply_rope
 from .base import Batch, CausalLM, ModelState, Rope, SharedKV, WeightStore, new_kv_caches, padded_context
 from .configs.llama import ARCHES, LlamaConfig  # noqa: F401 (re-exported)
+from .tensor_parallel import attention_share, ffn_share, vocab_share
 
 # --- blocks -------------------------------------------------------------------------------------------
 
@@ -26,11 +28,14 @@ class Attention:
     """GQA attention with RoPE; optional q/k/v biases (qwen2) and per-head q/k RMSNorm (qwen3)."""
 
     def __init__(self, w: WeightStore, b: str, c: LlamaConfig) -> None:
-        self.c = c
-        self.wq, self.wk, self.wv = (w.matrix(f"{b}.attn_{n}.weight") for n in "qkv")
+        hd, wo = c.head_dim, f"{b}.attn_output.weight"
+        share = attention_share(w.partition, c.n_head, c.n_head_kv, hd, w.ggml_type(wo))  # a rank's heads
+        self.c = c = replace(c, n_head=len(share.heads), n_head_kv=len(share.kv_heads))
+        rows = {"q": share.q_rows(hd), "k": share.kv_rows(hd), "v": share.kv_rows(hd)}
+        self.wq, self.wk, self.wv = (w.matrix(f"{b}.attn_{n}.weight", rows=rows[n]) for n in "qkv")
         self.qkv = WeightGroup((self.wq, self.wk, self.wv))  # one kernel call for the three
-        self.wo = w.matrix(f"{b}.attn_output.weight")
-        self.bq, self.bk, self.bv = (w.dense(f"{b}.attn_{n}.bias") if c.qkv_bias else None for n in "qkv")
+        self.wo = w.matrix(wo, columns=share.out_columns(hd), partition=share.partition)
+        self.bq, self.bk, self.bv = (w.dense(f"{b}.attn_{n}.bias", rows[n]) if c.qkv_bias else None for n in "qkv")
         self.q_norm = w.dense(f"{b}.attn_q_norm.weight") if c.qk_norm else None
         self.k_norm = w.dense(f"{b}.attn_k_norm.weight") if c.qk_norm else None
         # the block's one-call form (KVCache.residual_attention, decode_block), which has no q/k/v biases (qwen2)
@@ -75,7 +80,10 @@ class DecoderLayer:
         self.attn_norm = w.dense(f"{b}.attn_norm.weight")
         self.attn = Attention(w, b, c)
         self.ffn_norm = w.dense(f"{b}.ffn_norm.weight")
-        self.gate, self.up, self.down = (w.matrix(f"{b}.ffn_{n}.weight") for n in ("gate", "up", "down"))
+        down = f"{b}.ffn_down.weight"
+        share = ffn_share(w.partition, w.shape(down)[1], w.ggml_type(down))  # a rank's columns of the FFN
+        self.gate, self.up = (w.matrix(f"{b}.ffn_{n}.weight", rows=share.columns) for n in ("gate", "up"))
+        self.down = w.matrix(down, columns=share.columns, partition=share.partition)
         self.gate_up = WeightGroup((self.gate, self.up))  # one GEMV launch on the GPU path
         self.residual_ffn = ResidualGatedFFN(self.ffn_norm, self.eps, self.gate_up, self.down)
 
@@ -103,6 +111,10 @@ class LlamaForCausalLM(CausalLM):
         self.layers = [DecoderLayer(w, i, c) for i in range(c.n_layer)]
         self.output_norm = w.dense("output_norm.weight")
         self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")
+        if w.partition.split:  # a tensor-parallel rank's rows of the vocabulary, the logits gathered
+            name = "token_embd.weight" if c.tied_embeddings else "output.weight"
+            self.output = w.matrix(name, **vocab_share(w.partition, c.n_vocab))
+        self.kv_heads = {layer.index: layer.attn.c.n_head_kv for layer in self.layers if w.partition.split}
         self.rope_table = RopeTable(c.n_rot, c.rope_base, 1.0 / c.rope_scale, device=self.device)
 
     def new_state(
@@ -110,5 +122,7 @@ class LlamaForCausalLM(CausalLM):
     ) -> ModelState:
         ctx = padded_context(ctx_size, self.config)
         devices = self._layer_device_map()
-        kv = new_kv_caches(self.config, ctx, cache_type_k, cache_type_v, devices=devices, shared=shared)
+        kv = new_kv_caches(
+            self.config, ctx, cache_type_k, cache_type_v, devices=devices, shared=shared, kv_heads=self.kv_heads
+        )
         return ModelState(kv, capacity=ctx)
