@@ -96,9 +96,13 @@ def test_every_rank_makes_the_same_decisions():
     assert not _follower(engine)._thread.is_alive()  # closing the leader ended the follower
 
 
-def test_tensor_parallel_runs_on_cpu_ranks_only():
+def test_tensor_parallel_refuses_what_it_cannot_run():
+    """CUDA ranks (not built), and --spec-draft-n-max auto, whose draft lengths follow each rank's own timings."""
     with pytest.raises(InvalidRequest, match="CPU ranks"):
         start_tensor_parallel(tinyqwen_path("Q4_K_M"), _config(), ["cuda:0", "cuda:1"], ())
+    auto = EngineConfig(n_parallel=1, ctx_size=4096, spec=SpecConfig(type="draft-mtp", n_max=4, auto=True))
+    with pytest.raises(InvalidRequest, match="auto is not supported with --split-mode row"):
+        start_tensor_parallel(tinyqwen_path("Q4_K_M"), auto, ["cpu", "cpu"], ())
 
 
 def test_a_failed_follower_fails_requests_instead_of_hanging_them():

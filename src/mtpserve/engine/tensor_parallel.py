@@ -119,6 +119,8 @@ def start_tensor_parallel(
     over torch.distributed's `backend` (`ProcessRank`: what a rank a GPU will be, over NCCL)."""
     if any(d.lower() != "cpu" for d in devices) or len(devices) < 2:
         raise InvalidRequest(f"--split-mode row runs on CPU ranks here (--device cpu,cpu), not {','.join(devices)}")
+    if config.spec.auto:  # its draft lengths follow each rank's own timings: the ranks would part
+        raise InvalidRequest("--spec-draft-n-max auto is not supported with --split-mode row: give a number")
     shares = tuple(shares) or (1.0,) * len(devices)
     plan = plan_for_file(path, config, "cpu")
     tokenizer = Tokenizer.from_gguf(path)
