@@ -88,8 +88,7 @@ def test_every_rank_makes_the_same_decisions():
         assert all(s.result().finish_reason in ("stop", "length") for s in sampled)
         again = engine.submit(Request(cases[0]["prompt_token_ids"], GREEDY, n_predict=4)).result()
         assert again.timings.cache_n > 0  # reused on both ranks alike
-        with pytest.raises(InvalidRequest, match="not supported with --split-mode row"):
-            engine.slot_action(0, "erase")
+        engine.slot_action(1, "erase")
     finally:
         engine.close()
     _assert_same_slots(engine)
@@ -121,7 +120,7 @@ def test_a_failed_follower_fails_requests_instead_of_hanging_them():
         engine.close()
 
 
-def test_process_ranks_over_gloo_answer_as_thread_ranks():
+def test_process_ranks_over_gloo_answer_as_thread_ranks(tmp_path):
     """Ranks as processes over torch.distributed's gloo (a rank a GPU will be, with NCCL), their rounds sent over a
     pipe: the thread ranks' tokens exactly, greedy and seeded-sampled (two ranks' sums are the same bits either way,
     tests/ops/test_collective.py); closing the leader ends the follower process."""
@@ -135,8 +134,44 @@ def test_process_ranks_over_gloo_answer_as_thread_ranks():
         engine = start_tensor_parallel(path, _config(), ["cpu", "cpu"], (), processes=processes)
         try:
             answers.append([engine.submit(r).result().tokens for r in requests])
+            saved = engine.slot_action(0, "save", tmp_path / f"slot-{processes}.bin")  # the slot actions' pipe too
+            assert engine.slot_action(0, "restore", tmp_path / f"slot-{processes}.bin").n_tokens == saved.n_tokens
+            assert (tmp_path / f"slot-{processes}.bin.rank1").is_file()
         finally:
             engine.close()
     assert answers[0] == answers[1]
     (follower, _end) = engine.mirror.followers
     assert follower.process.exitcode == 0
+
+
+def test_slot_actions_run_on_every_rank_each_with_its_own_file(tmp_path):
+    """Save writes each rank's share to its own file (the leader's at the path asked, a follower's beside it);
+    restore brings both back, and the request after it reuses them as one rank reuses its slot; a restore that fails
+    on one rank leaves the slot erased on every rank."""
+    path, case = tinyqwen_path("Q4_K_M"), _cases()[0]
+    prompt = case["prompt_token_ids"]
+    engine = _two_ranks()
+    try:
+        first = engine.submit(Request(prompt, GREEDY, n_predict=8, ignore_eos=True, id_slot=0)).result()
+        saved = engine.slot_action(0, "save", tmp_path / "slot.bin")
+        assert saved.n_tokens == len(prompt) + 7  # the last sampled token is not evaluated yet
+        assert (tmp_path / "slot.bin.rank1").is_file()
+        engine.slot_action(0, "erase")
+        restored = engine.slot_action(0, "restore", tmp_path / "slot.bin")
+        assert restored.n_tokens == saved.n_tokens
+        follow = prompt + first.tokens + [10, 11]
+        after = engine.submit(Request(follow, GREEDY, n_predict=8, ignore_eos=True, id_slot=0)).result()
+        (tmp_path / "slot.bin.rank1").unlink()
+        with pytest.raises(InvalidRequest, match="rank 1"):
+            engine.slot_action(0, "restore", tmp_path / "slot.bin")
+    finally:
+        engine.close()
+    _assert_same_slots(engine)
+    assert engine.slots[0].n_past == 0  # the failed restore erased it, on every rank (above)
+    one = Engine(load(path), Tokenizer.from_gguf(path), _config(), plan_for_file(path, _config()))
+    try:
+        one.submit(Request(prompt, GREEDY, n_predict=8, ignore_eos=True, id_slot=0)).result()
+        alone = one.submit(Request(follow, GREEDY, n_predict=8, ignore_eos=True, id_slot=0)).result()
+    finally:
+        one.close()
+    assert after.tokens == alone.tokens and after.timings.cache_n == alone.timings.cache_n == saved.n_tokens

@@ -7,6 +7,7 @@ import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Protocol
 
 from .job import Job
@@ -22,7 +23,13 @@ class Closable(Protocol):
 class Outbox(Protocol):
     """Where a follower's rounds go: a queue it reads in this process, or a pipe to its own."""
 
-    def put(self, item: Round | None) -> None: ...
+    def put(self, item: Round | SlotAction | None) -> None: ...
+
+
+class Replies(Protocol):
+    """Where a follower's answers to slot actions come back."""
+
+    def get(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -34,11 +41,28 @@ class Round:
     cancelled: frozenset[int]
 
 
+@dataclass(frozen=True)
+class SlotAction:
+    """A slot action every rank runs on its share at the same point of the schedule: "save" to or "restore" from its
+    own file (`rank_file`), or "erase"."""
+
+    id_slot: int
+    action: str
+    path: Path | None
+
+
+def rank_file(path: Path, rank: int) -> Path:
+    """Where rank `rank` keeps its share of a slot saved to `path` (rank 0: `path` itself)."""
+    return path if rank == 0 else path.with_name(f"{path.name}.rank{rank}")
+
+
 class Mirror:
     """The leader's side: each round's inputs, sent to every follower before the leader acts on them."""
 
-    def __init__(self, inboxes: Sequence[Outbox] = (), followers: Sequence[Closable] = ()) -> None:
-        self.inboxes, self.followers = list(inboxes), list(followers)
+    def __init__(
+        self, inboxes: Sequence[Outbox] = (), followers: Sequence[Closable] = (), replies: Sequence[Replies] = ()
+    ) -> None:
+        self.inboxes, self.followers, self.replies = list(inboxes), list(followers), list(replies)
         self._sent: set[int] = set()
 
     def send(self, waiting: deque[Job], slots: Slots) -> frozenset[int]:
@@ -57,6 +81,13 @@ class Mirror:
         for inbox in self.inboxes:
             inbox.put(Round(tuple(arrived), cancelled))
         return cancelled
+
+    def ask(self, action: SlotAction) -> list[str]:
+        """Every follower runs the slot action on its share (on its engine thread, between the same steps as the
+        leader's); what failed, one message a follower that failed."""
+        for inbox in self.inboxes:
+            inbox.put(action)
+        return [error for replies in self.replies if (error := replies.get()) is not None]
 
     def close(self) -> None:
         """The followers' engines end (after the leader's thread has)."""

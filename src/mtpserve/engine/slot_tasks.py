@@ -19,6 +19,8 @@ from .reuse import PrefixReuse
 from .slots import Slot, Slots
 
 Task = tuple[int, Callable[[Slot], Any], "Future[Any]"]
+# runs an action's work on its slot with what else must happen with it (tensor parallelism's other ranks)
+Around = Callable[[Slot, Callable[[Slot], Any]], Any]
 
 
 class SlotTasks:
@@ -33,15 +35,27 @@ class SlotTasks:
     def __bool__(self) -> bool:
         return bool(self._tasks)
 
-    def act(self, id_slot: int, action: str, path: Path | None, reuse: PrefixReuse, hidden: Any) -> SlotFileResult:
+    def act(
+        self,
+        id_slot: int,
+        action: str,
+        path: Path | None,
+        reuse: PrefixReuse,
+        hidden: Any,
+        around: Around | None = None,
+    ) -> SlotFileResult:
         """Save the slot to `path`, restore it from `path`, or erase it (`reuse.forget`); file errors are
-        InvalidRequest (400)."""
+        InvalidRequest (400). `around(slot, work)` runs the work on the engine thread instead of `work(slot)`."""
+
+        def on_slot(work: Callable[[Slot], Any]) -> Any:
+            return self._on_slot(id_slot, work if around is None else lambda slot: around(slot, work))
+
         if not 0 <= id_slot < self.n_slots:
             raise InvalidRequest("Invalid slot ID")
         slots, drafter = reuse.slots, reuse.drafter
         t_start = time.perf_counter()
         if action == "erase":
-            return SlotFileResult(self._on_slot(id_slot, lambda slot: _erase(slot, reuse)))
+            return SlotFileResult(on_slot(lambda slot: _erase(slot, reuse)))
         if action not in ("save", "restore"):
             raise InvalidRequest("Invalid action")
         if path is None:
@@ -50,11 +64,11 @@ class SlotTasks:
             raise ServerError("slot files need the model's path (Engine(model_path=...)) for its fingerprint")
         fingerprint = slot_files.model_fingerprint(self.model_path)
         if action == "save":
-            image = self._on_slot(id_slot, lambda slot: slot_files.capture(slot, drafter))
+            image = on_slot(lambda slot: slot_files.capture(slot, drafter))
             n_bytes = slot_files.write(path, image, fingerprint)
         else:
             image, n_bytes = slot_files.read(path, fingerprint)
-            self._on_slot(id_slot, lambda slot: slot_files.apply(image, slot, slots, drafter, hidden))
+            on_slot(lambda slot: slot_files.apply(image, slot, slots, drafter, hidden))
         return SlotFileResult(image.n_tokens, n_bytes, 1000.0 * (time.perf_counter() - t_start))
 
     def _on_slot(self, id_slot: int, task: Callable[[Slot], Any]) -> Any:

@@ -11,7 +11,8 @@ and a request's seed is drawn once, by the leader). The ranks exchange tensors i
 
 Decision: ranks are threads of one process (ThreadGroup) for `--device cpu,cpu`, where the point is the code path
 and its tests. Processes over torch.distributed (NCCL, one per GPU) are the GPU plan: the same engines, the same
-rounds sent over a pipe. Slot actions (save, restore, erase) are refused: a file per rank is not built yet.
+rounds sent over a pipe. Slot actions (save, restore, erase) run on every rank between the same steps, each rank's
+share of the slot in a file of its own (`rounds.rank_file`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import logging
 import queue
 import socket
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,13 +34,16 @@ from ..models.loader import load
 from ..models.tensor_parallel import Partition
 from ..ops.collective import ProcessRank, ThreadGroup
 from ..tokenizer import Tokenizer
+from . import slot_files
 from .client import RequestStream, SlotFileResult
 from .config import EngineConfig
 from .engine import Engine
 from .errors import InvalidRequest
 from .job import Job
 from .planner import MemoryPlan, plan_for_file
-from .rounds import Mirror
+from .rounds import Mirror, SlotAction, rank_file
+from .slot_files import SlotFileError
+from .slots import Slot
 
 log = logging.getLogger("mtpserve.engine")
 
@@ -46,6 +52,22 @@ class Inbox(Protocol):
     """Where a follower's rounds arrive (a queue in this process, or a pipe from the leader's)."""
 
     def get(self) -> object: ...
+
+
+class Outbox(Protocol):
+    def put(self, item: str | None) -> None: ...
+
+
+@dataclass(frozen=True)
+class Link:
+    """A follower's ends: its rank, where its rounds and slot actions arrive, where it answers the actions, and what
+    breaks the ranks' exchanges when it fails (ThreadGroup.abort; processes have none: the backend's timeout ends the
+    others' wait)."""
+
+    rank: int
+    inbox: Inbox
+    replies: Outbox
+    abort: Callable[[], None] | None = None
 
 
 class DiscardedStream(RequestStream):
@@ -63,7 +85,25 @@ class LeaderEngine(Engine):
         super().__init__(*args, **kwargs)
 
     def slot_action(self, id_slot: int, action: str, path: Path | None = None) -> SlotFileResult:
-        raise InvalidRequest("slot save, restore and erase are not supported with --split-mode row yet")
+        """llama-server's slot actions on every rank: each saves its share to its own file (`rounds.rank_file`: the
+        leader's is `path`), restores from it, or erases."""
+        hidden = slot_files.HiddenSpec(self.model.output_norm.device, self.info.n_embd)
+        around = partial(self._with_followers, SlotAction(id_slot, action, path))
+        return self.slot_tasks.act(id_slot, action, path, self.reuse, hidden, around=around)
+
+    def _with_followers(self, action: SlotAction, slot: Slot, work: Callable[[Slot], Any]) -> Any:
+        """On the leader's engine thread, between steps: the followers' share of the action first, then the leader's.
+        A restore that fails on any rank leaves the slot erased on every rank (their states would part otherwise)."""
+        errors = self.mirror.ask(action)
+        try:
+            if errors:
+                raise SlotFileError(f"{action.action} on the other ranks: {'; '.join(errors)}")
+            return work(slot)
+        except Exception:
+            if action.action == "restore":
+                self.mirror.ask(SlotAction(action.id_slot, "erase", None))
+                self.reuse.forget(slot)
+            raise
 
     def close(self) -> None:
         super().close()
@@ -73,10 +113,8 @@ class LeaderEngine(Engine):
 class FollowerEngine(Engine):
     """A rank other than 0: no clients; each round comes from the leader's `Mirror`."""
 
-    def __init__(self, inbox: Inbox, abort: Callable[[], None] | None, *args: Any, **kwargs: Any) -> None:
-        """`abort`: what breaks the ranks' exchanges when this one fails (ThreadGroup.abort; processes have none: the
-        backend's timeout ends the others' wait)."""
-        self.inbox, self.abort = inbox, abort  # before the scheduler thread starts
+    def __init__(self, link: Link, *args: Any, **kwargs: Any) -> None:
+        self.link = link  # before the scheduler thread starts
         super().__init__(*args, **kwargs)
 
     def _serve(self) -> None:
@@ -84,13 +122,16 @@ class FollowerEngine(Engine):
             self._follow()
         except Exception:  # the leader would wait on this rank's next exchange forever: break its barrier
             log.exception("srv  tensor parallel: a follower rank failed; the ranks' exchanges are aborted")
-            if self.abort is not None:
-                self.abort()
+            if self.link.abort is not None:
+                self.link.abort()
 
     @torch.inference_mode()  # as Engine._serve
     def _follow(self) -> None:
         by_leader_id: dict[int, Job] = {}
-        while (round_ := self.inbox.get()) is not None:
+        while (round_ := self.link.inbox.get()) is not None:
+            if isinstance(round_, SlotAction):
+                self.link.replies.put(self._act(round_))
+                continue
             for leader_id, request in round_.arrived:
                 constraint = None
                 if request.grammar is not None:
@@ -103,6 +144,26 @@ class FollowerEngine(Engine):
             live = {j.stream.id for j in (*self._queue, *(s.job for s in self.slots.busy()))}
             by_leader_id = {i: j for i, j in by_leader_id.items() if j.stream.id in live}
             self._step()
+
+    def _act(self, a: SlotAction) -> str | None:
+        """The leader's slot action on this rank's share of the slot; what went wrong, or None."""
+        try:
+            slot = self.slots[a.id_slot]
+            if a.action == "erase":
+                self.reuse.forget(slot)
+                return None
+            assert a.path is not None and self.slot_tasks.model_path is not None  # the leader checked both
+            fingerprint = slot_files.model_fingerprint(self.slot_tasks.model_path)
+            path = rank_file(a.path, self.link.rank)
+            if a.action == "save":
+                slot_files.write(path, slot_files.capture(slot, self.drafter), fingerprint)
+            else:
+                image, _ = slot_files.read(path, fingerprint)
+                hidden = slot_files.HiddenSpec(self.model.output_norm.device, self.info.n_embd)
+                slot_files.apply(image, slot, self.slots, self.drafter, hidden)
+            return None
+        except Exception as e:  # noqa: BLE001 - the leader raises it for the client
+            return f"rank {self.link.rank}: {e}"
 
 
 def start_tensor_parallel(
@@ -132,12 +193,13 @@ def start_tensor_parallel(
         return _start_processes(path, config, len(devices), shares, backend, tokenizer, plan)
     group = ThreadGroup(len(devices))
     models = [load(path, partition=Partition(group.member(r), shares)) for r in range(len(devices))]
-    inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in devices[1:]]
+    links = [Link(r, queue.SimpleQueue(), queue.SimpleQueue(), group.abort) for r in range(1, len(devices))]
     followers = [
-        FollowerEngine(inbox, group.abort, m, tokenizer, config, plan, str(path))
-        for m, inbox in zip(models[1:], inboxes)
+        FollowerEngine(link, model, tokenizer, config, plan, str(path), model_path=path)
+        for link, model in zip(links, models[1:])
     ]
-    return LeaderEngine(Mirror(inboxes, followers), models[0], tokenizer, config, plan, str(path), model_path=path)
+    mirror = Mirror([link.inbox for link in links], followers, [link.replies for link in links])  # type: ignore[misc]
+    return LeaderEngine(mirror, models[0], tokenizer, config, plan, str(path), model_path=path)
 
 
 # --- ranks as processes -------------------------------------------------------------------------------------
@@ -150,8 +212,9 @@ class FollowerProcess:
         self, rank: int, size: int, address: str, path: str | Path, config: EngineConfig, shares: tuple, backend: str
     ) -> None:
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
-        self.inbox = ctx.Queue()
-        args = (rank, size, address, str(path), config, tuple(shares), backend, self.inbox)
+        self.inbox, self.replies = ctx.Queue(), ctx.Queue()
+        link = Link(rank, self.inbox, self.replies)
+        args = (size, address, str(path), config, tuple(shares), backend, link)
         self.process = ctx.Process(target=_follower_main, args=args, name=f"mtpserve-rank-{rank}", daemon=True)
         self.process.start()
 
@@ -182,19 +245,19 @@ def _start_processes(
     followers = [FollowerProcess(r, size, address, path, config, shares, backend) for r in range(1, size)]
     dist.init_process_group(backend, init_method=address, rank=0, world_size=size)  # waits for every rank
     model = load(path, partition=Partition(ProcessRank(), shares))
-    mirror = Mirror([f.inbox for f in followers], [*followers, ProcessGroupEnd()])
+    mirror = Mirror([f.inbox for f in followers], [*followers, ProcessGroupEnd()], [f.replies for f in followers])
     return LeaderEngine(mirror, model, tokenizer, config, plan, str(path), model_path=path)
 
 
 def _follower_main(
-    rank: int, size: int, address: str, path: str, config: EngineConfig, shares: tuple, backend: str, inbox: Inbox
+    size: int, address: str, path: str, config: EngineConfig, shares: tuple, backend: str, link: Link
 ) -> None:
     """A follower process: join the group, load this rank's share, follow the leader's rounds until told to stop."""
-    dist.init_process_group(backend, init_method=address, rank=rank, world_size=size)
+    dist.init_process_group(backend, init_method=address, rank=link.rank, world_size=size)
     try:
         model = load(path, partition=Partition(ProcessRank(), shares))
         plan = plan_for_file(path, config, "cpu")
-        engine = FollowerEngine(inbox, None, model, Tokenizer.from_gguf(path), config, plan, path)
+        engine = FollowerEngine(link, model, Tokenizer.from_gguf(path), config, plan, path, model_path=path)
         engine._thread.join()  # its scheduler ends at the leader's last round
         engine.close()
     finally:
