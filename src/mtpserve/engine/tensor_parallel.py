@@ -11,8 +11,8 @@ and a request's seed is drawn once, by the leader). The ranks exchange tensors i
 
 Decision: ranks are threads of one process (ThreadGroup) for `--device cpu,cpu`, where the point is the code path
 and its tests. With `processes`, a follower process a rank over torch.distributed (gloo here; NCCL, one a GPU, is the
-GPU plan): the same engines, the rounds sent over a pipe. Slot actions (save, restore, erase) run on every rank between the same steps, each rank's
-share of the slot in a file of its own (`rounds.rank_file`).
+GPU plan): the same engines, the rounds sent over a pipe. Slot actions (save, restore, erase) run on every rank
+between the same steps, each rank's share of the slot in a file of its own (`rounds.rank_file`).
 """
 
 from __future__ import annotations
