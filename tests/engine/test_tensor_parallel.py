@@ -102,6 +102,9 @@ def test_tensor_parallel_refuses_what_it_cannot_run():
     auto = EngineConfig(n_parallel=1, ctx_size=4096, spec=SpecConfig(type="draft-mtp", n_max=4, auto=True))
     with pytest.raises(InvalidRequest, match="auto is not supported with --split-mode row"):
         start_tensor_parallel(tinyqwen_path("Q4_K_M"), auto, ["cpu", "cpu"], ())
+    trimmed = EngineConfig(n_parallel=1, ctx_size=4096, spec=SpecConfig(type="draft-mtp", n_max=2, draft_vocab=1024))
+    with pytest.raises(InvalidRequest, match="--spec-draft-vocab is not supported with --split-mode row"):
+        start_tensor_parallel(tinyqwen_path("Q4_K_M"), trimmed, ["cpu", "cpu"], ())
 
 
 def test_a_failed_follower_fails_requests_instead_of_hanging_them():

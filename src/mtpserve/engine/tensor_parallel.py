@@ -182,6 +182,8 @@ def start_tensor_parallel(
         raise InvalidRequest(f"--split-mode row runs on CPU ranks here (--device cpu,cpu), not {','.join(devices)}")
     if config.spec.auto:  # its draft lengths follow each rank's own timings: the ranks would part
         raise InvalidRequest("--spec-draft-n-max auto is not supported with --split-mode row: give a number")
+    if config.spec.draft_vocab:  # the first rows of a vocabulary split by rows are rank 0's alone
+        raise InvalidRequest("--spec-draft-vocab is not supported with --split-mode row yet")
     shares = tuple(shares) or (1.0,) * len(devices)
     plan = plan_for_file(path, config, "cpu")
     tokenizer = Tokenizer.from_gguf(path)
