@@ -56,6 +56,14 @@ def test_attention_heads_take_their_kv_heads_and_share_one_when_fewer():
     # 64-wide heads cannot be cut out of a 256-wide Q4_K block: every rank holds the whole block
     tiny = attention_share(_rank(1), 4, 2, 64, GGMLType.Q4_K)
     assert (tiny.heads, tiny.kv_heads, tiny.partition.split) == (range(4), range(2), False)
+    # fewer heads than ranks, or shares that leave a rank none: whole on every rank (a head on two ranks would be
+    # summed twice)
+    for share in (
+        attention_share(_rank(1), 1, 1, 256, GGMLType.Q8_0),
+        attention_share(_rank(0, shares=(1, 9)), 4, 4, 256, GGMLType.Q8_0),
+    ):
+        assert not share.partition.split and share.heads == range(share.heads.stop)
+    assert not deltanet_share(_rank(1), 1, 2, 128, GGMLType.Q8_0).partition.split
     assert attention_share(_rank(1), 4, 2, 64, GGMLType.Q8_0).heads == range(2, 4)  # 32-wide blocks: cut
 
 

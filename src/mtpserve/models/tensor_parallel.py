@@ -35,23 +35,18 @@ class Partition:
     def split(self) -> bool:
         return self.group.size > 1
 
-    def units(self, n: int) -> range:
-        """This rank's contiguous run of n units (heads, blocks, vocabulary rows). Fewer units than ranks: each is
-        held by size / n ranks (n must divide the ranks)."""
+    def units(self, n: int) -> range | None:
+        """This rank's contiguous run of n units (heads, quant blocks, vocabulary rows) in proportion to the shares;
+        None where some rank would get none (fewer units than ranks): the block is then held whole by every rank."""
         rank, size = self.group.rank, self.group.size
-        if size == 1:
-            return range(n)
-        if n < size:
-            if size % n:
-                raise ValueError(f"{n} heads cannot be shared by {size} ranks")
-            unit = rank * n // size
-            return range(unit, unit + 1)
         shares = self.shares or (1.0,) * size
         total, bounds, acc = float(sum(shares)), [0], 0.0
         for share in shares[:-1]:
             acc += share
             bounds.append(max(bounds[-1], int(n * acc / total)))
         bounds.append(n)
+        if any(b <= a for a, b in zip(bounds, bounds[1:])):
+            return None
         return range(bounds[rank], bounds[rank + 1])
 
 
@@ -65,7 +60,10 @@ def scaled(units: range, width: int, offset: int = 0) -> Runs:
 
 def vocab_share(p: Partition, n_vocab: int) -> dict:
     """`WeightStore.matrix`'s arguments for a rank's rows of an output layer, the logits gathered."""
-    return {"rows": scaled(p.units(n_vocab), 1), "partition": p, "gather": True}
+    rows = p.units(n_vocab)
+    if rows is None:
+        raise ValueError(f"--tensor-split {p.shares} leaves a rank no row of the {n_vocab}-token vocabulary")
+    return {"rows": scaled(rows, 1), "partition": p, "gather": True}
 
 
 @dataclass(frozen=True)
@@ -87,16 +85,17 @@ class AttentionShare:
 def attention_share(p: Partition, n_head: int, n_head_kv: int, head_dim: int, out_type: GGMLType) -> AttentionShare:
     """The rank's heads of an attention block whose output projection is stored as `out_type`."""
     heads, group = p.units(n_head), n_head // n_head_kv
+    whole = AttentionShare(range(n_head), range(n_head_kv), WHOLE)
+    if heads is None:
+        return whole
     if heads.start % group == 0 and len(heads) % group == 0:
         kv = range(heads.start // group, heads.stop // group)
     elif group % len(heads) == 0 and heads.start // group == (heads.stop - 1) // group:  # a KV head several share
         kv = range(heads.start // group, heads.start // group + 1)
     else:
-        return AttentionShare(range(n_head), range(n_head_kv), WHOLE)
+        return whole
     share = AttentionShare(heads, kv, p)
-    if p.split and not columns_split(out_type, share.out_columns(head_dim)):
-        return AttentionShare(range(n_head), range(n_head_kv), WHOLE)
-    return share
+    return share if not p.split or columns_split(out_type, share.out_columns(head_dim)) else whole
 
 
 @dataclass(frozen=True)
@@ -127,12 +126,11 @@ class DeltaNetShare:
 
 def deltanet_share(p: Partition, n_k: int, n_v: int, head_dim: int, out_type: GGMLType) -> DeltaNetShare:
     k = p.units(n_k)
-    if p.split and len(k) < n_k and n_k < p.group.size:
-        raise ValueError(f"{n_k} Gated DeltaNet K heads cannot be split over {p.group.size} ranks")
+    whole = DeltaNetShare(range(n_k), tuple(range(n_v)), WHOLE)
+    if k is None:
+        return whole
     share = DeltaNetShare(k, tuple(j for j in range(n_v) if j % n_k in k), p)
-    if p.split and not columns_split(out_type, share.v_runs(head_dim)):
-        return DeltaNetShare(range(n_k), tuple(range(n_v)), WHOLE)
-    return share
+    return share if not p.split or columns_split(out_type, share.v_runs(head_dim)) else whole
 
 
 @dataclass(frozen=True)
@@ -143,6 +141,7 @@ class FFNShare:
 
 def ffn_share(p: Partition, n_ff: int, down_type: GGMLType) -> FFNShare:
     block = block_geometry(down_type)[0]
-    if not p.split or n_ff % block or n_ff // block < p.group.size:
+    units = None if n_ff % block else p.units(n_ff // block)
+    if not p.split or units is None:
         return FFNShare(((0, n_ff),), WHOLE)
-    return FFNShare(scaled(p.units(n_ff // block), block), p)
+    return FFNShare(scaled(units, block), p)

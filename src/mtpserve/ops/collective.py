@@ -61,7 +61,7 @@ class ThreadGroup:
             raise ValueError(f"a group needs at least one rank, not {size}")
         self.size = size
         self._barrier = threading.Barrier(size)
-        self._slots: list[torch.Tensor | None] = [None] * size
+        self._slots: list[torch.Tensor] = [torch.empty(0)] * size
 
     def member(self, rank: int) -> ThreadRank:
         if not 0 <= rank < self.size:
@@ -86,9 +86,9 @@ class ThreadGroup:
             t.start()
         for t in threads:
             t.join()
-        failed = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
-        if failed or any(errors):
-            raise (failed or [e for e in errors if e is not None])[0]
+        raised = [e for e in errors if e is not None]
+        if raised:  # the rank that failed, not one its abort woke
+            raise next((e for e in raised if not isinstance(e, threading.BrokenBarrierError)), raised[0])
         return results
 
     def abort(self) -> None:
@@ -99,7 +99,7 @@ class ThreadGroup:
         """Every rank's tensor, once all have given theirs; each rank reads them before any rank's next exchange."""
         self._slots[rank] = t
         self._barrier.wait()
-        parts = [s for s in self._slots if s is not None]
+        parts = list(self._slots)
         self._barrier.wait()  # all have read: the slots may be written again
         return parts
 
