@@ -22,7 +22,7 @@ from ..quant.dequant import dequantize_tensor
 from ..quant.qtensor import QTensor
 from ..quant.types import GGMLType
 from .config import ModelConfig
-from .tensor_parallel import WHOLE, Partition, Runs
+from .tensor_parallel import WHOLE, Partition, Runs, vocab_share
 
 DEFAULT_UBATCH = 512
 CTX_PAD = 256
@@ -341,6 +341,14 @@ class CausalLM:
     def devices(self) -> set[torch.device]:
         """Every device that computes part of a forward pass."""
         return {self.device, *self.layer_devices.values()}
+
+    def _output_layer(self, w: WeightStore) -> QTensor:
+        """The LM head: `output.weight`, or the embedding table it is tied to; for a tensor-parallel rank its rows of
+        the vocabulary, the logits gathered."""
+        c, name = self.config, "token_embd.weight" if self.config.tied_embeddings else "output.weight"
+        if w.partition.split:
+            return w.matrix(name, **vocab_share(w.partition, c.n_vocab))
+        return self.token_embd if c.tied_embeddings else w.matrix(name)
 
     def _layer_device_map(self) -> dict[int, torch.device]:
         n_layer = getattr(self.config, "n_layer", 0) + getattr(self.config, "n_nextn", 0)

@@ -56,6 +56,7 @@ class ModelConfig(Protocol):
     n_embd: int
     n_layer: int  # trunk layers, without MTP blocks
     context_length: int  # trained context
+    tied_embeddings: bool  # no output.weight: the LM head is the embedding table
 
     def layer_kinds(self) -> list[str]:
         """One entry per trunk layer: "attention", "sliding_attention" or "gated_deltanet"."""

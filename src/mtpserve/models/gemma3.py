@@ -21,7 +21,7 @@ from ..ops.norm import rms_norm, rms_norm_for
 from ..ops.rope import RopeTable, apply_rope
 from .base import Batch, CausalLM, ModelState, Rope, SharedKV, WeightStore, new_kv_caches, padded_context
 from .configs.gemma3 import ARCH, DEFAULT_ROPE_BASE_SWA, DEFAULT_SWA_PERIOD, Gemma3Config  # noqa: F401 (re-exported)
-from .tensor_parallel import attention_share, ffn_share, vocab_share
+from .tensor_parallel import attention_share, ffn_share
 
 # --- blocks -------------------------------------------------------------------------------------------
 
@@ -127,10 +127,7 @@ class Gemma3ForCausalLM(CausalLM):
         }
         self.layers = [DecoderLayer(w, i, c) for i in range(c.n_layer)]
         self.output_norm = w.dense("output_norm.weight")
-        self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")
-        if w.partition.split:  # a tensor-parallel rank's rows of the vocabulary, the logits gathered
-            name = "token_embd.weight" if c.tied_embeddings else "output.weight"
-            self.output = w.matrix(name, **vocab_share(w.partition, c.n_vocab))
+        self.output = self._output_layer(w)
         self.kv_heads = {layer.index: layer.attn.c.n_head_kv for layer in self.layers if w.partition.split}
 
     def new_state(

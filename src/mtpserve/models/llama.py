@@ -19,7 +19,7 @@ from ..ops.norm import rms_norm, rms_norm_for
 from ..ops.rope import RopeTable, apply_rope
 from .base import Batch, CausalLM, ModelState, Rope, SharedKV, WeightStore, new_kv_caches, padded_context
 from .configs.llama import ARCHES, LlamaConfig  # noqa: F401 (re-exported)
-from .tensor_parallel import attention_share, ffn_share, vocab_share
+from .tensor_parallel import attention_share, ffn_share
 
 # --- blocks -------------------------------------------------------------------------------------------
 
@@ -110,10 +110,7 @@ class LlamaForCausalLM(CausalLM):
         self.token_embd = w.matrix("token_embd.weight")
         self.layers = [DecoderLayer(w, i, c) for i in range(c.n_layer)]
         self.output_norm = w.dense("output_norm.weight")
-        self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")
-        if w.partition.split:  # a tensor-parallel rank's rows of the vocabulary, the logits gathered
-            name = "token_embd.weight" if c.tied_embeddings else "output.weight"
-            self.output = w.matrix(name, **vocab_share(w.partition, c.n_vocab))
+        self.output = self._output_layer(w)
         self.kv_heads = {layer.index: layer.attn.c.n_head_kv for layer in self.layers if w.partition.split}
         self.rope_table = RopeTable(c.n_rot, c.rope_base, 1.0 / c.rope_scale, device=self.device)
 

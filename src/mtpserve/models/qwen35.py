@@ -290,10 +290,7 @@ class Qwen35ForCausalLM(CausalLM):
         self.token_embd = w.matrix("token_embd.weight")
         self.layers = [DecoderLayer(w, i, c) for i in range(c.n_layer)]
         self.output_norm = w.dense("output_norm.weight")
-        self.output = self.token_embd if c.tied_embeddings else w.matrix("output.weight")
-        if w.partition.split:  # a tensor-parallel rank's rows of the vocabulary, the logits gathered
-            name = "token_embd.weight" if c.tied_embeddings else "output.weight"
-            self.output = w.matrix(name, **vocab_share(w.partition, c.n_vocab))
+        self.output = self._output_layer(w)
         self.mtp = [MTPHead(w, i, c, self.output, self.output_norm) for i in c.mtp_layers()]
         attention = [layer for layer in (*self.layers, *(m.block for m in self.mtp)) if not layer.recurrent]
         self.kv_heads = {layer.index: layer.mixer.c.n_head_kv for layer in attention if w.partition.split}
