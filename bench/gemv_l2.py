@@ -8,8 +8,9 @@ it from L2 and flatters the kernel. Here each matrix is copied until the copies 
 (`torch.cuda.get_device_properties(0).L2_cache_size`), the launches rotate through the copies, and a CUDA graph of
 many launches is replayed (no Python or launch gaps between them), timed by CUDA events. Reported per matrix, rows
 (1: decode, 3: a verification at n_max 2) and kernel (the float GEMV's word and sub-tile kernels, the integer
-quant_gemv_q8 where it exists for the type, and its tile's choices, Q8_TILES; `--integer-only` leaves the float
-GEMVs out, as the GPU check does since the first H200 run measured them at 5-16% of a copy): microseconds a launch,
+quant_gemv_q8 where it exists for the type, and its tile's choices and K splits, Q8_TILES; `--integer-only` leaves
+the float GEMVs out, as the GPU check does since the first H200 run measured them at 5-16% of a copy): microseconds
+a launch,
 weight GB/s, and the fraction of a 2 GiB device-to-device copy's bandwidth (read + write), the ceiling. Off CUDA
 each case is one eager launch (the wiring, not a timing). Any row that fails (an error instead of a time) makes the
 run exit 1, and so fails its stage."""
@@ -41,14 +42,19 @@ def matrices(tiny: bool) -> list[tuple[str, GGMLType, int, int]]:
     return out
 
 
-# (name, rows divisor, warps, prefetch: Q4_K and Q5_K only)
+# (name, rows divisor, warps, prefetch: Q4_K and Q5_K only, K splits). Only the K splits add memory in flight to
+# a 5120-row matrix (640 one-warp programs, 27% of a copy in the first H200 run, where 1280 gave 50% and 2176 58%):
+# fewer rows or more warps a program cut its bytes a step as they multiply the programs, prefetch is Q4_K's alone.
 Q8_TILES = (
-    ("q8 rows/2", 2, 1, False),
-    ("q8 w2", 1, 2, False),
-    ("q8 w4", 1, 4, False),
-    ("q8 rows/2 w2", 2, 2, False),
-    ("q8 prefetch", 1, 1, True),
-    ("q8 rows/2 prefetch", 2, 1, True),
+    ("q8 rows/2", 2, 1, False, 1),
+    ("q8 w2", 1, 2, False, 1),
+    ("q8 w4", 1, 4, False, 1),
+    ("q8 rows/2 w2", 2, 2, False, 1),
+    ("q8 prefetch", 1, 1, True, 1),
+    ("q8 rows/2 prefetch", 2, 1, True, 1),
+    ("q8 split2", 1, 1, False, 2),
+    ("q8 split4", 1, 1, False, 4),
+    ("q8 split8", 1, 1, False, 8),
 )
 
 
@@ -81,19 +87,32 @@ def kernel_calls(qtype: GGMLType) -> dict:
         # the activations as the decode path rounds them for this type (ops.linear_gpu.integer_format)
         fmt = ActFormat(kernels.act_block(int(qtype)), qtype in PAIRED_ACTIVATIONS)
 
-        def q8(x: torch.Tensor, b: torch.Tensor, rows_divisor: int = 1, num_warps: int = 1, prefetch: bool = False):
+        def q8(
+            x: torch.Tensor,
+            b: torch.Tensor,
+            rows_divisor: int = 1,
+            num_warps: int = 1,
+            prefetch: bool = False,
+            k_splits: int = 1,
+        ) -> torch.Tensor:
             if id(x) not in quants:  # quantized once, outside the timing (its own kernel is cased apart)
                 quants[id(x)] = quantize_rows_reference(x, fmt)
             return kernels.quant_gemv_q8(
-                *quants[id(x)], b, int(qtype), rows_divisor=rows_divisor, num_warps=num_warps, prefetch=prefetch
+                *quants[id(x)],
+                b,
+                int(qtype),
+                rows_divisor=rows_divisor,
+                num_warps=num_warps,
+                prefetch=prefetch,
+                k_splits=k_splits,
             )
 
         calls["q8"] = q8
         # the tile's choices (the first H200 run: ~5 one-warp programs an SM, 27-58% of a copy's bandwidth)
-        for name, divisor, warps, prefetch in Q8_TILES:
+        for name, divisor, warps, prefetch, splits in Q8_TILES:
             if prefetch and qtype not in (GGMLType.Q4_K, GGMLType.Q5_K):
                 continue
-            calls[name] = lambda x, b, d=divisor, w=warps, p=prefetch: q8(x, b, d, w, p)
+            calls[name] = lambda x, b, d=divisor, w=warps, p=prefetch, s=splits: q8(x, b, d, w, p, s)
     broken = os.environ.get("GEMV_L2_BREAK")
     if broken in calls:
         calls[broken] = _raises

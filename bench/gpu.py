@@ -430,6 +430,37 @@ def measure_without_matmuls(model, state, depth: int, token: int, args: argparse
     }
 
 
+def measure_k_splits(model, state, depth: int, token: int, args: argparse.Namespace, timer: Timer) -> dict:
+    """A graphed decode step and a 3-token verification with the integer GEMVs of the few-row matrices split
+    --gemv-k-splits ways along K (ops.quant_gemv.GEMV_K_SPLITS, captured into fresh graphs), beside the default's."""
+    from mtpserve.ops import quant_gemv
+
+    before = quant_gemv.GEMV_K_SPLITS
+    quant_gemv.GEMV_K_SPLITS = args.gemv_k_splits
+    try:
+        decode_graph = DecodeGraph(model, state)
+        verify_graph = StepGraph(model, state, args.n_max + 1, keep_steps=True)
+
+        def decode() -> None:
+            truncate(state, depth)
+            decode_graph.decode(token)
+
+        def verify() -> None:
+            truncate(state, depth)
+            verify_graph.step([token] * (args.n_max + 1))
+
+        t_decode = timer.median(decode, args.reps, warmup=3)
+        t_verify = timer.median(verify, args.reps, warmup=3)
+    finally:
+        quant_gemv.GEMV_K_SPLITS = before
+        truncate(state, depth)
+    return {
+        "gemv_k_splits": args.gemv_k_splits,
+        "decode_k_split_ms": 1e3 * t_decode,
+        "verify_k_split_ms": 1e3 * t_verify,
+    }
+
+
 def measure_decode(
     model,
     state,
@@ -470,6 +501,8 @@ def measure_decode(
     if args.split_matmuls:
         row.update(measure_without_matmuls(model, state, depth, token, args, timer))
         row["matmul_ms"] = row["decode_ms"] - row["decode_no_matmul_ms"]
+    if args.gemv_k_splits > 1:
+        row.update(measure_k_splits(model, state, depth, token, args, timer))
     if "mtp" not in args.parts:
         return row
 
@@ -756,6 +789,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-only", default=None, help="only the peer, against this earlier run's JSON")
     p.add_argument("--parts", default=",".join(PARTS), help=f"what to measure, comma-separated (of {','.join(PARTS)})")
     p.add_argument("--split-matmuls", action="store_true", help="decode also without the matmuls, kernels counted")
+    p.add_argument(
+        "--gemv-k-splits",
+        type=int,
+        default=1,
+        help="also time a decode step and a verification with the few-row GEMVs split this many ways along K",
+    )
     args = p.parse_args(argv)
     args.parts = set(args.parts.split(","))
     if args.parts - set(PARTS):
@@ -926,6 +965,14 @@ def report(r: dict) -> str:
                 f"depth {row['depth']}: the captured step without its matmuls {row['decode_no_matmul_ms']:.2f} ms, "
                 f"the matmuls {row['matmul_ms']:.2f} ms of {row['decode_ms']:.2f}; GPU kernels an eager step "
                 f"{row['kernels_per_token']} ({row['kernels_per_token_no_matmul']} without the matmuls)"
+            )
+        if "decode_k_split_ms" in row:
+            verify = f", verification {row['verify_k_split_ms']:.2f}" + (
+                f" against {row['verify_ms']:.2f}" if "verify_ms" in row else ""
+            )
+            lines.append(
+                f"depth {row['depth']}: the few-row GEMVs split {row['gemv_k_splits']} ways along K: decode "
+                f"{row['decode_k_split_ms']:.2f} ms against {row['decode_ms']:.2f}{verify}"
             )
     lines.append("")
     if "batch_decode" in r:

@@ -18,7 +18,8 @@
 #                           decode step against eager: a PASS/FAIL/SKIP line per case (~60 s, most of it compiling).
 #   bench 260 s  bench.txt  most wanted first: bench/gpu.py -> decode.json: decode tok/s at depths 4096 and 65536, with
 #                decode.json draft-mtp (n_max 2) and without, with and without the matmuls (their time apart from the
-#                gemv.json  small kernels'), kernels launched per token, a per-kernel table (torch.profiler) of one
+#                gemv.json  small kernels'), with the few-row GEMVs split 4 ways along K (a decode step and a
+#                           verification), kernels launched per token, a per-kernel table (torch.profiler) of one
 #                           graphed decode step and one MTP cycle at each depth, printed as made, then prefill of 8192
 #                           tokens (one model build); then bench/attention_gpu.py: decode attention's choices
 #                           (operands, tile, warps, split size) at 4096 and 65536 tokens, its table in bench.txt;
@@ -152,7 +153,7 @@ PY
         # 27B-shaped model would cost the stage more than the GEMVs' order is worth), then the GEMV calibration.
         local rc=0
         "$PY" bench/gpu.py --parts decode,mtp,prefill --contexts 4096,65536 --prefill 8192 --batch 1 --memory-ctx 0 \
-            --split-matmuls --json "$OUT/decode.json" || rc=$?
+            --split-matmuls --gemv-k-splits 4 --json "$OUT/decode.json" || rc=$?
         cp "$OUT/decode.json" "$RESULTS" 2>/dev/null  # what llama.cpp's rows are compared with (rest, peer)
         "$PY" bench/attention_gpu.py || rc=$?  # decode attention's choices (its table in bench.txt)
         "$PY" bench/gemv_l2.py --integer-only --json "$OUT/gemv.json" || rc=$?  # the integer GEMV and its tiles

@@ -57,6 +57,8 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
         "1",
         "--batch",
         "2",
+        "--gemv-k-splits",
+        "2",
         "--json",
         str(out),
         "--llama-bench",
@@ -67,6 +69,7 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "| depth | decode tok/s |" in run.stdout and "prefill:" in run.stdout
+    assert "the few-row GEMVs split 2 ways along K" in run.stdout
     result = json.loads(out.read_text())
     assert [row["depth"] for row in result["decode"]] == [256, 384]
     for row in result["decode"]:
@@ -75,6 +78,7 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
         # n_max 2 at 63% accepted: 1 + 1.26 tokens per verification step
         assert row["mtp_tokens_per_step"] == pytest.approx(2.26)
         assert row["kv_bytes_per_token"] > 0
+        assert row["gemv_k_splits"] == 2 and min(row["decode_k_split_ms"], row["verify_k_split_ms"]) > 0
     # Bytes a token reads: every trunk matrix and the head, far more than one MTP step's block + head.
     assert result["weight_bytes_per_token"] > result["weight_bytes_per_draft_step"] > 0
     ranking = result["ranking"]

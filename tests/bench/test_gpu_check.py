@@ -110,7 +110,7 @@ def test_gemv_l2_measures_every_kernel(tmp_path: Path) -> None:
     needed) while the stage still passed (issue 38): every kernel and tile choice now measures."""
     run, rows = _gemv_l2(tmp_path)
     tiles = {
-        m: {name for name, _, _, prefetch in Q8_TILES if not prefetch or m == "attn_qkv"}
+        m: {name for name, _, _, prefetch, _ in Q8_TILES if not prefetch or m == "attn_qkv"}
         for m in ("attn_qkv", "ffn_down")
     }
     expected = {(m, k) for m in tiles for k in {"words", "sub_tile", "q8"} | tiles[m]}

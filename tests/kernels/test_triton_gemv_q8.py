@@ -124,6 +124,60 @@ def test_prefetch_changes_no_bit(qtype: GGMLType, k: int) -> None:
         )
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_split_k_matches_the_twin(qtype: GGMLType) -> None:
+    """`k_splits=2`: the K loop's 2 steps (K = 2048: 8 super-blocks 4 a step; 64 blocks 32 a step) one a split, 3
+    activation rows, a partial row tile: the twin's sums up to float32 order, and the same bits as adding the
+    residual after (the splits' sum first, the residual last)."""
+    n, k, m = 20, 2048, 3
+    blocks = _blocks(qtype, n, k, seed=21).to(DEVICE)
+    xq, xd = (t.to(DEVICE) for t in _activations(qtype, m, k, seed=22))
+    got = triton_gemv_q8(xq, xd, blocks, qtype, k_splits=2)
+    _close(got.cpu(), quant_gemv_q8_reference(xq.cpu(), xd.cpu(), blocks.cpu(), qtype))
+    residual = torch.randn(m, n, generator=torch.Generator().manual_seed(23)).to(DEVICE)
+    assert torch.equal(triton_gemv_q8(xq, xd, blocks, qtype, add=residual, k_splits=2), residual + got)
+
+
+def test_split_k_uneven_splits_repeat_bit_for_bit() -> None:
+    """Q6_K's 3 steps (K = 3072) in 2 splits of 2 + 1 steps and in 3 of 1, one activation row: the twin's sums, and
+    the same bits on a second call (the splits are added in order, not as they finish: on a GPU too)."""
+    qtype, n, k = GGMLType.Q6_K, 20, 3072
+    blocks = _blocks(qtype, n, k, seed=26).to(DEVICE)
+    xq, xd = (t.to(DEVICE) for t in _activations(qtype, 1, k, seed=27))
+    expected = quant_gemv_q8_reference(xq.cpu(), xd.cpu(), blocks.cpu(), qtype)
+    for splits in (2, 3):
+        got = triton_gemv_q8(xq, xd, blocks, qtype, k_splits=splits)
+        _close(got.cpu(), expected)
+        assert torch.equal(triton_gemv_q8(xq, xd, blocks, qtype, k_splits=splits), got)
+
+
+def test_split_k_with_prefetch_into_an_out_slice() -> None:
+    """Q4_K's prefetch inside each split (each split's first words loaded before its loop, its last step reloading
+    its own block) gives the split result bit for bit; `out` a column slice: only its columns are written."""
+    qtype, n, k, m = GGMLType.Q4_K, 16, 4096, 3  # 16 super-blocks: 4 steps of 4, in 3 splits (2, 1, 1 steps)
+    blocks = _blocks(qtype, n, k, seed=24).to(DEVICE)
+    xq, xd = (t.to(DEVICE) for t in _activations(qtype, m, k, seed=25))
+    split = triton_gemv_q8(xq, xd, blocks, qtype, k_splits=3)
+    assert torch.equal(triton_gemv_q8(xq, xd, blocks, qtype, k_splits=3, prefetch=True), split)
+    buffer = torch.full((m, 40), -1.0, device=DEVICE)
+    triton_gemv_q8(xq, xd, blocks, qtype, out=buffer[:, 8 : 8 + n], k_splits=3)
+    assert torch.equal(buffer[:, 8 : 8 + n], split)
+    assert (buffer[:, :8] == -1).all() and (buffer[:, 8 + n :] == -1).all()
+    _close(split.cpu(), quant_gemv_q8_reference(xq.cpu(), xd.cpu(), blocks.cpu(), qtype))
+
+
+def test_splits_cut_whole_steps_and_leave_none_empty() -> None:
+    from mtpserve.kernels.triton.gemv_q8 import _splits
+
+    assert _splits(17, 4) == (5, 4)  # the 27B's ffn_down: 68 super-blocks, 17 steps of 4
+    assert _splits(10, 4) == (3, 4)
+    assert _splits(9, 4) == (3, 3)  # 3 + 3 + 3: a fourth split would have nothing
+    assert _splits(3, 8) == (1, 3)
+    assert _splits(5, 1) == (5, 1)
+    with pytest.raises(ValueError, match="k_splits must be at least 1"):
+        _splits(5, 0)
+
+
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.IQ4_XS, GGMLType.Q5_0])
 def test_adds_a_residual_in_the_same_launch(qtype: GGMLType) -> None:
     """`add` (the residual stream) summed in the epilogue: bit-identical to adding after the launch (one rounding
@@ -173,6 +227,32 @@ def test_dispatcher_takes_the_kernel_and_the_twin_agrees_with_float_matmul() -> 
     q2_k = QTensor(torch.zeros(n, k // 256 * 84, dtype=torch.uint8), GGMLType.Q2_K, (n, k), "w")
     xq0, xd0 = _activations(GGMLType.Q4_K, 1, k, seed=13)
     assert quant_gemv_q8(xq0, xd0, q2_k).abs().max().item() == 0.0
+
+
+def test_dispatcher_splits_k_of_matrices_with_few_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ops.quant_gemv.GEMV_K_SPLITS (1 until a lent GPU measures it; bench/gpu.py --gemv-k-splits sets it) reaches
+    the kernel for matrices of at most SPLIT_MAX_ROWS rows only, and the split product is the twin's."""
+    from mtpserve.kernels import triton as kernels
+    from mtpserve.ops import quant_gemv as dispatch
+
+    qtype, n, k = GGMLType.Q6_K, 12, 768  # 3 super-blocks, one a step
+    blocks = _blocks(qtype, n, k, seed=28)
+    weight = QTensor(blocks.to(DEVICE), qtype, (n, k), "w")
+    xq, xd = _activations(qtype, 2, k, seed=29)
+    seen: list[int] = []
+    kernel = kernels.quant_gemv_q8
+
+    def spy(*args: object, k_splits: int = 1, **kwargs: object) -> torch.Tensor:
+        seen.append(k_splits)
+        return kernel(*args, k_splits=k_splits, **kwargs)
+
+    monkeypatch.setattr(kernels, "quant_gemv_q8", spy)
+    monkeypatch.setattr(dispatch, "GEMV_K_SPLITS", 2)
+    got = quant_gemv_q8(xq.to(DEVICE), xd.to(DEVICE), weight)
+    _close(got.cpu(), quant_gemv_q8_reference(xq, xd, blocks, qtype))
+    monkeypatch.setattr(dispatch, "SPLIT_MAX_ROWS", n - 1)
+    quant_gemv_q8(xq.to(DEVICE), xd.to(DEVICE), weight)
+    assert seen == [2, 1]
 
 
 def test_rejects_bad_shapes() -> None:

@@ -391,6 +391,21 @@ def launches() -> list[Launch]:
                 out.append(
                     Launch("gemv_q8", cfg, f, a, k, quick=quick, rows=m, bytes_per_iteration=per_iteration, decode=True)
                 )
+    # The K-split GEMV (off by default until a lent GPU measures it; the check's bench stage runs it) and the launch
+    # that adds its splits, at ffn_down's shape.
+    for t in (Q.Q4_K, Q.Q6_K):
+        w = weight(t, N_EMBD, 17408)
+        for m in (1, 3):
+            xq, xd = torch.empty(m, 17408, dtype=torch.int8), torch.empty(m, 17408 // 256)
+            rec = _recorded(
+                [*q8_kernels, gemv_q8._sum_splits_kernel],
+                lambda xq=xq, xd=xd, w=w, t=t: gemv_q8.quant_gemv_q8(xq, xd, w, t, k_splits=4),
+            )
+            (f, a, k), (sf, sa, sk) = rec
+            note = "k_splits=4: off by default"
+            cfg = f"{t.name} {N_EMBD}x17408 M={m} BLOCK_N={k['BLOCK_N']} k_splits=4"
+            out.append(Launch("gemv_q8", cfg, f, a, k, rows=m, note=note))
+            out.append(Launch("gemv_q8_sum", f"M={m} BLOCK={sk['BLOCK']}", sf, sa, sk, rows=m, note=note))
     return out
 
 

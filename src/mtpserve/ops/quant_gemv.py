@@ -32,6 +32,11 @@ from .activation_rounding import PAIRED_ACTIVATIONS, unpair_halves
 from .device import matmul_kernels
 
 GEMV_MAX_ROWS = 8  # the GEMV reads the weights once for up to 8 rows (one launch); more rows go to the GEMM
+# K splits of the integer GEMV for matrices of at most SPLIT_MAX_ROWS rows (the 27B's 5120-row projections give 640
+# one-warp programs, too few to keep an H200's memory busy: 27% of a copy in the first run). 1 until a lent GPU
+# measures the split: bench/gemv_l2.py's "q8 splitN" rows, bench/gpu.py --gemv-k-splits (docs/gpu-decode.md).
+GEMV_K_SPLITS = 1
+SPLIT_MAX_ROWS = 8192
 _FLOAT_WEIGHTS = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
 
 
@@ -140,7 +145,8 @@ def quant_gemv_q8(
     kernels = triton_kernels()
     t = weight.ggml_type
     if use_triton(q2, t) and kernels is not None and int(t) in {int(q) for q in kernels.Q8_GEMV_TYPES} and k % 64 == 0:
-        y = kernels.quant_gemv_q8(q2, d2, weight.data, int(t), out=out, add=add2)
+        splits = GEMV_K_SPLITS if weight.shape[0] <= SPLIT_MAX_ROWS else 1
+        y = kernels.quant_gemv_q8(q2, d2, weight.data, int(t), out=out, add=add2, k_splits=splits)
     else:
         y = quant_gemv_q8_reference(q2, d2, weight.data, t)
         y = y if add2 is None else add2 + y

@@ -19,10 +19,13 @@ for its four rows, unpacks each weight word once (masks and shifts; IQ4: signed 
 and an IADD3 per four indices, tables held in registers) and dots it with every activation row; the activation words and
 their sums are loaded once a thread for all four rows. A warp spans 16 lanes (4 super-blocks; Q8_0: 32 blocks) by 2 row
 pairs, accumulates per thread and reduces across the warp once, after the K loop. The 27B's 5120-row matrices give 640
-programs (1280 for Q8_0), about 5 a SM on the H200's 132, with no split-K: an atomic split needs `out` zeroed (a launch)
-and makes the sums' order vary; a second pass is a launch too. Steps take 4 super-blocks when K allows (any K % 1024 ==
-0), else 2 or 1, so there is no masked tail. From 5 activation rows a thread takes two weight rows (four spill); IQ4_XS
-keeps four with maxnreg 255 (ptxas alone stops at 168 registers and spills) and takes eight at 2-3 rows.
+programs (1280 for Q8_0), about 5 a SM on the H200's 132: the first H200 run measured them at 27% of a copy, where
+1280 programs gave 50% and 2176 58%. `k_splits` (off by default until a lent GPU measures it) cuts the K loop into
+splits of whole steps, a program each, whose partial sums a second launch (`_sum_splits_kernel`) adds in split order
+and then the residual: the sums' order is fixed, where an atomic split would vary from run to run. Steps take 4
+super-blocks when K allows (any K % 1024 == 0), else 2 or 1, so there is no masked tail. From 5 activation rows a
+thread takes two weight rows (four spill); IQ4_XS keeps four with maxnreg 255 (ptxas alone stops at 168 registers and
+spills) and takes eight at 2-3 rows.
 
 The activations' row stride is a compile-time constant (one build per K) and the loop's offsets are 64-bit: every
 activation row of a step then loads from one address register with immediate offsets (the 32-bit index arithmetic
@@ -106,6 +109,7 @@ _LEGACY = {
     GGMLQuantizationType.Q5_1: {"SIZE": 24, "FIVE": True, "MIN": True, "NL": False},
 }
 MAX_ROWS = 8  # activation rows a launch; more go in further launches
+_SUM_BLOCK = 512  # outputs a program of the split GEMV's second pass adds up
 
 
 def act_block(qtype: int) -> int:
@@ -129,6 +133,56 @@ def _store_rows(acc, y_ptr, stride_y, add_ptr, stride_add, ms, rows, M: tl.const
 
 
 @triton.jit
+def _k_range(n, STEP: tl.constexpr, per_steps, SPLIT: tl.constexpr):
+    """The K loop's range [k0, k1) (in its units: super-blocks or blocks) for this program: all of it, or with SPLIT
+    the `per_steps` steps of split program_id(1) (the last split may have fewer)."""
+    if SPLIT:
+        k0 = tl.program_id(1) * per_steps * STEP
+        k1 = tl.minimum(k0 + per_steps * STEP, n)
+    else:
+        k0 = 0
+        k1 = n
+    return k0, k1
+
+
+@triton.jit
+def _split_out(y_ptr, stride_split, SPLIT: tl.constexpr):
+    """Where this program's sums go: y, or with SPLIT its split's plane of the partial sums."""
+    if SPLIT:
+        return y_ptr + tl.program_id(1).to(tl.int64) * stride_split
+    else:
+        return y_ptr
+
+
+@triton.jit
+def _sum_splits_kernel(
+    part_ptr,
+    add_ptr,
+    y_ptr,
+    N,
+    S,
+    stride_split,
+    stride_part,
+    stride_add,
+    stride_y,
+    HAS_ADD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """y[m, n] = (part[0, m, n] + part[1, m, n] + ... + part[S - 1, m, n]) + add[m, n]: the splits in order, the
+    residual last, so a split GEMV's result does not depend on which program finished first."""
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    at = part_ptr + m * stride_part + cols
+    y = tl.load(at, mask=ok, other=0.0)
+    for s in range(1, S):
+        y += tl.load(at + s * stride_split, mask=ok, other=0.0)
+    if HAS_ADD:
+        y += tl.load(add_ptr + m * stride_add + cols, mask=ok, other=0.0)
+    tl.store(y_ptr + m * stride_y + cols, y, mask=ok)
+
+
+@triton.jit
 def _kquant_kernel(
     xq_ptr,
     xd_ptr,
@@ -142,6 +196,8 @@ def _kquant_kernel(
     stride_w,
     stride_y,
     stride_add,
+    per_steps,
+    stride_split,
     M: tl.constexpr,
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -149,6 +205,7 @@ def _kquant_kernel(
     FIVE: tl.constexpr,
     ASM: tl.constexpr,
     HAS_ADD: tl.constexpr,
+    SPLIT: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
 ):
     """Q4_K (FIVE false) and Q5_K: lane c of a super-block takes qs[32c .. 32c + 31] (two 16-byte loads), whose
@@ -177,13 +234,15 @@ def _kquant_kernel(
     upper = (c >= 2)[None, :]
     ones = tl.full((BLOCK_N, SB * 4), 0x01010101, tl.int32)
     acc = tl.zeros((M_PAD, BLOCK_N, SB * 4), dtype=tl.float32)
+    k0, k1 = _k_range(n_sb, SB, per_steps, SPLIT)
     if PREFETCH:  # the first step's words; each step then loads the next one's before its own work
-        hw, qa, qb = tl.load(h_at), tl.load(q_at), tl.load(q_at + 4)
+        first = k0 * WORDS
+        hw, qa, qb = tl.load(h_at + first), tl.load(q_at + first), tl.load(q_at + (first + 4))
         if FIVE:
-            ea, eb = tl.load(h_at + 4), tl.load(h_at + 8)
-    for b0 in range(0, n_sb, SB):
+            ea, eb = tl.load(h_at + (first + 4)), tl.load(h_at + (first + 8))
+    for b0 in range(k0, k1, SB):
         if PREFETCH:
-            nxt = tl.minimum(b0 + SB, n_sb - SB) * WORDS  # the last step reloads its own block (a cache hit)
+            nxt = tl.minimum(b0 + SB, k1 - SB) * WORDS  # the last step reloads its own block (a cache hit)
             hw_n, qa_n, qb_n = tl.load(h_at + nxt), tl.load(q_at + nxt), tl.load(q_at + (nxt + 4))
             if FIVE:
                 ea_n, eb_n = tl.load(h_at + (nxt + 4)), tl.load(h_at + (nxt + 8))
@@ -268,6 +327,7 @@ def _kquant_kernel(
             hw, qa, qb = hw_n, qa_n, qb_n
             if FIVE:
                 ea, eb = ea_n, eb_n
+    y_ptr = _split_out(y_ptr, stride_split, SPLIT)
     _store_rows(acc, y_ptr, stride_y, add_ptr, stride_add, ms, rows, M, row_ok, HAS_ADD)
 
 
@@ -285,12 +345,15 @@ def _q6k_kernel(
     stride_w,
     stride_y,
     stride_add,
+    per_steps,
+    stride_split,
     M: tl.constexpr,
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SB: tl.constexpr,
     ASM: tl.constexpr,
     HAS_ADD: tl.constexpr,
+    SPLIT: tl.constexpr = False,
 ):
     """Q6_K: lane (half h, quarter r) of a super-block takes values 128h + 32g + 16r .. +15 for g = 0..3: low
     nibbles of ql[64h + 16r ..] (g = 0, 2: low, high nibble) and ql[64h + 32 + 16r ..] (g = 1, 3), bit pairs 2g of
@@ -318,7 +381,8 @@ def _q6k_kernel(
     xd_at = xd_ptr + (0 * rows)[:, None] + sb[None, :]
     ones = tl.full((BLOCK_N, SB * 4), 0x01010101, tl.int32)
     acc = tl.zeros((M_PAD, BLOCK_N, SB * 4), dtype=tl.float32)
-    for b0 in range(0, n_sb, SB):
+    k0, k1 = _k_range(n_sb, SB, per_steps, SPLIT)
+    for b0 in range(k0, k1, SB):
         if SB % 2 == 1:  # an odd number of 210-byte blocks a step moves the runs' offsets in their words
             at = start + b0 * 210
             sh = ((at % 4) * 8).to(tl.int32)
@@ -370,6 +434,7 @@ def _q6k_kernel(
             isum += sc3 * dot4(q30, q31, q32, q33, x30, x31, x32, x33, -32 * s3, ASM)
             part = (d * xd) * isum.to(tl.float32)
             acc += tl.where(ms[:, None, None] == m, part[None, :, :], 0.0)
+    y_ptr = _split_out(y_ptr, stride_split, SPLIT)
     _store_rows(acc, y_ptr, stride_y, add_ptr, stride_add, ms, rows, M, row_ok, HAS_ADD)
 
 
@@ -387,12 +452,15 @@ def _q8_0_kernel(
     stride_w,
     stride_y,
     stride_add,
+    per_steps,
+    stride_split,
     M: tl.constexpr,
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     L: tl.constexpr,
     ASM: tl.constexpr,
     HAS_ADD: tl.constexpr,
+    SPLIT: tl.constexpr = False,
 ):
     """Q8_0: one 34-byte block a lane, L blocks a step. Its quants start 2 bytes into a word (even blocks) or on
     one (odd blocks): nine aligned 4-byte loads joined by a funnel shift of 16 or 32 bits."""
@@ -413,7 +481,8 @@ def _q8_0_kernel(
     x_at = xwords + (0 * rows)[:, None, None] + (lanes * 8)[None, :, None] + v[None, None, :]
     xd_at = xd_ptr + (0 * rows)[:, None] + lanes[None, :]
     acc = tl.zeros((M_PAD, BLOCK_N, L), dtype=tl.float32)
-    for b0 in range(0, n_blk, L):
+    k0, k1 = _k_range(n_blk, L, per_steps, SPLIT)
+    for b0 in range(k0, k1, L):
         p = w_at + b0 * 34 // 4  # L is even: a step is whole words
         w0, w1, w2, w3 = words4(tl.load(p[:, :, None] + v[None, None, :]))
         w4, w5, w6, w7 = words4(tl.load(p[:, :, None] + (v + 4)[None, None, :]))
@@ -436,6 +505,7 @@ def _q8_0_kernel(
             t = dot4(q4, q5, q6, q7, x4, x5, x6, x7, t, ASM)
             part = (d * xd) * t.to(tl.float32)
             acc += tl.where(ms[:, None, None] == m, part[None, :, :], 0.0)
+    y_ptr = _split_out(y_ptr, stride_split, SPLIT)
     _store_rows(acc, y_ptr, stride_y, add_ptr, stride_add, ms, rows, M, row_ok, HAS_ADD)
 
 
@@ -472,6 +542,8 @@ def _iq4xs_kernel(
     stride_w,
     stride_y,
     stride_add,
+    per_steps,
+    stride_split,
     table0,
     table1,
     table2,
@@ -483,6 +555,7 @@ def _iq4xs_kernel(
     ASM: tl.constexpr,
     HAS_ADD: tl.constexpr,
     EVEN_N: tl.constexpr,
+    SPLIT: tl.constexpr = False,
 ):
     """IQ4_XS: lane p of a super-block takes qs[32p .. 32p + 31], sub-blocks 2p and 2p + 1 (16 bytes each: low
     nibbles the first 16 values, high nibbles the next 16), in 8-byte loads (blocks are 136 bytes)."""
@@ -514,7 +587,8 @@ def _iq4xs_kernel(
     t2 = zero + table2
     t3 = zero + table3
     acc = tl.zeros((M_PAD, BLOCK_N, SB * 4), dtype=tl.float32)
-    for b0 in range(0, n_sb, SB):
+    k0, k1 = _k_range(n_sb, SB, per_steps, SPLIT)
+    for b0 in range(k0, k1, SB):
         p = q_at + tl.cast(b0, tl.int64) * 34
         n0, n1, n2, n3 = words4(tl.load(p))
         n4, n5, n6, n7 = words4(tl.load(p + 4))
@@ -547,6 +621,7 @@ def _iq4xs_kernel(
             u = dot4(c4, c5, c6, c7, y4, y5, y6, y7, u, ASM)
             part = (d * xd) * (ls0 * t + ls1 * u).to(tl.float32)
             acc += tl.where(ms[:, None, None] == m, part[None, :, :], 0.0)
+    y_ptr = _split_out(y_ptr, stride_split, SPLIT)
     _store_rows(acc, y_ptr, stride_y, add_ptr, stride_add, ms, rows, M, row_ok, HAS_ADD)
 
 
@@ -571,6 +646,8 @@ def _legacy_kernel(
     stride_w,
     stride_y,
     stride_add,
+    per_steps,
+    stride_split,
     table0,
     table1,
     table2,
@@ -585,6 +662,7 @@ def _legacy_kernel(
     NL: tl.constexpr,
     ASM: tl.constexpr,
     HAS_ADD: tl.constexpr,
+    SPLIT: tl.constexpr = False,
 ):
     """Q4_0, Q5_0, IQ4_NL (SIZE 18, 22, 18: d, [qh,] qs) and Q4_1, Q5_1 (SIZE 20, 24: d, m, [qh,] qs): one block a
     lane, L blocks a step. Byte j of qs holds quants j (low nibble) and j + 16 (high). The 18- and 22-byte blocks
@@ -617,7 +695,8 @@ def _legacy_kernel(
     t2 = zero + table2
     t3 = zero + table3
     acc = tl.zeros((M_PAD, BLOCK_N, L), dtype=tl.float32)
-    for b0 in range(0, n_blk, L):
+    k0, k1 = _k_range(n_blk, L, per_steps, SPLIT)
+    for b0 in range(k0, k1, L):
         # the block's 5 or 6 words (from an aligned word) as [BLOCK_N, L, 4] loads and one of 2 or 1 or two of 1:
         # a [BLOCK_N, L] load gets a layout of its own, converted through shared memory every step
         p = w_at + tl.cast(b0, tl.int64) * SIZE // 4  # L is even: a step is whole words
@@ -697,6 +776,7 @@ def _legacy_kernel(
                 else:
                     part = (d * xd) * t.to(tl.float32)
             acc += tl.where(ms[:, None, None] == m, part[None, :, :], 0.0)
+    y_ptr = _split_out(y_ptr, stride_split, SPLIT)
     _store_rows(acc, y_ptr, stride_y, add_ptr, stride_add, ms, rows, M, row_ok, HAS_ADD)
 
 
@@ -792,6 +872,7 @@ def quant_gemv_q8(
     rows_divisor: int = 1,
     num_warps: int = 1,
     prefetch: bool = False,
+    k_splits: int = 1,
 ) -> torch.Tensor:
     """Quantized activations (xq int8 [m, k], xd float32 [m, k / act_block(qtype)]) times the GGUF matrix W [n, k]
     in `blocks` -> float32 [m, n] (into `out` when given: any [m, n] float32 view with unit column stride), plus
@@ -800,7 +881,12 @@ def quant_gemv_q8(
     `rows_divisor` and `num_warps` are the tile's choices bench/gemv_l2.py measures on a lent GPU (the first H200 run
     found these kernels at 27-58% of a copy's bandwidth with ~5 one-warp programs an SM): a program's weight rows
     divided by it (more programs), and warps a program; `prefetch` (Q4_K and Q5_K) loads each K step's weight words
-    in the step before. Each output row's sum keeps its order either way."""
+    in the step before. Each output row's sum keeps its order either way.
+
+    `k_splits` > 1 splits the K loop (whole steps) over that many programs a row tile (fewer where K has fewer
+    steps), for matrices whose rows give too few programs to keep the memory busy (the 27B's 5120-row matrices: 640
+    programs on 132 SMs); each split writes its partial sums to a buffer and a second launch adds them in split
+    order, then `add`. The sum's order differs from one program's (float32 rounding), but not from run to run."""
     t, k = _check(xq, xd, blocks, qtype)
     if prefetch and t not in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
         raise ValueError(f"prefetch is a Q4_K / Q5_K choice, not {t.name}'s")
@@ -824,29 +910,50 @@ def quant_gemv_q8(
             cfg = {**cfg, "BLOCK_N": max(1, cfg["BLOCK_N"] // rows_divisor)}
             if "EVEN_N" in cfg:
                 cfg["EVEN_N"] = n % cfg["BLOCK_N"] == 0
-        kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        step = cfg["L"] if "L" in cfg else cfg["SB"]
+        per_steps, splits = _splits(steps // step, k_splits)
+        part = torch.empty(splits, rows, n, dtype=torch.float32, device=xq.device) if splits > 1 else None
+        target = ys if part is None else part[0]
+        kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
             xs,
             ds,
             blocks,
-            ys,
+            target,
             adds,
             n,
             steps,
             xs.stride(0) // 4,
             ds.stride(0),
             stride_w,
-            ys.stride(0),
+            target.stride(0),
             adds.stride(0),
+            per_steps,
+            0 if part is None else part.stride(0),
             *(_IQ4_TABLES if t == GGMLQuantizationType.IQ4_XS or t in _LEGACY else ()),
             M=rows,
             M_PAD=triton.next_power_of_2(rows),
             ASM=INLINE_ASM,
-            HAS_ADD=add is not None,
+            HAS_ADD=add is not None and part is None,
             num_warps=num_warps,
+            **({"SPLIT": True} if part is not None else {}),
             **({"PREFETCH": True} if prefetch else {}),
             **cfg,
         )
+        if part is not None:
+            _sum_splits_kernel[(rows, triton.cdiv(n, _SUM_BLOCK))](
+                part, adds, ys, n, splits, part.stride(0), part.stride(1), adds.stride(0), ys.stride(0),
+                HAS_ADD=add is not None, BLOCK=_SUM_BLOCK, num_warps=4,
+            )  # fmt: skip
     return out
+
+
+def _splits(n_steps: int, wanted: int) -> tuple[int, int]:
+    """(steps a split, splits) for `wanted` splits of a K loop of n_steps steps: as even as whole steps allow, and
+    no split left empty (10 steps in 4: 3, 3, 3, 1)."""
+    if wanted < 1:
+        raise ValueError(f"k_splits must be at least 1, got {wanted}")
+    per = triton.cdiv(n_steps, min(wanted, n_steps))
+    return per, triton.cdiv(n_steps, per)
 
 
 def bytes_per_iteration(qtype: int, kwargs: dict) -> int:
