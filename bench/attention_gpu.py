@@ -52,6 +52,11 @@ VARIANTS = (
     ("bf16 s16 w2", "bf16", 16, 2, 64, False),
     ("bf16 s32 w4", "bf16", 32, 4, 64, False),
     ("bf16 s64 w8", "bf16", 64, 8, 64, False),
+    # one 16-key tile a program where the depth allows (256 splits: 4,096 keys): no tile loop whose latency a
+    # program pays tile after tile, 1,024 programs at 4,096 where the default has 64
+    ("ieee min16", "ieee", 16, 8, 16, False),
+    ("ieee min16 lf", "ieee", 16, 8, 16, True),
+    ("fp16 s16 w2 min16", "fp16", 16, 2, 16, False),
 )
 
 
