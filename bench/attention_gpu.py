@@ -6,8 +6,9 @@ whatever its keys held, i.e. each program's 16 tiles of 16 keys bound by latency
 registers a thread). Only a GPU can say which choice cures it, so this script measures them all in one call at the
 27B's shapes (24 query heads over 4 KV heads, D = 256, a q8_0 cache of 262,144 cells filled to each depth, in
 order): the kernel's operands (float32 FMAs, tf32, fp16 or bf16 tensor cores), keys a tile, warps, whether a
-tile's loads go out together (one memory latency a tile rather than five in a row), and the fewest keys a split
-takes (at 4,096 tokens the default's 256 leaves 16 splits x 4 heads = 64 programs for 132 SMs).
+tile's loads go out together (one memory latency a tile rather than five in a row), the fewest keys a split
+takes (at 4,096 tokens the default's 256 leaves 16 splits x 4 heads = 64 programs for 132 SMs), and the query
+rows a program holds (a verification's 18 in one 32-row block: one pass over the cache, not two).
 
 Each row: microseconds a call (triton.testing.do_bench, L2 flushed between calls), the cache bytes it must read
 over that time (GB/s), and its error against the float32 FMA kernel (relative, whole output). One compile per
@@ -35,28 +36,49 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 from mtpserve.kernels.triton.attention import decode_attention  # noqa: E402
 
 N_HEAD, N_HEAD_KV, HEAD_DIM, CELLS = 24, 4, 256, 262144  # Qwen3.6-27B's attention, the deployment's context
-# (name, precision, keys a tile, warps, fewest keys a split, loads first): today's default first, the reference of
-# the errors. "lf": a tile's loads issued together (decode_attention's loads_first).
+# (name, precision, keys a tile, warps, fewest keys a split, loads first, query rows a program or None): today's
+# default first, the reference of the errors. "lf": a tile's loads issued together (decode_attention's loads_first);
+# "m32": a verification's 18 query rows in one 32-row block, one pass over the cache where the default makes two
+# (measured at 3 rows only; the tensor-core operands: float32 FMAs spill there).
 VARIANTS = (
-    ("default", "ieee", 16, 8, 256, False),
-    ("ieee min64", "ieee", 16, 8, 64, False),
-    ("ieee lf", "ieee", 16, 8, 256, True),
-    ("ieee min64 lf", "ieee", 16, 8, 64, True),
-    ("tf32 s16 w4", "tf32", 16, 4, 64, False),
-    ("tf32 s16 w4 lf", "tf32", 16, 4, 64, True),
-    ("tf32 s32 w4", "tf32", 32, 4, 64, False),
-    ("fp16 s16 w8", "fp16", 16, 8, 64, False),  # 160 registers a thread on sm_90 (ptxas, Triton 3.9): the fewest here
-    ("fp16 s16 w2", "fp16", 16, 2, 64, False),  # 249 registers at 2 warps: 4 programs an SM where the default fits 1
-    ("fp16 s16 w4 lf", "fp16", 16, 4, 64, True),
-    ("fp16 s32 w4", "fp16", 32, 4, 64, False),
-    ("bf16 s16 w2", "bf16", 16, 2, 64, False),
-    ("bf16 s32 w4", "bf16", 32, 4, 64, False),
-    ("bf16 s64 w8", "bf16", 64, 8, 64, False),
+    ("default", "ieee", 16, 8, 256, False, None),
+    ("ieee min64", "ieee", 16, 8, 64, False, None),
+    ("ieee lf", "ieee", 16, 8, 256, True, None),
+    ("ieee min64 lf", "ieee", 16, 8, 64, True, None),
+    ("tf32 s16 w4", "tf32", 16, 4, 64, False, None),
+    ("tf32 s16 w4 lf", "tf32", 16, 4, 64, True, None),
+    ("tf32 s32 w4", "tf32", 32, 4, 64, False, None),
+    (
+        "fp16 s16 w8",
+        "fp16",
+        16,
+        8,
+        64,
+        False,
+        None,
+    ),  # 160 registers a thread on sm_90 (ptxas, Triton 3.9): the fewest here
+    (
+        "fp16 s16 w2",
+        "fp16",
+        16,
+        2,
+        64,
+        False,
+        None,
+    ),  # 249 registers at 2 warps: 4 programs an SM where the default fits 1
+    ("fp16 s16 w4 lf", "fp16", 16, 4, 64, True, None),
+    ("fp16 s32 w4", "fp16", 32, 4, 64, False, None),
+    ("bf16 s16 w2", "bf16", 16, 2, 64, False, None),
+    ("bf16 s32 w4", "bf16", 32, 4, 64, False, None),
+    ("bf16 s64 w8", "bf16", 64, 8, 64, False, None),
     # one 16-key tile a program where the depth allows (256 splits: 4,096 keys): no tile loop whose latency a
     # program pays tile after tile, 1,024 programs at 4,096 where the default has 64
-    ("ieee min16", "ieee", 16, 8, 16, False),
-    ("ieee min16 lf", "ieee", 16, 8, 16, True),
-    ("fp16 s16 w2 min16", "fp16", 16, 2, 16, False),
+    ("ieee min16", "ieee", 16, 8, 16, False, None),
+    ("ieee min16 lf", "ieee", 16, 8, 16, True, None),
+    ("fp16 s16 w2 min16", "fp16", 16, 2, 16, False, None),
+    ("tf32 m32 w8", "tf32", 16, 8, 64, False, 32),
+    ("fp16 m32 w8", "fp16", 16, 8, 64, False, 32),
+    ("bf16 m32 w8", "bf16", 16, 8, 64, False, 32),
 )
 
 
@@ -96,14 +118,14 @@ def measure(depths: list[int], rows: list[int], device: torch.device, cells: int
             nbytes = 2 * depth * N_HEAD_KV * head_bytes  # K and V of every filled cell, once
 
             reference = None
-            for name, precision, block_s, warps, min_keys, loads_first in VARIANTS:
-                if precision == "bf16" and device.type != "cuda":
+            for name, precision, block_s, warps, min_keys, loads_first, block_m in VARIANTS:
+                if precision == "bf16" and device.type != "cuda" or block_m and T == 1:
                     continue
 
                 call = partial(
                     decode_attention, q, k_cache, v_cache, q8, q8, q_pos, k_pos, n_kv_heads=N_HEAD_KV,
                     head_dim=HEAD_DIM, scale=HEAD_DIM**-0.5, precision=precision, ordered=True, min_keys=min_keys,
-                    block_s=block_s, num_warps=warps, loads_first=loads_first,
+                    block_s=block_s, num_warps=warps, loads_first=loads_first, block_m=block_m,
                 )  # fmt: skip
 
                 row = {"variant": name, "depth": depth, "rows": T}

@@ -1,6 +1,7 @@
-"""bench/attention_gpu.py's wiring under the Triton interpreter: every choice a lent GPU will measure runs, at both row
-counts the bench asks for on the GPU's first call, and gives the float32 kernel's output within its operands'
-rounding. A choice that fails makes the script exit 1 (the GPU check's bench stage then fails)."""
+"""bench/attention_gpu.py's wiring under the Triton interpreter: every choice a lent GPU will measure runs (at a
+verification's 3 tokens, which every choice takes; one token is the same code with fewer rows), and gives the float32
+kernel's output within its operands' rounding. A choice that fails makes the script exit 1 (the GPU check's bench
+stage then fails)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from attention_gpu import VARIANTS  # noqa: E402
 def test_every_choice_runs_and_agrees_with_the_float32_kernel(tmp_path: Path) -> None:
     out = tmp_path / "attention.json"
     run = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "attention_gpu.py"), "--device", "cpu", "--tiny", "--rows", "1"]
+        [sys.executable, str(REPO / "bench" / "attention_gpu.py"), "--device", "cpu", "--tiny", "--rows", "3"]
         + ["--json", str(out)],
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
@@ -29,7 +30,8 @@ def test_every_choice_runs_and_agrees_with_the_float32_kernel(tmp_path: Path) ->
     assert run.returncode == 0, run.stdout + run.stderr
     rows = json.loads(out.read_text())["rows"]
     on_cpu = [v for v in VARIANTS if v[1] != "bf16"]  # the interpreter multiplies bf16 as raw bits
-    assert [r["variant"] for r in rows] == [v[0] for v in on_cpu]
-    for row, (_, precision, *_) in zip(rows, on_cpu):
+    expected = [(3, v) for v in on_cpu]  # a verification's rows: every choice, the 32-row blocks too
+    assert [(r["rows"], r["variant"]) for r in rows] == [(t, v[0]) for t, v in expected]
+    for row, (_, (_, precision, *_)) in zip(rows, expected):
         assert "failed" not in row and row["us"] > 0
         assert row["error"] <= (1e-3 if precision == "fp16" else 1e-6), row

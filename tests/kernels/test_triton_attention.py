@@ -171,6 +171,19 @@ def test_tensor_core_operands_and_tile_choices(precision: str, block_s: int, num
     _check(kv, 6, 3, n_splits=3, tol=tol, precision=precision, block_s=block_s, num_warps=num_warps)
 
 
+@pytest.mark.parametrize("precision", ["ieee", "fp16"])
+def test_a_verification_in_one_32_row_block(precision: str) -> None:
+    """block_m=32 (bench/attention_gpu.py's "m32" choices): a verification's 3 tokens x 6 query heads a KV head, 18
+    rows, in one block where the default takes two; the twin's result, and the two-block run's within float32
+    order (fp16: the operands' rounding, which both runs share)."""
+    kv = _cache("q8_0", "q8_0", 200, 1, 256, seed=7)
+    one = _check(kv, 6, 3, n_splits=3, precision=precision, block_m=32, tol=TOL if precision == "ieee" else 1e-3)
+    two = _check(kv, 6, 3, n_splits=3, precision=precision, tol=TOL if precision == "ieee" else 1e-3)
+    torch.testing.assert_close(one, two, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="block_m must be a power of two of at least 16"):
+        _check(kv, 6, 3, block_m=24)
+
+
 def _both_ways(kv: KVCache, n_heads: int, T: int, q_pos: torch.Tensor | None = None, **options: object) -> None:
     """loads_first's result is the default's, bit for bit (the same values, only the loads' order moves), and the
     twin's."""

@@ -245,6 +245,22 @@ def launches() -> list[Launch]:
                         )
                     )
                     combines.setdefault(f"D={d} T={n_tok} H={h}", (cf, ca, ck, quick, n_tok))
+    # A verification's 18 rows in one 32-row block (bench/attention_gpu.py's "m32" choices; not the default): the
+    # tensor-core operands, from sm_80 (float32 FMAs spill there; below sm_80 fp16 dots are FMAs too).
+    h, hkv = ATTN_SHAPES[256]
+    qk, size = GGML_QUANT_SIZES[Q.Q8_0]
+    cache = torch.empty(CACHE_CELLS, hkv * 256 // qk * size, dtype=torch.uint8)
+    q, q_pos, k_pos = torch.empty(3, h, 256), torch.arange(3) + CACHE_CELLS - 3, torch.arange(CACHE_CELLS)
+    for precision in ("tf32", "fp16", "bf16"):
+        (f, a, k), _ = _recorded(
+            [attention._split_kernel, attention._combine_kernel],
+            lambda p=precision: attention.decode_attention(
+                q, cache, cache, Q.Q8_0, Q.Q8_0, q_pos, k_pos, n_kv_heads=hkv, head_dim=256, scale=256**-0.5,
+                ordered=True, precision=p, min_keys=64, block_m=32,
+            ),
+        )  # fmt: skip
+        cfg = f"K=Q8_0 V=Q8_0 D=256 H={h} Hkv={hkv} T=3 BLOCK_M=32 {precision} warps={k['num_warps']}"
+        out.append(Launch("attn_split", cfg, f, a, k, 80, rows=3, note="block_m=32: a bench choice, not the default"))
     for cfg, (cf, ca, ck, quick, n_tok) in combines.items():
         out.append(
             Launch("attn_combine", f"{cfg} CHUNK={ck['CHUNK']}", cf, ca, ck, quick=quick, rows=n_tok, decode=True)

@@ -361,6 +361,7 @@ def decode_attention(
     block_s: int | None = None,
     num_warps: int | None = None,
     loads_first: bool = False,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v over the visible cached keys -> float32 [T, H, head_dim] (0 for a row that sees
     no key), with K and V read as stored (`k_type` / `v_type`: GGML type ids, see module docstring).
@@ -377,7 +378,9 @@ def decode_attention(
     below (bench/attention_gpu.py measures the choices on a lent GPU). `loads_first` issues a tile's K, V and
     position loads together, masked by the range alone, and selects the unseen cells' values away: one memory
     latency a tile instead of five in a row (the first H200 run: 12.7 us a 16-key tile), at the cost of reading a
-    ring's cells outside the window.
+    ring's cells outside the window. `block_m` (a power of two, at least 16) overrides the query rows a program
+    holds: 32 takes a verification's 18 rows (3 tokens x 6 heads a KV head at the 27B's shapes) in one pass over
+    the cache where 16 takes two (bench/attention_gpu.py measures it; float32 FMAs spill at 32 rows, D = 256).
     `ordered`: the caller guarantees cell i holds position i or is empty (a cache that is not a ring), so the
     splits share the cells up to the last query position: a captured step over a 262144-cell cache then walks only
     the cells filled so far, spread over all its splits, instead of masking the rest tile by tile.
@@ -402,7 +405,9 @@ def decode_attention(
     # At D = 64, 64-key tiles spilled up to 2.8 KB a thread on sm_75 (250 B on sm_80); 32-key tiles spill nothing
     # with an f16 cache, but a quantized one's unpacking spills 8-40 B on 4 warps (sm_90, ptxas): it takes 8.
     block_s = block_s or (32 if d_pad <= 128 else 16)
-    block_m = min(max(16, triton.next_power_of_2(T * G)), 64 if d_pad <= 128 else 16)  # tl.dot needs >= 16 rows
+    block_m = block_m or min(max(16, triton.next_power_of_2(T * G)), 64 if d_pad <= 128 else 16)  # tl.dot: >= 16
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two of at least 16, got {block_m}")
     wanted = auto_splits(S) if n_splits is None else max(1, int(n_splits))
     splits = min(wanted, triton.cdiv(S, block_s))  # at least a tile each when the cache is full
     if split_counts is not None and (split_counts.shape != (splits,) or split_counts.dtype != torch.int32):
