@@ -86,6 +86,19 @@ def test_greedy_tokens_match_llama_cpp(quant: str, cache_type: str) -> None:
     _agree_before_first_near_tie(ours, case)
 
 
+def test_the_deployments_cache_gives_llama_cpps_q8_0_tokens() -> None:
+    """Against llama-server run with the deployment's `-fa on -ctk q8_0 -ctv q8_0` (tests/fixtures, recorded by
+    bench/record_llama_ref.py; the shared fixtures used an f16 cache): the decode kernel multiplies a float32 query
+    where llama.cpp rounds it to Q8_0, and still picks llama.cpp's 12 tokens (the first near tie is at 30)."""
+    ref = json.loads((Path(__file__).parents[1] / "fixtures" / "tinyqwen35_q8_0_kv_llama.json").read_text())
+    case = ref["cases"][1]
+    model = load(tinyqwen_path("Q4_K_M"), device=DEVICE, token_embd_device="cpu")
+    with _gpu_path():
+        ours = _greedy(model, case["prompt_token_ids"], 12, "q8_0")
+    _agree_before_first_near_tie(ours, case)
+    assert min(case["near_tie_positions"]) >= 12  # so all 12 are compared
+
+
 @pytest.mark.parametrize(
     ("key", "ref_name"),
     [

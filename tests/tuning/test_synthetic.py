@@ -67,7 +67,7 @@ def test_a_small_file_loads_and_decodes(tmp_path):
 @pytest.mark.slow  # writes a 2.7 GiB file and runs 4 layers at the 27B's widths (~2 min): `make test-all`
 def test_greedy_tokens_at_the_27b_widths_match_llama_cpp(tmp_path):
     """The 4-layer file at the 27B's widths (bench/make_qwen35_27b.py --layers 4, seed 0): llama-server's greedy
-    tokens (bench/record_synthetic_ref.py) up to the first near tie of each prompt."""
+    tokens (bench/record_llama_ref.py) up to the first near tie of each prompt."""
     path = tmp_path / "qwen35-27b-4L.gguf"
     write(path, Qwen35Shape(n_layer=4), VOCAB, TEMPLATE, seed=0)
     model = load(path)
