@@ -12,7 +12,8 @@ rows a program holds (a verification's 18 in one 32-row block: one pass over the
 
 Each row: microseconds a call (triton.testing.do_bench, L2 flushed between calls), the cache bytes it must read
 over that time (GB/s), and its error against the float32 FMA kernel (relative, whole output). One compile per
-(choice, rows); about a minute on an H200. bench/gpu_check.sh's bench stage runs it after the decode numbers.
+(choice, rows), choice after choice at every depth; `--budget-s S` begins no choice after S seconds
+(bench/gpu_check.sh's bench stage runs it after the decode numbers with 100: the GEMVs' calibration comes next).
 `--device cpu --tiny` runs its wiring under the Triton interpreter (tests/bench/test_attention_gpu.py), the bf16
 choices left out there (the interpreter multiplies bf16 as raw bits), each call timed once.
 """
@@ -42,43 +43,28 @@ N_HEAD, N_HEAD_KV, HEAD_DIM, CELLS = 24, 4, 256, 262144  # Qwen3.6-27B's attenti
 # (measured at 3 rows only; the tensor-core operands: float32 FMAs spill there).
 VARIANTS = (
     ("default", "ieee", 16, 8, 256, False, None),
-    ("ieee min64", "ieee", 16, 8, 64, False, None),
+    # the hypotheses about the first run's latency first (a budget spent cuts the last choices): more programs (one
+    # 16-key tile a program where the depth allows: 1,024 at 4,096 tokens where the default has 64), more programs
+    # an SM (2 warps, 249 registers a thread: 4 an SM where the default fits 1), both, one latency a tile
+    ("ieee min16", "ieee", 16, 8, 16, False, None),
+    ("fp16 s16 w2", "fp16", 16, 2, 64, False, None),
+    ("fp16 s16 w2 min16", "fp16", 16, 2, 16, False, None),
     ("ieee lf", "ieee", 16, 8, 256, True, None),
-    ("ieee min64 lf", "ieee", 16, 8, 64, True, None),
+    ("ieee min16 lf", "ieee", 16, 8, 16, True, None),
+    ("fp16 m32 w8", "fp16", 16, 8, 64, False, 32),
+    ("ieee min64", "ieee", 16, 8, 64, False, None),
+    ("fp16 s16 w8", "fp16", 16, 8, 64, False, None),  # 160 registers a thread on sm_90 (Triton 3.9): the fewest
+    ("bf16 s16 w2", "bf16", 16, 2, 64, False, None),
     ("tf32 s16 w4", "tf32", 16, 4, 64, False, None),
+    ("fp16 s16 w4 lf", "fp16", 16, 4, 64, True, None),
+    ("tf32 m32 w8", "tf32", 16, 8, 64, False, 32),
+    ("bf16 m32 w8", "bf16", 16, 8, 64, False, 32),
+    ("ieee min64 lf", "ieee", 16, 8, 64, True, None),
     ("tf32 s16 w4 lf", "tf32", 16, 4, 64, True, None),
     ("tf32 s32 w4", "tf32", 32, 4, 64, False, None),
-    (
-        "fp16 s16 w8",
-        "fp16",
-        16,
-        8,
-        64,
-        False,
-        None,
-    ),  # 160 registers a thread on sm_90 (ptxas, Triton 3.9): the fewest here
-    (
-        "fp16 s16 w2",
-        "fp16",
-        16,
-        2,
-        64,
-        False,
-        None,
-    ),  # 249 registers at 2 warps: 4 programs an SM where the default fits 1
-    ("fp16 s16 w4 lf", "fp16", 16, 4, 64, True, None),
     ("fp16 s32 w4", "fp16", 32, 4, 64, False, None),
-    ("bf16 s16 w2", "bf16", 16, 2, 64, False, None),
     ("bf16 s32 w4", "bf16", 32, 4, 64, False, None),
     ("bf16 s64 w8", "bf16", 64, 8, 64, False, None),
-    # one 16-key tile a program where the depth allows (256 splits: 4,096 keys): no tile loop whose latency a
-    # program pays tile after tile, 1,024 programs at 4,096 where the default has 64
-    ("ieee min16", "ieee", 16, 8, 16, False, None),
-    ("ieee min16 lf", "ieee", 16, 8, 16, True, None),
-    ("fp16 s16 w2 min16", "fp16", 16, 2, 16, False, None),
-    ("tf32 m32 w8", "tf32", 16, 8, 64, False, 32),
-    ("fp16 m32 w8", "fp16", 16, 8, 64, False, 32),
-    ("bf16 m32 w8", "bf16", 16, 8, 64, False, 32),
 )
 
 
@@ -103,46 +89,53 @@ def microseconds(call: Callable[[], object], device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e6
 
 
-def measure(depths: list[int], rows: list[int], device: torch.device, cells: int = CELLS) -> list[dict]:
+def measure(
+    depths: list[int], rows: list[int], device: torch.device, cells: int = CELLS, budget_s: float | None = None
+) -> tuple[list[dict], list[str]]:
+    """(rows measured, choices left unmeasured). Choice after choice, each at every depth and row count, so a budget
+    spent leaves whole choices out (the last ones) rather than a depth; the default always runs (the reference)."""
     gen = torch.Generator(device=device).manual_seed(0)  # the caches made where they are read: no host copy
     k_cache, v_cache = q8_0_cache(cells, gen, device), q8_0_cache(cells, gen, device)
     head_bytes = k_cache.shape[1] // N_HEAD_KV
     q8 = int(GGMLQuantizationType.Q8_0)
-    out = []
+    cases = []  # (depth, T, q, q_pos, k_pos): the same queries for every choice
     for depth in depths:
         k_pos = torch.full((cells,), -1, dtype=torch.int64, device=device)
         k_pos[:depth] = torch.arange(depth, device=device)
         for T in rows:
             q = torch.randn(T, N_HEAD, HEAD_DIM, generator=gen, device=device)
-            q_pos = torch.arange(depth - T, depth, device=device)
+            cases.append((depth, T, q, torch.arange(depth - T, depth, device=device), k_pos))
+    references: dict[tuple[int, int], torch.Tensor] = {}
+    out, unmeasured = [], []
+    start = time.monotonic()
+    for i, (name, precision, block_s, warps, min_keys, loads_first, block_m) in enumerate(VARIANTS):
+        if i and budget_s is not None and time.monotonic() - start > budget_s:
+            unmeasured.append(name)
+            continue
+        for depth, T, q, q_pos, k_pos in cases:
+            if precision == "bf16" and device.type != "cuda" or block_m and T == 1:
+                continue
+            call = partial(
+                decode_attention, q, k_cache, v_cache, q8, q8, q_pos, k_pos, n_kv_heads=N_HEAD_KV,
+                head_dim=HEAD_DIM, scale=HEAD_DIM**-0.5, precision=precision, ordered=True, min_keys=min_keys,
+                block_s=block_s, num_warps=warps, loads_first=loads_first, block_m=block_m,
+            )  # fmt: skip
             nbytes = 2 * depth * N_HEAD_KV * head_bytes  # K and V of every filled cell, once
-
-            reference = None
-            for name, precision, block_s, warps, min_keys, loads_first, block_m in VARIANTS:
-                if precision == "bf16" and device.type != "cuda" or block_m and T == 1:
-                    continue
-
-                call = partial(
-                    decode_attention, q, k_cache, v_cache, q8, q8, q_pos, k_pos, n_kv_heads=N_HEAD_KV,
-                    head_dim=HEAD_DIM, scale=HEAD_DIM**-0.5, precision=precision, ordered=True, min_keys=min_keys,
-                    block_s=block_s, num_warps=warps, loads_first=loads_first, block_m=block_m,
-                )  # fmt: skip
-
-                row = {"variant": name, "depth": depth, "rows": T}
-                try:
-                    got = call()
-                    reference = got if reference is None else reference
-                    row["error"] = float((got - reference).norm() / reference.norm())
-                    row["us"] = microseconds(call, device)
-                    row["gb_per_s"] = nbytes / row["us"] / 1e3
-                except Exception as e:  # noqa: BLE001 -- a choice that fails to compile or run leaves the others measured
-                    row["failed"] = f"{type(e).__name__}: {e}"[:300]
-                out.append(row)
-                shown = (
-                    row.get("failed") or f"{row['us']:9.1f} us {row['gb_per_s']:8.0f} GB/s  error {row['error']:.1e}"
-                )
-                print(f"depth {depth:>6} rows {T}  {name:<14} {shown}", flush=True)
-    return out
+            row = {"variant": name, "depth": depth, "rows": T}
+            try:
+                got = call()
+                reference = references.setdefault((depth, T), got)
+                row["error"] = float((got - reference).norm() / reference.norm())
+                row["us"] = microseconds(call, device)
+                row["gb_per_s"] = nbytes / row["us"] / 1e3
+            except Exception as e:  # noqa: BLE001 -- a choice that fails to compile or run leaves the others measured
+                row["failed"] = f"{type(e).__name__}: {e}"[:300]
+            out.append(row)
+            shown = row.get("failed") or f"{row['us']:9.1f} us {row['gb_per_s']:8.0f} GB/s  error {row['error']:.1e}"
+            print(f"depth {depth:>6} rows {T}  {name:<18} {shown}", flush=True)
+    if unmeasured:
+        print(f"budget of {budget_s:g} s spent: {len(unmeasured)} choices unmeasured ({', '.join(unmeasured)})")
+    return out, unmeasured
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="a 256-cell cache at depth 64 (the wiring, any device)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="no further choice once this many seconds are spent (the GPU "
+        "check's stage has the GEMV calibration after this); the default choice always runs",
+    )
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -160,9 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     print(f"attention_gpu: {name}, q8_0 K/V, H={N_HEAD} Hkv={N_HEAD_KV} D={HEAD_DIM}")
     depths = [64] if args.tiny else [int(d) for d in args.depths.split(",")]
-    rows = measure(depths, [int(t) for t in args.rows.split(",")], device, cells=256 if args.tiny else CELLS)
+    rows, unmeasured = measure(
+        depths,
+        [int(t) for t in args.rows.split(",")],
+        device,
+        cells=256 if args.tiny else CELLS,
+        budget_s=args.budget_s,
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": name, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"device": name, "rows": rows, "unmeasured": unmeasured}, indent=1))
     return 1 if any("failed" in r for r in rows) else 0
 
 

@@ -22,7 +22,8 @@
 #                           verification), kernels launched per token, a per-kernel table (torch.profiler) of one
 #                           graphed decode step and one MTP cycle at each depth, printed as made, then prefill of 8192
 #                           tokens (one model build); then bench/attention_gpu.py: decode attention's choices
-#                           (operands, tile, warps, split size) at 4096 and 65536 tokens, its table in bench.txt;
+#                           (operands, tile, warps, split size, rows a program) at 4096 and 65536 tokens, the
+#                           likeliest cures first and none begun after 100 s, its table in bench.txt;
 #                           then bench/gemv_l2.py --integer-only -> gemv.json: the integer GEMV and its tile's
 #                           choices with weights rotated through > 2x L2, timed in a CUDA graph (GB/s, fraction of a
 #                           copy's; any error row fails the stage).
@@ -155,7 +156,8 @@ PY
         "$PY" bench/gpu.py --parts decode,mtp,prefill --contexts 4096,65536 --prefill 8192 --batch 1 --memory-ctx 0 \
             --split-matmuls --gemv-k-splits 4 --json "$OUT/decode.json" || rc=$?
         cp "$OUT/decode.json" "$RESULTS" 2>/dev/null  # what llama.cpp's rows are compared with (rest, peer)
-        "$PY" bench/attention_gpu.py || rc=$?  # decode attention's choices (its table in bench.txt)
+        # decode attention's choices (its table in bench.txt: 8 files at most come back), none begun after 100 s
+        "$PY" bench/attention_gpu.py --budget-s 100 || rc=$?  # the GEMVs come next
         "$PY" bench/gemv_l2.py --integer-only --json "$OUT/gemv.json" || rc=$?  # the integer GEMV and its tiles
         return $rc
         ;;

@@ -17,21 +17,33 @@ sys.path.insert(0, str(REPO / "bench"))
 from attention_gpu import VARIANTS  # noqa: E402
 
 
-def test_every_choice_runs_and_agrees_with_the_float32_kernel(tmp_path: Path) -> None:
-    out = tmp_path / "attention.json"
+def attention_gpu(out: Path, *args: str) -> dict:
     run = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "attention_gpu.py"), "--device", "cpu", "--tiny", "--rows", "3"]
-        + ["--json", str(out)],
+        [sys.executable, str(REPO / "bench" / "attention_gpu.py"), "--device", "cpu", "--tiny", "--json", str(out)]
+        + list(args),
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    rows = json.loads(out.read_text())["rows"]
+    return json.loads(out.read_text())
+
+
+def test_every_choice_runs_and_agrees_with_the_float32_kernel(tmp_path: Path) -> None:
+    result = attention_gpu(tmp_path / "attention.json", "--rows", "3")
+    rows = result["rows"]
+    assert result["unmeasured"] == []
     on_cpu = [v for v in VARIANTS if v[1] != "bf16"]  # the interpreter multiplies bf16 as raw bits
     expected = [(3, v) for v in on_cpu]  # a verification's rows: every choice, the 32-row blocks too
     assert [(r["rows"], r["variant"]) for r in rows] == [(t, v[0]) for t, v in expected]
     for row, (_, (_, precision, *_)) in zip(rows, expected):
         assert "failed" not in row and row["us"] > 0
         assert row["error"] <= (1e-3 if precision == "fp16" else 1e-6), row
+
+
+def test_a_spent_budget_leaves_the_later_choices_out_and_the_default_in(tmp_path: Path) -> None:
+    result = attention_gpu(tmp_path / "attention.json", "--rows", "1,3", "--budget-s", "0")
+    assert [(r["variant"], r["rows"]) for r in result["rows"]] == [("default", 1), ("default", 3)]
+    assert all("failed" not in r and r["error"] == 0.0 for r in result["rows"])
+    assert result["unmeasured"] == [v[0] for v in VARIANTS[1:]]
