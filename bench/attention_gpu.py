@@ -68,6 +68,16 @@ VARIANTS = (
 )
 
 
+def choice_kwargs(name: str) -> dict:
+    """decode_attention's keywords for the choice called `name` (bench/gpu.py --attention-choices times it in the
+    captured decode step, through ops.attention.DECODE_ATTENTION_CHOICE)."""
+    for n, precision, block_s, warps, min_keys, loads_first, block_m in VARIANTS:
+        if n == name:
+            return {"precision": precision, "block_s": block_s, "num_warps": warps, "min_keys": min_keys,
+                    "loads_first": loads_first, "block_m": block_m}  # fmt: skip
+    raise ValueError(f"no attention choice {name!r} (choices: {', '.join(v[0] for v in VARIANTS)})")
+
+
 def q8_0_cache(cells: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
     """A q8_0 cache of random blocks: f16 scales ~1e-2 and random int8 quants, [cells, Hkv * D / 32 * 34] bytes."""
     _, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
@@ -108,7 +118,7 @@ def measure(
     references: dict[tuple[int, int], torch.Tensor] = {}
     out, unmeasured = [], []
     start = time.monotonic()
-    for i, (name, precision, block_s, warps, min_keys, loads_first, block_m) in enumerate(VARIANTS):
+    for i, (name, precision, *_, block_m) in enumerate(VARIANTS):
         if i and budget_s is not None and time.monotonic() - start > budget_s:
             unmeasured.append(name)
             continue
@@ -117,8 +127,7 @@ def measure(
                 continue
             call = partial(
                 decode_attention, q, k_cache, v_cache, q8, q8, q_pos, k_pos, n_kv_heads=N_HEAD_KV,
-                head_dim=HEAD_DIM, scale=HEAD_DIM**-0.5, precision=precision, ordered=True, min_keys=min_keys,
-                block_s=block_s, num_warps=warps, loads_first=loads_first, block_m=block_m,
+                head_dim=HEAD_DIM, scale=HEAD_DIM**-0.5, ordered=True, **choice_kwargs(name),
             )  # fmt: skip
             nbytes = 2 * depth * N_HEAD_KV * head_bytes  # K and V of every filled cell, once
             row = {"variant": name, "depth": depth, "rows": T}

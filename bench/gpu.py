@@ -33,10 +33,14 @@ What it measures (one table on stdout, everything in --json):
   GPU, flash attention, the same KV cache type): decode of 64 tokens at each depth and the same prefill, each
   as ours / theirs. llama-bench has no speculative decoding, so the draft-mtp row has no peer here.
 
-Parts and switches (bench/gpu_check.sh's bench stage runs `--parts decode --contexts 4096 --split-matmuls`):
-`--parts` picks among gemv, decode, mtp (the draft-mtp row of each depth), batch, prefill, chunk_scan, memory (all by
-default). `--split-matmuls` splits a decode step's time between the GEMVs and everything else: the captured step is
-timed again with every matmul of the GPU path (ops.quant_gemv's entries and the Triton wrappers, wherever a module
+Parts and switches (bench/gpu_check.sh's bench stage runs `--parts decode,mtp,prefill --contexts 4096,65536` with
+`--split-matmuls`, `--gemv-k-splits` and `--attention-choices`): `--parts` picks among gemv, decode, mtp (the
+draft-mtp row of each depth), batch, prefill, chunk_scan, memory (all by default). `--gemv-k-splits N` and
+`--attention-choices A,B` time the captured decode step and verification again at each depth, captured afresh with
+the few-row GEMVs split N ways along K, then with each decode attention choice of bench/attention_gpu.py (what
+the kernel's choices are worth where the server runs them, beside that script's kernel-alone numbers).
+`--split-matmuls` splits a decode step's time between the GEMVs and everything else: the captured step is timed
+again with every matmul of the GPU path (ops.quant_gemv's entries and the Triton wrappers, wherever a module
 holds them) replaced by a no-op returning an empty output of the same shape, so the graph holds only the small
 kernels (norms, roundings, rope, attention, the recurrence, ...); the difference is the matmuls' time. Each eager
 step's GPU kernels are also counted with and without them (torch.profiler), the launches a token costs.
@@ -430,6 +434,26 @@ def measure_without_matmuls(model, state, depth: int, token: int, args: argparse
     }
 
 
+def time_captured(model, state, depth: int, token: int, args: argparse.Namespace, timer: Timer) -> tuple[float, float]:
+    """(decode, verification) seconds of a decode step and an n_max + 1-token verification captured afresh, so with
+    the kernel settings in force now."""
+    decode_graph = DecodeGraph(model, state)
+    verify_graph = StepGraph(model, state, args.n_max + 1, keep_steps=True)
+
+    def decode() -> None:
+        truncate(state, depth)
+        decode_graph.decode(token)
+
+    def verify() -> None:
+        truncate(state, depth)
+        verify_graph.step([token] * (args.n_max + 1))
+
+    try:
+        return timer.median(decode, args.reps, warmup=3), timer.median(verify, args.reps, warmup=3)
+    finally:
+        truncate(state, depth)
+
+
 def measure_k_splits(model, state, depth: int, token: int, args: argparse.Namespace, timer: Timer) -> dict:
     """A graphed decode step and a 3-token verification with the integer GEMVs of the few-row matrices split
     --gemv-k-splits ways along K (ops.quant_gemv.GEMV_K_SPLITS, captured into fresh graphs), beside the default's."""
@@ -438,27 +462,41 @@ def measure_k_splits(model, state, depth: int, token: int, args: argparse.Namesp
     before = quant_gemv.GEMV_K_SPLITS
     quant_gemv.GEMV_K_SPLITS = args.gemv_k_splits
     try:
-        decode_graph = DecodeGraph(model, state)
-        verify_graph = StepGraph(model, state, args.n_max + 1, keep_steps=True)
-
-        def decode() -> None:
-            truncate(state, depth)
-            decode_graph.decode(token)
-
-        def verify() -> None:
-            truncate(state, depth)
-            verify_graph.step([token] * (args.n_max + 1))
-
-        t_decode = timer.median(decode, args.reps, warmup=3)
-        t_verify = timer.median(verify, args.reps, warmup=3)
+        t_decode, t_verify = time_captured(model, state, depth, token, args, timer)
     finally:
         quant_gemv.GEMV_K_SPLITS = before
-        truncate(state, depth)
     return {
         "gemv_k_splits": args.gemv_k_splits,
         "decode_k_split_ms": 1e3 * t_decode,
         "verify_k_split_ms": 1e3 * t_verify,
     }
+
+
+def measure_attention_choices(
+    model, state, depth: int, token: int, args: argparse.Namespace, timer: Timer, decode_ms: float
+) -> dict:
+    """The graphed decode step and verification with each of --attention-choices (bench/attention_gpu.py's decode
+    kernel choices, through ops.attention.DECODE_ATTENTION_CHOICE), each printed as measured beside the default's
+    decode. A choice that fails is recorded and leaves the others measured."""
+    from attention_gpu import choice_kwargs
+
+    from mtpserve.ops import attention
+
+    rows = []
+    for name in args.attention_choices:
+        row: dict = {"choice": name}
+        attention.DECODE_ATTENTION_CHOICE.update(choice_kwargs(name))
+        try:
+            t_decode, t_verify = time_captured(model, state, depth, token, args, timer)
+            row.update(decode_ms=1e3 * t_decode, verify_ms=1e3 * t_verify)
+            shown = f"decode {row['decode_ms']:.2f} ms (default {decode_ms:.2f}), verification {row['verify_ms']:.2f}"
+        except Exception as e:  # noqa: BLE001 -- one choice's failure leaves the others measured
+            row["failed"] = shown = f"{type(e).__name__}: {e}"[:300]
+        finally:
+            attention.DECODE_ATTENTION_CHOICE.clear()
+        print(f"depth {depth}: decode attention {name!r}: {shown}", file=sys.stderr, flush=True)
+        rows.append(row)
+    return {"attention_choices": rows}
 
 
 def measure_decode(
@@ -503,6 +541,8 @@ def measure_decode(
         row["matmul_ms"] = row["decode_ms"] - row["decode_no_matmul_ms"]
     if args.gemv_k_splits > 1:
         row.update(measure_k_splits(model, state, depth, token, args, timer))
+    if args.attention_choices:
+        row.update(measure_attention_choices(model, state, depth, token, args, timer, row["decode_ms"]))
     if "mtp" not in args.parts:
         return row
 
@@ -795,8 +835,22 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="also time a decode step and a verification with the few-row GEMVs split this many ways along K",
     )
+    p.add_argument(
+        "--attention-choices",
+        default="",
+        help="also time a decode step and a verification with each of these decode attention choices "
+        "(bench/attention_gpu.py's names, comma-separated)",
+    )
     args = p.parse_args(argv)
     args.parts = set(args.parts.split(","))
+    args.attention_choices = [c.strip() for c in args.attention_choices.split(",") if c.strip()]
+    try:
+        from attention_gpu import choice_kwargs
+
+        for name in args.attention_choices:
+            choice_kwargs(name)
+    except ValueError as e:
+        p.error(str(e))
     if args.parts - set(PARTS):
         p.error(f"unknown --parts {sorted(args.parts - set(PARTS))}")
 
@@ -906,7 +960,15 @@ def main(argv: list[str] | None = None) -> int:
 
     print(report(result))
     save()
-    return 0
+    failed = [c["choice"] for row in result["decode"] for c in row.get("attention_choices", []) if "failed" in c]
+    if failed:
+        print(f"bench/gpu.py: attention choices failed: {', '.join(sorted(set(failed)))}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def default_time(row: dict, key: str) -> str:
+    """The default's time of `key` in a decode row, for the lines that compare a choice with it."""
+    return f"{row[key]:.2f}" if key in row else "(not measured)"
 
 
 def report(r: dict) -> str:
@@ -974,6 +1036,12 @@ def report(r: dict) -> str:
                 f"depth {row['depth']}: the few-row GEMVs split {row['gemv_k_splits']} ways along K: decode "
                 f"{row['decode_k_split_ms']:.2f} ms against {row['decode_ms']:.2f}{verify}"
             )
+        for c in row.get("attention_choices", []):
+            shown = c.get("failed") or (
+                f"decode {c['decode_ms']:.2f} ms against {default_time(row, 'decode_ms')}, verification "
+                f"{c['verify_ms']:.2f} against {default_time(row, 'verify_ms')}"
+            )
+            lines.append(f"depth {row['depth']}: decode attention {c['choice']!r}: {shown}")
     lines.append("")
     if "batch_decode" in r:
         b = r["batch_decode"]

@@ -19,11 +19,12 @@
 #   bench 260 s  bench.txt  most wanted first: bench/gpu.py -> decode.json: decode tok/s at depths 4096 and 65536, with
 #                decode.json draft-mtp (n_max 2) and without, with and without the matmuls (their time apart from the
 #                gemv.json  small kernels'), with the few-row GEMVs split 4 ways along K (a decode step and a
-#                           verification), kernels launched per token, a per-kernel table (torch.profiler) of one
-#                           graphed decode step and one MTP cycle at each depth, printed as made, then prefill of 8192
-#                           tokens (one model build); then bench/attention_gpu.py: decode attention's choices
-#                           (operands, tile, warps, split size, rows a program) at 4096 and 65536 tokens, the
-#                           likeliest cures first and none begun after 100 s, its table in bench.txt;
+#                           verification), with four decode attention choices ($ATTENTION_CHOICES), kernels launched per
+#                           token, a per-kernel table (torch.profiler) of one graphed decode step and one MTP cycle at
+#                           each depth, printed as made, then prefill of 8192 tokens (one model build); then
+#                           bench/attention_gpu.py: decode attention's choices alone (operands, tile, warps, split
+#                           size, rows a program) at 4096 and 65536 tokens, the likeliest cures first and none begun
+#                           after 60 s, its table in bench.txt;
 #                           then bench/gemv_l2.py --integer-only -> gemv.json: the integer GEMV and its tile's
 #                           choices with weights rotated through > 2x L2, timed in a CUDA graph (GB/s, fraction of a
 #                           copy's; any error row fails the stage).
@@ -67,6 +68,9 @@ RESULTS=/tmp/mtpserve-gpu.json
 STAGES=${GPU_CHECK_STAGES:-env smoke bench tests rest}
 GPU_CHECK_FAIL=${GPU_CHECK_FAIL:-}
 BUDGET=${GPU_CHECK_BUDGET:-560}
+# The decode attention choices bench/gpu.py times in the captured decode step and verification (the first run's
+# latency: more programs, more programs an SM, both; a verification's rows in one block), bench/attention_gpu.py's names
+ATTENTION_CHOICES="ieee min16,fp16 s16 w2,fp16 s16 w2 min16,fp16 m32 w8"
 declare -A LIMIT=([env]=30 [smoke]=120 [bench]=260 [tests]=150 [rest]=0)  # rest: whatever the budget has left
 declare -A FILE=([env]=env.txt [smoke]=smoke.txt [bench]=bench.txt [tests]=tests.txt [rest]=rest.txt)
 declare -A NEEDS_GPU=([env]=0 [smoke]=1 [bench]=1 [tests]=1 [rest]=1)
@@ -154,10 +158,11 @@ PY
         # 27B-shaped model would cost the stage more than the GEMVs' order is worth), then the GEMV calibration.
         local rc=0
         "$PY" bench/gpu.py --parts decode,mtp,prefill --contexts 4096,65536 --prefill 8192 --batch 1 --memory-ctx 0 \
-            --split-matmuls --gemv-k-splits 4 --json "$OUT/decode.json" || rc=$?
+            --split-matmuls --gemv-k-splits 4 --attention-choices "$ATTENTION_CHOICES" --json "$OUT/decode.json" \
+            || rc=$?
         cp "$OUT/decode.json" "$RESULTS" 2>/dev/null  # what llama.cpp's rows are compared with (rest, peer)
-        # decode attention's choices (its table in bench.txt: 8 files at most come back), none begun after 100 s
-        "$PY" bench/attention_gpu.py --budget-s 100 || rc=$?  # the GEMVs come next
+        # decode attention's choices (its table in bench.txt: 8 files at most come back), none begun after 60 s
+        "$PY" bench/attention_gpu.py --budget-s 60 || rc=$?  # the GEMVs come next
         "$PY" bench/gemv_l2.py --integer-only --json "$OUT/gemv.json" || rc=$?  # the integer GEMV and its tiles
         return $rc
         ;;

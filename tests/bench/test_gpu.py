@@ -59,6 +59,8 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
         "2",
         "--gemv-k-splits",
         "2",
+        "--attention-choices",
+        "ieee min16",
         "--json",
         str(out),
         "--llama-bench",
@@ -70,10 +72,13 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     assert "| depth | decode tok/s |" in run.stdout and "prefill:" in run.stdout
     assert "the few-row GEMVs split 2 ways along K" in run.stdout
+    assert "decode attention 'ieee min16': decode" in run.stdout
     result = json.loads(out.read_text())
     assert [row["depth"] for row in result["decode"]] == [256, 384]
     for row in result["decode"]:
         assert row["decode_tokens_per_s"] > 0 and row["verify_ms"] > 0
+        [choice] = row["attention_choices"]
+        assert choice["choice"] == "ieee min16" and choice["decode_ms"] > 0 and choice["verify_ms"] > 0
         assert row["draft_ms"] > 0 and row["catch_up_ms"] > 0
         # n_max 2 at 63% accepted: 1 + 1.26 tokens per verification step
         assert row["mtp_tokens_per_step"] == pytest.approx(2.26)
@@ -150,3 +155,46 @@ def test_the_kernel_table_sums_counts_and_finds_the_idle_gaps() -> None:
     table = kernel_table(events, top=2)
     assert (table["kernels"], table["busy_us"], table["span_us"], table["idle_us"]) == (4, 27.0, 36.0, 9.0)
     assert table["top"] == [{"name": "gemv", "count": 2, "us": 20.0}, {"name": "attn", "count": 1, "us": 6.0}]
+
+
+def test_an_attention_choice_that_fails_is_recorded_and_leaves_the_others_measured(monkeypatch) -> None:
+    """bench/gpu.py --attention-choices: each choice captured with ops.attention.DECODE_ATTENTION_CHOICE set to its
+    keywords (cleared after, failing or not); a failure is a row of its own, the next choice still runs."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu  # bench/gpu.py
+    from attention_gpu import choice_kwargs
+
+    from mtpserve.ops import attention
+
+    captured = []
+
+    def time_captured(*args: object) -> tuple[float, float]:
+        captured.append(dict(attention.DECODE_ATTENTION_CHOICE))
+        if attention.DECODE_ATTENTION_CHOICE["precision"] == "fp16":
+            raise RuntimeError("out of resources")
+        return 0.002, 0.003
+
+    monkeypatch.setattr(gpu, "time_captured", time_captured)
+    args = SimpleNamespace(attention_choices=["fp16 s16 w2", "ieee min16"])
+    out = gpu.measure_attention_choices(None, None, 4096, 7, args, None, decode_ms=2.5)
+    assert captured == [choice_kwargs("fp16 s16 w2"), choice_kwargs("ieee min16")]
+    assert attention.DECODE_ATTENTION_CHOICE == {}
+    assert out == {
+        "attention_choices": [
+            {"choice": "fp16 s16 w2", "failed": "RuntimeError: out of resources"},
+            {"choice": "ieee min16", "decode_ms": 2.0, "verify_ms": 3.0},
+        ]
+    }
+
+
+def test_an_unknown_attention_choice_is_refused_before_anything_is_built() -> None:
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu.py"), "--device", "cpu", "--attention-choices", "ieee min16,nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 2 and "no attention choice 'nope'" in run.stderr

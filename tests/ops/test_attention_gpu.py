@@ -71,3 +71,34 @@ def test_explicit_masks_are_built_a_few_queries_at_a_time(monkeypatch: pytest.Mo
     live = k_pos >= 0
     want = attention_reference(q, k[live], v[live], q_pos, k_pos[live], 0.2, window=64)
     torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_decode_kernels_choice_reaches_it_and_keeps_the_reference_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`DECODE_ATTENTION_CHOICE` (what bench/gpu.py --attention-choices sets for a captured step) reaches the Triton
+    decode kernel as its keywords, and a choice changes the tiling, not the result."""
+    from mtpserve.cache.kv import KVCache
+
+    kernels = attention.triton_kernels()
+    g = torch.Generator().manual_seed(3)
+    kv = KVCache(96, 2, 64, 64, "q8_0", "q8_0")
+    kv.append(torch.randn(90, 2, 64, generator=g), torch.randn(90, 2, 64, generator=g))
+    q, q_pos = torch.randn(3, 6, 64, generator=g), torch.tensor([87, 88, 89])
+    if kernels is None or not attention.triton_available(q):
+        pytest.skip("no Triton kernels here")
+    seen: list[dict] = []
+    real = kernels.decode_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "decode_attention", spy)
+    call = (q, kv.k.data, kv.v.data, kv.k.type, kv.v.type, q_pos, kv.positions)
+    expected = attention.decode_attention_reference(*call, n_kv_heads=2, scale=0.125)
+    default = attention.decode_attention_gpu(*call, n_kv_heads=2, scale=0.125, ordered=True)
+    choice = {"block_s": 16, "num_warps": 2, "min_keys": 16, "loads_first": True, "block_m": 32}
+    monkeypatch.setattr(attention, "DECODE_ATTENTION_CHOICE", choice)
+    chosen = attention.decode_attention_gpu(*call, n_kv_heads=2, scale=0.125, ordered=True)
+    assert [{k: kw.get(k) for k in choice} for kw in seen] == [dict.fromkeys(choice), choice]
+    torch.testing.assert_close(default, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(chosen, expected, atol=1e-4, rtol=1e-4)

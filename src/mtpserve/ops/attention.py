@@ -36,6 +36,10 @@ ONLINE_MAX_QUERIES = 64  # llama.cpp's flash-attention query tile: fewer rows ta
 KV_VIEW_PAD = 256
 SPLIT_KV_MIN_CELLS = 512
 SPLIT_KV_CHUNKS = 2
+# The GPU decode kernel's tile choices (kernels.triton.attention.decode_attention's keywords: precision, block_s,
+# num_warps, min_keys, loads_first, block_m); empty: its defaults. bench/gpu.py --attention-choices sets it to time a
+# choice in the captured decode step and verification, where the server runs it, until a lent GPU picks a default.
+DECODE_ATTENTION_CHOICE: dict[str, object] = {}
 
 
 def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -340,6 +344,7 @@ def decode_attention_gpu(
             scale=scale,
             window=window,
             ordered=ordered,
+            **DECODE_ATTENTION_CHOICE,
         )
     return decode_attention_reference(
         q, k_store, v_store, k_type, v_type, q_pos, k_pos, n_kv_heads=n_kv_heads, scale=scale, window=window
