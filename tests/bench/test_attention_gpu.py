@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -30,6 +32,7 @@ def attention_gpu(out: Path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # ~45 s of the interpreter; each choice's kernel options are tested in test_triton_attention.py
 def test_every_choice_runs_and_agrees_with_the_float32_kernel(tmp_path: Path) -> None:
     result = attention_gpu(tmp_path / "attention.json", "--rows", "3")
     rows = result["rows"]

@@ -124,7 +124,15 @@ def test_prefetch_changes_no_bit(qtype: GGMLType, k: int) -> None:
         )
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+# One type a kernel (the k-quant, Q6_K, Q8_0, IQ4_XS and legacy kernels) in the default suite, every type in test-all.
+SPLIT_TYPES = [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.IQ4_XS, GGMLType.Q4_0]
+
+
+@pytest.mark.parametrize(
+    "qtype",
+    [t if t in SPLIT_TYPES else pytest.param(t, marks=pytest.mark.slow) for t in TYPES],
+    ids=lambda t: t.name,
+)
 def test_split_k_matches_the_twin(qtype: GGMLType) -> None:
     """`k_splits=2`: the K loop's 2 steps (K = 2048: 8 super-blocks 4 a step; 64 blocks 32 a step) one a split, 3
     activation rows, a partial row tile: the twin's sums up to float32 order, and the same bits as adding the
