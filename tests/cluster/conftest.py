@@ -14,6 +14,10 @@ LOOPBACK_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # no multi-node binding beyond the loopback nodes asked for
     "RAY_AUTH_MODE": "disabled",  # a loopback test cluster: no token to mint or keep
+    # Serve's proxy must answer its readiness check in 5 s, three times running, or it is killed: with both cores
+    # busy elsewhere it did not, and the whole module failed at setup. A test's cluster waits rather than dies.
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
 }
 # Set before anything imports ray (the driver reads some of them once, at import; the nodes inherit them all), and
 # kept for the session: the cluster's processes outlive any one test.

@@ -81,7 +81,7 @@ class RemoteEngine:
         self.info = info
         self._tokenizer = tokenizer
         self._reports = reports
-        self._waiting = 0  # requests sent and not yet taken by a replica: in Serve's queue
+        self._in_flight = 0  # requests sent to a replica (or waiting in Serve's queue for one) and not yet ended
         self._grammars = LazyGrammarCompiler(tokenizer, info.n_vocab, grammar_limits)
 
     # --- requests ---------------------------------------------------------------------------------------------
@@ -99,14 +99,11 @@ class RemoteEngine:
 
     async def _pump(self, request: Request, session: str | None, stream: RemoteStream) -> None:
         """Forward the replica's event batches into the stream until it finishes, fails or is cancelled."""
-        self._waiting += 1
-        waiting, finished = True, False
+        self._in_flight += 1
+        finished = False
         response = self.handle.generate.remote(request, session=session)
         try:
             async for batch in response:
-                if waiting:
-                    waiting = False
-                    self._waiting -= 1
                 for item in batch:
                     event = decode(item)
                     finished = finished or isinstance(event, FinishEvent | EngineError)
@@ -121,8 +118,7 @@ class RemoteEngine:
             log.warning("cluster: a request failed on its replica: %s: %s", type(e).__name__, e)
             stream.put(ServerError(f"the replica serving this request failed ({type(e).__name__}); retry"))
         finally:
-            if waiting:
-                self._waiting -= 1
+            self._in_flight -= 1
 
     def compile_grammar(self, grammar: GrammarSpec, cancelled: threading.Event | None = None) -> None:
         """Check the grammar here (the same compiler as the replicas'), so a bad one is a 400 before any routing."""
@@ -130,11 +126,13 @@ class RemoteEngine:
 
     @property
     def queued(self) -> int:
-        """Requests waiting for a slot: those sent and not yet taken by a replica, less the idle slots that will take
-        them (a burst on an idle cluster is not a queue), plus the replicas' own queues."""
+        """Requests waiting for a slot: at least those in flight past every slot (counted here, exact, since every
+        request goes through this gateway; a burst on an idle cluster is not a queue), or the replicas' own queues
+        where the router stacked requests on one replica (their latest reports, if more). Never a count that
+        falls while nothing finishes: a late report cannot let a request past --max-queue."""
         reports = self._reports().values()
-        idle = sum(not s["is_processing"] for r in reports for s in r["slots"])
-        return max(0, self._waiting - idle) + sum(r["queued"] for r in reports)
+        slots = sum(len(r["slots"]) for r in reports)
+        return max(0, self._in_flight - slots, sum(r["queued"] for r in reports))
 
     # --- what the server reports, gathered ------------------------------------------------------------------------
 
