@@ -68,13 +68,16 @@ VARIANTS = (
 )
 
 
+# decode_attention's keywords, in the order of VARIANTS' columns after the name
+CHOICE_KEYWORDS = ("precision", "block_s", "num_warps", "min_keys", "loads_first", "block_m")
+
+
 def choice_kwargs(name: str) -> dict:
     """decode_attention's keywords for the choice called `name` (bench/gpu.py --attention-choices times it in the
     captured decode step, through ops.attention.DECODE_ATTENTION_CHOICE)."""
-    for n, precision, block_s, warps, min_keys, loads_first, block_m in VARIANTS:
+    for n, *values in VARIANTS:
         if n == name:
-            return {"precision": precision, "block_s": block_s, "num_warps": warps, "min_keys": min_keys,
-                    "loads_first": loads_first, "block_m": block_m}  # fmt: skip
+            return dict(zip(CHOICE_KEYWORDS, values, strict=True))
     raise ValueError(f"no attention choice {name!r} (choices: {', '.join(v[0] for v in VARIANTS)})")
 
 

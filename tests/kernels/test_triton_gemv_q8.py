@@ -96,10 +96,11 @@ def test_rows_are_independent_of_batch_size(qtype: GGMLType) -> None:
 )
 def test_the_tiles_bench_choices_change_no_bit(qtype: GGMLType, rows_divisor: int, num_warps: int) -> None:
     """The tile choices bench/gemv_l2.py measures on a lent GPU (fewer weight rows a program, more warps) give the
-    default tile's result bit for bit, 1 and 3 activation rows, a partial last tile (40 rows)."""
-    blocks = _blocks(qtype, 40, 1024, seed=7).to(DEVICE)
+    default tile's result bit for bit, 1 and 3 activation rows, a partial last tile (40 rows). (One K step: the
+    choices tile rows and warps, not K; the K loop's steps are test_matches_twin's.)"""
+    blocks = _blocks(qtype, 40, 256, seed=7).to(DEVICE)
     for m in (1, 3):
-        xq, xd = (t.to(DEVICE) for t in _activations(qtype, m, 1024, seed=8 + m))
+        xq, xd = (t.to(DEVICE) for t in _activations(qtype, m, 256, seed=8 + m))
         default = triton_gemv_q8(xq, xd, blocks, qtype)
         chosen = triton_gemv_q8(xq, xd, blocks, qtype, rows_divisor=rows_divisor, num_warps=num_warps)
         assert torch.equal(chosen, default)
