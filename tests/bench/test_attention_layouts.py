@@ -44,17 +44,20 @@ def _prmt(a: int, b: int, selector: int) -> int:
     return int.from_bytes(bytes(pool[(selector >> (4 * i)) & 7] for i in range(4)), "little")
 
 
-def test_the_packed_conversion_gives_each_int8_plus_1152_in_fp16() -> None:
-    """_int8_as_fp16_plus_1152's PTX, modelled byte for byte: the interpreter cannot run it, a GPU run compares the
-    prototype using it with float32 attention (--time)."""
+def test_the_packed_conversion_gives_each_int8_exactly_in_fp16() -> None:
+    """_int8_to_fp16's PTX, modelled instruction by instruction (the interpreter cannot run it; --time runs the
+    prototype using it on a GPU against float32 attention): each value exact, in its input's order."""
+    assert f"mov.b32 c, {attention_layouts.FP16_1152 * 0x10001:#x}" in attention_layouts._PACKED_CVT_ASM.value
+    c = torch.tensor([attention_layouts.FP16_1152], dtype=torch.int16).view(torch.float16)
+    assert c.item() == 1152.0
     values = torch.arange(-128, 128, dtype=torch.int8)
     for word in values.view(-1, 4):
         packed = int.from_bytes(word.numpy().tobytes(), "little") ^ 0x80808080
-        halves = b"".join(
+        words = b"".join(
             _prmt(packed, 0x64646464, sel).to_bytes(4, "little") for sel in attention_layouts.PRMT_SELECTORS
         )
-        got = torch.frombuffer(bytearray(halves), dtype=torch.float16).float()
-        assert torch.equal(got, word.float() + 1152), (word, got)
+        got = torch.frombuffer(bytearray(words), dtype=torch.float16) - c  # sub.f16x2, in fp16 as the GPU rounds it
+        assert got.dtype == torch.float16 and torch.equal(got.float(), word.float()), (word, got)
 
 
 def test_the_timing_wiring_runs_every_unpacked_kernel_on_the_cpu() -> None:
