@@ -7,8 +7,8 @@ prototype under the Triton interpreter against float32 attention of the same cac
 Issue 38 asks decode attention for an instruction-issue bound of 1.5x HBM (7.2 TB/s on an H200) with no spills.
 The server's kernel (kernels/triton/attention.py) reaches 1.08 TB/s at the 27B's shapes (24 query heads over 4 KV
 heads, D = 256); its fp16-operand choice 1.54 at 8 warps. This script asks why, with small prototypes of the key loop
-alone (one program a KV head over all keys: no splits, no window; positions read and masked as the server's kernel
-masks them), compiled for sm_90 and read by bench/gpu_static.py's issue bound:
+alone (programs of a KV head and a split of the keys, merged by the caller; no window; positions read and masked as
+the server's kernel masks them), compiled for sm_90 and read by bench/gpu_static.py's issue bound:
 
 - layout "blocks": a head row of the cache as it is stored today, 8 GGUF q8_0 blocks of 34 bytes (an fp16 scale, 32
   int8). A block's quants start 2 bytes past a 4-byte boundary every other block, so no load is wider than 16 bits,
@@ -92,24 +92,15 @@ def _study_kernel(q_ptr, qs_ptr, k_ptr, v_ptr, q_pos_ptr, k_pos_ptr, acc_ptr, ml
         # Loads are not masked: every cell holds finite numbers (the cache starts zeroed), the unseen ones get no
         # weight, and the tail tile re-reads the last cell.
         rows = tl.minimum(keys, end - 1).to(tl.int64) * CELL + h * (NB * 34)  # byte offset of each key's head row
-        # (quants, scale) byte offsets of element (key, block, i) of a head row
-        if PLANAR:
-            quant_at = rows[:, None, None] + 2 * NB + blk[None, :, None] * 32 + e[None, None, :]
-            scale_at = rows[:, None, None] + blk[None, :, None] * 2
-        else:
-            quant_at = rows[:, None, None] + blk[None, :, None] * 34 + 2 + e[None, None, :]
-            scale_at = rows[:, None, None] + blk[None, :, None] * 34
+        quants, scales = _block_offsets(blk, NB, PLANAR)  # element (key, block, i) of the head rows
+        quant_at = rows[:, None, None] + quants[None, :, None] + e[None, None, :]
+        scale_at = rows[:, None, None] + scales[None, :, None]
         if INT8_QK:
             sc = tl.zeros((BLOCK_M, BLOCK_S), tl.float32)
             for b in tl.static_range(NB):
-                if PLANAR:
-                    kb_at = rows[:, None] + 2 * NB + b * 32 + e[None, :]
-                    ks_at = rows + b * 2
-                else:
-                    kb_at = rows[:, None] + b * 34 + 2 + e[None, :]
-                    ks_at = rows + b * 34
-                kb = tl.load(k_ptr + kb_at).to(tl.int8, bitcast=True)
-                ks = tl.load((k_ptr + ks_at).to(tl.pointer_type(tl.float16)))
+                quant_b, scale_b = _block_offsets(b, NB, PLANAR)
+                kb = tl.load(k_ptr + rows[:, None] + quant_b + e[None, :]).to(tl.int8, bitcast=True)
+                ks = tl.load((k_ptr + rows + scale_b).to(tl.pointer_type(tl.float16)))
                 dots = tl.dot(qi[b], tl.trans(kb)).to(tl.float32)
                 sc += dots * (qs[b][:, None] * ks.to(tl.float32)[None, :])
         else:
@@ -136,6 +127,16 @@ def _study_kernel(q_ptr, qs_ptr, k_ptr, v_ptr, q_pos_ptr, k_pos_ptr, acc_ptr, ml
     tl.store(ml_ptr + part * 2 + 1, l_i)
 
 
+@triton.jit
+def _block_offsets(b, NB: tl.constexpr, PLANAR: tl.constexpr):
+    """Bytes from a q8_0 head row's start to block b's quants and to its fp16 scale: GGUF blocks (scale, 32
+    quants) one after another, or planar (the NB scales, then the quants)."""
+    if PLANAR:
+        return 2 * NB + b * 32, b * 2
+    else:
+        return b * 34 + 2, b * 34
+
+
 PRMT_SELECTORS = (0x5140, 0x7362)  # the two output words: bytes 0, 1 and bytes 2, 3 of the input, each under 0x64
 FP16_1152 = 0x6480  # 1024 + 128: what the byte's bias and the 0x64 high byte add to it
 _PACKED_CVT_ASM = tl.constexpr(
@@ -155,37 +156,37 @@ def _int8_to_fp16(x):
     return tl.inline_asm_elementwise(_PACKED_CVT_ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
 
 
+def _q8_0_blocks(x: torch.Tensor) -> torch.Tensor:
+    """float [..., D] -> its q8_0 blocks uint8 [..., D / 32, 34] (mtpserve's quantizer, llama.cpp's rounding)."""
+    return quantize(x.float().reshape(-1, x.shape[-1]), GGMLType.Q8_0).view(*x.shape[:-1], x.shape[-1] // 32, 34)
+
+
+def planar_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """q8_0 blocks [S, Hkv, NB, 34] -> planar head rows [S, Hkv * ROW]: each head's NB scales, then its quants."""
+    return torch.cat([blocks[..., :2].flatten(2), blocks[..., 2:].flatten(2)], dim=2).reshape(blocks.shape[0], -1)
+
+
 def cache_rows(x: torch.Tensor, planar: bool) -> torch.Tensor:
     """float [S, Hkv, D] -> q8_0 head rows uint8 [S, Hkv * ROW]: GGUF blocks, or the same bytes planar."""
-    blocks = quantize(x.float(), GGMLType.Q8_0).view(x.shape[0], x.shape[1], HEAD_DIM // 32, 34)
-    if planar:
-        blocks = torch.cat([blocks[..., :2].flatten(2), blocks[..., 2:].flatten(2)], dim=2)
-    return blocks.reshape(x.shape[0], -1).contiguous()
+    blocks = _q8_0_blocks(x)
+    return planar_rows(blocks) if planar else blocks.reshape(x.shape[0], -1)
 
 
-def _q8_blocks(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [..., D] -> (int8 [..., D], float32 scales [..., D / 32]) as q8_0 rounds: d = amax / 127."""
-    blocks = q.float().unflatten(-1, (-1, 32))
-    d = blocks.abs().amax(-1) / 127
-    qi = torch.round(blocks / torch.where(d == 0, 1.0, d)[..., None]).to(torch.int8)
-    return qi.flatten(-2), d
-
-
-def study_attention(
-    q,
-    k_rows,
-    v_rows,
-    q_pos,
-    k_pos,
+def study_attention(  # noqa: ANN201
+    q: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
     *,
-    planar,
-    int8_qk,
-    block_m=16,
-    num_warps=4,
-    block_s=16,  # noqa: ANN001, ANN201
-    packed_cvt=False,
-    n_splits=1,
-    partials_only=False,
+    planar: bool,
+    int8_qk: bool,
+    block_m: int = 16,
+    num_warps: int = 4,
+    block_s: int = 16,
+    packed_cvt: bool = False,
+    n_splits: int = 1,
+    partials_only: bool = False,
 ):
     """The prototype on q [T, H, D] (T * H / Hkv rows a KV head, at most block_m) -> float32 [T, H, D], its splits
     merged here (`partials_only`: the kernel alone, for timing)."""
@@ -198,8 +199,10 @@ def study_attention(
     padded[:, :n_rows] = rows
     pos = torch.full((block_m,), -1, dtype=torch.int32, device=device)
     pos[:n_rows] = q_pos.to(torch.int32).repeat_interleave(G)
-    if int8_qk:
-        q_arg, q_scales = _q8_blocks(padded)
+    if int8_qk:  # Q as q8_0 blocks, as llama.cpp's CPU path rounds it for a q8_0 cache
+        q_blocks = _q8_0_blocks(padded)
+        q_arg = q_blocks[..., 2:].contiguous().view(torch.int8).flatten(-2)
+        q_scales = q_blocks[..., :2].contiguous().view(torch.float16).squeeze(-1).float()
     else:
         q_arg, q_scales = padded.half(), torch.zeros(1, device=device)
     n_keys = k_pos.shape[0]
@@ -252,10 +255,8 @@ def random_cache(n_cells: int, device: str) -> tuple[torch.Tensor, torch.Tensor,
     quants = torch.randint(-127, 128, (n_cells, N_HEAD_KV, HEAD_DIM // 32, 32), device=device, dtype=torch.int8)
     scales = (torch.rand(n_cells, N_HEAD_KV, HEAD_DIM // 32, 1, device=device) * 0.02 + 0.005).half()
     values = (quants.float() * scales.float()).flatten(2)
-    scale_bytes, quant_bytes = scales.view(torch.uint8), quants.view(torch.uint8)
-    blocks = torch.cat([scale_bytes, quant_bytes], dim=3).reshape(n_cells, -1)
-    planar = torch.cat([scale_bytes.flatten(2), quant_bytes.flatten(2)], dim=2).reshape(n_cells, -1)
-    return values, blocks, planar
+    blocks = torch.cat([scales.view(torch.uint8), quants.view(torch.uint8)], dim=3)
+    return values, blocks.reshape(n_cells, -1), planar_rows(blocks)
 
 
 # What --time measures beside the server's kernel, likeliest first (a budget may cut the list): (layout, QK, V's
