@@ -47,7 +47,7 @@ from mtpserve.models.loader import load
 from mtpserve.quant.dequant import UnsupportedQuantType
 from mtpserve.tokenizer import Tokenizer
 
-from ..conftest import FIXTURES
+from ..conftest import FIXTURES, fuzz_examples
 from ..support.ggufgen import tiny_llama_metadata, tiny_model_tensors, write_gguf
 
 TIME_BUDGET_S = 2.0  # per case, the whole loading path
@@ -962,7 +962,7 @@ def test_sentencepiece_token_of_a_megabyte(bases, fuzz_dir):
 arch_names = st.sampled_from(sorted(SYNTHETIC))
 
 
-@settings(FUZZ, max_examples=800)
+@settings(FUZZ, max_examples=fuzz_examples(800))
 @given(arch=arch_names, mutations=st.lists(metadata_changes, min_size=1, max_size=3))
 def test_fuzz_metadata(bases, fuzz_dir, arch, mutations):
     """Wrong types and absurd values (of their own type: 0, -1, 2**31, 2**64 - 1, NaN, resized arrays...) for
@@ -970,7 +970,7 @@ def test_fuzz_metadata(bases, fuzz_dir, arch, mutations):
     run_case(fuzz_dir, mutate_structure(bases[arch], mutations), "metadata")
 
 
-@settings(FUZZ, max_examples=300)
+@settings(FUZZ, max_examples=fuzz_examples(300))
 @given(arch=arch_names, mutations=st.lists(structured, min_size=1, max_size=3))
 def test_fuzz_tensor_infos(bases, fuzz_dir, arch, mutations):
     """Tensor infos with absurd dimensions (up to 2**64 - 1, 0 or 5 of them), unknown types, aliasing,
@@ -979,7 +979,7 @@ def test_fuzz_tensor_infos(bases, fuzz_dir, arch, mutations):
     run_case(fuzz_dir, mutate_structure(bases[arch], mutations), "tensor infos")
 
 
-@settings(FUZZ, max_examples=400)
+@settings(FUZZ, max_examples=fuzz_examples(400))
 @given(arch=arch_names, mutations=st.lists(byte_level, min_size=1, max_size=4))
 @example(arch="llama", mutations=[("truncate", 0.3)])
 @example(arch="llama", mutations=[("set field", 0, 0, U64 - 1)])
@@ -989,7 +989,7 @@ def test_fuzz_bytes(bases, fuzz_dir, arch, mutations):
     run_case(fuzz_dir, mutate_bytes(bases[arch], mutations), "bytes")
 
 
-@settings(FUZZ, max_examples=100)
+@settings(FUZZ, max_examples=fuzz_examples(100))
 @given(
     mutations=st.one_of(
         st.lists(byte_level, min_size=1, max_size=3).map(lambda m: ("bytes", m)),

@@ -13,7 +13,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ..conftest import default_model
+from ..conftest import default_model, fuzz_examples
 from ..support.server_process import ServerProcess
 
 KEY = "fuzz-key"
@@ -75,7 +75,7 @@ def test_no_input_makes_a_server_error(server):
 
             @given(case=operation.as_strategy(mode))
             @settings(
-                max_examples=CASES_PER_OPERATION,
+                max_examples=fuzz_examples(CASES_PER_OPERATION),
                 deadline=None,
                 derandomize=True,
                 database=None,
@@ -202,7 +202,13 @@ GBNF = st.lists(
 
 
 @given(schema=SCHEMAS, grammar=GBNF)
-@settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=fuzz_examples(40),
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 def test_drawn_schemas_and_grammars_get_an_answer_or_a_4xx(server, schema, grammar):
     """Through every API that takes one: a 200 (the output held to it) or a 4xx naming the problem, never a 5xx."""
     fmt = {"type": "json_schema", "schema": schema}
