@@ -40,9 +40,11 @@ N_HEAD, N_HEAD_KV, HEAD_DIM, CELLS = 24, 4, 256, 262144  # Qwen3.6-27B's attenti
 # (name, precision, keys a tile, warps, fewest keys a split, loads first, query rows a program or None): today's
 # default first, the reference of the errors. "lf": a tile's loads issued together (decode_attention's loads_first);
 # "m32": a verification's 18 query rows in one 32-row block, one pass over the cache where the default makes two
-# (measured at 3 rows only; the tensor-core operands: float32 FMAs spill there).
+# (measured at 3 rows only; the tensor-core operands: float32 FMAs spill there). None: decode_attention's default.
 VARIANTS = (
-    ("default", "ieee", 16, 8, 256, False, None),
+    ("default", "ieee", 16, None, 256, False, None),
+    # the default until 2026-12-05: a decode step's 6 rows in a 16-row block of 8 warps (now 8 rows, 4 warps)
+    ("ieee m16 w8", "ieee", 16, 8, 256, False, 16),
     # the hypotheses about the first run's latency first (a budget spent cuts the last choices): more programs (one
     # 16-key tile a program where the depth allows: 1,024 at 4,096 tokens where the default has 64), more programs
     # an SM (2 warps, 249 registers a thread: 4 an SM where the default fits 1), both, one latency a tile
@@ -126,7 +128,7 @@ def measure(
             unmeasured.append(name)
             continue
         for depth, T, q, q_pos, k_pos in cases:
-            if precision == "bf16" and device.type != "cuda" or block_m and T == 1:
+            if precision == "bf16" and device.type != "cuda" or (block_m or 0) > 16 and T == 1:
                 continue
             call = partial(
                 decode_attention, q, k_cache, v_cache, q8, q8, q_pos, k_pos, n_kv_heads=N_HEAD_KV,

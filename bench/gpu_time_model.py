@@ -10,12 +10,13 @@ or a verification of 1 + n_max tokens, or an MTP draft) costs the sum of five pa
   verification reads them once for all its rows (the GEMVs take 1-8 rows a pass). A draft step reads the MTP
   block and the output layer (1.31 GB), a catch-up the MTP block alone.
 * attention: the KV cache's bytes at the context (16 layers, K and V, 4 KV heads x 256 at q8_0's 34 bytes a 32)
-  times the passes over them, over decode attention's own bound: min(its issue bound from gpu_static's table,
-  HBM x BANDWIDTH_FRACTION). A verification's 3 tokens x 6 query heads a KV head are 18 query rows, two 16-row
-  blocks: two passes. A draft step attends in the MTP block's one layer.
+  times the passes over them, over decode attention's own bound: min(its issue bound from gpu_static's table for
+  a step of that many tokens, HBM x BANDWIDTH_FRACTION). A decode step's 6 query heads a KV head are one 8-row
+  block; a verification's 3 tokens x 6 are 18 query rows, two 16-row blocks: two passes. A draft step attends
+  in the MTP block's one layer.
 * other: the Gated DeltaNet states (48 layers x 48 heads x 128 x 128 float32) read and written each step, a
-  verification writing one per token (kept for the rollback); with the layer split, the hidden state handed to
-  the next card (n_embd float32 over PCIe, plus its latency).
+  verification writing one more per token (kept for the rollback; `state_passes`); with the layer split, the
+  hidden state handed to the next card (n_embd float32 over PCIe, plus its latency).
 * launches: the step's kernels (bench/decode_launches.py: 709 a step or verification, 27 a draft, 21 a catch-up)
   x LAUNCH_US each, the fixed cost of a kernel in a graph replay beyond its memory time.
 * host: the engine's own time per cycle, measured by bench/engine_overhead.py's stand-in (tinyqwen35 whose passes
@@ -51,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -145,8 +147,26 @@ def gdn_state_bytes() -> int:
     return GDN_LAYERS * GDN_HEADS * GDN_DIM * GDN_DIM * 4
 
 
+def state_passes(tokens: int) -> int:
+    """The Gated DeltaNet states' bytes a trunk pass moves, in states: read once and written back in place, and a
+    pass of several tokens also writes the state after each of its tokens for the rollback (models.qwen35's
+    `decode` with steps: the last token's copy too, though it equals the state written in place)."""
+    return 2 + (tokens if tokens > 1 else 0)
+
+
 def attention_passes(tokens: int) -> int:
-    return math.ceil(tokens * (QUERY_HEADS // KV_HEADS) / QUERY_BLOCK)
+    """Passes over the cache: a KV head's query rows in blocks of 8 where they fit (a decode step's 6), else 16
+    (kernels.triton.attention.decode_attention's default block_m)."""
+    rows = tokens * (QUERY_HEADS // KV_HEADS)
+    return math.ceil(rows / (8 if rows <= 8 else QUERY_BLOCK))
+
+
+def attention_bound(bounds: float | dict[int, float], tokens: int) -> float:
+    """Decode attention's issue bound for a step of `tokens` tokens: one figure for every step, or gpu_static's per
+    step (its T=1 and T=3 rows; the slowest where this step's is missing)."""
+    if isinstance(bounds, dict):
+        return bounds.get(tokens, min(bounds.values()))
+    return bounds
 
 
 @dataclass
@@ -167,7 +187,7 @@ class Parts:
 
 def step(
     device: Device,
-    attention_tbps: float,
+    attention_tbps: float | dict[int, float],
     *,
     weights: float,
     tokens: int,
@@ -185,7 +205,7 @@ def step(
     layers = (GDN_LAYERS + ATTENTION_LAYERS) if trunk else 1
     attention_layers = ATTENTION_LAYERS if trunk else 1
     tp = device.tensor_parallel
-    states = gdn_state_bytes() * (1 + tokens) if trunk else 0  # read once, written once a token
+    states = gdn_state_bytes() * state_passes(tokens) if trunk else 0
     handover = (device.cards_in_series - 1) * (
         tokens * N_EMBD * 4 / (device.pcie_copy_gbps * 1e6) + COPY_LATENCY_US / 1e3
     )
@@ -199,7 +219,7 @@ def step(
         attention=kv_bytes(context, attention_layers)
         / tp
         * attention_passes(tokens)
-        / (min(attention_tbps, stream_tbps) * 1e9),
+        / (min(attention_bound(attention_tbps, tokens), stream_tbps) * 1e9),
         launches=(kernels + n_allreduce) * LAUNCH_US / 1e3,
         host=copies,
         other=states / tp / (stream_tbps * 1e9) + (handover if trunk else 0) + allreduce,
@@ -210,7 +230,7 @@ def predict(
     *,
     host_ms_per_token: float,
     host_ms_per_mtp_cycle: float,
-    attention_tbps: dict[str, float] | None = None,
+    attention_tbps: dict[str, float | dict[int, float]] | None = None,
     kernels: Kernels = Kernels(),
     weights: Bytes | None = None,
     acceptance: float = ACCEPTANCE,
@@ -254,11 +274,17 @@ def assumptions() -> dict:
     }
 
 
-def attention_bounds(static: dict) -> dict[str, float]:
-    """Decode attention's issue bound per arch (q8_0 cache, D=256, the deployment's), from gpu_static's rows."""
+def attention_bounds(static: dict) -> dict[str, dict[int, float]]:
+    """Decode attention's issue bound per arch and step tokens (q8_0 cache, D=256, the deployment's; the slower of
+    with and without a window), from gpu_static's rows."""
     rows = [r for r in static.get("kernels", []) if r["kernel"] == "attn_split" and "K=Q8_0" in r["name"]]
     rows = [r for r in rows if "D=256" in r["name"] and r["issue_bound_tbps"]]
-    return {arch: min(r["issue_bound_tbps"] for r in rows if r["arch"] == arch) for arch in {r["arch"] for r in rows}}
+    out: dict[str, dict[int, float]] = {}
+    for r in rows:
+        tokens = int(re.search(r"\bT=(\d+)", r["name"]).group(1))
+        per_step = out.setdefault(r["arch"], {})
+        per_step[tokens] = min(per_step.get(tokens, math.inf), r["issue_bound_tbps"])
+    return out
 
 
 def kernel_counts(static: dict) -> Kernels:

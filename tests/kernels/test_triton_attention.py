@@ -180,8 +180,20 @@ def test_a_verification_in_one_32_row_block(precision: str) -> None:
     one = _check(kv, 6, 3, n_splits=3, precision=precision, block_m=32, tol=TOL if precision == "ieee" else 1e-3)
     two = _check(kv, 6, 3, n_splits=3, precision=precision, tol=TOL if precision == "ieee" else 1e-3)
     torch.testing.assert_close(one, two, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="block_m must be a power of two of at least 16"):
+    with pytest.raises(ValueError, match="block_m must be a power of two of at least 8"):
         _check(kv, 6, 3, block_m=24)
+
+
+@pytest.mark.parametrize("kt", ["q8_0", "q4_0", "f16"])
+def test_a_decode_step_in_an_8_row_block(kt: str) -> None:
+    """A decode step's 6 query heads a KV head take an 8-row block by default (half the FMAs of 16): the twin's
+    result, and the 16-row run's within float32 summation order."""
+    kv = _cache(kt, kt, 200, 2, 256, seed=8)
+    eight = _check(kv, 12, 1, n_splits=3)
+    sixteen = _check(kv, 12, 1, n_splits=3, block_m=16)
+    torch.testing.assert_close(eight, sixteen, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="block_m must be a power of two of at least 8"):
+        _check(kv, 12, 1, block_m=4)
 
 
 def _both_ways(kv: KVCache, n_heads: int, T: int, q_pos: torch.Tensor | None = None, **options: object) -> None:

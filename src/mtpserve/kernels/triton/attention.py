@@ -297,6 +297,15 @@ def _combine_kernel(
     tl.store(out_ptr + row * D + d, out, mask=d_ok)
 
 
+def _default_warps(d_pad: int, block_m: int, k_type: int) -> int:
+    """Warps a program of pass 1: the fewest without spills at the deployment's shapes (tests/support/gpu_compile.py).
+    8 rows at D = 256 take 4 (8 replicate the FMAs of an 8 x 16 tile: 1.16 against 1.56 TB/s on sm_90), but a
+    q4_0 K's unpacking spills there on 4."""
+    if block_m <= 8 and d_pad >= 256 and k_type != GGMLQuantizationType.Q4_0:
+        return 4
+    return 8 if d_pad >= 256 or k_type != GGMLQuantizationType.F16 else 4
+
+
 def auto_splits(n_cells: int) -> int:
     """The default number of key ranges of a full cache: ceil(S / max(256, ceil(S / 256))), i.e. splits of 256 keys
     up to 256 splits (S <= 65536), then 256 splits of ceil(S / 256) keys (1024 at 262144)."""
@@ -378,9 +387,11 @@ def decode_attention(
     below (bench/attention_gpu.py measures the choices on a lent GPU). `loads_first` issues a tile's K, V and
     position loads together, masked by the range alone, and selects the unseen cells' values away: one memory
     latency a tile instead of five in a row (the first H200 run: 12.7 us a 16-key tile), at the cost of reading a
-    ring's cells outside the window. `block_m` (a power of two, at least 16) overrides the query rows a program
-    holds: 32 takes a verification's 18 rows (3 tokens x 6 heads a KV head at the 27B's shapes) in one pass over
-    the cache where 16 takes two (bench/attention_gpu.py measures it; float32 FMAs spill at 32 rows, D = 256).
+    ring's cells outside the window. `block_m` (a power of two, at least 8) overrides the query rows a
+    program holds: by default 8 where a step has at most 8 rows a KV head (a decode step of the 27B: 6), else 16
+    (up to 64 at D <= 128); 32 takes a verification's 18 rows (3 tokens x 6 heads a KV head at the 27B's shapes) in
+    one pass over the cache where 16 takes two (bench/attention_gpu.py measures it; float32 FMAs spill at 32 rows,
+    D = 256).
     `ordered`: the caller guarantees cell i holds position i or is empty (a cache that is not a ring), so the
     splits share the cells up to the last query position: a captured step over a 262144-cell cache then walks only
     the cells filled so far, spread over all its splits, instead of masking the rest tile by tile.
@@ -405,15 +416,17 @@ def decode_attention(
     # At D = 64, 64-key tiles spilled up to 2.8 KB a thread on sm_75 (250 B on sm_80); 32-key tiles spill nothing
     # with an f16 cache, but a quantized one's unpacking spills 8-40 B on 4 warps (sm_90, ptxas): it takes 8.
     block_s = block_s or (32 if d_pad <= 128 else 16)
-    block_m = block_m or min(max(16, triton.next_power_of_2(T * G)), 64 if d_pad <= 128 else 16)  # tl.dot: >= 16
-    if block_m < 16 or block_m & (block_m - 1):
-        raise ValueError(f"block_m must be a power of two of at least 16, got {block_m}")
+    # A decode step's rows (one token's G query heads) in an 8-row block: a float32 tl.dot costs FMAs in proportion
+    # to its rows, so 16 would double them (sm_75 and sm_90 issue bounds: docs/gpu-decode.md).
+    block_m = block_m or (8 if T * G <= 8 else min(triton.next_power_of_2(T * G), 64 if d_pad <= 128 else 16))
+    if block_m < 8 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two of at least 8, got {block_m}")
     wanted = auto_splits(S) if n_splits is None else max(1, int(n_splits))
     splits = min(wanted, triton.cdiv(S, block_s))  # at least a tile each when the cache is full
     if split_counts is not None and (split_counts.shape != (splits,) or split_counts.dtype != torch.int32):
         raise ValueError(f"split_counts must be int32 [{splits}], got {split_counts.dtype} {list(split_counts.shape)}")
     t_pad = triton.next_power_of_2(T)
-    # FMAs, not tensor cores: at decode's few rows (padded to 16) tf32x3's operand splitting and three MMAs issue
+    # FMAs, not tensor cores: at decode's few rows tf32x3's operand splitting and three MMAs issue
     # more than float32 FMAs do (sm_90 SASS: 1907 against 1079 a warp per q8_0 tile at D = 256) and spilled.
     precision = precision or "ieee"
 
@@ -456,7 +469,7 @@ def decode_attention(
         PRECISION=precision,
         ORDERED=ordered,
         T_PAD=t_pad,
-        num_warps=num_warps or (8 if d_pad >= 256 or k_type != GGMLQuantizationType.F16 else 4),
+        num_warps=num_warps or _default_warps(d_pad, block_m, k_type),
         LOADS_FIRST=loads_first,
         **({} if split_counts is None else {"counts_ptr": split_counts, "COUNT": True}),
     )
