@@ -149,9 +149,9 @@ def gdn_state_bytes() -> int:
 
 def state_passes(tokens: int) -> int:
     """The Gated DeltaNet states' bytes a trunk pass moves, in states: read once and written back in place, and a
-    pass of several tokens also writes the state after each of its tokens for the rollback (models.qwen35's
-    `decode` with steps: the last token's copy too, though it equals the state written in place)."""
-    return 2 + (tokens if tokens > 1 else 0)
+    pass of several tokens also writes the state after each of its tokens but the last for the rollback
+    (models.qwen35's `decode` with steps; the last is the state written in place, which no rollback returns to)."""
+    return 1 + tokens
 
 
 def attention_passes(tokens: int) -> int:

@@ -368,25 +368,31 @@ def _on_device(x: torch.Tensor) -> torch.Tensor:
         (2, 1, 4, 4, 16, 16),  # Hk == Hv
     ],
 )
-@pytest.mark.parametrize("steps", [False, True])
-def test_fused_decode_matches_twin(B: int, T: int, Hk: int, Hv: int, K: int, V: int, steps: bool) -> None:
+@pytest.mark.parametrize("steps", [False, True, "all but the last"])
+def test_fused_decode_matches_twin(B: int, T: int, Hk: int, Hv: int, K: int, V: int, steps: bool | str) -> None:
     """gated_delta_decode (gates from the projections, the recurrence, RMSNorm * weight * silu(z)) against its
-    twin: y, the state updated in place, the per-token states."""
+    twin: y, the state updated in place, the per-token states (without `last_step`: every token's but the last,
+    whose row is left as it was)."""
+    last_step = steps is True
     x = _decode_inputs(B, T, Hk, Hv, K, V, seed=B * 100 + T + K)
     assert B * T == 1 or not any(x[name].is_contiguous() for name in ("q", "alpha", "z"))  # rows of wider buffers
     ref = {**x, "state": x["state"].clone()}
-    steps_ref = torch.zeros(B, T, Hv, K, V) if steps else None
-    y_ref = gated_delta_decode_reference(**ref, eps=1e-6, state_steps=steps_ref)
+    steps_ref = torch.full((B, T, Hv, K, V), float("nan")) if steps else None
+    y_ref = gated_delta_decode_reference(**ref, eps=1e-6, state_steps=steps_ref, last_step=last_step)
     got = {name: _on_device(t) for name, t in x.items()}
     got["state"] = x["state"].clone().to(DEVICE)
     st = torch.full((B, T, Hv, K, V), float("nan"), device=DEVICE) if steps else None
-    y = _decode(got, eps=1e-6, state_steps=st)
+    y = _decode(got, eps=1e-6, state_steps=st, last_step=last_step)
     assert y.dtype == torch.float32 and y.shape == (B, T, Hv, V)
     _close(y.cpu(), y_ref)
     _close(got["state"].cpu(), ref["state"])
     if steps:
-        _close(st.cpu(), steps_ref)
-        assert torch.equal(st[:, -1], got["state"])
+        kept = T if last_step else T - 1
+        _close(st[:, :kept].cpu(), steps_ref[:, :kept])
+        if last_step:
+            assert torch.equal(st[:, -1], got["state"])
+        else:  # the last token's row was never written, by the kernel or by its twin
+            assert st[:, -1].isnan().all() and steps_ref[:, -1].isnan().all()
 
 
 def test_fused_decode_rejects_bad_arguments() -> None:

@@ -177,14 +177,16 @@ class GatedDeltaNet:
             conv_steps = [torch.empty(seq_len, *st.conv.shape, device=st.conv.device) for st in states]
             ssm_steps = [torch.empty(seq_len, *st.ssm.shape, device=st.ssm.device) for st in states]
         conv_states, ssms = [st.conv for st in states], [st.ssm for st in states]
-        kept_steps = {"conv_steps": conv_steps, "ssm_steps": ssm_steps}
+        # the state after the last token is the state itself, updated in place: no step buffer need hold it
+        kept_steps = {"conv_steps": conv_steps, "ssm_steps": ssm_steps, "last_step": False}
         if pre_norm is None:
             out = gated_delta_net_decode(x, self.w, conv_states, ssms, **kept_steps)
         else:
             out = residual_gated_delta_net_decode(x, *pre_norm, self.w, conv_states, ssms, **kept_steps)
         if steps is not None and conv_steps is not None and ssm_steps is not None:
             steps.extend(
-                [RecurrentState(cs[t], ss[t]) for t in range(seq_len)] for cs, ss in zip(conv_steps, ssm_steps)
+                [RecurrentState(cs[t], ss[t]) for t in range(seq_len - 1)] + [state]
+                for cs, ss, state in zip(conv_steps, ssm_steps, states)
             )
         return out
 

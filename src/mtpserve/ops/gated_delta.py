@@ -351,13 +351,16 @@ def gated_delta_net_decode(
     *,
     conv_steps: Sequence[torch.Tensor] | None = None,
     ssm_steps: Sequence[torch.Tensor] | None = None,
+    last_step: bool = True,
 ) -> torch.Tensor:
     """`gated_delta_net_decode_reference`, for decode and draft verification: on the GPU path
     `gated_delta_net_decode_gpu`, else the C kernel (`gated_delta_net_decode_cpu`) where it multiplies these
-    weights, else the reference."""
+    weights, else the reference. Without `last_step` the caller takes the state after the last token from the
+    states themselves, and ssm_steps[s][T - 1] need not be written (the GPU path, where it is 151 MB a
+    verification on the 27B, leaves it; the CPU paths write it)."""
     steps = {"conv_steps": conv_steps, "ssm_steps": ssm_steps}
     if gpu_path(h):
-        return gated_delta_net_decode_gpu(h, weights, conv_states, ssms, **steps)
+        return gated_delta_net_decode_gpu(h, weights, conv_states, ssms, last_step=last_step, **steps)
     if weights.on_cpu_kernels:
         return gated_delta_net_decode_cpu(h, weights, conv_states, ssms, **steps)
     return gated_delta_net_decode_reference(h, weights, conv_states, ssms, **steps)
@@ -373,6 +376,7 @@ def residual_gated_delta_net_decode(
     *,
     conv_steps: Sequence[torch.Tensor] | None = None,
     ssm_steps: Sequence[torch.Tensor] | None = None,
+    last_step: bool = True,
 ) -> torch.Tensor:
     """x + gated_delta_net_decode(rms_norm(x) * norm_weight, ...): a pre-norm residual mixer, one C call on the CPU
     (the norm and the add cost more in Python than in arithmetic), the composition elsewhere."""
@@ -380,7 +384,7 @@ def residual_gated_delta_net_decode(
     if weights.on_cpu_kernels and not gpu_path(x):
         return gated_delta_net_decode_cpu(x, weights, conv_states, ssms, residual=(norm_weight, norm_eps), **steps)
     h = rms_norm_for(x, norm_weight, norm_eps, matmul=weights.projections[0])
-    return x + gated_delta_net_decode(h, weights, conv_states, ssms, **steps)
+    return x + gated_delta_net_decode(h, weights, conv_states, ssms, last_step=last_step, **steps)
 
 
 def gated_delta_net_decode_cpu(
@@ -542,6 +546,7 @@ def gated_delta_net_decode_gpu(
     *,
     conv_steps: Sequence[torch.Tensor] | None = None,
     ssm_steps: Sequence[torch.Tensor] | None = None,
+    last_step: bool = True,
 ) -> torch.Tensor:
     """`gated_delta_net_decode` on the GPU path, all sequences of the batch at once, in four launches: the
     projections, `gdn_decode_inputs` (conv, SiLU, L2-norms), `gated_delta_decode` (gates, recurrence, gated norm;
@@ -592,6 +597,7 @@ def gated_delta_net_decode_gpu(
         norm_weight=w.norm_weight,
         eps=eps,
         state_steps=ssm_step,
+        last_step=last_step,
     )
     if not alone:
         for s in range(n_seq):
@@ -600,7 +606,8 @@ def gated_delta_net_decode_gpu(
             if conv_steps is not None and conv_step is not None:
                 conv_steps[s].copy_(conv_step[s])
             if ssm_steps is not None and ssm_step is not None:
-                ssm_steps[s].copy_(ssm_step[s])
+                kept = T if last_step else T - 1
+                ssm_steps[s][:kept].copy_(ssm_step[s][:kept])
     return linear(y.view(n_seq * T, n_v_heads * V), w.w_out)
 
 
@@ -668,13 +675,16 @@ def gated_delta_decode(
     norm_weight: torch.Tensor,
     eps: float,
     state_steps: torch.Tensor | None = None,
+    last_step: bool = True,
 ) -> torch.Tensor:
     """A Gated DeltaNet layer from its normalised q, k [B, T, Hk, K] and v [B, T, Hv, V] to its normed output
     y [B, T, Hv, V]: gates from the projections alpha, beta [B, T, Hv], the recurrence on state [B, Hv, K, V]
-    (updated in place; per-token states to `state_steps` [B, T, Hv, K, V]), RMSNorm * norm_weight * silu(z). The
-    Triton kernel (one launch) where it runs, else `gated_delta_decode_reference`."""
+    (updated in place; per-token states to `state_steps` [B, T, Hv, K, V], all but the last token's without
+    `last_step`), RMSNorm * norm_weight * silu(z). The Triton kernel (one launch) where it runs, else
+    `gated_delta_decode_reference`."""
     kernels = triton_kernels()
     args = {"dt_bias": dt_bias, "a": a, "norm_weight": norm_weight, "eps": eps, "state_steps": state_steps}
+    args["last_step"] = last_step
     if triton_available(q) and kernels is not None:
         return kernels.gated_delta.gated_delta_decode(q, k, v, alpha, beta, z, state, **args)
     return gated_delta_decode_reference(q, k, v, alpha, beta, z, state, **args)
@@ -694,9 +704,11 @@ def gated_delta_decode_reference(
     norm_weight: torch.Tensor,
     eps: float,
     state_steps: torch.Tensor | None = None,
+    last_step: bool = True,
 ) -> torch.Tensor:
     """`gated_delta_decode` in plain PyTorch, one sequence at a time: g = a * softplus(alpha + dt_bias), beta =
     sigmoid(beta), `gated_delta_rule_recurrent`, then the GPU path's RMSNorm (torch's reduction) * weight * silu(z)."""
+    kept = q.shape[1] if last_step else q.shape[1] - 1
     g = a * F.softplus(alpha.float() + dt_bias)
     beta = torch.sigmoid(beta.float())
     outs = []
@@ -704,7 +716,7 @@ def gated_delta_decode_reference(
         o, states = gated_delta_rule_recurrent(q[b], k[b], v[b], g[b], beta[b], state[b], return_states=True)
         state[b].copy_(states[-1])
         if state_steps is not None:
-            state_steps[b].copy_(states)
+            state_steps[b][:kept].copy_(states[:kept])
         outs.append(o)
     o = torch.stack(outs)
     return rms_norm_quantize_reference(o, norm_weight, eps)[1] * F.silu(z.float())

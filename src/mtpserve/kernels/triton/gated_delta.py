@@ -59,6 +59,7 @@ def _gated_delta_kernel(
     z_ptr,
     norm_ptr,
     T,
+    n_steps,
     HV,
     HK,
     K,
@@ -129,7 +130,8 @@ def _gated_delta_kernel(
             o = o / tl.sqrt_rn(tl.sum(o * o, axis=0) / V + eps) * weight * (z * tl.sigmoid(z))
         tl.store(o_row + t * HV * V + vs, o, mask=v_ok)
         if STORE_STEPS:
-            tl.store(steps_ptr + ((b64 * T + t) * HV + h) * K * V + tile, s, mask=tile_ok)
+            if t < n_steps:  # the first n_steps tokens' states (the caller may take the last from the state itself)
+                tl.store(steps_ptr + ((b64 * T + t) * HV + h) * K * V + tile, s, mask=tile_ok)
     tl.store(s_head + tile, s, mask=tile_ok)
 
 
@@ -229,6 +231,7 @@ def gated_delta_rule_recurrent_batched(
         state,
         state,
         n_tok,
+        n_tok,
         n_v_heads,
         n_k_heads,
         K,
@@ -276,13 +279,16 @@ def gated_delta_decode(
     eps: float,
     scale: float | None = None,
     state_steps: torch.Tensor | None = None,
+    last_step: bool = True,
 ) -> torch.Tensor:
     """The recurrent rule of `gated_delta_rule_recurrent_batched` between the layer's gates and its output norm, in
     one launch: from the projections alpha and beta [B, T, Hv], the decay g = a * softplus(alpha + dt_bias) and
     beta = sigmoid(beta) (dt_bias, a [Hv]); after the recurrence, per V head, RMSNorm(o) * norm_weight *
     silu(z) (z [B, T, Hv, V], norm_weight [V], `eps` also the norm's). q, k, v, state and state_steps as in
     `gated_delta_rule_recurrent_batched`; every input may be a strided view with a contiguous last dimension.
-    Returns y float32 [B, T, Hv, V]. One program per (sequence, V head) holds the head's whole state."""
+    Returns y float32 [B, T, Hv, V]. One program per (sequence, V head) holds the head's whole state. Without
+    `last_step`, state_steps[:, T - 1] is left as it was: the state after the last token is `state` itself, and a
+    speculative rollback never returns to it (one state-sized write a verification less)."""
     _check_recurrent_args(q, k, v, alpha, beta, state, state_steps)
     n_seq, n_tok, n_k_heads, K = q.shape
     n_v_heads, V = v.shape[2:]
@@ -313,6 +319,7 @@ def gated_delta_decode(
         z,
         norm_weight,
         n_tok,
+        n_tok if last_step else n_tok - 1,
         n_v_heads,
         n_k_heads,
         K,
