@@ -10,14 +10,14 @@ or a verification of 1 + n_max tokens, or an MTP draft) costs the sum of five pa
   verification reads them once for all its rows (the GEMVs take 1-8 rows a pass). A draft step reads the MTP
   block and the output layer (1.31 GB), a catch-up the MTP block alone.
 * attention: the KV cache's bytes at the context (16 layers, K and V, 4 KV heads x 256 at q8_0's 34 bytes a 32)
-  times the passes over them, over decode attention's own bound: min(its issue bound from gpu_static's table for
-  a step of that many tokens, HBM x BANDWIDTH_FRACTION). A decode step's 6 query heads a KV head are one 8-row
-  block; a verification's 3 tokens x 6 are 18 query rows, two 16-row blocks: two passes. A draft step attends
-  in the MTP block's one layer.
+  once a pass, each over its launch's own bound: min(its issue bound from gpu_static's table, HBM x
+  BANDWIDTH_FRACTION). A decode step's 6 query heads a KV head are one 8-row block; a verification's 3 tokens x 6
+  are 18 query rows, a 16-row block and a 4-row one: two passes. A draft step attends in the MTP block's one
+  layer.
 * other: the Gated DeltaNet states (48 layers x 48 heads x 128 x 128 float32) read and written each step, a
   verification writing one more per token (kept for the rollback; `state_passes`); with the layer split, the
   hidden state handed to the next card (n_embd float32 over PCIe, plus its latency).
-* launches: the step's kernels (bench/decode_launches.py: 709 a step or verification, 27 a draft, 21 a catch-up)
+* launches: the step's kernels (bench/decode_launches.py: 709 a step, 725 a verification, 27 a draft, 22 a catch-up)
   x LAUNCH_US each, the fixed cost of a kernel in a graph replay beyond its memory time.
 * host: the engine's own time per cycle, measured by bench/engine_overhead.py's stand-in (tinyqwen35 whose passes
   cost nothing, with 248,320-token logits handed over uncopied: the engine step, the sampler, speculation's
@@ -134,9 +134,9 @@ class Kernels:
     """Kernels a step launches (bench/decode_launches.py, through gpu_static's JSON)."""
 
     decode: int = 709
-    verify: int = 709
+    verify: int = 725  # a verification's attention takes a 16-row launch and a 4-row one in each of 16 layers
     draft: int = 27
-    catch_up: int = 21
+    catch_up: int = 22
 
 
 def kv_bytes(context: int, layers: int = ATTENTION_LAYERS) -> float:
@@ -155,18 +155,20 @@ def state_passes(tokens: int) -> int:
 
 
 def attention_passes(tokens: int) -> int:
-    """Passes over the cache: a KV head's query rows in blocks of 8 where they fit (a decode step's 6), else 16
-    (kernels.triton.attention.decode_attention's default block_m)."""
+    """Passes over the cache: a KV head's query rows in one 8-row block where they fit (a decode step's 6), else
+    16-row blocks and the rows left in one smaller block (kernels.triton.attention.row_blocks)."""
     rows = tokens * (QUERY_HEADS // KV_HEADS)
-    return math.ceil(rows / (8 if rows <= 8 else QUERY_BLOCK))
+    return 1 if rows <= 8 else math.ceil(rows / QUERY_BLOCK)
 
 
-def attention_bound(bounds: float | dict[int, float], tokens: int) -> float:
-    """Decode attention's issue bound for a step of `tokens` tokens: one figure for every step, or gpu_static's per
-    step (its T=1 and T=3 rows; the slowest where this step's is missing)."""
+def pass_bounds(bounds: float | dict[int, list[float]], tokens: int) -> list[float]:
+    """Decode attention's issue bound for each pass of a step of `tokens` tokens: one figure for every pass, or
+    gpu_static's per launch (its T=1 and T=3 rows; the slowest for each pass where this step's are missing)."""
     if isinstance(bounds, dict):
-        return bounds.get(tokens, min(bounds.values()))
-    return bounds
+        if tokens in bounds:
+            return bounds[tokens]
+        return [min(min(b) for b in bounds.values())] * attention_passes(tokens)
+    return [bounds] * attention_passes(tokens)
 
 
 @dataclass
@@ -187,7 +189,7 @@ class Parts:
 
 def step(
     device: Device,
-    attention_tbps: float | dict[int, float],
+    attention_tbps: float | dict[int, list[float]],
     *,
     weights: float,
     tokens: int,
@@ -218,8 +220,7 @@ def step(
         weights=weights / tp / (stream_tbps * 1e9),
         attention=kv_bytes(context, attention_layers)
         / tp
-        * attention_passes(tokens)
-        / (min(attention_bound(attention_tbps, tokens), stream_tbps) * 1e9),
+        * sum(1 / (min(bound, stream_tbps) * 1e9) for bound in pass_bounds(attention_tbps, tokens)),
         launches=(kernels + n_allreduce) * LAUNCH_US / 1e3,
         host=copies,
         other=states / tp / (stream_tbps * 1e9) + (handover if trunk else 0) + allreduce,
@@ -230,7 +231,7 @@ def predict(
     *,
     host_ms_per_token: float,
     host_ms_per_mtp_cycle: float,
-    attention_tbps: dict[str, float | dict[int, float]] | None = None,
+    attention_tbps: dict[str, float | dict[int, list[float]]] | None = None,
     kernels: Kernels = Kernels(),
     weights: Bytes | None = None,
     acceptance: float = ACCEPTANCE,
@@ -274,17 +275,24 @@ def assumptions() -> dict:
     }
 
 
-def attention_bounds(static: dict) -> dict[str, dict[int, float]]:
-    """Decode attention's issue bound per arch and step tokens (q8_0 cache, D=256, the deployment's; the slower of
-    with and without a window), from gpu_static's rows."""
+def attention_bounds(static: dict) -> dict[str, dict[int, list[float]]]:
+    """Decode attention's issue bound per arch, step tokens and launch (q8_0 cache, D=256, the deployment's; the
+    slower of with and without a window), from gpu_static's rows: a launch per row block size (BLOCK_M)."""
     rows = [r for r in static.get("kernels", []) if r["kernel"] == "attn_split" and "K=Q8_0" in r["name"]]
-    rows = [r for r in rows if "D=256" in r["name"] and r["issue_bound_tbps"]]
-    out: dict[str, dict[int, float]] = {}
+    rows = [
+        r for r in rows if "D=256" in r["name"] and r["issue_bound_tbps"] and "bench choice" not in r.get("note", "")
+    ]
+    launches: dict[str, dict[int, dict[int, float]]] = {}
     for r in rows:
         tokens = int(re.search(r"\bT=(\d+)", r["name"]).group(1))
-        per_step = out.setdefault(r["arch"], {})
-        per_step[tokens] = min(per_step.get(tokens, math.inf), r["issue_bound_tbps"])
-    return out
+        block = re.search(r"\bBLOCK_M=(\d+)", r["name"])
+        per_block = launches.setdefault(r["arch"], {}).setdefault(tokens, {})
+        key = int(block.group(1)) if block else 0
+        per_block[key] = min(per_block.get(key, math.inf), r["issue_bound_tbps"])
+    return {
+        arch: {tokens: [b for _, b in sorted(blocks.items(), reverse=True)] for tokens, blocks in per_step.items()}
+        for arch, per_step in launches.items()
+    }
 
 
 def kernel_counts(static: dict) -> Kernels:

@@ -15,6 +15,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton attent
 
 from mtpserve.cache.kv import KVCache
 from mtpserve.kernels.triton import auto_splits, decode_attention
+from mtpserve.kernels.triton.attention import row_blocks
 from mtpserve.ops.attention import decode_attention_reference
 from mtpserve.quant.dequant import dequantize
 from mtpserve.quant.types import GGMLType
@@ -182,6 +183,24 @@ def test_a_verification_in_one_32_row_block(precision: str) -> None:
     torch.testing.assert_close(one, two, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="block_m must be a power of two of at least 8"):
         _check(kv, 6, 3, block_m=24)
+
+
+def test_row_blocks_pad_only_the_last_block() -> None:
+    assert row_blocks(6, 256) == [(0, 1, 8)]  # a decode step of the 27B
+    assert row_blocks(18, 256) == [(0, 1, 16), (16, 1, 4)]  # its verification: 16 + 2 rows, not 2 x 16
+    assert row_blocks(24, 256) == [(0, 1, 16), (16, 1, 8)]
+    assert row_blocks(32, 256) == [(0, 2, 16)]
+    assert row_blocks(12, 256) == [(0, 1, 16)]
+    assert row_blocks(9, 64) == [(0, 1, 16)]  # SmolLM2's verification: one block up to 64 rows at D = 64
+
+
+def test_a_verification_in_a_16_row_block_and_a_4_row_one() -> None:
+    """The default's two launches (rows 0-15, then 16-17 in a 4-row block) give the twin's result, and the 16-row
+    blocks' within float32 summation order."""
+    kv = _cache("q8_0", "q8_0", 200, 2, 256, seed=9)
+    split = _check(kv, 12, 3, n_splits=3)
+    sixteen = _check(kv, 12, 3, n_splits=3, block_m=16)
+    torch.testing.assert_close(split, sixteen, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kt", ["q8_0", "q4_0", "f16"])

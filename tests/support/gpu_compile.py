@@ -222,28 +222,29 @@ def launches() -> list[Launch]:
                             )
                         ),
                     )
-                    (f, a, k), (cf, ca, ck) = rec
-                    cfg = (
-                        f"K={kv[0].name} V={kv[1].name} D={d} H={h} Hkv={hkv} T={n_tok} "
-                        f"window={window} BLOCK_M={k['BLOCK_M']} BLOCK_S={k['BLOCK_S']} warps={k['num_warps']}"
-                    )
+                    *splits, (cf, ca, ck) = rec  # pass 1 a launch per row block size (row_blocks), then pass 2
                     quick = kv[0] == Q.Q8_0 and d == 256 and n_tok == 1 and window is None
                     # a K tile and a V tile of BLOCK_S keys of one KV head a step
                     head_bytes = [c.shape[1] // hkv if c.dtype == torch.uint8 else d * c.element_size() for c in caches]
-                    tiles = k["BLOCK_S"] * sum(head_bytes)
-                    out.append(
-                        Launch(
-                            "attn_split",
-                            cfg,
-                            f,
-                            a,
-                            k,
-                            quick=quick,
-                            rows=n_tok,
-                            bytes_per_iteration=tiles,
-                            decode=True,
+                    for f, a, k in splits:
+                        cfg = (
+                            f"K={kv[0].name} V={kv[1].name} D={d} H={h} Hkv={hkv} T={n_tok} "
+                            f"window={window} BLOCK_M={k['BLOCK_M']} BLOCK_S={k['BLOCK_S']} warps={k['num_warps']}"
                         )
-                    )
+                        tiles = k["BLOCK_S"] * sum(head_bytes)
+                        out.append(
+                            Launch(
+                                "attn_split",
+                                cfg,
+                                f,
+                                a,
+                                k,
+                                quick=quick,
+                                rows=n_tok,
+                                bytes_per_iteration=tiles,
+                                decode=True,
+                            )
+                        )
                     combines.setdefault(f"D={d} T={n_tok} H={h}", (cf, ca, ck, quick, n_tok))
     # A verification's 18 rows in one 32-row block (bench/attention_gpu.py's "m32" choices; not the default): the
     # tensor-core operands, from sm_80 (float32 FMAs spill there; below sm_80 fp16 dots are FMAs too).

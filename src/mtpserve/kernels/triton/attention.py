@@ -145,6 +145,7 @@ def _split_kernel(
     H,
     S,
     G,
+    row0,
     n_splits,
     min_keys,
     window,
@@ -172,7 +173,7 @@ def _split_kernel(
     """Pass 1: program (row block, KV head hk, split) -> partial max / sum / acc of its rows over its keys."""
     hk = tl.program_id(1)
     split = tl.program_id(2)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # row r = token r // G, query head hk * G + r % G
+    rows = row0 + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # row r: token r // G, query head hk * G + r % G
     row_ok = rows < T * G
     t = tl.where(row_ok, rows // G, 0)
     h = hk * G + rows % G
@@ -297,6 +298,22 @@ def _combine_kernel(
     tl.store(out_ptr + row * D + d, out, mask=d_ok)
 
 
+def row_blocks(n_rows: int, d_pad: int) -> list[tuple[int, int, int]]:
+    """The query rows a KV head has in a step, as launches of pass 1: (first row, blocks, rows a block). A decode
+    step's (one token's G query heads, 6 on the 27B) take one 8-row block: a float32 tl.dot's FMAs grow with its
+    rows (sm_75 and sm_90 issue bounds: docs/gpu-decode.md). More take blocks of up to 16 rows (64 at D <= 128),
+    and the rows past the last whole block one smaller block of their own (4 rows at least), not a padded 16: a
+    verification's 18 rows on the 27B are 16 + a 4-row block, not two of 16."""
+    if n_rows <= 8:
+        return [(0, 1, 8)]
+    block = min(triton.next_power_of_2(n_rows), 64 if d_pad <= 128 else 16)
+    whole, rest = divmod(n_rows, block)
+    blocks = [(0, whole, block)] if whole else []
+    if rest:
+        blocks.append((whole * block, 1, max(4, triton.next_power_of_2(rest))))
+    return blocks
+
+
 def _default_warps(d_pad: int, block_m: int, k_type: int) -> int:
     """Warps a program of pass 1: the fewest without spills at the deployment's shapes (tests/support/gpu_compile.py).
     8 rows at D = 256 take 4 (8 replicate the FMAs of an 8 x 16 tile: 1.16 against 1.56 TB/s on sm_90), but a
@@ -387,10 +404,11 @@ def decode_attention(
     below (bench/attention_gpu.py measures the choices on a lent GPU). `loads_first` issues a tile's K, V and
     position loads together, masked by the range alone, and selects the unseen cells' values away: one memory
     latency a tile instead of five in a row (the first H200 run: 12.7 us a 16-key tile), at the cost of reading a
-    ring's cells outside the window. `block_m` (a power of two, at least 8) overrides the query rows a
-    program holds: by default 8 where a step has at most 8 rows a KV head (a decode step of the 27B: 6), else 16
-    (up to 64 at D <= 128); 32 takes a verification's 18 rows (3 tokens x 6 heads a KV head at the 27B's shapes) in
-    one pass over the cache where 16 takes two (bench/attention_gpu.py measures it; float32 FMAs spill at 32 rows,
+    ring's cells outside the window. `block_m` (a power of two, at least 8) sets the query rows a program
+    holds, in one launch; by default `row_blocks` decides: 8 where a step has at most 8 rows a KV head (a decode
+    step of the 27B: 6), else blocks of 16 (up to 64 at D <= 128) and the rest in a smaller block. 32 takes a
+    verification's 18 rows (3 tokens x 6 heads a KV head at the 27B's shapes) in one pass over the cache where the
+    default takes a 16-row and a 4-row one (bench/attention_gpu.py measures it; float32 FMAs spill at 32 rows,
     D = 256).
     `ordered`: the caller guarantees cell i holds position i or is empty (a cache that is not a ring), so the
     splits share the cells up to the last query position: a captured step over a 262144-cell cache then walks only
@@ -416,11 +434,9 @@ def decode_attention(
     # At D = 64, 64-key tiles spilled up to 2.8 KB a thread on sm_75 (250 B on sm_80); 32-key tiles spill nothing
     # with an f16 cache, but a quantized one's unpacking spills 8-40 B on 4 warps (sm_90, ptxas): it takes 8.
     block_s = block_s or (32 if d_pad <= 128 else 16)
-    # A decode step's rows (one token's G query heads) in an 8-row block: a float32 tl.dot costs FMAs in proportion
-    # to its rows, so 16 would double them (sm_75 and sm_90 issue bounds: docs/gpu-decode.md).
-    block_m = block_m or (8 if T * G <= 8 else min(triton.next_power_of_2(T * G), 64 if d_pad <= 128 else 16))
-    if block_m < 8 or block_m & (block_m - 1):
+    if block_m is not None and (block_m < 8 or block_m & (block_m - 1)):
         raise ValueError(f"block_m must be a power of two of at least 8, got {block_m}")
+    blocks = row_blocks(T * G, d_pad) if block_m is None else [(0, triton.cdiv(T * G, block_m), block_m)]
     wanted = auto_splits(S) if n_splits is None else max(1, int(n_splits))
     splits = min(wanted, triton.cdiv(S, block_s))  # at least a tile each when the cache is full
     if split_counts is not None and (split_counts.shape != (splits,) or split_counts.dtype != torch.int32):
@@ -437,42 +453,43 @@ def decode_attention(
     lsum = torch.empty_like(m)
     acc = torch.empty(splits, T * H, D, dtype=torch.float32, device=device)
     out = torch.empty(T, H, D, dtype=torch.float32, device=device)
-    grid = (triton.cdiv(T * G, block_m), n_kv_heads, splits)  # row blocks of one tile are neighbours: L2 hits
-    _split_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        q_pos,
-        k_pos,
-        m,
-        lsum,
-        acc,
-        T,
-        H,
-        S,
-        G,
-        splits,
-        max(1, int(min_keys)),
-        0 if window is None else int(window),
-        scale * _LOG2E,
-        q.stride(0),
-        q.stride(1),
-        *sk,
-        *sv,
-        K_TYPE=int(k_type),
-        V_TYPE=int(v_type),
-        D=D,
-        D_PAD=d_pad,
-        BLOCK_M=block_m,
-        BLOCK_S=block_s,
-        HAS_WINDOW=window is not None,
-        PRECISION=precision,
-        ORDERED=ordered,
-        T_PAD=t_pad,
-        num_warps=num_warps or _default_warps(d_pad, block_m, k_type),
-        LOADS_FIRST=loads_first,
-        **({} if split_counts is None else {"counts_ptr": split_counts, "COUNT": True}),
-    )
+    for row0, n_blocks, rows in blocks:  # each launch writes its rows' partials; pass 2 merges them all
+        _split_kernel[(n_blocks, n_kv_heads, splits)](  # row blocks of one tile are neighbours: L2 hits
+            q,
+            k_cache,
+            v_cache,
+            q_pos,
+            k_pos,
+            m,
+            lsum,
+            acc,
+            T,
+            H,
+            S,
+            G,
+            row0,
+            splits,
+            max(1, int(min_keys)),
+            0 if window is None else int(window),
+            scale * _LOG2E,
+            q.stride(0),
+            q.stride(1),
+            *sk,
+            *sv,
+            K_TYPE=int(k_type),
+            V_TYPE=int(v_type),
+            D=D,
+            D_PAD=d_pad,
+            BLOCK_M=rows,
+            BLOCK_S=block_s,
+            HAS_WINDOW=window is not None,
+            PRECISION=precision,
+            ORDERED=ordered,
+            T_PAD=t_pad,
+            num_warps=num_warps or _default_warps(d_pad, rows, k_type),
+            LOADS_FIRST=loads_first,
+            **({} if split_counts is None else {"counts_ptr": split_counts, "COUNT": True}),
+        )
     _combine_kernel[(T * H,)](
         m,
         lsum,
