@@ -135,7 +135,10 @@ def test_cancelling_frees_the_slot_and_its_memory():
         assert other.result().finish_reason in ("stop", "length")  # the other request is unharmed
         final = engine.memory_usage()
     assert during.busy_slots >= 1 and during.tokens_cached > 0 and during.kv_bytes_in_use > 0
-    assert after.tokens_cached <= during.tokens_cached - len(_cases()[0]["prompt_token_ids"])
+    # Right after the cancel only the other request may hold cells: its prompt and at most its 8 tokens, where the
+    # cancelled one held 22 + 4 more (a bound taken from `during` failed on a busy machine: the other request goes
+    # on generating between the two readings).
+    assert after.tokens_cached <= len(_cases()[1]["prompt_token_ids"]) + 8
     assert final.busy_slots == 0
     # The cancelled slot holds nothing: only the finished request's cache (kept for reuse) remains.
     assert final.tokens_cached <= len(_cases()[1]["prompt_token_ids"]) + 8
