@@ -70,11 +70,11 @@ def _kernel_us(profile: dict, names: tuple[str, ...]) -> float:
 
 def attention_programs(context: int, rows: int) -> tuple[int, int]:
     """(programs, tiles a program) of one layer's split pass at `context` filled cells of the 262,144-cell cache:
-    the kernel's ranges over the filled cells, 6 query rows a token in 16-row blocks."""
+    the kernel's ranges over the filled cells, 6 query rows a token in the kernel's row blocks (one a decode step,
+    two a verification: as many as the measured run's 16-row blocks)."""
     per = math.ceil(max(math.ceil(context / MAX_SPLITS), MIN_KEYS_PER_SPLIT) / KEYS_PER_TILE) * KEYS_PER_TILE
     splits = min(math.ceil(context / per), MAX_SPLITS)
-    row_blocks = math.ceil(rows * (tm.QUERY_HEADS // tm.KV_HEADS) / tm.QUERY_BLOCK)
-    return splits * tm.KV_HEADS * row_blocks, per // KEYS_PER_TILE
+    return splits * tm.KV_HEADS * tm.attention_passes(rows), per // KEYS_PER_TILE
 
 
 def attention_ms(context: int, rows: int, sms: int, tile_us: float, layers: int = tm.ATTENTION_LAYERS) -> float:

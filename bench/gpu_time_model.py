@@ -77,7 +77,6 @@ VOCAB = 248_320  # bench/draft_vocab.py cuts the draft's output layer to a share
 ATTENTION_LAYERS, KV_HEADS, HEAD_DIM, QUERY_HEADS = 16, 4, 256, 24
 Q8_0_BYTES_PER_VALUE = 34 / 32
 GDN_LAYERS, GDN_HEADS, GDN_DIM = 48, 48, 128
-QUERY_BLOCK = 16  # decode attention's BLOCK_M: query rows a program holds
 
 
 @dataclass(frozen=True)
@@ -155,10 +154,12 @@ def state_passes(tokens: int) -> int:
 
 
 def attention_passes(tokens: int) -> int:
-    """Passes over the cache: a KV head's query rows in one 8-row block where they fit (a decode step's 6), else
-    16-row blocks and the rows left in one smaller block (kernels.triton.attention.row_blocks)."""
-    rows = tokens * (QUERY_HEADS // KV_HEADS)
-    return 1 if rows <= 8 else math.ceil(rows / QUERY_BLOCK)
+    """Passes over the cache: the row blocks of a KV head's query rows, as decode attention cuts them
+    (kernels.triton.attention.row_blocks: a decode step's 6 in one 8-row block, a verification's 18 in a 16-row
+    block and a 4-row one)."""
+    from mtpserve.kernels.triton.attention import row_blocks
+
+    return sum(n for _, n, _ in row_blocks(tokens * (QUERY_HEADS // KV_HEADS), HEAD_DIM))
 
 
 def pass_bounds(bounds: float | dict[int, list[float]], tokens: int) -> list[float]:

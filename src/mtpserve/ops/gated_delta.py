@@ -683,8 +683,8 @@ def gated_delta_decode(
     `last_step`), RMSNorm * norm_weight * silu(z). The Triton kernel (one launch) where it runs, else
     `gated_delta_decode_reference`."""
     kernels = triton_kernels()
-    args = {"dt_bias": dt_bias, "a": a, "norm_weight": norm_weight, "eps": eps, "state_steps": state_steps}
-    args["last_step"] = last_step
+    args = {"dt_bias": dt_bias, "a": a, "norm_weight": norm_weight, "eps": eps}
+    args |= {"state_steps": state_steps, "last_step": last_step}
     if triton_available(q) and kernels is not None:
         return kernels.gated_delta.gated_delta_decode(q, k, v, alpha, beta, z, state, **args)
     return gated_delta_decode_reference(q, k, v, alpha, beta, z, state, **args)
