@@ -25,7 +25,8 @@ skipped) is what a CUDA graph of the engine captures (models/graphs.py), run eag
 * decode: DecodeGraph's step (every trunk layer, the final norm and the LM head) for one token of one sequence;
 * verify: the Speculator's verification step, StepGraph of n_max + 1 = 3 tokens with per-token states kept;
 * mtp_draft: one MTP draft step (MTPDraftGraph unchained, as with the token table in host memory: the MTP
-  block, the head, the on-device top-k); mtp_catch_up: the MTP block's pass over 3 accepted rows.
+  block, the head's Q4_0 copy and its top-64, the head's rows of those and their top-k, as --spec-draft-head
+  auto scores a draft on a GPU); mtp_catch_up: the MTP block's pass over 3 accepted rows.
 The host work around a replay (embedding on the host, copies in, logits out) is not part of the graph: not
 counted.
 """
@@ -51,6 +52,7 @@ from gpu import QWEN36_27B, random_weights  # noqa: E402 - bench/gpu.py, beside 
 
 from mtpserve.engine.drafters import DRAFT_TOP_K  # noqa: E402
 from mtpserve.models.base import WeightStore  # noqa: E402
+from mtpserve.models.draft_head import DraftHead  # noqa: E402
 from mtpserve.models.graphs import DecodeGraph, MTPDraftGraph, MTPRowsGraph, StepGraph  # noqa: E402
 from mtpserve.models.loader import build_model  # noqa: E402
 from mtpserve.models.qwen35 import DecoderLayer, Qwen35Config  # noqa: E402
@@ -164,7 +166,8 @@ def counts(config: Qwen35Config = SMALL_27B) -> dict:
     with emulate_gpu(matmul="triton"):
         decode = DecodeGraph(model, state, capture=False)
         verify = StepGraph(model, state, N_MAX + 1, keep_steps=True, capture=False)
-        draft = MTPDraftGraph(model, state, N_MAX, model.mtp_head, DRAFT_TOP_K, capture=False, chained=False)
+        head = DraftHead.shortlisting(model.mtp_head)  # as --spec-draft-head auto scores drafts on a GPU
+        draft = MTPDraftGraph(model, state, N_MAX, head, DRAFT_TOP_K, capture=False, chained=False)
         catch_up = MTPRowsGraph(model, state, N_MAX + 1, capture=False)
         graphs["decode"] = (lambda: [s._step() for s in decode.segments], trunk)
         graphs["verify"] = (lambda: [s._step() for s in verify.segments], trunk)

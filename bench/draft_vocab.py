@@ -106,11 +106,12 @@ def qwen_coverage() -> dict[str, dict[int, float]]:
 
 def predicted(coverage: dict[int, float]) -> list[dict]:
     host = tm.measure_host()
-    weights = tm.Bytes.of_deployment()
+    weights = tm.Bytes.of_deployment(shortlist=False)  # the whole head, cut to its first N rows
     rows = []
     for size in QWEN_SIZES:
         kept = size or tm.VOCAB
-        cut = tm.Bytes(weights.trunk, weights.mtp_block, weights.output_layer * kept // tm.VOCAB)
+        head = weights.output_layer * kept // tm.VOCAB
+        cut = tm.Bytes(weights.trunk, weights.mtp_block, head, head)
         acceptance = tm.ACCEPTANCE * coverage[size]
         result = tm.predict(
             host_ms_per_token=host[0], host_ms_per_mtp_cycle=host[1], weights=cut, acceptance=acceptance

@@ -84,7 +84,7 @@ def attention_ms(context: int, rows: int, sms: int, tile_us: float, layers: int 
 
 def fit(measured: dict) -> Efficiencies:
     """The efficiencies from bench/gpu.py's JSON of the H200 run."""
-    w = tm.Bytes.of_deployment()
+    w = tm.Bytes.of_deployment(shortlist=False)
     rows = {r["depth"]: r for r in measured["decode"]}
     shallow = rows[min(rows)]
     decode, cycle = shallow["decode_profile"], shallow["mtp_cycle_profile"]
@@ -113,7 +113,7 @@ def fit(measured: dict) -> Efficiencies:
 
 def predict(e: Efficiencies, host_ms_per_token: float, host_ms_per_mtp_cycle: float) -> list[dict]:
     """tok/s by device, context and speculation, and ms a token by part (the layer split: cards in series)."""
-    w, k = tm.Bytes.of_deployment(), tm.Kernels()
+    w, k = tm.Bytes.of_deployment(shortlist=False), tm.Kernels(draft=27)  # the measured run: the whole head
     out = []
     for name in ("H200", "2x2080Ti"):
         device = tm.DEVICES[name]

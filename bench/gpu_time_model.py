@@ -8,7 +8,9 @@ or a verification of 1 + n_max tokens, or an MTP draft) costs the sum of five pa
 * weights: the bytes the step's matrices hold (tuning.synthetic's tensors of the deployment's file: the 64 layers
   with the output norm and layer, 15.82 GB; the token embedding gives one row) over HBM x BANDWIDTH_FRACTION. A
   verification reads them once for all its rows (the GEMVs take 1-8 rows a pass). A draft step reads the MTP
-  block and the output layer (1.31 GB), a catch-up the MTP block alone.
+  block (0.27 GB) and what scores its draft: with `--spec-draft-head auto` on a GPU a Q4_0 copy of the output
+  layer (0.72 GB, models.draft_head) and the output layer's rows of the copy's top 64, else the output layer
+  (1.04 GB); a catch-up reads the MTP block alone.
 * attention: the KV cache's bytes at the context (16 layers, K and V, 4 KV heads x 256 at q8_0's 34 bytes a 32)
   once a pass, each over its launch's own bound: min(its issue bound from gpu_static's table, HBM x
   BANDWIDTH_FRACTION). A decode step's 6 query heads a KV head are one 8-row block; a verification's 3 tokens x 6
@@ -17,8 +19,8 @@ or a verification of 1 + n_max tokens, or an MTP draft) costs the sum of five pa
 * other: the Gated DeltaNet states (48 layers x 48 heads x 128 x 128 float32) read and written each step, a
   verification writing one more per token (kept for the rollback; `state_passes`); with the layer split, the
   hidden state handed to the next card (n_embd float32 over PCIe, plus its latency).
-* launches: the step's kernels (bench/decode_launches.py: 709 a step, 725 a verification, 27 a draft, 22 a catch-up)
-  x LAUNCH_US each, the fixed cost of a kernel in a graph replay beyond its memory time.
+* launches: the step's kernels (bench/decode_launches.py: 709 a step, 725 a verification, 32 a draft (27 with the
+  whole head), 22 a catch-up) x LAUNCH_US each, the fixed cost of a kernel in a graph replay beyond its memory time.
 * host: the engine's own time per cycle, measured by bench/engine_overhead.py's stand-in (tinyqwen35 whose passes
   cost nothing, with 248,320-token logits handed over uncopied: the engine step, the sampler, speculation's
   bookkeeping), plus each logits row's ranking: the GPU path leaves the logits on the device and ranks each row
@@ -115,9 +117,13 @@ class Bytes:
     trunk: int  # 64 layers + output norm + output layer
     mtp_block: int
     output_layer: int
+    draft_head: int  # what a draft step reads to score its draft (models.draft_head: the head or its Q4_0 copy)
 
     @classmethod
-    def of_deployment(cls) -> Bytes:
+    def of_deployment(cls, shortlist: bool = True) -> Bytes:
+        """The 27B's; `shortlist`: drafts scored as `--spec-draft-head auto` does on a GPU, a Q4_0 copy of the
+        output layer (18 bytes a 32 values) and the output layer's rows of its top SHORTLIST."""
+        from mtpserve.models.draft_head import SHORTLIST
         from mtpserve.tuning.synthetic import Qwen35Shape, tensors
 
         shape = Qwen35Shape()
@@ -125,7 +131,8 @@ class Bytes:
         mtp = sum(t.nbytes for t in specs if t.name.startswith(f"blk.{shape.n_layer}."))
         embedding = sum(t.nbytes for t in specs if t.name == "token_embd.weight")
         output = sum(t.nbytes for t in specs if t.name == "output.weight")
-        return cls(sum(t.nbytes for t in specs) - mtp - embedding, mtp, output)
+        head = VOCAB * N_EMBD // 32 * 18 + SHORTLIST * output // VOCAB if shortlist else output
+        return cls(sum(t.nbytes for t in specs) - mtp - embedding, mtp, output, head)
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,7 @@ class Kernels:
 
     decode: int = 709
     verify: int = 725  # a verification's attention takes a 16-row launch and a 4-row one in each of 16 layers
-    draft: int = 27
+    draft: int = 32  # the shortlisting head's (--spec-draft-head auto on a GPU): 27 with the whole head
     catch_up: int = 22
 
 
@@ -238,7 +245,7 @@ def predict(
     acceptance: float = ACCEPTANCE,
 ) -> list[dict]:
     """tok/s and ms a token by part, for each device, context and speculation setting (`weights`: the steps' bytes,
-    the deployment's by default; bench/draft_vocab.py cuts the draft's output layer)."""
+    the deployment's by default; bench/draft_vocab.py cuts the draft's head, bench/draft_head.py compares heads)."""
     w = weights or Bytes.of_deployment()
     out = []
     for device in DEVICES.values():
@@ -249,8 +256,11 @@ def predict(
             plain.host += host_ms_per_token
             cycle = step(device, at, weights=w.trunk, tokens=1 + N_MAX, context=context, trunk=True,
                          kernels=kernels.verify, logits_rows=1 + N_MAX)  # fmt: skip
+            # tensor parallelism scores drafts with the whole head (it refuses --spec-draft-head q4_0; its draft
+            # kernels are counted as the shortlisting head's, 5 more a step)
+            head = w.draft_head if device.tensor_parallel == 1 else w.output_layer
             for _ in range(N_MAX):
-                cycle.add(step(device, at, weights=w.mtp_block + w.output_layer, tokens=1, context=context,
+                cycle.add(step(device, at, weights=w.mtp_block + head, tokens=1, context=context,
                                trunk=False, kernels=kernels.draft, logits_rows=1))  # fmt: skip
             cycle.add(step(device, at, weights=w.mtp_block, tokens=1, context=context, trunk=False,
                            kernels=kernels.catch_up, logits_rows=0))  # fmt: skip

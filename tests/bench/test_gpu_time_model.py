@@ -12,11 +12,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import gpu_time_model as tm  # noqa: E402
 
-WEIGHTS = tm.Bytes(trunk=15_821_244_416, mtp_block=263_313_408, output_layer=1_042_944_000)
+# a draft step reads the output layer's Q4_0 copy (248,320 rows of 5120 / 32 x 18 bytes) and 64 of its 4200-byte rows
+SHORTLISTED = 248_320 * 5120 // 32 * 18 + 64 * 4200
+WEIGHTS = tm.Bytes(trunk=15_821_244_416, mtp_block=263_313_408, output_layer=1_042_944_000, draft_head=SHORTLISTED)
+WHOLE_HEAD = tm.Bytes(15_821_244_416, 263_313_408, 1_042_944_000, draft_head=1_042_944_000)
 
 
 def test_the_deployments_bytes_come_from_its_tensors():
     assert tm.Bytes.of_deployment() == WEIGHTS  # the file is 16,799,719,424 bytes with the embedding's 715 MB
+    assert tm.Bytes.of_deployment(shortlist=False) == WHOLE_HEAD
 
 
 def test_query_rows_fill_8_then_16_row_blocks():
@@ -31,7 +35,7 @@ def test_each_step_takes_its_own_launches_bounds():
 
 
 def _predicted(**kw) -> dict:
-    rows = tm.predict(host_ms_per_token=0.2, host_ms_per_mtp_cycle=0.9, weights=WEIGHTS, **kw)
+    rows = tm.predict(host_ms_per_token=0.2, host_ms_per_mtp_cycle=0.9, **{"weights": WEIGHTS, **kw})
     return {(p["device"], p["context"], p["spec"]): p for p in rows}
 
 
@@ -57,12 +61,12 @@ def test_an_mtp_cycle_on_an_h200_by_hand():
     p = _predicted()[("H200", 131072, "draft-mtp")]
     stream = 4.8e9 * 0.8
     kv = 16 * 2 * 4 * 256 * 34 / 32 * 131072
-    weights = 15_821_244_416 + 2 * (263_313_408 + 1_042_944_000) + 263_313_408  # verify, two drafts, a catch-up
+    weights = 15_821_244_416 + 2 * (263_313_408 + SHORTLISTED) + 263_313_408  # verify, two drafts, a catch-up
     attention = kv * 2 / 1.083e9 + 2 * (kv / 16) / 1.083e9 + (kv / 16) / 1.083e9  # the verification reads it twice
     tokens = 1 + 2 * 0.63
     assert p["ms"]["weights"] == pytest.approx(weights / stream / tokens, rel=1e-3)
     assert p["ms"]["attention"] == pytest.approx(attention / tokens, rel=1e-3)
-    assert p["ms"]["launches"] == pytest.approx((725 + 2 * 27 + 22) * 1.5e-3 / tokens, rel=1e-3)
+    assert p["ms"]["launches"] == pytest.approx((725 + 2 * 32 + 22) * 1.5e-3 / tokens, rel=1e-3)
     copies = 5 * (0.020 + 0.010)  # 3 verified rows and a draft row in each of two, each ranked and copied
     assert p["ms"]["host"] == pytest.approx((0.9 + copies) / tokens, rel=1e-3)
 
@@ -125,7 +129,7 @@ def test_a_row_split_mtp_cycle_on_two_2080ti_by_hand():
     assert p["ms"]["attention"] == pytest.approx(attention / tokens, rel=1e-3)
     # read, written in place, and a copy after each verified token but the last: 4 states a verification, halved
     assert p["ms"]["other"] == pytest.approx((states * 4 / 2 / stream + verify + drafts + catch_up) / tokens, rel=1e-3)
-    assert p["ms"]["launches"] == pytest.approx((725 + 129 + 2 * (27 + 3) + 22 + 2) * 1.5e-3 / tokens, rel=1e-3)
+    assert p["ms"]["launches"] == pytest.approx((725 + 129 + 2 * (32 + 3) + 22 + 2) * 1.5e-3 / tokens, rel=1e-3)
     layer = _predicted()[("2x2080Ti", 4096, "draft-mtp")]
     assert 1.5 < p["tok_s"] / layer["tok_s"] < 2.0
 
@@ -138,7 +142,25 @@ def test_the_draft_vocabulary_bench_predicts_through_the_model(monkeypatch):
     monkeypatch.setattr(tm, "measure_host", lambda: (0.2, 0.9))
     rows = draft_vocab.predicted({size: 1.0 for size in draft_vocab.QWEN_SIZES})
     whole = next(r for r in rows if r["draft_vocab"] == tm.VOCAB)
-    own = _predicted()
+    own = _predicted(weights=WHOLE_HEAD)
     assert whole["tok_s"] == {d: own[(d, 4096, "draft-mtp")]["tok_s"] for d in tm.DEVICES}
     cut = next(r for r in rows if r["draft_vocab"] == 32768)
     assert all(cut["tok_s"][d] > whole["tok_s"][d] for d in ("H200", "2x2080Ti"))
+
+
+def test_the_draft_head_bench_predicts_both_heads_through_the_model(monkeypatch):
+    """bench/draft_head.py: the whole head's rows and the shortlisting head's are the model's with each head's
+    bytes (gpu_static's bounds and counts), and the shortlisting head is the faster on both devices."""
+    import json
+
+    import draft_head
+
+    monkeypatch.setattr(tm, "measure_host", lambda: (0.2, 0.9))
+    rows = {(r["draft_head"], r["device"], r["context"]): r["tok_s"] for r in draft_head.predicted()}
+    static = json.loads(draft_head.STATIC.read_text())
+    for head, weights in (("full", WHOLE_HEAD), ("q4_0", WEIGHTS)):
+        own = _predicted(weights=weights, attention_tbps=tm.attention_bounds(static), kernels=tm.kernel_counts(static))
+        for device in ("H200", "2x2080Ti"):
+            for context in tm.CONTEXTS:
+                assert rows[(head, device, context)] == own[(device, context, "draft-mtp")]["tok_s"]
+    assert all(rows[("q4_0", d, c)] > rows[("full", d, c)] for d in ("H200", "2x2080Ti") for c in tm.CONTEXTS)

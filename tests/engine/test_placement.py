@@ -8,6 +8,7 @@ QWEN36_27B) and each tensor's Q4_K_M size from llama-quantize's type rules (quan
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -58,6 +59,7 @@ ROLLBACK_LAYER = 3 * STATE_LAYER  # verifying 2 drafts runs 3 tokens and keeps t
 ACTIVATIONS = 4 * 512 * (3 * 17408 + 4 * 5120)  # compute reserve of any device running blocks: 142 MiB
 LOGITS = 4 * 248320 * 512  # plus the logits of one micro-batch on the output device: 485 MiB
 PROMPT_KV = 2 * 262144 * 4 * (256 + 256)  # plus one attention layer's K and V read as bf16/f16 by a prompt: 1 GiB
+DRAFT_COPY = 248320 * 5120 // 32 * 18  # the MTP draft's Q4_0 copy of the output layer (--spec-draft-head auto)
 
 
 def fake_devices(n: int, gib: float, kind: str = "cuda", used_mib: int = 300) -> list[Device]:
@@ -103,37 +105,43 @@ def test_27b_on_two_22gb_gpus_uses_llama_cpps_ranges():
     assert g0.weights_bytes == blocks_bytes(0, 32)
     assert g0.kv_bytes == 8 * KV_LAYER and g0.recurrent_bytes == 25 * STATE_LAYER and g0.mtp_kv_bytes == 0
     assert g0.compute_bytes == ACTIVATIONS + PROMPT_KV and g0.rollback_bytes == 25 * ROLLBACK_LAYER
-    assert g1.weights_bytes == blocks_bytes(33, 64) + LAYER_BYTES["output"]
+    assert g1.weights_bytes == blocks_bytes(33, 64) + LAYER_BYTES["output"] + DRAFT_COPY
     assert g1.kv_bytes == 8 * KV_LAYER and g1.recurrent_bytes == 23 * STATE_LAYER and g1.mtp_kv_bytes == KV_LAYER
     assert g1.compute_bytes == ACTIVATIONS + LOGITS + PROMPT_KV and g1.rollback_bytes == 23 * ROLLBACK_LAYER
     assert host.weights_bytes == LAYER_BYTES["token_embd"] and host.kv_bytes == 0 and not host.blocks
     # Nothing lost or counted twice against the whole-model estimate.
     est = estimate_memory(CONFIG, FILE_BYTES, LAYER_BYTES["mtp"], 262144, 1, "q8_0", "q8_0")
-    assert sum(u.weights_bytes for u in p.uses) == est.weights_bytes
+    assert sum(u.weights_bytes for u in p.uses) == est.weights_bytes + DRAFT_COPY  # the file's, and the copy
     assert sum(u.kv_bytes for u in p.uses) == est.kv_bytes and g1.mtp_kv_bytes == est.mtp_kv_bytes
     assert sum(u.recurrent_bytes for u in p.uses) == est.recurrent_bytes
-    # Both fit: about 12.8 and 14.6 GiB of the 21.7 GiB free on each.
+    # Both fit: about 12.8 and 15.2 GiB of the 21.7 GiB free on each.
     assert p.fits and g0.total_bytes < g1.total_bytes < gpus[1].free_bytes
-    assert (round(g0.total_bytes / GiB, 2), round(g1.total_bytes / GiB, 2)) == (12.78, 14.57)
+    assert (round(g0.total_bytes / GiB, 2), round(g1.total_bytes / GiB, 2)) == (12.78, 15.24)
+    # Drafts scored by the whole head (--spec-draft-head full): no copy.
+    full = replace(DEPLOY, spec=replace(DEPLOY.spec, draft_head="full"))
+    g1_full = place(CONFIG, LAYER_BYTES, full, gpus, "all", "layer", [1, 1]).use("CUDA1")
+    assert g1.weights_bytes - g1_full.weights_bytes == DRAFT_COPY
 
 
 def test_27b_on_one_22gb_gpu_is_refused():
     gpu = fake_devices(1, 22)
     need = (FILE_BYTES - LAYER_BYTES["token_embd"]) + 16 * KV_LAYER + KV_LAYER + 48 * (STATE_LAYER + ROLLBACK_LAYER)
+    need += DRAFT_COPY
     need += ACTIVATIONS + LOGITS + PROMPT_KV
     assert need > gpu[0].free_bytes
     with pytest.raises(InsufficientMemory) as e:
         place(CONFIG, LAYER_BYTES, DEPLOY, gpu, "all", "layer", [1, 1])
     msg = str(e.value)
     assert f"CUDA0 (cuda) needs {need / GiB:.2f} GiB but has {gpu[0].free_bytes / GiB:.2f} GiB free" in msg
-    assert "needs 26.21 GiB but has 21.71 GiB free" in msg
-    assert "weights 14.98 GiB (layers 0-64, output layer), KV cache 8.50 GiB" in msg and "MTP KV 0.53 GiB" in msg
+    assert "needs 26.87 GiB but has 21.71 GiB free" in msg
+    # the weights with the draft's Q4_0 copy of the output layer (0.67 GiB)
+    assert "weights 15.65 GiB (layers 0-64, output layer), KV cache 8.50 GiB" in msg and "MTP KV 0.53 GiB" in msg
     # What to lower: the largest --gpu-layers that fits, then context, KV type, devices.
-    assert "Lower --gpu-layers to 53 or less" in msg and "--ctx-size (now 262144)" in msg
+    assert "Lower --gpu-layers to 50 or less" in msg and "--ctx-size (now 262144)" in msg
     assert "-ctk/-ctv q4_0" in msg and "add a GPU" in msg
-    place(CONFIG, LAYER_BYTES, DEPLOY, gpu, 53)
+    place(CONFIG, LAYER_BYTES, DEPLOY, gpu, 50)
     with pytest.raises(InsufficientMemory):
-        place(CONFIG, LAYER_BYTES, DEPLOY, gpu, 54)
+        place(CONFIG, LAYER_BYTES, DEPLOY, gpu, 51)
 
 
 def test_two_cpu_devices_place_like_two_gpus():

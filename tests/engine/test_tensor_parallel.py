@@ -96,7 +96,8 @@ def test_every_rank_makes_the_same_decisions():
 
 
 def test_tensor_parallel_refuses_what_it_cannot_run():
-    """CUDA ranks (not built), and --spec-draft-n-max auto, whose draft lengths follow each rank's own timings."""
+    """CUDA ranks (not built), --spec-draft-n-max auto, whose draft lengths follow each rank's own timings, and the
+    draft vocabularies a rank's share of the head would cut short (--spec-draft-vocab, --spec-draft-head q4_0)."""
     with pytest.raises(InvalidRequest, match="CPU ranks"):
         start_tensor_parallel(tinyqwen_path("Q4_K_M"), _config(), ["cuda:0", "cuda:1"], ())
     auto = EngineConfig(n_parallel=1, ctx_size=4096, spec=SpecConfig(type="draft-mtp", n_max=4, auto=True))
@@ -105,6 +106,9 @@ def test_tensor_parallel_refuses_what_it_cannot_run():
     trimmed = EngineConfig(n_parallel=1, ctx_size=4096, spec=SpecConfig(type="draft-mtp", n_max=2, draft_vocab=1024))
     with pytest.raises(InvalidRequest, match="--spec-draft-vocab is not supported with --split-mode row"):
         start_tensor_parallel(tinyqwen_path("Q4_K_M"), trimmed, ["cpu", "cpu"], ())
+    shortlisted = EngineConfig(n_parallel=1, ctx_size=4096, spec=SpecConfig(type="draft-mtp", draft_head="q4_0"))
+    with pytest.raises(InvalidRequest, match="--spec-draft-head q4_0 is not supported with --split-mode row"):
+        start_tensor_parallel(tinyqwen_path("Q4_K_M"), shortlisted, ["cpu", "cpu"], ())
 
 
 def test_a_failed_follower_fails_requests_instead_of_hanging_them():

@@ -22,6 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed: the GPU path's ke
 
 from mtpserve.cache import KVCache
 from mtpserve.models.base import Batch
+from mtpserve.models.draft_head import DraftHead
 from mtpserve.models.graphs import DecodeGraph, MTPDraftGraph, MTPRowsGraph, StepGraph
 from mtpserve.models.loader import load
 from mtpserve.ops.device import emulate_gpu
@@ -319,27 +320,35 @@ def test_a_static_step_of_several_sequences_equals_decode_batch() -> None:
 
 
 @pytest.mark.parametrize(
-    "chained", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["chained", "host-table"]
-)  # host-table: the chained draft's steps one at a time, 50 s under the interpreter; `make test-all`
-def test_the_static_mtp_steps_equal_the_eager_ones(chained: bool) -> None:
+    ("chained", "head"),
+    [
+        (True, "q4_0"),
+        pytest.param(True, "full", marks=pytest.mark.slow),
+        pytest.param(False, "full", marks=pytest.mark.slow),
+    ],
+    ids=["chained-shortlisting-head", "chained", "host-table"],
+)  # 25-50 s each under the interpreter: the GPU's default (`auto`: shortlisting) here, the others `make test-all`
+def test_the_static_mtp_steps_equal_the_eager_ones(chained: bool, head: str) -> None:
     """The MTP block's captured steps: a catch-up pass (MTPRowsGraph) writes the eager pass's cache rows, and the
     draft (MTPDraftGraph: chained, tokens chosen and embedded on the device; or one step at a time, as with the
     token table in host memory) proposes the eager draft's tokens with their top-10 probabilities, round after
-    round, with the draft-time rows truncated away in between."""
+    round, with the draft-time rows truncated away in between; scored by the whole head or shortlisted by its
+    Q4_0 copy (--spec-draft-head q4_0: the copy's top-64 gathered and ranked on the device)."""
     from mtpserve.engine import SpecConfig
     from mtpserve.engine.drafters import MTPDrafter
 
     model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
     case = _case("Q4_K_M", 1)
     prompt, rest = case["prompt_token_ids"], case["generated_token_ids"]
-    drafter = MTPDrafter(model, SpecConfig("draft-mtp", n_max=3))
+    drafter = MTPDrafter(model, SpecConfig("draft-mtp", n_max=3, draft_head=head))
+    assert (drafter.head.coarse is not None) is (head == "q4_0")
     with _gpu_path():
         eager, graphed = (model.new_state(256, "f16", "f16", mtp=True) for _ in range(2))
         for st in (eager, graphed):
             hidden = model.forward(torch.tensor(prompt), st)
             model.mtp_step(hidden[:-1], torch.tensor(prompt[1:]), st, with_logits=False)
         rows = MTPRowsGraph(model, graphed, 2)
-        draft = MTPDraftGraph(model, graphed, 3, model.mtp_head, 10, chained=chained)
+        draft = MTPDraftGraph(model, graphed, 3, drafter.head, 10, chained=chained)
         pending = hidden[-1]
         for t in range(0, 6, 2):  # three rounds as the engine's: draft, a trunk pass of two tokens, its catch-up
             tokens = rest[t : t + 2]
@@ -453,6 +462,7 @@ def test_the_captured_step_reads_nothing_back_to_the_host(monkeypatch: pytest.Mo
         MTPRowsGraph(model, state, 3, capture=False),
         MTPDraftGraph(model, state, 2, model.mtp_head, 10, capture=False),
         MTPDraftGraph(model, state, 2, model.mtp_head, 10, capture=False, chained=False),
+        MTPDraftGraph(model, state, 2, DraftHead.shortlisting(model.mtp_head), 10, capture=False),
     )
     for graph in graphs:
         with _gpu_path(matmul=decode_matmul if graph is graphs[0] else "torch"):

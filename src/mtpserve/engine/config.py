@@ -8,6 +8,9 @@ from .errors import InvalidRequest
 
 SPEC_TYPES = ("none", "draft-mtp", "draft-simple", "ngram")
 DRAFT_SAMPLINGS = ("greedy", "probabilistic")  # --spec-draft-sampling (engine.rejection)
+# --spec-draft-head: what scores an MTP draft (models.draft_head): the head, a Q4_0 copy shortlisting for it, or
+# the copy where it pays (a head on a GPU, a quarter fewer bytes)
+DRAFT_HEADS = ("auto", "full", "q4_0")
 AUTO_N_MAX = 4  # --spec-draft-n-max auto tries drafts of up to this many tokens
 
 
@@ -24,6 +27,7 @@ class SpecConfig:
     draft_model: str | None = None  # --model-draft: the GGUF of draft-simple
     draft_vocab: int = 0  # draft-mtp: score only the first N token ids when drafting (0: all)
     draft_sampling: str = "greedy"  # at a temperature: the draft model's argmax, or a draw from its chain
+    draft_head: str = "auto"  # draft-mtp: what scores a draft (DRAFT_HEADS)
 
     def __post_init__(self) -> None:
         if self.type not in SPEC_TYPES:
@@ -36,6 +40,8 @@ class SpecConfig:
             raise InvalidRequest(
                 f"unknown --spec-draft-sampling '{self.draft_sampling}' (use one of {', '.join(DRAFT_SAMPLINGS)})"
             )
+        if self.draft_head not in DRAFT_HEADS:
+            raise InvalidRequest(f"unknown --spec-draft-head '{self.draft_head}' (use one of {', '.join(DRAFT_HEADS)})")
         if self.type == "draft-simple" and not self.draft_model:
             raise InvalidRequest("--spec-type draft-simple needs a draft model (--model-draft FILE)")
 

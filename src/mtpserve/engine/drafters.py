@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from ..models.base import CausalLM, ModelState
+from ..models.draft_head import DraftHead, shortlist_pays
 from ..models.graphs import MTPDraftGraph, MTPRowsGraph
 from ..models.mtp import mtp_graphable, mtp_model
 from ..ops.linear import linear
@@ -119,6 +120,25 @@ class _MTPSlot:
     rows_graphs: dict[int, MTPRowsGraph] = field(default_factory=dict)  # catch-up passes, by rows
 
 
+def draft_head(model: CausalLM, config: SpecConfig) -> DraftHead:
+    """What scores the MTP drafts (--spec-draft-head): the MTP head, or its first --spec-draft-vocab rows (BPE
+    vocabularies put frequent tokens first: a view of the same weights), alone or with a Q4_0 copy shortlisting for
+    it (models.draft_head). `auto` makes the copy for a head on a GPU where it reads a quarter fewer bytes; the
+    CPU's greedy drafts run as one C call over the whole head. The trunk still verifies over the whole vocabulary."""
+    mtp = mtp_model(model)
+    assert mtp is not None
+    head = mtp.mtp_head.first_rows(config.draft_vocab) if config.draft_vocab else mtp.mtp_head
+    if config.draft_head == "q4_0":
+        try:
+            return DraftHead.shortlisting(head)
+        except ValueError as e:  # rows that do not fill q4_0 blocks
+            raise InvalidRequest(f"--spec-draft-head q4_0: {e}") from None
+    on_gpu = head.data.device.type == "cuda" and not model.tensor_parallel
+    if config.draft_head == "auto" and on_gpu and shortlist_pays(head):
+        return DraftHead.shortlisting(head)
+    return DraftHead(head)
+
+
 class MTPDrafter:
     def __init__(self, model: CausalLM, config: SpecConfig, graphs: bool = False) -> None:
         mtp = mtp_model(model)
@@ -135,9 +155,7 @@ class MTPDrafter:
         assert mtp.mtp_kv_index is not None
         self.model, self.mtp, self.config, self.kv_index = model, mtp, config, mtp.mtp_kv_index
         self.graphs = graphs and mtp_graphable(model)
-        # A trimmed draft vocabulary: the MTP head's first rows (BPE vocabularies put frequent tokens first), a
-        # view of the same weights. The trunk still verifies over the whole vocabulary.
-        self.head = mtp.mtp_head.first_rows(config.draft_vocab) if config.draft_vocab else mtp.mtp_head
+        self.head = draft_head(model, config)
         self._slots: dict[int, _MTPSlot] = {}
 
     def _of(self, slot: Slot) -> _MTPSlot:
@@ -184,20 +202,27 @@ class MTPDrafter:
         takes every row of `tokens` (the waiting catch-up rows, then the sampled token's) and drafts from the
         last. Greedy steps on the CPU run as one C call (`mtp_draft`: the same tokens and cache rows)."""
         if picker is None:
-            chain = self.mtp.mtp_draft(hidden, tokens, state, n_max, self.head, DRAFT_TOP_K, self.config.p_min)
+            chain = None
+            if self.head.coarse is None:  # the C chain scores with the whole head
+                head, p_min = self.head.exact, self.config.p_min
+                chain = self.mtp.mtp_draft(hidden, tokens, state, n_max, head, DRAFT_TOP_K, p_min)
             if chain is not None:
                 yield from chain
                 return
         for _ in range(n_max):
             _, h_mtp = self.mtp.mtp_step(hidden, torch.tensor(tokens), state, with_logits=False)
             hidden = h_mtp[-1:]
-            row = linear(hidden.to(self.head.data.device), self.head)[0].float()
-            top = row.topk(DRAFT_TOP_K)
-            token = int(top.indices[0]) if picker is None else picker.pick(row)
-            if token is None:  # the grammar leaves the draft nothing
-                return
+            if picker is None:
+                values, ids = self.head.top(hidden, DRAFT_TOP_K)
+                token = int(ids[0])
+            else:  # a draw needs the whole row (and its grammar), from the head itself
+                row = linear(hidden.to(self.head.device), self.head.exact)[0].float()
+                values = row.topk(DRAFT_TOP_K).values
+                token = picker.pick(row)
+                if token is None:  # the grammar leaves the draft nothing
+                    return
             tokens = [token]
-            yield token, float(torch.softmax(top.values, 0)[0])
+            yield token, float(torch.softmax(values, 0)[0])
 
     def after_prompt(self, slot: Slot, hidden: torch.Tensor, tokens: list[int]) -> None:
         """The chunk's MTP rows, written now: row i pairs token i with the trunk's state at the position before."""

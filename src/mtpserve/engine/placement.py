@@ -271,6 +271,8 @@ class _Costs:
     rollback: tuple[int, ...]
     prompt_kv: tuple[int, ...]  # elements of one slot's K and V a prompt's attention reads dequantized, per block
     output: int
+    draft_copy: int  # the MTP draft head's Q4_0 copy (models.draft_head), next to the output layer
+    draft_copy_on_host: bool  # made for a head in host memory too (asked for by name, not `auto`)
     token_embd: int
     checkpoints: int
     reserve: int
@@ -285,7 +287,7 @@ class _Costs:
             self.weights[i] + self.kv[i] + self.state[i] + self.mtp_kv[i] + self.rollback[i] for i in layers if i < n
         )
         total += PROMPT_KV_BYTES * max((self.prompt_kv[i] for i in layers if i < n), default=0)
-        return total + (self.output + self.reserve_output if n in layers else self.reserve)
+        return total + (self.output + self.draft_copy + self.reserve_output if n in layers else self.reserve)
 
 
 def _costs(config: ModelConfig, layer_bytes: Mapping[LayerKey, int], engine: EngineConfig) -> _Costs:
@@ -335,11 +337,24 @@ def _costs(config: ModelConfig, layer_bytes: Mapping[LayerKey, int], engine: Eng
         rollback=tuple(rollback),
         prompt_kv=tuple(prompt_kv),
         output=int(layer_bytes["output"]),
+        draft_copy=_draft_copy_bytes(config, engine, int(layer_bytes["output"])) if mtp_on else 0,
+        draft_copy_on_host=engine.spec.draft_head == "q4_0",
         token_embd=int(layer_bytes["token_embd"]),
         checkpoints=engine.n_parallel * n_checkpoints * checkpoint,
         reserve=compute_reserve_bytes(config, engine, output=False),
         reserve_output=compute_reserve_bytes(config, engine, output=True),
     )
+
+
+def _draft_copy_bytes(config: ModelConfig, engine: EngineConfig, output_bytes: int) -> int:
+    """The Q4_0 copy --spec-draft-head makes of the draft's head rows (18 bytes a 32 values), where it is made:
+    asked for, or `auto` where it reads a quarter fewer bytes than the head (models.draft_head.shortlist_pays)."""
+    rows = min(engine.spec.draft_vocab or config.n_vocab, config.n_vocab)
+    copy = rows * (config.n_embd // 32) * 18
+    if engine.spec.draft_head == "full" or config.n_embd % 32:
+        return 0
+    pays = copy <= 0.75 * output_bytes * rows / config.n_vocab
+    return copy if engine.spec.draft_head == "q4_0" or pays else 0
 
 
 @dataclass
@@ -412,6 +427,8 @@ def _layout(
     for t, share in shares_of(out_dev, c.output):
         t.weights += share
         t.output = t.runs = True  # row: every rank gathers the whole logits
+    if row_shares is None and (out_dev is not host or c.draft_copy_on_host):
+        tally[out_dev.name].weights += c.draft_copy
 
     uses = []
     for d in (host, *devices):

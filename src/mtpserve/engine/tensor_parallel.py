@@ -184,6 +184,8 @@ def start_tensor_parallel(
         raise InvalidRequest("--spec-draft-n-max auto is not supported with --split-mode row: give a number")
     if config.spec.draft_vocab:  # the first rows of a vocabulary split by rows are rank 0's alone
         raise InvalidRequest("--spec-draft-vocab is not supported with --split-mode row yet")
+    if config.spec.draft_head == "q4_0":  # each rank would shortlist its own share of the vocabulary
+        raise InvalidRequest("--spec-draft-head q4_0 is not supported with --split-mode row yet")
     shares = tuple(shares) or (1.0,) * len(devices)
     plan = plan_for_file(path, config, "cpu")
     tokenizer = Tokenizer.from_gguf(path)

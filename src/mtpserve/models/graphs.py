@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from ..cache import RecurrentState
-from ..ops.linear import linear
 from ..quant.qtensor import QTensor
 from .base import Batch, CausalLM, ModelState
+from .draft_head import DraftHead
 from .mtp import MTPModel, mtp_cache_index, mtp_graphable, mtp_model
 
 
@@ -235,7 +235,8 @@ class MTPDraftGraph(CapturedStep):
     """`n_max` chained MTP draft steps, each choosing its token on the device (the argmax, as the top of a top-k,
     and that token's probability renormalised over the top k): `propose(hidden, token)` -> [(token, p)]. The rows
     it writes to the MTP cache stay beyond the cache's length (the caller truncates them away, as after eager
-    draft steps). `head` scores the draft (the MTP head, or a view of its first rows: a trimmed vocabulary).
+    draft steps). `head` scores the draft (models.draft_head: the MTP head or its first rows, alone or with a Q4_0
+    copy shortlisting for it).
 
     `chained` (by default: whether the MTP block's token table is on the model's GPU): all n_max steps in one
     graph, each embedding the token the previous one chose on the device, with one copy to the host at the end.
@@ -247,14 +248,15 @@ class MTPDraftGraph(CapturedStep):
         model: CausalLM,
         state: ModelState,
         n_max: int,
-        head: QTensor,
+        head: DraftHead | QTensor,
         top_k: int,
         capture: bool | None = None,
         chained: bool | None = None,
     ) -> None:
         mtp, device = _mtp_on_one_device(model)
         super().__init__(device, capture)
-        self.model, self.state, self.n_max, self.head, self.top_k = model, state, n_max, head, top_k
+        self.model, self.state, self.n_max, self.top_k = model, state, n_max, top_k
+        self.head = head if isinstance(head, DraftHead) else DraftHead(head)
         self.kv = state.kv[_index(mtp)]
         self.mtp_step, self.mtp_embed = mtp.mtp_step, mtp.mtp_embed
         table_device = mtp.mtp_table.data.device
@@ -273,10 +275,10 @@ class MTPDraftGraph(CapturedStep):
         for i in range(len(self.positions)):
             embeddings = None if self.chained else self.embedding
             _, hidden = self.mtp_step(hidden, token, self.state, False, self.positions[i : i + 1], embeddings)
-            top = linear(hidden.to(self.head.data.device), self.head)[0].float().topk(self.top_k)
-            token = top.indices[:1]
+            values, ids = self.head.top(hidden, self.top_k)
+            token = ids[:1]
             chosen.append(token)
-            p_top.append(torch.softmax(top.values, 0)[:1])
+            p_top.append(torch.softmax(values, 0)[:1])
         return torch.cat(chosen), torch.cat(p_top), hidden
 
     @torch.inference_mode()

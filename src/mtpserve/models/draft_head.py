@@ -1,0 +1,79 @@
+"""What scores an MTP draft: the LM head itself, or a shortlisting head (`--spec-draft-head q4_0`).
+
+A draft step reads the whole output layer for one argmax: on the 27B that is 1.04 GB (Q6_K, 248,320 rows) a step,
+two steps a cycle, a tenth of an MTP cycle's bytes. A shortlisting head reads a Q4_0 copy instead (0.72 GB),
+keeps its top SHORTLIST rows, and ranks those with the head's own rows, so its top-k is the head's whenever the
+head's top-k lie in the copy's top SHORTLIST. A 4-bit copy alone would not do: its argmax is the head's at only
+88-93% of positions on the fixtures' models, while the head's argmax came 14th at worst in the copy's order
+(bench/draft_head.py, docs/performance.md). Verification still scores over the whole head, so the tokens are
+the same either way; only a draft may differ, and only when the copy misses the head's top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.linear import linear
+from ..quant.qtensor import QTensor
+from ..quant.quantize import quantize
+from ..quant.types import GGMLType, block_geometry
+
+SHORTLIST = 64  # candidates the copy hands the head: 4.5x the worst place bench/draft_head.py measured (14th)
+SHORTLIST_TYPE = GGMLType.Q4_0
+QUANTIZE_ROWS = 8192  # rows quantized at a time: bounds the float32 temporaries (~30 copies of a chunk)
+
+
+@dataclass(frozen=True)
+class DraftHead:
+    """The exact head, and (shortlisting) its low-bit copy, on the head's device."""
+
+    exact: QTensor
+    coarse: QTensor | None = None
+    shortlist: int = SHORTLIST
+
+    @classmethod
+    def shortlisting(cls, head: QTensor, ggml_type: GGMLType = SHORTLIST_TYPE) -> DraftHead:
+        """`head` with a `ggml_type` copy of it made now, on its device, a chunk of rows at a time."""
+        chunks = []
+        for start in range(0, head.shape[0], QUANTIZE_ROWS):
+            rows = torch.arange(start, min(start + QUANTIZE_ROWS, head.shape[0]), device=head.data.device)
+            chunks.append(quantize(head.rows(rows), ggml_type))
+        coarse = QTensor(torch.cat(chunks), ggml_type, head.shape, f"{head.name} as {ggml_type.name}")
+        return cls(head, coarse)
+
+    @property
+    def device(self) -> torch.device:
+        return self.exact.data.device
+
+    @property
+    def n_vocab(self) -> int:
+        return self.exact.shape[0]
+
+    def top(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k best-scoring tokens for hidden [1, n_embd]: (logits [k] float32, token ids [k]), best first, with
+        no host round trip (it runs inside captured steps)."""
+        hidden = hidden.to(self.device)
+        if self.coarse is None:
+            top = linear(hidden, self.exact)[0].float().topk(k)
+            return top.values, top.indices
+        ids = linear(hidden, self.coarse)[0].topk(max(k, self.shortlist)).indices
+        rows = QTensor(self.exact.data[ids], self.exact.ggml_type, (len(ids), self.exact.shape[1]), self.exact.name)
+        top = linear(hidden, rows)[0].float().topk(k)
+        return top.values, ids[top.indices]
+
+    def nbytes_read(self) -> int:
+        """Bytes a draft step reads from the head: all of it, or the copy and the shortlisted rows."""
+        if self.coarse is None:
+            return self.exact.nbytes
+        return self.coarse.nbytes + self.shortlist * self.exact.data.shape[1]
+
+
+def shortlist_pays(head: QTensor, ggml_type: GGMLType = SHORTLIST_TYPE) -> bool:
+    """Whether a `ggml_type` copy reads a quarter fewer bytes than `head` (Q6_K: 31% fewer, Q8_0: 47%, F16: 72%)
+    and its rows fit its blocks."""
+    block, size = block_geometry(ggml_type)
+    if head.shape[-1] % block:
+        return False
+    return head.shape[-1] // block * size <= 0.75 * head.data.shape[1]
