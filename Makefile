@@ -14,8 +14,12 @@ PORT ?= 8080
 serve: install models
 	$(VENV)/bin/mtpserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
+# Two workers (pytest-xdist), each running whole test files (a file's servers and models are started once): the
+# CI machine's two cores. `make test TEST_WORKERS=0` runs in one process.
+TEST_WORKERS ?= 2
+TEST_PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
 test: lint models browser
-	MTPSERVE_REQUIRE_MODELS=1 $(PY) -m pytest -q
+	MTPSERVE_REQUIRE_MODELS=1 $(PY) -m pytest -q $(TEST_PARALLEL)
 
 # Formatting, lint rules (ruff, configured in pyproject.toml) and the one-way layering (lint-imports).
 # `make format` rewrites the files ruff would change.
@@ -30,7 +34,7 @@ format: install-dev
 
 # Everything, the tests marked slow included (the real models' perplexity runs, ...): about 5 minutes more.
 test-all: lint models browser
-	MTPSERVE_REQUIRE_MODELS=1 MTPSERVE_FUZZ_DEPTH=1 $(PY) -m pytest -q -m 'not agents'
+	MTPSERVE_REQUIRE_MODELS=1 MTPSERVE_FUZZ_DEPTH=1 $(PY) -m pytest -q -m 'not agents' $(TEST_PARALLEL)
 
 # Claude Code, Codex, opencode and openai-agents against the server, each one task with a tool call (tests/agents,
 # docs/serving.md "Agent clients"): about 3 minutes, outside `make test` (the clients come from npm); run it
