@@ -61,6 +61,15 @@ def test_a_shortlisting_head_ranks_as_the_whole_head_where_its_copy_alone_would_
     assert len(h) >= 400 and copy_differs >= 5
 
 
+def test_a_head_narrower_than_the_shortlist_ranks_all_its_rows() -> None:
+    """--spec-draft-vocab 40 with --spec-draft-head q4_0: 40 rows, fewer than SHORTLIST, all ranked by the head."""
+    model, h = _hidden_states()
+    head = model.mtp_head.first_rows(40)
+    values, ids = DraftHead.shortlisting(head).top(h[:1], 10)
+    top = linear(h[:1], head)[0].topk(10)
+    assert torch.equal(ids, top.indices) and torch.equal(values, top.values)
+
+
 def test_the_copy_is_llama_cpps_q4_0_of_the_head_made_a_chunk_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     model, _ = _hidden_states()
     head = model.mtp_head

@@ -58,7 +58,7 @@ class DraftHead:
         if self.coarse is None:
             top = linear(hidden, self.exact)[0].float().topk(k)
             return top.values, top.indices
-        ids = linear(hidden, self.coarse)[0].topk(max(k, self.shortlist)).indices
+        ids = linear(hidden, self.coarse)[0].topk(min(max(k, self.shortlist), self.n_vocab)).indices
         rows = QTensor(self.exact.data[ids], self.exact.ggml_type, (len(ids), self.exact.shape[1]), self.exact.name)
         top = linear(hidden, rows)[0].float().topk(k)
         return top.values, ids[top.indices]
