@@ -34,7 +34,7 @@ format: install-dev
 
 # Everything, the tests marked slow included (the real models' perplexity runs, ...): about 5 minutes more.
 test-all: lint models browser
-	MTPSERVE_REQUIRE_MODELS=1 MTPSERVE_FUZZ_DEPTH=1 $(PY) -m pytest -q -m 'not agents' $(TEST_PARALLEL)
+	MTPSERVE_REQUIRE_MODELS=1 $(PY) -m pytest -q -m 'not agents' $(TEST_PARALLEL)
 
 # Claude Code, Codex, opencode and openai-agents against the server, each one task with a tool call (tests/agents,
 # docs/serving.md "Agent clients"): about 3 minutes, outside `make test` (the clients come from npm); run it

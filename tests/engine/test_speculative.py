@@ -388,13 +388,16 @@ def test_a_trimmed_draft_vocabulary_changes_no_token():
     assert sum(r.timings.draft_n_accepted for r in results) > 0.5 * sum(r.timings.draft_n for r in results)
 
 
-def test_a_shortlisting_draft_head_drafts_what_the_whole_head_drafts():
+def test_a_shortlisting_draft_head_drafts_what_the_whole_head_drafts(caplog):
     """--spec-draft-head q4_0 (a Q4_0 copy of the head shortlists 64 rows, the head ranks them; eager draft steps
     on the CPU) against the whole head (the C chain): the same tokens, drafts and accepted drafts, request by
     request. `auto` makes no copy for a head on the CPU; an unknown head is refused."""
     results = {}
     for head in ("full", "q4_0"):
-        with _engine("Q4_K_M", SpecConfig("draft-mtp", n_max=2, draft_head=head)) as engine:
+        with (
+            caplog.at_level("INFO", logger="mtpserve.engine"),
+            _engine("Q4_K_M", SpecConfig("draft-mtp", n_max=2, draft_head=head)) as engine,
+        ):
             assert (engine.drafter.head.coarse is not None) is (head == "q4_0")
             results[head] = [engine.submit(r).result() for r in _requests("Q4_K_M")]
     for whole, short in zip(results["full"], results["q4_0"]):
@@ -404,6 +407,9 @@ def test_a_shortlisting_draft_head_drafts_what_the_whole_head_drafts():
             whole.timings.draft_n_accepted,
         )
     assert sum(r.timings.draft_n_accepted for r in results["q4_0"]) > 0
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("draft-mtp: drafts scored by")]
+    assert said == ["draft-mtp: drafts scored by a Q4_0 copy of the head (0.6 MiB), its top 64 ranked by the head "
+                    "itself (--spec-draft-head full: the head alone)"]  # fmt: skip
     from mtpserve.engine.drafters import draft_head
 
     assert draft_head(_model("Q4_K_M")[1], SpecConfig("draft-mtp")).coarse is None  # auto, a head on the CPU

@@ -20,6 +20,7 @@ Each implements `Drafter` and owns whatever state it keeps per slot; the engine 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -36,6 +37,8 @@ from .config import SpecConfig
 from .errors import InvalidRequest
 from .rejection import DraftPicker
 from .slots import Reuse, Slot
+
+log = logging.getLogger("mtpserve.engine")
 
 DRAFT_TOP_K = 10  # p_min is measured against the draft's top-10, renormalised (llama.cpp)
 
@@ -156,6 +159,14 @@ class MTPDrafter:
         self.model, self.mtp, self.config, self.kv_index = model, mtp, config, mtp.mtp_kv_index
         self.graphs = graphs and mtp_graphable(model)
         self.head = draft_head(model, config)
+        if self.head.coarse is not None:
+            log.info(
+                "draft-mtp: drafts scored by a %s copy of the head (%.1f MiB), its top %d ranked by the head itself "
+                "(--spec-draft-head full: the head alone)",
+                self.head.coarse.ggml_type.name,
+                self.head.coarse.nbytes / 2**20,
+                self.head.shortlist,
+            )
         self._slots: dict[int, _MTPSlot] = {}
 
     def _of(self, slot: Slot) -> _MTPSlot:
