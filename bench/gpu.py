@@ -553,9 +553,10 @@ def measure_decode(
     mtp_kv = state.kv[model.mtp_kv_index]
     hidden = torch.zeros(1, config.n_embd, device=device)
     rows_in = torch.zeros(args.n_max + 1, config.n_embd, device=device)
-    # the drafts as the server scores them (--spec-draft-head auto: on a GPU, a Q4_0 copy shortlisting for the
-    # head), and over the whole head beside them
-    draft_graph = MTPDraftGraph(model, state, args.n_max, draft_head(model, SpecConfig("draft-mtp")), DRAFT_TOP_K)
+    # the drafts as the server scores them on a GPU (--spec-draft-head auto: a Q4_0 copy shortlisting for the
+    # 27B's Q6_K head; named here so that the CPU stand-in runs it too), and over the whole head beside them
+    shortlisting = draft_head(model, SpecConfig("draft-mtp", draft_head="q4_0"))
+    draft_graph = MTPDraftGraph(model, state, args.n_max, shortlisting, DRAFT_TOP_K)
     full_head_graph = MTPDraftGraph(model, state, args.n_max, model.mtp_head, DRAFT_TOP_K)
     rows_graph = MTPRowsGraph(model, state, args.n_max + 1)
 
@@ -605,7 +606,7 @@ def measure_decode(
     t_step = t_verify + t_drafts + t_catch_up
     return {
         **row,
-        "draft_ms": 1e3 * t_drafts,  # all n_max draft steps, captured
+        "draft_ms": 1e3 * t_drafts,  # all n_max draft steps, captured, the shortlisting head
         "draft_full_head_ms": 1e3 * t_drafts_full_head,  # the same over the whole head (--spec-draft-head full)
         "draft_step_eager_ms": 1e3 * t_draft_eager,  # one draft step without the graph
         "catch_up_ms": 1e3 * t_catch_up,
