@@ -120,7 +120,8 @@ def test_27b_on_two_22gb_gpus_uses_llama_cpps_ranges():
     # Drafts scored by the whole head (--spec-draft-head full): no copy.
     full = replace(DEPLOY, spec=replace(DEPLOY.spec, draft_head="full"))
     g1_full = place(CONFIG, LAYER_BYTES, full, gpus, "all", "layer", [1, 1]).use("CUDA1")
-    assert g1.weights_bytes - g1_full.weights_bytes == DRAFT_COPY
+    assert g1.weights_bytes - g1_full.weights_bytes == g1.draft_copy_bytes == DRAFT_COPY
+    assert g1_full.draft_copy_bytes == 0 and "output layer)" in g1_full.describe()
 
 
 def test_27b_on_one_22gb_gpu_is_refused():
@@ -135,7 +136,10 @@ def test_27b_on_one_22gb_gpu_is_refused():
     assert f"CUDA0 (cuda) needs {need / GiB:.2f} GiB but has {gpu[0].free_bytes / GiB:.2f} GiB free" in msg
     assert "needs 26.87 GiB but has 21.71 GiB free" in msg
     # the weights with the draft's Q4_0 copy of the output layer (0.67 GiB)
-    assert "weights 15.65 GiB (layers 0-64, output layer), KV cache 8.50 GiB" in msg and "MTP KV 0.53 GiB" in msg
+    assert (
+        "weights 15.65 GiB (layers 0-64, output layer and its Q4_0 copy for drafts), KV cache 8.50 GiB" in msg
+        and "MTP KV 0.53 GiB" in msg
+    )
     # What to lower: the largest --gpu-layers that fits, then context, KV type, devices.
     assert "Lower --gpu-layers to 50 or less" in msg and "--ctx-size (now 262144)" in msg
     assert "-ctk/-ctv q4_0" in msg and "add a GPU" in msg

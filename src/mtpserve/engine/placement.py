@@ -60,6 +60,7 @@ class DeviceUse:
     checkpoint_bytes: int = 0  # recurrent-state checkpoints (host only)
     rollback_bytes: int = 0  # the per-token recurrent states a speculative verification keeps
     limit_bytes: int | None = None  # free memory checked against; None: not checked
+    draft_copy_bytes: int = 0  # of weights_bytes: the MTP drafts' Q4_0 copy of the output layer (models.draft_head)
 
     @property
     def total_bytes(self) -> int:
@@ -160,7 +161,7 @@ def _what(u: DeviceUse) -> str:
     if u.blocks:
         items.append("layers " + _ranges_text(u.blocks))
     if u.output:
-        items.append("output layer")
+        items.append("output layer" + (" and its Q4_0 copy for drafts" if u.draft_copy_bytes else ""))
     return ", ".join(items) or "nothing"
 
 
@@ -368,6 +369,7 @@ class _Tally:
     mtp_kv: int = 0
     rollback: int = 0
     prompt_kv: int = 0  # the largest of its blocks' (one layer is read at a time)
+    draft_copy: int = 0
 
 
 def _layout(
@@ -429,6 +431,7 @@ def _layout(
         t.output = t.runs = True  # row: every rank gathers the whole logits
     if row_shares is None and (out_dev is not host or c.draft_copy_on_host):
         tally[out_dev.name].weights += c.draft_copy
+        tally[out_dev.name].draft_copy = c.draft_copy
 
     uses = []
     for d in (host, *devices):
@@ -451,6 +454,7 @@ def _layout(
                 checkpoint_bytes=c.checkpoints if is_host else 0,
                 rollback_bytes=t.rollback,
                 limit_bytes=limit,
+                draft_copy_bytes=t.draft_copy,
             )
         )
     return Placement(
