@@ -28,10 +28,9 @@ from pathlib import Path
 
 import gpu_time_model as tm
 import torch
-from draft_vocab import TINY, texts
+from draft_vocab import TINY, texts, tiny_drafts
 
-from mtpserve.engine import Engine, EngineConfig, FinishEvent, Request, SamplingParams, SpecConfig
-from mtpserve.engine.planner import plan_for_file
+from mtpserve.engine import SpecConfig
 from mtpserve.models.draft_head import SHORTLIST, DraftHead
 from mtpserve.models.loader import load
 from mtpserve.ops.linear import linear
@@ -98,23 +97,10 @@ def head_recall(positions: int) -> list[dict]:
 
 
 def tiny_acceptance(tokens: int) -> list[dict]:
-    tokenizer = Tokenizer.from_gguf(TINY)
-    prompts = [t[i : i + 1200] for t in texts().values() for i in (0, 20000)]
     rows = []
     for head in ("full", "q4_0"):
-        model = load(TINY)
-        config = EngineConfig(n_parallel=1, ctx_size=2048, spec=SpecConfig(type="draft-mtp", n_max=2, draft_head=head))
-        drafted = accepted = 0
-        with Engine(model, tokenizer, config, plan_for_file(TINY, config)) as engine:
-            for prompt in prompts:
-                ids = tokenizer.encode(prompt, add_special=False)[:384]
-                request = Request(ids, SamplingParams(temperature=0.0), n_predict=tokens, ignore_eos=True)
-                finish = next(e for e in engine.submit(request) if isinstance(e, FinishEvent))
-                drafted += finish.timings.draft_n
-                accepted += finish.timings.draft_n_accepted
-        rows.append({"draft_head": head, "drafted": drafted, "accepted": accepted,
-                     "acceptance": round(accepted / max(drafted, 1), 4)})  # fmt: skip
-        print(f"tinyqwen35 draft head {head}: {accepted}/{drafted}", file=sys.stderr, flush=True)
+        rows.append({"draft_head": head, **tiny_drafts(SpecConfig("draft-mtp", n_max=2, draft_head=head), tokens)})
+        print(f"tinyqwen35 draft head {head}: {rows[-1]}", file=sys.stderr, flush=True)
     return rows
 
 

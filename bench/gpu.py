@@ -72,6 +72,7 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from mtpserve.engine import SpecConfig
 from mtpserve.engine.drafters import DRAFT_TOP_K, draft_head
 from mtpserve.models.base import Batch, WeightStore
+from mtpserve.models.draft_head import DraftHead
 from mtpserve.models.graphs import DecodeGraph, MTPDraftGraph, MTPRowsGraph, StepGraph
 from mtpserve.models.loader import build_model
 from mtpserve.models.qwen35 import Qwen35Config
@@ -557,7 +558,7 @@ def measure_decode(
     # 27B's Q6_K head; named here so that the CPU stand-in runs it too), and over the whole head beside them
     shortlisting = draft_head(model, SpecConfig("draft-mtp", draft_head="q4_0"))
     draft_graph = MTPDraftGraph(model, state, args.n_max, shortlisting, DRAFT_TOP_K)
-    full_head_graph = MTPDraftGraph(model, state, args.n_max, model.mtp_head, DRAFT_TOP_K)
+    full_head_graph = MTPDraftGraph(model, state, args.n_max, DraftHead(model.mtp_head), DRAFT_TOP_K)
     rows_graph = MTPRowsGraph(model, state, args.n_max + 1)
 
     def draft_step_eager() -> None:

@@ -123,7 +123,7 @@ class Bytes:
     def of_deployment(cls, shortlist: bool = True) -> Bytes:
         """The 27B's; `shortlist`: drafts scored as `--spec-draft-head auto` does on a GPU, a Q4_0 copy of the
         output layer (18 bytes a 32 values) and the output layer's rows of its top SHORTLIST."""
-        from mtpserve.models.draft_head import SHORTLIST
+        from mtpserve.models.draft_head import SHORTLIST, copy_row_bytes
         from mtpserve.tuning.synthetic import Qwen35Shape, tensors
 
         shape = Qwen35Shape()
@@ -131,7 +131,7 @@ class Bytes:
         mtp = sum(t.nbytes for t in specs if t.name.startswith(f"blk.{shape.n_layer}."))
         embedding = sum(t.nbytes for t in specs if t.name == "token_embd.weight")
         output = sum(t.nbytes for t in specs if t.name == "output.weight")
-        head = VOCAB * N_EMBD // 32 * 18 + SHORTLIST * output // VOCAB if shortlist else output
+        head = VOCAB * copy_row_bytes(N_EMBD) + SHORTLIST * output // VOCAB if shortlist else output
         return cls(sum(t.nbytes for t in specs) - mtp - embedding, mtp, output, head)
 
 

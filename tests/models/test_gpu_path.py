@@ -460,8 +460,8 @@ def test_the_captured_step_reads_nothing_back_to_the_host(monkeypatch: pytest.Mo
         DecodeGraph(model, state, capture=False),
         StepGraph(model, state, 3, True, capture=False, split_at=[2]),
         MTPRowsGraph(model, state, 3, capture=False),
-        MTPDraftGraph(model, state, 2, model.mtp_head, 10, capture=False),
-        MTPDraftGraph(model, state, 2, model.mtp_head, 10, capture=False, chained=False),
+        MTPDraftGraph(model, state, 2, DraftHead(model.mtp_head), 10, capture=False),
+        MTPDraftGraph(model, state, 2, DraftHead(model.mtp_head), 10, capture=False, chained=False),
         MTPDraftGraph(model, state, 2, DraftHead.shortlisting(model.mtp_head), 10, capture=False),
     )
     for graph in graphs:

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..gguf import GGUFFile
 from ..models.config import ModelConfig
+from ..models.draft_head import copy_pays, copy_row_bytes
 from ..models.memory import CTX_PAD, kv_bytes_per_cell, kv_cells
 from ..quant.types import bytes_per_element, parse_cache_type
 from .planner import GIB, EngineConfig, InsufficientMemory
@@ -348,14 +349,13 @@ def _costs(config: ModelConfig, layer_bytes: Mapping[LayerKey, int], engine: Eng
 
 
 def _draft_copy_bytes(config: ModelConfig, engine: EngineConfig, output_bytes: int) -> int:
-    """The Q4_0 copy --spec-draft-head makes of the draft's head rows (18 bytes a 32 values), where it is made:
-    asked for, or `auto` where it reads a quarter fewer bytes than the head (models.draft_head.shortlist_pays)."""
-    rows = min(engine.spec.draft_vocab or config.n_vocab, config.n_vocab)
-    copy = rows * (config.n_embd // 32) * 18
-    if engine.spec.draft_head == "full" or config.n_embd % 32:
+    """The Q4_0 copy --spec-draft-head makes of the draft's head rows, where it is made: asked for, or `auto` where
+    it reads a quarter fewer bytes than the head (models.draft_head.copy_pays)."""
+    row = copy_row_bytes(config.n_embd)
+    if row is None or engine.spec.draft_head == "full":
         return 0
-    pays = copy <= 0.75 * output_bytes * rows / config.n_vocab
-    return copy if engine.spec.draft_head == "q4_0" or pays else 0
+    made = engine.spec.draft_head == "q4_0" or copy_pays(output_bytes / config.n_vocab, config.n_embd)
+    return min(engine.spec.draft_vocab or config.n_vocab, config.n_vocab) * row if made else 0
 
 
 @dataclass

@@ -36,10 +36,9 @@ class DraftHead:
     @classmethod
     def shortlisting(cls, head: QTensor, ggml_type: GGMLType = SHORTLIST_TYPE) -> DraftHead:
         """`head` with a `ggml_type` copy of it made now, on its device, a chunk of rows at a time."""
-        chunks = []
-        for start in range(0, head.shape[0], QUANTIZE_ROWS):
-            rows = torch.arange(start, min(start + QUANTIZE_ROWS, head.shape[0]), device=head.data.device)
-            chunks.append(quantize(head.rows(rows), ggml_type))
+        n = head.shape[0]
+        runs = [(start, min(start + QUANTIZE_ROWS, n)) for start in range(0, n, QUANTIZE_ROWS)]
+        chunks = [quantize(head.select_rows([run]).dequantize(), ggml_type) for run in runs]
         coarse = QTensor(torch.cat(chunks), ggml_type, head.shape, f"{head.name} as {ggml_type.name}")
         return cls(head, coarse)
 
@@ -70,10 +69,18 @@ class DraftHead:
         return self.coarse.nbytes + self.shortlist * self.exact.data.shape[1]
 
 
-def shortlist_pays(head: QTensor, ggml_type: GGMLType = SHORTLIST_TYPE) -> bool:
-    """Whether a `ggml_type` copy reads a quarter fewer bytes than `head` (Q6_K: 31% fewer, Q8_0: 47%, F16: 72%)
-    and its rows fit its blocks."""
+def copy_row_bytes(row_length: int, ggml_type: GGMLType = SHORTLIST_TYPE) -> int | None:
+    """Bytes of a row of the copy (None: a row of this length does not fill its blocks)."""
     block, size = block_geometry(ggml_type)
-    if head.shape[-1] % block:
-        return False
-    return head.shape[-1] // block * size <= 0.75 * head.data.shape[1]
+    return None if row_length % block else row_length // block * size
+
+
+def copy_pays(head_row_bytes: float, row_length: int) -> bool:
+    """Whether the copy reads a quarter fewer bytes than the head (Q6_K: 31% fewer, Q8_0: 47%, F16: 72%) and its
+    rows fit its blocks: where `--spec-draft-head auto` makes it (engine.drafters) and the placement counts it."""
+    copy = copy_row_bytes(row_length)
+    return copy is not None and copy <= 0.75 * head_row_bytes
+
+
+def shortlist_pays(head: QTensor) -> bool:
+    return copy_pays(head.data.shape[1], head.shape[-1])

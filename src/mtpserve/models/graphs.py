@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from ..cache import RecurrentState
-from ..quant.qtensor import QTensor
 from .base import Batch, CausalLM, ModelState
 from .draft_head import DraftHead
 from .mtp import MTPModel, mtp_cache_index, mtp_graphable, mtp_model
@@ -248,15 +247,14 @@ class MTPDraftGraph(CapturedStep):
         model: CausalLM,
         state: ModelState,
         n_max: int,
-        head: DraftHead | QTensor,
+        head: DraftHead,
         top_k: int,
         capture: bool | None = None,
         chained: bool | None = None,
     ) -> None:
         mtp, device = _mtp_on_one_device(model)
         super().__init__(device, capture)
-        self.model, self.state, self.n_max, self.top_k = model, state, n_max, top_k
-        self.head = head if isinstance(head, DraftHead) else DraftHead(head)
+        self.model, self.state, self.n_max, self.head, self.top_k = model, state, n_max, head, top_k
         self.kv = state.kv[_index(mtp)]
         self.mtp_step, self.mtp_embed = mtp.mtp_step, mtp.mtp_embed
         table_device = mtp.mtp_table.data.device
