@@ -35,15 +35,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 
 from mtpserve.kernels.triton.attention import decode_attention  # noqa: E402
+from mtpserve.quant.planar import to_planar  # noqa: E402
 
 N_HEAD, N_HEAD_KV, HEAD_DIM, CELLS = 24, 4, 256, 262144  # Qwen3.6-27B's attention, the deployment's context
-# (name, precision, keys a tile, warps, fewest keys a split, loads first, query rows a program or None): today's
-# default first, the reference of the errors. "lf": a tile's loads issued together (decode_attention's loads_first);
-# "m32": a verification's 18 query rows in one 32-row block, one pass over the cache where the default makes two
-# (measured at 3 rows only; the tensor-core operands: float32 FMAs spill there). None: decode_attention's default.
+# (name, precision, keys a tile, warps, fewest keys a split, loads first, query rows a program or None): the float
+# kernel over GGUF blocks first (the first H200 run's), the reference of the errors. "lf": a tile's loads issued
+# together (decode_attention's loads_first); "m32": a verification's 18 query rows in one 32-row block, one pass over
+# the cache where the float kernel's default makes two (measured at 3 rows only; the tensor-core operands: float32
+# FMAs spill there). None: decode_attention's default. Precision None ("int8 ..."): the server's kernel since
+# 2026-12-05, the int8 one over the cache laid out planar as the GPU path stores it (attention_int8), at the
+# default's 256 fewest keys a split and at fewer (more programs: the first run's latency).
 VARIANTS = (
-    ("default", "ieee", 16, None, 256, False, None),
-    # the default until 2026-12-05: a decode step's 6 rows in a 16-row block of 8 warps (now 8 rows, 4 warps)
+    ("float", "ieee", 16, None, 256, False, None),
+    ("int8", None, None, None, 256, False, None),
+    ("int8 min64", None, None, None, 64, False, None),
+    ("int8 min32", None, None, None, 32, False, None),
+    # the float kernel's default until 2026-12-05: a decode step's 6 rows in a 16-row block of 8 warps (now 8 rows)
     ("ieee m16 w8", "ieee", 16, 8, 256, False, 16),
     # the hypotheses about the first run's latency first (a budget spent cuts the last choices): more programs (one
     # 16-key tile a program where the depth allows: 1,024 at 4,096 tokens where the default has 64), more programs
@@ -108,9 +115,10 @@ def measure(
     depths: list[int], rows: list[int], device: torch.device, cells: int = CELLS, budget_s: float | None = None
 ) -> tuple[list[dict], list[str]]:
     """(rows measured, choices left unmeasured). Choice after choice, each at every depth and row count, so a budget
-    spent leaves whole choices out (the last ones) rather than a depth; the default always runs (the reference)."""
+    spent leaves whole choices out (the last ones) rather than a depth; the first always runs (the reference)."""
     gen = torch.Generator(device=device).manual_seed(0)  # the caches made where they are read: no host copy
     k_cache, v_cache = q8_0_cache(cells, gen, device), q8_0_cache(cells, gen, device)
+    planar = tuple(to_planar(c, N_HEAD_KV) for c in (k_cache, v_cache))  # the same values as the GPU path lays them
     head_bytes = k_cache.shape[1] // N_HEAD_KV
     q8 = int(GGMLQuantizationType.Q8_0)
     cases = []  # (depth, T, q, q_pos, k_pos): the same queries for every choice
@@ -130,9 +138,10 @@ def measure(
         for depth, T, q, q_pos, k_pos in cases:
             if precision == "bf16" and device.type != "cuda" or (block_m or 0) > 16 and T == 1:
                 continue
+            caches, layout = (planar, {"planar": True}) if precision is None else ((k_cache, v_cache), {})
             call = partial(
-                decode_attention, q, k_cache, v_cache, q8, q8, q_pos, k_pos, n_kv_heads=N_HEAD_KV,
-                head_dim=HEAD_DIM, scale=HEAD_DIM**-0.5, ordered=True, **choice_kwargs(name),
+                decode_attention, q, *caches, q8, q8, q_pos, k_pos, n_kv_heads=N_HEAD_KV,
+                head_dim=HEAD_DIM, scale=HEAD_DIM**-0.5, ordered=True, **choice_kwargs(name), **layout,
             )  # fmt: skip
             nbytes = 2 * depth * N_HEAD_KV * head_bytes  # K and V of every filled cell, once
             row = {"variant": name, "depth": depth, "rows": T}
@@ -164,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         help="no further choice once this many seconds are spent (the GPU "
-        "check's stage has the GEMV calibration after this); the default choice always runs",
+        "check's stage has the GEMV calibration after this); the first choice always runs",
     )
     args = p.parse_args(argv)
     device = torch.device(args.device)

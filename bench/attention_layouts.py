@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from mtpserve.kernels.triton.intdot import int8_to_fp16  # noqa: E402
 from mtpserve.quant.dequant import dequantize  # noqa: E402
 from mtpserve.quant.quantize import quantize  # noqa: E402
 from mtpserve.quant.types import GGMLType  # noqa: E402
@@ -56,7 +57,7 @@ QK = ("fp16", "int8")
 # (query rows a program, warps, keys a tile): 16 rows hold a decode's 6 (one token x 6 query heads a KV head),
 # 32 a verification's 18 in one pass.
 SHAPES = ((16, 2, 16), (16, 4, 32), (16, 8, 16), (32, 4, 32))
-CONVERSIONS = ("compiler", "packed")  # V's int8 -> fp16: Triton's own, or _int8_to_fp16
+CONVERSIONS = ("compiler", "packed")  # V's int8 -> fp16: Triton's own, or intdot.int8_to_fp16
 
 
 @triton.jit
@@ -110,7 +111,7 @@ def _study_kernel(q_ptr, qs_ptr, k_ptr, v_ptr, q_pos_ptr, k_pos_ptr, acc_ptr, ml
         vq = tl.load(v_ptr + quant_at).to(tl.int8, bitcast=True)
         vs = tl.load((v_ptr + scale_at).to(tl.pointer_type(tl.float16)))
         if PACKED_CVT:
-            v = tl.reshape(_int8_to_fp16(vq) * vs, (BLOCK_S, D))
+            v = tl.reshape(int8_to_fp16(vq, True) * vs, (BLOCK_S, D))
         else:
             v = tl.reshape(vq.to(tl.float16) * vs, (BLOCK_S, D))
         sc = tl.where(seen, sc, -float("inf"))
@@ -135,25 +136,6 @@ def _block_offsets(b, NB: tl.constexpr, PLANAR: tl.constexpr):
         return 2 * NB + b * 32, b * 2
     else:
         return b * 34 + 2, b * 34
-
-
-PRMT_SELECTORS = (0x5140, 0x7362)  # the two output words: bytes 0, 1 and bytes 2, 3 of the input, each under 0x64
-FP16_1152 = 0x6480  # 1024 + 128: what the byte's bias and the 0x64 high byte add to it
-_PACKED_CVT_ASM = tl.constexpr(
-    f"{{ .reg .b32 t, c; xor.b32 t, $2, 0x80808080; mov.b32 c, {FP16_1152 * 0x10001:#x}; "
-    + " ".join(
-        f"prmt.b32 ${i}, t, 0x64646464, {sel:#x}; sub.f16x2 ${i}, ${i}, c;" for i, sel in enumerate(PRMT_SELECTORS)
-    )
-    + " }"
-)
-
-
-@triton.jit
-def _int8_to_fp16(x):
-    """int8 -> fp16 (exact), four at a time: each byte biased by 128 becomes the low mantissa byte of fp16 1024.0
-    (0x64xx), and 1152 comes off exactly; 5 instructions for 4 values where the compiler's conversion takes ~3 a
-    value. PTX, so compiled kernels only: tests/bench/test_attention_layouts.py models its bytes, --time runs it."""
-    return tl.inline_asm_elementwise(_PACKED_CVT_ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
 
 
 def _q8_0_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -292,7 +274,14 @@ def time_rows(depths: tuple[int, ...], budget_s: float, device: str = "cuda") ->
             server = functools.partial(decode_attention, q, blocks, blocks, GGMLQuantizationType.Q8_0,
                                        GGMLQuantizationType.Q8_0, q_pos, k_pos, n_kv_heads=N_HEAD_KV,
                                        head_dim=HEAD_DIM, scale=HEAD_DIM**-0.5, ordered=True)  # fmt: skip
-            calls = [("server kernel (blocks)", server, server)]
+            server_planar = functools.partial(decode_attention, q, planar, planar, GGMLQuantizationType.Q8_0,
+                                              GGMLQuantizationType.Q8_0, q_pos, k_pos, n_kv_heads=N_HEAD_KV,
+                                              head_dim=HEAD_DIM, scale=HEAD_DIM**-0.5, ordered=True,
+                                              planar=True)  # fmt: skip
+            calls = [
+                ("server kernel (blocks)", server, server),
+                ("server kernel (planar)", server_planar, server_planar),
+            ]
             for layout, qk, cvt, (block_m, warps, block_s) in TIMED:
                 if block_m < n_tok * N_HEAD // N_HEAD_KV or (cvt == "packed" and device == "cpu"):
                     continue  # too few rows; PTX the interpreter cannot run

@@ -158,12 +158,12 @@ def counts(config: Qwen35Config = SMALL_27B) -> dict:
 
     tensors = random_weights(config, torch.device("cpu"))
     model = build_model(WeightStore(tensors, "cpu", tensor_devices={"token_embd.weight": "cpu"}), config)
-    state = model.new_state(CONTEXT, "q8_0", "q8_0", mtp=True)
-    state.n_past = CONTEXT // 2  # decode deep in the cache: the kernels launched do not depend on where
     n = config.n_layer
     trunk = {"gated_deltanet": sum(config.recurrent[:n]), "gated_attention": n - sum(config.recurrent[:n])}
     graphs: dict[str, tuple[Callable[[], object], dict[str, int]]] = {}
     with emulate_gpu(matmul="triton"):
+        state = model.new_state(CONTEXT, "q8_0", "q8_0", mtp=True)  # laid out for the GPU path: planar q8_0
+        state.n_past = CONTEXT // 2  # decode deep in the cache: the kernels launched do not depend on where
         decode = DecodeGraph(model, state, capture=False)
         verify = StepGraph(model, state, N_MAX + 1, keep_steps=True, capture=False)
         head = DraftHead.shortlisting(model.mtp_head)  # as --spec-draft-head auto scores drafts on a GPU

@@ -74,7 +74,7 @@ def attention_programs(context: int, rows: int) -> tuple[int, int]:
     two a verification: as many as the measured run's 16-row blocks)."""
     per = math.ceil(max(math.ceil(context / MAX_SPLITS), MIN_KEYS_PER_SPLIT) / KEYS_PER_TILE) * KEYS_PER_TILE
     splits = min(math.ceil(context / per), MAX_SPLITS)
-    return splits * tm.KV_HEADS * tm.attention_passes(rows), per // KEYS_PER_TILE
+    return splits * tm.KV_HEADS * tm.attention_passes(rows, "sm_75"), per // KEYS_PER_TILE  # the float kernel's
 
 
 def attention_ms(context: int, rows: int, sms: int, tile_us: float, layers: int = tm.ATTENTION_LAYERS) -> float:
@@ -113,7 +113,8 @@ def fit(measured: dict) -> Efficiencies:
 
 def predict(e: Efficiencies, host_ms_per_token: float, host_ms_per_mtp_cycle: float) -> list[dict]:
     """tok/s by device, context and speculation, and ms a token by part (the layer split: cards in series)."""
-    w, k = tm.Bytes.of_deployment(shortlist=False), tm.Kernels(draft=27)  # the measured run: the whole head
+    w = tm.Bytes.of_deployment(shortlist=False)  # the measured run: the whole head, the float attention kernel
+    k = tm.Kernels(decode=709, verify=725, draft=27, catch_up=22)
     out = []
     for name in ("H200", "2x2080Ti"):
         device = tm.DEVICES[name]

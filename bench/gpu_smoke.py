@@ -256,28 +256,38 @@ def _quant_matmul(s: Shapes, device: torch.device) -> list[Case]:
 
 @smoke_case("decode_attention")
 def _decode_attention(s: Shapes, device: torch.device) -> list[Case]:
+    from mtpserve.kernels.capability import cuda_capability
     from mtpserve.ops.attention import decode_attention_reference
+    from mtpserve.quant.planar import to_planar
     from mtpserve.quant.types import GGMLType
 
-    def case(rows: int) -> Case:
+    def case(rows: int, planar: bool) -> Case:
+        """GGUF blocks through the float kernel; planar rows (the GPU path's) through the int8 kernel on sm_80+ (its
+        query rounded to q8_0, PV in fp16: the twin rounds the query alike), the float kernel below."""
+
         def run() -> Comparison:
             gen = _gen(device, 5)
             S, D = s.context, s.head_dim
             k_cache = random_blocks(GGMLType.Q8_0, S, s.n_head_kv * D, device, gen)
             v_cache = random_blocks(GGMLType.Q8_0, S, s.n_head_kv * D, device, gen)
+            if planar:
+                k_cache, v_cache = (to_planar(c, s.n_head_kv) for c in (k_cache, v_cache))
             q = _randn(gen, rows, s.n_head, D) * 30  # q8_0 cells of ~1e-2: logits of a few units
             q_pos = torch.arange(S - rows, S, device=device)
             k_pos = torch.arange(S, device=device)
             args = (q, k_cache, v_cache, int(GGMLType.Q8_0), int(GGMLType.Q8_0), q_pos, k_pos)
-            got = kernels().decode_attention(*args, n_kv_heads=s.n_head_kv, head_dim=D, scale=D**-0.5)
-            want = decode_attention_reference(*args, n_kv_heads=s.n_head_kv, scale=D**-0.5)
-            return Comparison((got,), (want,), "tf32x3" if device.type == "cuda" else "float32")
+            int8 = planar and (device.type != "cuda" or cuda_capability(device) >= (8, 0))
+            got = kernels().decode_attention(*args, n_kv_heads=s.n_head_kv, head_dim=D, scale=D**-0.5, planar=planar)
+            want = decode_attention_reference(*args, n_kv_heads=s.n_head_kv, scale=D**-0.5, planar=planar, round_q=int8)
+            return Comparison((got,), (want,), "float16" if int8 else "tf32x3" if device.type == "cuda" else "float32")
 
+        layout = "planar q8_0" if planar else "q8_0"
         return Case(
-            f"decode_attention q8_0 cache {s.context} cells H={s.n_head}/{s.n_head_kv} D={s.head_dim} T={rows}", run
+            f"decode_attention {layout} cache {s.context} cells H={s.n_head}/{s.n_head_kv} D={s.head_dim} T={rows}",
+            run,
         )
 
-    return [case(1), case(3)]
+    return [case(1, False), case(3, False), case(1, True), case(3, True)]
 
 
 def _delta_inputs(s: Shapes, gen: torch.Generator, tokens: int) -> tuple[torch.Tensor, ...]:

@@ -13,14 +13,17 @@ or a verification of 1 + n_max tokens, or an MTP draft) costs the sum of five pa
   (1.04 GB); a catch-up reads the MTP block alone.
 * attention: the KV cache's bytes at the context (16 layers, K and V, 4 KV heads x 256 at q8_0's 34 bytes a 32)
   once a pass, each over its launch's own bound: min(its issue bound from gpu_static's table, HBM x
-  BANDWIDTH_FRACTION). A decode step's 6 query heads a KV head are one 8-row block; a verification's 3 tokens x 6
-  are 18 query rows, a 16-row block and a 4-row one: two passes. A draft step attends in the MTP block's one
-  layer.
+  BANDWIDTH_FRACTION). On the H200 the planar q8_0 cache is read by the int8 kernel: a decode step's 6 query
+  heads a KV head in one 16-row block, a verification's 3 tokens x 6 = 18 query rows in one 32-row block. On the
+  2080 Ti by the float kernel: 6 rows in one 8-row block, 18 in a 16-row block and a 4-row one (two passes). A
+  draft step attends in the MTP block's one layer.
 * other: the Gated DeltaNet states (48 layers x 48 heads x 128 x 128 float32) read and written each step, a
   verification writing one more per token (kept for the rollback; `state_passes`); with the layer split, the
   hidden state handed to the next card (n_embd float32 over PCIe, plus its latency).
-* launches: the step's kernels (bench/decode_launches.py: 709 a step, 725 a verification, 32 a draft (27 with the
-  whole head), 22 a catch-up) x LAUNCH_US each, the fixed cost of a kernel in a graph replay beyond its memory time.
+* launches: the step's kernels (bench/decode_launches.py on the GPU path's planar q8_0 cache: 709 a step, 709 a
+  verification, 32 a draft (27 with the whole head), 21 a catch-up; sm_75's float attention kernel takes a
+  verification's rows in two launches a layer, 16 more) x LAUNCH_US each, the fixed cost of a kernel in a graph
+  replay beyond its memory time.
 * host: the engine's own time per cycle, measured by bench/engine_overhead.py's stand-in (tinyqwen35 whose passes
   cost nothing, with 248,320-token logits handed over uncopied: the engine step, the sampler, speculation's
   bookkeeping), plus each logits row's ranking: the GPU path leaves the logits on the device and ranks each row
@@ -88,7 +91,7 @@ class Device:
     hbm_tbps: float
     pcie_copy_gbps: float  # a pageable device-to-host copy (`.cpu()`): half the link's rate, assumed
     cards_in_series: int  # layer split: a step crosses cards - 1 boundaries
-    attention_tbps_fallback: float  # decode attention's issue bound when no gpu_static table is given
+    attention_tbps_fallback: float  # decode attention's slowest launch's issue bound when no gpu_static table is given
     tensor_parallel: int = 1  # row split (issue 40): cards that each hold 1/tp of every matrix, KV head and state
     allreduce_us: float = 0.0  # a small all-reduce's latency between those cards
     allreduce_gbps: float = 0.0  # and the rate its bytes move at
@@ -96,16 +99,16 @@ class Device:
 
 DEVICES = {
     # H200: 4.8 TB/s HBM3e; PCIe 5.0 x16 (64 GB/s a direction) at half for pageable copies
-    "H200": Device("H200", "sm_90", 4.8, 25.0, 1, 1.083),
+    "H200": Device("H200", "sm_90", 4.8, 25.0, 1, 4.78),
     # RTX 2080 Ti: 616 GB/s GDDR6; PCIe 3.0 x16 (~12 GB/s in practice) at half; layer split 1:1 over two cards
-    "2x2080Ti": Device("2x2080Ti", "sm_75", 0.616, 6.0, 2, 0.40),
+    "2x2080Ti": Device("2x2080Ti", "sm_75", 0.616, 6.0, 2, 0.41),
     # The same two cards as tensor parallelism (issue 40's `-sm row`): both stream half of every matrix at once.
     # Over PCIe 3.0 through host memory (GeForce cards without peer-to-peer): NCCL's small all-reduce between two
     # such cards takes ~12 us (all-to-all of 8-64 B, 2 x RTX 4090, P2P off: tinygrad/open-gpu-kernel-modules#17),
     # 15 assumed for the older platform, its bytes at the 6 GB/s of a copy. Over the 2080 Ti's NVLink bridge (two
     # links, 50 GB/s a direction): ~10 us (2 GPUs over NVLink, all_reduce_perf at 8-128 B: NVIDIA/nccl-tests#123).
-    "2x2080Ti-row-pcie": Device("2x2080Ti-row-pcie", "sm_75", 0.616, 6.0, 1, 0.40, 2, 15.0, 6.0),
-    "2x2080Ti-row-nvlink": Device("2x2080Ti-row-nvlink", "sm_75", 0.616, 6.0, 1, 0.40, 2, 10.0, 50.0),
+    "2x2080Ti-row-pcie": Device("2x2080Ti-row-pcie", "sm_75", 0.616, 6.0, 1, 0.41, 2, 15.0, 6.0),
+    "2x2080Ti-row-nvlink": Device("2x2080Ti-row-nvlink", "sm_75", 0.616, 6.0, 1, 0.41, 2, 10.0, 50.0),
 }
 ALLREDUCES_PER_LAYER = 2  # row split: after the attention or DeltaNet output projection, and after the FFN's down
 
@@ -140,9 +143,9 @@ class Kernels:
     """Kernels a step launches (bench/decode_launches.py, through gpu_static's JSON)."""
 
     decode: int = 709
-    verify: int = 725  # a verification's attention takes a 16-row launch and a 4-row one in each of 16 layers
+    verify: int = 709  # the int8 kernel takes its 18 rows a KV head in one launch (sm_75's float kernel: two, 725)
     draft: int = 32  # the shortlisting head's (--spec-draft-head auto on a GPU): 27 with the whole head
-    catch_up: int = 22
+    catch_up: int = 21
 
 
 def kv_bytes(context: int, layers: int = ATTENTION_LAYERS) -> float:
@@ -160,23 +163,27 @@ def state_passes(tokens: int) -> int:
     return 1 + tokens
 
 
-def attention_passes(tokens: int) -> int:
-    """Passes over the cache: the row blocks of a KV head's query rows, as decode attention cuts them
-    (kernels.triton.attention.row_blocks: a decode step's 6 in one 8-row block, a verification's 18 in a 16-row
-    block and a 4-row one)."""
+def attention_passes(tokens: int, arch: str) -> int:
+    """Passes over the cache: the row blocks of a KV head's query rows, as decode attention cuts them on `arch`.
+    sm_90 reads the planar q8_0 cache with the int8 kernel (kernels.triton.attention_int8.int8_row_blocks: a decode
+    step's 6 rows in one 16-row block, a verification's 18 in one 32-row block); sm_75 with the float kernel
+    (kernels.triton.attention.row_blocks: 6 rows in one 8-row block, 18 in a 16-row block and a 4-row one)."""
     from mtpserve.kernels.triton.attention import row_blocks
+    from mtpserve.kernels.triton.attention_int8 import int8_row_blocks
 
-    return sum(n for _, n, _ in row_blocks(tokens * (QUERY_HEADS // KV_HEADS), HEAD_DIM))
+    rows = tokens * (QUERY_HEADS // KV_HEADS)
+    blocks = int8_row_blocks(rows) if arch == "sm_90" else row_blocks(rows, HEAD_DIM)
+    return sum(n for _, n, _ in blocks)
 
 
-def pass_bounds(bounds: float | dict[int, list[float]], tokens: int) -> list[float]:
+def pass_bounds(bounds: float | dict[int, list[float]], tokens: int, arch: str) -> list[float]:
     """Decode attention's issue bound for each pass of a step of `tokens` tokens: one figure for every pass, or
     gpu_static's per launch (its T=1 and T=3 rows; the slowest for each pass where this step's are missing)."""
     if isinstance(bounds, dict):
         if tokens in bounds:
             return bounds[tokens]
-        return [min(min(b) for b in bounds.values())] * attention_passes(tokens)
-    return [bounds] * attention_passes(tokens)
+        return [min(min(b) for b in bounds.values())] * attention_passes(tokens, arch)
+    return [bounds] * attention_passes(tokens, arch)
 
 
 @dataclass
@@ -228,7 +235,7 @@ def step(
         weights=weights / tp / (stream_tbps * 1e9),
         attention=kv_bytes(context, attention_layers)
         / tp
-        * sum(1 / (min(bound, stream_tbps) * 1e9) for bound in pass_bounds(attention_tbps, tokens)),
+        * sum(1 / (min(bound, stream_tbps) * 1e9) for bound in pass_bounds(attention_tbps, tokens, device.arch)),
         launches=(kernels + n_allreduce) * LAUNCH_US / 1e3,
         host=copies,
         other=states / tp / (stream_tbps * 1e9) + (handover if trunk else 0) + allreduce,
@@ -254,8 +261,10 @@ def predict(
             plain = step(device, at, weights=w.trunk, tokens=1, context=context, trunk=True, kernels=kernels.decode,
                          logits_rows=1)  # fmt: skip
             plain.host += host_ms_per_token
+            # the counts are the int8 attention kernel's; sm_75's float kernel may take a verification in more passes
+            extra = ATTENTION_LAYERS * (attention_passes(1 + N_MAX, device.arch) - attention_passes(1 + N_MAX, "sm_90"))
             cycle = step(device, at, weights=w.trunk, tokens=1 + N_MAX, context=context, trunk=True,
-                         kernels=kernels.verify, logits_rows=1 + N_MAX)  # fmt: skip
+                         kernels=kernels.verify + extra, logits_rows=1 + N_MAX)  # fmt: skip
             # tensor parallelism scores drafts with the whole head (it refuses --spec-draft-head q4_0; its draft
             # kernels are counted as the shortlisting head's, 5 more a step)
             head = w.draft_head if device.tensor_parallel == 1 else w.output_layer
@@ -288,13 +297,17 @@ def assumptions() -> dict:
 
 def attention_bounds(static: dict) -> dict[str, dict[int, list[float]]]:
     """Decode attention's issue bound per arch, step tokens and launch (q8_0 cache, D=256, the deployment's; the
-    slower of with and without a window), from gpu_static's rows: a launch per row block size (BLOCK_M)."""
+    slower of with and without a window), from gpu_static's rows: a launch per row block size (BLOCK_M). Where an
+    arch has the int8 kernel's rows (sm_80+), those: the float kernel's are what it runs below sm_80."""
     rows = [r for r in static.get("kernels", []) if r["kernel"] == "attn_split" and "K=Q8_0" in r["name"]]
     rows = [
         r for r in rows if "D=256" in r["name"] and r["issue_bound_tbps"] and "bench choice" not in r.get("note", "")
     ]
+    int8_archs = {r["arch"] for r in rows if " int8 " in r["name"]}
     launches: dict[str, dict[int, dict[int, float]]] = {}
     for r in rows:
+        if (" int8 " in r["name"]) != (r["arch"] in int8_archs):
+            continue
         tokens = int(re.search(r"\bT=(\d+)", r["name"]).group(1))
         block = re.search(r"\bBLOCK_M=(\d+)", r["name"])
         per_block = launches.setdefault(r["arch"], {}).setdefault(tokens, {})

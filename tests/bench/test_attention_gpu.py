@@ -42,11 +42,12 @@ def test_every_choice_runs_and_agrees_with_the_float32_kernel(tmp_path: Path) ->
     assert [(r["rows"], r["variant"]) for r in rows] == [(t, v[0]) for t, v in expected]
     for row, (_, (_, precision, *_)) in zip(rows, expected):
         assert "failed" not in row and row["us"] > 0
-        assert row["error"] <= (1e-3 if precision == "fp16" else 1e-6), row
+        # fp16 operands round to ~1e-3; the int8 kernel's query in 8 bits and fp16 weights to ~1e-2
+        assert row["error"] <= (1e-3 if precision == "fp16" else 2e-2 if precision is None else 1e-6), row
 
 
-def test_a_spent_budget_leaves_the_later_choices_out_and_the_default_in(tmp_path: Path) -> None:
+def test_a_spent_budget_leaves_the_later_choices_out_and_the_reference_in(tmp_path: Path) -> None:
     result = attention_gpu(tmp_path / "attention.json", "--rows", "1,3", "--budget-s", "0")
-    assert [(r["variant"], r["rows"]) for r in result["rows"]] == [("default", 1), ("default", 3)]
+    assert [(r["variant"], r["rows"]) for r in result["rows"]] == [("float", 1), ("float", 3)]
     assert all("failed" not in r and r["error"] == 0.0 for r in result["rows"])
     assert result["unmeasured"] == [v[0] for v in VARIANTS[1:]]

@@ -38,31 +38,9 @@ def test_the_planar_rows_hold_the_same_bytes() -> None:
     assert torch.equal(planar[1, 16 : attention_layouts.ROW], head[:, 2:].flatten())  # then the 256 quants
 
 
-def _prmt(a: int, b: int, selector: int) -> int:
-    """PTX prmt.b32 (default mode): byte i of the result is byte (selector nibble i) of the 8 bytes b:a."""
-    pool = (b << 32 | a).to_bytes(8, "little")
-    return int.from_bytes(bytes(pool[(selector >> (4 * i)) & 7] for i in range(4)), "little")
-
-
-def test_the_packed_conversion_gives_each_int8_exactly_in_fp16() -> None:
-    """_int8_to_fp16's PTX, modelled instruction by instruction (the interpreter cannot run it; --time runs the
-    prototype using it on a GPU against float32 attention): each value exact, in its input's order."""
-    assert f"mov.b32 c, {attention_layouts.FP16_1152 * 0x10001:#x}" in attention_layouts._PACKED_CVT_ASM.value
-    c = torch.tensor([attention_layouts.FP16_1152], dtype=torch.int16).view(torch.float16)
-    assert c.item() == 1152.0
-    values = torch.arange(-128, 128, dtype=torch.int8)
-    for word in values.view(-1, 4):
-        packed = int.from_bytes(word.numpy().tobytes(), "little") ^ 0x80808080
-        words = b"".join(
-            _prmt(packed, 0x64646464, sel).to_bytes(4, "little") for sel in attention_layouts.PRMT_SELECTORS
-        )
-        got = torch.frombuffer(bytearray(words), dtype=torch.float16) - c  # sub.f16x2, in fp16 as the GPU rounds it
-        assert got.dtype == torch.float16 and torch.equal(got.float(), word.float()), (word, got)
-
-
 def test_the_timing_wiring_runs_every_unpacked_kernel_on_the_cpu() -> None:
     rows = attention_layouts.time_rows((48,), budget_s=600, device="cpu")
     ran = [r for r in rows if "us" in r]
     assert not [r for r in rows if "error" in r or "skipped" in r]
-    assert len(ran) == 2 + sum(1 for t in attention_layouts.TIMED if t[2] != "packed" and t[3][0] == 16)
+    assert len(ran) == 4 + sum(1 for t in attention_layouts.TIMED if t[2] != "packed" and t[3][0] == 16)
     assert all(r["relative_error"] < 2e-2 for r in ran), ran

@@ -74,8 +74,10 @@ def test_static_writes_and_reads_over_a_pool_equal_a_cache_of_its_own() -> None:
             for cache in (own, pooled):
                 cache.write_at(positions, k, v)
                 cache.length += 2
+            # q8_0 on the GPU path: the int8 kernel rounds the softmax weights to fp16 against the running max,
+            # which follows the order the cells are walked in
             torch.testing.assert_close(
-                pooled.attend_static(q, positions, 0.125), own.attend_static(q, positions, 0.125)
+                pooled.attend_static(q, positions, 0.125), own.attend_static(q, positions, 0.125), atol=1e-3, rtol=1e-3
             )
         table.add_block(0)  # a block added after the map was made: the map follows in place
         assert int(table.rows_on(torch.device("cpu"))[48]) == 0

@@ -14,10 +14,13 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: the Triton attention kernel cannot be tested")
 
 from mtpserve.cache.kv import KVCache
+from mtpserve.kernels.triton import attention as attention_module
 from mtpserve.kernels.triton import auto_splits, decode_attention
 from mtpserve.kernels.triton.attention import row_blocks
+from mtpserve.kernels.triton.attention_int8 import int8_row_blocks
 from mtpserve.ops.attention import decode_attention_reference
 from mtpserve.quant.dequant import dequantize
+from mtpserve.quant.planar import to_planar
 from mtpserve.quant.types import GGMLType
 
 pytestmark = pytest.mark.skipif(
@@ -28,6 +31,8 @@ DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 # Both sides multiply the same float32 values (the cache dequantized exactly; f16 queries are exact in float32):
 # only the summation order and the split merge differ.
 TOL = 1e-4
+# The int8 kernel's PV: the softmax weights and V's scaled values rounded to fp16 (2^-11), float32 sums.
+INT8_TOL = 2e-3
 
 
 def _rows(rows, S: int) -> torch.Tensor:
@@ -71,20 +76,24 @@ def _check(
     seed: int = 1,
     ordered: bool = False,
     tol: float = TOL,
+    planar: bool = False,
     **options: object,
 ) -> torch.Tensor:
     """decode_attention of T queries (by default the last T cached positions) against the twin; `options` go to
-    decode_attention (precision, block_s, num_warps)."""
+    decode_attention (precision, block_s, num_warps, int8_qk). `planar`: the kernel reads the q8_0 stores as the
+    GPU path lays them out (mtpserve.quant.planar), the twin the same bytes as GGUF blocks; where that takes the
+    int8 kernel, the twin's query is rounded as the kernel's is."""
     dim = kv.k.dim
     S = kv.capacity
     q = torch.randn(T, n_heads, dim, generator=torch.Generator().manual_seed(seed)).to(q_dtype)
     if q_pos is None:
         q_pos = torch.arange(kv.length - T, kv.length)
     scale = 1.0 / math.sqrt(dim)
+    stores = [to_planar(r.data, r.n_heads) if planar and r.type == GGMLType.Q8_0 else r.data for r in (kv.k, kv.v)]
     got = decode_attention(
         q.to(DEVICE),
-        kv.k.data.to(DEVICE),
-        kv.v.data.to(DEVICE),
+        stores[0].to(DEVICE),
+        stores[1].to(DEVICE),
         int(kv.k.type),
         int(kv.v.type),
         q_pos.to(DEVICE),
@@ -95,8 +104,12 @@ def _check(
         window=kv.window,
         n_splits=n_splits,
         ordered=ordered,
+        planar=planar,
         **options,
     ).cpu()
+    both_q8_0 = kv.k.type == kv.v.type == GGMLType.Q8_0
+    float_options = any(options.get(o) for o in ("precision", "loads_first", "block_m"))
+    int8 = planar and both_q8_0 and options.get("int8_qk", not float_options) is not False
     expected = decode_attention_reference(
         q,
         kv.k.data[:S],
@@ -108,6 +121,7 @@ def _check(
         n_kv_heads=kv.k.n_heads,
         scale=scale,
         window=kv.window,
+        round_q=int8,
     )
     assert got.dtype == torch.float32 and got.shape == (T, n_heads, dim)
     assert torch.isfinite(got).all()
@@ -433,3 +447,84 @@ def test_rejects_unsupported_type_and_bad_shapes() -> None:
             head_dim=64,
             scale=1.0,
         )
+
+
+# --- q8_0 stored planar: the float kernel (sm_75's) and the int8 tensor-core kernel (sm_80+) ----------------------
+
+
+@pytest.mark.parametrize(("kt", "vt"), [("q8_0", "q8_0"), ("q8_0", "f16"), ("f16", "q8_0")], ids=str)
+@pytest.mark.parametrize("T", [1, 3])
+def test_the_float_kernel_reads_planar_q8_0(kt: str, vt: str, T: int) -> None:
+    """A planar q8_0 store (either or both), read by the float kernel, gives the twin's result over the same bytes
+    as GGUF blocks to float32 rounding: the layout moves only where the bytes are."""
+    _check(_cache(kt, vt, 300, 2, 256, seed=11), 12, T, n_splits=3, planar=True, int8_qk=False)
+
+
+@pytest.mark.parametrize("T", [1, 3, 6])
+@pytest.mark.parametrize("dim", [64, 256])
+def test_the_int8_kernel_is_the_twin_with_the_query_rounded(T: int, dim: int) -> None:
+    """Planar q8_0 K and V take the int8 kernel by default: 6 query heads a KV head, so a decode step's 6 rows take a
+    16-row block, a verification's 18 one 32-row block and 6 tokens' 36 rows a 32-row and a 16-row one."""
+    kv = _cache("q8_0", "q8_0", 300, 2, dim, seed=12)
+    int8 = _check(kv, 12, T, n_splits=3, planar=True, tol=INT8_TOL)
+    plain = _check(kv, 12, T, n_splits=3, planar=True, int8_qk=False)
+    assert not torch.equal(int8, plain)  # the query rounding and fp16 weights do show: the int8 kernel ran
+
+
+@pytest.mark.parametrize("case", ["window", "ring", "nan-garbage", "ordered", "splits", "no-key"], ids=str)
+def test_the_int8_kernel_masks_as_the_float_kernel(case: str) -> None:
+    """The cells the int8 kernel reads but no row sees (a ring's stale cells, outside a window, a truncated cache's
+    NaN scales, the tail of a range) weigh nothing; `ordered` and any split count give the twin's result."""
+    if case == "window":
+        _check(_cache("q8_0", "q8_0", 500, 2, 64, window=100, seed=3), 4, 4, n_splits=4, planar=True, tol=INT8_TOL)
+    elif case == "ring":
+        kv = _cache("q8_0", "q8_0", 700, 2, 64, capacity=320, window=256, ring=True, chunk=64, seed=4)
+        _check(kv, 4, 3, n_splits=3, planar=True, tol=INT8_TOL)
+    elif case == "nan-garbage":
+        kv = _cache("q8_0", "q8_0", 400, 2, 64, capacity=480, seed=5)
+        kv.truncate(350)
+        for rows in (kv.k, kv.v):
+            rows.data[350:] = 0xFF  # every f16 scale 0xFFFF: NaN
+        got = _check(kv, 4, 4, n_splits=4, q_pos=torch.arange(350, 354), planar=True, tol=INT8_TOL)
+        assert torch.isfinite(got).all()
+    elif case == "ordered":
+        kv = _cache("q8_0", "q8_0", 300, 2, 64, capacity=2048, seed=6)
+        for splits in (None, 4):
+            _check(kv, 4, 3, n_splits=splits, ordered=True, planar=True, tol=INT8_TOL)
+    elif case == "splits":
+        kv = _cache("q8_0", "q8_0", 700, 1, 64, seed=2)
+        for splits in (1, 5, 1000):
+            _check(kv, 2, 2, n_splits=splits, planar=True, tol=INT8_TOL)
+    else:  # a row at position -1 sees nothing and is 0
+        kv = _cache("q8_0", "q8_0", 64, 2, 64, capacity=96)
+        got = _check(kv, 4, 2, q_pos=torch.tensor([-1, 0]), planar=True, tol=INT8_TOL)
+        assert torch.equal(got[0], torch.zeros(4, 64))
+
+
+def test_int8_row_blocks() -> None:
+    assert int8_row_blocks(6) == [(0, 1, 16)]  # a decode step of the 27B
+    assert int8_row_blocks(18) == [(0, 1, 32)]  # its verification in one pass
+    assert int8_row_blocks(36) == [(0, 1, 32), (32, 1, 16)]
+    assert int8_row_blocks(64) == [(0, 2, 32)]
+    assert int8_row_blocks(90) == [(0, 2, 32), (64, 1, 32)]
+
+
+def test_which_kernel_reads_a_planar_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The int8 kernel where K and V are planar q8_0 at a power-of-two head dim on sm_80+ (or the interpreter) and no
+    float option is asked for; the float kernel otherwise, and `int8_qk=True` refuses where it cannot run."""
+    takes = attention_module._takes_int8
+    q8, f16, cpu = GGMLType.Q8_0, GGMLType.F16, torch.device("cpu")
+    assert takes(cpu, q8, q8, 256, True, None, None)
+    assert not takes(cpu, q8, q8, 256, False, None, None)  # GGUF blocks
+    assert not takes(cpu, q8, f16, 256, True, None, None)
+    assert not takes(cpu, q8, q8, 96, True, None, None)
+    assert not takes(cpu, q8, q8, 256, True, None, "fp16")  # a float kernel's option
+    assert not takes(cpu, q8, q8, 256, True, False, None)
+    monkeypatch.setattr(attention_module, "cuda_capability", lambda device: (7, 5))
+    assert not takes(torch.device("cuda"), q8, q8, 256, True, None, None)  # sm_75: no int8 tensor cores
+    with pytest.raises(ValueError, match="int8_qk needs"):
+        takes(torch.device("cuda"), q8, q8, 256, True, True, None)
+    monkeypatch.setattr(attention_module, "cuda_capability", lambda device: (9, 0))
+    assert takes(torch.device("cuda"), q8, q8, 256, True, None, None)
+    with pytest.raises(ValueError, match="int8_qk needs"):
+        takes(cpu, GGMLType.Q4_0, GGMLType.Q4_0, 256, True, True, None)

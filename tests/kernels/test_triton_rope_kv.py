@@ -16,6 +16,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton rope_k
 
 from mtpserve.kernels.triton import norm_rope_store
 from mtpserve.ops.rope import norm_rope_store_reference, rope_cos_sin
+from mtpserve.quant.planar import from_planar, to_planar
 from mtpserve.quant.quantize import quantize_q4_0, quantize_q8_0
 from mtpserve.quant.types import GGMLType, block_geometry
 
@@ -159,3 +160,21 @@ def test_rejects_bad_shapes() -> None:
         norm_rope_store(*args[:5], x["cells"][:1], x["positions"], *stores)
     with pytest.raises(ValueError, match="a F16 cache must be"):
         norm_rope_store(*args, _store(GGMLType.F16, 1, 64), *stores[1:])
+
+
+@pytest.mark.parametrize(("kt", "vt"), [(GGMLType.Q8_0, GGMLType.Q8_0), (GGMLType.Q8_0, GGMLType.F16)], ids=str)
+def test_a_planar_q8_0_cache_holds_the_blocks_bytes_reordered(kt: GGMLType, vt: GGMLType) -> None:
+    """`planar` (the GPU path's q8_0 layout): the kernel and its twin write the same bytes, the GGUF blocks of the
+    same call reordered by `to_planar`, and a float cache beside it is written as ever."""
+    x = _inputs(3, 6, 2, 64, 16, norms=True, seed=5)
+    got = _run(norm_rope_store, x, kt, vt, planar=True)
+    want = _run(norm_rope_store_reference, x, kt, vt, planar=True)
+    gguf = _run(norm_rope_store, x, kt, vt)
+    cells = x["cells"]
+    assert torch.equal(got[1], want[1])
+    assert torch.equal(got[1][cells], to_planar(gguf[1][cells], 2))
+    assert not torch.equal(got[1][cells], gguf[1][cells])  # the layouts do differ
+    if vt == GGMLType.F16:
+        assert torch.equal(got[2], gguf[2])
+    else:
+        assert torch.equal(from_planar(got[2][cells], 2), gguf[2][cells])

@@ -41,6 +41,7 @@ if __name__ == "__main__" and "TRITON_INTERPRET" in os.environ:  # before anythi
 import argparse
 import contextlib
 import io
+import itertools
 import multiprocessing
 import re
 import shutil
@@ -129,7 +130,7 @@ def launches() -> list[Launch]:
     from gguf.constants import GGML_QUANT_SIZES
     from gguf.constants import GGMLQuantizationType as Q
 
-    from mtpserve.kernels.triton import attention, gated_delta, gemm, gemv
+    from mtpserve.kernels.triton import attention, attention_int8, gated_delta, gemm, gemv, rowwise
 
     out: list[Launch] = []
 
@@ -191,6 +192,9 @@ def launches() -> list[Launch]:
             )
     # Decode / verification attention over the KV cache as stored; pass 2 (combine) comes with each call.
     combines: dict[str, tuple] = {}
+    # q8_0 as the GPU path stores it (planar): the int8 tensor-core kernel from sm_80, the float kernel (sm_75's).
+    paths = (("planar int8", None, 80), ("planar", False, 0))
+    quant = rowwise._quant_kernel
     for kv in ((Q.Q8_0, Q.Q8_0), (Q.F16, Q.F16), (Q.Q4_0, Q.Q4_0)):
         for d, (h, hkv) in ATTN_SHAPES.items():
             caches = []
@@ -201,51 +205,57 @@ def launches() -> list[Launch]:
                     qk, size = GGML_QUANT_SIZES[t]
                     caches.append(torch.empty(CACHE_CELLS, hkv * d // qk * size, dtype=torch.uint8))
             k_pos = torch.arange(CACHE_CELLS)
-            for n_tok in (1, 3):
+            for (path, int8_qk, min_arch), n_tok, window in itertools.product(
+                paths if kv[0] == Q.Q8_0 else (("", False, 0),), (1, 3), (None, 1024)
+            ):
                 q = torch.empty(n_tok, h, d)
                 q_pos = torch.arange(n_tok) + CACHE_CELLS - n_tok
-                for window in (None, 1024):
-                    rec = _recorded(
-                        [attention._split_kernel, attention._combine_kernel],
-                        lambda q=q, c=caches, kv=kv, q_pos=q_pos, k_pos=k_pos, hkv=hkv, d=d, window=window: (
-                            attention.decode_attention(
-                                q,
-                                *c,
-                                *kv,
-                                q_pos,
-                                k_pos,
-                                n_kv_heads=hkv,
-                                head_dim=d,
-                                scale=d**-0.5,
-                                window=window,
-                                ordered=window is None,
-                            )
-                        ),
+                rec = _recorded(
+                    [attention._split_kernel, attention_int8._split_int8_kernel, attention._combine_kernel, quant],
+                    lambda q=q, c=caches, kv=kv, q_pos=q_pos, k_pos=k_pos, hkv=hkv, d=d, window=window, i8=int8_qk: (
+                        attention.decode_attention(
+                            q,
+                            *c,
+                            *kv,
+                            q_pos,
+                            k_pos,
+                            n_kv_heads=hkv,
+                            head_dim=d,
+                            scale=d**-0.5,
+                            window=window,
+                            ordered=window is None,
+                            planar=kv[0] == Q.Q8_0,
+                            int8_qk=i8,
+                        )
+                    ),
+                )
+                # (the int8 kernel's query quantized first: a quantize_rows launch, compiled with the GEMVs' inputs)
+                *splits, (cf, ca, ck) = [r for r in rec if r[0] is not quant]  # pass 1 a launch a row block, pass 2
+                quick = kv[0] == Q.Q8_0 and d == 256 and n_tok == 1 and window is None
+                # a K tile and a V tile of BLOCK_S keys of one KV head a step
+                head_bytes = [c.shape[1] // hkv if c.dtype == torch.uint8 else d * c.element_size() for c in caches]
+                for f, a, k in splits:
+                    cfg = (
+                        f"K={kv[0].name} V={kv[1].name}{' ' + path if path else ''} D={d} H={h} Hkv={hkv} "
+                        f"T={n_tok} window={window} BLOCK_M={k['BLOCK_M']} BLOCK_S={k['BLOCK_S']} "
+                        f"warps={k['num_warps']}"
                     )
-                    *splits, (cf, ca, ck) = rec  # pass 1 a launch per row block size (row_blocks), then pass 2
-                    quick = kv[0] == Q.Q8_0 and d == 256 and n_tok == 1 and window is None
-                    # a K tile and a V tile of BLOCK_S keys of one KV head a step
-                    head_bytes = [c.shape[1] // hkv if c.dtype == torch.uint8 else d * c.element_size() for c in caches]
-                    for f, a, k in splits:
-                        cfg = (
-                            f"K={kv[0].name} V={kv[1].name} D={d} H={h} Hkv={hkv} T={n_tok} "
-                            f"window={window} BLOCK_M={k['BLOCK_M']} BLOCK_S={k['BLOCK_S']} warps={k['num_warps']}"
+                    tiles = k["BLOCK_S"] * sum(head_bytes)
+                    out.append(
+                        Launch(
+                            "attn_split",
+                            cfg,
+                            f,
+                            a,
+                            k,
+                            min_arch,
+                            quick=quick,
+                            rows=n_tok,
+                            bytes_per_iteration=tiles,
+                            decode=True,
                         )
-                        tiles = k["BLOCK_S"] * sum(head_bytes)
-                        out.append(
-                            Launch(
-                                "attn_split",
-                                cfg,
-                                f,
-                                a,
-                                k,
-                                quick=quick,
-                                rows=n_tok,
-                                bytes_per_iteration=tiles,
-                                decode=True,
-                            )
-                        )
-                    combines.setdefault(f"D={d} T={n_tok} H={h}", (cf, ca, ck, quick, n_tok))
+                    )
+                combines.setdefault(f"D={d} T={n_tok} H={h}", (cf, ca, ck, quick, n_tok))
     # A verification's 18 rows in one 32-row block (bench/attention_gpu.py's "m32" choices; not the default): the
     # tensor-core operands, from sm_80 (float32 FMAs spill there; below sm_80 fp16 dots are FMAs too).
     h, hkv = ATTN_SHAPES[256]

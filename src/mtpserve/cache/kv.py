@@ -17,15 +17,17 @@ from ..ops.attention import (
     decode_attention_gpu,
     prompt_attention_dtype,
     residual_attention_cpu,
+    round_q8_0,
 )
 from ..ops.decode_program import AttentionBlock, ptr
-from ..ops.device import gpu_path
+from ..ops.device import gpu_device, gpu_path
 from ..ops.linear import WeightGroup, kernel_supports
 from ..ops.norm import rms_norm
 from ..ops.rope import apply_rope, norm_rope_store
 from ..quant.dequant import dequantize
+from ..quant.planar import dequantize_planar, from_planar, to_planar
 from ..quant.qtensor import QTensor
-from ..quant.quantize import QUANTIZERS, quantize_q8_0
+from ..quant.quantize import QUANTIZERS
 from ..quant.types import GGMLType, block_geometry, parse_cache_type
 
 DECODE_MAX_QUERIES = 16  # GPU path: up to this many query rows read the cache as stored (decode kernel)
@@ -46,12 +48,15 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 
 
 class _Rows:
-    """A [capacity, n_heads, dim] store in one GGML type; reads come back as float32."""
+    """A [capacity, n_heads, dim] store in one GGML type; reads come back as float32. On the GPU path a q8_0 store is
+    `planar` (each head row's scales, then its quants: mtpserve.quant.planar), which its kernels read 16 bytes at a
+    time; `portable` / `from_portable` convert rows to and from GGUF blocks for files."""
 
     def __init__(
         self, capacity: int, n_heads: int, dim: int, ggml_type: GGMLType, device: torch.device | str = "cpu"
     ) -> None:
         self.n_heads, self.dim, self.type = n_heads, dim, ggml_type
+        self.planar = ggml_type == GGMLType.Q8_0 and gpu_device(device)
         if ggml_type in _FLOAT_TYPES:
             self.data = zeros((capacity, n_heads, dim), _FLOAT_TYPES[ggml_type], device)
         elif ggml_type in QUANTIZERS:
@@ -62,9 +67,23 @@ class _Rows:
         else:
             raise ValueError(f"cache type {ggml_type.name} is not supported (use f32, f16, bf16, q8_0 or q4_0)")
 
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        """Values [T, n_heads, dim] as this store holds them: float rows as they are, blocks as uint8 rows."""
+        if self.type in _FLOAT_TYPES:
+            return values
+        rows = QUANTIZERS[self.type](values.reshape(values.shape[0], -1)).reshape(values.shape[0], -1)
+        return to_planar(rows, self.n_heads) if self.planar else rows
+
+    def portable(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows as GGUF blocks (what a file holds, whatever the device)."""
+        return from_planar(rows, self.n_heads) if self.planar else rows
+
+    def from_portable(self, rows: torch.Tensor) -> torch.Tensor:
+        """`portable`'s inverse."""
+        return to_planar(rows, self.n_heads) if self.planar else rows
+
     def write(self, index: torch.Tensor | slice, values: torch.Tensor) -> None:
-        if self.type not in _FLOAT_TYPES:
-            values = QUANTIZERS[self.type](values.reshape(values.shape[0], -1))
+        values = self.encode(values)
         if isinstance(index, slice):
             self.data[index].copy_(values.view(self.data[index].shape))  # converts to the storage dtype
         else:
@@ -76,6 +95,8 @@ class _Rows:
         rows = self.data[index]
         if self.type in _FLOAT_TYPES:
             return rows.to(dtype or (rows.dtype if self.type == GGMLType.F16 else torch.float32))
+        if self.planar:
+            return dequantize_planar(rows, (rows.shape[0], self.n_heads, self.dim), dtype=dtype or torch.float32)
         return dequantize(rows, self.type, (rows.shape[0], self.n_heads, self.dim), dtype=dtype or torch.float32)
 
     @property
@@ -238,7 +259,7 @@ class KVCache:
             return attention_gpu(q, keys, values, q_pos, key_pos, scale, window=self.window, in_order=not self.ring)
         keys, values, key_pos = self.read()
         if self.k.type in QUANTIZERS:
-            q = _round_q8_0(q)
+            q = round_q8_0(q)
         elif self.k.type == GGMLType.BF16:
             q = q.bfloat16().float()
         return attention(q, keys, values, q_pos, key_pos, scale, window=self.window)
@@ -314,8 +335,7 @@ class KVCache:
         to advance."""
         cells = self._cells_at(positions)
         for rows, values in ((self.k, k), (self.v, v)):
-            if rows.type in QUANTIZERS:
-                values = QUANTIZERS[rows.type](values.reshape(values.shape[0], -1))
+            values = rows.encode(values)
             rows.data.index_copy_(0, cells, values.reshape(len(positions), *rows.data.shape[1:]).to(rows.data.dtype))
         self.positions.index_copy_(0, cells, positions)
 
@@ -363,6 +383,7 @@ class KVCache:
             k_norm=k_norm,
             eps=eps,
             neox=neox,
+            planar=self.k.planar or self.v.planar,
         )
         if not static:
             self.length += k.shape[0]
@@ -387,6 +408,7 @@ class KVCache:
             scale=scale,
             window=self.window,
             ordered=self._ordered,
+            planar=self.k.planar or self.v.planar,
         )
 
     @property
@@ -484,9 +506,3 @@ def _append_and_attend_one(
         return kv.attend_static(q, positions, scale)
     kv.append(k, v)
     return kv.attend(q, positions, scale)
-
-
-def _round_q8_0(x: torch.Tensor) -> torch.Tensor:
-    """x rounded through Q8_0 blocks of 32 along the last dim (the query of a quantized-K dot)."""
-    rows = x.reshape(-1, x.shape[-1])
-    return dequantize(quantize_q8_0(rows), GGMLType.Q8_0, rows.shape).reshape(x.shape)

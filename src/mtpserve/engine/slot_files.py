@@ -171,11 +171,12 @@ def capture(slot: Slot, drafter: Drafter | None) -> SlotImage:
     for layer, kv in state.kv.items():
         kv_layout[str(layer)] = {"length": kv.length, "ring": kv.ring}
         if kv.ring:
-            tensors[f"kv.{layer}.k"], tensors[f"kv.{layer}.v"] = kv.k.data, kv.v.data
+            tensors[f"kv.{layer}.k"], tensors[f"kv.{layer}.v"] = kv.k.portable(kv.k.data), kv.v.portable(kv.v.data)
             tensors[f"kv.{layer}.positions"] = kv.positions
         else:
             cells = kv._cells(0, kv.length)
-            tensors[f"kv.{layer}.k"], tensors[f"kv.{layer}.v"] = kv.k.data[cells], kv.v.data[cells]
+            tensors[f"kv.{layer}.k"] = kv.k.portable(kv.k.data[cells])
+            tensors[f"kv.{layer}.v"] = kv.v.portable(kv.v.data[cells])
     for layer, rec in state.recurrent.items():
         tensors[f"rec.{layer}.conv"], tensors[f"rec.{layer}.ssm"] = rec.conv, rec.ssm
     checkpoints = []
@@ -435,13 +436,13 @@ def _load(image: SlotImage, slot: Slot, slots: Slots, drafter: Drafter | None, h
 def _load_kv(kv: KVCache, length: int, t: dict[str, torch.Tensor], prefix: str) -> None:
     """One attention layer's cache, written in place into its (cleared) cells."""
     if kv.ring:
-        kv.k.data.copy_(t[f"{prefix}.k"])
-        kv.v.data.copy_(t[f"{prefix}.v"])
+        kv.k.data.copy_(kv.k.from_portable(t[f"{prefix}.k"].to(kv.device)))
+        kv.v.data.copy_(kv.v.from_portable(t[f"{prefix}.v"].to(kv.device)))
         kv.positions.copy_(t[f"{prefix}.positions"])
     else:
         cells = kv._cells(0, length)
-        kv.k.data[cells] = t[f"{prefix}.k"].to(kv.device)
-        kv.v.data[cells] = t[f"{prefix}.v"].to(kv.device)
+        kv.k.data[cells] = kv.k.from_portable(t[f"{prefix}.k"].to(kv.device))
+        kv.v.data[cells] = kv.v.from_portable(t[f"{prefix}.v"].to(kv.device))
         kv.positions[cells] = torch.arange(length, device=kv.device)
     kv.length = length
 

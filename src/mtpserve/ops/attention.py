@@ -23,10 +23,14 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 from ..kernels import cpu as cpu_kernels
 from ..kernels.capability import cuda_capability
 from ..quant.dequant import dequantize
+from ..quant.planar import dequantize_planar
 from ..quant.qtensor import QTensor
+from ..quant.quantize import quantize_q8_0
 from ..quant.types import GGMLType
+from .activation_rounding import ActFormat
 from .linear import WeightGroup, kernel_supports
 from .quant_gemv import triton_available, triton_kernels
+from .rowwise import quantize_rows_reference
 
 QUERY_CHUNK = 256  # bounds the [H, T, S] score matrix of the tiled path for long prompts
 MASK_ELEMENTS = 1 << 24  # an explicit [T, S] mask of the GPU path (~14 bytes an element as built: ~230 MB) at most
@@ -290,14 +294,21 @@ def decode_attention_reference(
     n_kv_heads: int,
     scale: float,
     window: int | None = None,
+    planar: bool = False,
+    round_q: bool = False,
 ) -> torch.Tensor:
     """The twin of the Triton decode kernel: dequantize the stored cells ([S, Hkv, D] float or [S, row bytes]
-    GGUF blocks), drop empty cells (position -1: they may hold anything, NaN included), exact masked softmax in
-    float32; a row that sees no key is 0, as the kernel leaves it."""
+    GGUF blocks, or planar q8_0 rows with `planar`), drop empty cells (position -1: they may hold anything, NaN
+    included), exact masked softmax in float32; a row that sees no key is 0, as the kernel leaves it. `round_q`:
+    the query first rounded to q8_0 as the GPU path rounds an activation (`quantize_rows_reference`), as the int8
+    kernel multiplies it."""
     S, D = k_store.shape[0], q.shape[-1]
     live = k_pos >= 0
-    k = _stored_rows(k_store, k_type, S, n_kv_heads, D)[live]
-    v = _stored_rows(v_store, v_type, S, n_kv_heads, D)[live]
+    k = _stored_rows(k_store, k_type, S, n_kv_heads, D, planar)[live]
+    v = _stored_rows(v_store, v_type, S, n_kv_heads, D, planar)[live]
+    if round_q:
+        q8, d = quantize_rows_reference(q.reshape(-1, D), ActFormat(32))
+        q = (q8.float().view(-1, D // 32, 32) * d[..., None]).reshape(q.shape)
     group = q.shape[1] // n_kv_heads
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("thd,shd->hts", q.float(), k) * scale
@@ -305,10 +316,18 @@ def decode_attention_reference(
     return torch.einsum("hts,shd->thd", probs, v)
 
 
-def _stored_rows(store: torch.Tensor, ggml_type: int, S: int, n_heads: int, dim: int) -> torch.Tensor:
+def _stored_rows(store: torch.Tensor, ggml_type: int, S: int, n_heads: int, dim: int, planar: bool) -> torch.Tensor:
     if store.dtype != torch.uint8:
         return store.float()
+    if planar and int(ggml_type) == GGMLType.Q8_0:
+        return dequantize_planar(store, (S, n_heads, dim))
     return dequantize(store, GGMLType(int(ggml_type)), (S, n_heads, dim))
+
+
+def round_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """x rounded through Q8_0 blocks of 32 along the last dim (the query of a quantized-K dot)."""
+    rows = x.float().reshape(-1, x.shape[-1])
+    return dequantize(quantize_q8_0(rows), GGMLType.Q8_0, rows.shape).reshape(x.shape)
 
 
 def decode_attention_gpu(
@@ -324,11 +343,13 @@ def decode_attention_gpu(
     scale: float,
     window: int | None = None,
     ordered: bool = False,
+    planar: bool = False,
 ) -> torch.Tensor:
     """Attention of a few query rows of one sequence [T, H, D] over its cache as stored (f16/f32 rows, q8_0 or
-    q4_0 blocks), split over the keys: the Triton kernel where it runs (a CUDA tensor, or the interpreter),
-    else `decode_attention_reference`. Float32 [T, H, D]. `ordered`: cell i holds position i or is empty (the
-    kernel then reads no cell past the last query position; the result is the same)."""
+    q4_0 blocks; q8_0 planar with `planar`, mtpserve.quant.planar), split over the keys: the Triton kernel where it
+    runs (a CUDA tensor, or the interpreter), else `decode_attention_reference`. Float32 [T, H, D]. `ordered`:
+    cell i holds position i or is empty (the kernel then reads no cell past the last query position; the result is
+    the same)."""
     kernels = triton_kernels()
     if triton_available(q) and kernels is not None:
         return kernels.decode_attention(
@@ -344,11 +365,13 @@ def decode_attention_gpu(
             scale=scale,
             window=window,
             ordered=ordered,
+            planar=planar,
             **DECODE_ATTENTION_CHOICE,
         )
     return decode_attention_reference(
-        q, k_store, v_store, k_type, v_type, q_pos, k_pos, n_kv_heads=n_kv_heads, scale=scale, window=window
-    )
+        q, k_store, v_store, k_type, v_type, q_pos, k_pos, n_kv_heads=n_kv_heads, scale=scale, window=window,
+        planar=planar,
+    )  # fmt: skip
 
 
 # --- a whole attention block on the CPU ---------------------------------------------------------------------

@@ -36,6 +36,11 @@ def gpu_path(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" or _emulating
 
 
+def gpu_device(device: torch.device | str) -> bool:
+    """Whether tensors made on `device` take the GPU path (what a store made there is laid out for)."""
+    return torch.device(device).type == "cuda" or _emulating
+
+
 def matmul_kernels(x: torch.Tensor) -> bool:
     """Whether the GPU path's matmuls on x take the Triton kernels (always on CUDA; under emulation as asked)."""
     return x.device.type == "cuda" or _emulated_matmul == "triton"

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..kernels import cpu as cpu_kernels
+from ..quant.planar import to_planar
 from ..quant.quantize import QUANTIZERS
 from ..quant.types import GGMLType
 from .device import canonical_device, gpu_path
@@ -149,16 +150,20 @@ def norm_rope_store_reference(
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
     neox: bool = True,
+    planar: bool = False,
 ) -> torch.Tensor:
     """The twin of the Triton kernel (mtpserve.kernels.triton.rope_kv.norm_rope_store): q [T, H, D] and k [T, Hkv, D]
     normalized per head (the GPU path's RMSNorm; None: not normalized) and rotated; k and v stored at `cells` of the
-    caches as their types store them (`QUANTIZERS`), `positions` into `cell_positions` there. Returns q, float32."""
+    caches as their types store them (`QUANTIZERS`; q8_0 reordered by `to_planar` with `planar`), `positions` into
+    `cell_positions` there. Returns q, float32."""
     q = q.float() if q_norm is None else rms_norm_quantize_reference(q, q_norm, eps)[1]  # per head: the last dim
     k = k.float() if k_norm is None else rms_norm_quantize_reference(k, k_norm, eps)[1]
     q, k = apply_rope_reference(q, cos, sin, neox), apply_rope_reference(k, cos, sin, neox)
     for store, ggml_type, values in ((k_store, k_type, k), (v_store, v_type, v.float())):
         if store.dtype == torch.uint8:
             values = QUANTIZERS[GGMLType(int(ggml_type))](values.reshape(len(values), -1))
+            if planar and int(ggml_type) == GGMLType.Q8_0:
+                values = to_planar(values.reshape(len(cells), -1), k.shape[1])
         store.index_copy_(0, cells, values.reshape(len(cells), *store.shape[1:]).to(store.dtype))
     cell_positions.index_copy_(0, cells, positions.to(cell_positions.dtype))
     return q
@@ -182,6 +187,7 @@ def norm_rope_store(
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
     neox: bool = True,
+    planar: bool = False,
 ) -> torch.Tensor:
     """An attention layer's input on the GPU path in one launch: `norm_rope_store_reference`'s result by the Triton
     kernel where it runs (a CUDA tensor, or the interpreter) and takes both cache types, else by the twin."""
@@ -189,8 +195,8 @@ def norm_rope_store(
     kernels = triton_kernels()
     takes = kernels is not None and {int(k_type), int(v_type)} <= set(map(int, kernels.ROPE_KV_TYPES))
     if takes and triton_for_rows(q, q.shape[0]):
-        return kernels.norm_rope_store(*args, q_norm=q_norm, k_norm=k_norm, eps=eps, neox=neox)
-    return norm_rope_store_reference(*args, q_norm=q_norm, k_norm=k_norm, eps=eps, neox=neox)
+        return kernels.norm_rope_store(*args, q_norm=q_norm, k_norm=k_norm, eps=eps, neox=neox, planar=planar)
+    return norm_rope_store_reference(*args, q_norm=q_norm, k_norm=k_norm, eps=eps, neox=neox, planar=planar)
 
 
 class RopeTable:

@@ -3,7 +3,8 @@ stored (f32, f16, bf16, q8_0 or q4_0 for K and for V independently), for the GPU
 
 Shapes and storage (mtpserve.cache.kv): q [T, H, D]; float caches [S, Hkv, D]; q8_0 / q4_0 caches uint8
 [S, Hkv * D / 32 * type_size] GGUF blocks of 32 along the head dim (layouts: ../shared/spec/gguf-quant-formats.md
-§3); q_pos [T], k_pos [S] (-1: empty cell). A key is visible to a query iff 0 <= k_pos <= q_pos and, with a
+§3), or for q8_0 `planar` the same bytes a head row reordered, its scales first (mtpserve.quant.planar: what the GPU
+path stores); q_pos [T], k_pos [S] (-1: empty cell). A key is visible to a query iff 0 <= k_pos <= q_pos and, with a
 window W, q_pos - k_pos < W. Query head h reads KV head h // (H / Hkv).
 
 Decode at batch 1 has T * H query rows and up to 262144 keys: one program per head would leave most of the GPU
@@ -22,8 +23,12 @@ its unnormalised partial (max, sum, acc) to a scratch buffer; pass 2 merges the 
 row with the log-sum-exp rule. Loads of keys no row of the block can see (empty cells, outside the window, in
 the future of every row) are masked off, so they cost no memory traffic.
 
-This module stays a leaf (kernels may import only torch, triton and gguf); the PyTorch twin is in
-tests/kernels/test_triton_attention.py.
+A planar q8_0 K and V on sm_80+ take another pass 1, attention_int8's: an int8 tensor-core QK with the query rounded
+to q8_0, PV in fp16, 16 or 32 query rows a program. This one (float32 FMAs by default) reads every other cache, and
+planar q8_0 below sm_80.
+
+This module stays a leaf (kernels may import only torch, triton and gguf); the PyTorch twin is
+mtpserve.ops.attention.decode_attention_reference, held to it in tests/kernels/test_triton_attention.py.
 """
 
 from __future__ import annotations
@@ -33,7 +38,11 @@ import triton
 import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ..capability import cuda_capability
 from ._device import on_input_device
+from .attention_common import _block_rows, _online_softmax, _split_keys, _split_range, _store_stats
+from .attention_int8 import INT8_KEYS, INT8_STAGES, INT8_WARPS, _split_int8_kernel, int8_row_blocks
+from .intdot import INLINE_ASM
 
 ATTENTION_TYPES = (
     GGMLQuantizationType.F32,
@@ -66,13 +75,18 @@ def _half_dims(D_PAD: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _raw_half(base, ok, D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, TYPE: tl.constexpr):
+def _raw_half(
+    base, ok, D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, TYPE: tl.constexpr, PLANAR: tl.constexpr
+):
     """The loads of half HALF (see _half_dims) of the head vectors starting at base ([BLOCK_S, 1] pointers: elements
     of a float cache, bytes of a block cache), where ok: (quants or values, f16 scales; a float cache's values twice).
     Each 16-run of a half lies in one 32-block, so a block cache reads its scale once per element (broadcast) and
-    one byte."""
+    one byte. A `PLANAR` q8_0 head row holds its D / 32 scales, then its quants (mtpserve.quant.planar)."""
     c = tl.arange(0, D_PAD // 2)[None, :]
-    if TYPE == _Q8_0:
+    if TYPE == _Q8_0 and PLANAR:
+        scale = tl.load((base + (c // 16) * 2).to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
+        q = tl.load(base + 2 * (D // 32) + (c // 16) * 32 + HALF * 16 + c % 16, mask=ok, other=0)
+    elif TYPE == _Q8_0:
         blk = base + (c // 16) * 34  # scales are 2-byte aligned: every block and row size is even
         scale = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
         q = tl.load(blk + 2 + HALF * 16 + c % 16, mask=ok, other=0)
@@ -100,9 +114,11 @@ def _values_half(q, scale, HALF: tl.constexpr, TYPE: tl.constexpr):
 
 
 @triton.jit
-def _load_half(base, ok, D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, TYPE: tl.constexpr):
+def _load_half(
+    base, ok, D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, TYPE: tl.constexpr, PLANAR: tl.constexpr
+):
     """Half HALF of the head vectors as float32 [BLOCK_S, D_PAD / 2], 0 where a row is not ok."""
-    q, scale = _raw_half(base, ok, D, D_PAD, HALF, TYPE)
+    q, scale = _raw_half(base, ok, D, D_PAD, HALF, TYPE, PLANAR)
     return _values_half(q, scale, HALF, TYPE)
 
 
@@ -116,19 +132,6 @@ def _dot(a, b, acc, PRECISION: tl.constexpr):
         return tl.dot(a.to(tl.float16), b.to(tl.float16), acc)
     else:
         return tl.dot(a, b, acc, input_precision=PRECISION)
-
-
-@triton.jit
-def _split_range(qpos_ptr, T, S, n_splits, min_keys, T_PAD: tl.constexpr, BLOCK_S: tl.constexpr, ORDERED: tl.constexpr):
-    """(keys per split, splits with work) over the cells that can hold a visible key: all S, or for an ordered cache
-    those up to the last query position. Both passes compute it alike from the same device-side positions."""
-    n = S
-    if ORDERED:  # cell i holds position i or nothing: no cell past the last query position is visible
-        t = tl.arange(0, T_PAD)
-        last = tl.max(tl.load(qpos_ptr + t, mask=t < T, other=-1), axis=0)
-        n = tl.maximum(tl.minimum(last + 1, S), 0).to(tl.int32)
-    per = tl.cdiv(tl.maximum(tl.cdiv(n, n_splits), min_keys), BLOCK_S) * BLOCK_S  # whole tiles
-    return per, tl.minimum(tl.maximum(tl.cdiv(n, per), 1), n_splits)
 
 
 @triton.jit
@@ -169,14 +172,12 @@ def _split_kernel(
     counts_ptr=None,
     COUNT: tl.constexpr = False,
     LOADS_FIRST: tl.constexpr = False,
+    PLANAR: tl.constexpr = False,
 ):
     """Pass 1: program (row block, KV head hk, split) -> partial max / sum / acc of its rows over its keys."""
     hk = tl.program_id(1)
     split = tl.program_id(2)
-    rows = row0 + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # row r: token r // G, query head hk * G + r % G
-    row_ok = rows < T * G
-    t = tl.where(row_ok, rows // G, 0)
-    h = hk * G + rows % G
+    row_ok, t, h = _block_rows(row0, T, G, hk, BLOCK_M)
     d0 = _half_dims(D_PAD, 0)  # the head dim in two halves: half the live tile and operand registers
     d1 = _half_dims(D_PAD, 1)
     q_at = q_ptr + t.to(tl.int64)[:, None] * sq_t + h[:, None] * sq_h
@@ -186,12 +187,7 @@ def _split_kernel(
 
     k_head = k_ptr + hk.to(tl.int64) * sk_h
     v_head = v_ptr + hk.to(tl.int64) * sv_h
-    per, active = _split_range(qpos_ptr, T, S, n_splits, min_keys, T_PAD, BLOCK_S, ORDERED)
-    start = split * per
-    end = tl.minimum(start + per, S)
-    if ORDERED:
-        end = tl.minimum(end, (tl.max(q_pos, axis=0) + 1).to(tl.int32))  # this block's rows see no later cell
-    end = tl.where(split < active, end, start)  # a split without work walks nothing
+    start, end, active = _split_keys(qpos_ptr, q_pos, split, T, S, n_splits, min_keys, T_PAD, BLOCK_S, ORDERED)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc0 = tl.zeros([BLOCK_M, D_PAD // 2], tl.float32)
@@ -202,10 +198,10 @@ def _split_kernel(
         v_at = v_head + keys.to(tl.int64)[:, None] * sv_s
         if LOADS_FIRST:  # every load of the tile issued at once, their latencies overlapping; masked by range only
             in_range = (keys < end)[:, None]
-            kq0, ks0 = _raw_half(k_at, in_range, D, D_PAD, 0, K_TYPE)
-            kq1, ks1 = _raw_half(k_at, in_range, D, D_PAD, 1, K_TYPE)
-            vq0, vs0 = _raw_half(v_at, in_range, D, D_PAD, 0, V_TYPE)
-            vq1, vs1 = _raw_half(v_at, in_range, D, D_PAD, 1, V_TYPE)
+            kq0, ks0 = _raw_half(k_at, in_range, D, D_PAD, 0, K_TYPE, PLANAR)
+            kq1, ks1 = _raw_half(k_at, in_range, D, D_PAD, 1, K_TYPE, PLANAR)
+            vq0, vs0 = _raw_half(v_at, in_range, D, D_PAD, 0, V_TYPE, PLANAR)
+            vq1, vs1 = _raw_half(v_at, in_range, D, D_PAD, 1, V_TYPE, PLANAR)
         k_pos = tl.load(kpos_ptr + keys, mask=keys < end, other=-1)
         delta = q_pos[:, None] - k_pos[None, :]
         visible = (k_pos[None, :] >= 0) & (delta >= 0)
@@ -216,41 +212,31 @@ def _split_kernel(
         if LOADS_FIRST:  # a cell no row sees may hold anything (NaN scales): selected away, never multiplied
             k = tl.where(ok, _values_half(kq0, ks0, 0, K_TYPE), 0.0)
         else:
-            k = _load_half(k_at, ok, D, D_PAD, 0, K_TYPE)  # [BLOCK_S, D_PAD / 2]
+            k = _load_half(k_at, ok, D, D_PAD, 0, K_TYPE, PLANAR)  # [BLOCK_S, D_PAD / 2]
         s = _dot(q0, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_S], tl.float32), PRECISION)  # log2 units
         if LOADS_FIRST:
             k = tl.where(ok, _values_half(kq1, ks1, 1, K_TYPE), 0.0)
         else:
-            k = _load_half(k_at, ok, D, D_PAD, 1, K_TYPE)
+            k = _load_half(k_at, ok, D, D_PAD, 1, K_TYPE, PLANAR)
         s = _dot(q1, tl.trans(k), s, PRECISION)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0 / 0
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_new, l_i = _online_softmax(s, visible, m_i, l_i)
         if LOADS_FIRST:
             v = tl.where(ok, _values_half(vq0, vs0, 0, V_TYPE), 0.0)
         else:
-            v = _load_half(v_at, ok, D, D_PAD, 0, V_TYPE)
+            v = _load_half(v_at, ok, D, D_PAD, 0, V_TYPE, PLANAR)
         acc0 = _dot(p, v, acc0 * alpha[:, None], PRECISION)
         if LOADS_FIRST:
             v = tl.where(ok, _values_half(vq1, vs1, 1, V_TYPE), 0.0)
         else:
-            v = _load_half(v_at, ok, D, D_PAD, 1, V_TYPE)
+            v = _load_half(v_at, ok, D, D_PAD, 1, V_TYPE, PLANAR)
         acc1 = _dot(p, v, acc1 * alpha[:, None], PRECISION)
         m_i = m_new
 
-    out_rows = split.to(tl.int64) * T * H + t * H + h  # scratch row of (split, token, head)
-    row_ok = tl.where(split < active, row_ok, False)  # pass 2 reads only the splits with work
-    tl.store(m_ptr + out_rows, m_i, mask=row_ok)
-    tl.store(l_ptr + out_rows, l_i, mask=row_ok)
+    out_rows, row_ok = _store_stats(m_ptr, l_ptr, m_i, l_i, split, active, T, H, t, h, row_ok, counts_ptr, start, end,
+                                    hk, COUNT)  # fmt: skip
     acc_at = acc_ptr + out_rows[:, None] * D
     tl.store(acc_at + d0[None, :], acc0, mask=row_ok[:, None] & (d0 < D)[None, :])
     tl.store(acc_at + d1[None, :], acc1, mask=row_ok[:, None] & (d1 < D)[None, :])
-    if COUNT:  # tests: the cells each split walked
-        if (tl.program_id(0) == 0) & (hk == 0):
-            tl.store(counts_ptr + split, tl.maximum(end - start, 0))
 
 
 @triton.jit
@@ -323,6 +309,20 @@ def _default_warps(d_pad: int, block_m: int, k_type: int) -> int:
     return 8 if d_pad >= 256 or k_type != GGMLQuantizationType.F16 else 4
 
 
+def _takes_int8(
+    device: torch.device, k_type: int, v_type: int, D: int, planar: bool, int8_qk: bool | None, float_options: object
+) -> bool:
+    """Whether pass 1 is the int8 tensor-core kernel (see `decode_attention`'s `int8_qk`)."""
+    q8 = GGMLQuantizationType.Q8_0
+    fits = planar and int(k_type) == q8 and int(v_type) == q8 and D >= 32 and D & (D - 1) == 0
+    arch = device.type != "cuda" or cuda_capability(device) >= (8, 0)  # int8 tensor-core products: sm_80+
+    if int8_qk and not (fits and arch):
+        raise ValueError(
+            "int8_qk needs a planar q8_0 K and V cache, a power-of-two head dim of 32 or more, and sm_80 or later"
+        )
+    return fits and arch and not float_options if int8_qk is None else bool(int8_qk)
+
+
 def auto_splits(n_cells: int) -> int:
     """The default number of key ranges of a full cache: ceil(S / max(256, ceil(S / 256))), i.e. splits of 256 keys
     up to 256 splits (S <= 65536), then 256 splits of ceil(S / 256) keys (1024 at 262144)."""
@@ -388,6 +388,8 @@ def decode_attention(
     num_warps: int | None = None,
     loads_first: bool = False,
     block_m: int | None = None,
+    planar: bool = False,
+    int8_qk: bool | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v over the visible cached keys -> float32 [T, H, head_dim] (0 for a row that sees
     no key), with K and V read as stored (`k_type` / `v_type`: GGML type ids, see module docstring).
@@ -413,6 +415,10 @@ def decode_attention(
     `ordered`: the caller guarantees cell i holds position i or is empty (a cache that is not a ring), so the
     splits share the cells up to the last query position: a captured step over a 262144-cell cache then walks only
     the cells filled so far, spread over all its splits, instead of masking the rest tile by tile.
+    `planar`: a q8_0 cache holds each head row's scales, then its quants (mtpserve.quant.planar). Where K and V are
+    both planar q8_0, pass 1 is by default (`int8_qk` None) the int8 tensor-core kernel (attention_int8: the query
+    rounded to q8_0, PV in fp16) on sm_80 and later and under the interpreter, unless `precision`, `loads_first` or
+    `block_m` ask for the float kernel; `int8_qk` False keeps the float kernel, True requires the int8 one.
     """
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % n_kv_heads:
         raise ValueError(f"q must be [T, H, {head_dim}] with H a multiple of {n_kv_heads}, got {list(q.shape)}")
@@ -427,16 +433,22 @@ def decode_attention(
         return torch.zeros(T, H, D, dtype=torch.float32, device=device)
 
     G = H // n_kv_heads
+    int8 = _takes_int8(device, k_type, v_type, D, planar, int8_qk, precision or loads_first or block_m)
     d_pad = max(32, triton.next_power_of_2(D))  # two halves of 16-runs
     # At D = 256, 32-key/32-row tiles need 69,760 B of shared memory (over sm_75's 64 KiB) and a q4_0 cache 102,912 B
     # (over sm_86/89's 99 KiB), and spill KBs of registers; 16 x 16 fits every target (ptxas,
     # tests/support/gpu_compile.py). 32 keys or 4 warps spill ~1.5 KB even with half-D tiles.
     # At D = 64, 64-key tiles spilled up to 2.8 KB a thread on sm_75 (250 B on sm_80); 32-key tiles spill nothing
     # with an f16 cache, but a quantized one's unpacking spills 8-40 B on 4 warps (sm_90, ptxas): it takes 8.
-    block_s = block_s or (32 if d_pad <= 128 else 16)
     if block_m is not None and (block_m < 8 or block_m & (block_m - 1)):
         raise ValueError(f"block_m must be a power of two of at least 8, got {block_m}")
-    blocks = row_blocks(T * G, d_pad) if block_m is None else [(0, triton.cdiv(T * G, block_m), block_m)]
+    if int8:
+        blocks = [(row0, n, rows, num_warps or INT8_WARPS) for row0, n, rows in int8_row_blocks(T * G)]
+        block_s = block_s or INT8_KEYS
+    else:
+        block_s = block_s or (32 if d_pad <= 128 else 16)
+        bm = [(0, triton.cdiv(T * G, block_m), block_m)] if block_m is not None else row_blocks(T * G, d_pad)
+        blocks = [(row0, n, rows, num_warps or _default_warps(d_pad, rows, k_type)) for row0, n, rows in bm]
     wanted = auto_splits(S) if n_splits is None else max(1, int(n_splits))
     splits = min(wanted, triton.cdiv(S, block_s))  # at least a tile each when the cache is full
     if split_counts is not None and (split_counts.shape != (splits,) or split_counts.dtype != torch.int32):
@@ -453,43 +465,24 @@ def decode_attention(
     lsum = torch.empty_like(m)
     acc = torch.empty(splits, T * H, D, dtype=torch.float32, device=device)
     out = torch.empty(T, H, D, dtype=torch.float32, device=device)
-    for row0, n_blocks, rows in blocks:  # each launch writes its rows' partials; pass 2 merges them all
-        _split_kernel[(n_blocks, n_kv_heads, splits)](  # row blocks of one tile are neighbours: L2 hits
-            q,
-            k_cache,
-            v_cache,
-            q_pos,
-            k_pos,
-            m,
-            lsum,
-            acc,
-            T,
-            H,
-            S,
-            G,
-            row0,
-            splits,
-            max(1, int(min_keys)),
-            0 if window is None else int(window),
-            scale * _LOG2E,
-            q.stride(0),
-            q.stride(1),
-            *sk,
-            *sv,
-            K_TYPE=int(k_type),
-            V_TYPE=int(v_type),
-            D=D,
-            D_PAD=d_pad,
-            BLOCK_M=rows,
-            BLOCK_S=block_s,
-            HAS_WINDOW=window is not None,
-            PRECISION=precision,
-            ORDERED=ordered,
-            T_PAD=t_pad,
-            num_warps=num_warps or _default_warps(d_pad, rows, k_type),
-            LOADS_FIRST=loads_first,
-            **({} if split_counts is None else {"counts_ptr": split_counts, "COUNT": True}),
-        )
+    counting = {} if split_counts is None else {"counts_ptr": split_counts, "COUNT": True}
+    positions = (q_pos, k_pos, m, lsum, acc, T, H, S, G)
+    for row0, n_blocks, rows, warps in blocks:  # each launch writes its rows' partials; pass 2 merges them all
+        common = (row0, splits, max(1, int(min_keys)), 0 if window is None else int(window), scale * _LOG2E)
+        shape = {"D": D, "BLOCK_M": rows, "BLOCK_S": block_s, "HAS_WINDOW": window is not None, "ORDERED": ordered}
+        grid = (n_blocks, n_kv_heads, splits)  # row blocks of one tile are neighbours: L2 hits
+        if int8:
+            _split_int8_kernel[grid](
+                q, k_cache, v_cache, *positions, *common, q.stride(0), q.stride(1), *sk, *sv, **shape, T_PAD=t_pad,
+                ASM=INLINE_ASM,
+                num_warps=warps, num_stages=INT8_STAGES, **counting,
+            )  # fmt: skip
+        else:
+            _split_kernel[grid](
+                q, k_cache, v_cache, *positions, *common, q.stride(0), q.stride(1), *sk, *sv, **shape,
+                K_TYPE=int(k_type), V_TYPE=int(v_type), D_PAD=d_pad, PRECISION=precision, T_PAD=t_pad,
+                num_warps=warps, LOADS_FIRST=loads_first, PLANAR=planar, **counting,
+            )  # fmt: skip
     _combine_kernel[(T * H,)](
         m,
         lsum,

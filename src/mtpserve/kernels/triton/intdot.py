@@ -24,3 +24,26 @@ def dp4a(a, b, c, ASM: tl.constexpr):
         for i in tl.static_range(4):
             s += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
         return s
+
+
+PRMT_SELECTORS = (0x5140, 0x7362)  # the two output words: bytes 0, 1 and bytes 2, 3 of the input, each under 0x64
+FP16_1152 = 0x6480  # 1024 + 128: what the byte's bias and the 0x64 high byte add to it
+SIGNED_TO_FP16_ASM = (
+    f"{{ .reg .b32 t, c; xor.b32 t, $2, 0x80808080; mov.b32 c, {FP16_1152 * 0x10001:#x}; "
+    + " ".join(
+        f"prmt.b32 ${i}, t, 0x64646464, {sel:#x}; sub.f16x2 ${i}, ${i}, c;" for i, sel in enumerate(PRMT_SELECTORS)
+    )
+    + " }"
+)
+_SIGNED_TO_FP16 = tl.constexpr(SIGNED_TO_FP16_ASM)  # a jit function reads only constexpr globals
+
+
+@triton.jit
+def int8_to_fp16(x, ASM: tl.constexpr):
+    """int8 -> fp16, exact. Compiled, four at a time in five instructions (the compiler's conversion takes ~3 a value):
+    each byte biased by 128 becomes the low mantissa byte of fp16 1024.0 (0x64xx: 1024 + byte), and 1152 (0x6480)
+    comes off in one packed subtraction. Under the interpreter, a plain conversion."""
+    if ASM:
+        return tl.inline_asm_elementwise(_SIGNED_TO_FP16, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        return x.to(tl.float16)

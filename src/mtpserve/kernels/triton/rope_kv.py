@@ -83,8 +83,9 @@ def _f16_bytes(at, value, ok):
 
 
 @triton.jit
-def _store_head(base, x, nb, i, ok, TYPE: tl.constexpr, NB: tl.constexpr):
-    """Write the head x ([NB, 32]: block nb, index i) at base (elements of a float cache, bytes of a block cache)."""
+def _store_head(base, x, nb, i, ok, TYPE: tl.constexpr, NB: tl.constexpr, PLANAR: tl.constexpr, D: tl.constexpr):
+    """Write the head x ([NB, 32]: block nb, index i) at base (elements of a float cache, bytes of a block cache;
+    q8_0 `PLANAR`: the head's D / 32 scales, then its quants, mtpserve.quant.planar)."""
     blk_ok = tl.max(ok.to(tl.int32), axis=1) > 0  # [NB]
     if TYPE == _Q8_0:  # d = amax / 127, q = roundf(x / d) (half away from zero), as quantize_q8_0
         d = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
@@ -94,9 +95,13 @@ def _store_head(base, x, nb, i, ok, TYPE: tl.constexpr, NB: tl.constexpr):
         f = tl.floor(a)
         r = tl.where(a - f >= 0.5, f + 1.0, f)
         q = tl.where(v < 0.0, -r, r).to(tl.int8)
-        blk = base + nb * 34
-        tl.store(blk[:, None] + 2 + i[None, :], q.to(tl.uint8, bitcast=True), mask=ok)
-        _f16_bytes(blk, d, blk_ok)
+        if PLANAR:
+            tl.store(base + 2 * (D // 32) + nb[:, None] * 32 + i[None, :], q.to(tl.uint8, bitcast=True), mask=ok)
+            _f16_bytes(base + 2 * nb, d, blk_ok)
+        else:
+            blk = base + nb * 34
+            tl.store(blk[:, None] + 2 + i[None, :], q.to(tl.uint8, bitcast=True), mask=ok)
+            _f16_bytes(blk, d, blk_ok)
     elif TYPE == _Q4_0:  # d = (signed value of largest magnitude, the first on ties) / -8, as quantize_q4_0
         a = tl.abs(x)
         amax = tl.max(a, axis=1)
@@ -152,6 +157,7 @@ def _rope_kv_kernel(
     K_NORM: tl.constexpr,
     K_TYPE: tl.constexpr,
     V_TYPE: tl.constexpr,
+    PLANAR: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -167,9 +173,9 @@ def _rope_kv_kernel(
         hk = j - H
         cell = tl.load(cells_ptr + t)
         x = _head(k_ptr + t * sk_t + hk * sk_h, kw_ptr, cos_row, sin_row, d, ok, eps, D, N_ROT, NEOX, K_NORM)
-        _store_head(kc_ptr + cell * kc_s + hk * kc_h, x, nb, i, ok, K_TYPE, NB)
+        _store_head(kc_ptr + cell * kc_s + hk * kc_h, x, nb, i, ok, K_TYPE, NB, PLANAR, D)
         v = tl.load(v_ptr + t * sv_t + hk * sv_h + d, mask=ok, other=0.0).to(tl.float32)
-        _store_head(vc_ptr + cell * vc_s + hk * vc_h, v, nb, i, ok, V_TYPE, NB)
+        _store_head(vc_ptr + cell * vc_s + hk * vc_h, v, nb, i, ok, V_TYPE, NB, PLANAR, D)
         if hk == 0:
             tl.store(cellpos_ptr + cell, tl.load(pos_ptr + t))
 
@@ -193,11 +199,12 @@ def norm_rope_store(
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
     neox: bool = True,
+    planar: bool = False,
 ) -> torch.Tensor:
     """q [T, H, D] normalized by `q_norm` (none: not normalized) and rotated -> float32 [T, H, D]; k normalized by
     `k_norm` and rotated, and v, written into the caches (GGML types `k_type` / `v_type`) at `cells`, and
     `positions` into `cell_positions` there. RoPE rotates the first 2 * cos.shape[1] dims (`neox`: pairs
-    (i, i + n_rot / 2), else (2i, 2i + 1))."""
+    (i, i + n_rot / 2), else (2i, 2i + 1)). `planar`: a q8_0 cache is stored planar (mtpserve.quant.planar)."""
     T, H, D = q.shape
     n_kv = k.shape[1]
     if k.shape != (T, n_kv, D) or v.shape != k.shape or q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
@@ -247,6 +254,7 @@ def norm_rope_store(
         K_NORM=k_norm is not None,
         K_TYPE=int(k_type),
         V_TYPE=int(v_type),
+        PLANAR=planar,
         num_warps=4 if d_pad >= 256 else 1,
         enable_fp_fusion=False,
     )

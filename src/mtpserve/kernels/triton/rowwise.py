@@ -63,6 +63,17 @@ def _paired(offs):
 
 
 @triton.jit
+def q8_0_blocks(y, COMPILED: tl.constexpr):
+    """y [blocks, 32] as quantize_row_q8_0 rounds an activation: (q [blocks, 32] float, integral; d [blocks] float32,
+    amax / 127 rounded to f16, the d the dot uses)."""
+    amax = tl.max(tl.abs(y), axis=1)
+    nz = amax > 0.0
+    inv = tl.where(nz, tl.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.where(nz, amax, 1.0)), 0.0)
+    q = _round_half_even(y * inv[:, None], COMPILED)
+    return q, tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
 def _quantize_store(
     y, offs, ok, q_ptr, d_ptr, d_offs, d_ok, BLOCK: tl.constexpr, PAIRED: tl.constexpr, COMPILED: tl.constexpr
 ):
@@ -80,10 +91,7 @@ def _quantize_store(
         q = tl.minimum(_round_half_even(y * iscale[:, None], COMPILED), 127.0)
         d = tl.where(nz, tl.div_rn(tl.full(peak.shape, 1.0, tl.float32), tl.where(nz, iscale, 1.0)), 0.0)
     else:
-        nz = amax > 0.0
-        inv = tl.where(nz, tl.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.where(nz, amax, 1.0)), 0.0)
-        q = _round_half_even(y * inv[:, None], COMPILED)
-        d = tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)).to(tl.float16).to(tl.float32)
+        q, d = q8_0_blocks(y, COMPILED)
     tl.store(q_ptr + (_paired(offs) if PAIRED else offs), q.to(tl.int8), mask=ok)
     tl.store(d_ptr + d_offs, d, mask=d_ok)
 
