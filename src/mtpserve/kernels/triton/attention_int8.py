@@ -11,8 +11,9 @@ kernel's over the same planar rows at 2.0.
 
 Programs, splits, masking and the partials written are the general kernel's (pass 2 merges both alike). Cells in a
 program's range that no row sees are read (their quants: every cell of the cache holds some bytes) but weigh
-nothing: K's scales load as 0, V's are selected to 0 (NaN garbage included) and the scores are -inf. Which keys
-some row sees comes from the block's first and last query positions, not a reduction over its rows each tile.
+nothing: their scores are selected to -inf whatever their scales hold (NaN garbage included) and V's scales to 0.
+Which keys some row sees comes from the block's first and last query positions, not a reduction over its rows each
+tile.
 int8 tensor-core products need sm_80 or later and blocks of at least 16 rows and 16 keys.
 """
 
@@ -82,7 +83,7 @@ def _split_int8_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr, ac
         for b in tl.static_range(NB):
             kq = tl.load(k_row[:, None] + 2 * NB + b * 32 + e[None, :], mask=in_cache[:, None], other=0)
             kq = kq.to(tl.int8, bitcast=True)
-            ks = tl.load((k_row + 2 * b).to(tl.pointer_type(tl.float16)), mask=seen, other=0.0).to(tl.float32)
+            ks = tl.load((k_row + 2 * b).to(tl.pointer_type(tl.float16)), mask=in_cache, other=0.0).to(tl.float32)
             dots = tl.dot(qi[b], tl.trans(kq), out_dtype=tl.int32)
             s += dots.to(tl.float32) * (qd[b][:, None] * ks[None, :])  # log2 units
         p, alpha, m_new, l_i = _online_softmax(s, visible, m_i, l_i)
