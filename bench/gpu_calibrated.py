@@ -51,7 +51,7 @@ SMS = {"H200": 132, "2x2080Ti": 68}
 KEYS_PER_TILE = 16  # decode_attention's tile at D = 256
 CONTEXTS = (4096, 65536, 131072, 262144)
 GEMV_KERNELS = ("_kquant_kernel", "_q6k_kernel")
-# the float kernel's pass 1 (the measured run's), the int8 one's (a planar q8_0 cache on sm_80+, since b41a6bc), the merge
+# the float kernel's pass 1 (the measured run's), the int8 one's (planar q8_0 on sm_80+, since b41a6bc), the merge
 ATTENTION_KERNELS = ("_split_kernel", "_split_int8_kernel", "_combine_kernel")
 
 
