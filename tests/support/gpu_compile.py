@@ -130,7 +130,7 @@ def launches() -> list[Launch]:
     from gguf.constants import GGML_QUANT_SIZES
     from gguf.constants import GGMLQuantizationType as Q
 
-    from mtpserve.kernels.triton import attention, attention_int8, gated_delta, gemm, gemv, rowwise
+    from mtpserve.kernels.triton import attention, attention_int8, gated_delta, gemm, gemv
 
     out: list[Launch] = []
 
@@ -194,7 +194,6 @@ def launches() -> list[Launch]:
     combines: dict[str, tuple] = {}
     # q8_0 as the GPU path stores it (planar): the int8 tensor-core kernel from sm_80, the float kernel (sm_75's).
     paths = (("planar int8", None, 80), ("planar", False, 0))
-    quant = rowwise._quant_kernel
     for kv in ((Q.Q8_0, Q.Q8_0), (Q.F16, Q.F16), (Q.Q4_0, Q.Q4_0)):
         for d, (h, hkv) in ATTN_SHAPES.items():
             caches = []
@@ -211,7 +210,7 @@ def launches() -> list[Launch]:
                 q = torch.empty(n_tok, h, d)
                 q_pos = torch.arange(n_tok) + CACHE_CELLS - n_tok
                 rec = _recorded(
-                    [attention._split_kernel, attention_int8._split_int8_kernel, attention._combine_kernel, quant],
+                    [attention._split_kernel, attention_int8._split_int8_kernel, attention._combine_kernel],
                     lambda q=q, c=caches, kv=kv, q_pos=q_pos, k_pos=k_pos, hkv=hkv, d=d, window=window, i8=int8_qk: (
                         attention.decode_attention(
                             q,
@@ -229,8 +228,7 @@ def launches() -> list[Launch]:
                         )
                     ),
                 )
-                # (the int8 kernel's query quantized first: a quantize_rows launch, compiled with the GEMVs' inputs)
-                *splits, (cf, ca, ck) = [r for r in rec if r[0] is not quant]  # pass 1 a launch a row block, pass 2
+                *splits, (cf, ca, ck) = rec  # pass 1 a launch per row block size, then pass 2
                 quick = kv[0] == Q.Q8_0 and d == 256 and n_tok == 1 and window is None
                 # a K tile and a V tile of BLOCK_S keys of one KV head a step
                 head_bytes = [c.shape[1] // hkv if c.dtype == torch.uint8 else d * c.element_size() for c in caches]

@@ -25,7 +25,7 @@ from ..ops.linear import WeightGroup, kernel_supports
 from ..ops.norm import rms_norm
 from ..ops.rope import apply_rope, norm_rope_store
 from ..quant.dequant import dequantize
-from ..quant.planar import dequantize_planar, from_planar, to_planar
+from ..quant.planar import block_rows, dequantize_planar, from_planar, to_planar
 from ..quant.qtensor import QTensor
 from ..quant.quantize import QUANTIZERS
 from ..quant.types import GGMLType, block_geometry, parse_cache_type
@@ -69,10 +69,7 @@ class _Rows:
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
         """Values [T, n_heads, dim] as this store holds them: float rows as they are, blocks as uint8 rows."""
-        if self.type in _FLOAT_TYPES:
-            return values
-        rows = QUANTIZERS[self.type](values.reshape(values.shape[0], -1)).reshape(values.shape[0], -1)
-        return to_planar(rows, self.n_heads) if self.planar else rows
+        return values if self.type in _FLOAT_TYPES else block_rows(values, self.type, self.planar)
 
     def portable(self, rows: torch.Tensor) -> torch.Tensor:
         """Stored rows as GGUF blocks (what a file holds, whatever the device)."""
@@ -383,7 +380,7 @@ class KVCache:
             k_norm=k_norm,
             eps=eps,
             neox=neox,
-            planar=self.k.planar or self.v.planar,
+            planar=self._planar,
         )
         if not static:
             self.length += k.shape[0]
@@ -408,8 +405,13 @@ class KVCache:
             scale=scale,
             window=self.window,
             ordered=self._ordered,
-            planar=self.k.planar or self.v.planar,
+            planar=self._planar,
         )
+
+    @property
+    def _planar(self) -> bool:
+        """Whether a q8_0 K or V of this cache is stored planar (the GPU path's layout)."""
+        return self.k.planar or self.v.planar
 
     @property
     def _ordered(self) -> bool:

@@ -27,10 +27,9 @@ from ..quant.planar import dequantize_planar
 from ..quant.qtensor import QTensor
 from ..quant.quantize import quantize_q8_0
 from ..quant.types import GGMLType
-from .activation_rounding import ActFormat
+from .activation_rounding import round_activations
 from .linear import WeightGroup, kernel_supports
 from .quant_gemv import triton_available, triton_kernels
-from .rowwise import quantize_rows_reference
 
 QUERY_CHUNK = 256  # bounds the [H, T, S] score matrix of the tiled path for long prompts
 MASK_ELEMENTS = 1 << 24  # an explicit [T, S] mask of the GPU path (~14 bytes an element as built: ~230 MB) at most
@@ -300,15 +299,14 @@ def decode_attention_reference(
     """The twin of the Triton decode kernel: dequantize the stored cells ([S, Hkv, D] float or [S, row bytes]
     GGUF blocks, or planar q8_0 rows with `planar`), drop empty cells (position -1: they may hold anything, NaN
     included), exact masked softmax in float32; a row that sees no key is 0, as the kernel leaves it. `round_q`:
-    the query first rounded to q8_0 as the GPU path rounds an activation (`quantize_rows_reference`), as the int8
+    the query first rounded to q8_0 as the GPU path rounds an activation (`round_activations`), as the int8
     kernel multiplies it."""
     S, D = k_store.shape[0], q.shape[-1]
     live = k_pos >= 0
     k = _stored_rows(k_store, k_type, S, n_kv_heads, D, planar)[live]
     v = _stored_rows(v_store, v_type, S, n_kv_heads, D, planar)[live]
     if round_q:
-        q8, d = quantize_rows_reference(q.reshape(-1, D), ActFormat(32))
-        q = (q8.float().view(-1, D // 32, 32) * d[..., None]).reshape(q.shape)
+        q = round_activations(q, GGMLType.Q8_0)
     group = q.shape[1] // n_kv_heads
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("thd,shd->hts", q.float(), k) * scale

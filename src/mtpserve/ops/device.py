@@ -31,14 +31,14 @@ _emulating = os.environ.get("MTPSERVE_EMULATE_GPU") == "1"
 _emulated_matmul = "triton"
 
 
-def gpu_path(x: torch.Tensor) -> bool:
-    """Whether ops on x take the GPU path."""
-    return x.device.type == "cuda" or _emulating
-
-
 def gpu_device(device: torch.device | str) -> bool:
     """Whether tensors made on `device` take the GPU path (what a store made there is laid out for)."""
     return torch.device(device).type == "cuda" or _emulating
+
+
+def gpu_path(x: torch.Tensor) -> bool:
+    """Whether ops on x take the GPU path (`gpu_device` of its device, inline: it runs for every op of a step)."""
+    return x.device.type == "cuda" or _emulating
 
 
 def matmul_kernels(x: torch.Tensor) -> bool:

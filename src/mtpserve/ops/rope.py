@@ -16,8 +16,7 @@ import numpy as np
 import torch
 
 from ..kernels import cpu as cpu_kernels
-from ..quant.planar import to_planar
-from ..quant.quantize import QUANTIZERS
+from ..quant.planar import block_rows
 from ..quant.types import GGMLType
 from .device import canonical_device, gpu_path
 from .quant_gemv import triton_for_rows, triton_kernels
@@ -154,16 +153,14 @@ def norm_rope_store_reference(
 ) -> torch.Tensor:
     """The twin of the Triton kernel (mtpserve.kernels.triton.rope_kv.norm_rope_store): q [T, H, D] and k [T, Hkv, D]
     normalized per head (the GPU path's RMSNorm; None: not normalized) and rotated; k and v stored at `cells` of the
-    caches as their types store them (`QUANTIZERS`; q8_0 reordered by `to_planar` with `planar`), `positions` into
+    caches as their types store them (`block_rows`: q8_0 reordered planar with `planar`), `positions` into
     `cell_positions` there. Returns q, float32."""
     q = q.float() if q_norm is None else rms_norm_quantize_reference(q, q_norm, eps)[1]  # per head: the last dim
     k = k.float() if k_norm is None else rms_norm_quantize_reference(k, k_norm, eps)[1]
     q, k = apply_rope_reference(q, cos, sin, neox), apply_rope_reference(k, cos, sin, neox)
     for store, ggml_type, values in ((k_store, k_type, k), (v_store, v_type, v.float())):
         if store.dtype == torch.uint8:
-            values = QUANTIZERS[GGMLType(int(ggml_type))](values.reshape(len(values), -1))
-            if planar and int(ggml_type) == GGMLType.Q8_0:
-                values = to_planar(values.reshape(len(cells), -1), k.shape[1])
+            values = block_rows(values, GGMLType(int(ggml_type)), planar)
         store.index_copy_(0, cells, values.reshape(len(cells), *store.shape[1:]).to(store.dtype))
     cell_positions.index_copy_(0, cells, positions.to(cell_positions.dtype))
     return q

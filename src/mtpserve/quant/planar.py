@@ -5,7 +5,8 @@ D = 256 head row is 16 bytes of scales and 256 of quants, each 16-byte aligned (
 attention). Only the GPU path stores it (mtpserve.cache.kv); files and the CPU path keep GGUF blocks.
 
 Rows are uint8 [..., n_heads * D / 32 * 34]: `to_planar` / `from_planar` reorder each head's bytes (exact inverses),
-`dequantize_planar` gives the values `dequantize(from_planar(rows), Q8_0, ...)` gives, without the reordered copy."""
+`dequantize_planar` gives the values `dequantize(from_planar(rows), Q8_0, ...)` gives, without the reordered copy;
+`block_rows` quantizes values into the rows a block cache stores, planar or not (the cache and its writer's twin)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from collections.abc import Sequence
 import torch
 
 from .dequant import CHUNK_ELEMENTS, CHUNK_ELEMENTS_GPU
+from .quantize import QUANTIZERS
+from .types import GGMLType
 
 BLOCK, BLOCK_BYTES = 32, 34  # q8_0: 32 values, an fp16 scale and 32 int8 quants
 
@@ -38,6 +41,13 @@ def from_planar(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
     scales = heads[..., : 2 * nb].reshape(*heads.shape[:-1], nb, 2)
     quants = heads[..., 2 * nb :].reshape(*heads.shape[:-1], nb, BLOCK)
     return torch.cat([scales, quants], dim=-1).reshape(rows.shape)
+
+
+def block_rows(values: torch.Tensor, ggml_type: GGMLType, planar: bool) -> torch.Tensor:
+    """Values [T, n_heads, D] as a block cache stores them: uint8 rows [T, row bytes] of `ggml_type` blocks
+    (mtpserve.quant.quantize), reordered planar where asked and the type is q8_0."""
+    rows = QUANTIZERS[ggml_type](values.reshape(values.shape[0], -1)).reshape(values.shape[0], -1)
+    return to_planar(rows, values.shape[1]) if planar and ggml_type == GGMLType.Q8_0 else rows
 
 
 def dequantize_planar(rows: torch.Tensor, shape: Sequence[int], *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
