@@ -75,7 +75,7 @@ def attention_programs(context: int, rows: int) -> tuple[int, int]:
     two a verification: as many as the measured run's 16-row blocks)."""
     per = math.ceil(max(math.ceil(context / MAX_SPLITS), MIN_KEYS_PER_SPLIT) / KEYS_PER_TILE) * KEYS_PER_TILE
     splits = min(math.ceil(context / per), MAX_SPLITS)
-    return splits * tm.KV_HEADS * tm.attention_passes(rows, "sm_75"), per // KEYS_PER_TILE  # the float kernel's
+    return splits * tm.KV_HEADS * tm.attention_passes(rows, "sm_90", "float"), per // KEYS_PER_TILE  # the run's kernel
 
 
 def attention_ms(context: int, rows: int, sms: int, tile_us: float, layers: int = tm.ATTENTION_LAYERS) -> float:

@@ -261,9 +261,10 @@ def _decode_attention(s: Shapes, device: torch.device) -> list[Case]:
     from mtpserve.quant.planar import to_planar
     from mtpserve.quant.types import GGMLType
 
-    def case(rows: int, planar: bool) -> Case:
-        """GGUF blocks through the float kernel; planar rows (the GPU path's) through the int8 kernel on sm_80+ (its
-        query rounded to q8_0, PV in fp16: the twin rounds the query alike), the float kernel below."""
+    def case(rows: int, planar: bool, kernel: str | None = None) -> Case:
+        """GGUF blocks through the float kernel; planar rows (the GPU path's) through the int8 kernel the device
+        takes (tl.dot's on sm_80+, mma.sync's on sm_75: the query rounded to q8_0, PV in fp16; the twin rounds the
+        query alike), or the one `kernel` names: "mma" runs Turing's fragments on any GPU from sm_75."""
 
         def run() -> Comparison:
             gen = _gen(device, 5)
@@ -276,18 +277,21 @@ def _decode_attention(s: Shapes, device: torch.device) -> list[Case]:
             q_pos = torch.arange(S - rows, S, device=device)
             k_pos = torch.arange(S, device=device)
             args = (q, k_cache, v_cache, int(GGMLType.Q8_0), int(GGMLType.Q8_0), q_pos, k_pos)
-            int8 = planar and (device.type != "cuda" or cuda_capability(device) >= (8, 0))
-            got = kernels().decode_attention(*args, n_kv_heads=s.n_head_kv, head_dim=D, scale=D**-0.5, planar=planar)
+            int8 = planar and (device.type != "cuda" or cuda_capability(device) >= (7, 5))
+            choice = {"int8_kernel": kernel} if kernel else {}
+            got = kernels().decode_attention(
+                *args, n_kv_heads=s.n_head_kv, head_dim=D, scale=D**-0.5, planar=planar, **choice
+            )
             want = decode_attention_reference(*args, n_kv_heads=s.n_head_kv, scale=D**-0.5, planar=planar, round_q=int8)
             return Comparison((got,), (want,), "float16" if int8 else "tf32x3" if device.type == "cuda" else "float32")
 
-        layout = "planar q8_0" if planar else "q8_0"
+        layout = ("planar q8_0" if planar else "q8_0") + (f" ({kernel} kernel)" if kernel else "")
         return Case(
             f"decode_attention {layout} cache {s.context} cells H={s.n_head}/{s.n_head_kv} D={s.head_dim} T={rows}",
             run,
         )
 
-    return [case(1, False), case(3, False), case(1, True), case(3, True)]
+    return [case(1, False), case(3, False), case(1, True), case(3, True), case(1, True, "mma"), case(3, True, "mma")]
 
 
 def _delta_inputs(s: Shapes, gen: torch.Generator, tokens: int) -> tuple[torch.Tensor, ...]:

@@ -15,15 +15,15 @@ or a verification of 1 + n_max tokens, or an MTP draft) costs the sum of five pa
   once a pass, each over its launch's own bound: min(its issue bound from gpu_static's table, HBM x
   BANDWIDTH_FRACTION). On the H200 the planar q8_0 cache is read by the int8 kernel: a decode step's 6 query
   heads a KV head in one 16-row block, a verification's 3 tokens x 6 = 18 query rows in one 32-row block. On the
-  2080 Ti by the float kernel: 6 rows in one 8-row block, 18 in a 16-row block and a 4-row one (two passes). A
+  2080 Ti by its mma.sync twin (attention_mma): 6 rows on one warp, 18 on a program of 4 warps, one pass each. A
   draft step attends in the MTP block's one layer.
 * other: the Gated DeltaNet states (48 layers x 48 heads x 128 x 128 float32) read and written each step, a
   verification writing one more per token (kept for the rollback; `state_passes`); with the layer split, the
   hidden state handed to the next card (n_embd float32 over PCIe, plus its latency).
 * launches: the step's kernels (bench/decode_launches.py on the GPU path's planar q8_0 cache: 709 a step, 709 a
-  verification, 32 a draft (27 with the whole head), 21 a catch-up; sm_75's float attention kernel takes a
-  verification's rows in two launches a layer, 16 more) x LAUNCH_US each, the fixed cost of a kernel in a graph
-  replay beyond its memory time.
+  verification, 32 a draft (27 with the whole head), 21 a catch-up; a kernel whose attention took a verification
+  in more passes would count one more launch a pass a layer) x LAUNCH_US each, the fixed cost of a kernel in a
+  graph replay beyond its memory time.
 * host: the engine's own time per cycle, measured by bench/engine_overhead.py's stand-in (tinyqwen35 whose passes
   cost nothing, with 248,320-token logits handed over uncopied: the engine step, the sampler, speculation's
   bookkeeping), plus each logits row's ranking: the GPU path leaves the logits on the device and ranks each row
@@ -101,14 +101,14 @@ DEVICES = {
     # H200: 4.8 TB/s HBM3e; PCIe 5.0 x16 (64 GB/s a direction) at half for pageable copies
     "H200": Device("H200", "sm_90", 4.8, 25.0, 1, 4.78),
     # RTX 2080 Ti: 616 GB/s GDDR6; PCIe 3.0 x16 (~12 GB/s in practice) at half; layer split 1:1 over two cards
-    "2x2080Ti": Device("2x2080Ti", "sm_75", 0.616, 6.0, 2, 0.41),
+    "2x2080Ti": Device("2x2080Ti", "sm_75", 0.616, 6.0, 2, 1.15),
     # The same two cards as tensor parallelism (issue 40's `-sm row`): both stream half of every matrix at once.
     # Over PCIe 3.0 through host memory (GeForce cards without peer-to-peer): NCCL's small all-reduce between two
     # such cards takes ~12 us (all-to-all of 8-64 B, 2 x RTX 4090, P2P off: tinygrad/open-gpu-kernel-modules#17),
     # 15 assumed for the older platform, its bytes at the 6 GB/s of a copy. Over the 2080 Ti's NVLink bridge (two
     # links, 50 GB/s a direction): ~10 us (2 GPUs over NVLink, all_reduce_perf at 8-128 B: NVIDIA/nccl-tests#123).
-    "2x2080Ti-row-pcie": Device("2x2080Ti-row-pcie", "sm_75", 0.616, 6.0, 1, 0.41, 2, 15.0, 6.0),
-    "2x2080Ti-row-nvlink": Device("2x2080Ti-row-nvlink", "sm_75", 0.616, 6.0, 1, 0.41, 2, 10.0, 50.0),
+    "2x2080Ti-row-pcie": Device("2x2080Ti-row-pcie", "sm_75", 0.616, 6.0, 1, 1.15, 2, 15.0, 6.0),
+    "2x2080Ti-row-nvlink": Device("2x2080Ti-row-nvlink", "sm_75", 0.616, 6.0, 1, 1.15, 2, 10.0, 50.0),
 }
 ALLREDUCES_PER_LAYER = 2  # row split: after the attention or DeltaNet output projection, and after the FFN's down
 
@@ -143,7 +143,7 @@ class Kernels:
     """Kernels a step launches (bench/decode_launches.py, through gpu_static's JSON)."""
 
     decode: int = 709
-    verify: int = 709  # the int8 kernel takes its 18 rows a KV head in one launch (sm_75's float kernel: two, 725)
+    verify: int = 709  # the int8 kernels take its 18 rows a KV head in one launch (the float kernel: two, 725)
     draft: int = 32  # the shortlisting head's (--spec-draft-head auto on a GPU): 27 with the whole head
     catch_up: int = 21
 
@@ -163,17 +163,23 @@ def state_passes(tokens: int) -> int:
     return 1 + tokens
 
 
-def attention_passes(tokens: int, arch: str) -> int:
+def attention_passes(tokens: int, arch: str, kernel: str | None = None) -> int:
     """Passes over the cache: the row blocks of a KV head's query rows, as decode attention cuts them on `arch`.
     sm_90 reads the planar q8_0 cache with the int8 kernel (kernels.triton.attention_int8.int8_row_blocks: a decode
-    step's 6 rows in one 16-row block, a verification's 18 in one 32-row block); sm_75 with the float kernel
-    (kernels.triton.attention.row_blocks: 6 rows in one 8-row block, 18 in a 16-row block and a 4-row one)."""
+    step's 6 rows in one 16-row block, a verification's 18 in one 32-row block); sm_75 with its mma.sync twin
+    (kernels.triton.attention_mma.mma_row_blocks: 6 rows on one warp, 18 on four, one program each). `kernel`
+    "float": the float kernel's (kernels.triton.attention.row_blocks: 6 rows in one 8-row block, 18 in a 16-row
+    and a 4-row one), on either arch."""
     from mtpserve.kernels.triton.attention import row_blocks
     from mtpserve.kernels.triton.attention_int8 import int8_row_blocks
+    from mtpserve.kernels.triton.attention_mma import mma_row_blocks
 
     rows = tokens * (QUERY_HEADS // KV_HEADS)
-    blocks = int8_row_blocks(rows) if arch == "sm_90" else row_blocks(rows, HEAD_DIM)
-    return sum(n for _, n, _ in blocks)
+    if kernel == "float":
+        return sum(n for _, n, _ in row_blocks(rows, HEAD_DIM))
+    if arch == "sm_90":
+        return sum(n for _, n, _ in int8_row_blocks(rows))
+    return sum(b[1] for b in mma_row_blocks(rows))
 
 
 def pass_bounds(bounds: float | dict[int, list[float]], tokens: int, arch: str) -> list[float]:
@@ -261,7 +267,7 @@ def predict(
             plain = step(device, at, weights=w.trunk, tokens=1, context=context, trunk=True, kernels=kernels.decode,
                          logits_rows=1)  # fmt: skip
             plain.host += host_ms_per_token
-            # the counts are the int8 attention kernel's; sm_75's float kernel may take a verification in more passes
+            # the counts are the int8 attention kernel's; a kernel taking a verification in more passes launches more
             extra = ATTENTION_LAYERS * (attention_passes(1 + N_MAX, device.arch) - attention_passes(1 + N_MAX, "sm_90"))
             cycle = step(device, at, weights=w.trunk, tokens=1 + N_MAX, context=context, trunk=True,
                          kernels=kernels.verify + extra, logits_rows=1 + N_MAX)  # fmt: skip
@@ -297,16 +303,22 @@ def assumptions() -> dict:
 
 def attention_bounds(static: dict) -> dict[str, dict[int, list[float]]]:
     """Decode attention's issue bound per arch, step tokens and launch (q8_0 cache, D=256, the deployment's; the
-    slower of with and without a window), from gpu_static's rows: a launch per row block size (BLOCK_M). Where an
-    arch has the int8 kernel's rows (sm_80+), those: the float kernel's are what it runs below sm_80."""
+    slower of with and without a window), from gpu_static's rows: a launch per row block size (BLOCK_M). Each arch
+    takes the rows of the kernel decode_attention runs there (`RUNS_ON`; the float kernel's where those are
+    missing)."""
     rows = [r for r in static.get("kernels", []) if r["kernel"] == "attn_split" and "K=Q8_0" in r["name"]]
     rows = [
         r for r in rows if "D=256" in r["name"] and r["issue_bound_tbps"] and "bench choice" not in r.get("note", "")
     ]
-    int8_archs = {r["arch"] for r in rows if " int8 " in r["name"]}
+
+    def kernel(r: dict) -> str:
+        return next((k for k in (" int8 ", " mma ") if k in r["name"]), "float")
+
+    present = {(r["arch"], kernel(r)) for r in rows}
     launches: dict[str, dict[int, dict[int, float]]] = {}
     for r in rows:
-        if (" int8 " in r["name"]) != (r["arch"] in int8_archs):
+        runs = RUNS_ON.get(r["arch"], "float")
+        if kernel(r) != (runs if (r["arch"], runs) in present else "float"):
             continue
         tokens = int(re.search(r"\bT=(\d+)", r["name"]).group(1))
         block = re.search(r"\bBLOCK_M=(\d+)", r["name"])
@@ -317,6 +329,9 @@ def attention_bounds(static: dict) -> dict[str, dict[int, list[float]]]:
         arch: {tokens: [b for _, b in sorted(blocks.items(), reverse=True)] for tokens, blocks in per_step.items()}
         for arch, per_step in launches.items()
     }
+
+
+RUNS_ON = {"sm_90": " int8 ", "sm_75": " mma "}  # the int8 pass 1 decode_attention takes on each arch
 
 
 def kernel_counts(static: dict) -> Kernels:

@@ -71,6 +71,7 @@ def test_gpu_smoke_cases_run_on_small_shapes_under_the_interpreter() -> None:
     # The cheap cases (the interpreter's GEMVs take seconds each, the graph case's emulated model ~50 s).
     only = "decode_attention q8_0 cache 128 cells H=4/2 D=64 T=1,T=3,quantize_rows 1x512,rms_norm_quantize"
     only += ",gated_delta_decode,gdn_decode_inputs,norm_rope_store,decode_attention planar q8_0 cache 128 cells"
+    only += ",decode_attention planar q8_0 (mma kernel) cache 128 cells"
     run = subprocess.run(
         [sys.executable, str(REPO / "bench" / "gpu_smoke.py"), "--device", "cpu", "--tiny", "--only", only],
         env={**os.environ, "TRITON_INTERPRET": "1"},
@@ -84,6 +85,7 @@ def test_gpu_smoke_cases_run_on_small_shapes_under_the_interpreter() -> None:
     labels = ["decode_attention", "gated_delta_rule_recurrent_batched", "quantize_rows", "rms_norm_quantize"]
     labels += ["gated_delta_decode", "gdn_decode_inputs", "norm_rope_store"]  # three decode kernels had none (issue 38)
     labels += ["decode_attention planar q8_0"]  # the GPU path's q8_0 cache: the int8 kernel
+    labels += ["decode_attention planar q8_0 (mma kernel)"]  # sm_75's, on any GPU from sm_75 (the H200 included)
     for label in labels:
         assert any(line.startswith("PASS " + label) for line in lines), run.stdout
     assert not any(line.startswith("FAIL") for line in lines)

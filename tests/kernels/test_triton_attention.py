@@ -18,6 +18,7 @@ from mtpserve.kernels.triton import attention as attention_module
 from mtpserve.kernels.triton import auto_splits, decode_attention
 from mtpserve.kernels.triton.attention import row_blocks
 from mtpserve.kernels.triton.attention_int8 import int8_row_blocks
+from mtpserve.kernels.triton.attention_mma import mma_row_blocks
 from mtpserve.ops.attention import decode_attention_reference
 from mtpserve.quant.dequant import dequantize
 from mtpserve.quant.planar import to_planar
@@ -460,44 +461,48 @@ def test_the_float_kernel_reads_planar_q8_0(kt: str, vt: str, T: int) -> None:
     _check(_cache(kt, vt, 300, 2, 256, seed=11), 12, T, n_splits=3, planar=True, int8_qk=False)
 
 
+@pytest.mark.parametrize("kernel", ["dot", "mma"])
 @pytest.mark.parametrize("T", [1, 3, 6])
 @pytest.mark.parametrize("dim", [64, 256])
-def test_the_int8_kernel_is_the_twin_with_the_query_rounded(T: int, dim: int) -> None:
-    """Planar q8_0 K and V take the int8 kernel by default: 6 query heads a KV head, so a decode step's 6 rows take a
-    16-row block, a verification's 18 one 32-row block and 6 tokens' 36 rows a 32-row and a 16-row one."""
-    kv = _cache("q8_0", "q8_0", 300, 2, dim, seed=12)
-    int8 = _check(kv, 12, T, n_splits=3, planar=True, tol=INT8_TOL)
+def test_the_int8_kernel_is_the_twin_with_the_query_rounded(T: int, dim: int, kernel: str) -> None:
+    """Planar q8_0 K and V take an int8 kernel by default: 6 query heads a KV head, so on tl.dot ("dot", sm_80+) a
+    decode step's 6 rows take a 16-row block, a verification's 18 one 32-row block and 6 tokens' 36 rows a 32-row
+    and a 16-row one; on mma.sync written lane by lane ("mma", sm_75's) one warp each 8 rows, 4 warps a program."""
+    kv = _cache("q8_0", "q8_0", 300 if kernel == "dot" else 120, 2, dim, seed=12)
+    int8 = _check(kv, 12, T, n_splits=3, planar=True, tol=INT8_TOL, int8_kernel=kernel)
     plain = _check(kv, 12, T, n_splits=3, planar=True, int8_qk=False)
     assert not torch.equal(int8, plain)  # the query rounding and fp16 weights do show: the int8 kernel ran
 
 
+@pytest.mark.parametrize("kernel", ["dot", "mma"])
 @pytest.mark.parametrize("case", ["window", "ring", "nan-garbage", "ordered", "splits", "no-key"], ids=str)
-def test_the_int8_kernel_masks_as_the_float_kernel(case: str) -> None:
-    """The cells the int8 kernel reads but no row sees (a ring's stale cells, outside a window, a truncated cache's
+def test_the_int8_kernel_masks_as_the_float_kernel(case: str, kernel: str) -> None:
+    """The cells an int8 kernel reads but no row sees (a ring's stale cells, outside a window, a truncated cache's
     NaN scales, the tail of a range) weigh nothing; `ordered` and any split count give the twin's result."""
+    opts = {"planar": True, "tol": INT8_TOL, "int8_kernel": kernel}
     if case == "window":
-        _check(_cache("q8_0", "q8_0", 500, 2, 64, window=100, seed=3), 4, 4, n_splits=4, planar=True, tol=INT8_TOL)
+        _check(_cache("q8_0", "q8_0", 300, 2, 64, window=100, seed=3), 4, 4, n_splits=4, **opts)
     elif case == "ring":
-        kv = _cache("q8_0", "q8_0", 700, 2, 64, capacity=320, window=256, ring=True, chunk=64, seed=4)
-        _check(kv, 4, 3, n_splits=3, planar=True, tol=INT8_TOL)
+        kv = _cache("q8_0", "q8_0", 500, 2, 64, capacity=192, window=128, ring=True, chunk=64, seed=4)
+        _check(kv, 4, 3, n_splits=3, **opts)
     elif case == "nan-garbage":
-        kv = _cache("q8_0", "q8_0", 400, 2, 64, capacity=480, seed=5)
-        kv.truncate(350)
+        kv = _cache("q8_0", "q8_0", 200, 2, 64, capacity=280, seed=5)
+        kv.truncate(150)
         for rows in (kv.k, kv.v):
-            rows.data[350:] = 0xFF  # every f16 scale 0xFFFF: NaN
-        got = _check(kv, 4, 4, n_splits=4, q_pos=torch.arange(350, 354), planar=True, tol=INT8_TOL)
+            rows.data[150:] = 0xFF  # every f16 scale 0xFFFF: NaN
+        got = _check(kv, 4, 4, n_splits=4, q_pos=torch.arange(150, 154), **opts)
         assert torch.isfinite(got).all()
     elif case == "ordered":
-        kv = _cache("q8_0", "q8_0", 300, 2, 64, capacity=2048, seed=6)
+        kv = _cache("q8_0", "q8_0", 150, 2, 64, capacity=1024, seed=6)
         for splits in (None, 4):
-            _check(kv, 4, 3, n_splits=splits, ordered=True, planar=True, tol=INT8_TOL)
+            _check(kv, 4, 3, n_splits=splits, ordered=True, **opts)
     elif case == "splits":
-        kv = _cache("q8_0", "q8_0", 700, 1, 64, seed=2)
+        kv = _cache("q8_0", "q8_0", 300, 1, 64, seed=2)
         for splits in (1, 5, 1000):
-            _check(kv, 2, 2, n_splits=splits, planar=True, tol=INT8_TOL)
+            _check(kv, 2, 2, n_splits=splits, **opts)
     else:  # a row at position -1 sees nothing and is 0
         kv = _cache("q8_0", "q8_0", 64, 2, 64, capacity=96)
-        got = _check(kv, 4, 2, q_pos=torch.tensor([-1, 0]), planar=True, tol=INT8_TOL)
+        got = _check(kv, 4, 2, q_pos=torch.tensor([-1, 0]), **opts)
         assert torch.equal(got[0], torch.zeros(4, 64))
 
 
@@ -509,22 +514,42 @@ def test_int8_row_blocks() -> None:
     assert int8_row_blocks(90) == [(0, 2, 32), (64, 1, 32)]
 
 
+def test_mma_row_blocks() -> None:
+    """A warp a group of 8 rows, up to 4 warps a program: (first row, blocks, rows a block, warps)."""
+    assert mma_row_blocks(6) == [(0, 1, 8, 1)]  # a decode step of the 27B: one warp
+    assert mma_row_blocks(18) == [(0, 1, 32, 4)]  # its verification: one pass, the fourth warp padding
+    assert mma_row_blocks(12) == [(0, 1, 16, 2)]
+    assert mma_row_blocks(90) == [(0, 3, 32, 4)]
+
+
 def test_which_kernel_reads_a_planar_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The int8 kernel where K and V are planar q8_0 at a power-of-two head dim on sm_80+ (or the interpreter) and no
-    float option is asked for; the float kernel otherwise, and `int8_qk=True` refuses where it cannot run."""
-    takes = attention_module._takes_int8
-    q8, f16, cpu = GGMLType.Q8_0, GGMLType.F16, torch.device("cpu")
-    assert takes(cpu, q8, q8, 256, True, None, None)
-    assert not takes(cpu, q8, q8, 256, False, None, None)  # GGUF blocks
-    assert not takes(cpu, q8, f16, 256, True, None, None)
-    assert not takes(cpu, q8, q8, 96, True, None, None)
-    assert not takes(cpu, q8, q8, 256, True, None, "fp16")  # a float kernel's option
-    assert not takes(cpu, q8, q8, 256, True, False, None)
+    """An int8 kernel where K and V are planar q8_0 at a power-of-two head dim and no float option is asked for:
+    tl.dot's ("dot") on sm_80+ and under the interpreter, mma.sync's ("mma") on sm_75 (64 <= D <= 256); the float
+    kernel otherwise, and `int8_qk=True` refuses where it cannot run."""
+
+    def takes(device, k, v, d, planar, int8_qk, float_options, kernel=None):
+        return attention_module._int8_kernel(torch.device(device), k, v, d, planar, int8_qk, kernel, float_options)
+
+    q8, f16 = GGMLType.Q8_0, GGMLType.F16
+    assert takes("cpu", q8, q8, 256, True, None, None) == "dot"
+    assert takes("cpu", q8, q8, 64, True, None, None, "mma") == "mma"  # the interpreter runs either
+    assert takes("cpu", q8, q8, 32, True, None, None, "mma") is None  # a lane's words need D >= 64
+    assert takes("cpu", q8, q8, 256, False, None, None) is None  # GGUF blocks
+    assert takes("cpu", q8, f16, 256, True, None, None) is None
+    assert takes("cpu", q8, q8, 96, True, None, None) is None
+    assert takes("cpu", q8, q8, 256, True, None, "fp16") is None  # a float kernel's option
+    assert takes("cpu", q8, q8, 256, True, False, None) is None
     monkeypatch.setattr(attention_module, "cuda_capability", lambda device: (7, 5))
-    assert not takes(torch.device("cuda"), q8, q8, 256, True, None, None)  # sm_75: no int8 tensor cores
+    assert takes("cuda", q8, q8, 256, True, None, None) == "mma"  # sm_75: mma.sync, no int8 tl.dot
+    assert takes("cuda", q8, q8, 512, True, None, None) is None
     with pytest.raises(ValueError, match="int8_qk needs"):
-        takes(torch.device("cuda"), q8, q8, 256, True, True, None)
+        takes("cuda", q8, q8, 256, True, True, None, "dot")
+    monkeypatch.setattr(attention_module, "cuda_capability", lambda device: (7, 0))
+    assert takes("cuda", q8, q8, 256, True, None, None) is None  # Volta: neither
     monkeypatch.setattr(attention_module, "cuda_capability", lambda device: (9, 0))
-    assert takes(torch.device("cuda"), q8, q8, 256, True, None, None)
+    assert takes("cuda", q8, q8, 256, True, None, None) == "dot"
+    assert takes("cuda", q8, q8, 256, True, None, None, "mma") == "mma"  # sm_90 runs Turing's mma.sync too
+    with pytest.raises(ValueError, match="int8_kernel must be"):
+        takes("cuda", q8, q8, 256, True, None, None, "wmma")
     with pytest.raises(ValueError, match="int8_qk needs"):
-        takes(cpu, GGMLType.Q4_0, GGMLType.Q4_0, 256, True, True, None)
+        takes("cpu", GGMLType.Q4_0, GGMLType.Q4_0, 256, True, True, None)

@@ -25,6 +25,7 @@ from mtpserve.models.base import Batch
 from mtpserve.models.draft_head import DraftHead
 from mtpserve.models.graphs import DecodeGraph, MTPDraftGraph, MTPRowsGraph, StepGraph
 from mtpserve.models.loader import load
+from mtpserve.ops import attention as attention_ops
 from mtpserve.ops.device import emulate_gpu
 
 from ..conftest import FIXTURES, default_model, shared_path, tinyqwen_path
@@ -86,13 +87,16 @@ def test_greedy_tokens_match_llama_cpp(quant: str, cache_type: str) -> None:
     _agree_before_first_near_tie(ours, case)
 
 
-def test_the_deployments_cache_gives_llama_cpps_q8_0_tokens() -> None:
+@pytest.mark.parametrize("kernel", ["dot", "mma"])
+def test_the_deployments_cache_gives_llama_cpps_q8_0_tokens(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Against llama-server run with the deployment's `-fa on -ctk q8_0 -ctv q8_0` (tests/fixtures, recorded by
-    bench/record_llama_ref.py; the shared fixtures used an f16 cache): the decode kernel multiplies a float32 query
-    where llama.cpp rounds it to Q8_0, and still picks llama.cpp's 12 tokens (the first near tie is at 30)."""
+    bench/record_llama_ref.py; the shared fixtures used an f16 cache): the decode kernel (the int8 one over the
+    planar cache: on tl.dot as sm_80+ runs it, on mma.sync as the RTX 2080 Ti's sm_75 does) rounds the query to
+    Q8_0 as llama.cpp does, and picks llama.cpp's 12 tokens (the first near tie is at 30)."""
     ref = json.loads((Path(__file__).parents[1] / "fixtures" / "tinyqwen35_q8_0_kv_llama.json").read_text())
     case = ref["cases"][1]
     model = load(tinyqwen_path("Q4_K_M"), device=DEVICE, token_embd_device="cpu")
+    monkeypatch.setitem(attention_ops.DECODE_ATTENTION_CHOICE, "int8_kernel", kernel)
     with _gpu_path():
         ours = _greedy(model, case["prompt_token_ids"], 12, "q8_0")
     _agree_before_first_near_tie(ours, case)

@@ -130,7 +130,7 @@ def launches() -> list[Launch]:
     from gguf.constants import GGML_QUANT_SIZES
     from gguf.constants import GGMLQuantizationType as Q
 
-    from mtpserve.kernels.triton import attention, attention_int8, gated_delta, gemm, gemv
+    from mtpserve.kernels.triton import attention, attention_int8, attention_mma, gated_delta, gemm, gemv
 
     out: list[Launch] = []
 
@@ -192,8 +192,9 @@ def launches() -> list[Launch]:
             )
     # Decode / verification attention over the KV cache as stored; pass 2 (combine) comes with each call.
     combines: dict[str, tuple] = {}
-    # q8_0 as the GPU path stores it (planar): the int8 tensor-core kernel from sm_80, the float kernel (sm_75's).
-    paths = (("planar int8", None, 80), ("planar", False, 0))
+    # q8_0 as the GPU path stores it (planar): the int8 tensor-core kernel from sm_80, its mma.sync twin from sm_75
+    # (the Turing cards' default), the float kernel.
+    paths = (("planar int8", None, "dot", 80), ("planar mma", None, "mma", 75), ("planar", False, None, 0))
     for kv in ((Q.Q8_0, Q.Q8_0), (Q.F16, Q.F16), (Q.Q4_0, Q.Q4_0)):
         for d, (h, hkv) in ATTN_SHAPES.items():
             caches = []
@@ -204,14 +205,20 @@ def launches() -> list[Launch]:
                     qk, size = GGML_QUANT_SIZES[t]
                     caches.append(torch.empty(CACHE_CELLS, hkv * d // qk * size, dtype=torch.uint8))
             k_pos = torch.arange(CACHE_CELLS)
-            for (path, int8_qk, min_arch), n_tok, window in itertools.product(
-                paths if kv[0] == Q.Q8_0 else (("", False, 0),), (1, 3), (None, 1024)
+            for (path, int8_qk, kernel, min_arch), n_tok, window in itertools.product(
+                paths if kv[0] == Q.Q8_0 else (("", False, None, 0),), (1, 3), (None, 1024)
             ):
                 q = torch.empty(n_tok, h, d)
                 q_pos = torch.arange(n_tok) + CACHE_CELLS - n_tok
+                choice = {"int8_qk": int8_qk, "int8_kernel": kernel}
                 rec = _recorded(
-                    [attention._split_kernel, attention_int8._split_int8_kernel, attention._combine_kernel],
-                    lambda q=q, c=caches, kv=kv, q_pos=q_pos, k_pos=k_pos, hkv=hkv, d=d, window=window, i8=int8_qk: (
+                    [
+                        attention._split_kernel,
+                        attention_int8._split_int8_kernel,
+                        attention_mma._split_mma_kernel,
+                        attention._combine_kernel,
+                    ],
+                    lambda q=q, c=caches, kv=kv, q_pos=q_pos, k_pos=k_pos, hkv=hkv, d=d, window=window, choice=choice: (
                         attention.decode_attention(
                             q,
                             *c,
@@ -224,7 +231,7 @@ def launches() -> list[Launch]:
                             window=window,
                             ordered=window is None,
                             planar=kv[0] == Q.Q8_0,
-                            int8_qk=i8,
+                            **choice,
                         )
                     ),
                 )
@@ -233,12 +240,12 @@ def launches() -> list[Launch]:
                 # a K tile and a V tile of BLOCK_S keys of one KV head a step
                 head_bytes = [c.shape[1] // hkv if c.dtype == torch.uint8 else d * c.element_size() for c in caches]
                 for f, a, k in splits:
+                    rows, keys = (8 * k["WARPS"], 8 * k["NT"]) if "NT" in k else (k["BLOCK_M"], k["BLOCK_S"])
                     cfg = (
                         f"K={kv[0].name} V={kv[1].name}{' ' + path if path else ''} D={d} H={h} Hkv={hkv} "
-                        f"T={n_tok} window={window} BLOCK_M={k['BLOCK_M']} BLOCK_S={k['BLOCK_S']} "
-                        f"warps={k['num_warps']}"
+                        f"T={n_tok} window={window} BLOCK_M={rows} BLOCK_S={keys} warps={k['num_warps']}"
                     )
-                    tiles = k["BLOCK_S"] * sum(head_bytes)
+                    tiles = keys * sum(head_bytes)
                     out.append(
                         Launch(
                             "attn_split",
@@ -499,7 +506,7 @@ def _compile(job: tuple[int, int]) -> dict:
         res["regs"], res["stack"], res["spills"] = ptxas_usage(text)
         res["shared"] = kernel.metadata.shared
         res["loads"] = global_loads(kernel.asm["ptx"])
-        problems = []
+        problems = [f"lane layout: {p}" for p in lane_layout_problems(kernel.asm["ttgir"], res["warps"])]
         limit = MAX_SHARED.get(arch)
         if limit is not None and kernel.metadata.shared > limit:
             problems.append(f"out of resources: {kernel.metadata.shared} bytes of shared memory, sm_{arch} has {limit}")
@@ -513,6 +520,57 @@ def _compile(job: tuple[int, int]) -> dict:
         res["error"] = f"{type(e).__name__}: {e}"
     res["seconds"] = time.perf_counter() - start
     return res
+
+
+_BLOCKED = re.compile(r"^(#\w+) = #ttg\.blocked<\{(.*)\}>", re.M)
+_TENSOR = re.compile(r"tensor<((?:\d+x)+)\w+, (#\w+|#ttg\.slice<.*?>)>(?=[,)\s]|$)")
+_SLICE = re.compile(r"#ttg\.slice<\{dim = (\d+), parent = (.*)\}>$")
+
+
+def lane_layout_problems(ttgir: str, num_warps: int) -> list[str]:
+    """Warp-collective inline PTX (`.sync`: mma.sync, shfl.sync; kernels/triton/warp.py) assumes element i of its
+    operands' last dim sits on thread i, the other dims in that thread's registers. Triton chooses layouts itself,
+    so this reads the TTGIR: for each such op, every operand and result layout must put 32 lanes x num_warps warps
+    on the last dim, one element a thread, and nothing else on threads or warps. Returns what breaks that."""
+    blocked = {}
+    for name, body in _BLOCKED.findall(ttgir):
+        fields = dict(re.findall(r"(\w+) = \[([\d, ]*)\]", body))
+        blocked[name] = {k: [int(x) for x in v.split(",") if x.strip()] for k, v in fields.items()}
+    problems = []
+    for line in ttgir.splitlines():
+        if "tt.elementwise_inline_asm" not in line or ".sync" not in line:
+            continue
+        asm = re.search(r'"([^"]*)"', line).group(1)[:40]
+        for dims, enc in _TENSOR.findall(line):
+            shape = [int(x) for x in dims.rstrip("x").split("x")]
+            sliced = []
+            while (m := _SLICE.match(enc)) is not None:
+                sliced.append(int(m.group(1)))
+                enc = m.group(2)
+            lay = blocked.get(enc)
+            if lay is None:
+                problems.append(f"{asm}: layout {enc} is not a blocked layout")
+                continue
+            kept = list(range(len(lay["threadsPerWarp"])))
+            for d in reversed(
+                sliced
+            ):  # the innermost slice removes a dim of the blocked layout, each outer one of what is left
+                kept.pop(d)
+            lane = kept[-1]
+            ok = (
+                shape[-1] == 32 * num_warps
+                and lay["threadsPerWarp"][lane] == 32
+                and lay["sizePerThread"][lane] == 1
+                and lay["warpsPerCTA"][lane] == num_warps
+                and all(
+                    lay["threadsPerWarp"][d] == 1 and lay["warpsPerCTA"][d] == 1
+                    for d in range(len(kept) + len(sliced))
+                    if d != lane
+                )
+            )
+            if not ok:
+                problems.append(f"{asm}: tensor<{dims}> in {enc} {lay} (sliced {sliced})")
+    return sorted(set(problems))
 
 
 def global_loads(ptx: str) -> str:

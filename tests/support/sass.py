@@ -91,7 +91,7 @@ def loops(sass: str) -> list[Loop]:
     labels = _labels(sass)
     found = []
     for i, inst in enumerate(ins):
-        if _opcode(inst.text) != "BRA":
+        if _opcode(inst.text) not in ("BRA", "BRA.U"):  # .U: a uniform branch (the mma kernels' loops on sm_75)
             continue
         target = re.search(r"0x([0-9a-f]+)", inst.text)
         named = re.search(r"\.?(L_x_\d+)", inst.text)

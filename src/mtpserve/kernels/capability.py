@@ -2,11 +2,11 @@
 branches on a newer GPU.
 
 Below sm_80 the GPU path multiplies prompts in fp16 through cuBLAS, runs the Gated DeltaNet chunk loop in PyTorch,
-picks SDPA's fp16 at D = 256 and gives the Triton GEMM 8 warps: each choice takes what an RTX 2080 Ti (sm_75)
-supports, which a newer GPU supports too. `MTPSERVE_CUDA_CAPABILITY=7.5` makes every such choice as on sm_75, so
-a lent H200 runs the deployment's Turing branches against the same twins (bench/gpu_check.sh's tests stage). The
-override only lowers: a value above the device's own is ignored. The Triton kernels still compile for the device
-itself."""
+picks SDPA's fp16 at D = 256, gives the Triton GEMM 8 warps and reads a planar q8_0 cache with the mma.sync
+attention (attention_mma): each choice takes what an RTX 2080 Ti (sm_75) supports, which a newer GPU supports
+too. `MTPSERVE_CUDA_CAPABILITY=7.5` makes every such choice as on sm_75, so a lent H200 runs the deployment's
+Turing branches against the same twins (bench/gpu_check.sh's tests stage). The override only lowers: a value above
+the device's own is ignored. The Triton kernels still compile for the device itself."""
 
 from __future__ import annotations
 

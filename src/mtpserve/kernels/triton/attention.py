@@ -42,6 +42,7 @@ from ..capability import cuda_capability
 from ._device import on_input_device
 from .attention_common import _block_rows, _online_softmax, _split_keys, _split_range, _store_stats
 from .attention_int8 import INT8_KEYS, INT8_STAGES, INT8_WARPS, _split_int8_kernel, int8_row_blocks
+from .attention_mma import MMA_TILE_GROUPS, _split_mma_kernel, mma_row_blocks
 from .intdot import INLINE_ASM
 
 ATTENTION_TYPES = (
@@ -309,18 +310,36 @@ def _default_warps(d_pad: int, block_m: int, k_type: int) -> int:
     return 8 if d_pad >= 256 or k_type != GGMLQuantizationType.F16 else 4
 
 
-def _takes_int8(
-    device: torch.device, k_type: int, v_type: int, D: int, planar: bool, int8_qk: bool | None, float_options: object
-) -> bool:
-    """Whether pass 1 is the int8 tensor-core kernel (see `decode_attention`'s `int8_qk`)."""
+def _int8_kernel(
+    device: torch.device,
+    k_type: int,
+    v_type: int,
+    D: int,
+    planar: bool,
+    int8_qk: bool | None,
+    kernel: str | None,
+    float_options: object,
+) -> str | None:
+    """Which int8 pass 1 runs, "dot" (attention_int8) or "mma" (attention_mma), or None for the float kernel (see
+    `decode_attention`'s `int8_qk` and `int8_kernel`)."""
     q8 = GGMLQuantizationType.Q8_0
     fits = planar and int(k_type) == q8 and int(v_type) == q8 and D >= 32 and D & (D - 1) == 0
-    arch = device.type != "cuda" or cuda_capability(device) >= (8, 0)  # int8 tensor-core products: sm_80+
+    if kernel not in (None, "dot", "mma"):
+        raise ValueError(f"int8_kernel must be 'dot' or 'mma', got {kernel!r}")
+    cap = None if device.type != "cuda" else cuda_capability(device)
+    if kernel is None:
+        kernel = "mma" if cap is not None and (7, 5) <= cap < (8, 0) else "dot"
+    if kernel == "mma" and not 64 <= D <= 256:
+        fits = False  # a lane's run of head dims inside one 32-block, its quants in 4-byte words
+    # int8 tensor-core products: tl.dot's need sm_80+, mma.sync's m8n8k16 sm_75+; the interpreter runs either
+    arch = cap is None or cap >= ((8, 0) if kernel == "dot" else (7, 5))
+    wanted = bool(int8_qk) or (int8_qk is None and not float_options)
     if int8_qk and not (fits and arch):
         raise ValueError(
-            "int8_qk needs a planar q8_0 K and V cache, a power-of-two head dim of 32 or more, and sm_80 or later"
+            f"int8_qk needs a planar q8_0 K and V cache, a power-of-two head dim of 32 or more (64 to 256 for the "
+            f"'mma' kernel), and sm_80 or later ('dot') or sm_75 or later ('mma'); got int8_kernel {kernel!r}"
         )
-    return fits and arch and not float_options if int8_qk is None else bool(int8_qk)
+    return kernel if wanted and fits and arch else None
 
 
 def auto_splits(n_cells: int) -> int:
@@ -390,6 +409,7 @@ def decode_attention(
     block_m: int | None = None,
     planar: bool = False,
     int8_qk: bool | None = None,
+    int8_kernel: str | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v over the visible cached keys -> float32 [T, H, head_dim] (0 for a row that sees
     no key), with K and V read as stored (`k_type` / `v_type`: GGML type ids, see module docstring).
@@ -418,7 +438,10 @@ def decode_attention(
     `planar`: a q8_0 cache holds each head row's scales, then its quants (mtpserve.quant.planar). Where K and V are
     both planar q8_0, pass 1 is by default (`int8_qk` None) the int8 tensor-core kernel (attention_int8: the query
     rounded to q8_0, PV in fp16) on sm_80 and later and under the interpreter, unless `precision`, `loads_first` or
-    `block_m` ask for the float kernel; `int8_qk` False keeps the float kernel, True requires the int8 one.
+    `block_m` ask for the float kernel; `int8_qk` False keeps the float kernel, True requires the int8 one. Below
+    sm_80 (Turing, sm_75) the int8 pass 1 is attention_mma's, the same arithmetic on `mma.sync` written lane by lane
+    (Triton's tl.dot has no tensor cores there); `int8_kernel` "dot" or "mma" picks one (the interpreter runs both,
+    "dot" by default).
     """
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % n_kv_heads:
         raise ValueError(f"q must be [T, H, {head_dim}] with H a multiple of {n_kv_heads}, got {list(q.shape)}")
@@ -433,7 +456,7 @@ def decode_attention(
         return torch.zeros(T, H, D, dtype=torch.float32, device=device)
 
     G = H // n_kv_heads
-    int8 = _takes_int8(device, k_type, v_type, D, planar, int8_qk, precision or loads_first or block_m)
+    int8 = _int8_kernel(device, k_type, v_type, D, planar, int8_qk, int8_kernel, precision or loads_first or block_m)
     d_pad = max(32, triton.next_power_of_2(D))  # two halves of 16-runs
     # At D = 256, 32-key/32-row tiles need 69,760 B of shared memory (over sm_75's 64 KiB) and a q4_0 cache 102,912 B
     # (over sm_86/89's 99 KiB), and spill KBs of registers; 16 x 16 fits every target (ptxas,
@@ -442,7 +465,10 @@ def decode_attention(
     # with an f16 cache, but a quantized one's unpacking spills 8-40 B on 4 warps (sm_90, ptxas): it takes 8.
     if block_m is not None and (block_m < 8 or block_m & (block_m - 1)):
         raise ValueError(f"block_m must be a power of two of at least 8, got {block_m}")
-    if int8:
+    if int8 == "mma":
+        blocks = mma_row_blocks(T * G)
+        block_s = 8 * MMA_TILE_GROUPS
+    elif int8:
         blocks = [(row0, n, rows, num_warps or INT8_WARPS) for row0, n, rows in int8_row_blocks(T * G)]
         block_s = block_s or INT8_KEYS
     else:
@@ -471,7 +497,13 @@ def decode_attention(
         common = (row0, splits, max(1, int(min_keys)), 0 if window is None else int(window), scale * _LOG2E)
         shape = {"D": D, "BLOCK_M": rows, "BLOCK_S": block_s, "HAS_WINDOW": window is not None, "ORDERED": ordered}
         grid = (n_blocks, n_kv_heads, splits)  # row blocks of one tile are neighbours: L2 hits
-        if int8:
+        if int8 == "mma":
+            _split_mma_kernel[grid](
+                q, k_cache, v_cache, *positions, *common, q.stride(0), q.stride(1), *sk, *sv, D=D,
+                WARPS=warps, NT=MMA_TILE_GROUPS, HAS_WINDOW=window is not None, ORDERED=ordered,
+                T_PAD=t_pad, ASM=INLINE_ASM, num_warps=warps, **counting,
+            )  # fmt: skip
+        elif int8:
             _split_int8_kernel[grid](
                 q, k_cache, v_cache, *positions, *common, q.stride(0), q.stride(1), *sk, *sv, **shape, T_PAD=t_pad,
                 ASM=INLINE_ASM,

@@ -67,10 +67,21 @@ def q8_0_blocks(y, COMPILED: tl.constexpr):
     """y [blocks, 32] as quantize_row_q8_0 rounds an activation: (q [blocks, 32] float, integral; d [blocks] float32,
     amax / 127 rounded to f16, the d the dot uses)."""
     amax = tl.max(tl.abs(y), axis=1)
+    return q8_0_quants(y, amax[:, None], COMPILED), q8_0_scale(amax)
+
+
+@triton.jit
+def q8_0_quants(y, amax, COMPILED: tl.constexpr):
+    """y's q8_0 quants (float, integral) where its block's largest magnitude is amax (broadcast to y's shape)."""
     nz = amax > 0.0
     inv = tl.where(nz, tl.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.where(nz, amax, 1.0)), 0.0)
-    q = _round_half_even(y * inv[:, None], COMPILED)
-    return q, tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)).to(tl.float16).to(tl.float32)
+    return _round_half_even(y * inv, COMPILED)
+
+
+@triton.jit
+def q8_0_scale(amax):
+    """A q8_0 block's scale d from its largest magnitude: amax / 127 rounded to f16, as float32."""
+    return tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)).to(tl.float16).to(tl.float32)
 
 
 @triton.jit
