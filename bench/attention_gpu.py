@@ -44,12 +44,17 @@ N_HEAD, N_HEAD_KV, HEAD_DIM, CELLS = 24, 4, 256, 262144  # Qwen3.6-27B's attenti
 # the cache where the float kernel's default makes two (measured at 3 rows only; the tensor-core operands: float32
 # FMAs spill there). None: decode_attention's default. Precision None ("int8 ..."): the server's kernel since
 # 2026-12-05, the int8 one over the cache laid out planar as the GPU path stores it (attention_int8), at the
-# default's 256 fewest keys a split and at fewer (more programs: the first run's latency).
+# default's 256 fewest keys a split and at fewer (more programs: the first run's latency); "mma ...": the same
+# arithmetic as sm_75 runs it (attention_mma).
 VARIANTS = (
     ("float", "ieee", 16, None, 256, False, None),
     ("int8", None, None, None, 256, False, None),
     ("int8 min64", None, None, None, 64, False, None),
     ("int8 min32", None, None, None, 32, False, None),
+    # sm_75's int8 kernel (attention_mma: mma.sync written lane by lane), run on this GPU: its issue bound on sm_90
+    # (11.4 TB/s for decode) passes tl.dot's (7.4), its verification's 4 warps re-read each tile (2.9 against 4.8)
+    ("mma", None, None, None, 256, False, None),
+    ("mma min64", None, None, None, 64, False, None),
     # the float kernel's default until 2026-12-05: a decode step's 6 rows in a 16-row block of 8 warps (now 8 rows)
     ("ieee m16 w8", "ieee", 16, 8, 256, False, 16),
     # the hypotheses about the first run's latency first (a budget spent cuts the last choices): more programs (one
@@ -86,7 +91,8 @@ def choice_kwargs(name: str) -> dict:
     captured decode step, through ops.attention.DECODE_ATTENTION_CHOICE)."""
     for n, *values in VARIANTS:
         if n == name:
-            return dict(zip(CHOICE_KEYWORDS, values, strict=True))
+            kernel = {"int8_kernel": "mma"} if n.startswith("mma") else {}
+            return dict(zip(CHOICE_KEYWORDS, values, strict=True)) | kernel
     raise ValueError(f"no attention choice {name!r} (choices: {', '.join(v[0] for v in VARIANTS)})")
 
 
