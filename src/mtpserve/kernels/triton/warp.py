@@ -181,6 +181,14 @@ _PAIRS_ASM = tl.constexpr(
 
 
 @triton.jit
+def _scaled_pair(x, y, s_lo, s_hi, i: tl.constexpr):
+    """Under the interpreter: pair i of `scaled_pairs`."""
+    lo = _signed_byte(x, i).to(tl.float16) * s_lo
+    hi = _signed_byte(y, i).to(tl.float16) * s_hi
+    return pack_f16x2(lo.to(tl.float32), hi.to(tl.float32))
+
+
+@triton.jit
 def scaled_pairs(x, y, s, ASM: tl.constexpr):
     """Words x and y of four int8 each (two keys' quants at the same four head dims) and s, their two fp16 scales
     packed (x's low) -> four int32 of fp16 pairs: pair i = (x.byte_i * s.lo, y.byte_i * s.hi), each product rounded
@@ -192,20 +200,8 @@ def scaled_pairs(x, y, s, ASM: tl.constexpr):
     else:
         s_lo = _half(s, False).to(tl.float16)
         s_hi = _half(s, True).to(tl.float16)
-        p0 = pack_f16x2(
-            (_signed_byte(x, 0).to(tl.float16) * s_lo).to(tl.float32),
-            (_signed_byte(y, 0).to(tl.float16) * s_hi).to(tl.float32),
-        )
-        p1 = pack_f16x2(
-            (_signed_byte(x, 1).to(tl.float16) * s_lo).to(tl.float32),
-            (_signed_byte(y, 1).to(tl.float16) * s_hi).to(tl.float32),
-        )
-        p2 = pack_f16x2(
-            (_signed_byte(x, 2).to(tl.float16) * s_lo).to(tl.float32),
-            (_signed_byte(y, 2).to(tl.float16) * s_hi).to(tl.float32),
-        )
-        p3 = pack_f16x2(
-            (_signed_byte(x, 3).to(tl.float16) * s_lo).to(tl.float32),
-            (_signed_byte(y, 3).to(tl.float16) * s_hi).to(tl.float32),
-        )
+        p0 = _scaled_pair(x, y, s_lo, s_hi, 0)
+        p1 = _scaled_pair(x, y, s_lo, s_hi, 1)
+        p2 = _scaled_pair(x, y, s_lo, s_hi, 2)
+        p3 = _scaled_pair(x, y, s_lo, s_hi, 3)
         return p0, p1, p2, p3
