@@ -23,9 +23,11 @@ its unnormalised partial (max, sum, acc) to a scratch buffer; pass 2 merges the 
 row with the log-sum-exp rule. Loads of keys no row of the block can see (empty cells, outside the window, in
 the future of every row) are masked off, so they cost no memory traffic.
 
-A planar q8_0 K and V on sm_80+ take another pass 1, attention_int8's: an int8 tensor-core QK with the query rounded
-to q8_0, PV in fp16, 16 or 32 query rows a program. This one (float32 FMAs by default) reads every other cache, and
-planar q8_0 below sm_80.
+A planar q8_0 K and V take another pass 1: on sm_80+ attention_int8's (an int8 tensor-core QK with the query rounded
+to q8_0, PV in fp16, 16 or 32 query rows a program), on sm_75 attention_mma's (the same arithmetic on mma.sync, a
+warp each 8 query rows). This one (float32 FMAs by default) reads every other cache, and planar q8_0 where neither
+runs. The int8 kernels choose their own tile and warps: `block_s` and `num_warps` apply to the float kernel and to
+attention_int8.
 
 This module stays a leaf (kernels may import only torch, triton and gguf); the PyTorch twin is
 mtpserve.ops.attention.decode_attention_reference, held to it in tests/kernels/test_triton_attention.py.
