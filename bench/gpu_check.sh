@@ -73,7 +73,7 @@ BUDGET=${GPU_CHECK_BUDGET:-560}
 # The decode attention choices bench/gpu.py times in the captured decode step and verification (the first run's
 # latency: more programs, more programs an SM, both; a verification's rows in one block; the default before a decode
 # step took 8-row blocks), bench/attention_gpu.py's names
-ATTENTION_CHOICES="int8 min64,int8 min32,mma,ieee min16,fp16 s16 w2 min16,fp16 m32 w8"
+ATTENTION_CHOICES="int8 min64,int8 min32,mma,mma16,ieee min16,fp16 s16 w2 min16,fp16 m32 w8"
 declare -A LIMIT=([env]=30 [smoke]=120 [bench]=260 [tests]=150 [rest]=0)  # rest: whatever the budget has left
 declare -A FILE=([env]=env.txt [smoke]=smoke.txt [bench]=bench.txt [tests]=tests.txt [rest]=rest.txt)
 declare -A NEEDS_GPU=([env]=0 [smoke]=1 [bench]=1 [tests]=1 [rest]=1)

@@ -256,7 +256,7 @@ def _quant_matmul(s: Shapes, device: torch.device) -> list[Case]:
 
 @smoke_case("decode_attention")
 def _decode_attention(s: Shapes, device: torch.device) -> list[Case]:
-    from mtpserve.kernels.capability import cuda_capability
+    from mtpserve.kernels.triton.attention import _int8_kernel as attention_kernel
     from mtpserve.ops.attention import decode_attention_reference
     from mtpserve.quant.planar import to_planar
     from mtpserve.quant.types import GGMLType
@@ -264,7 +264,8 @@ def _decode_attention(s: Shapes, device: torch.device) -> list[Case]:
     def case(rows: int, planar: bool, kernel: str | None = None) -> Case:
         """GGUF blocks through the float kernel; planar rows (the GPU path's) through the int8 kernel the device
         takes (tl.dot's on sm_80+, mma.sync's on sm_75: the query rounded to q8_0, PV in fp16; the twin rounds the
-        query alike), or the one `kernel` names: "mma" runs Turing's fragments on any GPU from sm_75."""
+        query alike), or the one `kernel` names: "mma" runs Turing's fragments on any GPU from sm_75, "mma16"
+        attention_mma16's fp16 products on sm_80+ (the query not rounded; below sm_80 the float kernel runs)."""
 
         def run() -> Comparison:
             gen = _gen(device, 5)
@@ -277,13 +278,17 @@ def _decode_attention(s: Shapes, device: torch.device) -> list[Case]:
             q_pos = torch.arange(S - rows, S, device=device)
             k_pos = torch.arange(S, device=device)
             args = (q, k_cache, v_cache, int(GGMLType.Q8_0), int(GGMLType.Q8_0), q_pos, k_pos)
-            int8 = planar and (device.type != "cuda" or cuda_capability(device) >= (7, 5))
+            taken = planar and attention_kernel(  # the pass 1 decode_attention takes: rounds the query unless mma16
+                device, GGMLType.Q8_0, GGMLType.Q8_0, D, True, None, kernel, None, rows * s.n_head // s.n_head_kv
+            )
+            int8 = taken in ("dot", "mma")
             choice = {"int8_kernel": kernel} if kernel else {}
             got = kernels().decode_attention(
                 *args, n_kv_heads=s.n_head_kv, head_dim=D, scale=D**-0.5, planar=planar, **choice
             )
             want = decode_attention_reference(*args, n_kv_heads=s.n_head_kv, scale=D**-0.5, planar=planar, round_q=int8)
-            return Comparison((got,), (want,), "float16" if int8 else "tf32x3" if device.type == "cuda" else "float32")
+            fp16 = bool(taken)  # fp16 operands in every planar kernel
+            return Comparison((got,), (want,), "float16" if fp16 else "tf32x3" if device.type == "cuda" else "float32")
 
         layout = ("planar q8_0" if planar else "q8_0") + (f" ({kernel} kernel)" if kernel else "")
         return Case(
@@ -291,7 +296,16 @@ def _decode_attention(s: Shapes, device: torch.device) -> list[Case]:
             run,
         )
 
-    return [case(1, False), case(3, False), case(1, True), case(3, True), case(1, True, "mma"), case(3, True, "mma")]
+    return [
+        case(1, False),
+        case(3, False),
+        case(1, True),
+        case(3, True),
+        case(1, True, "mma"),
+        case(3, True, "mma"),
+        case(1, True, "mma16"),
+        case(3, True, "mma16"),
+    ]
 
 
 def _delta_inputs(s: Shapes, gen: torch.Generator, tokens: int) -> tuple[torch.Tensor, ...]:

@@ -165,20 +165,22 @@ def state_passes(tokens: int) -> int:
 
 def attention_passes(tokens: int, arch: str, kernel: str | None = None) -> int:
     """Passes over the cache: the row blocks of a KV head's query rows, as decode attention cuts them on `arch`.
-    sm_90 reads the planar q8_0 cache with the int8 kernel (kernels.triton.attention_int8.int8_row_blocks: a decode
-    step's 6 rows in one 16-row block, a verification's 18 in one 32-row block); sm_75 with its mma.sync twin
-    (kernels.triton.attention_mma.mma_row_blocks: 6 rows on one warp, 18 on four, one program each). `kernel`
-    "float": the float kernel's (kernels.triton.attention.row_blocks: 6 rows in one 8-row block, 18 in a 16-row
-    and a 4-row one), on either arch."""
+    sm_90 reads the planar q8_0 cache with the int8 kernel for a decode step
+    (kernels.triton.attention_int8.int8_row_blocks: 6 rows in one 16-row block) and with the fp16 mma16 kernel for
+    more than 16 rows (kernels.triton.attention_mma16.mma16_row_blocks: a verification's 18 in one program); sm_75
+    with its mma.sync twin (kernels.triton.attention_mma.mma_row_blocks: 6 rows on one warp, 18 on four, one
+    program each). `kernel` "float": the float kernel's (kernels.triton.attention.row_blocks: 6 rows in one 8-row
+    block, 18 in a 16-row and a 4-row one), on either arch."""
     from mtpserve.kernels.triton.attention import row_blocks
     from mtpserve.kernels.triton.attention_int8 import int8_row_blocks
     from mtpserve.kernels.triton.attention_mma import mma_row_blocks
+    from mtpserve.kernels.triton.attention_mma16 import mma16_row_blocks
 
     rows = tokens * (QUERY_HEADS // KV_HEADS)
     if kernel == "float":
         return sum(n for _, n, _ in row_blocks(rows, HEAD_DIM))
     if arch == "sm_90":
-        return sum(n for _, n, _ in int8_row_blocks(rows))
+        return sum(b[1] for b in (mma16_row_blocks(rows) if rows > 16 else int8_row_blocks(rows)))
     return sum(b[1] for b in mma_row_blocks(rows))
 
 
@@ -312,15 +314,15 @@ def attention_bounds(static: dict) -> dict[str, dict[int, list[float]]]:
     ]
 
     def kernel(r: dict) -> str:
-        return next((k for k in (" int8 ", " mma ") if k in r["name"]), "float")
+        return next((k for k in (" int8 ", " mma ", " mma16 ") if k in r["name"]), "float")
 
     present = {(r["arch"], kernel(r)) for r in rows}
     launches: dict[str, dict[int, dict[int, float]]] = {}
     for r in rows:
-        runs = RUNS_ON.get(r["arch"], "float")
+        tokens = int(re.search(r"\bT=(\d+)", r["name"]).group(1))
+        runs = RUNS_ON.get(r["arch"], {}).get(tokens, "float")
         if kernel(r) != (runs if (r["arch"], runs) in present else "float"):
             continue
-        tokens = int(re.search(r"\bT=(\d+)", r["name"]).group(1))
         block = re.search(r"\bBLOCK_M=(\d+)", r["name"])
         per_block = launches.setdefault(r["arch"], {}).setdefault(tokens, {})
         key = int(block.group(1)) if block else 0
@@ -331,7 +333,8 @@ def attention_bounds(static: dict) -> dict[str, dict[int, list[float]]]:
     }
 
 
-RUNS_ON = {"sm_90": " int8 ", "sm_75": " mma "}  # the int8 pass 1 decode_attention takes on each arch
+# The planar-q8_0 pass 1 decode_attention takes on each arch, for a decode step (1 token) and a verification (3)
+RUNS_ON = {"sm_90": {1: " int8 ", 3: " mma16 "}, "sm_75": {1: " mma ", 3: " mma "}}
 
 
 def kernel_counts(static: dict) -> Kernels:

@@ -24,9 +24,9 @@ def test_the_deployments_bytes_come_from_its_tensors():
 
 
 def test_query_rows_take_each_archs_row_blocks():
-    # 6 query heads a KV head: sm_90's int8 kernel takes a 16-row block then 32-row ones (18 rows: one pass; 24: one;
-    # 36: 32 + 16), sm_75's mma kernel a warp each 8 rows, 4 warps a pass (36 rows: two); the float kernel 8-row
-    # then 16-row blocks (18 rows: 16 + 4)
+    # 6 query heads a KV head: sm_90's int8 kernel takes a decode's 6 rows in a 16-row block, the mma16 kernel more
+    # than 16 in programs of 24 (18 rows: one pass; 24: one; 36: two), sm_75's mma kernel a warp each 8 rows, 4
+    # warps a pass (36 rows: two); the float kernel 8-row then 16-row blocks (18 rows: 16 + 4)
     assert [tm.attention_passes(t, "sm_90") for t in (1, 2, 3, 4, 6)] == [1, 1, 1, 1, 2]
     assert [tm.attention_passes(t, "sm_75") for t in (1, 2, 3, 4, 6)] == [1, 1, 1, 1, 2]
     assert [tm.attention_passes(t, "sm_75", "float") for t in (1, 2, 3, 4, 6)] == [1, 1, 2, 2, 3]
@@ -115,8 +115,11 @@ def test_attention_bounds_read_from_gpu_statics_rows():
     ]  # fmt: skip
     assert tm.attention_bounds({"kernels": split}) == {"sm_90": {3: [1.0, 1.7]}}  # by block, largest first
     int8 = [{**rows[1], "name": "attn_split K=Q8_0 V=Q8_0 planar int8 D=256 T=3 BLOCK_M=32", "issue_bound_tbps": 4.7}]
+    mma16 = [{**rows[1], "name": "attn_split K=Q8_0 V=Q8_0 planar mma16 D=256 T=3 BLOCK_M=24", "issue_bound_tbps": 5.9}]
     both = {"kernels": split + int8 + [{**rows[1], "arch": "sm_75", "issue_bound_tbps": 0.4}]}
-    assert tm.attention_bounds(both) == {"sm_90": {3: [4.7]}, "sm_75": {3: [0.4]}}  # the int8 kernel where it runs
+    assert tm.attention_bounds(both) == {"sm_90": {3: [1.0, 1.7]}, "sm_75": {3: [0.4]}}  # no mma16 row: the float's
+    both["kernels"] += mma16
+    assert tm.attention_bounds(both) == {"sm_90": {3: [5.9]}, "sm_75": {3: [0.4]}}  # the kernel each step takes
 
 
 def test_a_row_split_mtp_cycle_on_two_2080ti_by_hand():

@@ -19,6 +19,7 @@ from mtpserve.kernels.triton import auto_splits, decode_attention
 from mtpserve.kernels.triton.attention import row_blocks
 from mtpserve.kernels.triton.attention_int8 import int8_row_blocks
 from mtpserve.kernels.triton.attention_mma import mma_row_blocks
+from mtpserve.kernels.triton.attention_mma16 import mma16_row_blocks
 from mtpserve.ops.attention import decode_attention_reference
 from mtpserve.quant.dequant import dequantize
 from mtpserve.quant.planar import to_planar
@@ -111,6 +112,7 @@ def _check(
     both_q8_0 = kv.k.type == kv.v.type == GGMLType.Q8_0
     float_options = any(options.get(o) for o in ("precision", "loads_first", "block_m"))
     int8 = planar and both_q8_0 and options.get("int8_qk", not float_options) is not False
+    int8 = int8 and options.get("int8_kernel") != "mma16"  # fp16 products: the query is not rounded to q8_0
     expected = decode_attention_reference(
         q,
         kv.k.data[:S],
@@ -476,8 +478,35 @@ def test_the_int8_kernel_is_the_twin_with_the_query_rounded(T: int, dim: int, ke
     assert not torch.equal(int8, plain)  # the query rounding and fp16 weights do show: the int8 kernel ran
 
 
-@pytest.mark.parametrize("kernel", ["dot", "mma"])
-@pytest.mark.parametrize("case", ["window", "ring", "nan-garbage", "ordered", "splits", "no-key"], ids=str)
+@pytest.mark.parametrize(
+    ("dim", "T"),
+    # two programs (T = 6) and D = 256 take 10 s each under the interpreter: `slow` (the GPU check runs them)
+    [(64, 1), (64, 3), pytest.param(64, 6, marks=pytest.mark.slow), pytest.param(256, 3, marks=pytest.mark.slow)],
+)
+def test_the_mma16_kernel_is_the_twin_in_fp16(dim: int, T: int) -> None:
+    """attention_mma16 (`int8_kernel="mma16"`): 6 query heads a KV head, so a decode step's 6 rows take one 8-row
+    group, a verification's 18 three groups in one program, 6 tokens' 36 rows two programs of three; the twin's
+    query is not rounded (fp16 products of the query and K and V as dequantized, float32 sums)."""
+    kv = _cache("q8_0", "q8_0", 120, 2, dim, seed=12)
+    fp16 = _check(kv, 12, T, n_splits=3, planar=True, tol=INT8_TOL, int8_kernel="mma16")
+    plain = _check(kv, 12, T, n_splits=3, planar=True, int8_qk=False)
+    assert not torch.equal(fp16, plain)  # the fp16 operands do show: the mma16 kernel ran
+
+
+def _mask_cases() -> list:
+    """(case, kernel): every case for tl.dot's kernel; the lane-by-lane ones (5-8 s a case under the interpreter)
+    take the cases their own code masks (window, NaN bytes, no key) by default and `slow` the ones whose ranges
+    come from the split code all pass-1 kernels share (ring, ordered, splits)."""
+    cases = ["window", "ring", "nan-garbage", "ordered", "splits", "no-key"]
+    out = []
+    for kernel in ("dot", "mma", "mma16"):
+        for case in cases:
+            slow = kernel != "dot" and case in ("ring", "ordered", "splits")
+            out.append(pytest.param(case, kernel, marks=[pytest.mark.slow] if slow else [], id=f"{case}-{kernel}"))
+    return out
+
+
+@pytest.mark.parametrize(("case", "kernel"), _mask_cases())
 def test_the_int8_kernel_masks_as_the_float_kernel(case: str, kernel: str) -> None:
     """The cells an int8 kernel reads but no row sees (a ring's stale cells, outside a window, a truncated cache's
     NaN scales, the tail of a range) weigh nothing; `ordered` and any split count give the twin's result."""
@@ -524,16 +553,28 @@ def test_mma_row_blocks() -> None:
     assert mma_row_blocks(90) == [(0, 3, 32, 4)]
 
 
-def test_which_kernel_reads_a_planar_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An int8 kernel where K and V are planar q8_0 at a power-of-two head dim and no float option is asked for:
-    tl.dot's ("dot") on sm_80+ and under the interpreter, mma.sync's ("mma") on sm_75 (64 <= D <= 256); the float
-    kernel otherwise, and `int8_qk=True` refuses where it cannot run."""
+def test_mma16_row_blocks() -> None:
+    """Groups of 8 rows, up to 3 a program of 2 warps: (first row, blocks, rows a block, groups)."""
+    assert mma16_row_blocks(6) == [(0, 1, 8, 1)]  # a decode step of the 27B
+    assert mma16_row_blocks(18) == [(0, 1, 24, 3)]  # its verification: one pass
+    assert mma16_row_blocks(12) == [(0, 1, 16, 2)]
+    assert mma16_row_blocks(36) == [(0, 2, 24, 3)]
 
-    def takes(device, k, v, d, planar, int8_qk, float_options, kernel=None):
-        return attention_module._int8_kernel(torch.device(device), k, v, d, planar, int8_qk, kernel, float_options)
+
+def test_which_kernel_reads_a_planar_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planar-q8_0 kernel where K and V are planar q8_0 at a power-of-two head dim and no float option is asked
+    for: tl.dot's int8 ("dot") on sm_80+ and under the interpreter, but mma16's fp16 for more than 16 rows a KV head
+    on sm_80+ (64 <= D <= 256); mma.sync's int8 ("mma") on sm_75 (64 <= D <= 256); the float kernel otherwise, and
+    `int8_qk=True` refuses where it cannot run."""
+
+    def takes(device, k, v, d, planar, int8_qk, float_options, kernel=None, rows=6):
+        return attention_module._int8_kernel(
+            torch.device(device), k, v, d, planar, int8_qk, kernel, float_options, rows
+        )
 
     q8, f16 = GGMLType.Q8_0, GGMLType.F16
     assert takes("cpu", q8, q8, 256, True, None, None) == "dot"
+    assert takes("cpu", q8, q8, 256, True, None, None, rows=18) == "dot"  # the interpreter: only when asked for
     assert takes("cpu", q8, q8, 64, True, None, None, "mma") == "mma"  # the interpreter runs either
     assert takes("cpu", q8, q8, 32, True, None, None, "mma") is None  # a lane's words need D >= 64
     assert takes("cpu", q8, q8, 256, False, None, None) is None  # GGUF blocks
@@ -543,7 +584,9 @@ def test_which_kernel_reads_a_planar_cache(monkeypatch: pytest.MonkeyPatch) -> N
     assert takes("cpu", q8, q8, 256, True, False, None) is None
     monkeypatch.setattr(attention_module, "cuda_capability", lambda device: (7, 5))
     assert takes("cuda", q8, q8, 256, True, None, None) == "mma"  # sm_75: mma.sync, no int8 tl.dot
+    assert takes("cuda", q8, q8, 256, True, None, None, rows=18) == "mma"
     assert takes("cuda", q8, q8, 512, True, None, None) is None
+    assert takes("cuda", q8, q8, 256, True, None, None, "mma16") is None  # m16n8k16 in fp16: sm_80+
     with pytest.raises(ValueError, match="int8_qk needs"):
         takes("cuda", q8, q8, 256, True, True, None, "dot")
     monkeypatch.setattr(attention_module, "cuda_capability", lambda device: (7, 0))
@@ -551,6 +594,11 @@ def test_which_kernel_reads_a_planar_cache(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(attention_module, "cuda_capability", lambda device: (9, 0))
     assert takes("cuda", q8, q8, 256, True, None, None) == "dot"
     assert takes("cuda", q8, q8, 256, True, None, None, "mma") == "mma"  # sm_90 runs Turing's mma.sync too
+    assert takes("cuda", q8, q8, 256, True, None, None, rows=18) == "mma16"  # a verification: fp16 products
+    assert takes("cuda", q8, q8, 256, True, None, None, rows=16) == "dot"
+    assert takes("cuda", q8, q8, 32, True, None, None, rows=18) == "dot"  # mma16's runs need D >= 64
+    assert takes("cuda", q8, q8, 256, True, None, None, "dot", rows=18) == "dot"
+    assert takes("cuda", q8, q8, 32, True, None, None, "mma16") is None
     with pytest.raises(ValueError, match="int8_kernel must be"):
         takes("cuda", q8, q8, 256, True, None, None, "wmma")
     with pytest.raises(ValueError, match="int8_qk needs"):

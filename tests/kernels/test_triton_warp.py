@@ -20,12 +20,17 @@ import triton.language as tl
 from mtpserve.kernels.triton.intdot import INLINE_ASM
 from mtpserve.kernels.triton.warp import (
     mma_f16_m16n8k8,
+    mma_f16_m16n8k16,
+    mma_f16_m16n8k16_zero_c,
     mma_s8_m8n8k16,
     opaque,
     pack_f16x2,
+    pack_f16x2_rn,
+    scaled_halves,
     scaled_pairs,
     shfl_idx,
     shfl_xor,
+    transpose_f16_8x8,
 )
 from tests.support.gpu_compile import lane_layout_problems
 
@@ -169,6 +174,97 @@ def test_shuffles_pack_and_opaque(run: tuple[dict, dict]) -> None:
     assert torch.equal(out["int"][11].view(torch.float32), f[lanes // 32 * 32 + (lanes * 7 + 3) % 32])
     assert torch.equal(out["int"][12], _f16_bits(f) | (_f16_bits(x["f"][1]) << 16))
     assert torch.equal(out["int"][13], x["a"])
+
+
+@triton.jit
+def _sm80_ops_kernel(w_ptr, f_ptr, out_ptr, LANES: tl.constexpr, ASM: tl.constexpr):
+    """out[k] = result k of the sm_80 primitives on lanes of int32 words w[0..6] (A's four pair words, B's two, any
+    bits) and floats f[0..3] (C)."""
+    lane = tl.arange(0, LANES)
+    w = ()
+    for i in tl.static_range(7):
+        w = w + (tl.load(w_ptr + i * LANES + lane),)
+    f = ()
+    for i in tl.static_range(4):
+        f = f + (tl.load(f_ptr + i * LANES + lane),)
+    outs = mma_f16_m16n8k16(w[0], w[1], w[2], w[3], w[4], w[5], f[0], f[1], f[2], f[3], ASM)
+    outs = outs + mma_f16_m16n8k16_zero_c(w[0], w[1], w[2], w[3], w[4], w[5], ASM)
+    outs = outs + scaled_halves(w[6], w[4], ASM) + (transpose_f16_8x8(w[6], ASM), pack_f16x2_rn(f[0], f[1], ASM))
+    for k in tl.static_range(len(outs)):
+        if outs[k].dtype == tl.float32:
+            tl.store(out_ptr + k * LANES + lane, outs[k].to(tl.int32, bitcast=True))
+        else:
+            tl.store(out_ptr + k * LANES + lane, outs[k])
+
+
+@pytest.fixture(scope="module")
+def sm80() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, w, f) of `_sm80_ops_kernel` on random small fp16 pairs (exact products) and scales."""
+    g = torch.Generator().manual_seed(5)
+    pairs = _f16_bits(torch.randn(7, LANES, 2, generator=g))
+    w = pairs[:, :, 0] | (pairs[:, :, 1] << 16)
+    scale = _f16_bits(torch.randn(LANES, generator=g))
+    w[4] = scale | (scale << 16)  # B's first word doubles as scaled_halves' scale pair
+    w[6] = torch.randint(-(2**31), 2**31, (LANES,), generator=g, dtype=torch.int64).to(torch.int32)  # any bits
+    f = torch.randn(4, LANES, generator=g)
+    out = torch.empty(12, LANES, dtype=torch.int32)
+    if DEVICE != "cpu" and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("m16n8k16 and cvt.rn.f16x2.f32 need sm_80")
+    _sm80_ops_kernel[(1,)](w.to(DEVICE), f.to(DEVICE), out.to(DEVICE), LANES=LANES, ASM=INLINE_ASM)
+    return out, w, f
+
+
+def test_mma_f16_m16n8k16_is_the_isa_product(sm80: tuple) -> None:
+    """A [16 x 16]: a0 = A[g, 2t..], a1 = A[g + 8, 2t..], a2 = A[g, 2t + 8..], a3 = A[g + 8, 2t + 8..]; B [16 x 8]:
+    b0 = B[2t.., g], b1 = B[2t + 8.., g]; D as m16n8k8's. With C, and with C = 0."""
+    out, w, f = sm80
+    for wp in range(2):
+        A = torch.zeros(16, 16)
+        B = torch.zeros(16, 8)
+        for g in range(8):
+            for t in range(4):
+                i = _lane(wp, g, t)
+                A[g, 2 * t : 2 * t + 2] = _halves(w[0][i])
+                A[g + 8, 2 * t : 2 * t + 2] = _halves(w[1][i])
+                A[g, 2 * t + 8 : 2 * t + 10] = _halves(w[2][i])
+                A[g + 8, 2 * t + 8 : 2 * t + 10] = _halves(w[3][i])
+                B[2 * t : 2 * t + 2, g] = _halves(w[4][i])
+                B[2 * t + 8 : 2 * t + 10, g] = _halves(w[5][i])
+        D = A.double() @ B.double()
+        for g in range(8):
+            for t in range(4):
+                i = _lane(wp, g, t)
+                want = [D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]]
+                for k in range(4):
+                    c = f[k, i].item()
+                    got = out[k, i].view(torch.float32).item()
+                    zero_c = out[4 + k, i].view(torch.float32).item()
+                    assert got == pytest.approx(want[k].item() + c, rel=1e-5, abs=1e-5)
+                    assert zero_c == pytest.approx(want[k].item(), rel=1e-5, abs=1e-5)
+
+
+def test_scaled_halves_transpose_and_pack_rn(sm80: tuple) -> None:
+    """scaled_halves: (byte 0 * s, byte 1 * s), (byte 2 * s, byte 3 * s), each rounded to fp16; transpose_f16_8x8:
+    lane (g, t) gets (M[2t, g], M[2t + 1, g]) of the 8 x 8 matrix the lanes' pairs hold; pack_f16x2_rn: pack_f16x2."""
+    out, w, f = sm80
+    s = _halves(w[4])[:, 0].half()
+    b = _bytes(w[6]).float().half()
+    for k in range(2):
+        got = _halves(out[8 + k])
+        assert torch.equal(got[:, 0], (b[:, 2 * k] * s).float()) and torch.equal(
+            got[:, 1], (b[:, 2 * k + 1] * s).float()
+        )
+    for wp in range(2):
+        M = torch.zeros(8, 8)
+        for r in range(8):
+            for q in range(4):
+                M[r, 2 * q : 2 * q + 2] = _halves(w[6][_lane(wp, r, q)])
+        for g in range(8):
+            for t in range(4):
+                got = _halves(out[10, _lane(wp, g, t)])
+                want = torch.stack([M[2 * t, g], M[2 * t + 1, g]])
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # bits: NaNs too
+    assert torch.equal(out[11], _f16_bits(f[0]) | (_f16_bits(f[1]) << 16))
 
 
 _I32 = "tensor<128xi32, #blocked1>"

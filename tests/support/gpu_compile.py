@@ -130,7 +130,15 @@ def launches() -> list[Launch]:
     from gguf.constants import GGML_QUANT_SIZES
     from gguf.constants import GGMLQuantizationType as Q
 
-    from mtpserve.kernels.triton import attention, attention_int8, attention_mma, gated_delta, gemm, gemv
+    from mtpserve.kernels.triton import (
+        attention,
+        attention_int8,
+        attention_mma,
+        attention_mma16,
+        gated_delta,
+        gemm,
+        gemv,
+    )
 
     out: list[Launch] = []
 
@@ -194,7 +202,12 @@ def launches() -> list[Launch]:
     combines: dict[str, tuple] = {}
     # q8_0 as the GPU path stores it (planar): the int8 tensor-core kernel from sm_80, its mma.sync twin from sm_75
     # (the Turing cards' default), the float kernel.
-    paths = (("planar int8", None, "dot", 80), ("planar mma", None, "mma", 75), ("planar", False, None, 0))
+    paths = (
+        ("planar int8", None, "dot", 80),
+        ("planar mma", None, "mma", 75),
+        ("planar mma16", None, "mma16", 80),
+        ("planar", False, None, 0),
+    )
     for kv in ((Q.Q8_0, Q.Q8_0), (Q.F16, Q.F16), (Q.Q4_0, Q.Q4_0)):
         for d, (h, hkv) in ATTN_SHAPES.items():
             caches = []
@@ -216,6 +229,7 @@ def launches() -> list[Launch]:
                         attention._split_kernel,
                         attention_int8._split_int8_kernel,
                         attention_mma._split_mma_kernel,
+                        attention_mma16._split_mma16_kernel,
                         attention._combine_kernel,
                     ],
                     lambda q=q, c=caches, kv=kv, q_pos=q_pos, k_pos=k_pos, hkv=hkv, d=d, window=window, choice=choice: (
@@ -240,7 +254,11 @@ def launches() -> list[Launch]:
                 # a K tile and a V tile of BLOCK_S keys of one KV head a step
                 head_bytes = [c.shape[1] // hkv if c.dtype == torch.uint8 else d * c.element_size() for c in caches]
                 for f, a, k in splits:
-                    rows, keys = (8 * k["WARPS"], 8 * k["NT"]) if "NT" in k else (k["BLOCK_M"], k["BLOCK_S"])
+                    groups = k.get(
+                        "WARPS", k.get("GROUPS")
+                    )  # attention_mma: a warp, attention_mma16: a group of 8 rows
+                    keys = 8 * k["NT"] if "NT" in k else 16 * k["KB"] if "KB" in k else k["BLOCK_S"]
+                    rows = 8 * groups if groups else k["BLOCK_M"]
                     cfg = (
                         f"K={kv[0].name} V={kv[1].name}{' ' + path if path else ''} D={d} H={h} Hkv={hkv} "
                         f"T={n_tok} window={window} BLOCK_M={rows} BLOCK_S={keys} warps={k['num_warps']}"

@@ -23,11 +23,12 @@ its unnormalised partial (max, sum, acc) to a scratch buffer; pass 2 merges the 
 row with the log-sum-exp rule. Loads of keys no row of the block can see (empty cells, outside the window, in
 the future of every row) are masked off, so they cost no memory traffic.
 
-A planar q8_0 K and V take another pass 1: on sm_80+ attention_int8's (an int8 tensor-core QK with the query rounded
-to q8_0, PV in fp16, 16 or 32 query rows a program), on sm_75 attention_mma's (the same arithmetic on mma.sync, a
-warp each 8 query rows). This one (float32 FMAs by default) reads every other cache, and planar q8_0 where neither
-runs. The int8 kernels choose their own tile and warps: `block_s` and `num_warps` apply to the float kernel and to
-attention_int8.
+A planar q8_0 K and V take another pass 1: on sm_80+ attention_int8's for a decode step (an int8 tensor-core QK with
+the query rounded to q8_0, PV in fp16, 16 query rows a program) and attention_mma16's for more rows (a verification:
+both products in fp16 on mma.sync, K and V converted once for all rows), on sm_75 attention_mma's (attention_int8's
+arithmetic on mma.sync, a warp each 8 query rows). This one (float32 FMAs by default) reads every other cache, and
+planar q8_0 where none runs. Those kernels choose their own tile and warps: `block_s` and `num_warps` apply to the
+float kernel and to attention_int8.
 
 This module stays a leaf (kernels may import only torch, triton and gguf); the PyTorch twin is
 mtpserve.ops.attention.decode_attention_reference, held to it in tests/kernels/test_triton_attention.py.
@@ -45,6 +46,7 @@ from ._device import on_input_device
 from .attention_common import _block_rows, _online_softmax, _split_keys, _split_range, _store_stats
 from .attention_int8 import INT8_KEYS, INT8_STAGES, INT8_WARPS, _split_int8_kernel, int8_row_blocks
 from .attention_mma import MMA_TILE_GROUPS, _split_mma_kernel, mma_row_blocks
+from .attention_mma16 import MMA16_TILE_BLOCKS, _split_mma16_kernel, mma16_row_blocks
 from .intdot import INLINE_ASM
 
 ATTENTION_TYPES = (
@@ -321,25 +323,30 @@ def _int8_kernel(
     int8_qk: bool | None,
     kernel: str | None,
     float_options: object,
+    rows: int = 1,
 ) -> str | None:
-    """Which int8 pass 1 runs, "dot" (attention_int8) or "mma" (attention_mma), or None for the float kernel (see
-    `decode_attention`'s `int8_qk` and `int8_kernel`)."""
+    """Which planar q8_0 pass 1 runs, "dot" (attention_int8), "mma" (attention_mma) or "mma16" (attention_mma16),
+    or None for the float kernel (see `decode_attention`'s `int8_qk` and `int8_kernel`); `rows`: a KV head's query
+    rows in the step."""
     q8 = GGMLQuantizationType.Q8_0
     fits = planar and int(k_type) == q8 and int(v_type) == q8 and D >= 32 and D & (D - 1) == 0
-    if kernel not in (None, "dot", "mma"):
-        raise ValueError(f"int8_kernel must be 'dot' or 'mma', got {kernel!r}")
+    if kernel not in (None, "dot", "mma", "mma16"):
+        raise ValueError(f"int8_kernel must be 'dot', 'mma' or 'mma16', got {kernel!r}")
     cap = None if device.type != "cuda" else cuda_capability(device)
-    if kernel is None:
-        kernel = "mma" if cap is not None and (7, 5) <= cap < (8, 0) else "dot"
-    if kernel == "mma" and not 64 <= D <= 256:
+    if kernel is None and cap is not None and (7, 5) <= cap < (8, 0):
+        kernel = "mma"
+    elif kernel is None:  # sm_80+: a verification's rows (past one 16-row block) in fp16 on mma16, as llama.cpp
+        kernel = "mma16" if cap is not None and rows > 16 and 64 <= D <= 256 else "dot"
+    if kernel in ("mma", "mma16") and not 64 <= D <= 256:
         fits = False  # a lane's run of head dims inside one 32-block, its quants in 4-byte words
-    # int8 tensor-core products: tl.dot's need sm_80+, mma.sync's m8n8k16 sm_75+; the interpreter runs either
-    arch = cap is None or cap >= ((8, 0) if kernel == "dot" else (7, 5))
+    # tensor-core products: tl.dot's int8 and mma.sync m16n8k16 need sm_80+, m8n8k16 sm_75+; the interpreter runs all
+    arch = cap is None or cap >= ((7, 5) if kernel == "mma" else (8, 0))
     wanted = bool(int8_qk) or (int8_qk is None and not float_options)
     if int8_qk and not (fits and arch):
         raise ValueError(
             f"int8_qk needs a planar q8_0 K and V cache, a power-of-two head dim of 32 or more (64 to 256 for the "
-            f"'mma' kernel), and sm_80 or later ('dot') or sm_75 or later ('mma'); got int8_kernel {kernel!r}"
+            f"'mma' and 'mma16' kernels), and sm_80 or later ('dot', 'mma16') or sm_75 or later ('mma'); got "
+            f"int8_kernel {kernel!r}"
         )
     return kernel if wanted and fits and arch else None
 
@@ -443,7 +450,10 @@ def decode_attention(
     `block_m` ask for the float kernel; `int8_qk` False keeps the float kernel, True requires the int8 one. Below
     sm_80 (Turing, sm_75) the int8 pass 1 is attention_mma's, the same arithmetic on `mma.sync` written lane by lane
     (Triton's tl.dot has no tensor cores there); `int8_kernel` "dot" or "mma" picks one (the interpreter runs both,
-    "dot" by default).
+    "dot" by default). On sm_80+ a step with more than 16 rows a KV head (a verification: 18 on the 27B) takes
+    attention_mma16 instead ("mma16"): both products in fp16 on mma.sync m16n8k16, K and V converted to fp16 in
+    registers once a key for all the rows, as llama.cpp's CUDA backend multiplies more than a token or two over a
+    quantized cache; "dot" stays the decode step's (the query rounded to q8_0, as llama.cpp's vector kernel).
     """
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % n_kv_heads:
         raise ValueError(f"q must be [T, H, {head_dim}] with H a multiple of {n_kv_heads}, got {list(q.shape)}")
@@ -458,7 +468,8 @@ def decode_attention(
         return torch.zeros(T, H, D, dtype=torch.float32, device=device)
 
     G = H // n_kv_heads
-    int8 = _int8_kernel(device, k_type, v_type, D, planar, int8_qk, int8_kernel, precision or loads_first or block_m)
+    float_options = precision or loads_first or block_m
+    int8 = _int8_kernel(device, k_type, v_type, D, planar, int8_qk, int8_kernel, float_options, T * G)
     d_pad = max(32, triton.next_power_of_2(D))  # two halves of 16-runs
     # At D = 256, 32-key/32-row tiles need 69,760 B of shared memory (over sm_75's 64 KiB) and a q4_0 cache 102,912 B
     # (over sm_86/89's 99 KiB), and spill KBs of registers; 16 x 16 fits every target (ptxas,
@@ -470,6 +481,9 @@ def decode_attention(
     if int8 == "mma":
         blocks = mma_row_blocks(T * G)
         block_s = 8 * MMA_TILE_GROUPS
+    elif int8 == "mma16":
+        blocks = mma16_row_blocks(T * G)
+        block_s = 16 * MMA16_TILE_BLOCKS
     elif int8:
         blocks = [(row0, n, rows, num_warps or INT8_WARPS) for row0, n, rows in int8_row_blocks(T * G)]
         block_s = block_s or INT8_KEYS
@@ -499,7 +513,13 @@ def decode_attention(
         common = (row0, splits, max(1, int(min_keys)), 0 if window is None else int(window), scale * _LOG2E)
         shape = {"D": D, "BLOCK_M": rows, "BLOCK_S": block_s, "HAS_WINDOW": window is not None, "ORDERED": ordered}
         grid = (n_blocks, n_kv_heads, splits)  # row blocks of one tile are neighbours: L2 hits
-        if int8 == "mma":
+        if int8 == "mma16":  # `warps` is mma16_row_blocks' 8-row groups here: 2 warps a program
+            _split_mma16_kernel[grid](
+                q, k_cache, v_cache, *positions, *common, q.stride(0), q.stride(1), *sk, *sv, D=D,
+                GROUPS=warps, KB=MMA16_TILE_BLOCKS, HAS_WINDOW=window is not None, ORDERED=ordered,
+                T_PAD=t_pad, ASM=INLINE_ASM, num_warps=2, **counting,
+            )  # fmt: skip
+        elif int8 == "mma":
             _split_mma_kernel[grid](
                 q, k_cache, v_cache, *positions, *common, q.stride(0), q.stride(1), *sk, *sv, D=D,
                 WARPS=warps, NT=MMA_TILE_GROUPS, HAS_WINDOW=window is not None, ORDERED=ordered,

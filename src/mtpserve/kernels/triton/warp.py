@@ -15,6 +15,8 @@ Fragments (PTX ISA, "Matrix fragments for mma.m8n8k16" / "mma.m16n8k8"; lane = 4
 - `mma_f16_m16n8k8`: A [16 x 8] fp16: a0 = (A[g, 2t], A[g, 2t + 1]), a1 = (A[g + 8, 2t], A[g + 8, 2t + 1]), each a
   pair in one int32, low half first; B [8 x 8]: b = (B[2t, g], B[2t + 1, g]); C / D [16 x 8] float32: D[g, 2t],
   D[g, 2t + 1], D[g + 8, 2t], D[g + 8, 2t + 1].
+- `mma_f16_m16n8k16` (sm_80+): two m16n8k8 deep: a0, a1 as above over columns 0..7 of A, a2, a3 the same over
+  columns 8..15; b0 = (B[2t, g], B[2t + 1, g]), b1 = (B[2t + 8, g], B[2t + 9, g]); C / D as m16n8k8's.
 """
 
 from __future__ import annotations
@@ -160,11 +162,76 @@ def mma_f16_m16n8k8(a0, a1, b, c0, c1, c2, c3, ASM: tl.constexpr):
 
 
 @triton.jit
+def mma_f16_m16n8k16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ASM: tl.constexpr):
+    """D = A B + C, fp16 x fp16 -> float32, 16 x 8 x 16, sm_80+ (fragments: module docstring) -> (d0, d1, d2, d3)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+            "{$10, $11, $12, $13};",
+            "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
+            [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
+    else:  # columns 0..7, then 8..15: the ISA's fragments of m16n8k16 are those of two m16n8k8
+        d0, d1, d2, d3 = mma_f16_m16n8k8(a0, a1, b0, c0, c1, c2, c3, ASM)
+        return mma_f16_m16n8k8(a2, a3, b1, d0, d1, d2, d3, ASM)
+
+
+@triton.jit
+def mma_f16_m16n8k16_zero_c(a0, a1, a2, a3, b0, b1, ASM: tl.constexpr):
+    """`mma_f16_m16n8k16` with C = 0 (zero registers of the mma itself: none to clear and move in)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .f32 z; mov.b32 z, 0; mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, "
+            "{$4, $5, $6, $7}, {$8, $9}, {z, z, z, z}; }",
+            "=r,=r,=r,=r,r,r,r,r,r,r",
+            [a0, a1, a2, a3, b0, b1],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        zero = tl.zeros(a0.shape, tl.float32)
+        return mma_f16_m16n8k16(a0, a1, a2, a3, b0, b1, zero, zero, zero, zero, ASM)
+
+
+@triton.jit
 def pack_f16x2(lo, hi):
     """Two float32 tensors rounded to fp16 and packed into one int32 (lo in the low half)."""
     lo_bits = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     hi_bits = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
     return (hi_bits << 16) | lo_bits
+
+
+@triton.jit
+def transpose_f16_8x8(x, ASM: tl.constexpr):
+    """An 8 x 8 fp16 matrix held as mma fragments (lane (g, t): M[g, 2t], M[g, 2t + 1] in one int32, low half
+    first) -> its transpose held alike (lane (g, t): M[2t, g], M[2t + 1, g]): movmatrix, sm_75+."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        lanes = _lanes(x)
+        g = lanes % 32 // 4
+        t = lanes % 4
+        half = g % 2 * 16  # M[r, g] sits in lane (r, g // 2), half g % 2
+        lo = (_from_lane(x, (lanes & ~31) | (8 * t + g // 2)) >> half) & 0xFFFF  # M[2t, g]: lane 4 (2t) + g // 2
+        hi = (_from_lane(x, (lanes & ~31) | (8 * t + 4 + g // 2)) >> half) & 0xFFFF  # M[2t + 1, g]
+        return lo | (hi << 16)
+
+
+@triton.jit
+def pack_f16x2_rn(lo, hi, ASM: tl.constexpr):
+    """`pack_f16x2` in one instruction, sm_80+ (cvt.rn.f16x2.f32; the same rounding)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,r,r", [hi, lo], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        return pack_f16x2(lo, hi)
 
 
 # Bytes 0..3 of x and y (int8, each biased by 128 to unsigned) interleaved into two words, each byte then put under
@@ -178,6 +245,34 @@ _PAIRS_ASM = tl.constexpr(
     "prmt.b32 $2, q, 0x64646464, 0x5140; sub.f16x2 $2, $2, c; mul.f16x2 $2, $2, $6; "
     "prmt.b32 $3, q, 0x64646464, 0x7362; sub.f16x2 $3, $3, c; mul.f16x2 $3, $3, $6; }"
 )
+
+
+# One key's four int8 as two fp16 pairs, bytes 0, 1 and bytes 2, 3, by the same bias trick, times its scale pair.
+_HALVES_ASM = tl.constexpr(
+    "{ .reg .b32 a, c; xor.b32 a, $2, 0x80808080; mov.b32 c, 0x64806480; "
+    "prmt.b32 $0, a, 0x64646464, 0x5140; sub.f16x2 $0, $0, c; mul.f16x2 $0, $0, $3; "
+    "prmt.b32 $1, a, 0x64646464, 0x7362; sub.f16x2 $1, $1, c; mul.f16x2 $1, $1, $3; }"
+)
+
+
+@triton.jit
+def scaled_halves(x, s, ASM: tl.constexpr):
+    """A word x of four int8 (one key's quants at four head dims) and s, its fp16 scale in both halves -> two int32
+    of fp16 pairs, (byte 0 * s, byte 1 * s) and (byte 2 * s, byte 3 * s), each product rounded to fp16: an
+    m16n8k16 B fragment's b0 and b1 when the key is B's column g."""
+    if ASM:
+        return tl.inline_asm_elementwise(_HALVES_ASM, "=r,=r,r,r", [x, s], dtype=(tl.int32,) * 2, is_pure=True, pack=1)
+    else:
+        sc = _half(s, False).to(tl.float16)
+        lo = pack_f16x2(
+            (_signed_byte(x, 0).to(tl.float16) * sc).to(tl.float32),
+            (_signed_byte(x, 1).to(tl.float16) * sc).to(tl.float32),
+        )
+        hi = pack_f16x2(
+            (_signed_byte(x, 2).to(tl.float16) * sc).to(tl.float32),
+            (_signed_byte(x, 3).to(tl.float16) * sc).to(tl.float32),
+        )
+        return lo, hi
 
 
 @triton.jit
