@@ -9,21 +9,28 @@ Converting each key once to fp16 costs the same for 8 rows or 32. That is llama.
 a couple of tokens over a quantized cache (its CUDA mma attention kernel converts K and V to fp16 and multiplies the
 query in fp16); its decode of one token rounds the query to q8_1 for an integer QK, as attention_int8 does.
 
-A program is 2 warps over (8 * GROUPS query rows, one KV head, one split of the keys), walking the split 8 * NT keys
-a tile; warp w owns head dims [w D / 2, (w + 1) D / 2) of every row, for QK and for PV, so no conversion is repeated
-and a row's 8 * GROUPS x D / 2 output floats fit one warp's registers. Per tile:
-- QK, S = Q K^T over the warp's dims: m16n8k16 with the query's rows as M (16 a tile, query pre-scaled and rounded
-  to fp16 before the walk) and 8 keys as N. Lane (g, t) converts key g's run of D / 8 dims (one 32-block: one
-  scale) word by word (`warp.scaled_halves`: a word's bytes 0, 1 are B's k 2t, 2t + 1, bytes 2, 3 its k 2t + 8,
-  2t + 9; the query's fragments are loaded in the same order, so each k-step sums the right pairs) and gets the
-  partial scores of rows g and g + 8 for keys 2t and 2t + 1. The two warps' partials are then added (a gather
-  across warps, through shared memory): both warps hold every score.
-- the online softmax per row across the 4 lanes sharing it, as attention_mma's, computed alike in both warps.
-- PV as O^T = V^T P^T on m16n8k16: B (P^T: keys 2t, 2t + 1, 2t + 8, 2t + 9 of row g) is what the lane holds after
-  the softmax; A's 16 rows are head dims: lane g supplies a run of D / 16 dims of the warp's half for keys 2t,
-  2t + 1, 2t + 8 and 2t + 9 (`warp.scaled_pairs`).
+A program is 2 warps over (8 * GROUPS query rows, one KV head, one split of the keys), walking the split 16 * KB
+keys a tile; warp w owns head dims [w D / 2, (w + 1) D / 2) of every row, for QK and for PV, so no conversion is
+repeated and the rows' 8 * GROUPS x D / 2 output floats fit one warp's registers. Per 16-key block of a tile:
+- QK as S^T = K Q^T over the warp's dims on m16n8k16: 16 keys as M (lane (g, t) converts keys g and g + 8, its run
+  of D / 8 dims: one 32-block, one scale, loaded 16 bytes at a time; `warp.scaled_halves`: a word's bytes 0, 1 are
+  A's k 2t, 2t + 1, bytes 2, 3 its k 2t + 8, 2t + 9), a group's 8 rows as N (B: the query, pre-scaled and rounded
+  to fp16 before the walk, its pairs in the same order, so each k-step sums the right products). Every group shares
+  the block's converted keys; no M is padding however many groups. The lane gets the partial scores of keys g,
+  g + 8 for rows 2t, 2t + 1.
+- Each warp completes the scores of one row of each lane's pair (row 2t + w), sending the other warp its partials
+  of the other row (a gather across warps, through shared memory), and runs that row's online softmax across the
+  8 lanes sharing t; the two warps then swap their fp16 weights and rescale factors, so both hold P for both rows.
+- PV as O^T = V^T P^T on m16n8k16: B (P^T: keys 2t, 2t + 1 and 2t + 8, 2t + 9 of row g) is the lanes' weights
+  transposed in registers (`warp.transpose_f16_8x8`, movmatrix); A's 16 rows are head dims: lane g supplies a
+  run of D / 16 dims of the warp's half for keys 2t, 2t + 1, 2t + 8 and 2t + 9 (`warp.scaled_pairs`).
+K and V rows past the cache's last cell read its last row (every load in bounds and unmasked); their positions
+hide them, as they hide every cell no row sees (scores selected to -inf, V's scales to 0: NaN bytes weigh nothing).
+Two blocks (32 keys) a tile halve the output's rescale and the loop's fixed work a key. The caches' row strides are
+compile-time constants (one compile a model): a row's address is then a base and a constant.
 
-Masking, splits and the partials written are the other pass-1 kernels' (pass 2 merges all alike).
+Splits and the partials written are the other pass-1 kernels' (pass 2 merges all alike). The issue bounds at the
+27B's shapes: docs/gpu-decode.md.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from .warp import (
     transpose_f16_8x8,
 )
 
-MMA16_TILE_BLOCKS = 2  # 16-key blocks a tile (one m16n8k16 of QK's M and of PV's K)
+MMA16_TILE_BLOCKS = 2  # 16-key blocks a tile: 1 issues 698 a warp a block at the 27B's verification, 2 601
 MMA16_MAX_GROUPS = 3  # 8-row groups a program: 24 rows (a verification's 18) without spills at D = 256
 
 
@@ -167,10 +174,8 @@ def _split_mma16_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr, a
         for _ in tl.static_range(8):
             o = o + (zero,)
     for s0 in range(start, end, KEYS):
-        k_tile = k_head + tl.cast(s0, tl.int64) * sk_s
-        v_tile = v_head + tl.cast(s0, tl.int64) * sv_s
         # QK as S^T = K Q^T over the warp's dims: 16 keys (g, g + 8 of each 16) as M, group r's 8 rows as N.
-        s = ()  # s[4 (KB r + kk) + c]: keys 16kk + g (c 0, 1) and 16kk + g + 8 (c 2, 3), rows 2t + c % 2
+        s = ()  # s[kk][2r + c2]: row 2t + half of group r, key 16kk + 8 c2 + g (both halves of the head dims)
         key_pos = ()  # key_pos[2kk + e]: the position of key 16kk + 8e + g
         for kk in tl.static_range(KB):
             words = ()  # words[KW e + j]: key 16kk + 8e + g's word j of the lane's run
