@@ -44,8 +44,9 @@ N_HEAD, N_HEAD_KV, HEAD_DIM, CELLS = 24, 4, 256, 262144  # Qwen3.6-27B's attenti
 # the cache where the float kernel's default makes two (measured at 3 rows only; the tensor-core operands: float32
 # FMAs spill there). None: decode_attention's default. Precision None ("int8 ..."): the server's kernel since
 # 2026-12-05, the int8 one over the cache laid out planar as the GPU path stores it (attention_int8), at the
-# default's 256 fewest keys a split and at fewer (more programs: the first run's latency); "mma ...": the same
-# arithmetic as sm_75 runs it (attention_mma); "mma16": attention_mma16 (fp16 products).
+# default's 256 fewest keys a split and at fewer (more programs: the first run's latency), for every step (a
+# verification's default on sm_80+ is mma16 since 4cb1c59); "mma ...": the same arithmetic as sm_75 runs it
+# (attention_mma); "mma16": attention_mma16 (fp16 products), for every step.
 VARIANTS = (
     ("float", "ieee", 16, None, 256, False, None),
     ("int8", None, None, None, 256, False, None),
@@ -94,7 +95,9 @@ def choice_kwargs(name: str) -> dict:
     captured decode step, through ops.attention.DECODE_ATTENTION_CHOICE)."""
     for n, *values in VARIANTS:
         if n == name:
-            kernel = {"int8_kernel": n.split()[0]} if n.startswith("mma") else {}
+            # "int8 ...": tl.dot's int8 kernel for every step (a verification's default is mma16 on sm_80+)
+            first = n.split()[0]
+            kernel = {"int8_kernel": {"int8": "dot"}.get(first, first)} if first in ("int8", "mma", "mma16") else {}
             return dict(zip(CHOICE_KEYWORDS, values, strict=True)) | kernel
     raise ValueError(f"no attention choice {name!r} (choices: {', '.join(v[0] for v in VARIANTS)})")
 

@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
-from attention_gpu import VARIANTS  # noqa: E402
+from attention_gpu import VARIANTS, choice_kwargs  # noqa: E402
 
 
 def attention_gpu(out: Path, *args: str) -> dict:
@@ -51,3 +51,13 @@ def test_a_spent_budget_leaves_the_later_choices_out_and_the_reference_in(tmp_pa
     assert [(r["variant"], r["rows"]) for r in result["rows"]] == [("float", 1), ("float", 3)]
     assert all("failed" not in r and r["error"] == 0.0 for r in result["rows"])
     assert result["unmeasured"] == [v[0] for v in VARIANTS[1:]]
+
+
+def test_kernel_choices_name_the_kernel_for_every_step() -> None:
+    """A choice named for a planar-q8_0 kernel runs it for decode and verification alike (a verification's default
+    on sm_80+ is mma16, so "int8 ..." asks for tl.dot's int8 kernel by name); the float choices name none."""
+    kernels = {name: choice_kwargs(name).get("int8_kernel") for name, *_ in VARIANTS}
+    assert kernels["int8"] == kernels["int8 min64"] == "dot"
+    assert kernels["mma"] == kernels["mma min64"] == "mma"
+    assert kernels["mma16"] == "mma16"
+    assert kernels["ieee min16"] is None and kernels["float"] is None
