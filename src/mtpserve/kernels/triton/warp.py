@@ -1,9 +1,10 @@
-"""Warp-level PTX for kernels written lane by lane: tensor-core `mma.sync` shapes that Turing (sm_75) has, warp
-shuffles, and the int8 -> fp16 pairs the attention's PV product takes.
+"""Warp-level PTX for kernels written lane by lane: tensor-core `mma.sync` shapes that Turing (sm_75) has and
+Ampere's m16n8k16 (sm_80+), warp shuffles, movmatrix, and the int8 -> fp16 pairs the attention's products take.
 
-Triton lays out tensors itself, and on sm_75 its `tl.dot` is FMAs (docs/gpu-decode.md). A kernel that wants the
-tensor cores there holds its operands as tensors of shape [..., 32 * W] under `num_warps=W`: the last dim is the
-thread (element i on thread i: lane i % 32 of warp i // 32) and the leading dims are registers of that thread.
+Triton lays out tensors itself, and on sm_75 its `tl.dot` is FMAs (docs/gpu-decode.md); on sm_80+ its MMA tiles fix
+which operand is M. A kernel that wants its own fragments holds its operands as tensors of shape [..., 32 * W]
+under `num_warps=W`: the last dim is the thread (element i on thread i: lane i % 32 of warp i // 32) and the leading
+dims are registers of that thread.
 Each function here is elementwise over such tensors and collective over each warp's 32 lanes, like the PTX it
 runs; tests/kernels/test_triton_warp.py holds each one to the PTX ISA's fragment layouts and checks, from the
 compiled TTGIR, that Triton kept the lane-per-element layout. Under TRITON_INTERPRET=1 (no inline PTX) the same
@@ -258,8 +259,9 @@ _HALVES_ASM = tl.constexpr(
 @triton.jit
 def scaled_halves(x, s, ASM: tl.constexpr):
     """A word x of four int8 (one key's quants at four head dims) and s, its fp16 scale in both halves -> two int32
-    of fp16 pairs, (byte 0 * s, byte 1 * s) and (byte 2 * s, byte 3 * s), each product rounded to fp16: an
-    m16n8k16 B fragment's b0 and b1 when the key is B's column g."""
+    of fp16 pairs, (byte 0 * s, byte 1 * s) and (byte 2 * s, byte 3 * s), each product rounded to fp16: the key's
+    k 2t, 2t + 1 and k 2t + 8, 2t + 9 of an m16n8k16 step (B's b0, b1 for a key as column g; A's a0, a2 for a key
+    as row g, a1, a3 as row g + 8)."""
     if ASM:
         return tl.inline_asm_elementwise(_HALVES_ASM, "=r,=r,r,r", [x, s], dtype=(tl.int32,) * 2, is_pure=True, pack=1)
     else:
