@@ -207,8 +207,7 @@ def _split_mma16_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr, a
                         )  # fmt: skip
                 acc = step
             # Each warp completes the scores of one row of each lane's pair (row 2t + half of every group), sending
-            # the other warp its partials of the other row (through shared memory: its barriers also keep the next
-            # block's loads below this block's products, so the two blocks' K words are not live at once).
+            # the other warp its partials of the other row (through shared memory), block by block.
             done = ()  # done[2r + c2]: row 2t + half of group r, key 16kk + 8 c2 + g
             for r in tl.static_range(GROUPS):
                 for c2 in tl.static_range(2):
