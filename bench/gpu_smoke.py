@@ -256,7 +256,7 @@ def _quant_matmul(s: Shapes, device: torch.device) -> list[Case]:
 
 @smoke_case("decode_attention")
 def _decode_attention(s: Shapes, device: torch.device) -> list[Case]:
-    from mtpserve.kernels.triton.attention import _int8_kernel as attention_kernel
+    from mtpserve.kernels.triton.attention import planar_kernel
     from mtpserve.ops.attention import decode_attention_reference
     from mtpserve.quant.planar import to_planar
     from mtpserve.quant.types import GGMLType
@@ -278,7 +278,7 @@ def _decode_attention(s: Shapes, device: torch.device) -> list[Case]:
             q_pos = torch.arange(S - rows, S, device=device)
             k_pos = torch.arange(S, device=device)
             args = (q, k_cache, v_cache, int(GGMLType.Q8_0), int(GGMLType.Q8_0), q_pos, k_pos)
-            taken = planar and attention_kernel(  # the pass 1 decode_attention takes: rounds the query unless mma16
+            taken = planar and planar_kernel(  # the pass 1 decode_attention takes: rounds the query unless mma16
                 device, GGMLType.Q8_0, GGMLType.Q8_0, D, True, None, kernel, None, rows * s.n_head // s.n_head_kv
             )
             int8 = taken in ("dot", "mma")

@@ -568,7 +568,7 @@ def test_which_kernel_reads_a_planar_cache(monkeypatch: pytest.MonkeyPatch) -> N
     `int8_qk=True` refuses where it cannot run."""
 
     def takes(device, k, v, d, planar, int8_qk, float_options, kernel=None, rows=6):
-        return attention_module._int8_kernel(
+        return attention_module.planar_kernel(
             torch.device(device), k, v, d, planar, int8_qk, kernel, float_options, rows
         )
 

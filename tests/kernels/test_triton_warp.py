@@ -24,6 +24,7 @@ from mtpserve.kernels.triton.warp import (
     mma_f16_m16n8k16_zero_c,
     mma_s8_m8n8k16,
     opaque,
+    other_warp,
     pack_f16x2,
     pack_f16x2_rn,
     scaled_halves,
@@ -62,7 +63,7 @@ def _ops_kernel(a_ptr, b_ptr, c_ptr, f_ptr, out_ptr, LANES: tl.constexpr, RANK3:
     d0, d1, d2, d3 = mma_f16_m16n8k8(a, b, c, f, f1, f2, f3, ASM)  # a, b: A's two pair words; c: B's pair
     p0, p1, p2, p3 = scaled_pairs(a, b, c, ASM)
     outs = (i0, i1, d0, d1, d2, d3, p0, p1, p2, p3, shfl_xor(f, 2, ASM), shfl_idx(f, (lane * 7 + 3) % 32, ASM))
-    outs = outs + (pack_f16x2(f, f1), opaque(a, ASM))
+    outs = outs + (pack_f16x2(f, f1), opaque(a, ASM), other_warp(f), opaque(a, ASM, VOLATILE=True))
     for k in tl.static_range(len(outs)):
         if outs[k].dtype == tl.float32:
             tl.store(out_ptr + k * LANES + at, outs[k].to(tl.int32, bitcast=True))
@@ -101,7 +102,7 @@ def _run(rank3: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
     inputs = {"a": a, "b": b, "c": c.flatten(), "f": f.flatten()}
     outs = []
     for words in ((a, b, c.flatten()), (af, bf, torch.cat([cf, c[1]]))):
-        out = torch.empty(14, LANES, dtype=torch.int32)
+        out = torch.empty(16, LANES, dtype=torch.int32)
         args = [t.to(DEVICE) for t in (*words, inputs["f"])]
         _ops_kernel[(1,)](*args, out.to(DEVICE), LANES=LANES, RANK3=rank3, ASM=INLINE_ASM)
         outs.append(out)
@@ -166,7 +167,7 @@ def test_scaled_pairs_are_fp16_products_of_two_keys_bytes(run: tuple[dict, dict]
         assert torch.equal(got[:, 0], lo) and torch.equal(got[:, 1], hi)
 
 
-def test_shuffles_pack_and_opaque(run: tuple[dict, dict]) -> None:
+def test_shuffles_pack_opaque_and_the_other_warp(run: tuple[dict, dict]) -> None:
     out, x = run
     f = x["f"][0]
     lanes = torch.arange(LANES)
@@ -174,6 +175,8 @@ def test_shuffles_pack_and_opaque(run: tuple[dict, dict]) -> None:
     assert torch.equal(out["int"][11].view(torch.float32), f[lanes // 32 * 32 + (lanes * 7 + 3) % 32])
     assert torch.equal(out["int"][12], _f16_bits(f) | (_f16_bits(x["f"][1]) << 16))
     assert torch.equal(out["int"][13], x["a"])
+    assert torch.equal(out["int"][14].view(torch.float32), f[lanes ^ 32])  # the other warp's lane
+    assert torch.equal(out["int"][15], x["a"])
 
 
 @triton.jit

@@ -254,9 +254,7 @@ def launches() -> list[Launch]:
                 # a K tile and a V tile of BLOCK_S keys of one KV head a step
                 head_bytes = [c.shape[1] // hkv if c.dtype == torch.uint8 else d * c.element_size() for c in caches]
                 for f, a, k in splits:
-                    groups = k.get(
-                        "WARPS", k.get("GROUPS")
-                    )  # attention_mma: a warp, attention_mma16: a group of 8 rows
+                    groups = k.get("WARPS", k.get("GROUPS"))  # 8-row groups: attention_mma's warps, mma16's groups
                     keys = 8 * k["NT"] if "NT" in k else 16 * k["KB"] if "KB" in k else k["BLOCK_S"]
                     rows = 8 * groups if groups else k["BLOCK_M"]
                     cfg = (

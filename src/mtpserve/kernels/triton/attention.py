@@ -314,7 +314,7 @@ def _default_warps(d_pad: int, block_m: int, k_type: int) -> int:
     return 8 if d_pad >= 256 or k_type != GGMLQuantizationType.F16 else 4
 
 
-def _int8_kernel(
+def planar_kernel(
     device: torch.device,
     k_type: int,
     v_type: int,
@@ -469,7 +469,7 @@ def decode_attention(
 
     G = H // n_kv_heads
     float_options = precision or loads_first or block_m
-    int8 = _int8_kernel(device, k_type, v_type, D, planar, int8_qk, int8_kernel, float_options, T * G)
+    int8 = planar_kernel(device, k_type, v_type, D, planar, int8_qk, int8_kernel, float_options, T * G)
     d_pad = max(32, triton.next_power_of_2(D))  # two halves of 16-runs
     # At D = 256, 32-key/32-row tiles need 69,760 B of shared memory (over sm_75's 64 KiB) and a q4_0 cache 102,912 B
     # (over sm_86/89's 99 KiB), and spill KBs of registers; 16 x 16 fits every target (ptxas,

@@ -44,6 +44,7 @@ from .warp import (
     mma_f16_m16n8k16,
     mma_f16_m16n8k16_zero_c,
     opaque,
+    other_warp,
     pack_f16x2_rn,
     scaled_halves,
     scaled_pairs,
@@ -53,12 +54,6 @@ from .warp import (
 
 MMA16_TILE_BLOCKS = 2  # 16-key blocks a tile: 1 issues 698 a warp a block at the 27B's verification, 2 601
 MMA16_MAX_GROUPS = 3  # 8-row groups a program: 24 rows (a verification's 18) without spills at D = 256
-
-
-@triton.jit
-def _other_warp(x, tid):
-    """x [64] as held by the same lane of the other warp (through shared memory)."""
-    return tl.gather(x, tid ^ 32, 0)
 
 
 @triton.jit
@@ -73,16 +68,6 @@ def _lane_words(at, N: tl.constexpr):
         w0, w2 = tl.split(even)
         w1, w3 = tl.split(odd)
         return w0, w1, w2, w3
-
-
-@triton.jit
-def _fresh_lanes(ASM: tl.constexpr):
-    """tl.arange(0, 64) that no earlier index expression is merged with (a volatile mov): indices made after the
-    key loop from it are recomputed there, not kept alive across the loop (where they spilled)."""
-    lanes = tl.arange(0, 64)
-    if ASM:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [lanes], dtype=tl.int32, is_pure=False, pack=1)
-    return lanes
 
 
 @triton.jit
@@ -214,7 +199,7 @@ def _split_mma16_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr, a
                     even = acc[4 * r + 2 * c2]  # row 2t
                     odd = acc[4 * r + 2 * c2 + 1]  # row 2t + 1
                     theirs = tl.where(half == 0, odd, even)
-                    done = done + (tl.where(half == 0, even, odd) + _other_warp(theirs, tid),)
+                    done = done + (tl.where(half == 0, even, odd) + other_warp(theirs),)
             s = s + (done,)
         scores = ()  # scores[2 (KB r + kk) + c2]: row 2t + half of group r, key 16kk + 8 c2 + g
         for r in tl.static_range(GROUPS):
@@ -240,7 +225,7 @@ def _split_mma16_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr, a
                 w1 = tl.exp2(masked[2 * kk + 1] - m_use)
                 l_r += w0 + w1
                 own = pack_f16x2_rn(w0, w1, ASM)  # keys g (low half) and g + 8 of row 2t + half
-                other = _other_warp(own, tid)  # ... of the other row
+                other = other_warp(own)  # ... of the other row
                 even = tl.where(half == 0, own, other)
                 odd = tl.where(half == 0, other, own)
                 for c2 in tl.static_range(2):  # key g + 8 c2 as M[key][rows 2t, 2t + 1], transposed to B's pairs
@@ -249,7 +234,7 @@ def _split_mma16_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr, a
                     else:
                         m8 = ((even >> 16) & 0xFFFF) | (odd & -65536)
                     p = p + (tl.broadcast_to(transpose_f16_8x8(m8, ASM)[None, None, :], zero.shape),)
-            alpha_other = _other_warp(alpha, tid)
+            alpha_other = other_warp(alpha)
             a_even = tl.where(half == 0, alpha, alpha_other)[None, None, :]  # rows 2t, 2t + 1: the output rows
             a_odd = tl.where(half == 0, alpha_other, alpha)[None, None, :]  # this lane holds
             rescaled = ()
@@ -291,7 +276,7 @@ def _split_mma16_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr, a
                     )  # fmt: skip
             o = summed
 
-    tid = _fresh_lanes(ASM)
+    tid = opaque(tl.arange(0, 64), ASM, VOLATILE=True)  # the epilogue's indices recomputed, not kept across the loop
     half = tid // 32
     g = tid % 32 // 4
     t = tid % 4

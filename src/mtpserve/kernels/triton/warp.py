@@ -27,11 +27,13 @@ import triton.language as tl
 
 
 @triton.jit
-def opaque(x, ASM: tl.constexpr):
+def opaque(x, ASM: tl.constexpr, VOLATILE: tl.constexpr = False):
     """x, hidden from Triton's alignment analysis: indices made from it never look contiguous across lanes, so no
-    load vectorizes across them (which would hand one thread several lanes' elements)."""
+    load vectorizes across them (which would hand one thread several lanes' elements). `VOLATILE`: also a new value
+    each time, merged with no earlier one, so indices made from it late in a kernel are recomputed there rather
+    than kept alive in registers across a loop."""
     if ASM:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=not VOLATILE, pack=1)
     else:
         return x
 
@@ -49,6 +51,13 @@ def _lanes(x):
 def _from_lane(x, src):
     """x as seen from lane src of the same warp (src: thread indices like x's)."""
     return tl.gather(x, src, len(x.shape) - 1)
+
+
+@triton.jit
+def other_warp(x):
+    """x [..., 64] as held by the same lane of the other warp of a 2-warp program: a gather across warps, which
+    Triton makes through shared memory (every other function here stays inside a warp)."""
+    return _from_lane(x, _lanes(x) ^ 32)
 
 
 @triton.jit
