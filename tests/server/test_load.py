@@ -12,9 +12,11 @@ from mtpserve.tuning.load import run_load
 from ..conftest import default_model
 from ..support.server_process import ServerProcess
 
-DURATION_S = 10.0
-WARM_UP_S = 10.0  # a first round of the same load: the allocators' high-water marks (~270 MiB here) are set there
-RSS_GROWTH_BOUND_MIB = 64  # growth over the measured round after it (5-16 MiB here); a leak per request would not
+WARM_UP_S = 10.0  # a first round of the same load: the allocators' high-water marks (~270-440 MiB here) are set there
+ROUND_S = 6.0  # then two measured rounds of the same load (~220 requests each here)
+# A leak grows RSS in every round; a new allocator high-water mark (one round at +65 MiB once in CI, where rounds
+# here grow 0-16 MiB) in one. So the bound holds the smaller of the two rounds' growths.
+RSS_GROWTH_BOUND_MIB = 64
 
 
 def test_64_clients_with_faults_on_4_slots(tmp_path):
@@ -23,13 +25,19 @@ def test_64_clients_with_faults_on_4_slots(tmp_path):
     )
     try:
         run_load(server.url, WARM_UP_S, clients=64, api_key="k", max_tokens=8, server_pid=server.proc.pid)
-        report = run_load(server.url, DURATION_S, clients=64, api_key="k", max_tokens=8, server_pid=server.proc.pid)
-        print(report.text())
-        assert report.error_count == 0, report.text()
-        for kind in ("stream", "vanish", "slow", "half_close", "cancel_prompt"):
-            assert report.completed[kind] >= 1, report.text()
-        assert report.slots_idle_at_end is True
-        assert report.rss_after_kib - report.rss_before_kib < RSS_GROWTH_BOUND_MIB * 1024, report.text()
+        reports = [
+            run_load(server.url, ROUND_S, clients=64, api_key="k", max_tokens=8, server_pid=server.proc.pid)
+            for _ in range(2)
+        ]
+        text = "\n".join(report.text() for report in reports)
+        print(text)
+        for report in reports:
+            assert report.error_count == 0, text
+            for kind in ("stream", "vanish", "slow", "half_close", "cancel_prompt"):
+                assert report.completed[kind] >= 1, text
+            assert report.slots_idle_at_end is True, text
+        growth_kib = min(report.rss_after_kib - report.rss_before_kib for report in reports)
+        assert growth_kib < RSS_GROWTH_BOUND_MIB * 1024, text
         ok = httpx.post(
             f"{server.url}/completion", json={"prompt": "a", "n_predict": 4}, headers={"Authorization": "Bearer k"}
         )
