@@ -112,7 +112,9 @@ def fit(measured: dict) -> Efficiencies:
     )
 
 
-def predict(e: Efficiencies, host_ms_per_token: float, host_ms_per_mtp_cycle: float) -> list[dict]:
+def predict(
+    e: Efficiencies, host_ms_per_token: float, host_ms_per_mtp_cycle: float, contexts: tuple[int, ...] = CONTEXTS
+) -> list[dict]:
     """tok/s by device, context and speculation, and ms a token by part (the layer split: cards in series)."""
     w = tm.Bytes.of_deployment(shortlist=False)  # the measured run: the whole head, the float attention kernel
     k = tm.Kernels(decode=709, verify=725, draft=27, catch_up=22)
@@ -122,7 +124,7 @@ def predict(e: Efficiencies, host_ms_per_token: float, host_ms_per_mtp_cycle: fl
         tile_us = e.tile_us * (1.0 if name == "H200" else H200_CLOCK_GHZ / TURING_CLOCK_GHZ)
         hbm = device.hbm_tbps * 1e9  # bytes a ms
         sms = SMS[name]
-        for context in CONTEXTS:
+        for context in contexts:
             plain = {
                 "weights": w.trunk / (hbm * e.gemv_fraction_1),
                 "attention": attention_ms(context, 1, sms, tile_us),

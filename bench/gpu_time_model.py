@@ -258,6 +258,7 @@ def predict(
     kernels: Kernels = Kernels(),
     weights: Bytes | None = None,
     acceptance: float = ACCEPTANCE,
+    contexts: tuple[int, ...] = CONTEXTS,
 ) -> list[dict]:
     """tok/s and ms a token by part, for each device, context and speculation setting (`weights`: the steps' bytes,
     the deployment's by default; bench/draft_vocab.py cuts the draft's head, bench/draft_head.py compares heads)."""
@@ -265,7 +266,7 @@ def predict(
     out = []
     for device in DEVICES.values():
         at = (attention_tbps or {}).get(device.arch, device.attention_tbps_fallback)
-        for context in CONTEXTS:
+        for context in contexts:
             plain = step(device, at, weights=w.trunk, tokens=1, context=context, trunk=True, kernels=kernels.decode,
                          logits_rows=1)  # fmt: skip
             plain.host += host_ms_per_token
