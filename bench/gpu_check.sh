@@ -22,17 +22,17 @@
 #                           verification), with the decode attention choices ($ATTENTION_CHOICES), kernels launched per
 #                           token, a per-kernel table (torch.profiler) of one graphed decode step and one MTP cycle at
 #                           each depth, printed as made, then prefill of 8192 tokens (one model build); then
-#                           bench/attention_gpu.py: decode attention's choices alone (operands, tile, warps, split
-#                           size, rows a program) at 4096 and 65536 tokens, the likeliest cures first and none begun
-#                           after 60 s, its table in bench.txt;
-#                           then bench/gemv_l2.py --integer-only -> gemv.json: the integer GEMV and its tile's
+#                           bench/gemv_l2.py --integer-only -> gemv.json: the integer GEMV and its tile's
 #                           choices with weights rotated through > 2x L2, timed in a CUDA graph (GB/s, fraction of a
 #                           copy's; any error row fails the stage); then bench/gpu_ncu.py: Nsight Compute's
 #                           counters (occupancy and its limits, DRAM throughput, issue, warp stalls) of the GEMVs
 #                           and attention kernels whose speed the first run left unexplained, none begun after
-#                           45 s, in bench.txt; then, if the stage has time left, bench/attention_layouts.py
-#                           --time: decode attention prototypes by cache layout and QK arithmetic beside the
-#                           server's kernel, none begun after 40 s, in bench.txt.
+#                           45 s, in bench.txt; then bench/attention_gpu.py: decode attention's choices alone
+#                           (operands, tile, warps, split size, rows a program) at 4096 and 65536 tokens, the
+#                           likeliest cures first and none begun after 60 s (gpu.py has timed the GPU check's
+#                           choices in the captured steps already), its table in bench.txt; then, if the stage has
+#                           time left, bench/attention_layouts.py --time: decode attention prototypes by cache
+#                           layout and QK arithmetic beside the server's kernel, none begun after 40 s, in bench.txt.
 #   tests 150 s  tests.txt  pytest on tests/kernels, tests/models/test_gpu_path.py, tests/ops, the slow tests too (8
 #                           xdist workers when the image has xdist; --timeout per test when it has pytest-timeout); -v
 #                           names each test's outcome as it ends, the -ra summary every failure again. Then the GPU
@@ -167,10 +167,11 @@ PY
             --split-matmuls --gemv-k-splits 4 --attention-choices "$ATTENTION_CHOICES" --json "$OUT/decode.json" \
             || rc=$?
         cp "$OUT/decode.json" "$RESULTS" 2>/dev/null  # what llama.cpp's rows are compared with (rest, peer)
-        # decode attention's choices (its table in bench.txt: 8 files at most come back), none begun after 60 s
-        "$PY" bench/attention_gpu.py --budget-s 60 || rc=$?  # the GEMVs come next
         "$PY" bench/gemv_l2.py --integer-only --json "$OUT/gemv.json" || rc=$?  # the integer GEMV and its tiles
         "$PY" bench/gpu_ncu.py --budget-s 45 || rc=$?  # why they run at the speed they do: ncu's counters
+        # decode attention's choices alone (its table in bench.txt: 8 files at most come back), none begun after
+        # 60 s; the captured steps above timed the check's choices already
+        "$PY" bench/attention_gpu.py --budget-s 60 || rc=$?
         # what the planar cache layout and an int8 QK would buy (docs/gpu-decode.md), last: cut first by the limit
         "$PY" bench/attention_layouts.py --time 4096,65536 --budget-s 40 || rc=$?
         return $rc
