@@ -58,7 +58,7 @@ CASES = (
 )  # fmt: skip
 ATTENTION_DEPTH, TINY_DEPTH = 65536, 64
 CASE_TIMEOUT_S = 90
-SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats")
+SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis")
 # raw-page columns shown, by metric name (ncu's own), with the heading they get
 COLUMNS = {
     "gpu__time_duration.sum": "us",
@@ -66,11 +66,16 @@ COLUMNS = {
     "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy %",
     "sm__maximum_warps_per_active_cycle_pct": "theoretical %",
     "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue %",
+    "l1tex__throughput.avg.pct_of_peak_sustained_active": "L1 %",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed": "L2 %",
     "launch__registers_per_thread": "registers",
     "launch__grid_size": "programs",
     "launch__occupancy_limit_registers": "blocks/SM by registers",
     "launch__occupancy_limit_blocks": "blocks/SM by count",
 }
+# global loads: sectors (32 bytes) over requests (one a warp's load instruction): 4 for a warp's 4-byte loads of
+# 128 contiguous bytes, more when its lanes' addresses scatter (Q6_K's 210-byte blocks allow no wider than 4 bytes)
+SECTORS, REQUESTS = "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum", "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum"
 STALLS_SHOWN = 4
 TIME_UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
 
@@ -146,6 +151,8 @@ def summarise(launch: dict[str, tuple[str, str]]) -> dict:
         if number is not None and metric == "gpu__time_duration.sum":
             number *= TIME_UNITS.get(unit, 1.0)
         out[heading] = number
+    sectors, requests = (_number(launch.get(m, ("", ""))[0]) for m in (SECTORS, REQUESTS))
+    out["sectors/request"] = sectors / requests if sectors is not None and requests else None
     stalls = {}
     for metric, (value, _) in launch.items():
         if "issue_stalled_" in metric and metric.endswith(".ratio") and (number := _number(value)) is not None:
@@ -192,7 +199,8 @@ def table_line(name: str, s: dict) -> str:
         return "-" if v is None else f"{v:.1f}" if abs(v) < 1000 else f"{v:.0f}"
 
     stalls = ", ".join(f"{reason} {value:.1f}" for reason, value in s["stalls"].items()) or "-"
-    return f"| {name} | " + " | ".join(cell(s[h]) for h in COLUMNS.values()) + f" | {stalls} |"
+    cells = [cell(s[h]) for h in (*COLUMNS.values(), "sectors/request")]
+    return f"| {name} | " + " | ".join(cells) + f" | {stalls} |"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_ncu: ncu not found (PATH, /usr/local/cuda, /opt/nvidia/nsight-compute): skipped")
         return 0
     print(f"gpu_ncu: {ncu}, sections {', '.join(SECTIONS)}; the second launch of each case's kernel")
-    print("| case | " + " | ".join(COLUMNS.values()) + " | top stalls (warps a issue) |")
-    print("|---|" + "---:|" * len(COLUMNS) + "---|", flush=True)
+    print("| case | " + " | ".join(COLUMNS.values()) + " | sectors/request | top stalls (warps a issue) |")
+    print("|---|" + "---:|" * (len(COLUMNS) + 1) + "---|", flush=True)
     results, failed, start = {}, [], time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ncu-home-") as spare:
         home = str(Path.home()) if os.access(Path.home(), os.W_OK) else spare

@@ -26,6 +26,9 @@ METRICS = {
     "launch__grid_size": ("31,040", ""),
     "launch__occupancy_limit_registers": ("8", "block"),
     "launch__occupancy_limit_blocks": ("32", "block"),
+    "l1tex__throughput.avg.pct_of_peak_sustained_active": ("91.5", "%"),
+    gpu_ncu.SECTORS: ("1,600,000", "sector"),
+    gpu_ncu.REQUESTS: ("100,000", ""),
     STALL.format("long_scoreboard"): ("9.5", "inst"),
     STALL.format("wait"): ("1.2", "inst"),
     STALL.format("math_pipe_throttle"): ("0.4", "inst"),
@@ -51,9 +54,12 @@ def test_the_raw_page_reads_into_the_shown_columns_and_the_top_stalls() -> None:
     assert s["us"] == pytest.approx(968.78)  # nanoseconds, with a thousands separator
     assert (s["DRAM %"], s["occupancy %"], s["theoretical %"], s["issue %"]) == (26.12, 11.8, 12.5, 30.2)
     assert (s["registers"], s["programs"], s["blocks/SM by registers"]) == (168, 31040, 8)
+    assert (s["L1 %"], s["L2 %"], s["sectors/request"]) == (91.5, None, 16.0)  # a metric ncu did not give: None
     assert list(s["stalls"].items()) == [("long_scoreboard", 9.5), ("short_scoreboard", 2.5), ("wait", 1.2),
                                          ("math_pipe_throttle", 0.4)]  # fmt: skip
-    assert "| 968.8 | 26.1 | 11.8 | 12.5 | 30.2 | 168.0 | 31040 |" in gpu_ncu.table_line("case", s)
+    assert "| 968.8 | 26.1 | 11.8 | 12.5 | 30.2 | 91.5 | - | 168.0 | 31040 | 8.0 | 32.0 | 16.0 |" in gpu_ncu.table_line(
+        "case", s
+    )
     assert gpu_ncu.summarise(gpu_ncu.parse_raw(raw_page({"gpu__time_duration.sum": ("1.5", "msecond")}))[0])[
         "us"
     ] == pytest.approx(1500)
