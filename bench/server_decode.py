@@ -2,7 +2,7 @@
 speeds each server reports for it (`timings.predicted_per_second`, `timings.prompt_per_second`).
 
     .venv/bin/python bench/server_decode.py --llama-server PATH [--rounds 3] [--busy] [--spec] [--parallel N]
-                                            [--json PATH] [--only LABEL]
+                                            [--sse] [--json PATH] [--only LABEL]
 
 For each model (SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M, tinyqwen35 Q4_K_M) both servers run at once, each with
 `-m MODEL -np 1 -c 4096 -t 2` (and, with `--spec`, a second pair on tinyqwen35 with `--spec-type draft-mtp
@@ -17,6 +17,10 @@ its own prompt); the table then gives the total generated tokens/s over the roun
 as a user waiting for all N sees it), the median stream's decode speed from its `timings`, and the median request's
 latency as its client measured it (prompt, queueing and decode; the ratio is llama-server's over mtpserve's, so
 above 1 is mtpserve faster here too).
+
+`--sse`: each response streamed (`"stream": true`, an event a token), as coding agents read theirs; the table adds
+the decode speed as the client read it (the events after the first over the time from the first to the last), where
+the servers' `timings` leave out what streaming costs them around the decode.
 """
 
 from __future__ import annotations
@@ -56,27 +60,47 @@ def cases(spec: bool) -> list[tuple[str, Path, list[str]]]:
     return out + ([("tinyqwen35 Q4_K_M, draft-mtp n_max 2", tiny, SPEC_FLAGS)] if spec else [])
 
 
-def completion(client: httpx.Client, url: str, prompt: list[int]) -> dict:
+def completion(client: httpx.Client, url: str, prompt: list[int], sse: bool = False) -> dict:
+    """The request's `timings`; with `sse` streamed as a coding agent reads it, one event a token, plus
+    `client_per_second`: the events after the first over the time between the first and the last, as the client
+    read them."""
     body = {"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0.0, "ignore_eos": True, "cache_prompt": False}
-    response = client.post(f"{url}/completion", json=body)
-    response.raise_for_status()
-    return response.json()["timings"]
+    if not sse:
+        response = client.post(f"{url}/completion", json=body)
+        response.raise_for_status()
+        return response.json()["timings"]
+    arrivals: list[float] = []
+    final = None
+    with client.stream("POST", f"{url}/completion", json={**body, "stream": True}) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("stop"):
+                final = event
+                break
+            arrivals.append(time.perf_counter())
+    if final is None or "timings" not in final or len(arrivals) < 2:
+        raise RuntimeError(f"{url}: a stream without its final timings or tokens ({len(arrivals)} events)")
+    return {**final["timings"], "client_per_second": (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])}
 
 
-def measure(urls: dict[str, str], prompt: list[int], rounds: int, say) -> dict[str, list[dict]]:
+def measure(urls: dict[str, str], prompt: list[int], rounds: int, say, sse: bool = False) -> dict[str, list[dict]]:
     """Per server, the timings of each round's request (the warm-up left out)."""
     out: dict[str, list[dict]] = {name: [] for name in urls}
     with httpx.Client(timeout=600) as client:
         for url in urls.values():
-            completion(client, url, [1, *prompt])
+            completion(client, url, [1, *prompt], sse)
         for r in range(rounds):
             names = list(urls) if r % 2 == 0 else list(reversed(urls))
             for name in names:
-                timings = completion(client, urls[name], [2 + r, *prompt])
+                timings = completion(client, urls[name], [2 + r, *prompt], sse)
                 out[name].append(timings)
                 say(
                     f"  round {r + 1} {name}: decode {timings['predicted_per_second']:.1f} t/s, "
                     f"prompt {timings['prompt_per_second']:.1f} t/s"
+                    + (f", as read {timings['client_per_second']:.1f} t/s" if sse else "")
                     + (f", drafts {timings['draft_n_accepted']}/{timings['draft_n']}" if "draft_n" in timings else "")
                 )
     return out
@@ -147,7 +171,10 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=1, help="-np N and N requests at once (continuous batching)")
     ap.add_argument("--json", type=Path, help="write every request's timings here")
     ap.add_argument("--only", help="measure only the cases whose label contains this (e.g. 'draft-mtp')")
+    ap.add_argument("--sse", action="store_true", help="stream each response (one stream at a time), as agents do")
     args = ap.parse_args()
+    if args.sse and args.parallel > 1:
+        ap.error("--sse streams one request at a time (not with --parallel)")
     flags = [*FLAGS[:1], str(args.parallel), *FLAGS[2:]]
 
     def say(line: str) -> None:
@@ -175,8 +202,10 @@ def main() -> int:
                 if args.parallel > 1:
                     timings = measure_parallel(urls, prompt, args.rounds, args.parallel, say)
                 else:
-                    timings = measure(urls, prompt, args.rounds, say)
-            results.append({"model": label, "busy": args.busy, "parallel": args.parallel, "timings": timings})
+                    timings = measure(urls, prompt, args.rounds, say, args.sse)
+            results.append(
+                {"model": label, "busy": args.busy, "parallel": args.parallel, "sse": args.sse, "timings": timings}
+            )
     finally:
         if neighbour is not None:
             neighbour.kill()
@@ -187,6 +216,7 @@ def main() -> int:
         columns += [("stream decode t/s", "predicted_per_second"), ("request latency ms", "latency_ms")]
     else:
         columns = [("model", ""), ("decode t/s", "predicted_per_second"), ("prompt t/s", "prompt_per_second")]
+        columns += [("decode as read t/s", "client_per_second")] if args.sse else []
     print_table(results, columns)
     return 0
 
