@@ -72,3 +72,39 @@ def test_an_error_releases_the_held_events_before_it():
         return seen
 
     assert asyncio.run(main()) == [1]
+
+
+def test_the_loop_is_woken_only_for_a_reader_that_waits():
+    """Events put while the reader is busy (or pacing itself) wake nothing: it takes them, in order, when it next
+    asks. A reader that waits is woken once, whatever is put meanwhile (where each token used to write the loop's
+    self-pipe)."""
+
+    async def main():
+        stream = RequestStream()
+        wakes = []
+        call_soon_threadsafe = stream._loop.call_soon_threadsafe
+        stream._loop.call_soon_threadsafe = lambda *a: wakes.append(a) or call_soon_threadsafe(*a)
+        _from_thread(stream, [TokenEvent(i, "x") for i in range(100)])  # the reader is not waiting
+        busy = len(wakes), stream.has_ready(), [e.token for e in await _drain(stream)]
+        reader = asyncio.ensure_future(stream.next_event())
+        await asyncio.sleep(0)  # the reader now waits
+        _from_thread(stream, [TokenEvent(100, "y"), TokenEvent(101, "z"), _finish()])
+        first = await reader
+        rest = [e async for e in stream]
+        return busy, len(wakes), first, rest
+
+    busy, wakes, first, rest = asyncio.run(main())
+    assert busy == (0, True, list(range(100)))
+    assert wakes == 1 and first.token == 100
+    assert rest[0].token == 101 and isinstance(rest[1], FinishEvent)
+
+
+def test_silence_is_none_then_the_next_event():
+    async def main():
+        stream = RequestStream()
+        silent = await stream.next_event(0.001)  # the keep-alive's timer, no event
+        _from_thread(stream, [TokenEvent(7, "z")])
+        return silent, await stream.next_event(30.0), stream._waiter
+
+    silent, event, waiter = asyncio.run(main())
+    assert silent is None and event.token == 7 and waiter is None

@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,43 +22,63 @@ from .request import FinishEvent, GrammarSpec, ProgressEvent, Request, TokenEven
 Event = TokenEvent | ProgressEvent | FinishEvent | EngineError
 
 
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class RequestStream:
     """The events of one request: iterate it (sync or async) until a FinishEvent; an EngineError (cancellation,
     a failure) is raised from the iteration instead. Any thread may `put`; `cancel` asks the engine to stop the
-    request at its next step and free its slot."""
+    request at its next step and free its slot.
+
+    Made inside an event loop, its one reader takes events there: the engine's thread appends to a pending list and
+    wakes the loop only when the reader waits for one (a reader that is busy, or paces itself, takes what piled up
+    when it next asks: no self-pipe write a token), and a wait is a bare future with a timer only for a keep-alive
+    (no task a token, as asyncio.wait_for over a Queue made)."""
 
     _ids = itertools.count()
 
     def __init__(self) -> None:
         self.id = next(self._ids)
         self.cancelled = threading.Event()
-        self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()  # a reader outside any loop
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._async_queue: asyncio.Queue[Event] | None = None
+        self._ready: deque[Event] | None = None  # what the loop has taken in, for its reader
+        self._lock = threading.Lock()  # the fields below, shared with the engine's thread
+        self._pending: list[Event] = []  # put, not yet taken in by the loop
+        self._waiter: asyncio.Future[None] | None = None  # the reader's, while it waits for an event
         self._hold = False  # hold_until_finish
         self._held: list[Event] = []
-        self._held_lock = threading.Lock()
         try:
             self._loop = asyncio.get_running_loop()
-            self._async_queue = asyncio.Queue()
+            self._ready = deque()
         except RuntimeError:
             pass
 
     def put(self, event: Event) -> None:
-        if self._loop is None or self._async_queue is None:
+        if self._loop is None:
             self._queue.put(event)
             return
-        with self._held_lock:
+        with self._lock:
             if self._hold and not isinstance(event, FinishEvent | EngineError):
                 self._held.append(event)
                 return
-            batch, self._held = [*self._held, event], []
-        self._loop.call_soon_threadsafe(self._put_all, batch)
+            self._pending += [*self._held, event]
+            self._held = []
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:  # the reader waits: wake it, once
+            self._loop.call_soon_threadsafe(_wake, waiter)
 
-    def _put_all(self, events: list[Event]) -> None:
-        assert self._async_queue is not None
-        for event in events:
-            self._async_queue.put_nowait(event)
+    def _take_pending(self) -> None:
+        assert self._ready is not None
+        with self._lock:
+            batch, self._pending = self._pending, []
+        self._ready.extend(batch)
+
+    def has_ready(self) -> bool:
+        """Whether an event is on hand for an async stream's reader (its next `next_event` returns at once)."""
+        return bool(self._ready) or bool(self._pending)
 
     def hold_until_finish(self) -> None:
         """An async stream's events come in one batch at its end (its FinishEvent, or an error): for a consumer that
@@ -65,7 +86,7 @@ class RequestStream:
         rather than once a token, and its thread leaves the cores to the decode (docs/performance.md: tinyqwen35's
         one-stream server decode 0.66-0.84x llama-server's per token, 0.94-0.96x held). Events already sent stay
         first."""
-        with self._held_lock:
+        with self._lock:
             self._hold = True
 
     def cancel(self) -> None:
@@ -73,7 +94,7 @@ class RequestStream:
         self.cancelled.set()
 
     def __iter__(self) -> Iterator[TokenEvent | ProgressEvent | FinishEvent]:
-        if self._async_queue is not None:
+        if self._ready is not None:
             raise RuntimeError("this stream was created inside an event loop: iterate it with `async for`")
         while True:
             event = self._queue.get()
@@ -84,34 +105,47 @@ class RequestStream:
                 return
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent | ProgressEvent | FinishEvent]:
-        if self._async_queue is None:
+        if self._ready is None:
             raise RuntimeError("this stream was created outside an event loop: iterate it with `for`")
         while True:
-            event = await self._async_queue.get()
-            if isinstance(event, EngineError):
-                raise event
+            event = await self.next_event()
+            assert event is not None  # no timeout: only an event ends the wait
             yield event
             if isinstance(event, FinishEvent):
                 return
 
     async def next_event(self, timeout: float | None = None) -> TokenEvent | ProgressEvent | FinishEvent | None:
         """The next event of an async stream, or None after `timeout` seconds of silence (for keep-alives)."""
-        assert self._async_queue is not None, "this stream was created outside an event loop"
-        try:
-            event = await asyncio.wait_for(self._async_queue.get(), timeout)
-        except TimeoutError:
-            return None
+        assert self._ready is not None and self._loop is not None, "this stream was created outside an event loop"
+        if not self._ready:
+            with self._lock:
+                waiter = None if self._pending else self._loop.create_future()
+                self._waiter = waiter
+            if waiter is not None:
+                timer = None if timeout is None else self._loop.call_later(timeout, _wake, waiter)
+                try:
+                    await waiter
+                finally:
+                    with self._lock:
+                        if self._waiter is waiter:
+                            self._waiter = None
+                    if timer is not None:
+                        timer.cancel()
+            self._take_pending()
+            if not self._ready:
+                return None
+        event = self._ready.popleft()
         if isinstance(event, EngineError):
             raise event
         return event
 
     def take_ready(self) -> list[Event]:
-        """The events already queued on an async stream, without waiting (errors among them, not raised): what a
-        remote client sends on as one batch."""
-        assert self._async_queue is not None, "this stream was created outside an event loop"
-        ready: list[Event] = []
-        while not self._async_queue.empty():
-            ready.append(self._async_queue.get_nowait())
+        """The events already put on an async stream, without waiting (errors among them, not raised): what a remote
+        client sends on as one batch."""
+        assert self._ready is not None, "this stream was created outside an event loop"
+        self._take_pending()
+        ready = list(self._ready)
+        self._ready.clear()
         return ready
 
     def result(self) -> FinishEvent:

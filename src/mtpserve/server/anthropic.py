@@ -49,7 +49,7 @@ from . import schema
 from .chat import ChatOutput, ChatPlan, plan_chat
 from .errors import APIError, invalid
 from .params import Body, Completion
-from .responses import collect, events, sse
+from .responses import collect, sse, stream_events
 from .state import ServerState
 
 log = logging.getLogger("mtpserve.server")
@@ -124,7 +124,7 @@ def add_routes(router: APIRouter, state: ServerState, start_chat: StartChat, rea
             job, plan, stream, output = await start_chat(request, Body(to_chat(body)))
             mid, omit = "msg_" + _random_id(24), _omits_thinking(body)
             if job.stream:
-                return sse(_stream(state, request, stream, plan, output, mid, omit))
+                return sse(_stream(state, request, stream, plan, output, mid, omit), stream)
             finish, _ = await collect(request, stream)
         except (APIError, EngineError) as e:
             return error_response(e)
@@ -527,7 +527,7 @@ async def _stream(
     )
     blocks = Blocks(omit_thinking)
     try:
-        async for event in events(state, request, stream, state.settings.sse_ping_interval):
+        async for event in stream_events(state, request, stream):
             if event is None:
                 yield _event("ping", {"type": "ping"})
                 continue

@@ -327,7 +327,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def completion_native(request: Request) -> Response:
         jobs, _ = await text_jobs(request, "n_probs")
         if jobs[0].stream:
-            return sse(native_stream(state, request, await submit(state, request, jobs[0]), jobs[0]))
+            stream = await submit(state, request, jobs[0])
+            return sse(native_stream(state, request, stream, jobs[0]), stream)
         results = await run_all(state, request, jobs)
         answers = [native_final(state, j, f, t, f.text, i) for i, (j, (f, t)) in enumerate(zip(jobs, results))]
         return JSONResponse(answers[0] if len(answers) == 1 else answers)
@@ -337,7 +338,8 @@ def create_app(state: ServerState) -> FastAPI:
         jobs, tokenizer = await text_jobs(request, "logprobs")
         cid = "cmpl-" + _random_id()
         if jobs[0].stream:
-            return sse(text_stream(state, request, await submit(state, request, jobs[0]), jobs[0], cid))
+            stream = await submit(state, request, jobs[0])
+            return sse(text_stream(state, request, stream, jobs[0], cid), stream)
         results = await run_all(state, request, jobs)
         choices = [
             {
@@ -388,7 +390,8 @@ def create_app(state: ServerState) -> FastAPI:
         if job.stream:
             if len(jobs) > 1:
                 raise unsupported("streaming several choices (n > 1) is not supported (send one request each)")
-            return sse(chat_stream(state, request, await submit(state, request, job), job, plan, output, cid))
+            stream = await submit(state, request, job)
+            return sse(chat_stream(state, request, stream, job, plan, output, cid), stream)
         tokenizer = state.loaded_tokenizer()
         results = await run_all(state, request, jobs)
         choices, reasoning_tokens = [], 0

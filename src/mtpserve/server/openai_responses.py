@@ -49,7 +49,7 @@ from . import schema
 from .chat import ChatOutput, ChatPlan
 from .errors import APIError, invalid, unsupported
 from .params import Body, Completion
-from .responses import collect, events, sse
+from .responses import collect, sse, stream_events
 from .state import ServerState
 
 log = logging.getLogger("mtpserve.server")
@@ -140,7 +140,7 @@ def add_routes(router: APIRouter, state: ServerState, start_chat: StartChat, rea
         job, _, stream, output = await start_chat(request, Body(chat_body(body)))
         items = _Items(_envelope(state, body), output, tool_namespaces(body.raw("tools")))
         if job.stream:
-            return sse(_stream(state, request, stream, items))
+            return sse(_stream(state, request, stream, items), stream)
         finish, tokens = await collect(request, stream)
         for token in tokens:
             items.feed(token.text)
@@ -564,7 +564,7 @@ async def _stream(state: ServerState, request: Request, stream: RequestStream, i
     yield _sse(items.event("response.created", response=items.snapshot()))
     yield _sse(items.event("response.in_progress", response=items.snapshot()))
     try:
-        async for event in events(state, request, stream, state.settings.sse_ping_interval):
+        async for event in stream_events(state, request, stream):
             if event is None:
                 yield ":\n\n"
                 continue
