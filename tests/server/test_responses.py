@@ -36,18 +36,17 @@ def _put(stream: RequestStream, events: list) -> None:
 
 
 def test_events_on_hand_come_without_a_pause_and_a_wait_is_paced(monkeypatch: pytest.MonkeyPatch) -> None:
-    sleeps: list[float] = []
-    yield_once = asyncio.sleep
+    pauses: list[float] = []
 
-    async def sleep(delay: float) -> None:  # recorded, not slept: no clock in the test
-        sleeps.append(delay)
+    async def pause(self: RequestStream, seconds: float) -> None:  # recorded, not waited: no clock in the test
+        pauses.append(seconds)
 
-    async def watch_client(request, on_leave) -> None:  # the client stays; its checks' sleeps are not the pacing's
+    async def watch_client(request, on_leave) -> None:  # the client stays
         await asyncio.Event().wait()
 
     monkeypatch.setattr(responses, "_log_timings", lambda *a: None)
     monkeypatch.setattr(responses, "watch_client", watch_client)
-    monkeypatch.setattr(responses.asyncio, "sleep", sleep)
+    monkeypatch.setattr(RequestStream, "pause", pause)
 
     async def main():
         stream = RequestStream()
@@ -56,13 +55,13 @@ def test_events_on_hand_come_without_a_pause_and_a_wait_is_paced(monkeypatch: py
         reader = responses.events(_State(), _Client(), stream, None, pace=5.0)
         got.append(await anext(reader))
         got.append(await anext(reader))  # on hand: no pause
-        on_hand = list(sleeps)
+        on_hand = list(pauses)
         _put(stream, [TokenEvent(3, "c"), _finish()])
         got += [e async for e in reader]  # on hand again: no pause
         return on_hand, got
 
     on_hand, got = asyncio.run(main())
-    assert on_hand == [] and sleeps == []
+    assert on_hand == [] and pauses == []
     assert [e.token for e in got[:3]] == [1, 2, 3] and isinstance(got[3], FinishEvent)
 
     async def waiting():
@@ -71,12 +70,33 @@ def test_events_on_hand_come_without_a_pause_and_a_wait_is_paced(monkeypatch: py
         reader = responses.events(_State(), _Client(), stream, None, pace=5.0)
         await anext(reader)
         later = asyncio.ensure_future(anext(reader))  # nothing on hand: it paces, then waits for the engine
-        await yield_once(0)  # the reader runs up to its wait
+        await asyncio.sleep(0)  # the reader runs up to its wait
         _put(stream, [TokenEvent(2, "b")])
         return await later
 
     assert asyncio.run(waiting()).token == 2
-    assert len(sleeps) == 1 and 4.0 < sleeps[0] <= 5.0  # what is left of the interval since the last event
+    assert len(pauses) == 1 and 4.0 < pauses[0] <= 5.0  # what is left of the interval since the last event
+
+
+def test_a_pause_wakes_for_the_end_not_for_tokens() -> None:
+    """Tokens put during a pause do not end it (they pile up for one write); the request's end does, so an
+    answer's last write is not held back by the interval."""
+
+    async def main():
+        stream = RequestStream()
+        paused = asyncio.ensure_future(stream.pause(3600.0))
+        await asyncio.sleep(0)
+        _put(stream, [TokenEvent(1, "a"), TokenEvent(2, "b")])
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        still = not paused.done()
+        _put(stream, [_finish()])
+        await paused  # no hour: the end woke it
+        ended_at_once = await asyncio.wait_for(stream.pause(3600.0), 3600.0)  # the end on hand: no wait at all
+        return still, ended_at_once, [type(e) for e in stream.take_ready()]
+
+    still, ended, events = asyncio.run(main())
+    assert still and ended is None and events == [TokenEvent, TokenEvent, FinishEvent]
 
 
 def test_chunks_made_from_events_on_hand_go_out_in_one_write() -> None:

@@ -48,6 +48,7 @@ class RequestStream:
         self._lock = threading.Lock()  # the fields below, shared with the engine's thread
         self._pending: list[Event] = []  # put, not yet taken in by the loop
         self._waiter: asyncio.Future[None] | None = None  # the reader's, while it waits for an event
+        self._pause: asyncio.Future[None] | None = None  # the reader's, while it paces itself (`pause`)
         self._hold = False  # hold_until_finish
         self._held: list[Event] = []
         try:
@@ -67,6 +68,8 @@ class RequestStream:
             self._pending += [*self._held, event]
             self._held = []
             waiter, self._waiter = self._waiter, None
+            if waiter is None and isinstance(event, FinishEvent | EngineError):
+                waiter, self._pause = self._pause, None  # the end cuts a pause short
         if waiter is not None:  # the reader waits: wake it, once
             self._loop.call_soon_threadsafe(_wake, waiter)
 
@@ -79,6 +82,23 @@ class RequestStream:
     def has_ready(self) -> bool:
         """Whether an event is on hand for an async stream's reader (its next `next_event` returns at once)."""
         return bool(self._ready) or bool(self._pending)
+
+    async def pause(self, seconds: float) -> None:
+        """Wait up to `seconds` while the events put meanwhile pile up unwoken (a streamed response pacing its
+        writes); the request's end, its FinishEvent or an error, ends the wait at once."""
+        assert self._loop is not None, "this stream was created outside an event loop"
+        with self._lock:
+            if any(isinstance(e, FinishEvent | EngineError) for e in self._pending):
+                return
+            pause = self._pause = self._loop.create_future()
+        timer = self._loop.call_later(seconds, _wake, pause)
+        try:
+            await pause
+        finally:
+            with self._lock:
+                if self._pause is pause:
+                    self._pause = None
+            timer.cancel()
 
     def hold_until_finish(self) -> None:
         """An async stream's events come in one batch at its end (its FinishEvent, or an error): for a consumer that
