@@ -59,14 +59,9 @@ def series(contexts: tuple[int, ...] = CONTEXTS) -> dict:
     static = json.loads((PERF / "gpu_static_after.json").read_text())
     host = json.loads((PERF / "gpu_time_model.json").read_text())
     measured = json.loads(gc.MEASURED.read_text())
+    static_model = tm.model(static, (host["host_ms_per_token"], host["host_ms_per_mtp_cycle"]), contexts)
     rows = {
-        "static": tm.predict(
-            host_ms_per_token=host["host_ms_per_token"],
-            host_ms_per_mtp_cycle=host["host_ms_per_mtp_cycle"],
-            attention_tbps=tm.attention_bounds(static) or None,
-            kernels=tm.kernel_counts(static),
-            contexts=contexts,
-        ),
+        "static": static_model["predicted"] + static_model["predicted_row_split"],
         "calibrated": gc.predict(gc.fit(measured), host["host_ms_per_token"], host["host_ms_per_mtp_cycle"], contexts),
     }
     out: dict = {"spec": SPEC, "contexts": list(contexts), "series": {}}

@@ -95,7 +95,6 @@ def case_call(case: tuple, device: torch.device, tiny: bool) -> Callable[[], obj
 
     from mtpserve.kernels.triton.attention import decode_attention
     from mtpserve.quant.planar import to_planar
-    from mtpserve.quant.types import GGMLType as T
 
     _, choice, tokens = case
     depth = TINY_DEPTH if tiny else ATTENTION_DEPTH
@@ -104,7 +103,7 @@ def case_call(case: tuple, device: torch.device, tiny: bool) -> Callable[[], obj
     q_pos = torch.arange(depth - tokens, depth, device=device)
     k_pos = torch.arange(depth, device=device)
     kwargs = choice_kwargs(choice) | {"planar": True, "n_kv_heads": N_HEAD_KV, "head_dim": HEAD_DIM}
-    q8 = int(T.Q8_0)
+    q8 = int(GGMLType.Q8_0)
     return lambda: decode_attention(
         q, k_cache, v_cache, q8, q8, q_pos, k_pos, scale=HEAD_DIM**-0.5, ordered=True, **kwargs
     )

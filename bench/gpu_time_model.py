@@ -380,7 +380,9 @@ def measure_host(tokens: int = 1024, rounds: int = 5) -> tuple[float, float]:
     return per_token, per_token_mtp * (1 + N_MAX)
 
 
-def model(static: dict | None = None, host: tuple[float, float] | None = None) -> dict:
+def model(
+    static: dict | None = None, host: tuple[float, float] | None = None, contexts: tuple[int, ...] = CONTEXTS
+) -> dict:
     """The whole prediction: gpu_static's JSON (or {}) for the kernel counts and attention bounds, and the host
     time measured here unless given."""
     static = static or {}
@@ -390,6 +392,7 @@ def model(static: dict | None = None, host: tuple[float, float] | None = None) -
         host_ms_per_mtp_cycle=per_cycle,
         attention_tbps=attention_bounds(static) or None,
         kernels=kernel_counts(static),
+        contexts=contexts,
     )
     planned = [p for p in predicted if DEVICES[p["device"]].tensor_parallel > 1]
     return {

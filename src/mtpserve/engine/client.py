@@ -91,14 +91,20 @@ class RequestStream:
             if any(isinstance(e, FinishEvent | EngineError) for e in self._pending):
                 return
             pause = self._pause = self._loop.create_future()
-        timer = self._loop.call_later(seconds, _wake, pause)
+        await self._wait(pause, seconds, "_pause")
+
+    async def _wait(self, future: asyncio.Future[None], seconds: float | None, field: str) -> None:
+        """Await `future`, which `put` finds in `field` to wake it, for at most `seconds` (None: no limit)."""
+        assert self._loop is not None
+        timer = None if seconds is None else self._loop.call_later(seconds, _wake, future)
         try:
-            await pause
+            await future
         finally:
             with self._lock:
-                if self._pause is pause:
-                    self._pause = None
-            timer.cancel()
+                if getattr(self, field) is future:
+                    setattr(self, field, None)
+            if timer is not None:
+                timer.cancel()
 
     def hold_until_finish(self) -> None:
         """An async stream's events come in one batch at its end (its FinishEvent, or an error): for a consumer that
@@ -142,15 +148,7 @@ class RequestStream:
                 waiter = None if self._pending else self._loop.create_future()
                 self._waiter = waiter
             if waiter is not None:
-                timer = None if timeout is None else self._loop.call_later(timeout, _wake, waiter)
-                try:
-                    await waiter
-                finally:
-                    with self._lock:
-                        if self._waiter is waiter:
-                            self._waiter = None
-                    if timer is not None:
-                        timer.cancel()
+                await self._wait(waiter, timeout, "_waiter")
             self._take_pending()
             if not self._ready:
                 return None
