@@ -34,11 +34,13 @@ What it measures (one table on stdout, everything in --json):
   as ours / theirs. llama-bench has no speculative decoding, so the draft-mtp row has no peer here.
 
 Parts and switches (bench/gpu_check.sh's bench stage runs `--parts decode,mtp,prefill --contexts 4096,65536` with
-`--split-matmuls`, `--gemv-k-splits` and `--attention-choices`): `--parts` picks among gemv, decode, mtp (the
+`--split-matmuls`, `--gemv-k-splits`, `--pdl` and `--attention-choices`): `--parts` picks among gemv, decode, mtp (the
 draft-mtp row of each depth), batch, prefill, chunk_scan, memory (all by default). `--gemv-k-splits N` and
 `--attention-choices A,B` time the captured decode step and verification again at each depth, captured afresh with
 the few-row GEMVs split N ways along K, then with each decode attention choice of bench/attention_gpu.py (what
-the kernel's choices are worth where the server runs them, beside that script's kernel-alone numbers).
+the kernel's choices are worth where the server runs them, beside that script's kernel-alone numbers). `--pdl`
+does the same with programmatic dependent launch (kernels/triton/pdl.py) and checks that the PDL graph's logits
+equal the plain graph's bit for bit.
 `--split-matmuls` splits a decode step's time between the GEMVs and everything else: the captured step is timed
 again with every matmul of the GPU path (ops.quant_gemv's entries and the Triton wrappers, wherever a module
 holds them) replaced by a no-op returning an empty output of the same shape, so the graph holds only the small
@@ -474,6 +476,31 @@ def measure_k_splits(model, state, depth: int, token: int, args: argparse.Namesp
     }
 
 
+def measure_pdl(model, state, depth: int, token: int, args: argparse.Namespace, timer: Timer) -> dict:
+    """A graphed decode step and a verification with programmatic dependent launch (kernels.triton.pdl: each decode
+    kernel launched while the one before it runs), beside the default's; and whether the PDL graph's logits equal
+    a plain graph's bit for bit (the same kernels in the same order: a difference is a missing wait)."""
+    from mtpserve.kernels.triton import pdl
+
+    def replayed_logits() -> torch.Tensor:
+        graph = DecodeGraph(model, state)
+        for _ in range(3):  # eager, captured, replayed
+            truncate(state, depth)
+            logits = graph.decode(token)
+        truncate(state, depth)
+        return logits.float().clone()
+
+    want = replayed_logits()
+    pdl.ENABLED = True
+    try:
+        got = replayed_logits()
+        t_decode, t_verify = time_captured(model, state, depth, token, args, timer)
+    finally:
+        pdl.ENABLED = False
+    equal = torch.equal(got, want)
+    return {"decode_pdl_ms": 1e3 * t_decode, "verify_pdl_ms": 1e3 * t_verify, "pdl_logits_equal": equal}
+
+
 def measure_attention_choices(
     model, state, depth: int, token: int, args: argparse.Namespace, timer: Timer, decode_ms: float
 ) -> dict:
@@ -543,6 +570,8 @@ def measure_decode(
         row["matmul_ms"] = row["decode_ms"] - row["decode_no_matmul_ms"]
     if args.gemv_k_splits > 1:
         row.update(measure_k_splits(model, state, depth, token, args, timer))
+    if args.pdl:
+        row.update(measure_pdl(model, state, depth, token, args, timer))
     if args.attention_choices:
         row.update(measure_attention_choices(model, state, depth, token, args, timer, row["decode_ms"]))
     if "mtp" not in args.parts:
@@ -848,6 +877,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also time a decode step and a verification with the few-row GEMVs split this many ways along K",
     )
     p.add_argument(
+        "--pdl",
+        action="store_true",
+        help="also time a decode step and a verification with programmatic dependent launch (sm_90+)",
+    )
+    p.add_argument(
         "--attention-choices",
         default="",
         help="also time a decode step and a verification with each of these decode attention choices "
@@ -1049,6 +1083,15 @@ def report(r: dict) -> str:
             lines.append(
                 f"depth {row['depth']}: the few-row GEMVs split {row['gemv_k_splits']} ways along K: decode "
                 f"{row['decode_k_split_ms']:.2f} ms against {row['decode_ms']:.2f}{verify}"
+            )
+        if "decode_pdl_ms" in row:
+            verify = f", verification {row['verify_pdl_ms']:.2f}" + (
+                f" against {row['verify_ms']:.2f}" if "verify_ms" in row else ""
+            )
+            same = "equal" if row["pdl_logits_equal"] else "NOT EQUAL (a kernel reads before its wait)"
+            lines.append(
+                f"depth {row['depth']}: programmatic dependent launch: decode {row['decode_pdl_ms']:.2f} ms against "
+                f"{row['decode_ms']:.2f}{verify}; logits {same} to the plain graph's"
             )
         for c in row.get("attention_choices", []):
             shown = c.get("failed") or (

@@ -19,7 +19,8 @@
 #   bench 260 s  bench.txt  most wanted first: bench/gpu.py -> decode.json: decode tok/s at depths 4096 and 65536, with
 #                decode.json draft-mtp (n_max 2) and without, with and without the matmuls (their time apart from the
 #                gemv.json  small kernels'), with the few-row GEMVs split 4 ways along K (a decode step and a
-#                           verification), with the decode attention choices ($ATTENTION_CHOICES), kernels launched per
+#                           verification), with programmatic dependent launch (its logits held to the plain graph's
+#                           bit for bit), with the decode attention choices ($ATTENTION_CHOICES), kernels launched per
 #                           token, a per-kernel table (torch.profiler) of one graphed decode step and one MTP cycle at
 #                           each depth, printed as made, then prefill of 8192 tokens (one model build); then
 #                           bench/gemv_l2.py --integer-only -> gemv.json: the integer GEMV and its tile's
@@ -164,7 +165,7 @@ PY
         # 27B-shaped model would cost the stage more than the GEMVs' order is worth), then the GEMV calibration.
         local rc=0
         "$PY" bench/gpu.py --parts decode,mtp,prefill --contexts 4096,65536 --prefill 8192 --batch 1 --memory-ctx 0 \
-            --split-matmuls --gemv-k-splits 4 --attention-choices "$ATTENTION_CHOICES" --json "$OUT/decode.json" \
+            --split-matmuls --gemv-k-splits 4 --pdl --attention-choices "$ATTENTION_CHOICES" --json "$OUT/decode.json" \
             || rc=$?
         cp "$OUT/decode.json" "$RESULTS" 2>/dev/null  # what llama.cpp's rows are compared with (rest, peer)
         "$PY" bench/gemv_l2.py --integer-only --json "$OUT/gemv.json" || rc=$?  # the integer GEMV and its tiles

@@ -468,6 +468,38 @@ def graph_case(device: torch.device) -> Case:
     return Case(f"CUDA graph: tiny model's decode step {how} vs eager, 4 tokens", run)
 
 
+def pdl_graph_case(device: torch.device) -> Case:
+    """The small model's decode step from a DecodeGraph captured with programmatic dependent launch
+    (kernels/triton/pdl.py) against one captured without, over the same prompt, eight tokens: the same kernels in
+    the same order, so bit for bit, or a kernel reads what the one before it is still writing."""
+
+    def run() -> Comparison:
+        from mtpserve.kernels.triton import pdl
+        from mtpserve.models.base import WeightStore
+        from mtpserve.models.graphs import DecodeGraph
+        from mtpserve.models.loader import build_model
+
+        config = replace(TINY, n_layer=4)
+        model = build_model(WeightStore(random_weights(config, device), device), config)
+        prompt = torch.randint(0, config.n_vocab, (4,), generator=torch.Generator().manual_seed(9)).tolist()
+        outputs = []
+        for enabled in (False, True):
+            pdl.ENABLED = enabled
+            try:
+                state = model.new_state(64, "q8_0", "q8_0")
+                model.prefill(prompt, state)
+                runner, token, logits = DecodeGraph(model, state), 5, []
+                for _ in range(8):
+                    logits.append(runner.decode(token).float().clone())
+                    token = int(logits[-1].argmax())
+                outputs.append(torch.stack(logits))
+            finally:
+                pdl.ENABLED = False
+        return Comparison((outputs[1],), (outputs[0],), "exact")
+
+    return Case("CUDA graph: tiny model's decode step with programmatic dependent launch vs without, 8 tokens", run)
+
+
 def errors(c: Comparison) -> tuple[float, float]:
     """(largest absolute error, largest error over the twin's largest magnitude) over all outputs; inf on a shape
     mismatch or a non-finite value."""
@@ -568,6 +600,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_smoke: {device_name(device)}, torch {torch.__version__}, shapes {shapes}", flush=True)
     cases, skips = plan(shapes, device)
     cases.append(graph_case(device))
+    if device.type == "cuda" and cuda_capability(device) >= (9, 0):
+        cases.append(pdl_graph_case(device))
+    else:
+        skips.append(f"SKIP programmatic dependent launch: sm_90+ only ({device_name(device)})")
     for line in skips:
         print(line, flush=True)
     wanted = [c for c in cases if any(text in c.label for text in args.only.split(","))]

@@ -59,6 +59,7 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
         "2",
         "--gemv-k-splits",
         "2",
+        "--pdl",
         "--attention-choices",
         "ieee min16",
         "--json",
@@ -72,6 +73,7 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     assert "| depth | decode tok/s |" in run.stdout and "prefill:" in run.stdout
     assert "the few-row GEMVs split 2 ways along K" in run.stdout
+    assert "programmatic dependent launch: decode" in run.stdout and "logits equal" in run.stdout
     assert "decode attention 'ieee min16': decode" in run.stdout
     result = json.loads(out.read_text())
     assert [row["depth"] for row in result["decode"]] == [256, 384]
@@ -84,6 +86,7 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
         assert row["mtp_tokens_per_step"] == pytest.approx(2.26)
         assert row["kv_bytes_per_token"] > 0
         assert row["gemv_k_splits"] == 2 and min(row["decode_k_split_ms"], row["verify_k_split_ms"]) > 0
+        assert row["pdl_logits_equal"] is True and min(row["decode_pdl_ms"], row["verify_pdl_ms"]) > 0
     # Bytes a token reads: every trunk matrix and the head, far more than one MTP step's block + head.
     assert result["weight_bytes_per_token"] > result["weight_bytes_per_draft_step"] > 0
     ranking = result["ranking"]

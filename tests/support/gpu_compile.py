@@ -18,6 +18,10 @@ binder: constexprs, dtypes, ints equal to 1, 16-divisibility of pointers and int
 from the CUDA device are redone here for the target, as they would be on it: quant_matmul's num_warps (8 below
 sm_80) and the chunk scan's bf16 operands.
 
+`--pdl` compiles the decode kernels for sm_90 with programmatic dependent launch on (kernels/triton/pdl.py) and
+checks the contract in each PTX: one `griddepcontrol.wait` and one `launch_dependents`, and no global store, and
+no global load but the weights' (the prefetching Q4_K/Q5_K GEMV's first step), before the wait.
+
 `--loads` also lists each kernel's global loads by width, read off its PTX (a memory-bound kernel should read in
 16-byte vectors, "v4.b32", rather than byte by byte, "b8").
 
@@ -49,7 +53,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from unittest import mock
 
 ARCHS = (90, 80, 75)
@@ -84,6 +88,7 @@ class Launch:
     # the kernel's instruction-issue bound (bench/gpu_static.py). None where no loop streams memory.
     bytes_per_iteration: int | None = None
     decode: bool = False  # launched by a decode or verification step (bench/gpu_static.py reports these)
+    pdl: bool = False  # recorded with programmatic dependent launch on: its PTX must keep the contract
 
 
 def _recorded(fn, call: Callable[[], object]) -> list[tuple[object, tuple, dict]]:
@@ -122,6 +127,24 @@ def _chunk_scan_dot(kwargs: dict, arch: int) -> None:
     import triton.language as tl
 
     kwargs["DOT"] = tl.bfloat16
+
+
+def pdl_problems(ptx: str, weight_loads: int = 0) -> list[str]:
+    """What breaks the PDL contract in a kernel's PTX: the wait and the trigger each once, and before the wait no
+    global store and at most `weight_loads` global loads (kernels.triton.pdl)."""
+    waits = [m.start() for m in re.finditer(r"\bgriddepcontrol\.wait\b", ptx)]
+    triggers = re.findall(r"\bgriddepcontrol\.launch_dependents\b", ptx)
+    if len(waits) != 1 or len(triggers) != 1:
+        return [f"{len(waits)} griddepcontrol.wait and {len(triggers)} launch_dependents (want one each)"]
+    before = ptx[: waits[0]]
+    problems = []
+    stores = len(re.findall(r"\b(?:st|red|atom)\.global\b", before))
+    loads = len(re.findall(r"\bld\.global\b", before))
+    if stores:
+        problems.append(f"{stores} global stores before griddepcontrol.wait")
+    if loads > weight_loads:
+        problems.append(f"{loads} global loads before griddepcontrol.wait (the weights' allow {weight_loads})")
+    return problems
 
 
 def launches() -> list[Launch]:
@@ -454,10 +477,39 @@ def launches() -> list[Launch]:
             cfg = f"{t.name} {N_EMBD}x17408 M={m} BLOCK_N={k['BLOCK_N']} k_splits=4"
             out.append(Launch("gemv_q8", cfg, f, a, k, rows=m, note=note))
             out.append(Launch("gemv_q8_sum", f"M={m} BLOCK={sk['BLOCK']}", sf, sa, sk, rows=m, note=note))
+    # The prefetching K-quant GEMV (a bench choice), whose first step's weight words come before a PDL wait.
+    for t in (Q.Q4_K, Q.Q5_K):
+        xq, xd, w = torch.empty(1, 17408, dtype=torch.int8), torch.empty(1, 17408 // 256), weight(t, N_EMBD, 17408)
+        ((f, a, k),) = _recorded(
+            q8_kernels, lambda xq=xq, xd=xd, w=w, t=t: gemv_q8.quant_gemv_q8(xq, xd, w, t, prefetch=True)
+        )
+        cfg = f"{t.name} {N_EMBD}x17408 M=1 BLOCK_N={k['BLOCK_N']} prefetch"
+        out.append(Launch("gemv_q8", cfg, f, a, k, rows=1, note="prefetch: a bench choice, not the default"))
     return out
 
 
 _LAUNCHES: list[Launch] = []  # filled in the parent before the worker processes fork
+
+
+def pdl_launches() -> list[Launch]:
+    """The decode kernels' launches as their wrappers make them with programmatic dependent launch on (an sm_90+
+    device stood in for), for sm_90 and later: each is expected to carry PDL and keep its contract."""
+    from mtpserve.kernels.triton import pdl
+
+    with mock.patch.object(pdl, "ENABLED", True), mock.patch.object(pdl, "has_pdl", return_value=True):
+        recorded = launches()
+    wanted = [x for x in recorded if x.decode or x.kernel == "gemv_q8_sum" or "k_splits" in x.config]
+    wanted += [x for x in recorded if "prefetch" in x.config]
+    return [replace(x, pdl=True, min_arch=max(x.min_arch, 90)) for x in wanted]
+
+
+def _prefetched_loads(launch: Launch) -> int:
+    """Global loads a kernel may issue before its PDL wait: the prefetching K-quant GEMV's first step of weight
+    words (three vectors; Q5_K five), none elsewhere."""
+    if not launch.kwargs.get("PREFETCH"):
+        return 0
+    vectors = 5 if launch.kwargs.get("FIVE") else 3
+    return vectors * 4  # each vector a v4 load per row a thread: four rows
 
 
 def compile_launch(launch: Launch, arch: int) -> tuple[object, str, int]:
@@ -523,6 +575,10 @@ def _compile(job: tuple[int, int]) -> dict:
         res["shared"] = kernel.metadata.shared
         res["loads"] = global_loads(kernel.asm["ptx"])
         problems = [f"lane layout: {p}" for p in lane_layout_problems(kernel.asm["ttgir"], res["warps"])]
+        if launch.pdl and not launch.kwargs.get("PDL"):
+            problems.append("pdl: its wrapper launched it without kernels.triton.pdl.launch_options")
+        elif launch.pdl:
+            problems += [f"pdl: {p}" for p in pdl_problems(kernel.asm["ptx"], _prefetched_loads(launch))]
         limit = MAX_SHARED.get(arch)
         if limit is not None and kernel.metadata.shared > limit:
             problems.append(f"out of resources: {kernel.metadata.shared} bytes of shared memory, sm_{arch} has {limit}")
@@ -630,6 +686,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="only configurations whose kernel or label contain this")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel")
     parser.add_argument("--loads", action="store_true", help="also list each kernel's global loads by width (PTX)")
+    parser.add_argument(
+        "--pdl", action="store_true", help="the decode kernels with programmatic dependent launch (sm_90+)"
+    )
     args = parser.parse_args(argv)
     archs = (90,) if args.quick else tuple(int(a) for a in args.arch.split(",") if a.strip())
 
@@ -643,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         # Fusion stays on by default in 3.9, as at run time; its notice (once per worker) is noise here.
         warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION is unset")
 
-        _LAUNCHES[:] = launches()
+        _LAUNCHES[:] = pdl_launches() if args.pdl else launches()
         jobs = [
             (i, arch)
             for arch in archs

@@ -48,6 +48,7 @@ from .attention_int8 import INT8_KEYS, INT8_STAGES, INT8_WARPS, _split_int8_kern
 from .attention_mma import MMA_TILE_GROUPS, _split_mma_kernel, mma_row_blocks
 from .attention_mma16 import MMA16_TILE_BLOCKS, _split_mma16_kernel, mma16_row_blocks
 from .intdot import INLINE_ASM
+from .pdl import dependent_launch, launch_options
 
 ATTENTION_TYPES = (
     GGMLQuantizationType.F32,
@@ -178,8 +179,10 @@ def _split_kernel(
     COUNT: tl.constexpr = False,
     LOADS_FIRST: tl.constexpr = False,
     PLANAR: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Pass 1: program (row block, KV head hk, split) -> partial max / sum / acc of its rows over its keys."""
+    dependent_launch(PDL)
     hk = tl.program_id(1)
     split = tl.program_id(2)
     row_ok, t, h = _block_rows(row0, T, G, hk, BLOCK_M)
@@ -262,9 +265,11 @@ def _combine_kernel(
     T_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
     ORDERED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Pass 2: program r merges the partials of (token, head) row r from the splits with work into out[r] (0 if no
     key is seen)."""
+    dependent_launch(PDL)
     row = tl.program_id(0).to(tl.int64)
     _, n_splits = _split_range(qpos_ptr, T, S, n_splits, min_keys, T_PAD, BLOCK_S, ORDERED)
     c = tl.arange(0, CHUNK)
@@ -508,6 +513,7 @@ def decode_attention(
     acc = torch.empty(splits, T * H, D, dtype=torch.float32, device=device)
     out = torch.empty(T, H, D, dtype=torch.float32, device=device)
     counting = {} if split_counts is None else {"counts_ptr": split_counts, "COUNT": True}
+    pdl = launch_options(q)
     positions = (q_pos, k_pos, m, lsum, acc, T, H, S, G)
     for row0, n_blocks, rows, warps in blocks:  # each launch writes its rows' partials; pass 2 merges them all
         common = (row0, splits, max(1, int(min_keys)), 0 if window is None else int(window), scale * _LOG2E)
@@ -517,25 +523,25 @@ def decode_attention(
             _split_mma16_kernel[grid](
                 q, k_cache, v_cache, *positions, *common, q.stride(0), q.stride(1), *sk, *sv, D=D,
                 GROUPS=warps, KB=MMA16_TILE_BLOCKS, HAS_WINDOW=window is not None, ORDERED=ordered,
-                T_PAD=t_pad, ASM=INLINE_ASM, num_warps=2, **counting,
+                T_PAD=t_pad, ASM=INLINE_ASM, num_warps=2, **counting, **pdl,
             )  # fmt: skip
         elif int8 == "mma":
             _split_mma_kernel[grid](
                 q, k_cache, v_cache, *positions, *common, q.stride(0), q.stride(1), *sk, *sv, D=D,
                 WARPS=warps, NT=MMA_TILE_GROUPS, HAS_WINDOW=window is not None, ORDERED=ordered,
-                T_PAD=t_pad, ASM=INLINE_ASM, num_warps=warps, **counting,
+                T_PAD=t_pad, ASM=INLINE_ASM, num_warps=warps, **counting, **pdl,
             )  # fmt: skip
         elif int8:
             _split_int8_kernel[grid](
                 q, k_cache, v_cache, *positions, *common, q.stride(0), q.stride(1), *sk, *sv, **shape, T_PAD=t_pad,
                 ASM=INLINE_ASM,
-                num_warps=warps, num_stages=INT8_STAGES, **counting,
+                num_warps=warps, num_stages=INT8_STAGES, **counting, **pdl,
             )  # fmt: skip
         else:
             _split_kernel[grid](
                 q, k_cache, v_cache, *positions, *common, q.stride(0), q.stride(1), *sk, *sv, **shape,
                 K_TYPE=int(k_type), V_TYPE=int(v_type), D_PAD=d_pad, PRECISION=precision, T_PAD=t_pad,
-                num_warps=warps, LOADS_FIRST=loads_first, PLANAR=planar, **counting,
+                num_warps=warps, LOADS_FIRST=loads_first, PLANAR=planar, **counting, **pdl,
             )  # fmt: skip
     _combine_kernel[(T * H,)](
         m,
@@ -554,5 +560,6 @@ def decode_attention(
         T_PAD=t_pad,
         BLOCK_S=block_s,
         ORDERED=ordered,
+        **pdl,
     )
     return out

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from .attention_common import _block_rows, _online_softmax, _split_keys, _store_stats
 from .intdot import int8_to_fp16
+from .pdl import dependent_launch
 from .rowwise import q8_0_blocks
 
 INT8_KEYS = 32  # keys a tile: at 16 the loop's fixed work (positions, softmax, addresses) weighs twice as much
@@ -36,8 +37,9 @@ def _split_int8_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr, ac
                        min_keys, window, qk_scale, sq_t, sq_h, sk_s, sk_h, sv_s, sv_h, D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr,
                        ORDERED: tl.constexpr, T_PAD: tl.constexpr, ASM: tl.constexpr, counts_ptr=None,
-                       COUNT: tl.constexpr = False):  # fmt: skip
+                       COUNT: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
     """Program (row block, KV head hk, split) -> partial max / sum / acc of its rows over its keys."""
+    dependent_launch(PDL)
     NB: tl.constexpr = D // 32
     hk = tl.program_id(1)
     split = tl.program_id(2)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .attention_common import _split_keys, _store_stats
+from .pdl import dependent_launch
 from .rowwise import q8_0_quants, q8_0_scale
 from .warp import mma_f16_m16n8k8, mma_s8_m8n8k16, opaque, pack_f16x2, scaled_pairs, shfl_idx, shfl_xor
 
@@ -52,8 +53,9 @@ def _split_mma_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr, acc
                       min_keys, window, qk_scale, sq_t, sq_h, sk_s, sk_h, sv_s, sv_h, D: tl.constexpr,
                       WARPS: tl.constexpr, NT: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       ORDERED: tl.constexpr, T_PAD: tl.constexpr, ASM: tl.constexpr, counts_ptr=None,
-                      COUNT: tl.constexpr = False):  # fmt: skip
+                      COUNT: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
     """Program (row block, KV head hk, split) -> partial max / sum / acc of its rows over its keys."""
+    dependent_launch(PDL)
     NB: tl.constexpr = D // 32
     SPAN: tl.constexpr = D // 8  # head dims a lane's A rows cover, inside one 32-block
     CW: tl.constexpr = 4 if SPAN >= 16 else SPAN // 4  # the run's 4-byte words a load (16 bytes; two m16n8k8 a word)

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from .attention_common import _split_keys, _store_stats
 from .attention_mma import _rows
+from .pdl import dependent_launch
 from .warp import (
     mma_f16_m16n8k16,
     mma_f16_m16n8k16_zero_c,
@@ -93,8 +94,9 @@ def _split_mma16_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr, a
                         D: tl.constexpr,
                         GROUPS: tl.constexpr, KB: tl.constexpr, HAS_WINDOW: tl.constexpr,
                         ORDERED: tl.constexpr, T_PAD: tl.constexpr, ASM: tl.constexpr, counts_ptr=None,
-                        COUNT: tl.constexpr = False):  # fmt: skip
+                        COUNT: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
     """Program (row block, KV head hk, split) -> partial max / sum / acc of its rows over its keys."""
+    dependent_launch(PDL)
     NB: tl.constexpr = D // 32
     DW: tl.constexpr = D // 2  # a warp's head dims
     RUN: tl.constexpr = DW // 4  # QK: the dims of a key lane t converts (inside one 32-block)

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from ..capability import cuda_capability
 from ._device import on_input_device
+from .pdl import dependent_launch, launch_options
 
 MAX_K = 256  # the state tile is [next_pow2(K), BLOCK_V] registers: beyond this BLOCK_V would shrink to nothing
 _TILE = 4096  # float32 state values per program: 32 registers a thread at 4 warps, no spilling at K=128
@@ -89,7 +90,9 @@ def _gated_delta_kernel(
     STORE_STEPS: tl.constexpr,
     GATES: tl.constexpr,
     NORM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    dependent_launch(PDL)
     bh = tl.program_id(0)
     b = bh // HV
     h = bh % HV
@@ -252,6 +255,7 @@ def gated_delta_rule_recurrent_batched(
         GATES=False,
         NORM=False,
         num_warps=4,
+        **launch_options(v),
     )
     return o
 
@@ -338,6 +342,7 @@ def gated_delta_decode(
         GATES=True,
         NORM=True,
         num_warps=gated_norm_warps(K, V),
+        **launch_options(v),
     )
     return y
 
@@ -361,7 +366,9 @@ def _gdn_glue_kernel(
     W_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
     STORE_STEPS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    dependent_launch(PDL)
     b64 = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)  # a head of the conv channels: the q heads, the k heads, then the v heads
     is_key = j < KEY_HEADS
@@ -466,6 +473,7 @@ def gdn_decode_inputs(
         BLOCK=triton.next_power_of_2(max(head_k, head_v)),
         STORE_STEPS=conv_steps is not None,
         num_warps=4,
+        **launch_options(mixed),
     )
     return out
 

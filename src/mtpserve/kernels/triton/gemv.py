@@ -23,6 +23,7 @@ import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ._device import on_input_device
+from .pdl import dependent_launch, launch_options
 
 MAX_ROWS = 8
 GEMV_TYPES = (
@@ -166,7 +167,9 @@ def _gemv_kernel(
     TYPE_SIZE: tl.constexpr,
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    dependent_launch(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -452,6 +455,7 @@ def quant_gemv(
             TYPE_SIZE=type_size,
             M_PAD=triton.next_power_of_2(rows),
             BLOCK_N=block_n,
+            **launch_options(xs),
         )
     return y
 

@@ -87,6 +87,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from ._device import on_input_device
 from .intdot import INLINE_ASM, dp4a
 from .intwords import dot4, dp4a_u8, funnel, half, mux, prmt, run16, words4
+from .pdl import dependent_launch, launch_options
 
 Q8_GEMV_TYPES = (
     GGMLQuantizationType.Q4_K,
@@ -167,9 +168,11 @@ def _sum_splits_kernel(
     stride_y,
     HAS_ADD: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """y[m, n] = (part[0, m, n] + part[1, m, n] + ... + part[S - 1, m, n]) + add[m, n]: the splits in order, the
     residual last, so a split GEMV's result does not depend on which program finished first."""
+    dependent_launch(PDL)
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -207,6 +210,7 @@ def _kquant_kernel(
     HAS_ADD: tl.constexpr,
     SPLIT: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Q4_K (FIVE false) and Q5_K: lane c of a super-block takes qs[32c .. 32c + 31] (two 16-byte loads), whose
     low nibbles are sub-block 2c and high nibbles 2c + 1 (Q5_K: fifth bits 2c and 2c + 1 of qh[0 .. 31]).
@@ -240,6 +244,7 @@ def _kquant_kernel(
         hw, qa, qb = tl.load(h_at + first), tl.load(q_at + first), tl.load(q_at + (first + 4))
         if FIVE:
             ea, eb = tl.load(h_at + (first + 4)), tl.load(h_at + (first + 8))
+    dependent_launch(PDL)  # after the first step's weight words: their latency overlaps the previous kernel's end
     for b0 in range(k0, k1, SB):
         if PREFETCH:
             nxt = tl.minimum(b0 + SB, k1 - SB) * WORDS  # the last step reloads its own block (a cache hit)
@@ -354,10 +359,12 @@ def _q6k_kernel(
     ASM: tl.constexpr,
     HAS_ADD: tl.constexpr,
     SPLIT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Q6_K: lane (half h, quarter r) of a super-block takes values 128h + 32g + 16r .. +15 for g = 0..3: low
     nibbles of ql[64h + 16r ..] (g = 0, 2: low, high nibble) and ql[64h + 32 + 16r ..] (g = 1, 3), bit pairs 2g of
     qh[32h + 16r ..], scales[8h + r + 2g]. Blocks are 210 bytes: runs start 0 or 2 bytes into a word."""
+    dependent_launch(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -461,9 +468,11 @@ def _q8_0_kernel(
     ASM: tl.constexpr,
     HAS_ADD: tl.constexpr,
     SPLIT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Q8_0: one 34-byte block a lane, L blocks a step. Its quants start 2 bytes into a word (even blocks) or on
     one (odd blocks): nine aligned 4-byte loads joined by a funnel shift of 16 or 32 bits."""
+    dependent_launch(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -556,9 +565,11 @@ def _iq4xs_kernel(
     HAS_ADD: tl.constexpr,
     EVEN_N: tl.constexpr,
     SPLIT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """IQ4_XS: lane p of a super-block takes qs[32p .. 32p + 31], sub-blocks 2p and 2p + 1 (16 bytes each: low
     nibbles the first 16 values, high nibbles the next 16), in 8-byte loads (blocks are 136 bytes)."""
+    dependent_launch(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -663,12 +674,14 @@ def _legacy_kernel(
     ASM: tl.constexpr,
     HAS_ADD: tl.constexpr,
     SPLIT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Q4_0, Q5_0, IQ4_NL (SIZE 18, 22, 18: d, [qh,] qs) and Q4_1, Q5_1 (SIZE 20, 24: d, m, [qh,] qs): one block a
     lane, L blocks a step. Byte j of qs holds quants j (low nibble) and j + 16 (high). The 18- and 22-byte blocks
     start 0 or 2 bytes into a word (joined by funnel shifts, as Q8_0's); the 20- and 24-byte ones are word-aligned.
     Nibble quants are unsigned (dp4a_u8; Q4 high nibbles in place, times 16) and the -8 / -16 offsets and the min
     come from the activations' block sums; IQ4_NL's codebook bytes are signed (`_iq4_lookup`)."""
+    dependent_launch(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -937,12 +950,13 @@ def quant_gemv_q8(
             num_warps=num_warps,
             **({"SPLIT": True} if part is not None else {}),
             **({"PREFETCH": True} if prefetch else {}),
+            **launch_options(xs),
             **cfg,
         )
         if part is not None:
             _sum_splits_kernel[(rows, triton.cdiv(n, _SUM_BLOCK))](
                 part, adds, ys, n, splits, part.stride(0), part.stride(1), adds.stride(0), ys.stride(0),
-                HAS_ADD=add is not None, BLOCK=_SUM_BLOCK, num_warps=4,
+                HAS_ADD=add is not None, BLOCK=_SUM_BLOCK, num_warps=4, **launch_options(xs),
             )  # fmt: skip
     return out
 

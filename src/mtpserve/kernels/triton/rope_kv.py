@@ -28,6 +28,7 @@ from gguf.constants import GGMLQuantizationType
 
 from ._device import on_input_device
 from .attention import ATTENTION_TYPES, _check_cache
+from .pdl import dependent_launch, launch_options
 
 ROPE_KV_TYPES = ATTENTION_TYPES  # what the decode attention reads, this kernel writes
 _Q8_0 = tl.constexpr(int(GGMLQuantizationType.Q8_0))
@@ -158,7 +159,9 @@ def _rope_kv_kernel(
     K_TYPE: tl.constexpr,
     V_TYPE: tl.constexpr,
     PLANAR: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    dependent_launch(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     nb = tl.arange(0, NB)
@@ -257,5 +260,6 @@ def norm_rope_store(
         PLANAR=planar,
         num_warps=4 if d_pad >= 256 else 1,
         enable_fp_fusion=False,
+        **launch_options(q),
     )
     return out

@@ -28,6 +28,7 @@ from triton.language.extra import libdevice
 
 from ._device import on_input_device
 from .intdot import INLINE_ASM
+from .pdl import dependent_launch, launch_options
 
 QUANT_BLOCKS = (32, 256)  # Q8_0 / Q8_K activation blocks
 GLU_ACTS = ("silu", "sigmoid", "gelu_f16")
@@ -173,7 +174,9 @@ def _norm_kernel(
     CHUNK: tl.constexpr,
     SINGLE: tl.constexpr,
     COMPILED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    dependent_launch(PDL)
     row = tl.program_id(0).to(tl.int64)
     NB: tl.constexpr = CHUNK // BLOCK
     tile = tl.arange(0, NB)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
@@ -235,7 +238,9 @@ def _quant_kernel(
     PAIRED: tl.constexpr,
     CHUNK: tl.constexpr,
     COMPILED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    dependent_launch(PDL)
     row = tl.program_id(0).to(tl.int64)
     NB: tl.constexpr = CHUNK // BLOCK
     block0 = tl.program_id(1) * NB
@@ -266,7 +271,9 @@ def _glu_kernel(
     PAIRED: tl.constexpr,
     CHUNK: tl.constexpr,
     COMPILED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    dependent_launch(PDL)
     row = tl.program_id(0).to(tl.int64)
     NB: tl.constexpr = CHUNK // BLOCK
     block0 = tl.program_id(1) * NB
@@ -334,8 +341,9 @@ def quantize_rows(
     if q.numel():
         grid = (M, triton.cdiv(K, chunk))
         _quant_kernel[grid](
-            x, q, d, K, *x.stride(), BLOCK=block, PAIRED=paired, CHUNK=chunk, COMPILED=INLINE_ASM, num_warps=4
-        )
+            x, q, d, K, *x.stride(), BLOCK=block, PAIRED=paired, CHUNK=chunk, COMPILED=INLINE_ASM, num_warps=4,
+            **launch_options(x),
+        )  # fmt: skip
     return q, d
 
 
@@ -393,6 +401,7 @@ def rms_norm_quantize(
         SINGLE=chunk >= K,
         COMPILED=INLINE_ASM,
         num_warps=max(4, min(16, chunk // 512)),
+        **launch_options(x),
     )
     return s, y, q, d
 
@@ -438,5 +447,6 @@ def glu_quantize(
         CHUNK=chunk,
         COMPILED=INLINE_ASM,
         num_warps=4,
+        **launch_options(gate),
     )
     return y, q, d
