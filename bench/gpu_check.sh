@@ -6,6 +6,9 @@
 #   bash bench/gpu_check.sh prepare   # here, with network: wheel, fixtures, Gemma 3 slice, llama.cpp -> .gpu/
 #   bash bench/gpu_check.sh run       # there (device run, carry [".gpu"], timeout_s 600); results under $OUT
 #   bash bench/gpu_check.sh peer      # there, right after, on the still-warm machine, if `run` left the peer out
+#   bash bench/gpu_check.sh prepare-peer   # here (nvcc, network, ~30 min): llama-bench for sm_90 -> .gpu-peer/
+#   bash bench/gpu_check.sh peer      # there, a second call with carry [".gpu-peer"] (the first call's decode.json
+#                                     # copied into .gpu-peer/): llama.cpp on the same model, no build there
 #   OUT=/tmp/x bash bench/gpu_check.sh run   # here: a stand-in run, every GPU stage skipped ("no CUDA device")
 #
 # `run`'s stages, in order (limit: its `timeout`, each also cut to what is left of the call's budget, 560 s):
@@ -48,7 +51,12 @@
 # ~80 s (decode, MTP, prefill, GEMVs), tests over 170 s (cut at 99% of the native pass; the sm_75 pass alone 53 s);
 # the limits add to the 560 s budget; `rest` gets the remainder and, from a first call, rarely finishes: a second
 # call, on the still-warm machine (the build kept running), runs it alone with the whole budget:
-# GPU_CHECK_STAGES="env rest" bash bench/gpu_check.sh run (then `peer` if llama.cpp was still building).
+# GPU_CHECK_STAGES="env rest" bash bench/gpu_check.sh run (then `peer` if llama.cpp was still building). The build
+# there takes longer than a call (285 objects; at 142 when the first window ended), and a machine idle for 30 s is
+# given back with it, so the peer's sure way is a build made here: `prepare-peer` packs llama-bench for sm_90 (the
+# H100 and the H200) with its libraries, built against CUDA 13 and pip's cuBLAS (the image's torch brings
+# libcublas.so.13), portable CPU code, into .gpu-peer (41 MB, under the 64 MiB a call carries), and a second call
+# carrying it runs `peer`: the random 27B-shaped model written as GGUF and llama-bench on it, ~4 minutes.
 #
 # Switches (environment): GPU_CHECK_STAGES (default "env smoke bench tests rest"), GPU_CHECK_TIMEOUT_<STAGE> (seconds,
 # e.g. GPU_CHECK_TIMEOUT_SMOKE=60), GPU_CHECK_BUDGET (560: the call's seconds in all), GPU_CHECK_FAIL (stages that
@@ -68,7 +76,9 @@ cd "$(dirname "$0")/.."
 GGUF_VERSION=$(sed -n 's/^ *"gguf==\([0-9.]*\)".*/\1/p' pyproject.toml)
 LLAMA_CPP_PYTHON=0.3.36 # the llama.cpp of ../shared/fixtures' references
 SHARED=${MTPSERVE_SHARED:-../shared}
-LLAMA_BENCH=/tmp/llama.cpp/build/bin/llama-bench
+LLAMA_BENCH=${GPU_CHECK_LLAMA_BENCH:-/tmp/llama.cpp/build/bin/llama-bench}
+PEER=${GPU_CHECK_PEER_DIR:-.gpu-peer} # prepare-peer's llama-bench for the lent GPU, carried by a second call
+CUBLAS=${GPU_CHECK_CUBLAS_LINKS:-/tmp/cublas} # cuBLAS and the CUDA runtime under the names llama.cpp links and loads
 BUILD_LOG=/tmp/llama.cpp-build.log
 RESULTS=/tmp/mtpserve-gpu.json
 STAGES=${GPU_CHECK_STAGES:-env smoke bench tests rest}
@@ -90,18 +100,54 @@ fi
 
 environment() { # there: the carried gguf wheel, mtpserve's source, the carried fixtures (when they travelled)
     if ! "$PY" -c 'import gguf' 2>/dev/null; then
-        if [ -z "$(ls .gpu/whl/*.whl 2>/dev/null)" ]; then
-            echo "no gguf for $PY and no .gpu/whl: run prepare here" >&2
+        local wheel
+        wheel=$(ls .gpu/whl/*.whl "$PEER"/whl/*.whl 2>/dev/null | head -n 1)
+        if [ -z "$wheel" ]; then
+            echo "no gguf for $PY and no .gpu/whl or $PEER/whl: run prepare (or prepare-peer) here" >&2
             return 1
         fi
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            .gpu/whl/*.whl || return 1
+            "$wheel" || return 1
         export PYTHONPATH=/tmp/site
     fi
     export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src PYTHONUNBUFFERED=1
     [ -d .gpu/shared ] && export MTPSERVE_SHARED=$PWD/.gpu/shared
-    export LD_LIBRARY_PATH=/tmp/cublas${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}  # llama-bench on torch's pip cuBLAS
+    # llama-bench on torch's pip cuBLAS ($CUBLAS), a carried build's libraries beside it
+    export LD_LIBRARY_PATH=$CUBLAS:${LLAMA_BENCH%/*}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     return 0
+}
+
+cublas_links() { # $CUBLAS: cuBLAS's headers and libraries under the names a build links and a binary loads
+    local cu=${CUBLAS_DIR:-}
+    if [ -z "$cu" ]; then # torch's pip cuBLAS (the lent image's toolkit has nvcc without cuBLAS)
+        cu=$(python3 -c 'import glob, os, nvidia
+found = sorted(glob.glob(os.path.join(list(nvidia.__path__)[0], "*", "lib", "libcublas.so.*")))
+print(os.path.dirname(os.path.dirname(found[0])))') || return 1
+    fi
+    mkdir -p "$CUBLAS"/include
+    ln -sf "$cu"/include/cublas*.h "$CUBLAS"/include/
+    local lib so
+    for lib in libcublas libcublasLt; do # the link name and the soname the loader asks for
+        so=$(ls "$cu"/lib/$lib.so.* | head -n 1)
+        ln -sf "$so" "$CUBLAS"/$lib.so
+        ln -sf "$so" "$CUBLAS"/"$(basename "$so")"
+    done
+    # the CUDA runtime a carried build loads: pip's beside its cuBLAS (torch's own), else the toolkit's
+    so=$(ls "$cu"/lib/libcudart.so.[0-9]* /usr/local/cuda/lib64/libcudart.so.[0-9]* 2>/dev/null | head -n 1)
+    [ -z "$so" ] || ln -sf "$so" "$CUBLAS"/"$(basename "$so")"
+}
+
+unpack_peer() { # a llama-bench built here for this GPU (prepare-peer), where none was built there
+    local packed=$PEER/llama.cpp-sm${CUDA_ARCH:-90}.tar.xz
+    [ -e "$LLAMA_BENCH" ] || [ ! -f "$packed" ] && return 0
+    mkdir -p "${LLAMA_BENCH%/*}" && tar -xJf "$packed" -C "${LLAMA_BENCH%/*}" && cublas_links
+    if "$LLAMA_BENCH" --help >/dev/null 2>&1; then
+        echo "llama.cpp peer: the build carried in $packed"
+    else
+        echo "llama.cpp peer: the carried build does not run here:"
+        "$LLAMA_BENCH" --help 2>&1 | tail -n 3
+        rm -f "$LLAMA_BENCH"
+    fi
 }
 
 now() { date -u +%FT%TZ; }
@@ -293,11 +339,39 @@ stage) # one of run's stages (run calls it under the stage's timeout)
 peer)
     : "${OUT:?run on the GPU machine, where \$OUT is the folder that comes back}"
     environment
-    timeout 280 python3 bench/gpu.py --peer-only "$RESULTS" --prefill 8192 --json "$OUT/decode.json" \
+    unpack_peer 2>&1 | tee "$OUT/peer.log"
+    # the bench stage's rows: this machine's from `run`, else the first call's decode.json carried in .gpu-peer
+    results=$RESULTS
+    [ -f "$results" ] || results=$PEER/decode.json
+    timeout 280 "$PY" bench/gpu.py --peer-only "$results" --prefill 8192 --json "$OUT/decode.json" \
         --llama-bench "$LLAMA_BENCH" \
-        --peer-wait 120 --peer-reps 2 --peer-timeout 100 2>&1 | tee "$OUT/peer.log"
+        --peer-wait 120 --peer-reps 2 --peer-timeout 100 2>&1 | tee -a "$OUT/peer.log"
     cp "$BUILD_LOG" "$OUT/llama.cpp-build.log" 2>/dev/null
     true
+    ;;
+prepare-peer)
+    # Here, with network and nvcc: llama.cpp's llama-bench built for the lent GPU (CUDA_ARCH, default 90: the H100
+    # and the H200) against pip's cuBLAS for CUDA 13, packed with the gguf wheel into .gpu-peer (carried by a second
+    # device call that runs `peer`; the first call's decode.json goes beside it). A build already in /tmp/llama.cpp
+    # for that arch is packed as it is. About 30 minutes on 2 cores.
+    set -e
+    CUDA_ARCH=${CUDA_ARCH:-90}
+    export CUDA_ARCH
+    mkdir -p "$PEER"/whl
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_17_x86_64 -d "$PEER"/whl "gguf==$GGUF_VERSION"
+    if ! grep -Eq "^CMAKE_CUDA_ARCHITECTURES:[A-Z]+=$CUDA_ARCH\$" /tmp/llama.cpp/build/CMakeCache.txt 2>/dev/null ||
+        [ ! -x "$LLAMA_BENCH" ]; then
+        [ -f .gpu/llama.cpp.tar.xz ] || { echo "no .gpu/llama.cpp.tar.xz: run prepare first" >&2; exit 1; }
+        mkdir -p /tmp/cublas-wheel
+        python3 -m pip download -q --no-deps -d /tmp/cublas-wheel "nvidia-cublas>=13.0,<13.1"
+        python3 -m zipfile -e /tmp/cublas-wheel/nvidia_cublas-*.whl /tmp/cublas-wheel/x
+        CUBLAS_DIR=$(ls -d /tmp/cublas-wheel/x/nvidia/cu13) PORTABLE=1 bash bench/gpu_check.sh build-peer
+    fi
+    (cd "${LLAMA_BENCH%/*}" && tar -cJf - llama-bench lib*.so*) >"$PEER"/llama.cpp-sm$CUDA_ARCH.tar.xz
+    du -sh "$PEER"
+    echo "then: the first call's decode.json into .gpu-peer/, and a device call with carry [\".gpu-peer\"]:"
+    echo "bash bench/gpu_check.sh peer"
     ;;
 build-peer)
     # llama.cpp's llama-bench for this machine's GPU, as `run` starts it (in the background, below the tests).
@@ -308,21 +382,12 @@ build-peer)
     FLAGS=(-DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DGGML_CUDA_NCCL=OFF
         -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
         -DLLAMA_BUILD_APP=OFF)
+    [ -n "${PORTABLE:-}" ] && FLAGS+=(-DGGML_NATIVE=OFF)  # prepare-peer: for another machine's CPU
     if [ ! -e /usr/local/cuda/lib64/libcublas.so ]; then
-        # A toolkit of nvcc without cuBLAS: torch's pip cuBLAS, its headers linked apart from the toolkit's own.
-        CU=$(python3 -c 'import glob, os, nvidia
-found = sorted(glob.glob(os.path.join(list(nvidia.__path__)[0], "*", "lib", "libcublas.so.*")))
-print(os.path.dirname(os.path.dirname(found[0])))')
-        mkdir -p /tmp/cublas/include
-        ln -sf "$CU"/include/cublas*.h /tmp/cublas/include/
-        # Each library under its link name and under the soname the loader asks for (RUNPATH has /tmp/cublas).
-        for lib in libcublas libcublasLt; do
-            so=$(ls "$CU"/lib/$lib.so.* | head -1)
-            ln -sf "$so" /tmp/cublas/$lib.so
-            ln -sf "$so" /tmp/cublas/"$(basename "$so")"
-        done
-        FLAGS+=(-DCUDA_cublas_LIBRARY=/tmp/cublas/libcublas.so -DCUDA_cublasLt_LIBRARY=/tmp/cublas/libcublasLt.so
-            -DCMAKE_CUDA_FLAGS=-I/tmp/cublas/include -DCMAKE_CXX_FLAGS=-I/tmp/cublas/include)
+        # A toolkit of nvcc without cuBLAS: pip's cuBLAS, its headers linked apart from the toolkit's own.
+        cublas_links
+        FLAGS+=(-DCUDA_cublas_LIBRARY=$CUBLAS/libcublas.so -DCUDA_cublasLt_LIBRARY=$CUBLAS/libcublasLt.so
+            -DCMAKE_CUDA_FLAGS=-I$CUBLAS/include -DCMAKE_CXX_FLAGS=-I$CUBLAS/include)
     fi
     DRIVER=$(ls /usr/local/cuda/lib64/stubs/libcuda.so /usr/local/nvidia/lib64/libcuda.so* 2>/dev/null | head -1 ||
         true)

@@ -132,3 +132,62 @@ def test_an_error_row_fails_the_gemv_run(tmp_path: Path) -> None:
     }
     failed = {(r["matrix"], r["kernel"]) for r in rows if "error" in r}
     assert run.returncode == 1 and failed == {("attn_qkv", "q8"), ("ffn_down", "q8")}, run.stdout + run.stderr
+
+
+FAKE_BENCH = """#!/bin/sh
+[ "$1" = --help ] && exit {code}
+echo "a stand-in llama-bench: $*"
+"""
+
+
+def _carried_peer(tmp_path: Path, help_exit: int) -> tuple[subprocess.CompletedProcess, Path]:
+    """`peer` with a stand-in prepare-peer folder: a packed llama-bench (its --help exits `help_exit`), the first
+    call's decode.json, a stand-in cuBLAS; no CUDA device, so gpu.py stops after the unpacking."""
+    peer, cu, built = tmp_path / "peer", tmp_path / "cu", tmp_path / "built"
+    (cu / "lib").mkdir(parents=True)
+    (cu / "include").mkdir()
+    for name in ("libcublas.so.13", "libcublasLt.so.13", "libcudart.so.13"):
+        (cu / "lib" / name).write_bytes(b"")
+    built.mkdir()
+    (built / "llama-bench").write_text(FAKE_BENCH.format(code=help_exit))
+    (built / "llama-bench").chmod(0o755)
+    (built / "libllama.so.0").write_bytes(b"")
+    peer.mkdir()
+    subprocess.run(["tar", "-cJf", str(peer / "llama.cpp-sm90.tar.xz"), "-C", str(built), "."], check=True)
+    (peer / "decode.json").write_text("{}")
+    target = tmp_path / "there" / "bin" / "llama-bench"
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {
+        **os.environ,
+        "OUT": str(out),
+        "CUDA_VISIBLE_DEVICES": "",
+        "GPU_CHECK_PYTHON": sys.executable,
+        "GPU_CHECK_PEER_DIR": str(peer),
+        "GPU_CHECK_LLAMA_BENCH": str(target),
+        "CUBLAS_DIR": str(cu),
+        "GPU_CHECK_CUBLAS_LINKS": str(tmp_path / "links"),
+    }
+    run = subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu_check.sh"), "peer"], env=env, capture_output=True, text=True, timeout=120
+    )
+    return run, target
+
+
+def test_peer_runs_the_llama_bench_carried_from_here(tmp_path: Path) -> None:
+    """A second call carrying prepare-peer's folder: the packed build is unpacked where the peer looks for it, with
+    its libraries, checked to run, and the first call's decode.json is what the peer's rows are compared with."""
+    run, target = _carried_peer(tmp_path, help_exit=0)
+    log = (tmp_path / "out" / "peer.log").read_text()
+    assert "llama.cpp peer: the build carried in" in log, log + run.stderr
+    assert target.is_file() and (target.parent / "libllama.so.0").is_file()
+    for name in ("libcublas.so.13", "libcublasLt.so.13", "libcudart.so.13"):  # what the build loads, by soname
+        assert (tmp_path / "links" / name).resolve() == tmp_path / "cu" / "lib" / name
+    assert "no CUDA GPU visible to torch" in log  # gpu.py got as far as the device, past the results file
+
+
+def test_a_carried_llama_bench_that_does_not_run_is_removed_and_said(tmp_path: Path) -> None:
+    run, target = _carried_peer(tmp_path, help_exit=1)
+    log = (tmp_path / "out" / "peer.log").read_text()
+    assert "llama.cpp peer: the carried build does not run here" in log, log + run.stderr
+    assert not target.exists()  # the peer then says it is missing rather than running a broken binary
