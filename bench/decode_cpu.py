@@ -8,6 +8,10 @@ empty cache, "tg64" generates 64 tokens one at a time from an empty cache; each 
 warm-up run and reported as mean ± standard deviation of tokens/s. The two engines take turns in rounds
 (one mtpserve run, then one llama-bench run), so a change in the machine's load falls on both.
 
+`--model PATH` (repeatable) measures other files instead of the three defaults: the deployment's widths on this
+machine's memory with `bench/make_qwen35_27b.py --layers 16 --out F` (5.7 GB; its weights are random, so only the
+speeds mean anything).
+
 `--busy` runs one CPU-bound neighbour process (a spinning Python loop) through the whole measurement: the
 machine a server usually shares.
 
@@ -117,6 +121,13 @@ def main() -> None:
     ap.add_argument("--busy", action="store_true", help="one CPU-bound neighbour process runs throughout")
     ap.add_argument("--poll", type=int, default=50, help="mtpserve's --poll (0-100, as llama-server's)")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument(
+        "--model",
+        type=Path,
+        action="append",
+        help="measure this GGUF file instead of the three default models (repeatable), e.g. the 27B's widths: "
+        "bench/make_qwen35_27b.py --layers 16",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     configure_pool(args.poll)
@@ -138,7 +149,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     header = f"{'model':34} {'test':6} {'mtpserve':>16} {'llama.cpp':>16} {'ratio':>6}"
     print(header + "\n" + "-" * len(header))
     rows = []
-    for path in models():
+    for path in args.model or models():
         if not path.exists():
             sys.exit(f"{path} is missing: run `make models` (and check that ../shared/fixtures is present)")
         runner = mtpserve_runner(path)
