@@ -11,6 +11,12 @@
 #                                     # copied into .gpu-peer/): llama.cpp on the same model, no build there
 #   OUT=/tmp/x bash bench/gpu_check.sh run   # here: a stand-in run, every GPU stage skipped ("no CUDA device")
 #
+# A window's plan (15 minutes of device time in all, starts included): `prepare` (and `prepare-peer` unless
+# .gpu-peer/llama.cpp-sm90.tar.xz is there already) before asking for the device; device `run` of
+# `bash bench/gpu_check.sh run`, carry [".gpu"], timeout_s 600; copy the decode.json it returns into .gpu-peer/; if
+# at least 5 minutes are left, device `run` of `bash bench/gpu_check.sh peer`, carry [".gpu-peer"], timeout_s 300;
+# then give_back.
+#
 # `run`'s stages, in order (limit: its `timeout`, each also cut to what is left of the call's budget, 560 s):
 #   env    30 s  env.txt    nvidia-smi, python/torch/triton/CUDA versions, the device, its capability, free memory and
 #                           L2, the git commit when .git travelled, the stage plan; each stage's outcome is appended
