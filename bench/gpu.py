@@ -495,8 +495,13 @@ def measure_pdl(model, state, depth: int, token: int, args: argparse.Namespace, 
     try:
         got = replayed_logits()
         t_decode, t_verify = time_captured(model, state, depth, token, args, timer)
+    except Exception as e:  # noqa: BLE001 -- recorded; the depth's other numbers stand
+        message = f"{type(e).__name__}: {e}"[:300]
+        print(f"depth {depth}: programmatic dependent launch failed: {message}", file=sys.stderr, flush=True)
+        return {"pdl_failed": message}
     finally:
         pdl.ENABLED = False
+        truncate(state, depth)
     equal = torch.equal(got, want)
     return {"decode_pdl_ms": 1e3 * t_decode, "verify_pdl_ms": 1e3 * t_verify, "pdl_logits_equal": equal}
 
@@ -570,12 +575,10 @@ def measure_decode(
         row["matmul_ms"] = row["decode_ms"] - row["decode_no_matmul_ms"]
     if args.gemv_k_splits > 1:
         row.update(measure_k_splits(model, state, depth, token, args, timer))
-    if args.pdl:
-        row.update(measure_pdl(model, state, depth, token, args, timer))
     if args.attention_choices:
         row.update(measure_attention_choices(model, state, depth, token, args, timer, row["decode_ms"]))
     if "mtp" not in args.parts:
-        return row
+        return {**row, **measure_pdl(model, state, depth, token, args, timer)} if args.pdl else row
 
     # draft-mtp: n_max chained MTP draft steps (each with the LM head), one verification of n_max + 1 tokens
     # keeping per-token recurrent states, one MTP catch-up pass over the accepted tokens (timed at its longest,
@@ -634,6 +637,8 @@ def measure_decode(
     truncate(state, depth)
     accepted = args.acceptance * args.n_max
     t_step = t_verify + t_drafts + t_catch_up
+    if args.pdl:  # last: a capture with a new launch attribute that fails leaves this depth's numbers measured
+        row.update(measure_pdl(model, state, depth, token, args, timer))
     return {
         **row,
         "draft_ms": 1e3 * t_drafts,  # all n_max draft steps, captured, the shortlisting head
@@ -1084,6 +1089,8 @@ def report(r: dict) -> str:
                 f"depth {row['depth']}: the few-row GEMVs split {row['gemv_k_splits']} ways along K: decode "
                 f"{row['decode_k_split_ms']:.2f} ms against {row['decode_ms']:.2f}{verify}"
             )
+        if "pdl_failed" in row:
+            lines.append(f"depth {row['depth']}: programmatic dependent launch: FAILED {row['pdl_failed']}")
         if "decode_pdl_ms" in row:
             verify = f", verification {row['verify_pdl_ms']:.2f}" + (
                 f" against {row['verify_ms']:.2f}" if "verify_ms" in row else ""

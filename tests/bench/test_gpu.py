@@ -201,3 +201,32 @@ def test_an_unknown_attention_choice_is_refused_before_anything_is_built() -> No
         check=False,
     )
     assert run.returncode == 2 and "no attention choice 'nope'" in run.stderr
+
+
+def test_a_failed_pdl_capture_is_recorded_and_switches_pdl_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--pdl captures with a launch attribute no GPU here has run: if that capture fails on the lent GPU, the
+    depth keeps its other numbers, the failure is in the JSON and the report, and PDL is off again."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu
+
+    from mtpserve.kernels.triton import pdl
+
+    class Graph:
+        def __init__(self, model, state) -> None:
+            pass
+
+        def decode(self, token: int) -> torch.Tensor:
+            return torch.zeros(4)
+
+    def capture_fails(*args, **kwargs):
+        assert pdl.ENABLED  # timed with PDL on
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(gpu, "DecodeGraph", Graph)
+    monkeypatch.setattr(gpu, "truncate", lambda state, depth: None)
+    monkeypatch.setattr(gpu, "time_captured", capture_fails)
+    row = gpu.measure_pdl(None, None, 4096, 1, None, None)
+    assert row == {"pdl_failed": "RuntimeError: operation not permitted when stream is capturing"}
+    assert pdl.ENABLED is False
