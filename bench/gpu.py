@@ -39,8 +39,8 @@ draft-mtp row of each depth), batch, prefill, chunk_scan, memory (all by default
 `--attention-choices A,B` time the captured decode step and verification again at each depth, captured afresh with
 the few-row GEMVs split N ways along K, then with each decode attention choice of bench/attention_gpu.py (what
 the kernel's choices are worth where the server runs them, beside that script's kernel-alone numbers). `--pdl`
-does the same with programmatic dependent launch (kernels/triton/pdl.py) and checks that the PDL graph's logits
-equal the plain graph's bit for bit.
+does the same with programmatic dependent launch (kernels/triton/pdl.py), at the first depth only, and checks that
+the PDL graph's logits equal the plain graph's bit for bit.
 `--split-matmuls` splits a decode step's time between the GEMVs and everything else: the captured step is timed
 again with every matmul of the GPU path (ops.quant_gemv's entries and the Triton wrappers, wherever a module
 holds them) replaced by a no-op returning an empty output of the same shape, so the graph holds only the small
@@ -577,8 +577,11 @@ def measure_decode(
         row.update(measure_k_splits(model, state, depth, token, args, timer))
     if args.attention_choices:
         row.update(measure_attention_choices(model, state, depth, token, args, timer, row["decode_ms"]))
+    # PDL at the first depth only: it acts on the gaps between kernels, which the depth does not change, and its
+    # kernels compile afresh (PDL is a compile-time choice), time the stage's later parts need
+    pdl_here = args.pdl and depth == int(args.contexts.split(",")[0])
     if "mtp" not in args.parts:
-        return {**row, **measure_pdl(model, state, depth, token, args, timer)} if args.pdl else row
+        return {**row, **measure_pdl(model, state, depth, token, args, timer)} if pdl_here else row
 
     # draft-mtp: n_max chained MTP draft steps (each with the LM head), one verification of n_max + 1 tokens
     # keeping per-token recurrent states, one MTP catch-up pass over the accepted tokens (timed at its longest,
@@ -637,7 +640,7 @@ def measure_decode(
     truncate(state, depth)
     accepted = args.acceptance * args.n_max
     t_step = t_verify + t_drafts + t_catch_up
-    if args.pdl:  # last: a capture with a new launch attribute that fails leaves this depth's numbers measured
+    if pdl_here:  # last: a capture with a new launch attribute that fails leaves this depth's numbers measured
         row.update(measure_pdl(model, state, depth, token, args, timer))
     return {
         **row,

@@ -86,7 +86,9 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
         assert row["mtp_tokens_per_step"] == pytest.approx(2.26)
         assert row["kv_bytes_per_token"] > 0
         assert row["gemv_k_splits"] == 2 and min(row["decode_k_split_ms"], row["verify_k_split_ms"]) > 0
-        assert row["pdl_logits_equal"] is True and min(row["decode_pdl_ms"], row["verify_pdl_ms"]) > 0
+    first, second = result["decode"]  # PDL at the first depth only (its kernels compile afresh)
+    assert first["pdl_logits_equal"] is True and min(first["decode_pdl_ms"], first["verify_pdl_ms"]) > 0
+    assert "decode_pdl_ms" not in second
     # Bytes a token reads: every trunk matrix and the head, far more than one MTP step's block + head.
     assert result["weight_bytes_per_token"] > result["weight_bytes_per_draft_step"] > 0
     ranking = result["ranking"]
