@@ -487,7 +487,6 @@ def measure_pdl(model, state, depth: int, token: int, args: argparse.Namespace, 
         for _ in range(3):  # eager, captured, replayed
             truncate(state, depth)
             logits = graph.decode(token)
-        truncate(state, depth)
         return logits.float().clone()
 
     want = replayed_logits()
@@ -579,7 +578,7 @@ def measure_decode(
         row.update(measure_attention_choices(model, state, depth, token, args, timer, row["decode_ms"]))
     # PDL at the first depth only: it acts on the gaps between kernels, which the depth does not change, and its
     # kernels compile afresh (PDL is a compile-time choice), time the stage's later parts need
-    pdl_here = args.pdl and depth == int(args.contexts.split(",")[0])
+    pdl_here = args.pdl and depth == args.contexts[0]
     if "mtp" not in args.parts:
         return {**row, **measure_pdl(model, state, depth, token, args, timer)} if pdl_here else row
 
@@ -861,7 +860,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="small shapes (a smoke run: seconds, any device)")
     p.add_argument("--layers", type=int, default=None, help="trunk layers to build (default: all)")
-    p.add_argument("--contexts", default="4096,32768", help="decode depths, comma-separated")
+    p.add_argument(
+        "--contexts",
+        type=lambda text: [int(c) for c in text.split(",") if c],
+        default="4096,32768",
+        help="decode depths, comma-separated",
+    )
     p.add_argument("--cache-type", default="q8_0", help="KV cache type (-ctk/-ctv)")
     p.add_argument("--n-max", type=int, default=2, help="draft-mtp tokens per step (--spec-draft-n-max)")
     p.add_argument("--acceptance", type=float, default=0.63, help="recorded draft acceptance (accepted / drafted)")
@@ -929,7 +933,7 @@ def main(argv: list[str] | None = None) -> int:
         config = with_layers(config, args.layers)
     if args.peer_only:
         return peer_only(config, args, device)
-    contexts = [int(c) for c in args.contexts.split(",") if c]
+    contexts = args.contexts
     timer = Timer(device)
     gen = torch.Generator(device=device).manual_seed(1)
     result: dict = {

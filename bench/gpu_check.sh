@@ -349,6 +349,7 @@ peer)
     # the bench stage's rows: this machine's from `run`, else the first call's decode.json carried in .gpu-peer
     results=$RESULTS
     [ -f "$results" ] || results=$PEER/decode.json
+    echo "llama.cpp peer: against the bench stage's rows in $results" | tee -a "$OUT/peer.log"
     timeout 280 "$PY" bench/gpu.py --peer-only "$results" --prefill 8192 --json "$OUT/decode.json" \
         --llama-bench "$LLAMA_BENCH" \
         --peer-wait 120 --peer-reps 2 --peer-timeout 100 2>&1 | tee -a "$OUT/peer.log"

@@ -441,61 +441,63 @@ def _gated_delta_chunk_scan(s: Shapes, device: torch.device) -> list[Case]:
     return [Case(f"gated_delta_chunk_scan Hv={s.n_v_heads} {s.prompt} tokens in chunks of {s.chunk}", run)]
 
 
+def _tiny_model(device: torch.device):
+    """A small random model of bench/gpu.py's tiny Qwen3.6 shapes, 4 layers."""
+    from mtpserve.models.base import WeightStore
+    from mtpserve.models.loader import build_model
+
+    config = replace(TINY, n_layer=4)
+    return build_model(WeightStore(random_weights(config, device), device), config)
+
+
+def _decode_logits(model, prompt: list[int], steps: int, graphed: bool, fed: list[int] | None = None) -> tuple:
+    """([steps, vocab] logits, the tokens fed) of decode steps after `prompt` (a q8_0 cache), from a DecodeGraph
+    (captured on the second call, replayed from the third; eager off CUDA) or the model's own step: `fed` given,
+    those tokens, else greedy from token 5."""
+    from mtpserve.models.graphs import DecodeGraph
+
+    state = model.new_state(64, "q8_0", "q8_0")
+    model.prefill(prompt, state)
+    step = DecodeGraph(model, state).decode if graphed else (lambda token: model.decode(token, state))
+    logits, tokens = [], list(fed or [])
+    for i in range(steps):
+        if fed is None:
+            tokens.append(5 if i == 0 else int(logits[-1].argmax()))
+        logits.append(step(tokens[i]).float().clone())
+    return torch.stack(logits), tokens
+
+
 def graph_case(device: torch.device) -> Case:
-    """A small random model (bench/gpu.py's tiny Qwen3.6 shapes): the decode step eager and from a DecodeGraph
-    (captured on the second call, replayed from the third; eager off CUDA) over the same prompt, four tokens."""
+    """The small model's decode step eager and from a DecodeGraph over the same prompt, four tokens."""
 
     def run() -> Comparison:
-        from mtpserve.models.base import WeightStore
-        from mtpserve.models.graphs import DecodeGraph
-        from mtpserve.models.loader import build_model
-
-        config = replace(TINY, n_layer=4)
-        model = build_model(WeightStore(random_weights(config, device), device), config)
-        prompt = torch.randint(0, config.n_vocab, (4,), generator=torch.Generator().manual_seed(8)).tolist()
-        eager, graphed = (model.new_state(64, "q8_0", "q8_0") for _ in range(2))
-        model.prefill(prompt, eager)
-        model.prefill(prompt, graphed)
-        runner = DecodeGraph(model, graphed)
-        got, want, token = [], [], 5
-        for _ in range(4):
-            want.append(model.decode(token, eager).float())
-            got.append(runner.decode(token).float().clone())
-            token = int(want[-1].argmax())
-        return Comparison((torch.stack(got),), (torch.stack(want),), "float32")
+        model = _tiny_model(device)
+        prompt = torch.randint(0, model.config.n_vocab, (4,), generator=torch.Generator().manual_seed(8)).tolist()
+        want, tokens = _decode_logits(model, prompt, 4, graphed=False)
+        got, _ = _decode_logits(model, prompt, 4, graphed=True, fed=tokens)  # the eager step's tokens
+        return Comparison((got,), (want,), "float32")
 
     how = "captured and replayed" if device.type == "cuda" else "static step, eager off CUDA"
     return Case(f"CUDA graph: tiny model's decode step {how} vs eager, 4 tokens", run)
 
 
 def pdl_graph_case(device: torch.device) -> Case:
-    """The small model's decode step from a DecodeGraph captured with programmatic dependent launch
-    (kernels/triton/pdl.py) against one captured without, over the same prompt, eight tokens: the same kernels in
-    the same order, so bit for bit, or a kernel reads what the one before it is still writing."""
+    """The small model's decode graph captured with programmatic dependent launch (kernels/triton/pdl.py) against
+    one captured without, over the same prompt, eight tokens: the same kernels in the same order, so bit for bit, or
+    a kernel reads what the one before it is still writing."""
 
     def run() -> Comparison:
         from mtpserve.kernels.triton import pdl
-        from mtpserve.models.base import WeightStore
-        from mtpserve.models.graphs import DecodeGraph
-        from mtpserve.models.loader import build_model
 
-        config = replace(TINY, n_layer=4)
-        model = build_model(WeightStore(random_weights(config, device), device), config)
-        prompt = torch.randint(0, config.n_vocab, (4,), generator=torch.Generator().manual_seed(9)).tolist()
-        outputs = []
-        for enabled in (False, True):
-            pdl.ENABLED = enabled
-            try:
-                state = model.new_state(64, "q8_0", "q8_0")
-                model.prefill(prompt, state)
-                runner, token, logits = DecodeGraph(model, state), 5, []
-                for _ in range(8):
-                    logits.append(runner.decode(token).float().clone())
-                    token = int(logits[-1].argmax())
-                outputs.append(torch.stack(logits))
-            finally:
-                pdl.ENABLED = False
-        return Comparison((outputs[1],), (outputs[0],), "exact")
+        model = _tiny_model(device)
+        prompt = torch.randint(0, model.config.n_vocab, (4,), generator=torch.Generator().manual_seed(9)).tolist()
+        want, tokens = _decode_logits(model, prompt, 8, graphed=True)
+        pdl.ENABLED = True
+        try:
+            got, _ = _decode_logits(model, prompt, 8, graphed=True, fed=tokens)
+        finally:
+            pdl.ENABLED = False
+        return Comparison((got,), (want,), "exact")
 
     return Case("CUDA graph: tiny model's decode step with programmatic dependent launch vs without, 8 tokens", run)
 

@@ -186,7 +186,9 @@ def test_peer_runs_the_llama_bench_carried_from_here(tmp_path: Path) -> None:
     assert target.is_file() and (target.parent / "libllama.so.0").is_file()
     for name in ("libcublas.so.13", "libcublasLt.so.13", "libcudart.so.13"):  # what the build loads, by soname
         assert (tmp_path / "links" / name).resolve() == tmp_path / "cu" / "lib" / name
-    assert "no CUDA GPU visible to torch" in log  # gpu.py got as far as the device, past the results file
+    # a fresh machine has no `run` results: the first call's, carried beside the build
+    assert f"against the bench stage's rows in {tmp_path / 'peer' / 'decode.json'}" in log, log
+    assert "no CUDA GPU visible to torch" in log  # then gpu.py, stopped here by the missing device
 
 
 def test_a_carried_llama_bench_that_does_not_run_is_removed_and_said(tmp_path: Path) -> None:

@@ -5,16 +5,13 @@ the PDL graph's logits held to the plain graph's bit for bit; bench/gpu_smoke.py
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mtpserve.kernels.triton import pdl
-from tests.kernels.test_gpu_compile import SCRIPT, lent_triton
+from tests.kernels.test_gpu_compile import LENT_TRITON, compile_kernels, lent_triton
 from tests.support.compiler import require_compiler
 from tests.support.gpu_compile import pdl_problems
 
@@ -73,26 +70,15 @@ def test_the_contract_check_finds_what_breaks_it() -> None:
     ]
 
 
-def compile_with_pdl(*args: str, pythonpath: str | None = None, timeout: int = 300) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--pdl", *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    return proc.stdout
+# the decode kernels gpu_compile --pdl compiles (every decode launch as its wrapper makes it)
+DECODE_KERNELS = ("gemv_q8", "rowwise_norm", "rope_kv", "attn_split", "attn_combine", "gated_delta", "gdn_glue")
 
 
 def test_decode_kernels_keep_the_contract_on_sm90() -> None:
     """One decode launch of each kernel, as its wrapper makes it with PDL on, compiled for sm_90: it carries PDL
     (a wrapper that forgot launch_options fails) and its PTX keeps the contract."""
     require_compiler()
-    out = compile_with_pdl("--quick")
-    kernels = {line.split()[0] for line in out.splitlines() if " ok " in line}
-    assert {"gemv_q8", "rowwise_norm", "rope_kv", "attn_split", "attn_combine", "gated_delta", "gdn_glue"} <= kernels
-    assert "0 failed" in out
+    compile_kernels("--pdl", "--quick", kernels=DECODE_KERNELS)
 
 
 @pytest.mark.slow
@@ -101,10 +87,11 @@ def test_every_decode_launch_keeps_the_contract_with_both_tritons() -> None:
     the prefetching GEMV with its first weights before the wait) for sm_90, with our Triton and the lent image's
     (about 60 s each on 2 cores)."""
     require_compiler()
-    ours = compile_with_pdl("--arch", "90", timeout=900)
-    assert "gemv_q8_sum" in ours and "prefetch" in ours and " 0 failed" in ours
+    kernels = (*DECODE_KERNELS, "gemv_q8_sum")
+    ours = compile_kernels("--pdl", "--arch", "90", timeout=900, kernels=kernels)
+    assert "prefetch" in ours
     import triton
 
-    if triton.__version__ != "3.6.0":
-        lent = compile_with_pdl("--arch", "90", pythonpath=str(lent_triton()), timeout=900)
-        assert lent.startswith("triton 3.6.0,") and " 0 failed" in lent
+    if triton.__version__ != LENT_TRITON:
+        lent = compile_kernels("--pdl", "--arch", "90", pythonpath=str(lent_triton()), timeout=900, kernels=kernels)
+        assert lent.startswith(f"triton {LENT_TRITON},")

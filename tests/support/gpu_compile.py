@@ -505,11 +505,12 @@ def pdl_launches() -> list[Launch]:
 
 def _prefetched_loads(launch: Launch) -> int:
     """Global loads a kernel may issue before its PDL wait: the prefetching K-quant GEMV's first step of weight
-    words (three vectors; Q5_K five), none elsewhere."""
-    if not launch.kwargs.get("PREFETCH"):
+    words, a 16-byte vector each (three a row, Q5_K five) for each weight row a thread holds; none elsewhere."""
+    k = launch.kwargs
+    if not k.get("PREFETCH"):
         return 0
-    vectors = 5 if launch.kwargs.get("FIVE") else 3
-    return vectors * 4  # each vector a v4 load per row a thread: four rows
+    rows_a_thread = k["BLOCK_N"] * 4 * k["SB"] // 32  # a warp spans 4 lanes a super-block, SB super-blocks
+    return (5 if k.get("FIVE") else 3) * rows_a_thread
 
 
 def compile_launch(launch: Launch, arch: int) -> tuple[object, str, int]:
