@@ -10,10 +10,11 @@ many launches is replayed (no Python or launch gaps between them), timed by CUDA
 (1: decode, 3: a verification at n_max 2) and kernel (the float GEMV's word and sub-tile kernels, the integer
 quant_gemv_q8 where it exists for the type, and its tile's choices and K splits, Q8_TILES; `--integer-only` leaves
 the float GEMVs out, as the GPU check does since the first H200 run measured them at 5-16% of a copy): microseconds
-a launch,
-weight GB/s, and the fraction of a 2 GiB device-to-device copy's bandwidth (read + write), the ceiling. Off CUDA
-each case is one eager launch (the wiring, not a timing). Any row that fails (an error instead of a time) makes the
-run exit 1, and so fails its stage."""
+a launch, weight GB/s, and the fraction of a 2 GiB device-to-device copy's bandwidth (read + write), the ceiling.
+Each kernel runs on every matrix before the next kernel begins (the default first, then Q8_TILES in their order),
+and none but the first begins after `--budget-s`, so a stage short of time keeps the most wanted rows and the
+stages after it keep theirs. Off CUDA each case is one eager launch (the wiring, not a timing). Any row that fails
+(an error instead of a time) makes the run exit 1, and so fails its stage."""
 
 from __future__ import annotations
 
@@ -42,19 +43,24 @@ def matrices(tiny: bool) -> list[tuple[str, GGMLType, int, int]]:
     return out
 
 
-# (name, rows divisor, warps, prefetch: Q4_K and Q5_K only, K splits). Only the K splits add memory in flight to
-# a 5120-row matrix (640 one-warp programs, 27% of a copy in the first H200 run, where 1280 gave 50% and 2176 58%):
-# fewer rows or more warps a program cut its bytes a step as they multiply the programs, prefetch is Q4_K's alone.
-# The K splits first: the stage's time may run out before the last rows.
+# (name, rows divisor, warps, prefetch: Q4_K and Q5_K only, K splits, L2 prefetch steps ahead: Q4_K, Q5_K, Q6_K).
+# Only the K splits and the L2 prefetch add memory in flight to a 5120-row matrix (640 one-warp programs, 27% of a
+# copy in the first H200 run, where 1280 gave 50% and 2176 58%): fewer rows or more warps a program cut its bytes a
+# step as they multiply the programs, prefetch is Q4_K's alone and costs registers. They come first: the stage's
+# time may run out before the last rows.
 Q8_TILES = (
-    ("q8 split2", 1, 1, False, 2),
-    ("q8 split4", 1, 1, False, 4),
-    ("q8 rows/2", 2, 1, False, 1),
-    ("q8 w2", 1, 2, False, 1),
-    ("q8 w4", 1, 4, False, 1),
-    ("q8 rows/2 w2", 2, 2, False, 1),
-    ("q8 prefetch", 1, 1, True, 1),
-    ("q8 rows/2 prefetch", 2, 1, True, 1),
+    ("q8 split4", 1, 1, False, 4, 0),
+    ("q8 l2 ahead2", 1, 1, False, 1, 2),
+    ("q8 split4 l2 ahead2", 1, 1, False, 4, 2),
+    ("q8 l2 ahead4", 1, 1, False, 1, 4),
+    ("q8 split2", 1, 1, False, 2, 0),
+    ("q8 l2 ahead1", 1, 1, False, 1, 1),
+    ("q8 rows/2", 2, 1, False, 1, 0),
+    ("q8 w2", 1, 2, False, 1, 0),
+    ("q8 w4", 1, 4, False, 1, 0),
+    ("q8 rows/2 w2", 2, 2, False, 1, 0),
+    ("q8 prefetch", 1, 1, True, 1, 0),
+    ("q8 rows/2 prefetch", 2, 1, True, 1, 0),
 )
 
 
@@ -94,6 +100,7 @@ def kernel_calls(qtype: GGMLType) -> dict:
             num_warps: int = 1,
             prefetch: bool = False,
             k_splits: int = 1,
+            l2_ahead: int = 0,
         ) -> torch.Tensor:
             if id(x) not in quants:  # quantized once, outside the timing (its own kernel is cased apart)
                 quants[id(x)] = quantize_rows_reference(x, fmt)
@@ -105,14 +112,17 @@ def kernel_calls(qtype: GGMLType) -> dict:
                 num_warps=num_warps,
                 prefetch=prefetch,
                 k_splits=k_splits,
+                l2_ahead=l2_ahead,
             )
 
         calls["q8"] = q8
         # the tile's choices (the first H200 run: ~5 one-warp programs an SM, 27-58% of a copy's bandwidth)
-        for name, divisor, warps, prefetch, splits in Q8_TILES:
+        for name, divisor, warps, prefetch, splits, ahead in Q8_TILES:
             if prefetch and qtype not in (GGMLType.Q4_K, GGMLType.Q5_K):
                 continue
-            calls[name] = lambda x, b, d=divisor, w=warps, p=prefetch, s=splits: q8(x, b, d, w, p, s)
+            if ahead and int(qtype) not in {int(t) for t in kernels.L2_AHEAD_TYPES}:
+                continue
+            calls[name] = lambda x, b, d=divisor, w=warps, p=prefetch, s=splits, a=ahead: q8(x, b, d, w, p, s, a)
     broken = os.environ.get("GEMV_L2_BREAK")
     if broken in calls:
         calls[broken] = _raises
@@ -145,6 +155,36 @@ def time_rotation(fn, copies: list[torch.Tensor], x: torch.Tensor, launches: int
     return start.elapsed_time(end) / 1e3 / (replays * launches)
 
 
+def measure(fn, copies: list[torch.Tensor], x: torch.Tensor, launches: int, replays: int, copy_bw: float) -> dict:
+    """One row's numbers (its time, GB/s, fraction of a copy's bandwidth), or its error: one kernel's failure is
+    its row, and the others still run."""
+    try:
+        t = time_rotation(fn, copies, x, launches, replays)
+    except Exception as e:  # noqa: BLE001
+        return {"error": repr(e)}
+    nbytes = copies[0].nbytes
+    return {
+        "bytes": nbytes,
+        "copies": len(copies),
+        "launches_per_replay": launches,
+        "us": 1e6 * t,
+        "bytes_per_s": nbytes / t,
+        "fraction_of_copy": nbytes / t / copy_bw,
+    }
+
+
+def _line(row: dict) -> str:
+    head = (
+        f"| {row['matrix']} | {row['type']} | {row['shape'][0]}x{row['shape'][1]} | {row['rows']} | {row['kernel']} |"
+    )
+    if "error" in row:
+        return f"{head} error: {row['error']} |"
+    return (
+        f"{head} {row['copies']} | {row['us']:.1f} | {row['bytes_per_s'] / 1e9:.0f} | "
+        f"{100 * row['fraction_of_copy']:.0f}% |"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
@@ -154,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--integer-only", action="store_true", help="the integer GEMV's tiles only (not the float GEMVs)")
     p.add_argument("--kernels", default=None, help="only these kernels, comma-separated (the tests' short run)")
+    p.add_argument("--budget-s", type=float, default=math.inf, help="no kernel begun after this many seconds")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -165,49 +206,35 @@ def main(argv: list[str] | None = None) -> int:
     print(f"L2 {l2 / 2**20:.0f} MiB, copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
     print("| matrix | type | shape | rows | kernel | copies | us | GB/s | of copy |", flush=True)
     gen = torch.Generator(device=device).manual_seed(0)
+    cases = []  # every matrix's copies first, so each kernel runs on all of them before the next kernel begins
     for name, qtype, n, k in matrices(args.tiny):
         first = random_blocks(qtype, n, k, device, gen)
         count = min(copies_needed(first.nbytes, l2), max(2, MAX_COPIES_BYTES // first.nbytes))
         copies = [first] + [first.clone() for _ in range(count - 1)]
         launches = math.ceil(max(args.launches, count) / count) * count
-        for rows in (1,) if args.tiny else (1, 3):
-            x = torch.randn(rows, k, device=device, generator=gen)
-            for kernel, fn in kernel_calls(qtype).items():
-                if args.integer_only and not kernel.startswith("q8"):
-                    continue
-                if args.kernels and kernel not in args.kernels.split(","):
-                    continue
-                try:
-                    t = time_rotation(fn, copies, x, launches, args.replays)
-                except Exception as e:  # noqa: BLE001 - one kernel's failure is its row; the others still run
-                    result["gemv"].append({"matrix": name, "rows": rows, "kernel": kernel, "error": repr(e)})
-                    print(f"| {name} | {qtype.name} | {n}x{k} | {rows} | {kernel} | error: {e!r} |", flush=True)
-                    continue
-                row = {
-                    "matrix": name,
-                    "type": qtype.name,
-                    "shape": [n, k],
-                    "rows": rows,
-                    "kernel": kernel,
-                    "bytes": first.nbytes,
-                    "copies": count,
-                    "launches_per_replay": launches,
-                    "us": 1e6 * t,
-                    "bytes_per_s": first.nbytes / t,
-                    "fraction_of_copy": first.nbytes / t / copy_bw,
-                }
+        xs = {rows: torch.randn(rows, k, device=device, generator=gen) for rows in ((1,) if args.tiny else (1, 3))}
+        cases.append((name, qtype, n, k, copies, launches, xs, kernel_calls(qtype)))
+    order = list(dict.fromkeys(kernel for *_, calls in cases for kernel in calls))  # the default first, Q8_TILES'
+    start = time.perf_counter()
+    for kernel in order:
+        if args.integer_only and not kernel.startswith("q8"):
+            continue
+        if args.kernels and kernel not in args.kernels.split(","):
+            continue
+        if result["gemv"] and time.perf_counter() - start > args.budget_s:  # the first kernel always runs
+            print(f"budget: {kernel} and the kernels after it not begun ({args.budget_s:.0f} s)", flush=True)
+            break
+        for name, qtype, n, k, copies, launches, xs, calls in cases:
+            if kernel not in calls:
+                continue
+            for rows, x in xs.items():
+                row = measure(calls[kernel], copies, x, launches, args.replays, copy_bw)
+                row = {"matrix": name, "type": qtype.name, "shape": [n, k], "rows": rows, "kernel": kernel, **row}
                 result["gemv"].append(row)
-                print(
-                    f"| {name} | {qtype.name} | {n}x{k} | {rows} | {kernel} | {count} | {row['us']:.1f} | "
-                    f"{row['bytes_per_s'] / 1e9:.0f} | {100 * row['fraction_of_copy']:.0f}% |",
-                    flush=True,
-                )
+                print(_line(row), flush=True)
                 if args.json:
                     with open(args.json, "w") as f:
                         json.dump(result, f, indent=2)
-        del copies, first
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -34,13 +34,15 @@ What it measures (one table on stdout, everything in --json):
   as ours / theirs. llama-bench has no speculative decoding, so the draft-mtp row has no peer here.
 
 Parts and switches (bench/gpu_check.sh's bench stage runs `--parts decode,mtp,prefill --contexts 4096,65536` with
-`--split-matmuls`, `--gemv-k-splits`, `--pdl` and `--attention-choices`): `--parts` picks among gemv, decode, mtp (the
-draft-mtp row of each depth), batch, prefill, chunk_scan, memory (all by default). `--gemv-k-splits N` and
-`--attention-choices A,B` time the captured decode step and verification again at each depth, captured afresh with
-the few-row GEMVs split N ways along K, then with each decode attention choice of bench/attention_gpu.py (what
-the kernel's choices are worth where the server runs them, beside that script's kernel-alone numbers). `--pdl`
-does the same with programmatic dependent launch (kernels/triton/pdl.py), at the first depth only, and checks that
-the PDL graph's logits equal the plain graph's bit for bit.
+`--split-matmuls`, `--gemv-k-splits`, `--gemv-l2-ahead`, `--pdl` and `--attention-choices`): `--parts` picks among
+gemv, decode, mtp (the draft-mtp row of each depth), batch, prefill, chunk_scan, memory (all by default).
+`--gemv-k-splits N` and `--attention-choices A,B` time the captured decode step and verification again at each
+depth, captured afresh with the few-row GEMVs split N ways along K, then with each decode attention choice of
+bench/attention_gpu.py (what the kernel's choices are worth where the server runs them, beside that script's
+kernel-alone numbers). `--gemv-l2-ahead N` does the same at the first depth with the K-quant GEMVs prefetching their
+weights N steps ahead into L2 (kernels/triton/prefetch.py), alone and with the K split. `--pdl` does the same with
+programmatic dependent launch (kernels/triton/pdl.py), at the first depth only (with the L2 prefetch as well when
+asked), and checks that the PDL graph's logits equal the plain graph's bit for bit.
 `--split-matmuls` splits a decode step's time between the GEMVs and everything else: the captured step is timed
 again with every matmul of the GPU path (ops.quant_gemv's entries and the Triton wrappers, wherever a module
 holds them) replaced by a no-op returning an empty output of the same shape, so the graph holds only the small
@@ -458,22 +460,43 @@ def time_captured(model, state, depth: int, token: int, args: argparse.Namespace
         truncate(state, depth)
 
 
+def time_gemv_setting(model, state, depth: int, token: int, args: argparse.Namespace, timer: Timer, **settings: int):
+    """time_captured with these ops.quant_gemv settings (GEMV_K_SPLITS, GEMV_L2_AHEAD) in force, restored after."""
+    from mtpserve.ops import quant_gemv
+
+    before = {name: getattr(quant_gemv, name) for name in settings}
+    for name, value in settings.items():
+        setattr(quant_gemv, name, value)
+    try:
+        return time_captured(model, state, depth, token, args, timer)
+    finally:
+        for name, value in before.items():
+            setattr(quant_gemv, name, value)
+
+
 def measure_k_splits(model, state, depth: int, token: int, args: argparse.Namespace, timer: Timer) -> dict:
     """A graphed decode step and a 3-token verification with the integer GEMVs of the few-row matrices split
     --gemv-k-splits ways along K (ops.quant_gemv.GEMV_K_SPLITS, captured into fresh graphs), beside the default's."""
-    from mtpserve.ops import quant_gemv
-
-    before = quant_gemv.GEMV_K_SPLITS
-    quant_gemv.GEMV_K_SPLITS = args.gemv_k_splits
-    try:
-        t_decode, t_verify = time_captured(model, state, depth, token, args, timer)
-    finally:
-        quant_gemv.GEMV_K_SPLITS = before
+    t_decode, t_verify = time_gemv_setting(model, state, depth, token, args, timer, GEMV_K_SPLITS=args.gemv_k_splits)
     return {
         "gemv_k_splits": args.gemv_k_splits,
         "decode_k_split_ms": 1e3 * t_decode,
         "verify_k_split_ms": 1e3 * t_verify,
     }
+
+
+def measure_l2_ahead(model, state, depth: int, token: int, args: argparse.Namespace, timer: Timer) -> dict:
+    """The same with the Q4_K/Q5_K/Q6_K GEMVs prefetching their weights --gemv-l2-ahead K steps ahead into L2
+    (ops.quant_gemv.GEMV_L2_AHEAD), and with --gemv-k-splits as well when it splits: each a cure for the GEMVs'
+    missing bytes in flight, so their sum is worth knowing too."""
+    ahead = args.gemv_l2_ahead
+    t_decode, t_verify = time_gemv_setting(model, state, depth, token, args, timer, GEMV_L2_AHEAD=ahead)
+    row = {"gemv_l2_ahead": ahead, "decode_l2_ahead_ms": 1e3 * t_decode, "verify_l2_ahead_ms": 1e3 * t_verify}
+    if args.gemv_k_splits > 1:
+        both = {"GEMV_L2_AHEAD": ahead, "GEMV_K_SPLITS": args.gemv_k_splits}
+        t_decode, t_verify = time_gemv_setting(model, state, depth, token, args, timer, **both)
+        row.update(decode_k_split_l2_ahead_ms=1e3 * t_decode, verify_k_split_l2_ahead_ms=1e3 * t_verify)
+    return row
 
 
 def measure_pdl(model, state, depth: int, token: int, args: argparse.Namespace, timer: Timer) -> dict:
@@ -491,18 +514,27 @@ def measure_pdl(model, state, depth: int, token: int, args: argparse.Namespace, 
 
     want = replayed_logits()
     pdl.ENABLED = True
+    row: dict = {}
     try:
         got = replayed_logits()
         t_decode, t_verify = time_captured(model, state, depth, token, args, timer)
+        row = {
+            "decode_pdl_ms": 1e3 * t_decode,
+            "verify_pdl_ms": 1e3 * t_verify,
+            "pdl_logits_equal": torch.equal(got, want),
+        }
+        if args.gemv_l2_ahead:  # the GEMVs' first steps prefetched into L2 before their wait, as CUTLASS's do
+            ahead = {"GEMV_L2_AHEAD": args.gemv_l2_ahead}
+            t_decode, t_verify = time_gemv_setting(model, state, depth, token, args, timer, **ahead)
+            row.update(decode_pdl_l2_ahead_ms=1e3 * t_decode, verify_pdl_l2_ahead_ms=1e3 * t_verify)
     except Exception as e:  # noqa: BLE001 -- recorded; the depth's other numbers stand
         message = f"{type(e).__name__}: {e}"[:300]
         print(f"depth {depth}: programmatic dependent launch failed: {message}", file=sys.stderr, flush=True)
-        return {"pdl_failed": message}
+        return {**row, "pdl_failed": message}
     finally:
         pdl.ENABLED = False
         truncate(state, depth)
-    equal = torch.equal(got, want)
-    return {"decode_pdl_ms": 1e3 * t_decode, "verify_pdl_ms": 1e3 * t_verify, "pdl_logits_equal": equal}
+    return row
 
 
 def measure_attention_choices(
@@ -574,6 +606,8 @@ def measure_decode(
         row["matmul_ms"] = row["decode_ms"] - row["decode_no_matmul_ms"]
     if args.gemv_k_splits > 1:
         row.update(measure_k_splits(model, state, depth, token, args, timer))
+    if args.gemv_l2_ahead and depth == args.contexts[0]:  # the weights' stream: the same at any depth
+        row.update(measure_l2_ahead(model, state, depth, token, args, timer))
     if args.attention_choices:
         row.update(measure_attention_choices(model, state, depth, token, args, timer, row["decode_ms"]))
     # PDL at the first depth only: it acts on the gaps between kernels, which the depth does not change, and its
@@ -889,6 +923,13 @@ def main(argv: list[str] | None = None) -> int:
         help="also time a decode step and a verification with the few-row GEMVs split this many ways along K",
     )
     p.add_argument(
+        "--gemv-l2-ahead",
+        type=int,
+        default=0,
+        help="also time a decode step and a verification (first depth) with the Q4_K/Q5_K/Q6_K GEMVs prefetching "
+        "their weights this many K steps ahead into L2",
+    )
+    p.add_argument(
         "--pdl",
         action="store_true",
         help="also time a decode step and a verification with programmatic dependent launch (sm_90+)",
@@ -1096,6 +1137,18 @@ def report(r: dict) -> str:
                 f"depth {row['depth']}: the few-row GEMVs split {row['gemv_k_splits']} ways along K: decode "
                 f"{row['decode_k_split_ms']:.2f} ms against {row['decode_ms']:.2f}{verify}"
             )
+        if "decode_l2_ahead_ms" in row:
+            lines.append(
+                f"depth {row['depth']}: the GEMVs prefetching {row['gemv_l2_ahead']} K steps ahead into L2: decode "
+                f"{row['decode_l2_ahead_ms']:.2f} ms against {row['decode_ms']:.2f}, verification "
+                f"{row['verify_l2_ahead_ms']:.2f} against {default_time(row, 'verify_ms')}"
+                + (
+                    f"; with the K split as well: decode {row['decode_k_split_l2_ahead_ms']:.2f}, verification "
+                    f"{row['verify_k_split_l2_ahead_ms']:.2f}"
+                    if "decode_k_split_l2_ahead_ms" in row
+                    else ""
+                )
+            )
         if "pdl_failed" in row:
             lines.append(f"depth {row['depth']}: programmatic dependent launch: FAILED {row['pdl_failed']}")
         if "decode_pdl_ms" in row:
@@ -1106,6 +1159,12 @@ def report(r: dict) -> str:
             lines.append(
                 f"depth {row['depth']}: programmatic dependent launch: decode {row['decode_pdl_ms']:.2f} ms against "
                 f"{row['decode_ms']:.2f}{verify}; logits {same} to the plain graph's"
+                + (
+                    f"; with the GEMVs' L2 prefetch as well: decode {row['decode_pdl_l2_ahead_ms']:.2f}, "
+                    f"verification {row['verify_pdl_l2_ahead_ms']:.2f}"
+                    if "decode_pdl_l2_ahead_ms" in row
+                    else ""
+                )
             )
         for c in row.get("attention_choices", []):
             shown = c.get("failed") or (

@@ -13,9 +13,11 @@
 #
 # A window's plan (15 minutes of device time in all, starts included): `prepare` (and `prepare-peer` unless
 # .gpu-peer/llama.cpp-sm90.tar.xz is there already) before asking for the device; device `run` of
-# `bash bench/gpu_check.sh run`, carry [".gpu"], timeout_s 600; copy the decode.json it returns into .gpu-peer/; if
-# at least 5 minutes are left, device `run` of `bash bench/gpu_check.sh peer`, carry [".gpu-peer"], timeout_s 300;
-# then give_back.
+# `bash bench/gpu_check.sh run`, carry [".gpu"], timeout_s 600, kind nvidia-h200 (the first run's card: every number
+# then compares with it and with the time model's H200 rows; an H100 where a refusal offers only that: the same
+# GH100 SMs and clocks, so latency-bound kernels run at the same TB/s and read as larger fractions of its 3.35);
+# copy the decode.json it returns into .gpu-peer/; if at least 5 minutes are left, device `run` of
+# `bash bench/gpu_check.sh peer`, carry [".gpu-peer"], timeout_s 300; then give_back.
 #
 # `run`'s stages, in order (limit: its `timeout`, each also cut to what is left of the call's budget, 560 s):
 #   env    30 s  env.txt    nvidia-smi, python/torch/triton/CUDA versions, the device, its capability, free memory and
@@ -28,13 +30,16 @@
 #   bench 260 s  bench.txt  most wanted first: bench/gpu.py -> decode.json: decode tok/s at depths 4096 and 65536, with
 #                decode.json draft-mtp (n_max 2) and without, with and without the matmuls (their time apart from the
 #                gemv.json  small kernels'), with the few-row GEMVs split 4 ways along K (a decode step and a
-#                           verification), with programmatic dependent launch (its logits held to the plain graph's
-#                           bit for bit), with the decode attention choices ($ATTENTION_CHOICES), kernels launched per
-#                           token, a per-kernel table (torch.profiler) of one graphed decode step and one MTP cycle at
-#                           each depth, printed as made, then prefill of 8192 tokens (one model build); then
+#                           verification), with the K-quant GEMVs prefetching their weights 2 steps ahead into L2
+#                           (alone, with the split, with PDL; first depth), with programmatic dependent launch (its
+#                           logits held to the plain graph's bit for bit), with the decode attention choices
+#                           ($ATTENTION_CHOICES), kernels launched per token, a per-kernel table (torch.profiler)
+#                           of one graphed decode step and one MTP cycle at each depth, printed as made, then
+#                           prefill of 8192 tokens (one model build); then
 #                           bench/gemv_l2.py --integer-only -> gemv.json: the integer GEMV and its tile's
-#                           choices with weights rotated through > 2x L2, timed in a CUDA graph (GB/s, fraction of a
-#                           copy's; any error row fails the stage); then bench/gpu_ncu.py: Nsight Compute's
+#                           choices (K splits and L2 prefetch first) with weights rotated through > 2x L2, timed in
+#                           a CUDA graph (GB/s, fraction of a copy's; any error row fails the stage), each choice on
+#                           every matrix, none begun after 60 s; then bench/gpu_ncu.py: Nsight Compute's
 #                           counters (occupancy and its limits, DRAM throughput, issue, warp stalls) of the GEMVs
 #                           and attention kernels whose speed the first run left unexplained, none begun after
 #                           45 s, in bench.txt; then bench/attention_gpu.py: decode attention's choices alone
@@ -217,10 +222,12 @@ PY
         # 27B-shaped model would cost the stage more than the GEMVs' order is worth), then the GEMV calibration.
         local rc=0
         "$PY" bench/gpu.py --parts decode,mtp,prefill --contexts 4096,65536 --prefill 8192 --batch 1 --memory-ctx 0 \
-            --split-matmuls --gemv-k-splits 4 --pdl --attention-choices "$ATTENTION_CHOICES" --json "$OUT/decode.json" \
+            --split-matmuls --gemv-k-splits 4 --gemv-l2-ahead 2 --pdl --attention-choices "$ATTENTION_CHOICES" \
+            --json "$OUT/decode.json" \
             || rc=$?
         cp "$OUT/decode.json" "$RESULTS" 2>/dev/null  # what llama.cpp's rows are compared with (rest, peer)
-        "$PY" bench/gemv_l2.py --integer-only --json "$OUT/gemv.json" || rc=$?  # the integer GEMV and its tiles
+        # the integer GEMV and its tiles' choices, each on every matrix, none begun after 60 s
+        "$PY" bench/gemv_l2.py --integer-only --budget-s 60 --json "$OUT/gemv.json" || rc=$?
         "$PY" bench/gpu_ncu.py --budget-s 45 || rc=$?  # why they run at the speed they do: ncu's counters
         # decode attention's choices alone (its table in bench.txt: 8 files at most come back), none begun after
         # 60 s; the captured steps above timed the check's choices already

@@ -42,19 +42,22 @@ from gpu import random_blocks  # noqa: E402
 
 from mtpserve.quant.types import GGMLType  # noqa: E402
 
-# (id, name, kernel regex, what runs): ("gemv", matrix, type, activation rows, K splits) or ("attention", choice,
-# tokens)
+# (id, name, kernel regex, what runs): ("gemv", matrix, type, activation rows, K splits, L2 prefetch steps ahead)
+# or ("attention", choice, tokens)
 CASES = (
-    ("q6k-output-3", "Q6_K output 248320x5120, 3 rows", "_q6k_kernel", ("gemv", "output", GGMLType.Q6_K, 3, 1)),
-    ("q4k-qkv-1", "Q4_K attn_qkv 10240x5120, 1 row", "_kquant_kernel", ("gemv", "attn_qkv", GGMLType.Q4_K, 1, 1)),
+    ("q6k-output-3", "Q6_K output 248320x5120, 3 rows", "_q6k_kernel", ("gemv", "output", GGMLType.Q6_K, 3, 1, 0)),
+    ("q4k-qkv-1", "Q4_K attn_qkv 10240x5120, 1 row", "_kquant_kernel", ("gemv", "attn_qkv", GGMLType.Q4_K, 1, 1, 0)),
     ("attention-int8-1", "attention int8, decode, 65536 keys", "_split_int8_kernel", ("attention", "int8", 1)),
     ("q4k-qkv-1-split4", "Q4_K attn_qkv 10240x5120, 1 row, K split 4", "_kquant_kernel",
-     ("gemv", "attn_qkv", GGMLType.Q4_K, 1, 4)),
+     ("gemv", "attn_qkv", GGMLType.Q4_K, 1, 4, 0)),
+    ("q4k-qkv-1-l2ahead2", "Q4_K attn_qkv 10240x5120, 1 row, L2 prefetch 2 steps ahead", "_kquant_kernel",
+     ("gemv", "attn_qkv", GGMLType.Q4_K, 1, 1, 2)),
     ("attention-mma16-3", "attention mma16, verification, 65536 keys", "_split_mma16_kernel",
      ("attention", "mma16", 3)),
-    ("q6k-output-1", "Q6_K output 248320x5120, 1 row", "_q6k_kernel", ("gemv", "output", GGMLType.Q6_K, 1, 1)),
-    ("q4k-qkv-3", "Q4_K attn_qkv 10240x5120, 3 rows", "_kquant_kernel", ("gemv", "attn_qkv", GGMLType.Q4_K, 3, 1)),
-    ("q6k-down-3", "Q6_K ffn_down 5120x17408, 3 rows", "_q6k_kernel", ("gemv", "ffn_down", GGMLType.Q6_K, 3, 1)),
+    ("q6k-output-1", "Q6_K output 248320x5120, 1 row", "_q6k_kernel", ("gemv", "output", GGMLType.Q6_K, 1, 1, 0)),
+    ("q4k-qkv-3", "Q4_K attn_qkv 10240x5120, 3 rows", "_kquant_kernel",
+     ("gemv", "attn_qkv", GGMLType.Q4_K, 3, 1, 0)),
+    ("q6k-down-3", "Q6_K ffn_down 5120x17408, 3 rows", "_q6k_kernel", ("gemv", "ffn_down", GGMLType.Q6_K, 3, 1, 0)),
 )  # fmt: skip
 ATTENTION_DEPTH, TINY_DEPTH = 65536, 64
 CASE_TIMEOUT_S = 90
@@ -84,13 +87,13 @@ def case_call(case: tuple, device: torch.device, tiny: bool) -> Callable[[], obj
     """A zero-argument launch of the case's kernel at the 27B's shapes (`tiny`: the interpreter's small ones)."""
     gen = torch.Generator(device=device).manual_seed(0)
     if case[0] == "gemv":
-        _, matrix, qtype, rows, k_splits = case
+        _, matrix, qtype, rows, k_splits, l2_ahead = case
         shapes = {name: (n, k) for name, t, n, k in matrices(tiny) if t == qtype}
         n, k = shapes.get(matrix) or next(iter(shapes.values()))  # the tiny set has no output layer
         blocks = random_blocks(qtype, n, k, device, gen)
         x = torch.randn(rows, k, device=device, generator=gen)
         q8 = kernel_calls(qtype)["q8"]
-        return lambda: q8(x, blocks, k_splits=k_splits)
+        return lambda: q8(x, blocks, k_splits=k_splits, l2_ahead=l2_ahead)
     from attention_gpu import HEAD_DIM, N_HEAD, N_HEAD_KV, choice_kwargs, q8_0_cache
 
     from mtpserve.kernels.triton.attention import decode_attention

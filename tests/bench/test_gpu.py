@@ -59,6 +59,8 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
         "2",
         "--gemv-k-splits",
         "2",
+        "--gemv-l2-ahead",
+        "2",
         "--pdl",
         "--attention-choices",
         "ieee min16",
@@ -86,9 +88,14 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
         assert row["mtp_tokens_per_step"] == pytest.approx(2.26)
         assert row["kv_bytes_per_token"] > 0
         assert row["gemv_k_splits"] == 2 and min(row["decode_k_split_ms"], row["verify_k_split_ms"]) > 0
-    first, second = result["decode"]  # PDL at the first depth only (its kernels compile afresh)
+    first, second = result["decode"]  # PDL and the L2 prefetch at the first depth only (kernels compiled afresh)
     assert first["pdl_logits_equal"] is True and min(first["decode_pdl_ms"], first["verify_pdl_ms"]) > 0
     assert "decode_pdl_ms" not in second
+    l2_ahead = ("decode_l2_ahead_ms", "verify_l2_ahead_ms", "decode_k_split_l2_ahead_ms", "verify_k_split_l2_ahead_ms")
+    assert first["gemv_l2_ahead"] == 2 and min(first[k] for k in l2_ahead) > 0
+    assert min(first["decode_pdl_l2_ahead_ms"], first["verify_pdl_l2_ahead_ms"]) > 0
+    assert not any(k in second for k in (*l2_ahead, "decode_pdl_l2_ahead_ms"))
+    assert "the GEMVs prefetching 2 K steps ahead into L2: decode" in run.stdout
     # Bytes a token reads: every trunk matrix and the head, far more than one MTP step's block + head.
     assert result["weight_bytes_per_token"] > result["weight_bytes_per_draft_step"] > 0
     ranking = result["ranking"]

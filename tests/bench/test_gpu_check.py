@@ -116,12 +116,21 @@ def test_gemv_l2_measures_every_kernel(tmp_path: Path) -> None:
     needed) while the stage still passed (issue 38): every kernel and tile choice now measures."""
     run, rows = _gemv_l2(tmp_path)
     tiles = {
-        m: {name for name, _, _, prefetch, _ in Q8_TILES if not prefetch or m == "attn_qkv"}
+        m: {name for name, _, _, prefetch, _, _ in Q8_TILES if not prefetch or m == "attn_qkv"}
         for m in ("attn_qkv", "ffn_down")
     }
     expected = {(m, k) for m in tiles for k in {"words", "sub_tile", "q8"} | tiles[m]}
     assert {(r["matrix"], r["kernel"]) for r in rows} == expected
     assert run.returncode == 0 and not any("error" in r for r in rows), run.stdout + run.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_the_gemv_run_begins_no_kernel_past_its_budget(tmp_path: Path) -> None:
+    """Each kernel runs on every matrix before the next begins, and none but the first after --budget-s: with no
+    budget the default GEMV still measures both matrices and the L2-prefetching one is left out, said so."""
+    run, rows = _gemv_l2(tmp_path, "--kernels", "q8,q8 l2 ahead2", "--budget-s", "0")
+    assert [(r["matrix"], r["kernel"]) for r in rows] == [("attn_qkv", "q8"), ("ffn_down", "q8")]
+    assert run.returncode == 0 and "budget: q8 l2 ahead2 and the kernels after it not begun" in run.stdout
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -175,6 +175,29 @@ def test_split_k_with_prefetch_into_an_out_slice() -> None:
     _close(split.cpu(), quant_gemv_q8_reference(xq.cpu(), xd.cpu(), blocks.cpu(), qtype))
 
 
+@pytest.mark.parametrize(
+    ("qtype", "k"), [(GGMLType.Q4_K, 2048), (GGMLType.Q5_K, 768), (GGMLType.Q6_K, 3072)]
+)  # 2 steps of 4 super-blocks, 3 of 1, 3 of 1
+def test_l2_prefetch_changes_no_bit(qtype: GGMLType, k: int) -> None:
+    """`l2_ahead` (each program's weights prefetched into L2 that many K steps on; a hint: under the interpreter only
+    its address arithmetic runs, on a GPU the prefetches too) gives the default's result bit for bit at 1 and 3
+    activation rows, ahead past the loop's end, and in each split; types without it refuse it."""
+    blocks = _blocks(qtype, 20, k, seed=30).to(DEVICE)
+    for m in (1, 3):
+        xq, xd = (t.to(DEVICE) for t in _activations(qtype, m, k, seed=31 + m))
+        default = triton_gemv_q8(xq, xd, blocks, qtype)
+        for ahead in (1, 4):
+            assert torch.equal(triton_gemv_q8(xq, xd, blocks, qtype, l2_ahead=ahead), default)
+        split = triton_gemv_q8(xq, xd, blocks, qtype, k_splits=2)
+        assert torch.equal(triton_gemv_q8(xq, xd, blocks, qtype, k_splits=2, l2_ahead=2), split)
+    _close(default.cpu(), quant_gemv_q8_reference(xq.cpu(), xd.cpu(), blocks.cpu(), qtype))
+    q8 = _blocks(GGMLType.Q8_0, 8, 256, seed=1).to(DEVICE)
+    with pytest.raises(ValueError, match="l2_ahead is a count of K steps for Q4_K, Q5_K, Q6_K"):
+        triton_gemv_q8(
+            *(t.to(DEVICE) for t in _activations(GGMLType.Q8_0, 1, 256, seed=2)), q8, GGMLType.Q8_0, l2_ahead=1
+        )
+
+
 def test_splits_cut_whole_steps_and_leave_none_empty() -> None:
     from mtpserve.kernels.triton.gemv_q8 import _splits
 
@@ -262,6 +285,30 @@ def test_dispatcher_splits_k_of_matrices_with_few_rows(monkeypatch: pytest.Monke
     monkeypatch.setattr(dispatch, "SPLIT_MAX_ROWS", n - 1)
     quant_gemv_q8(xq.to(DEVICE), xd.to(DEVICE), weight)
     assert seen == [2, 1]
+
+
+def test_dispatcher_prefetches_ahead_for_the_k_quants_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ops.quant_gemv.GEMV_L2_AHEAD (0 until a lent GPU measures it; bench/gpu.py --gemv-l2-ahead sets it) reaches
+    the kernel for Q4_K, Q5_K and Q6_K weights, 0 for the others, and the products are the twin's."""
+    from mtpserve.kernels import triton as kernels
+    from mtpserve.ops import quant_gemv as dispatch
+
+    seen: list[tuple[int, int]] = []
+    kernel = kernels.quant_gemv_q8
+
+    def spy(xq: torch.Tensor, xd: torch.Tensor, blocks: torch.Tensor, qtype: int, **kwargs: object) -> torch.Tensor:
+        seen.append((qtype, kwargs["l2_ahead"]))
+        return kernel(xq, xd, blocks, qtype, **kwargs)
+
+    monkeypatch.setattr(kernels, "quant_gemv_q8", spy)
+    monkeypatch.setattr(dispatch, "GEMV_L2_AHEAD", 2)
+    n, k = 12, 512
+    for qtype in (GGMLType.Q6_K, GGMLType.Q8_0):
+        blocks = _blocks(qtype, n, k, seed=34)
+        xq, xd = _activations(qtype, 1, k, seed=35)
+        got = quant_gemv_q8(xq.to(DEVICE), xd.to(DEVICE), QTensor(blocks.to(DEVICE), qtype, (n, k), "w"))
+        _close(got.cpu(), quant_gemv_q8_reference(xq, xd, blocks, qtype))
+    assert seen == [(int(GGMLType.Q6_K), 2), (int(GGMLType.Q8_0), 0)]
 
 
 def test_rejects_bad_shapes() -> None:

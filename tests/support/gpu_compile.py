@@ -28,7 +28,7 @@ no global load but the weights' (the prefetching Q4_K/Q5_K GEMV's first step), b
 TRITON_INTERPRET must not be set when compiling (triton.jit makes interpreter functions then): the script
 re-executes itself without it. `--quick` compiles one configuration per kernel for sm_90 (the test suite's
 check, about 5 s); `--only TEXT` keeps the configurations whose kernel or label contain TEXT. The full run
-(about 198 compiles) takes about 70 s on 2 cores. `--arch 86,89` checks the RTX 30xx/40xx parts, whose blocks
+(about 510 compiles) takes about 190 s on 2 cores. `--arch 86,89` checks the RTX 30xx/40xx parts, whose blocks
 have 99 KB of shared memory against the A100's 163 KB. Uses triton internals (the JIT binder, ASTSource,
 triton.compile with a GPUTarget) as of triton 3.9, and runs on 3.6 too (the lent H200's version).
 """
@@ -477,6 +477,16 @@ def launches() -> list[Launch]:
             cfg = f"{t.name} {N_EMBD}x17408 M={m} BLOCK_N={k['BLOCK_N']} k_splits=4"
             out.append(Launch("gemv_q8", cfg, f, a, k, rows=m, note=note))
             out.append(Launch("gemv_q8_sum", f"M={m} BLOCK={sk['BLOCK']}", sf, sa, sk, rows=m, note=note))
+    # The GEMVs that prefetch their weights into L2 two K steps ahead (off by default until a lent GPU measures it).
+    for t in gemv_q8.L2_AHEAD_TYPES:
+        w = weight(t, N_EMBD, 17408)
+        for m in (1, 3):
+            xq, xd = torch.empty(m, 17408, dtype=torch.int8), torch.empty(m, 17408 // 256)
+            ((f, a, k),) = _recorded(
+                q8_kernels, lambda xq=xq, xd=xd, w=w, t=t: gemv_q8.quant_gemv_q8(xq, xd, w, t, l2_ahead=2)
+            )
+            cfg = f"{t.name} {N_EMBD}x17408 M={m} BLOCK_N={k['BLOCK_N']} l2_ahead=2"
+            out.append(Launch("gemv_q8", cfg, f, a, k, rows=m, note="l2_ahead=2: off by default"))
     # The prefetching K-quant GEMV (a bench choice), whose first step's weight words come before a PDL wait.
     for t in (Q.Q4_K, Q.Q5_K):
         xq, xd, w = torch.empty(1, 17408, dtype=torch.int8), torch.empty(1, 17408 // 256), weight(t, N_EMBD, 17408)
@@ -499,7 +509,7 @@ def pdl_launches() -> list[Launch]:
     with mock.patch.object(pdl, "ENABLED", True), mock.patch.object(pdl, "has_pdl", return_value=True):
         recorded = launches()
     wanted = [x for x in recorded if x.decode or x.kernel == "gemv_q8_sum" or "k_splits" in x.config]
-    wanted += [x for x in recorded if "prefetch" in x.config]
+    wanted += [x for x in recorded if "prefetch" in x.config or "l2_ahead" in x.config]
     return [replace(x, pdl=True, min_arch=max(x.min_arch, 90)) for x in wanted]
 
 
@@ -511,6 +521,23 @@ def _prefetched_loads(launch: Launch) -> int:
         return 0
     rows_a_thread = k["BLOCK_N"] * 4 * k["SB"] // 32  # a warp spans 4 lanes a super-block, SB super-blocks
     return (5 if k.get("FIVE") else 3) * rows_a_thread
+
+
+def l2_prefetch_problems(ptx: str, kwargs: dict) -> list[str]:
+    """A GEMV launched with L2_AHEAD must prefetch each of its thread's blocks' sectors for the loop's step and the
+    L2_AHEAD steps its prologue covers (two `prefetch.global.L2` a block a lane: kernels/triton/prefetch.py), the
+    prologue's before a PDL wait; any other kernel none."""
+    prefetch = re.compile(r"\bprefetch\.global\.L2\b")
+    ahead = kwargs.get("L2_AHEAD", 0)
+    blocks_a_thread = kwargs["BLOCK_N"] * 4 * kwargs["SB"] // 32 if ahead else 0  # 4 lanes a super-block
+    found, want = len(prefetch.findall(ptx)), 2 * blocks_a_thread * (ahead + 1)
+    problems = [] if found == want else [f"{found} prefetch.global.L2 in its PTX, want {want}"]
+    wait = ptx.find("griddepcontrol.wait")
+    if ahead and kwargs.get("PDL") and wait >= 0:  # the prologue's steps go out while the previous kernel runs
+        before = len(prefetch.findall(ptx[:wait]))
+        if before != 2 * blocks_a_thread * ahead:
+            problems.append(f"{before} prefetch.global.L2 before griddepcontrol.wait, want the first {ahead} steps'")
+    return problems
 
 
 def compile_launch(launch: Launch, arch: int) -> tuple[object, str, int]:
@@ -576,6 +603,7 @@ def _compile(job: tuple[int, int]) -> dict:
         res["shared"] = kernel.metadata.shared
         res["loads"] = global_loads(kernel.asm["ptx"])
         problems = [f"lane layout: {p}" for p in lane_layout_problems(kernel.asm["ttgir"], res["warps"])]
+        problems += [f"l2 prefetch: {p}" for p in l2_prefetch_problems(kernel.asm["ptx"], launch.kwargs)]
         if launch.pdl and not launch.kwargs.get("PDL"):
             problems.append("pdl: its wrapper launched it without kernels.triton.pdl.launch_options")
         elif launch.pdl:

@@ -37,6 +37,10 @@ GEMV_MAX_ROWS = 8  # the GEMV reads the weights once for up to 8 rows (one launc
 # measures the split: bench/gemv_l2.py's "q8 splitN" rows, bench/gpu.py --gemv-k-splits (docs/gpu-decode.md).
 GEMV_K_SPLITS = 1
 SPLIT_MAX_ROWS = 8192
+# K steps ahead whose weights the Q4_K/Q5_K/Q6_K GEMVs prefetch into L2 (kernels/triton/prefetch.py): a program's
+# steps then wait on L2 rather than DRAM. 0 until a lent GPU measures it: bench/gemv_l2.py's "q8 l2 aheadN" rows,
+# bench/gpu.py --gemv-l2-ahead (docs/gpu-decode.md).
+GEMV_L2_AHEAD = 0
 _FLOAT_WEIGHTS = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
 
 
@@ -146,7 +150,8 @@ def quant_gemv_q8(
     t = weight.ggml_type
     if use_triton(q2, t) and kernels is not None and int(t) in {int(q) for q in kernels.Q8_GEMV_TYPES} and k % 64 == 0:
         splits = GEMV_K_SPLITS if weight.shape[0] <= SPLIT_MAX_ROWS else 1
-        y = kernels.quant_gemv_q8(q2, d2, weight.data, int(t), out=out, add=add2, k_splits=splits)
+        ahead = GEMV_L2_AHEAD if int(t) in {int(q) for q in kernels.L2_AHEAD_TYPES} else 0
+        y = kernels.quant_gemv_q8(q2, d2, weight.data, int(t), out=out, add=add2, k_splits=splits, l2_ahead=ahead)
     else:
         y = quant_gemv_q8_reference(q2, d2, weight.data, t)
         y = y if add2 is None else add2 + y

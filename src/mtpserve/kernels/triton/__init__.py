@@ -11,7 +11,7 @@ from .gated_delta import (
 )
 from .gemm import GEMM_TYPES, quant_matmul
 from .gemv import GEMV_TYPES, MAX_ROWS, dequant_blocks, quant_gemv
-from .gemv_q8 import Q8_GEMV_TYPES, act_block, quant_gemv_q8
+from .gemv_q8 import L2_AHEAD_TYPES, Q8_GEMV_TYPES, act_block, quant_gemv_q8
 from .rope_kv import ROPE_KV_TYPES, norm_rope_store
 from .rowwise import GLU_ACTS, QUANT_BLOCKS, glu_quantize, quantize_rows, rms_norm_quantize
 
@@ -20,6 +20,7 @@ __all__ = [
     "GEMM_TYPES",
     "GEMV_TYPES",
     "GLU_ACTS",
+    "L2_AHEAD_TYPES",
     "MAX_ROWS",
     "Q8_GEMV_TYPES",
     "QUANT_BLOCKS",

@@ -22,7 +22,9 @@ pairs, accumulates per thread and reduces across the warp once, after the K loop
 programs (1280 for Q8_0), about 5 a SM on the H200's 132: the first H200 run measured them at 27% of a copy, where
 1280 programs gave 50% and 2176 58%. `k_splits` (off by default until a lent GPU measures it) cuts the K loop into
 splits of whole steps, a program each, whose partial sums a second launch (`_sum_splits_kernel`) adds in split order
-and then the residual: the sums' order is fixed, where an atomic split would vary from run to run. Steps take 4
+and then the residual: the sums' order is fixed, where an atomic split would vary from run to run. `l2_ahead`
+(Q4_K, Q5_K, Q6_K; off by default, likewise) prefetches each program's weights that many steps ahead into L2
+(kernels/triton/prefetch.py), so a step's loads wait on L2 rather than DRAM at no register's cost. Steps take 4
 super-blocks when K allows (any K % 1024 == 0), else 2 or 1, so there is no masked tail. From 5 activation rows a
 thread takes two weight rows (four spill); IQ4_XS keeps four with maxnreg 255 (ptxas alone stops at 168 registers and
 spills) and takes eight at 2-3 rows.
@@ -88,6 +90,7 @@ from ._device import on_input_device
 from .intdot import INLINE_ASM, dp4a
 from .intwords import dot4, dp4a_u8, funnel, half, mux, prmt, run16, words4
 from .pdl import dependent_launch, launch_options
+from .prefetch import lane_first, prefetch_lane
 
 Q8_GEMV_TYPES = (
     GGMLQuantizationType.Q4_K,
@@ -110,6 +113,8 @@ _LEGACY = {
     GGMLQuantizationType.Q5_1: {"SIZE": 24, "FIVE": True, "MIN": True, "NL": False},
 }
 MAX_ROWS = 8  # activation rows a launch; more go in further launches
+# the types whose GEMV can prefetch its weights into L2 ahead of its loads (`l2_ahead`): the Q4_K_M files' own
+L2_AHEAD_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
 _SUM_BLOCK = 512  # outputs a program of the split GEMV's second pass adds up
 
 
@@ -210,11 +215,14 @@ def _kquant_kernel(
     HAS_ADD: tl.constexpr,
     SPLIT: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
+    L2_AHEAD: tl.constexpr = 0,
     PDL: tl.constexpr = False,
 ):
     """Q4_K (FIVE false) and Q5_K: lane c of a super-block takes qs[32c .. 32c + 31] (two 16-byte loads), whose
     low nibbles are sub-block 2c and high nibbles 2c + 1 (Q5_K: fifth bits 2c and 2c + 1 of qh[0 .. 31]).
-    PREFETCH: each step's weight words are loaded in the step before, so their latency overlaps a step's work."""
+    PREFETCH: each step's weight words are loaded in the step before, so their latency overlaps a step's work.
+    L2_AHEAD: the weights L2_AHEAD steps on are prefetched into L2 (kernels/triton/prefetch.py), the first steps'
+    before a PDL wait."""
     WORDS: tl.constexpr = 44 if FIVE else 36  # a block: 176 or 144 bytes
     QS: tl.constexpr = 12 if FIVE else 4  # first word of qs
     pid = tl.program_id(0)
@@ -239,6 +247,14 @@ def _kquant_kernel(
     ones = tl.full((BLOCK_N, SB * 4), 0x01010101, tl.int32)
     acc = tl.zeros((M_PAD, BLOCK_N, SB * 4), dtype=tl.float32)
     k0, k1 = _k_range(n_sb, SB, per_steps, SPLIT)
+    if L2_AHEAD:  # each lane's part of its blocks, in bytes
+        pf_at = (
+            w_ptr
+            + (rows_safe.to(tl.int64) * stride_w * 4)[:, None]
+            + (sb * WORDS * 4 + lane_first(c, WORDS * 4))[None, :]
+        )
+        for s in tl.static_range(L2_AHEAD):
+            prefetch_lane(pf_at + tl.minimum(k0 + s * SB, k1 - SB) * (WORDS * 4), ASM)
     if PREFETCH:  # the first step's words; each step then loads the next one's before its own work
         first = k0 * WORDS
         hw, qa, qb = tl.load(h_at + first), tl.load(q_at + first), tl.load(q_at + (first + 4))
@@ -246,6 +262,8 @@ def _kquant_kernel(
             ea, eb = tl.load(h_at + (first + 4)), tl.load(h_at + (first + 8))
     dependent_launch(PDL)  # after the first step's weight words: their latency overlaps the previous kernel's end
     for b0 in range(k0, k1, SB):
+        if L2_AHEAD:  # the last steps prefetch the last one again (L2 hits)
+            prefetch_lane(pf_at + tl.minimum(b0 + L2_AHEAD * SB, k1 - SB) * (WORDS * 4), ASM)
         if PREFETCH:
             nxt = tl.minimum(b0 + SB, k1 - SB) * WORDS  # the last step reloads its own block (a cache hit)
             hw_n, qa_n, qb_n = tl.load(h_at + nxt), tl.load(q_at + nxt), tl.load(q_at + (nxt + 4))
@@ -359,12 +377,13 @@ def _q6k_kernel(
     ASM: tl.constexpr,
     HAS_ADD: tl.constexpr,
     SPLIT: tl.constexpr = False,
+    L2_AHEAD: tl.constexpr = 0,
     PDL: tl.constexpr = False,
 ):
     """Q6_K: lane (half h, quarter r) of a super-block takes values 128h + 32g + 16r .. +15 for g = 0..3: low
     nibbles of ql[64h + 16r ..] (g = 0, 2: low, high nibble) and ql[64h + 32 + 16r ..] (g = 1, 3), bit pairs 2g of
-    qh[32h + 16r ..], scales[8h + r + 2g]. Blocks are 210 bytes: runs start 0 or 2 bytes into a word."""
-    dependent_launch(PDL)
+    qh[32h + 16r ..], scales[8h + r + 2g]. Blocks are 210 bytes: runs start 0 or 2 bytes into a word. L2_AHEAD as
+    _kquant_kernel's."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -389,7 +408,14 @@ def _q6k_kernel(
     ones = tl.full((BLOCK_N, SB * 4), 0x01010101, tl.int32)
     acc = tl.zeros((M_PAD, BLOCK_N, SB * 4), dtype=tl.float32)
     k0, k1 = _k_range(n_sb, SB, per_steps, SPLIT)
+    if L2_AHEAD:  # each lane's part of its blocks (lanes % 4 is its place in the super-block)
+        pf_at = w_ptr + start + lane_first(lanes % 4, 210)[None, :]
+        for s in tl.static_range(L2_AHEAD):
+            prefetch_lane(pf_at + tl.minimum(k0 + s * SB, k1 - SB) * 210, ASM)
+    dependent_launch(PDL)
     for b0 in range(k0, k1, SB):
+        if L2_AHEAD:
+            prefetch_lane(pf_at + tl.minimum(b0 + L2_AHEAD * SB, k1 - SB) * 210, ASM)
         if SB % 2 == 1:  # an odd number of 210-byte blocks a step moves the runs' offsets in their words
             at = start + b0 * 210
             sh = ((at % 4) * 8).to(tl.int32)
@@ -886,6 +912,7 @@ def quant_gemv_q8(
     num_warps: int = 1,
     prefetch: bool = False,
     k_splits: int = 1,
+    l2_ahead: int = 0,
 ) -> torch.Tensor:
     """Quantized activations (xq int8 [m, k], xd float32 [m, k / act_block(qtype)]) times the GGUF matrix W [n, k]
     in `blocks` -> float32 [m, n] (into `out` when given: any [m, n] float32 view with unit column stride), plus
@@ -899,10 +926,16 @@ def quant_gemv_q8(
     `k_splits` > 1 splits the K loop (whole steps) over that many programs a row tile (fewer where K has fewer
     steps), for matrices whose rows give too few programs to keep the memory busy (the 27B's 5120-row matrices: 640
     programs on 132 SMs); each split writes its partial sums to a buffer and a second launch adds them in split
-    order, then `add`. The sum's order differs from one program's (float32 rounding), but not from run to run."""
+    order, then `add`. The sum's order differs from one program's (float32 rounding), but not from run to run.
+
+    `l2_ahead` > 0 (Q4_K, Q5_K, Q6_K) prefetches each program's weights that many K steps ahead into L2
+    (kernels/triton/prefetch.py): the same arithmetic, so the same result bit for bit."""
     t, k = _check(xq, xd, blocks, qtype)
     if prefetch and t not in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
         raise ValueError(f"prefetch is a Q4_K / Q5_K choice, not {t.name}'s")
+    if l2_ahead < 0 or (l2_ahead and t not in L2_AHEAD_TYPES):
+        raise ValueError(f"l2_ahead is a count of K steps for {', '.join(x.name for x in L2_AHEAD_TYPES)}, got "
+                         f"{l2_ahead} for {t.name}")  # fmt: skip
     n, m = blocks.shape[0], xq.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32, device=xq.device)
@@ -950,6 +983,7 @@ def quant_gemv_q8(
             num_warps=num_warps,
             **({"SPLIT": True} if part is not None else {}),
             **({"PREFETCH": True} if prefetch else {}),
+            **({"L2_AHEAD": l2_ahead} if l2_ahead else {}),
             **launch_options(xs),
             **cfg,
         )
