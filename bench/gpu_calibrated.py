@@ -9,7 +9,8 @@ and keeps gpu_time_model's bytes, kernel counts and host time:
 
 * GEMVs: the trunk's weight bytes over the time its GEMV kernels took, as a fraction of HBM (1 row: a decode;
   3 rows: the MTP cycle's kernels less its two drafts' output layers at the 1-row rate). 0.38 and 0.22 of the
-  H200's 4.8 TB/s.
+  H200's 4.8 TB/s, as the lent image's Triton 3.6 compiled them: 23-41% more instructions a K step than our 3.9
+  for Q4_K, until the K-quant kernel's lane vectors made both compile it alike (docs/gpu-decode.md).
 * decode attention, a latency model, since its time follows neither bytes nor issue: a program (a KV head and a
   key range) walks its range 16 keys a tile at a fixed time a tile, one program an SM at a time (210-254 registers
   a thread at 8 warps), so a layer costs waves x tiles a program x TILE_US. The split rule is the kernel's own

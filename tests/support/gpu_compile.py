@@ -90,6 +90,13 @@ class Launch:
     decode: bool = False  # launched by a decode or verification step (bench/gpu_static.py reports these)
     pdl: bool = False  # recorded with programmatic dependent launch on: its PTX must keep the contract
 
+    @property
+    def loop_without_shared(self) -> bool:
+        """Whether its K loop must not touch shared memory: the K-quant GEMV, whose lane vectors (intwords) lay
+        out alike under each Triton, where a [rows, lanes, 4] tensor converted layouts through shared memory each
+        step under the lent image's Triton 3.6."""
+        return getattr(self.fn, "__name__", "") == "_kquant_kernel"
+
 
 def _recorded(fn, call: Callable[[], object]) -> list[tuple[object, tuple, dict]]:
     """The launches `call` makes, by any of the kernels in fn (a list), without running them."""
@@ -540,6 +547,18 @@ def l2_prefetch_problems(ptx: str, kwargs: dict) -> list[str]:
     return problems
 
 
+def loop_shared_memory(cubin: bytes) -> int:
+    """Shared-memory loads, stores and barriers in the innermost loop that loads global memory (SASS)."""
+    try:
+        from tests.support import sass
+    except ImportError:  # run as a script: this directory is on the path
+        import sass
+    loading = [lp for lp in sass.loops(sass.disassemble(cubin)) if lp.count("LDG")]
+    inner = [lp for lp in loading if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in loading)]
+    loop = max(inner, key=len, default=None)
+    return 0 if loop is None else sum(loop.count(op) for op in ("STS", "LDS", "BAR"))
+
+
 def compile_launch(launch: Launch, arch: int) -> tuple[object, str, int]:
     """Compile a recorded launch for compute capability `arch` without a GPU: (triton's CompiledKernel, the ptxas -v
     report, num_warps). Raises what the compiler raises."""
@@ -604,6 +623,8 @@ def _compile(job: tuple[int, int]) -> dict:
         res["loads"] = global_loads(kernel.asm["ptx"])
         problems = [f"lane layout: {p}" for p in lane_layout_problems(kernel.asm["ttgir"], res["warps"])]
         problems += [f"l2 prefetch: {p}" for p in l2_prefetch_problems(kernel.asm["ptx"], launch.kwargs)]
+        if launch.loop_without_shared and (shared := loop_shared_memory(kernel.asm["cubin"])):
+            problems.append(f"{shared} shared-memory instructions in its K loop (a layout converted each step)")
         if launch.pdl and not launch.kwargs.get("PDL"):
             problems.append("pdl: its wrapper launched it without kernels.triton.pdl.launch_options")
         elif launch.pdl:

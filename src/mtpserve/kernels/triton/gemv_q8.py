@@ -88,7 +88,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ._device import on_input_device
 from .intdot import INLINE_ASM, dp4a
-from .intwords import dot4, dp4a_u8, funnel, half, mux, prmt, run16, words4
+from .intwords import dot4, dp4a_u8, funnel, half, lane_words, load_vectors, mux, prmt, run16, words4
 from .pdl import dependent_launch, launch_options
 from .prefetch import lane_first, prefetch_lane
 
@@ -224,6 +224,7 @@ def _kquant_kernel(
     L2_AHEAD: the weights L2_AHEAD steps on are prefetched into L2 (kernels/triton/prefetch.py), the first steps'
     before a PDL wait."""
     WORDS: tl.constexpr = 44 if FIVE else 36  # a block: 176 or 144 bytes
+    L: tl.constexpr = SB * 4  # lanes: four a super-block
     QS: tl.constexpr = 12 if FIVE else 4  # first word of qs
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -232,16 +233,17 @@ def _kquant_kernel(
     lanes = tl.arange(0, SB * 4)
     sb = lanes // 4
     c = lanes % 4
-    v = tl.arange(0, 4)
     ms = tl.arange(0, M_PAD)
     words = w_ptr.to(tl.pointer_type(tl.int32))
     xwords = xq_ptr.to(tl.pointer_type(tl.int32))
-    w_at = words + (rows_safe.to(tl.int64) * tl.multiple_of(stride_w, 4))[:, None, None] + (sb * WORDS)[None, :, None]
-    q_at = w_at + (QS + 8 * c)[None, :, None] + v[None, None, :]
-    h_at = w_at + v[None, None, :]
-    # [BLOCK_N, L, 4], the same for every row: x in the weights' layout (a [L, 4] load would get its own)
-    x_at = xwords + (0 * rows)[:, None, None] + (sb * 64 + 16 * c)[None, :, None] + v[None, None, :]
-    xd_at = xd_ptr + (0 * rows)[:, None] + sb[None, :]
+    # [BLOCK_N, L * 4] pointers, a lane's 16-byte vector contiguous (intwords: the same layout under each Triton)
+    lane, word = lane_words(SB * 4)
+    w_row = words + (rows_safe.to(tl.int64) * tl.multiple_of(stride_w, 4))[:, None]
+    q_at = w_row + ((lane // 4) * WORDS + QS + 8 * (lane % 4) + word)[None, :]
+    h_at = w_row + ((lane // 4) * WORDS + word)[None, :]
+    # the same for every row: x in the weights' layout (a [L * 4] load would get its own)
+    x_at = xwords + (0 * rows)[:, None] + ((lane // 4) * 64 + 16 * (lane % 4) + word)[None, :]
+    xd_at = xd_ptr + sb[None, :]  # [1, L]: a dim of one takes no thread, so the scales sit as the lanes do
     shift = 16 * (c % 2)[None, :]
     upper = (c >= 2)[None, :]
     ones = tl.full((BLOCK_N, SB * 4), 0x01010101, tl.int32)
@@ -257,25 +259,29 @@ def _kquant_kernel(
             prefetch_lane(pf_at + tl.minimum(k0 + s * SB, k1 - SB) * (WORDS * 4), ASM)
     if PREFETCH:  # the first step's words; each step then loads the next one's before its own work
         first = k0 * WORDS
-        hw, qa, qb = tl.load(h_at + first), tl.load(q_at + first), tl.load(q_at + (first + 4))
+        hw, qa, qb = load_vectors(h_at + first, L), load_vectors(q_at + first, L), load_vectors(q_at + (first + 4), L)
         if FIVE:
-            ea, eb = tl.load(h_at + (first + 4)), tl.load(h_at + (first + 8))
+            ea, eb = load_vectors(h_at + (first + 4), L), load_vectors(h_at + (first + 8), L)
     dependent_launch(PDL)  # after the first step's weight words: their latency overlaps the previous kernel's end
     for b0 in range(k0, k1, SB):
         if L2_AHEAD:  # the last steps prefetch the last one again (L2 hits)
             prefetch_lane(pf_at + tl.minimum(b0 + L2_AHEAD * SB, k1 - SB) * (WORDS * 4), ASM)
         if PREFETCH:
             nxt = tl.minimum(b0 + SB, k1 - SB) * WORDS  # the last step reloads its own block (a cache hit)
-            hw_n, qa_n, qb_n = tl.load(h_at + nxt), tl.load(q_at + nxt), tl.load(q_at + (nxt + 4))
+            hw_n, qa_n, qb_n = (
+                load_vectors(h_at + nxt, L),
+                load_vectors(q_at + nxt, L),
+                load_vectors(q_at + (nxt + 4), L),
+            )
             if FIVE:
-                ea_n, eb_n = tl.load(h_at + (nxt + 4)), tl.load(h_at + (nxt + 8))
+                ea_n, eb_n = load_vectors(h_at + (nxt + 4), L), load_vectors(h_at + (nxt + 8), L)
             h0, h1, h2, h3 = words4(hw)
             lo0, lo1, lo2, lo3 = words4(qa)
             lo4, lo5, lo6, lo7 = words4(qb)
         else:
-            h0, h1, h2, h3 = words4(tl.load(h_at + b0 * WORDS))  # pointers: invariant bases plus the block offset
-            lo0, lo1, lo2, lo3 = words4(tl.load(q_at + b0 * WORDS))
-            lo4, lo5, lo6, lo7 = words4(tl.load(q_at + (b0 * WORDS + 4)))
+            h0, h1, h2, h3 = words4(load_vectors(h_at + b0 * WORDS, L))  # invariant bases plus the block offset
+            lo0, lo1, lo2, lo3 = words4(load_vectors(q_at + b0 * WORDS, L))
+            lo4, lo5, lo6, lo7 = words4(load_vectors(q_at + (b0 * WORDS + 4), L))
         d16 = half(h0, False) if FIVE else half(h0, False) * 0.0625
         dmin = half(h0, True)
         a = h1 >> shift
@@ -292,8 +298,8 @@ def _kquant_kernel(
                 e0, e1, e2, e3 = words4(ea >> (2 * c)[None, :, None])
                 e4, e5, e6, e7 = words4(eb >> (2 * c)[None, :, None])
             else:
-                e0, e1, e2, e3 = words4(tl.load(h_at + (b0 * WORDS + 4)) >> (2 * c)[None, :, None])  # qh, bit 2c
-                e4, e5, e6, e7 = words4(tl.load(h_at + (b0 * WORDS + 8)) >> (2 * c)[None, :, None])
+                e0, e1, e2, e3 = words4(load_vectors(h_at + (b0 * WORDS + 4), L) >> (2 * c)[None, :, None])  # qh
+                e4, e5, e6, e7 = words4(load_vectors(h_at + (b0 * WORDS + 8), L) >> (2 * c)[None, :, None])
             hi0 = ((lo0 >> 4) & 0x0F0F0F0F) | ((e0 << 3) & 0x10101010)
             hi1 = ((lo1 >> 4) & 0x0F0F0F0F) | ((e1 << 3) & 0x10101010)
             hi2 = ((lo2 >> 4) & 0x0F0F0F0F) | ((e2 << 3) & 0x10101010)
@@ -329,10 +335,10 @@ def _kquant_kernel(
             lo7 &= 0x0F0F0F0F
         for m in tl.static_range(M):
             xr = x_at + (tl.cast(b0, tl.int64) * 64 + m * stride_xq)
-            x0, x1, x2, x3 = words4(tl.load(xr))
-            x4, x5, x6, x7 = words4(tl.load(xr + 4))
-            y0, y1, y2, y3 = words4(tl.load(xr + 8))
-            y4, y5, y6, y7 = words4(tl.load(xr + 12))
+            x0, x1, x2, x3 = words4(load_vectors(xr, L))
+            x4, x5, x6, x7 = words4(load_vectors(xr + 4, L))
+            y0, y1, y2, y3 = words4(load_vectors(xr + 8, L))
+            y4, y5, y6, y7 = words4(load_vectors(xr + 12, L))
             xd = tl.load(xd_at + (tl.cast(b0, tl.int64) + m * stride_xd))
             s_lo = dp4a(x0, ones, dp4a(x1, ones, dp4a(x2, ones, dp4a(x3, ones, 0, ASM), ASM), ASM), ASM)
             s_lo = dp4a(x4, ones, dp4a(x5, ones, dp4a(x6, ones, dp4a(x7, ones, s_lo, ASM), ASM), ASM), ASM)

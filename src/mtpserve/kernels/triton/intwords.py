@@ -1,6 +1,14 @@
 """Word-level integer helpers of the integer GEMVs (gemv_q8): four-word vectors split into words, funnel shifts, byte
 permutes, bit muxes and unsigned-by-signed dp4a, each one PTX instruction on a GPU and spelled out under
-TRITON_INTERPRET=1 (the interpreter runs no inline PTX), as intdot.dp4a is. Callers pass `ASM=INLINE_ASM`."""
+TRITON_INTERPRET=1 (the interpreter runs no inline PTX), as intdot.dp4a is. Callers pass `ASM=INLINE_ASM`.
+
+Lane vectors: a GEMV program spreads its lanes (16-byte pieces of its blocks) over a warp's threads and keeps its
+weight rows in each thread's registers, so a thread loads the activations once for all its rows. Triton picks a
+load's layout from its pointers' contiguity, and where two dims tie (a [rows, lanes, 4] pointer tensor: rows and
+lanes both non-contiguous) Triton 3.9 puts the lanes across the threads and 3.6 (the lent H200 image's) the rows,
+which loads the activations again for every row and converts layouts through shared memory each step (15-64% more
+instructions a loop: docs/gpu-decode.md). Pointers made as [rows, lanes * 4] (`lane_words`) have one contiguous
+dim, so both lay them out alike; `load_vectors` gives the [rows, lanes, 4] words back."""
 
 from __future__ import annotations
 
@@ -31,6 +39,21 @@ def words4(v):
     w0, w2 = tl.split(a)
     w1, w3 = tl.split(b)
     return w0, w1, w2, w3
+
+
+@triton.jit
+def lane_words(L: tl.constexpr):
+    """(lane, word) of L lanes' four-word vectors laid end to end, [L * 4] each: offsets f(lane) + word, with f's
+    values multiples of 4 words, make [rows, L * 4] pointers whose last dim runs in contiguous aligned fours."""
+    j = tl.arange(0, L * 4)
+    return j // 4, j % 4
+
+
+@triton.jit
+def load_vectors(ptrs, L: tl.constexpr):
+    """[rows, L * 4] int32 pointers made from lane_words -> the [rows, L, 4] words they point at."""
+    x = tl.load(ptrs)
+    return tl.reshape(x, [x.shape[0], L, 4])
 
 
 @triton.jit
