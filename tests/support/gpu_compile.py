@@ -92,10 +92,10 @@ class Launch:
 
     @property
     def loop_without_shared(self) -> bool:
-        """Whether its K loop must not touch shared memory: the K-quant GEMV, whose lane vectors (intwords) lay
-        out alike under each Triton, where a [rows, lanes, 4] tensor converted layouts through shared memory each
-        step under the lent image's Triton 3.6."""
-        return getattr(self.fn, "__name__", "") == "_kquant_kernel"
+        """Whether its K loop must not touch shared memory: the K-quant and Q6_K GEMVs, laid out alike under each
+        Triton (intwords' lane vectors, Q6_K's flat tiles), where their [rows, lanes, ...] tensors converted a
+        layout through shared memory each step under the lent image's Triton 3.6."""
+        return getattr(self.fn, "__name__", "") in ("_kquant_kernel", "_q6k_kernel")
 
 
 def _recorded(fn, call: Callable[[], object]) -> list[tuple[object, tuple, dict]]:

@@ -18,7 +18,9 @@ Work split: one warp a program, 8 weight rows (Q8_0: 4) and four rows a thread: 
 for its four rows, unpacks each weight word once (masks and shifts; IQ4: signed codebook bytes by two prmt lookups
 and an IADD3 per four indices, tables held in registers) and dots it with every activation row; the activation words and
 their sums are loaded once a thread for all four rows. A warp spans 16 lanes (4 super-blocks; Q8_0: 32 blocks) by 2 row
-pairs, accumulates per thread and reduces across the warp once, after the K loop. The 27B's 5120-row matrices give 640
+pairs, accumulates per thread and reduces across the warp once, after the K loop (the K-quant and Q6_K kernels build
+their pointers so that every Triton lays this out alike: intwords' lane vectors, Q6_K's flat tiles; under the lent
+H200 image's Triton 3.6 the others still load the activations a row at a time). The 27B's 5120-row matrices give 640
 programs (1280 for Q8_0), about 5 a SM on the H200's 132: the first H200 run measured them at 27% of a copy, where
 1280 programs gave 50% and 2176 58%. `k_splits` (off by default until a lent GPU measures it) cuts the K loop into
 splits of whole steps, a program each, whose partial sums a second launch (`_sum_splits_kernel`) adds in split order
@@ -40,8 +42,8 @@ clock; sm_90 H200, HBM 4.8 TB/s / sm_75 RTX 2080 Ti, 0.616 TB/s), measured at th
     type    rows  sm_90 loop  TB/s  x HBM   sm_75 loop  TB/s  x HBM
     Q4_K    1     298         16.2  3.4     297         6.5   10.6
     Q4_K    3     540          8.9  1.9     539         3.6    5.8
-    Q6_K    1     510         13.8  2.9     502         5.6    9.1
-    Q6_K    3     746          9.4  2.0     739         3.8    6.2
+    Q6_K    1     513         13.7  2.9     503         5.6    9.1
+    Q6_K    3     747          9.4  2.0     739         3.8    6.2
     Q5_K    1     490         12.0  2.5     489         4.8    7.9
     Q5_K    3     732          8.0  1.7     731         3.2    5.3
     Q8_0    1     174         26.2  5.5     177        10.3   16.8
@@ -361,6 +363,86 @@ def _kquant_kernel(
 
 
 @triton.jit
+def _q6k_tile(w_ptr, rows_safe, stride_w, lane):
+    """A tile's loop-invariant pointers at step 0, an element (row, lane) a thread: its lane's ql and qh runs
+    (words), scales (bytes) and d (halves), the runs' shift into their first word, and the bytes' offset."""
+    sb = lane // 4
+    h = (lane // 2) % 2
+    r = lane % 2
+    start = rows_safe.to(tl.int64) * stride_w + sb * 210
+    words = w_ptr.to(tl.pointer_type(tl.int32))
+    ql = words + start // 4 + 16 * h + 4 * r
+    qh = words + start // 4 + 32 + 8 * h + 4 * r
+    sc = w_ptr.to(tl.pointer_type(tl.int8)) + start + 192 + 8 * h + r  # signed scales
+    d = w_ptr.to(tl.pointer_type(tl.float16)) + (start + 208) // 2
+    return ql, qh, sc, d, ((start % 4) * 8).to(tl.int32), start
+
+
+@triton.jit
+def _q6k_quants(w_ptr, tile, lane, b0, SB: tl.constexpr, ASM: tl.constexpr):
+    """A tile's quants at step b0: the 16 words of values 0..63 each lane takes (q = low nibble | bit pair << 4; the
+    -32 comes from the activation sums), its 4 scales and its block's d."""
+    ql_at, qh_at, sc_at, d_at, sh, start = tile
+    if SB % 2 == 1:  # an odd number of 210-byte blocks a step moves the runs' offsets in their words
+        at = start + b0 * 210
+        sh = ((at % 4) * 8).to(tl.int32)
+        words = w_ptr.to(tl.pointer_type(tl.int32))
+        ql = words + at // 4 + 16 * ((lane // 2) % 2) + 4 * (lane % 2)
+        qh = words + at // 4 + 32 + 8 * ((lane // 2) % 2) + 4 * (lane % 2)
+    else:  # pointers from loop-invariant bases plus the block offset: no per-row pointer to carry
+        ql = ql_at + b0 * 210 // 4
+        qh = qh_at + b0 * 210 // 4
+    a0, a1, a2, a3 = run16(ql, sh, ASM)
+    b0w, b1w, b2w, b3w = run16(ql + 8, sh, ASM)
+    h0, h1, h2, h3 = run16(qh, sh, ASM)
+    sc = sc_at + b0 * 210
+    scales = (tl.load(sc).to(tl.int32), tl.load(sc + 2).to(tl.int32), tl.load(sc + 4).to(tl.int32),
+              tl.load(sc + 6).to(tl.int32))  # fmt: skip
+    d = tl.load(d_at + b0 * 105).to(tl.float32)
+    q = (
+        (a0 & 0x0F0F0F0F) | ((h0 << 4) & 0x30303030), (a1 & 0x0F0F0F0F) | ((h1 << 4) & 0x30303030),
+        (a2 & 0x0F0F0F0F) | ((h2 << 4) & 0x30303030), (a3 & 0x0F0F0F0F) | ((h3 << 4) & 0x30303030),
+        (b0w & 0x0F0F0F0F) | ((h0 << 2) & 0x30303030), (b1w & 0x0F0F0F0F) | ((h1 << 2) & 0x30303030),
+        (b2w & 0x0F0F0F0F) | ((h2 << 2) & 0x30303030), (b3w & 0x0F0F0F0F) | ((h3 << 2) & 0x30303030),
+        ((a0 >> 4) & 0x0F0F0F0F) | (h0 & 0x30303030), ((a1 >> 4) & 0x0F0F0F0F) | (h1 & 0x30303030),
+        ((a2 >> 4) & 0x0F0F0F0F) | (h2 & 0x30303030), ((a3 >> 4) & 0x0F0F0F0F) | (h3 & 0x30303030),
+        ((b0w >> 4) & 0x0F0F0F0F) | ((h0 >> 2) & 0x30303030), ((b1w >> 4) & 0x0F0F0F0F) | ((h1 >> 2) & 0x30303030),
+        ((b2w >> 4) & 0x0F0F0F0F) | ((h2 >> 2) & 0x30303030), ((b3w >> 4) & 0x0F0F0F0F) | ((h3 >> 2) & 0x30303030),
+    )  # fmt: skip
+    return q, scales, d
+
+
+@triton.jit
+def _q6k_part(q, scales, d, x, s, xd, ASM: tl.constexpr):
+    """A tile's partial sums for one activation row: its quants dotted with the row's 16 words `x`, less 32 times
+    their four sums `s`, each group of 16 by its scale, then by d and the row's scale."""
+    isum = scales[0] * dot4(q[0], q[1], q[2], q[3], x[0], x[1], x[2], x[3], -32 * s[0], ASM)
+    isum += scales[1] * dot4(q[4], q[5], q[6], q[7], x[4], x[5], x[6], x[7], -32 * s[1], ASM)
+    isum += scales[2] * dot4(q[8], q[9], q[10], q[11], x[8], x[9], x[10], x[11], -32 * s[2], ASM)
+    isum += scales[3] * dot4(q[12], q[13], q[14], q[15], x[12], x[13], x[14], x[15], -32 * s[3], ASM)
+    return (d * xd) * isum.to(tl.float32)
+
+
+@triton.jit
+def _q6k_store(acc, y_ptr, stride_y, add_ptr, stride_add, ms, first_row, N, M: tl.constexpr, R: tl.constexpr,
+               L: tl.constexpr, HAS_ADD: tl.constexpr):  # fmt: skip
+    """A tile's sums [M_PAD, R * L] into its R rows from first_row (_store_rows over its lanes)."""
+    rows = first_row + tl.arange(0, R)
+    _store_rows(tl.reshape(acc, [acc.shape[0], R, L]), y_ptr, stride_y, add_ptr, stride_add, ms, rows, M, rows < N,
+                HAS_ADD)  # fmt: skip
+
+
+@triton.jit
+def _q6k_prefetch(pf0, pf1, pf2, pf3, at, TILES: tl.constexpr, ASM: tl.constexpr):
+    """The tiles' parts of the blocks `at` bytes on into L2 (pf: each lane's part at step 0)."""
+    prefetch_lane(pf0 + at, ASM)
+    prefetch_lane(pf1 + at, ASM)
+    if TILES == 4:
+        prefetch_lane(pf2 + at, ASM)
+        prefetch_lane(pf3 + at, ASM)
+
+
+@triton.jit
 def _q6k_kernel(
     xq_ptr,
     xd_ptr,
@@ -388,93 +470,76 @@ def _q6k_kernel(
 ):
     """Q6_K: lane (half h, quarter r) of a super-block takes values 128h + 32g + 16r .. +15 for g = 0..3: low
     nibbles of ql[64h + 16r ..] (g = 0, 2: low, high nibble) and ql[64h + 32 + 16r ..] (g = 1, 3), bit pairs 2g of
-    qh[32h + 16r ..], scales[8h + r + 2g]. Blocks are 210 bytes: runs start 0 or 2 bytes into a word. L2_AHEAD as
+    qh[32h + 16r ..], scales[8h + r + 2g]. Blocks are 210 bytes: runs start 0 or 2 bytes into a word, so its loads
+    are words and bytes, which no dim of four words lays out; in a [rows, lanes] tensor rows and lanes tie, and
+    Triton 3.6 breaks the tie the other way from 3.9 (intwords). So the rows come in tiles of R = 32 / L, two or four
+    a program, each flat: 32 (row, lane) elements, one a thread, the one layout a one-dim tensor has; a thread's
+    elements in the tiles share its lane, so their activations are loaded and summed once. L2_AHEAD as
     _kquant_kernel's."""
+    L: tl.constexpr = SB * 4
+    R: tl.constexpr = 32 // L
+    TILES: tl.constexpr = BLOCK_N // R
+    tl.static_assert(TILES == 2 or TILES == 4)
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    rows_safe = tl.where(row_ok, rows, 0)
-    lanes = tl.arange(0, SB * 4)
-    sb = lanes // 4
-    h = (lanes // 2) % 2
-    r = lanes % 2
+    i = tl.arange(0, 32)
+    lane = i % L
     ms = tl.arange(0, M_PAD)
-    words = w_ptr.to(tl.pointer_type(tl.int32))
-    halfs = w_ptr.to(tl.pointer_type(tl.float16))
+    rows0 = pid * BLOCK_N + i // L
+    tile0 = _q6k_tile(w_ptr, tl.where(rows0 < N, rows0, 0), stride_w, lane)
+    tile1 = _q6k_tile(w_ptr, tl.where(rows0 + R < N, rows0 + R, 0), stride_w, lane)
+    tile2 = _q6k_tile(w_ptr, tl.where(rows0 + 2 * R < N, rows0 + 2 * R, 0), stride_w, lane)
+    tile3 = _q6k_tile(w_ptr, tl.where(rows0 + 3 * R < N, rows0 + 3 * R, 0), stride_w, lane)
+    # the activations' words a lane takes, [32, 4]: the words contiguous (the same layout under each Triton)
     xwords = xq_ptr.to(tl.pointer_type(tl.int32))
-    start = rows_safe.to(tl.int64)[:, None] * stride_w + (sb * 210)[None, :]  # [BLOCK_N, L] bytes
-    sh = ((start % 4) * 8).to(tl.int32)
-    ql_at = words + start // 4 + (16 * h + 4 * r)[None, :]
-    qh_at = words + start // 4 + (32 + 8 * h + 4 * r)[None, :]
-    sc_at = w_ptr.to(tl.pointer_type(tl.int8)) + start + (192 + 8 * h + r)[None, :]  # signed scales
-    d_at = halfs + (start + 208) // 2
-    v = tl.arange(0, 4)
-    x_at = xwords + (0 * rows)[:, None, None] + (sb * 64 + 32 * h + 4 * r)[None, :, None] + v[None, None, :]
-    xd_at = xd_ptr + (0 * rows)[:, None] + sb[None, :]
-    ones = tl.full((BLOCK_N, SB * 4), 0x01010101, tl.int32)
-    acc = tl.zeros((M_PAD, BLOCK_N, SB * 4), dtype=tl.float32)
+    x_at = xwords + ((lane // 4) * 64 + 32 * ((lane // 2) % 2) + 4 * (lane % 2))[:, None] + tl.arange(0, 4)[None, :]
+    xd_at = xd_ptr + lane // 4
+    ones = tl.full((32,), 0x01010101, tl.int32)
+    acc0 = tl.zeros((M_PAD, 32), dtype=tl.float32)
+    acc1 = tl.zeros((M_PAD, 32), dtype=tl.float32)
+    acc2 = tl.zeros((M_PAD, 32), dtype=tl.float32)
+    acc3 = tl.zeros((M_PAD, 32), dtype=tl.float32)
     k0, k1 = _k_range(n_sb, SB, per_steps, SPLIT)
-    if L2_AHEAD:  # each lane's part of its blocks (lanes % 4 is its place in the super-block)
-        pf_at = w_ptr + start + lane_first(lanes % 4, 210)[None, :]
-        for s in tl.static_range(L2_AHEAD):
-            prefetch_lane(pf_at + tl.minimum(k0 + s * SB, k1 - SB) * 210, ASM)
+    if L2_AHEAD:  # each lane's part of its blocks (lane % 4 is its place in the super-block)
+        pf0 = w_ptr + tile0[5] + lane_first(lane % 4, 210)
+        pf1 = w_ptr + tile1[5] + lane_first(lane % 4, 210)
+        pf2 = w_ptr + tile2[5] + lane_first(lane % 4, 210)
+        pf3 = w_ptr + tile3[5] + lane_first(lane % 4, 210)
+        for first in tl.static_range(L2_AHEAD):
+            _q6k_prefetch(pf0, pf1, pf2, pf3, tl.minimum(k0 + first * SB, k1 - SB) * 210, TILES, ASM)
     dependent_launch(PDL)
     for b0 in range(k0, k1, SB):
-        if L2_AHEAD:
-            prefetch_lane(pf_at + tl.minimum(b0 + L2_AHEAD * SB, k1 - SB) * 210, ASM)
-        if SB % 2 == 1:  # an odd number of 210-byte blocks a step moves the runs' offsets in their words
-            at = start + b0 * 210
-            sh = ((at % 4) * 8).to(tl.int32)
-            ql = words + at // 4 + (16 * h + 4 * r)[None, :]
-            qh = words + at // 4 + (32 + 8 * h + 4 * r)[None, :]
-        else:  # pointers from loop-invariant bases plus the block offset: no per-row pointer to carry
-            ql = ql_at + b0 * 210 // 4
-            qh = qh_at + b0 * 210 // 4
-        a0, a1, a2, a3 = run16(ql, sh, ASM)
-        b0w, b1w, b2w, b3w = run16(ql + 8, sh, ASM)
-        h0, h1, h2, h3 = run16(qh, sh, ASM)
-        sc = sc_at + b0 * 210
-        sc0 = tl.load(sc).to(tl.int32)
-        sc1 = tl.load(sc + 2).to(tl.int32)
-        sc2 = tl.load(sc + 4).to(tl.int32)
-        sc3 = tl.load(sc + 6).to(tl.int32)
-        d = tl.load(d_at + b0 * 105).to(tl.float32)
-        # q = low nibble | bit pair << 4, in 0..63 (the -32 comes from the activation sums)
-        q00 = (a0 & 0x0F0F0F0F) | ((h0 << 4) & 0x30303030)
-        q01 = (a1 & 0x0F0F0F0F) | ((h1 << 4) & 0x30303030)
-        q02 = (a2 & 0x0F0F0F0F) | ((h2 << 4) & 0x30303030)
-        q03 = (a3 & 0x0F0F0F0F) | ((h3 << 4) & 0x30303030)
-        q10 = (b0w & 0x0F0F0F0F) | ((h0 << 2) & 0x30303030)
-        q11 = (b1w & 0x0F0F0F0F) | ((h1 << 2) & 0x30303030)
-        q12 = (b2w & 0x0F0F0F0F) | ((h2 << 2) & 0x30303030)
-        q13 = (b3w & 0x0F0F0F0F) | ((h3 << 2) & 0x30303030)
-        q20 = ((a0 >> 4) & 0x0F0F0F0F) | (h0 & 0x30303030)
-        q21 = ((a1 >> 4) & 0x0F0F0F0F) | (h1 & 0x30303030)
-        q22 = ((a2 >> 4) & 0x0F0F0F0F) | (h2 & 0x30303030)
-        q23 = ((a3 >> 4) & 0x0F0F0F0F) | (h3 & 0x30303030)
-        q30 = ((b0w >> 4) & 0x0F0F0F0F) | ((h0 >> 2) & 0x30303030)
-        q31 = ((b1w >> 4) & 0x0F0F0F0F) | ((h1 >> 2) & 0x30303030)
-        q32 = ((b2w >> 4) & 0x0F0F0F0F) | ((h2 >> 2) & 0x30303030)
-        q33 = ((b3w >> 4) & 0x0F0F0F0F) | ((h3 >> 2) & 0x30303030)
+        if L2_AHEAD:  # the last steps prefetch the last one again (L2 hits)
+            _q6k_prefetch(pf0, pf1, pf2, pf3, tl.minimum(b0 + L2_AHEAD * SB, k1 - SB) * 210, TILES, ASM)
+        q0, sc0, d0 = _q6k_quants(w_ptr, tile0, lane, b0, SB, ASM)
+        q1, sc1, d1 = _q6k_quants(w_ptr, tile1, lane, b0, SB, ASM)
+        if TILES == 4:
+            q2, sc2, d2 = _q6k_quants(w_ptr, tile2, lane, b0, SB, ASM)
+            q3, sc3, d3 = _q6k_quants(w_ptr, tile3, lane, b0, SB, ASM)
         for m in tl.static_range(M):
             xr = x_at + (tl.cast(b0, tl.int64) * 64 + m * stride_xq)
             x00, x01, x02, x03 = words4(tl.load(xr))
             x10, x11, x12, x13 = words4(tl.load(xr + 8))
             x20, x21, x22, x23 = words4(tl.load(xr + 16))
             x30, x31, x32, x33 = words4(tl.load(xr + 24))
+            x = (x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33)
+            s = (dot4(x00, x01, x02, x03, ones, ones, ones, ones, 0, ASM),
+                 dot4(x10, x11, x12, x13, ones, ones, ones, ones, 0, ASM),
+                 dot4(x20, x21, x22, x23, ones, ones, ones, ones, 0, ASM),
+                 dot4(x30, x31, x32, x33, ones, ones, ones, ones, 0, ASM))  # fmt: skip
             xd = tl.load(xd_at + (tl.cast(b0, tl.int64) + m * stride_xd))
-            s0 = dot4(x00, x01, x02, x03, ones, ones, ones, ones, 0, ASM)
-            s1 = dot4(x10, x11, x12, x13, ones, ones, ones, ones, 0, ASM)
-            s2 = dot4(x20, x21, x22, x23, ones, ones, ones, ones, 0, ASM)
-            s3 = dot4(x30, x31, x32, x33, ones, ones, ones, ones, 0, ASM)
-            isum = sc0 * dot4(q00, q01, q02, q03, x00, x01, x02, x03, -32 * s0, ASM)
-            isum += sc1 * dot4(q10, q11, q12, q13, x10, x11, x12, x13, -32 * s1, ASM)
-            isum += sc2 * dot4(q20, q21, q22, q23, x20, x21, x22, x23, -32 * s2, ASM)
-            isum += sc3 * dot4(q30, q31, q32, q33, x30, x31, x32, x33, -32 * s3, ASM)
-            part = (d * xd) * isum.to(tl.float32)
-            acc += tl.where(ms[:, None, None] == m, part[None, :, :], 0.0)
+            row_m = ms[:, None] == m
+            acc0 += tl.where(row_m, _q6k_part(q0, sc0, d0, x, s, xd, ASM)[None, :], 0.0)
+            acc1 += tl.where(row_m, _q6k_part(q1, sc1, d1, x, s, xd, ASM)[None, :], 0.0)
+            if TILES == 4:
+                acc2 += tl.where(row_m, _q6k_part(q2, sc2, d2, x, s, xd, ASM)[None, :], 0.0)
+                acc3 += tl.where(row_m, _q6k_part(q3, sc3, d3, x, s, xd, ASM)[None, :], 0.0)
     y_ptr = _split_out(y_ptr, stride_split, SPLIT)
-    _store_rows(acc, y_ptr, stride_y, add_ptr, stride_add, ms, rows, M, row_ok, HAS_ADD)
+    first = pid * BLOCK_N
+    _q6k_store(acc0, y_ptr, stride_y, add_ptr, stride_add, ms, first, N, M, R, L, HAS_ADD)
+    _q6k_store(acc1, y_ptr, stride_y, add_ptr, stride_add, ms, first + R, N, M, R, L, HAS_ADD)
+    if TILES == 4:
+        _q6k_store(acc2, y_ptr, stride_y, add_ptr, stride_add, ms, first + 2 * R, N, M, R, L, HAS_ADD)
+        _q6k_store(acc3, y_ptr, stride_y, add_ptr, stride_add, ms, first + 3 * R, N, M, R, L, HAS_ADD)
 
 
 @triton.jit

@@ -89,10 +89,9 @@ def prmt(a, b, sel, ASM: tl.constexpr):
 
 @triton.jit
 def run16(at, sh, ASM: tl.constexpr):
-    """The four words of the 16 bytes that start sh / 8 bytes after word pointers `at` ([BLOCK_N, L]): five
-    aligned 4-byte loads joined pairwise."""
-    w0, w1, w2, w3 = words4(tl.load(at[:, :, None] + tl.arange(0, 4)[None, None, :]))
-    w4 = tl.load(at + 4)
+    """The four words of the 16 bytes that start sh / 8 bytes after word pointers `at`: five aligned 4-byte loads
+    of `at`'s own shape (no dim of four words for a Triton to lay out), joined pairwise."""
+    w0, w1, w2, w3, w4 = tl.load(at), tl.load(at + 1), tl.load(at + 2), tl.load(at + 3), tl.load(at + 4)
     return funnel(w0, w1, sh, ASM), funnel(w1, w2, sh, ASM), funnel(w2, w3, sh, ASM), funnel(w3, w4, sh, ASM)
 
 
