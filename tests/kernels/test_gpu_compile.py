@@ -78,3 +78,27 @@ def test_kernels_compile_with_the_lent_images_triton() -> None:
     require_compiler()
     out = compile_kernels("--arch", "90,75", pythonpath=str(lent_triton()), timeout=900)
     assert out.startswith(f"triton {LENT_TRITON},"), out[:200]
+
+
+SHARED_PROBE = """
+from tests.support import gpu_compile
+gpu_compile._LAUNCHES[:] = gpu_compile.launches()
+for name in ("Q8_0 10240x5120 M=1", "Q4_K 10240x5120 M=1", "Q6_K 10240x5120 M=3"):
+    launch = next(x for x in gpu_compile._LAUNCHES if x.decode and name in x.config)
+    kernel, _, _ = gpu_compile.compile_launch(launch, 90)
+    print(name, launch.loop_without_shared, gpu_compile.loop_shared_memory(kernel.asm["cubin"]))
+"""
+
+
+def test_the_shared_memory_check_sees_a_loops_conversion() -> None:
+    """gpu_compile's check on the K-quant and Q6_K GEMVs' loops counts what it should: the Q8_0 GEMV (unchecked)
+    converts its scales through shared memory each step, and the checked Q4_K and Q6_K loops have none."""
+    require_compiler()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    repo = str(SCRIPT.parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", SHARED_PROBE], env=env, cwd=repo, capture_output=True, text=True, timeout=300, check=True
+    ).stdout.splitlines()
+    counts = {" ".join(line.split()[:3]): (line.split()[3], int(line.split()[4])) for line in out}
+    assert counts["Q8_0 10240x5120 M=1"][0] == "False" and counts["Q8_0 10240x5120 M=1"][1] > 0, out
+    assert counts["Q4_K 10240x5120 M=1"] == ("True", 0) and counts["Q6_K 10240x5120 M=3"] == ("True", 0), out

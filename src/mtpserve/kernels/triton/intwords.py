@@ -6,7 +6,7 @@ Lane vectors: a GEMV program spreads its lanes (16-byte pieces of its blocks) ov
 weight rows in each thread's registers, so a thread loads the activations once for all its rows. Triton picks a
 load's layout from its pointers' contiguity, and where two dims tie (a [rows, lanes, 4] pointer tensor: rows and
 lanes both non-contiguous) Triton 3.9 puts the lanes across the threads and 3.6 (the lent H200 image's) the rows,
-which loads the activations again for every row and converts layouts through shared memory each step (15-64% more
+which loads the activations again for every row and converts layouts through shared memory each step (up to 63% more
 instructions a loop: docs/gpu-decode.md). Pointers made as [rows, lanes * 4] (`lane_words`) have one contiguous
 dim, so both lay them out alike; `load_vectors` gives the [rows, lanes, 4] words back."""
 
