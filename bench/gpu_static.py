@@ -95,14 +95,6 @@ def issue_bound_tbps(bytes_per_iteration: int, num_warps: int, instructions: int
     return bytes_per_instruction * arch.sms * arch.schedulers * arch.clock_ghz * 1e9 / 1e12
 
 
-def streaming_loop(text: str) -> sass.Loop | None:
-    """`sass.hot_loop` among the loops that load global memory: a warp-convergence spin (VOTE, YIELD, BRA: ptxas
-    puts one inside attention's key loop on sm_75) would otherwise count as the innermost loop."""
-    loading = [lp for lp in sass.loops(text) if lp.count("LDG")]
-    inner = [lp for lp in loading if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in loading)]
-    return max(inner, key=len, default=None)
-
-
 def analyse(job: tuple[int, int]) -> dict:
     """Compile decode launch i for sm_`arch` and read its hot loop: one row of the `kernels` table."""
     i, sm = job
@@ -129,7 +121,7 @@ def analyse(job: tuple[int, int]) -> dict:
         kernel, report, row["num_warps"] = gpu_compile.compile_launch(launch, sm)
         row["registers"], _, row["spill_bytes"] = gpu_compile.ptxas_usage(report)
         text = sass.disassemble(kernel.asm["cubin"])
-        loop = sass.hot_loop(text) if launch.bytes_per_iteration is None else streaming_loop(text)
+        loop = sass.hot_loop(text) if launch.bytes_per_iteration is None else sass.streaming_loop(text)
         row["sass_instructions_per_iteration"] = len(loop) if loop else None
         spill_free = not row["spill_bytes"]
         if launch.bytes_per_iteration is None or loop is None:

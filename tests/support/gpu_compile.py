@@ -553,9 +553,7 @@ def loop_shared_memory(cubin: bytes) -> int:
         from tests.support import sass
     except ImportError:  # run as a script: this directory is on the path
         import sass
-    loading = [lp for lp in sass.loops(sass.disassemble(cubin)) if lp.count("LDG")]
-    inner = [lp for lp in loading if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in loading)]
-    loop = max(inner, key=len, default=None)
+    loop = sass.streaming_loop(sass.disassemble(cubin))
     return 0 if loop is None else sum(loop.count(op) for op in ("STS", "LDS", "BAR"))
 
 

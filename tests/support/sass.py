@@ -107,6 +107,14 @@ def loops(sass: str) -> list[Loop]:
     return found
 
 
+def streaming_loop(sass: str) -> Loop | None:
+    """`hot_loop` among the loops that load global memory: a warp-convergence spin (VOTE, YIELD, BRA: ptxas puts
+    one inside attention's key loop on sm_75) would otherwise count as the innermost loop."""
+    loading = [lp for lp in loops(sass) if lp.count("LDG")]
+    inner = [lp for lp in loading if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in loading)]
+    return max(inner, key=len, default=None)
+
+
 def hot_loop(sass: str) -> Loop | None:
     """The innermost loop (containing no other) with the most instructions; None for straight-line code."""
     all_loops = loops(sass)
