@@ -87,12 +87,17 @@ for name in ("Q8_0 10240x5120 M=1", "Q4_K 10240x5120 M=1", "Q6_K 10240x5120 M=3"
     launch = next(x for x in gpu_compile._LAUNCHES if x.decode and name in x.config)
     kernel, _, _ = gpu_compile.compile_launch(launch, 90)
     print(name, launch.loop_without_shared, gpu_compile.loop_shared_memory(kernel.asm["cubin"]))
+INT8 = "planar int8 D=256 H=24 Hkv=4 T=1 window=None"
+launch = next(x for x in gpu_compile._LAUNCHES if x.decode and INT8 in x.config)
+kernel, _, _ = gpu_compile.compile_launch(launch, 90)
+print("int8 attention D=256", launch.loop_store_limit, gpu_compile.loop_shared_memory(kernel.asm["cubin"], ("STS",)))
 """
 
 
 def test_the_shared_memory_check_sees_a_loops_conversion() -> None:
-    """gpu_compile's check on the K-quant and Q6_K GEMVs' loops counts what it should: the Q8_0 GEMV (unchecked)
-    converts its scales through shared memory each step, and the checked Q4_K and Q6_K loops have none."""
+    """gpu_compile's checks on the K-quant and Q6_K GEMVs' loops count what they should: the Q8_0 GEMV (unchecked)
+    converts its scales through shared memory each step, and the checked Q4_K and Q6_K loops have none; the int8
+    decode attention's key loop stores its V tile in shared memory, within its limit."""
     require_compiler()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     repo = str(SCRIPT.parents[2])
@@ -102,3 +107,5 @@ def test_the_shared_memory_check_sees_a_loops_conversion() -> None:
     counts = {" ".join(line.split()[:3]): (line.split()[3], int(line.split()[4])) for line in out}
     assert counts["Q8_0 10240x5120 M=1"][0] == "False" and counts["Q8_0 10240x5120 M=1"][1] > 0, out
     assert counts["Q4_K 10240x5120 M=1"] == ("True", 0) and counts["Q6_K 10240x5120 M=3"] == ("True", 0), out
+    limit, stores = counts["int8 attention D=256"]
+    assert limit == "32" and 0 < stores <= 32, out  # its V tile's stores are seen, and are 16-byte ones

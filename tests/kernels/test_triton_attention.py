@@ -433,6 +433,11 @@ def test_rejects_unsupported_type_and_bad_shapes() -> None:
             head_dim=64,
             scale=1.0,
         )
+    odd = torch.zeros(4, 2 * 68 + 1, dtype=torch.uint8)[:, : 2 * 68]  # rows 137 bytes apart: fp16 scales misaligned
+    with pytest.raises(ValueError, match="v_cache: a planar q8_0 cache needs an even row stride, got 137"):
+        decode_attention(
+            q, f16, odd, GGMLType.F16, GGMLType.Q8_0, pos, k_pos, n_kv_heads=2, head_dim=64, scale=1.0, planar=True
+        )
     with pytest.raises(ValueError, match="a F32 cache must be"):
         decode_attention(q, f16, f16, GGMLType.F32, GGMLType.F16, pos, k_pos, n_kv_heads=2, head_dim=64, scale=1.0)
     with pytest.raises(ValueError, match="cells but k_pos has"):

@@ -97,6 +97,15 @@ class Launch:
         layout through shared memory each step under the lent image's Triton 3.6."""
         return getattr(self.fn, "__name__", "") in ("_kquant_kernel", "_q6k_kernel")
 
+    @property
+    def loop_store_limit(self) -> int | None:
+        """The most shared-memory stores its key loop may hold, or None: the int8 decode attention at D >= 128 stores
+        its fp16 V tile (and P) for the PV dot in 16-byte stores: 11-14 a tile under Triton 3.9, 15-22 under 3.6
+        (sm_90, sm_80), where 3.6 stored 71-78 while V's scales were loaded as [keys, blocks] pointers."""
+        if getattr(self.fn, "__name__", "") == "_split_int8_kernel" and self.kwargs.get("D", 0) >= 128:
+            return 32
+        return None
+
 
 def _recorded(fn, call: Callable[[], object]) -> list[tuple[object, tuple, dict]]:
     """The launches `call` makes, by any of the kernels in fn (a list), without running them."""
@@ -547,14 +556,15 @@ def l2_prefetch_problems(ptx: str, kwargs: dict) -> list[str]:
     return problems
 
 
-def loop_shared_memory(cubin: bytes) -> int:
-    """Shared-memory loads, stores and barriers in the innermost loop that loads global memory (SASS)."""
+def loop_shared_memory(cubin: bytes, opcodes: tuple[str, ...] = ("STS", "LDS", "BAR")) -> int:
+    """Shared-memory loads, stores and barriers (or `opcodes`) in the innermost loop that loads global memory
+    (SASS)."""
     try:
         from tests.support import sass
     except ImportError:  # run as a script: this directory is on the path
         import sass
     loop = sass.streaming_loop(sass.disassemble(cubin))
-    return 0 if loop is None else sum(loop.count(op) for op in ("STS", "LDS", "BAR"))
+    return 0 if loop is None else sum(loop.count(op) for op in opcodes)
 
 
 def compile_launch(launch: Launch, arch: int) -> tuple[object, str, int]:
@@ -623,6 +633,9 @@ def _compile(job: tuple[int, int]) -> dict:
         problems += [f"l2 prefetch: {p}" for p in l2_prefetch_problems(kernel.asm["ptx"], launch.kwargs)]
         if launch.loop_without_shared and (shared := loop_shared_memory(kernel.asm["cubin"])):
             problems.append(f"{shared} shared-memory instructions in its K loop (a layout converted each step)")
+        store_limit = launch.loop_store_limit
+        if store_limit is not None and (stores := loop_shared_memory(kernel.asm["cubin"], ("STS",))) > store_limit:
+            problems.append(f"{stores} shared-memory stores in its key loop, over {store_limit} (a tile stored narrow)")
         if launch.pdl and not launch.kwargs.get("PDL"):
             problems.append("pdl: its wrapper launched it without kernels.triton.pdl.launch_options")
         elif launch.pdl:

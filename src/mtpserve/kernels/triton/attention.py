@@ -475,6 +475,9 @@ def decode_attention(
     G = H // n_kv_heads
     float_options = precision or loads_first or block_m
     int8 = planar_kernel(device, k_type, v_type, D, planar, int8_qk, int8_kernel, float_options, T * G)
+    for name, qtype, strides in (("k_cache", k_type, sk), ("v_cache", v_type, sv)):
+        if planar and int(qtype) == GGMLQuantizationType.Q8_0 and strides[0] % 2:  # its fp16 scales, read as such
+            raise ValueError(f"{name}: a planar q8_0 cache needs an even row stride, got {strides[0]} bytes")
     d_pad = max(32, triton.next_power_of_2(D))  # two halves of 16-runs
     # At D = 256, 32-key/32-row tiles need 69,760 B of shared memory (over sm_75's 64 KiB) and a q4_0 cache 102,912 B
     # (over sm_86/89's 99 KiB), and spill KBs of registers; 16 x 16 fits every target (ptxas,

@@ -95,11 +95,24 @@ def _split_int8_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr, ac
             other=0,
         )
         vq = vq.to(tl.int8, bitcast=True)
-        vs = tl.load(
-            (v_row[:, None, None] + 2 * blk[None, :, None]).to(tl.pointer_type(tl.float16)),
-            mask=in_cache[:, None, None],
-            other=0.0,
-        )
+        if NB >= 4:
+            # V's scales as one run of (key, block) pairs, a pair a lane (a 2-byte divisibility keeps each load
+            # scalar): [keys, blocks] pointers tie the two dims, which Triton 3.6 (the lent GPU image's) breaks
+            # toward the keys and then moves the V tile through shared memory (sm_90 SASS at D = 256: 743
+            # instructions a tile, 640 so; 617 either way under 3.9). Below 128 pairs lanes would hold copies.
+            pair = tl.arange(0, BLOCK_S * NB)
+            vs = tl.load(
+                tl.multiple_of(v_tile.to(tl.pointer_type(tl.float16)) + (pair // NB) * (sv_s // 2) + pair % NB, [2]),
+                mask=(s0 + pair // NB) < S,
+                other=0.0,
+            )
+            vs = tl.reshape(vs, (BLOCK_S, NB, 1))
+        else:
+            vs = tl.load(
+                (v_row[:, None, None] + 2 * blk[None, :, None]).to(tl.pointer_type(tl.float16)),
+                mask=in_cache[:, None, None],
+                other=0.0,
+            )
         vs = tl.where(seen[:, None, None], vs, 0.0)
         v = tl.reshape(int8_to_fp16(vq, ASM) * vs, (BLOCK_S, D))
         acc = tl.dot(p.to(tl.float16), v, acc * alpha[:, None])
