@@ -36,6 +36,8 @@ mtpserve.ops.attention.decode_attention_reference, held to it in tests/kernels/t
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -537,7 +539,7 @@ def decode_attention(
         elif int8:
             _split_int8_kernel[grid](
                 q, k_cache, v_cache, *positions, *common, q.stride(0), q.stride(1), *sk, *sv, **shape, T_PAD=t_pad,
-                ASM=INLINE_ASM,
+                ASM=INLINE_ASM, ALIGN=math.gcd(16, *sk, *sv),
                 num_warps=warps, num_stages=INT8_STAGES, **counting, **pdl,
             )  # fmt: skip
         else:

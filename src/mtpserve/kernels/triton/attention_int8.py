@@ -36,7 +36,8 @@ INT8_STAGES = 2  # tiles in flight (cp.async): 3 cost registers and a few instru
 def _split_int8_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr, acc_ptr, T, H, S, G, row0, n_splits,
                        min_keys, window, qk_scale, sq_t, sq_h, sk_s, sk_h, sv_s, sv_h, D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                       ORDERED: tl.constexpr, T_PAD: tl.constexpr, ASM: tl.constexpr, counts_ptr=None,
+                       ORDERED: tl.constexpr, T_PAD: tl.constexpr, ASM: tl.constexpr, ALIGN: tl.constexpr = 16,
+                       counts_ptr=None,
                        COUNT: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
     """Program (row block, KV head hk, split) -> partial max / sum / acc of its rows over its keys."""
     dependent_launch(PDL)
@@ -54,6 +55,11 @@ def _split_int8_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr, ac
         qd = qd + (scales * qk_scale,)
     q_pos = tl.load(qpos_ptr + t, mask=row_ok, other=-1).to(tl.int32)  # padding rows sit at -1: they see no key
 
+    # The strides' common power-of-two factor (up to 16), spelled so the compiler sees it: Triton assumes 16 or 1 of
+    # an argument, and at D = 64 or 128 (68- or 136-byte head rows) 1 made every K and V load a byte load
+    if ALIGN < 16:
+        sk_s, sk_h = sk_s // ALIGN * ALIGN, sk_h // ALIGN * ALIGN
+        sv_s, sv_h = sv_s // ALIGN * ALIGN, sv_h // ALIGN * ALIGN
     k_head = k_ptr + hk.to(tl.int64) * sk_h
     v_head = v_ptr + hk.to(tl.int64) * sv_h
     start, end, active = _split_keys(qpos_ptr, q_pos, split, T, S, n_splits, min_keys, T_PAD, BLOCK_S, ORDERED)
