@@ -90,14 +90,20 @@ for name in ("Q8_0 10240x5120 M=1", "Q4_K 10240x5120 M=1", "Q6_K 10240x5120 M=3"
 INT8 = "planar int8 D=256 H=24 Hkv=4 T=1 window=None"
 launch = next(x for x in gpu_compile._LAUNCHES if x.decode and INT8 in x.config)
 kernel, _, _ = gpu_compile.compile_launch(launch, 90)
-print("int8 attention D=256", launch.loop_store_limit, gpu_compile.loop_shared_memory(kernel.asm["cubin"], ("STS",)))
+print("int8 attention D=256", launch.loop_store_limit, gpu_compile.loop_count(kernel.asm["cubin"], ("STS",)))
+for name in ("planar int8 D=64", "planar D=64"):  # 68-byte head rows: the float kernel loads bytes, the int8 one not
+    launch = next(x for x in gpu_compile._LAUNCHES if x.decode and name + " H=9 Hkv=3 T=1 window=None" in x.config)
+    kernel, _, _ = gpu_compile.compile_launch(launch, 90)
+    bytes_ = gpu_compile.loop_count(kernel.asm["cubin"], ("LDG.E.U8", "LDG.E.S8"))
+    print(name.replace(" ", "_"), "byte loads", launch.loop_without_byte_loads, bytes_)
 """
 
 
 def test_the_shared_memory_check_sees_a_loops_conversion() -> None:
     """gpu_compile's checks on the K-quant and Q6_K GEMVs' loops count what they should: the Q8_0 GEMV (unchecked)
     converts its scales through shared memory each step, and the checked Q4_K and Q6_K loops have none; the int8
-    decode attention's key loop stores its V tile in shared memory, within its limit."""
+    decode attention's key loop stores its V tile in shared memory, within its limit, and at D = 64 loads no global
+    memory a byte at a time, where the float kernel (unchecked) over the same planar rows does."""
     require_compiler()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     repo = str(SCRIPT.parents[2])
@@ -109,3 +115,5 @@ def test_the_shared_memory_check_sees_a_loops_conversion() -> None:
     assert counts["Q4_K 10240x5120 M=1"] == ("True", 0) and counts["Q6_K 10240x5120 M=3"] == ("True", 0), out
     limit, stores = counts["int8 attention D=256"]
     assert limit == "32" and 0 < stores <= 32, out  # its V tile's stores are seen, and are 16-byte ones
+    assert counts["planar_int8_D=64 byte loads"] == ("True", 0), out  # ALIGN: its strides' 4-byte factor seen
+    assert counts["planar_D=64 byte loads"][0] == "False" and counts["planar_D=64 byte loads"][1] > 0, out

@@ -98,6 +98,12 @@ class Launch:
         return getattr(self.fn, "__name__", "") in ("_kquant_kernel", "_q6k_kernel")
 
     @property
+    def loop_without_byte_loads(self) -> bool:
+        """Whether its key loop must not load global memory a byte at a time: the int8 decode attention, whose K and
+        V loads were 8-bit at D = 64 and 128 while Triton took their 68- and 136-byte head rows as unaligned."""
+        return getattr(self.fn, "__name__", "") == "_split_int8_kernel"
+
+    @property
     def loop_store_limit(self) -> int | None:
         """The most shared-memory stores its key loop may hold, or None: the int8 decode attention at D >= 128 stores
         its fp16 V tile (and P) for the PV dot in 16-byte stores: 11-14 a tile under Triton 3.9, 15-22 under 3.6
@@ -556,15 +562,19 @@ def l2_prefetch_problems(ptx: str, kwargs: dict) -> list[str]:
     return problems
 
 
-def loop_shared_memory(cubin: bytes, opcodes: tuple[str, ...] = ("STS", "LDS", "BAR")) -> int:
-    """Shared-memory loads, stores and barriers (or `opcodes`) in the innermost loop that loads global memory
-    (SASS)."""
+def loop_count(cubin: bytes, opcodes: tuple[str, ...]) -> int:
+    """Instructions with these opcode prefixes in the innermost loop that loads global memory (SASS)."""
     try:
         from tests.support import sass
     except ImportError:  # run as a script: this directory is on the path
         import sass
     loop = sass.streaming_loop(sass.disassemble(cubin))
     return 0 if loop is None else sum(loop.count(op) for op in opcodes)
+
+
+def loop_shared_memory(cubin: bytes) -> int:
+    """Shared-memory loads, stores and barriers in the innermost loop that loads global memory (SASS)."""
+    return loop_count(cubin, ("STS", "LDS", "BAR"))
 
 
 def compile_launch(launch: Launch, arch: int) -> tuple[object, str, int]:
@@ -633,8 +643,10 @@ def _compile(job: tuple[int, int]) -> dict:
         problems += [f"l2 prefetch: {p}" for p in l2_prefetch_problems(kernel.asm["ptx"], launch.kwargs)]
         if launch.loop_without_shared and (shared := loop_shared_memory(kernel.asm["cubin"])):
             problems.append(f"{shared} shared-memory instructions in its K loop (a layout converted each step)")
+        if launch.loop_without_byte_loads and (narrow := loop_count(kernel.asm["cubin"], ("LDG.E.U8", "LDG.E.S8"))):
+            problems.append(f"{narrow} byte loads of global memory in its key loop (strides taken as unaligned)")
         store_limit = launch.loop_store_limit
-        if store_limit is not None and (stores := loop_shared_memory(kernel.asm["cubin"], ("STS",))) > store_limit:
+        if store_limit is not None and (stores := loop_count(kernel.asm["cubin"], ("STS",))) > store_limit:
             problems.append(f"{stores} shared-memory stores in its key loop, over {store_limit} (a tile stored narrow)")
         if launch.pdl and not launch.kwargs.get("PDL"):
             problems.append("pdl: its wrapper launched it without kernels.triton.pdl.launch_options")
