@@ -27,7 +27,8 @@ card with 68 SMs: a pessimistic reading. The GEMVs' fraction is likely better th
 as many an SM against a seventh of the bandwidth an SM, enough bytes in flight to stream (the H200's shortfall
 looks like too few: ~5 one-warp programs an SM on a 5120-row matrix; bench/gemv_l2.py's tile choices will say).
 Attention's latency-bound tiles have no such excuse. Each number says which kind it is: "fit" rows reproduce the
-measurement they were fitted to, the others are predictions from it.
+measurement they were fitted to, the others are predictions from it. A run on an H100 SXM (the JSON's `device`)
+is fitted and predicted as that card: its 3.35 TB/s, the H200's SMs and clock.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ import gpu_time_model as tm  # noqa: E402
 from mtpserve.kernels.triton.attention import MAX_SPLITS, MIN_KEYS_PER_SPLIT  # noqa: E402  the kernel's split rule
 
 MEASURED = REPO / "docs" / "perf" / "h200_decode_2026-12-04.json"
-H200_CLOCK_GHZ, TURING_CLOCK_GHZ = 1.98, 1.545  # boost clocks: the H200 as the lent one read it, the 2080 Ti's spec
-SMS = {"H200": 132, "2x2080Ti": 68}
+# SMs and boost clock of each card the rows are for (the H200 as the lent one read it, the others' specs); a run
+# on an H100 SXM is fitted and predicted as its own card (gpu_time_model.DEVICES: its bandwidth)
+CARDS = {"H200": (132, 1.98), "H100": (132, 1.98), "2x2080Ti": (68, 1.545)}
 KEYS_PER_TILE = 16  # decode_attention's tile at D = 256
 CONTEXTS = (4096, 65536, 131072, 262144)
 GEMV_KERNELS = ("_kquant_kernel", "_q6k_kernel")
@@ -84,22 +86,30 @@ def attention_ms(context: int, rows: int, sms: int, tile_us: float, layers: int 
     return layers * math.ceil(programs / sms) * tiles * tile_us / 1e3
 
 
+def measured_on(measured: dict) -> str:
+    """The card bench/gpu.py's JSON was measured on, as gpu_time_model.DEVICES names it."""
+    name = measured.get("device", "")
+    if "H100" in name and ("PCIe" in name or "NVL" in name):
+        raise ValueError(f"{name}: only the SXM H100 (3.35 TB/s, 132 SMs) is among the modelled cards")
+    return "H100" if "H100" in name else "H200"
+
+
 def fit(measured: dict) -> Efficiencies:
-    """The efficiencies from bench/gpu.py's JSON of the H200 run."""
+    """The efficiencies from bench/gpu.py's JSON of a run (the first, on an H200; or an H100 SXM's)."""
+    card = measured_on(measured)
+    hbm = tm.DEVICES[card].hbm_tbps * 1e12
     w = tm.Bytes.of_deployment(shortlist=False)
     rows = {r["depth"]: r for r in measured["decode"]}
     shallow = rows[min(rows)]
     decode, cycle = shallow["decode_profile"], shallow["mtp_cycle_profile"]
     gemv_1 = _kernel_us(decode, GEMV_KERNELS)
-    fraction_1 = w.trunk / (gemv_1 * 1e-6) / (tm.DEVICES["H200"].hbm_tbps * 1e12)
+    fraction_1 = w.trunk / (gemv_1 * 1e-6) / hbm
     drafts_head = 2 * (w.mtp_block + w.output_layer) / (w.trunk / gemv_1)  # the two drafts' GEMVs at the 1-row rate
-    fraction_3 = (
-        w.trunk / ((_kernel_us(cycle, GEMV_KERNELS) - drafts_head) * 1e-6) / (tm.DEVICES["H200"].hbm_tbps * 1e12)
-    )
+    fraction_3 = w.trunk / ((_kernel_us(cycle, GEMV_KERNELS) - drafts_head) * 1e-6) / hbm
     tiles = []
     for depth, r in rows.items():
         programs, per = attention_programs(depth, 1)
-        waves = math.ceil(programs / SMS["H200"])
+        waves = math.ceil(programs / CARDS[card][0])
         tiles.append(_kernel_us(r["decode_profile"], ATTENTION_KERNELS) / tm.ATTENTION_LAYERS / (waves * per))
     small = decode["busy_us"] - gemv_1 - _kernel_us(decode, ATTENTION_KERNELS)
     small_cycle = cycle["busy_us"] - _kernel_us(cycle, GEMV_KERNELS) - _kernel_us(cycle, ATTENTION_KERNELS)
@@ -114,17 +124,22 @@ def fit(measured: dict) -> Efficiencies:
 
 
 def predict(
-    e: Efficiencies, host_ms_per_token: float, host_ms_per_mtp_cycle: float, contexts: tuple[int, ...] = CONTEXTS
+    e: Efficiencies,
+    host_ms_per_token: float,
+    host_ms_per_mtp_cycle: float,
+    contexts: tuple[int, ...] = CONTEXTS,
+    card: str = "H200",
 ) -> list[dict]:
-    """tok/s by device, context and speculation, and ms a token by part (the layer split: cards in series)."""
+    """tok/s by device, context and speculation, and ms a token by part (the layer split: cards in series), from
+    efficiencies fitted on `card`."""
     w = tm.Bytes.of_deployment(shortlist=False)  # the measured run: the whole head, the float attention kernel
     k = tm.Kernels(decode=709, verify=725, draft=27, catch_up=22)
     out = []
-    for name in ("H200", "2x2080Ti"):
+    for name in (card, "2x2080Ti"):
         device = tm.DEVICES[name]
-        tile_us = e.tile_us * (1.0 if name == "H200" else H200_CLOCK_GHZ / TURING_CLOCK_GHZ)
+        sms, clock_ghz = CARDS[name]
+        tile_us = e.tile_us * CARDS[card][1] / clock_ghz
         hbm = device.hbm_tbps * 1e9  # bytes a ms
-        sms = SMS[name]
         for context in contexts:
             plain = {
                 "weights": w.trunk / (hbm * e.gemv_fraction_1),
@@ -160,7 +175,7 @@ def predict(
 
 
 def compare(predicted: list[dict], measured: dict) -> list[dict]:
-    """The H200 rows beside what the run measured at the same depth (the fit's own check)."""
+    """The measured card's rows beside what the run measured at the same depth (the fit's own check)."""
     got = {}
     for r in measured["decode"]:
         got[(r["depth"], "none")] = r["decode_tokens_per_s"]
@@ -168,7 +183,7 @@ def compare(predicted: list[dict], measured: dict) -> list[dict]:
     return [
         {"context": p["context"], "spec": p["spec"], "calibrated": p["tok_s"], "measured": round(got[key], 1)}
         for p in predicted
-        if p["device"] == "H200" and got.get(key := (p["context"], p["spec"]))
+        if p["device"] == measured_on(measured) and got.get(key := (p["context"], p["spec"]))
     ]
 
 
@@ -182,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     measured = json.loads(Path(args.measured).read_text())
     host = json.loads(Path(args.time_model).read_text())
     e = fit(measured)
-    predicted = predict(e, host["host_ms_per_token"], host["host_ms_per_mtp_cycle"])
+    predicted = predict(e, host["host_ms_per_token"], host["host_ms_per_mtp_cycle"], card=measured_on(measured))
     result = {"efficiencies": e.__dict__, "predicted": predicted, "fit_check": compare(predicted, measured)}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -194,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {p['device']} | {p['context']:,} | {p['spec']} | {p['tok_s']} | {m['weights']:.2f} | "
               f"{m['attention']:.2f} | {m['small_kernels']:.2f} | {m['launches']:.2f} | {m['host']:.2f} |")  # fmt: skip
     for c in result["fit_check"]:
-        print(f"fit check, H200 {c['context']:,} {c['spec']}: calibrated {c['calibrated']}, measured {c['measured']}")
+        print(f"fit check, {measured_on(measured)} {c['context']:,} {c['spec']}: calibrated {c['calibrated']}, "
+              f"measured {c['measured']}")  # fmt: skip
     return 0
 
 

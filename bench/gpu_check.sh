@@ -15,7 +15,8 @@
 # .gpu-peer/llama.cpp-sm90.tar.xz is there already) before asking for the device; device `run` of
 # `bash bench/gpu_check.sh run`, carry [".gpu"], timeout_s 600, kind nvidia-h200 (the first run's card: every number
 # then compares with it and with the time model's H200 rows; an H100 where a refusal offers only that: the same
-# GH100 SMs and clocks, so latency-bound kernels run at the same TB/s and read as larger fractions of its 3.35);
+# GH100 SMs and clocks, so latency-bound kernels run at the same TB/s and read as larger fractions of its 3.35;
+# the time model's `predicted_other` has its rows, and bench/gpu_calibrated.py fits a run on it as its own card);
 # copy the decode.json it returns into .gpu-peer/; if at least 5 minutes are left, device `run` of
 # `bash bench/gpu_check.sh peer`, carry [".gpu-peer"], timeout_s 300; then give_back.
 #

@@ -45,7 +45,8 @@ of the tokens' float32 hidden states, plus one gathering the vocabulary-split ou
 ranks gather whole logits; on GPUs each row's top candidates would cross), each costing the link's latency plus
 its bytes and a launch. Priced over PCIe 3.0 through host memory and over the 2080
 Ti's NVLink bridge (DEVICES); the JSON keeps them apart from what the code runs (`predicted_row_split`), and
-`row_split_vs_layer_split` gives each over the layer split's tok/s.
+`row_split_vs_layer_split` gives each over the layer split's tok/s. `predicted_other`: an H100 SXM, the other kind
+of machine a session may be lent, so that a run on one has a prediction to stand beside.
 
 Every assumption is a named constant below, with where it comes from; none is tuned to reach a goal. Calibration,
 once a GPU is lent: bench/gpu_check.sh's GEMV micro-benchmark measures BANDWIDTH_FRACTION per kernel, its
@@ -100,6 +101,9 @@ class Device:
 DEVICES = {
     # H200: 4.8 TB/s HBM3e; PCIe 5.0 x16 (64 GB/s a direction) at half for pageable copies
     "H200": Device("H200", "sm_90", 4.8, 25.0, 1, 4.78),
+    # H100 SXM5 80 GB (the lent machines' other kind): 3.35 TB/s HBM3 and the H200's 132 SMs at 1.98 GHz, so
+    # gpu_static's sm_90 issue bounds hold for it as they are; a PCIe H100 (2.0 TB/s, 114 SMs) would be slower
+    "H100": Device("H100", "sm_90", 3.35, 25.0, 1, 4.78),
     # RTX 2080 Ti: 616 GB/s GDDR6; PCIe 3.0 x16 (~12 GB/s in practice) at half; layer split 1:1 over two cards
     "2x2080Ti": Device("2x2080Ti", "sm_75", 0.616, 6.0, 2, 1.15),
     # The same two cards as tensor parallelism (issue 40's `-sm row`): both stream half of every matrix at once.
@@ -110,6 +114,7 @@ DEVICES = {
     "2x2080Ti-row-pcie": Device("2x2080Ti-row-pcie", "sm_75", 0.616, 6.0, 1, 1.15, 2, 15.0, 6.0),
     "2x2080Ti-row-nvlink": Device("2x2080Ti-row-nvlink", "sm_75", 0.616, 6.0, 1, 1.15, 2, 10.0, 50.0),
 }
+ISSUE_DEVICES = ("H200", "2x2080Ti")  # `predicted`: issue 38's; the H100 goes in `predicted_other`
 ALLREDUCES_PER_LAYER = 2  # row split: after the attention or DeltaNet output projection, and after the FFN's down
 
 
@@ -399,7 +404,8 @@ def model(
         "host_ms_per_token": round(per_token, 4),
         "host_ms_per_mtp_cycle": round(per_cycle, 4),
         "assumptions": assumptions(),
-        "predicted": [p for p in predicted if p not in planned],  # what the code runs: H200, the layer split
+        "predicted": [p for p in predicted if p["device"] in ISSUE_DEVICES],  # what the code runs: H200, layer split
+        "predicted_other": [p for p in predicted if p not in planned and p["device"] not in ISSUE_DEVICES],
         "predicted_row_split": planned,  # issue 40's tensor parallelism: on CPU ranks today, not on CUDA
         "row_split_vs_layer_split": row_split_ratios(predicted),
     }
@@ -428,7 +434,7 @@ def table(result: dict) -> str:
         "| device | context | spec | tok/s | weights | attention | launches | host | other (ms a token) |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for p in result["predicted"] + result["predicted_row_split"]:
+    for p in result["predicted"] + result.get("predicted_other", []) + result["predicted_row_split"]:
         m = p["ms"]
         lines.append(
             f"| {p['device']} | {p['context']:,} | {p['spec']} | {p['tok_s']} | {m['weights']:.2f} | "

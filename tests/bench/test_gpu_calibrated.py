@@ -28,6 +28,24 @@ def test_the_fit_reproduces_the_h200_run_within_a_tenth() -> None:
         assert abs(c["calibrated"] / c["measured"] - 1) < 0.1, c
 
 
+def test_a_run_on_an_h100_is_fitted_at_its_bandwidth() -> None:
+    """The same kernel times from an H100 SXM: the GEMVs' fractions are of its 3.35 TB/s (so higher by 4.8 / 3.35),
+    the attention tile time the same (the same SMs and clock), and the rows are the H100's, each still
+    reproducing the run; a PCIe H100 is refused, not modelled as the SXM."""
+    measured = json.loads(gc.MEASURED.read_text())
+    host = json.loads((REPO / "docs" / "perf" / "gpu_time_model.json").read_text())
+    h200 = gc.fit(measured)
+    h100_run = measured | {"device": "NVIDIA H100 80GB HBM3"}
+    e = gc.fit(h100_run)
+    assert e.gemv_fraction_1 == pytest.approx(h200.gemv_fraction_1 * 4.8 / 3.35) and e.tile_us == h200.tile_us
+    predicted = gc.predict(e, host["host_ms_per_token"], host["host_ms_per_mtp_cycle"], card="H100")
+    assert {p["device"] for p in predicted} == {"H100", "2x2080Ti"}
+    checks = gc.compare(predicted, h100_run)
+    assert len(checks) == 4 and all(abs(c["calibrated"] / c["measured"] - 1) < 0.1 for c in checks), checks
+    with pytest.raises(ValueError, match="only the SXM H100"):
+        gc.fit(measured | {"device": "NVIDIA H100 PCIe"})
+
+
 def test_attention_programs_follow_the_split_rule() -> None:
     assert gc.attention_programs(4096, 1) == (64, 16)  # 16 ranges of 256 keys x 4 KV heads
     assert gc.attention_programs(65536, 1) == (1024, 16)

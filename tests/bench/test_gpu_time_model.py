@@ -180,3 +180,17 @@ def test_the_draft_head_bench_predicts_both_heads_through_the_model(monkeypatch)
             for context in tm.CONTEXTS:
                 assert rows[(head, device, context)] == own[(device, context, "draft-mtp")]["tok_s"]
     assert all(rows[("q4_0", d, c)] > rows[("full", d, c)] for d in ("H200", "2x2080Ti") for c in tm.CONTEXTS)
+
+
+def test_an_h100_is_the_h200_at_its_bandwidth():
+    """The H100 SXM (`predicted_other`, not issue 38's pair): the H200's sm_90 kernels, counts and host time; its
+    weights, states and (past the int8 kernel's bound) attention streamed at 3.35 TB/s rather than 4.8."""
+    r = tm.model({}, host=(0.2, 0.9))
+    assert {p["device"] for p in r["predicted"]} == {"H200", "2x2080Ti"}
+    other = {(p["context"], p["spec"]): p for p in r["predicted_other"]}
+    h200 = {(p["context"], p["spec"]): p for p in r["predicted"] if p["device"] == "H200"}
+    assert {p["device"] for p in r["predicted_other"]} == {"H100"} and set(other) == set(h200)
+    for key, p in other.items():
+        assert p["ms"]["weights"] == pytest.approx(h200[key]["ms"]["weights"] * 4.8 / 3.35, rel=1e-3)
+        assert p["ms"]["launches"] == h200[key]["ms"]["launches"] and p["ms"]["host"] == h200[key]["ms"]["host"]
+        assert p["tok_s"] < h200[key]["tok_s"]
