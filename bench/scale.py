@@ -4,12 +4,14 @@ speeds of a chat request from `timings` (with draft counts): the first answer's 
 request's speeds, once the weights are in memory.
 
     .venv/bin/python bench/scale.py --llama-server PATH [--model FILE] [--configs deployment,no-spec,32k]
-                                    [--n-predict 8] [--json PATH]
+                                    [--n-predict 8] [--json PATH] [--variant '--no-mmap' ...]
 
 Configurations (each adds `-np 1 -fa on --alias qwopus --api-key k -t 2`):
 * deployment: `-c 262144 -ctk q8_0 -ctv q8_0 --spec-type draft-mtp --spec-draft-n-max 2` (the deployment's line);
 * no-spec: the same without speculative decoding;
 * 32k: the deployment's line with `-c 32768`.
+
+`--variant FLAGS` measures mtpserve once more with FLAGS added (e.g. `--no-mmap`), after its plain run.
 
 One server at a time (two would share the machine's memory and page cache, each evicting the other's weights), the
 page cache dropped of the file between them where the machine allows it (root: /proc/sys/vm/drop_caches), so each
@@ -128,6 +130,7 @@ def main() -> int:
     ap.add_argument("--configs", default="deployment,no-spec,32k")
     ap.add_argument("--n-predict", type=int, default=8)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--variant", action="append", default=[], help="mtpserve again with these flags (e.g. --no-mmap)")
     args = ap.parse_args()
     if not args.model.exists():
         sys.exit(f"{args.model} is missing: make it with bench/make_qwen35_27b.py")
@@ -135,8 +138,10 @@ def main() -> int:
     for config in args.configs.split(","):
         flags = [*COMMON, *CONFIGS[config]]
         print(f"{config}: {' '.join(flags)}", flush=True)
+        variants = [(f"mtpserve {v}", mtpserve_command(str(args.model), [*flags, *v.split()])) for v in args.variant]
         for server, command in (
             ("mtpserve", mtpserve_command(str(args.model), flags)),
+            *variants,
             ("llama-server", [args.llama_server, "-m", str(args.model), *flags]),
         ):
             row = measure(server, command, args.n_predict, lambda s: print(s, flush=True))

@@ -2,7 +2,7 @@
 speeds each server reports for it (`timings.predicted_per_second`, `timings.prompt_per_second`).
 
     .venv/bin/python bench/server_decode.py --llama-server PATH [--rounds 3] [--busy] [--spec] [--parallel N]
-                                            [--sse] [--json PATH] [--only LABEL]
+                                            [--sse] [--json PATH] [--only LABEL] [--mtpserve-flags FLAGS]
 
 For each model (SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M, tinyqwen35 Q4_K_M) both servers run at once, each with
 `-m MODEL -np 1 -c 4096 -t 2` (and, with `--spec`, a second pair on tinyqwen35 with `--spec-type draft-mtp
@@ -172,6 +172,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="write every request's timings here")
     ap.add_argument("--only", help="measure only the cases whose label contains this (e.g. 'draft-mtp')")
     ap.add_argument("--sse", action="store_true", help="stream each response (one stream at a time), as agents do")
+    ap.add_argument("--mtpserve-flags", default="", help="more flags for mtpserve alone (e.g. '--no-mmap')")
     args = ap.parse_args()
     if args.sse and args.parallel > 1:
         ap.error("--sse streams one request at a time (not with --parallel)")
@@ -190,7 +191,7 @@ def main() -> int:
             tokens = Tokenizer.from_gguf(model).encode(TEXT.read_text(encoding="utf-8"), add_special=False)
             prompt = tokens[: N_PROMPT - 1]
             commands = {
-                "mtpserve": mtpserve_command(str(model), [*flags, *extra]),
+                "mtpserve": mtpserve_command(str(model), [*flags, *extra, *args.mtpserve_flags.split()]),
                 "llama-server": [args.llama_server, "-m", str(model), *flags, *extra, "--no-webui"],
             }
             say(f"{label} ({' '.join(flags + extra)}{', busy' if args.busy else ''}; logs in {log_dir})")
@@ -204,7 +205,14 @@ def main() -> int:
                 else:
                     timings = measure(urls, prompt, args.rounds, say, args.sse)
             results.append(
-                {"model": label, "busy": args.busy, "parallel": args.parallel, "sse": args.sse, "timings": timings}
+                {
+                    "model": label,
+                    "busy": args.busy,
+                    "parallel": args.parallel,
+                    "sse": args.sse,
+                    "mtpserve_flags": args.mtpserve_flags,
+                    "timings": timings,
+                }
             )
     finally:
         if neighbour is not None:

@@ -127,3 +127,16 @@ def test_no_repack_stops_the_kernels_keeping_tiles():
         assert tile_limit(KEPT_TILES_LIMIT) == KEPT_TILES_LIMIT
     finally:
         apply_threads(parse("-t", str(threads)))
+
+
+def test_no_mmap_and_mlock_reach_the_engine_and_skip_the_read_ahead(tmp_path):
+    """llama-server's --no-mmap and --mlock: the weights read into memory or pinned while loading
+    (gguf.residency), so the background read of the file ahead of the first request is left out."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    plain = settings_from_args(build_parser().parse_args(["serve", "-m", str(model)]))
+    assert plain.engine.use_mmap and not plain.engine.use_mlock and plain.warm_page_cache
+    for flag in ("--no-mmap", "--mlock"):
+        s = settings_from_args(build_parser().parse_args(["serve", "-m", str(model), flag]))
+        assert (s.engine.use_mmap, s.engine.use_mlock) == ((False, False) if flag == "--no-mmap" else (True, True))
+        assert not s.warm_page_cache

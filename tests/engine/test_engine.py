@@ -22,6 +22,7 @@ from mtpserve.engine import (
 )
 from mtpserve.engine.job import Job
 from mtpserve.engine.planner import plan, plan_for_file
+from mtpserve.engine.startup import warn_residency
 from mtpserve.models.loader import load
 from mtpserve.tokenizer import Tokenizer
 
@@ -69,6 +70,23 @@ def test_engine_reproduces_llama_cpp_greedy_tokens():
             first_tie = min(case["near_tie_positions"], default=64)
             assert result.tokens[:first_tie] == case["generated_token_ids"][:first_tie], case["name"]
             assert result.timings.prompt_n == len(case["prompt_token_ids"]) and result.timings.predicted_n == 64
+
+
+def test_weights_read_into_memory_and_pinned_give_llama_cpps_tokens(caplog):
+    """--no-mmap and --mlock (EngineConfig.use_mmap, use_mlock) on the CPU path: the same tokens from the weights in
+    the process's own, pinned memory; where they are not applied (layers on GPUs, tensor-parallel ranks) a warning
+    names them."""
+    config = EngineConfig(ctx_size=4096, use_mmap=False, use_mlock=True)
+    with Engine.from_file(tinyqwen_path("Q4_K_M"), config) as engine:
+        for case in _cases()[:2]:
+            result = engine.submit(Request(case["prompt_token_ids"], GREEDY, n_predict=32, ignore_eos=True)).result()
+            first_tie = min(case["near_tie_positions"], default=32)
+            assert result.tokens[:first_tie] == case["generated_token_ids"][:first_tie], case["name"]
+    warn_residency(config, "the layers on GPUs are copied from the file's mapping")
+    assert "--no-mmap and --mlock not applied: the layers on GPUs" in caplog.text
+    caplog.clear()
+    warn_residency(EngineConfig(), "nothing to say")
+    assert caplog.text == ""
 
 
 def test_sixteen_concurrent_requests_give_the_tokens_they_give_alone():

@@ -240,8 +240,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sse-ping-interval", type=float, default=30.0, help="keep-alive comment while a stream is silent")
     p.add_argument("--perf", action=argparse.BooleanOptionalAction, default=True, help="per-request timing lines")
     p.add_argument("--no-warmup", action="store_true", help="do not read the model file ahead of the first request")
-    p.add_argument("--mlock", action="store_true")
-    p.add_argument("--no-mmap", action="store_true")
+    p.add_argument("--mlock", action="store_true", help="pin the weights in RAM (a model on the CPU)")
+    p.add_argument(
+        "--no-mmap", action="store_true", help="read the weights into memory rather than mapping the file (CPU)"
+    )
     p.add_argument("-fit", "--fit", choices=["on", "off"], default="on")
     add_threads_argument(p)
     p.add_argument("-tb", "--threads-batch", type=int, default=0, help="(the same threads serve prompts)")
@@ -330,6 +332,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         kv_unified=args.kv_unified,
         cache_ram=args.cache_ram,
         cache_idle_slots=args.cache_idle_slots,
+        use_mmap=not args.no_mmap,
+        use_mlock=args.mlock,
         grammar=GrammarLimits(
             args.grammar_max_size, args.grammar_timeout, args.grammar_max_memory << 20, args.grammar_workers
         ),
@@ -382,7 +386,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_queue=args.max_queue,
         max_predict=args.max_predict,
         sse_ping_interval=args.sse_ping_interval,
-        warm_page_cache=not args.no_warmup,
+        warm_page_cache=not (args.no_warmup or args.no_mmap or args.mlock),  # those read the file while loading
         gpu=gpu_request(args),
         draft_gpu=draft_gpu_request(args),
         tensor_parallel=cpu_ranks(args),

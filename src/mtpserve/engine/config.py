@@ -87,7 +87,7 @@ DEFAULT_GRAMMAR_LIMITS = GrammarLimits()
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """llama-server's slot and cache flags."""
+    """llama-server's slot, cache and weight-residency flags."""
 
     n_parallel: int = 1  # -np: slots
     ctx_size: int = 4096  # -c: total context over all slots, 0 = the model's trained context
@@ -107,3 +107,5 @@ class EngineConfig:
     )
     spec: SpecConfig = field(default_factory=SpecConfig)  # --spec-type and --spec-draft-*
     grammar: GrammarLimits = field(default_factory=GrammarLimits)  # --grammar-*: what one grammar may cost
+    use_mmap: bool = True  # --no-mmap: False, the weights read into memory (a model on the CPU)
+    use_mlock: bool = False  # --mlock: the weights pinned in RAM (a model on the CPU)

@@ -43,13 +43,21 @@ def load_for_engine(
         plan.check()
         for warning in plan.warnings():
             log.warning("srv    load_model: %s", warning)
-        model = load(path, device=device)
+        model = load(path, device=device, use_mmap=config.use_mmap, use_mlock=config.use_mlock)
     else:
+        warn_residency(config, "the layers on GPUs are copied from the file's mapping")
         model = _load_placed(path, config, gpu)
     draft_model = None
     if config.spec.type == "draft-simple" and config.spec.draft_model and draft_gpu is not None:
         draft_model = _load_placed(config.spec.draft_model, config, draft_gpu)
     return Loaded(model, Tokenizer.from_gguf(path), plan, draft_model)
+
+
+def warn_residency(config: EngineConfig, why: str) -> None:
+    """--no-mmap and --mlock keep a model on the CPU in RAM; elsewhere they are not applied, and say so."""
+    flags = [f for f, on in (("--no-mmap", not config.use_mmap), ("--mlock", config.use_mlock)) if on]
+    if flags:
+        log.warning("srv    load_model: %s not applied: %s", " and ".join(flags), why)
 
 
 def _load_placed(path: str | Path, config: EngineConfig, gpu: GpuRequest) -> CausalLM:

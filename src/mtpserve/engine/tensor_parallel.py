@@ -44,6 +44,7 @@ from .planner import MemoryPlan, plan_for_file
 from .rounds import Mirror, SlotAction, rank_file
 from .slot_files import SlotFileError
 from .slots import Slot
+from .startup import warn_residency
 
 log = logging.getLogger("mtpserve.engine")
 
@@ -187,6 +188,7 @@ def start_tensor_parallel(
     if config.spec.draft_head == "q4_0":  # each rank would shortlist its own share of the vocabulary
         raise InvalidRequest("--spec-draft-head q4_0 is not supported with --split-mode row yet")
     shares = tuple(shares) or (1.0,) * len(devices)
+    warn_residency(config, "each rank maps the file and keeps its share")
     plan = plan_for_file(path, config, "cpu")
     tokenizer = Tokenizer.from_gguf(path)
     log.info(

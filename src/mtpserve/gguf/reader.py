@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
 
+from .residency import lock, read_into_memory
+
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -131,12 +133,13 @@ class GGUFFile:
         return f"GGUFFile({str(self.path)!r}, arch={self.architecture!r}, tensors={len(self.tensors)})"
 
 
-def open_gguf(path: str | Path) -> GGUFFile:
-    """Open a GGUF file; a split model is opened from any of its parts (`x-00001-of-00003.gguf`)."""
+def open_gguf(path: str | Path, use_mmap: bool = True, use_mlock: bool = False) -> GGUFFile:
+    """Open a GGUF file; a split model is opened from any of its parts (`x-00001-of-00003.gguf`). `use_mmap` False:
+    its bytes read into the process's memory; `use_mlock`: its pages pinned in RAM (gguf.residency)."""
     path = Path(path)
     match = _SPLIT_NAME.match(path.name)
     if not match:
-        return GGUFFile([_parse_file(path)])
+        return GGUFFile([_parse_file(path, use_mmap, use_mlock)])
     count = int(match["count"])
     if count < 1:
         raise GGUFError(path, "split file name says it has 0 parts")
@@ -145,7 +148,7 @@ def open_gguf(path: str | Path) -> GGUFFile:
         part_path = path.with_name(f"{match['prefix']}-{no:05d}-of-{count:05d}.gguf")
         if not part_path.exists():
             raise GGUFError(path, f"split part {no} of {count} is missing (expected {part_path})")
-        part = _parse_file(part_path)
+        part = _parse_file(part_path, use_mmap, use_mlock)
         split_no, split_count = part.metadata.get("split.no"), part.metadata.get("split.count")
         # llama.cpp's gguf-split writes a 0-based split.no and the total split.count in every part.
         if split_count is not None and not (
@@ -206,7 +209,7 @@ class _Cursor:
             return raw.decode("utf-8", errors="surrogateescape")
 
 
-def _parse_file(path: Path) -> _ParsedFile:
+def _parse_file(path: Path, use_mmap: bool = True, use_mlock: bool = False) -> _ParsedFile:
     try:
         fd = open(path, "rb")
     except OSError as e:
@@ -215,7 +218,9 @@ def _parse_file(path: Path) -> _ParsedFile:
         size = fd.seek(0, 2)
         if size < 24:
             raise GGUFError(path, f"file is truncated: {size} bytes is smaller than a GGUF header (24 bytes)")
-        buf = mmap.mmap(fd.fileno(), 0, access=mmap.ACCESS_COPY)
+        buf = mmap.mmap(fd.fileno(), 0, access=mmap.ACCESS_COPY) if use_mmap else read_into_memory(fd, size, path)
+    if use_mlock:
+        lock(buf)
     cur = _Cursor(buf, path)
 
     magic = bytes(buf[0:4])

@@ -22,14 +22,17 @@ def load(
     layer_devices: Mapping[int, str | torch.device] | None = None,
     token_embd_device: str | torch.device | None = None,
     partition: Partition = WHOLE,
+    use_mmap: bool = True,
+    use_mlock: bool = False,
 ) -> CausalLM:
     """`device` holds the output layer and every tensor not placed otherwise: `layer_devices` maps block indices
     to devices (a layer split or a partial offload, as engine.placement plans it); `token_embd_device` takes the
     embedding table (llama.cpp keeps it on the host) when it is only that: a tied table is the LM head too and
-    stays on `device`. `partition`: the tensor-parallel rank to load the share of (models.tensor_parallel)."""
+    stays on `device`. `partition`: the tensor-parallel rank to load the share of (models.tensor_parallel).
+    `use_mmap` False reads the file into memory, `use_mlock` pins it (--no-mmap, --mlock: gguf.residency)."""
     dev = resolve_device(device)
     placed = {i: resolve_device(d) for i, d in (layer_devices or {}).items()}
-    gguf = open_gguf(path)
+    gguf = open_gguf(path, use_mmap, use_mlock)
     config = config_from_gguf(gguf)
     named = {}
     if token_embd_device is not None and "output.weight" in gguf.tensors:
