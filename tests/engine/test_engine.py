@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -355,6 +356,12 @@ def test_the_deployments_line_plans_on_a_24_gb_host():
     assert small.kept_tiles_bytes == 220_000_000
     # The same flags with the weights in device memory (a GPU) count them as resident.
     assert plan(config, weights, mtp_weights, line, "cuda:0", free).required_bytes == p.required_bytes + weights
+    # and so do --no-mmap (read into the process's memory) and --mlock (pinned): refused here, with the reason
+    for flag in ({"use_mmap": False}, {"use_mlock": True}):
+        resident = plan(config, weights, mtp_weights, dataclasses.replace(line, **flag), "cpu", free)
+        assert not resident.weights_mapped and resident.required_bytes == p.required_bytes + weights
+        with pytest.raises(InsufficientMemory, match="15.65 GiB \\(resident\\)"):
+            resident.check()
 
 
 def _faulty_sample(real):
