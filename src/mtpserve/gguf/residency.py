@@ -37,6 +37,8 @@ def read_into_memory(fd: BinaryIO, size: int, path: Path) -> mmap.mmap:
             n = fd.readinto(view[done : done + READ_CHUNK])
             if not n:
                 raise OSError(f"{path}: the file ended at {done} of {size} bytes while being read")
+            if hasattr(os, "posix_fadvise"):  # the page cache's copy of what is now ours: let it go first
+                os.posix_fadvise(fd.fileno(), done, n, os.POSIX_FADV_DONTNEED)
             done += n
             if size >= 4 * READ_CHUNK and done * 4 >= (quarter + 1) * size:
                 quarter = done * 4 // size
