@@ -89,6 +89,18 @@ def test_doctor_notes_what_can_give_way_and_refuses_only_the_resident_part(capsy
     assert "the weights (0.01 GiB, memory-mapped) stay in memory while the context is short" in out
 
 
+def test_doctor_counts_the_weights_as_resident_with_no_mmap_or_mlock(capsys):
+    """serve's --no-mmap and --mlock keep the whole file in the process's memory: 5.9 MB of weights that did not
+    count against 5 MiB now refuse it, and the plan says they are resident."""
+    path = str(tinyqwen_path("Q4_K_M"))
+    for flag in ("--no-mmap", "--mlock"):
+        assert main(["doctor", "-m", path, "--memory", "0.005", flag]) == 1, flag
+        out = capsys.readouterr().out
+        assert "weights 0.01 GiB (resident)" in out and "memory-mapped" not in out, out
+    assert main(["doctor", "-m", path, "--memory", "0.05", "--no-mmap"]) == 0
+    assert " --no-mmap " in capsys.readouterr().out  # the recommended command keeps it
+
+
 def test_doctor_plans_a_row_split_as_each_cards_share(capsys):
     """-sm row -ts 1,1 --gpus: tensor parallelism's plan, each card's share of every layer printed."""
     path = str(tinyqwen_path("Q4_K_M"))

@@ -50,6 +50,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--cache-ram", type=int, default=8192, help="MiB of host memory for the prompt cache, as serve's (default 8192)"
     )
     add_checkpoint_arguments(p)
+    p.add_argument("--no-mmap", action="store_true", help="plan for serve's --no-mmap: the weights read into memory")
+    p.add_argument("--mlock", action="store_true", help="plan for serve's --mlock: the weights pinned in RAM")
     p.add_argument("--memory", type=float, help="plan for this many GiB free instead of what is free now")
     p.add_argument("--gpus", help="plan for these GPUs instead of the ones here: free GiB each, e.g. 22,22")
     p.add_argument(
@@ -142,7 +144,13 @@ def run(args: argparse.Namespace) -> int:
         )
 
     path = model_path(args)
-    engine = EngineConfig(**engine_flags(args), n_parallel=args.parallel, cache_ram=args.cache_ram)
+    engine = EngineConfig(
+        **engine_flags(args),
+        n_parallel=args.parallel,
+        cache_ram=args.cache_ram,
+        use_mmap=not args.no_mmap,
+        use_mlock=args.mlock,
+    )
     devices = _gpu_devices(args.gpus)
     if devices:  # the question is the GPUs': planned with what was asked, whatever this host's memory
         failed, gpu_flags = _plan_gpus(path, engine, devices, args.split_mode or "layer", tensor_split(args))
@@ -181,6 +189,7 @@ def _recommend(path: Path, c: EngineConfig, gpu_flags: str) -> None:
     spec = ""
     if c.spec.enabled:
         spec = f" --spec-type {c.spec.type} --spec-draft-n-max {'auto' if c.spec.auto else c.spec.n_max}"
+    spec += (" --no-mmap" if not c.use_mmap else "") + (" --mlock" if c.use_mlock else "")
     print(
         f"{'':10}recommended: mtpserve serve -m {path} -c {c.ctx_size} -np {c.n_parallel} -ctk {c.cache_type_k} "
         f"-ctv {c.cache_type_v} --ctx-checkpoints {c.ctx_checkpoints} --cache-ram {c.cache_ram}{spec} {gpu_flags}"

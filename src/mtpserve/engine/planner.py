@@ -115,7 +115,7 @@ class MemoryPlan:
         out = []
         left = self.available_bytes - self.required_bytes  # beside the resident part
         weights = self.estimate.weights_bytes if self.weights_mapped else 0  # resident weights are counted already
-        if weights > left:
+        if weights and weights > left:
             out.append(
                 f"the weights ({weights / GIB:.2f} GiB, memory-mapped) stay in memory while the context is short "
                 "(the caches take memory as positions are written); with every position written, "
