@@ -44,12 +44,15 @@ def test_a_file_ending_while_it_is_read_is_an_error(tmp_path):
         residency.read_into_memory(f, path.stat().st_size + 10, path)
 
 
-def test_mlock_pins_the_files_pages(tmp_path):
-    """A 5.9 MB file: under the 8 MiB RLIMIT_MEMLOCK a process gets without privilege, so the lock holds anywhere."""
+def test_mlock_pins_the_files_pages(caplog):
+    """Mapped or read into memory, the file's pages are locked (VmLck grows by its size) and unlocked with the
+    mapping; where this process may not lock 5.9 MB (RLIMIT_MEMLOCK without CAP_IPC_LOCK) it says so instead."""
     for use_mmap in (True, False):
         before = _locked_kib()
-        gguf = open_gguf(tinyqwen_path("Q4_K_M"), use_mmap=use_mmap, use_mlock=True)
-        assert _locked_kib() - before >= gguf.file_size // 1024, use_mmap
+        with caplog.at_level(logging.WARNING, logger="mtpserve.gguf"):
+            gguf = open_gguf(tinyqwen_path("Q4_K_M"), use_mmap=use_mmap, use_mlock=True)
+        refused = "failed to mlock" in caplog.text
+        assert refused or _locked_kib() - before >= gguf.file_size // 1024, use_mmap
         del gguf
         gc.collect()  # the mapping goes, and its lock with it
         assert _locked_kib() == before
