@@ -86,15 +86,17 @@ gpu_compile._LAUNCHES[:] = gpu_compile.launches()
 for name in ("Q8_0 10240x5120 M=1", "Q4_K 10240x5120 M=1", "Q6_K 10240x5120 M=3"):
     launch = next(x for x in gpu_compile._LAUNCHES if x.decode and name in x.config)
     kernel, _, _ = gpu_compile.compile_launch(launch, 90)
-    print(name, launch.loop_without_shared, gpu_compile.loop_shared_memory(kernel.asm["cubin"]))
+    loop = gpu_compile.streaming_loop(kernel.asm["cubin"])
+    print(name, launch.loop_without_shared, gpu_compile.loop_count(loop, gpu_compile.SHARED_OPS))
 INT8 = "planar int8 D=256 H=24 Hkv=4 T=1 window=None"
 launch = next(x for x in gpu_compile._LAUNCHES if x.decode and INT8 in x.config)
 kernel, _, _ = gpu_compile.compile_launch(launch, 90)
-print("int8 attention D=256", launch.loop_store_limit, gpu_compile.loop_count(kernel.asm["cubin"], ("STS",)))
+loop = gpu_compile.streaming_loop(kernel.asm["cubin"])
+print("int8 attention D=256", launch.loop_store_limit, gpu_compile.loop_count(loop, ("STS",)))
 for name in ("planar int8 D=64", "planar D=64"):  # 68-byte head rows: the float kernel loads bytes, the int8 one not
     launch = next(x for x in gpu_compile._LAUNCHES if x.decode and name + " H=9 Hkv=3 T=1 window=None" in x.config)
     kernel, _, _ = gpu_compile.compile_launch(launch, 90)
-    bytes_ = gpu_compile.loop_count(kernel.asm["cubin"], ("LDG.E.U8", "LDG.E.S8"))
+    bytes_ = gpu_compile.loop_count(gpu_compile.streaming_loop(kernel.asm["cubin"]), gpu_compile.BYTE_LOADS)
     print(name.replace(" ", "_"), "byte loads", launch.loop_without_byte_loads, bytes_)
 """
 

@@ -562,19 +562,37 @@ def l2_prefetch_problems(ptx: str, kwargs: dict) -> list[str]:
     return problems
 
 
-def loop_count(cubin: bytes, opcodes: tuple[str, ...]) -> int:
-    """Instructions with these opcode prefixes in the innermost loop that loads global memory (SASS)."""
+SHARED_OPS = ("STS", "LDS", "BAR")  # shared-memory loads, stores and barriers
+BYTE_LOADS = ("LDG.E.U8", "LDG.E.S8")
+
+
+def streaming_loop(cubin: bytes):
+    """The innermost loop that loads global memory (sass.streaming_loop), or None."""
     try:
         from tests.support import sass
     except ImportError:  # run as a script: this directory is on the path
         import sass
-    loop = sass.streaming_loop(sass.disassemble(cubin))
+    return sass.streaming_loop(sass.disassemble(cubin))
+
+
+def loop_count(loop, opcodes: tuple[str, ...]) -> int:
+    """Instructions of `loop` (a streaming_loop, or None) with these opcode prefixes."""
     return 0 if loop is None else sum(loop.count(op) for op in opcodes)
 
 
-def loop_shared_memory(cubin: bytes) -> int:
-    """Shared-memory loads, stores and barriers in the innermost loop that loads global memory (SASS)."""
-    return loop_count(cubin, ("STS", "LDS", "BAR"))
+def loop_problems(launch: Launch, cubin: bytes) -> list[str]:
+    """What its streaming loop breaks of the launch's rules (Launch.loop_*), its SASS disassembled once."""
+    limit = launch.loop_store_limit
+    if not (launch.loop_without_shared or launch.loop_without_byte_loads or limit is not None):
+        return []
+    loop, problems = streaming_loop(cubin), []
+    if launch.loop_without_shared and (shared := loop_count(loop, SHARED_OPS)):
+        problems.append(f"{shared} shared-memory instructions in its K loop (a layout converted each step)")
+    if launch.loop_without_byte_loads and (narrow := loop_count(loop, BYTE_LOADS)):
+        problems.append(f"{narrow} byte loads of global memory in its key loop (strides taken as unaligned)")
+    if limit is not None and (stores := loop_count(loop, ("STS",))) > limit:
+        problems.append(f"{stores} shared-memory stores in its key loop, over {limit} (a tile stored narrow)")
+    return problems
 
 
 def compile_launch(launch: Launch, arch: int) -> tuple[object, str, int]:
@@ -641,13 +659,7 @@ def _compile(job: tuple[int, int]) -> dict:
         res["loads"] = global_loads(kernel.asm["ptx"])
         problems = [f"lane layout: {p}" for p in lane_layout_problems(kernel.asm["ttgir"], res["warps"])]
         problems += [f"l2 prefetch: {p}" for p in l2_prefetch_problems(kernel.asm["ptx"], launch.kwargs)]
-        if launch.loop_without_shared and (shared := loop_shared_memory(kernel.asm["cubin"])):
-            problems.append(f"{shared} shared-memory instructions in its K loop (a layout converted each step)")
-        if launch.loop_without_byte_loads and (narrow := loop_count(kernel.asm["cubin"], ("LDG.E.U8", "LDG.E.S8"))):
-            problems.append(f"{narrow} byte loads of global memory in its key loop (strides taken as unaligned)")
-        store_limit = launch.loop_store_limit
-        if store_limit is not None and (stores := loop_count(kernel.asm["cubin"], ("STS",))) > store_limit:
-            problems.append(f"{stores} shared-memory stores in its key loop, over {store_limit} (a tile stored narrow)")
+        problems += loop_problems(launch, kernel.asm["cubin"])
         if launch.pdl and not launch.kwargs.get("PDL"):
             problems.append("pdl: its wrapper launched it without kernels.triton.pdl.launch_options")
         elif launch.pdl:
