@@ -3,6 +3,7 @@ CORS, tags and the flags refused because what they switch on is not built."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from mtpserve.cli import build_parser, llama_flag_names
 from mtpserve.cli.serve import listening_sockets, settings_from_args
 from mtpserve.engine.config import GrammarLimits
+from mtpserve.engine.devices import GpuRequest
 
 
 def parse(*flags: str):
@@ -135,8 +137,12 @@ def test_no_mmap_and_mlock_reach_the_engine_and_skip_the_read_ahead(tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")
     plain = settings_from_args(build_parser().parse_args(["serve", "-m", str(model)]))
-    assert plain.engine.use_mmap and not plain.engine.use_mlock and plain.warm_page_cache
+    assert plain.engine.use_mmap and not plain.engine.use_mlock and plain.reads_ahead
     for flag in ("--no-mmap", "--mlock"):
         s = settings_from_args(build_parser().parse_args(["serve", "-m", str(model), flag]))
         assert (s.engine.use_mmap, s.engine.use_mlock) == ((False, False) if flag == "--no-mmap" else (True, True))
-        assert not s.warm_page_cache
+        assert not s.reads_ahead
+        # where they are not applied (layers on GPUs, tensor-parallel ranks) the file is read ahead as without them
+        assert dataclasses.replace(s, gpu=GpuRequest()).reads_ahead
+        assert dataclasses.replace(s, tensor_parallel=("cpu", "cpu")).reads_ahead
+    assert not settings_from_args(build_parser().parse_args(["serve", "-m", str(model), "--no-warmup"])).reads_ahead

@@ -386,7 +386,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_queue=args.max_queue,
         max_predict=args.max_predict,
         sse_ping_interval=args.sse_ping_interval,
-        warm_page_cache=not (args.no_warmup or args.no_mmap or args.mlock),  # those read the file while loading
+        warm_page_cache=not args.no_warmup,
         gpu=gpu_request(args),
         draft_gpu=draft_gpu_request(args),
         tensor_parallel=cpu_ranks(args),

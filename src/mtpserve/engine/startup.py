@@ -53,6 +53,12 @@ def load_for_engine(
     return Loaded(model, Tokenizer.from_gguf(path), plan, draft_model)
 
 
+def keeps_resident(config: EngineConfig, gpu: GpuRequest | None = None, tensor_parallel: bool = False) -> bool:
+    """Whether --no-mmap or --mlock apply: asked for, and the model loads whole in this process on the CPU (it then
+    reads the whole file while loading)."""
+    return (not config.use_mmap or config.use_mlock) and gpu is None and not tensor_parallel
+
+
 def warn_residency(config: EngineConfig, why: str) -> None:
     """--no-mmap and --mlock keep a model on the CPU in RAM; elsewhere they are not applied, and say so."""
     flags = [f for f, on in (("--no-mmap", not config.use_mmap), ("--mlock", config.use_mlock)) if on]

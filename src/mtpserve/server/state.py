@@ -21,6 +21,7 @@ from ..chat import ChatTemplate
 from ..engine import Engine, EngineClient, EngineConfig, SamplingParams
 from ..engine.devices import GpuRequest
 from ..engine.planner import plan_for_file
+from ..engine.startup import keeps_resident
 from ..engine.tensor_parallel import start_tensor_parallel
 from ..tokenizer import Tokenizer
 from .chat import ChatSettings, keep_special_ids
@@ -65,6 +66,12 @@ class ServerSettings:
     draft_gpu: GpuRequest | None = None  # the same for draft-simple's model (--spec-draft-ngl, --spec-draft-device)
     tensor_parallel: tuple[str, ...] = ()  # -sm row --device cpu,cpu: a rank on each (engine.tensor_parallel)
     tensor_split: tuple[float, ...] = ()  # --tensor-split: the ranks' shares
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether the file is read into the page cache in the background while the server starts: not when
+        --no-mmap or --mlock read it whole while loading."""
+        return self.warm_page_cache and not keeps_resident(self.engine, self.gpu, bool(self.tensor_parallel))
 
     @property
     def model_name(self) -> str:
@@ -142,7 +149,7 @@ class ServerState:
         s = self.settings
         plan = plan_for_file(s.model, s.engine)
         plan.check()  # refuse before reading gigabytes
-        if s.warm_page_cache:  # in the background: the server answers meanwhile, its first pages read on demand
+        if s.reads_ahead:  # in the background: the server answers meanwhile, its first pages read on demand
             threading.Thread(target=warm_page_cache, args=(s.model,), name="warm-page-cache", daemon=True).start()
         if s.tensor_parallel:
             return start_tensor_parallel(s.model, s.engine, s.tensor_parallel, s.tensor_split)
