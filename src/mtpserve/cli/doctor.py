@@ -189,10 +189,11 @@ def _recommend(path: Path, c: EngineConfig, gpu_flags: str) -> None:
     spec = ""
     if c.spec.enabled:
         spec = f" --spec-type {c.spec.type} --spec-draft-n-max {'auto' if c.spec.auto else c.spec.n_max}"
-    spec += (" --no-mmap" if not c.use_mmap else "") + (" --mlock" if c.use_mlock else "")
+    residency = (" --no-mmap" if not c.use_mmap else "") + (" --mlock" if c.use_mlock else "")
     print(
         f"{'':10}recommended: mtpserve serve -m {path} -c {c.ctx_size} -np {c.n_parallel} -ctk {c.cache_type_k} "
-        f"-ctv {c.cache_type_v} --ctx-checkpoints {c.ctx_checkpoints} --cache-ram {c.cache_ram}{spec} {gpu_flags}"
+        f"-ctv {c.cache_type_v} --ctx-checkpoints {c.ctx_checkpoints} --cache-ram {c.cache_ram}{spec}{residency} "
+        f"{gpu_flags}"
     )
 
 

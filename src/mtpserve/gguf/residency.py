@@ -48,19 +48,17 @@ def read_into_memory(fd: BinaryIO, size: int, path: Path) -> mmap.mmap:
     return buf
 
 
-def lock(buf: mmap.mmap) -> bool:
-    """Pin the mapping's pages in RAM; False (with llama.cpp's warning) where that is refused. Its pages are read in
+def lock(buf: mmap.mmap) -> None:
+    """Pin the mapping's pages in RAM, or warn in llama.cpp's words where that is refused. Its pages are read in
     first, a byte each, then locked as they are and as any later fault brings them (mlock2's MLOCK_ONFAULT): a
     plain mlock would fault a private file mapping's pages in for writing and copy them all."""
     np.frombuffer(buf, dtype=np.uint8)[:: mmap.PAGESIZE].max(initial=0)  # fault every page in, read-only
     libc = ctypes.CDLL(None, use_errno=True)
     address, size = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(buf))), ctypes.c_size_t(len(buf))
     locked = libc.mlock2(address, size, MLOCK_ONFAULT) if hasattr(libc, "mlock2") else libc.mlock(address, size)
-    if locked == 0:
-        return True
-    log.warning(
-        "warning: failed to mlock %d-byte buffer: %s\nTry increasing RLIMIT_MEMLOCK ('ulimit -l' as root).",
-        len(buf),
-        os.strerror(ctypes.get_errno()),
-    )
-    return False
+    if locked != 0:
+        log.warning(
+            "warning: failed to mlock %d-byte buffer: %s\nTry increasing RLIMIT_MEMLOCK ('ulimit -l' as root).",
+            len(buf),
+            os.strerror(ctypes.get_errno()),
+        )
