@@ -181,6 +181,7 @@ def test_decode_rows_four_at_a_time_equal_the_row_path(seq_len, n_seq):
     multiple of 4, 1 to 63 activation rows (a decode, a verification, several sequences of either)."""
     weights = [_quantized(GGMLType.Q4_K, 37, 512, 1), _random(GGMLType.Q4_K, 38, 768, 2)]
     weights += [_quantized(GGMLType.Q6_K, 37, 512, 3), _random(GGMLType.Q6_K, 39, 256, 4)]
+    weights += [_random(GGMLType.Q6_K, 38, 768, 5)]  # four rows a pass at every row length, as Q4_K
     for w in weights:
         x = _activations(n_seq * seq_len, w.shape[1], seq_len)
         fast = linear.linear(x, w, seq_len=seq_len)

@@ -550,6 +550,16 @@ static inline __m256i load_q32(int type, const uint8_t *blk, float *d, float *m)
 static inline void prefetch_lines(const uint8_t *p, int n) {
     for (int i = 0; i < n; i += 64) __builtin_prefetch(p + i);
 }
+/* The four-row dots read four streams at once, row r of a group of four being one; a fixed distance ahead in memory
+ * (PREFETCH_AHEAD) lands in the group's own next row, which is being read already. Each row asks instead for its
+ * block X4_AHEAD blocks on, and past its row's end for that block of the same row of the next group (rows are
+ * contiguous, rb bytes apart). The 27B's matrices streamed from memory on the 2-core Intel VM, 2 threads: Q4_K
+ * 15.1 -> 21.3 GB/s (ffn_up, ffn_gate, attn_qkv), Q6_K ffn_down 17.3 (one row at a time) -> 26.9, a 2-thread
+ * torch.sum reading 24-27 GB/s; 4, 8 and 16 blocks ahead within 4% (docs/performance.md). */
+#define X4_AHEAD 8
+static inline void prefetch_x4(const uint8_t *blk, int bs, int64_t b, int64_t nb, int64_t rb) {
+    prefetch_lines(blk + bs * X4_AHEAD + (b + X4_AHEAD >= nb ? 3 * rb : 0), bs);
+}
 static float dot32_direct(int type, const uint8_t *src, const act_q8 *x, int64_t nb) {
     const int64_t bs = row_bytes(type, 32);
     const int is_signed = type == T_Q4_0 || type == T_Q5_0 || type == T_Q8_0;
@@ -659,7 +669,7 @@ static void dot_q4k_direct_x4(const uint8_t *src, int64_t rb, const act_q8k *x, 
         float dw[4], dm[4];
         for (int r = 0; r < 4; r++) {
             const uint8_t *blk = src + r * rb + 144 * b, *qs = blk + 16;
-            prefetch_lines(blk + PREFETCH_AHEAD, 144);
+            prefetch_x4(blk, 144, b, nb, rb);
             half hd, hdm;
             memcpy(&hd, blk, 2);
             memcpy(&hdm, blk + 2, 2);
@@ -765,7 +775,7 @@ static void dot_q6k_direct_x4(const uint8_t *src, int64_t rb, const act_q8k *x, 
         const __m256i bsums = _mm256_loadu_si256((const __m256i *)x[b].bsums);
         for (int r = 0; r < 4; r++) {
             const blk_q6_K *w = (const blk_q6_K *)(src + r * rb + 210 * b);
-            prefetch_lines((const uint8_t *)w + PREFETCH_AHEAD, 210);
+            prefetch_x4((const uint8_t *)w, 210, b, nb, rb);
             const __m256i sum = q6k_block_lanes(w, xq, bsums);
             vacc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[b].d * h2f(w->d)), _mm256_cvtepi32_ps(sum), vacc[r]);
         }
@@ -1542,11 +1552,11 @@ static void matmul_rows(void *ctx, int64_t begin, int64_t end) {
 #endif
         int64_t n = lo;
 #ifdef MTP_AVX2
-        /* four rows a pass where decode measured faster than row by row: Q4_K, and Q6_K for rows of up to 512
-         * values. (The 32-element types were tried too: faster on a matrix the cache holds, slower in a real
-         * decode, where the weights stream from memory and four row streams prefetch worse than one.) */
+        /* four rows a pass where decode measured faster than row by row: Q4_K and Q6_K, each row prefetching its
+         * own stream (prefetch_x4). (The 32-element types were tried too, before prefetch_x4: faster on a matrix
+         * the cache holds, slower in a real decode, where four row streams prefetched worse than one.) */
         const int t = j->types[w];
-        const int x4 = t == T_Q4_K || (t == T_Q6_K && j->k <= 512);
+        const int x4 = t == T_Q4_K || t == T_Q6_K;
         if (x4 && j->seq_len < 8 && atomic_load(&gemm_tiling))
             n = gemv_k_rows(j, j->types[w], j->W[w], rb, lo, hi, j->y[w], j->rows[w]); /* decode: four rows a pass */
 #endif
