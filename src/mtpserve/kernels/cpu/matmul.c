@@ -552,13 +552,14 @@ static inline void prefetch_lines(const uint8_t *p, int n) {
 }
 /* The four-row dots read four streams at once, row r of a group of four being one; a fixed distance ahead in memory
  * (PREFETCH_AHEAD) lands in the group's own next row, which is being read already. Each row asks instead for its
- * block X4_AHEAD blocks on, and past its row's end for that block of the same row of the next group (rows are
- * contiguous, rb bytes apart). The 27B's matrices streamed from memory on the 2-core Intel VM, 2 threads: Q4_K
- * 15.1 -> 21.3 GB/s (ffn_up, ffn_gate, attn_qkv), Q6_K ffn_down 17.3 (one row at a time) -> 26.9, a 2-thread
- * torch.sum reading 24-27 GB/s; 4, 8 and 16 blocks ahead within 4% (docs/performance.md). */
-#define X4_AHEAD 8
-static inline void prefetch_x4(const uint8_t *blk, int bs, int64_t b, int64_t nb, int64_t rb) {
-    prefetch_lines(blk + bs * X4_AHEAD + (b + X4_AHEAD >= nb ? 3 * rb : 0), bs);
+ * block `ahead` blocks on (x4_ahead: ~X4_AHEAD_BYTES, at most a row), and past its row's end for that block of the
+ * same row of the next group (rows are contiguous, rb bytes apart). The 27B's matrices streamed from memory on the
+ * 2-core Intel VM, 2 threads: Q4_K 15.1 -> 21.3 GB/s (ffn_up, ffn_gate, attn_qkv), Q6_K ffn_down 17.3 (one row at a
+ * time) -> 26.9, a 2-thread torch.sum reading 24-27 GB/s; 4, 8 and 16 blocks ahead within 4% (docs/performance.md). */
+#define X4_AHEAD_BYTES 1152
+static inline int64_t x4_ahead(int bs, int64_t nb) { return X4_AHEAD_BYTES / bs < nb ? X4_AHEAD_BYTES / bs : nb; }
+static inline void prefetch_x4(const uint8_t *blk, int bs, int64_t ahead, int64_t b, int64_t nb, int64_t rb) {
+    prefetch_lines(blk + bs * ahead + (b + ahead >= nb ? 3 * rb : 0), bs);
 }
 static float dot32_direct(int type, const uint8_t *src, const act_q8 *x, int64_t nb) {
     const int64_t bs = row_bytes(type, 32);
@@ -582,6 +583,38 @@ static float dot32_direct(int type, const uint8_t *src, const act_q8 *x, int64_t
     float out[8];
     _mm256_storeu_ps(out, vacc);
     return hsum8(out) + vsumms;
+}
+
+/* dot32_direct of four rows at once (row stride rb), for decode: row r's lanes and float steps are dot32_direct's;
+ * the activation block is loaded once for the four rows. */
+static void dot32_direct_x4(int type, const uint8_t *src, int64_t rb, const act_q8 *x, int64_t nb, float *out) {
+    const int bs = (int)row_bytes(type, 32);
+    const int64_t ahead = x4_ahead(bs, nb);
+    const int is_signed = type == T_Q4_0 || type == T_Q5_0 || type == T_Q8_0;
+    __m256 vacc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    float vsumms[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *blk = src + r * rb + b * bs;
+            prefetch_x4(blk, bs, ahead, b, nb, rb);
+            float d, m = 0.0f;
+            const __m256i w = load_q32(type, blk, &d, &m);
+            const __m256i u = is_signed ? _mm256_sign_epi8(w, w) : w, sx = is_signed ? _mm256_sign_epi8(xv, w) : xv;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            const __m256i lanes_i = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, sx);
+#else
+            const __m256i lanes_i = _mm256_madd_epi16(_mm256_maddubs_epi16(u, sx), _mm256_set1_epi16(1));
+#endif
+            if (!is_signed) vsumms[r] = fmaf(m, x[b].s, vsumms[r]);
+            vacc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(lanes_i), vacc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        float acc[8];
+        _mm256_storeu_ps(acc, vacc[r]);
+        out[r] = hsum8(acc) + vsumms[r];
+    }
 }
 
 /* The eight 6-bit scales (bytes 0..7 of *sc) and mins (bytes 0..7 of *mn) of a Q4_K/Q5_K super-block,
@@ -658,6 +691,7 @@ static inline __m128i hsum4_v4(__m128i t0, __m128i t1, __m128i t2, __m128i t3) {
  * dot_q4k_direct's, lane r of the float vectors being row r's accumulator; the activation block is loaded once
  * for the four rows and their sums are reduced together. */
 static void dot_q4k_direct_x4(const uint8_t *src, int64_t rb, const act_q8k *x, int64_t nb, int kind, float *out) {
+    const int64_t ahead = x4_ahead(144, nb);
     __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15);
     for (int64_t b = 0; b < nb; b++) {
@@ -669,7 +703,7 @@ static void dot_q4k_direct_x4(const uint8_t *src, int64_t rb, const act_q8k *x, 
         float dw[4], dm[4];
         for (int r = 0; r < 4; r++) {
             const uint8_t *blk = src + r * rb + 144 * b, *qs = blk + 16;
-            prefetch_x4(blk, 144, b, nb, rb);
+            prefetch_x4(blk, 144, ahead, b, nb, rb);
             half hd, hdm;
             memcpy(&hd, blk, 2);
             memcpy(&hdm, blk + 2, 2);
@@ -768,6 +802,7 @@ static float dot_q6k_direct(const uint8_t *src, const act_q8k *x, int64_t nb, in
 /* dot_q6k_direct (not tiled) of four rows at once (row stride rb), for decode: row r's lanes and float steps are
  * dot_q6k_direct's; the activation block is loaded once for the four rows. */
 static void dot_q6k_direct_x4(const uint8_t *src, int64_t rb, const act_q8k *x, int64_t nb, float *out) {
+    const int64_t ahead = x4_ahead(210, nb);
     __m256 vacc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; b++) {
         __m256i xq[8];
@@ -775,7 +810,7 @@ static void dot_q6k_direct_x4(const uint8_t *src, int64_t rb, const act_q8k *x, 
         const __m256i bsums = _mm256_loadu_si256((const __m256i *)x[b].bsums);
         for (int r = 0; r < 4; r++) {
             const blk_q6_K *w = (const blk_q6_K *)(src + r * rb + 210 * b);
-            prefetch_x4((const uint8_t *)w, 210, b, nb, rb);
+            prefetch_x4((const uint8_t *)w, 210, ahead, b, nb, rb);
             const __m256i sum = q6k_block_lanes(w, xq, bsums);
             vacc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[b].d * h2f(w->d)), _mm256_cvtepi32_ps(sum), vacc[r]);
         }
@@ -1512,18 +1547,20 @@ static void gemm_rows(const matmul_job *j, int type, const uint8_t *W, const wti
 
 /* Output rows [begin, end) of the concatenation of the job's weights. */
 #ifdef MTP_AVX2
-/* Q4_K / Q6_K rows [lo, hi) of a short-sequence batch in groups of four (dot_q4k_direct_x4, dot_q6k_direct_x4);
+/* Rows [lo, hi) of a short-sequence batch in groups of four (dot_q4k_direct_x4, dot_q6k_direct_x4, dot32_direct_x4);
  * returns the first row left over (fewer than four), for the per-row path. */
-static int64_t gemv_k_rows(const matmul_job *j, int type, const uint8_t *W, int64_t rb, int64_t lo, int64_t hi,
-                           float *y, int64_t ldy) {
+static int64_t gemv_rows_x4(const matmul_job *j, int type, const uint8_t *W, int64_t rb, int64_t lo, int64_t hi,
+                            float *y, int64_t ldy) {
     const act_q8k *xk = j->act[ACT_Q8K];
-    const int64_t nb = j->k / 256, m_x4 = j->seq_len - j->seq_len % 4;
+    const act_q8 *x8 = j->act[ACT_Q8];
+    const int64_t nb = j->k / 256, nb32 = j->k / 32, m_x4 = j->seq_len - j->seq_len % 4;
     int64_t n = lo;
     for (; n + 4 <= hi; n += 4)
         for (int64_t i = 0; i < j->m; i++) {
             float out[4];
             if (type == T_Q6_K) dot_q6k_direct_x4(W + n * rb, rb, xk + i * nb, nb, out);
-            else dot_q4k_direct_x4(W + n * rb, rb, xk + i * nb, nb, i % j->seq_len < m_x4 ? 1 : 0, out);
+            else if (type == T_Q4_K) dot_q4k_direct_x4(W + n * rb, rb, xk + i * nb, nb, i % j->seq_len < m_x4 ? 1 : 0, out);
+            else dot32_direct_x4(type, W + n * rb, rb, x8 + i * nb32, nb32, out);
             memcpy(y + i * ldy + n, out, sizeof(out));
         }
     return n;
@@ -1552,13 +1589,15 @@ static void matmul_rows(void *ctx, int64_t begin, int64_t end) {
 #endif
         int64_t n = lo;
 #ifdef MTP_AVX2
-        /* four rows a pass where decode measured faster than row by row: Q4_K and Q6_K, each row prefetching its
-         * own stream (prefetch_x4). (The 32-element types were tried too, before prefetch_x4: faster on a matrix
-         * the cache holds, slower in a real decode, where four row streams prefetched worse than one.) */
+        /* four rows a pass where decode measured faster than row by row (the activation block loaded once for four
+         * rows, each row prefetching its own stream: prefetch_x4): Q4_K and Q6_K (the 27B's widths: tg64 +34%),
+         * Q5_0 and Q8_0 (Gemma 3 270M's: +10%, SmolLM2's Q8_0 output +4%). Not Q4_1: SmolLM2's decode 131-136
+         * against 161-168 t/s a row at a time (its 20-byte blocks leave four rows' prefetches and scale steps
+         * more than the one load they share); Q4_0 and Q5_1, alike, unmeasured. */
         const int t = j->types[w];
-        const int x4 = t == T_Q4_K || t == T_Q6_K;
+        const int x4 = t == T_Q4_K || t == T_Q6_K || t == T_Q5_0 || t == T_Q8_0;
         if (x4 && j->seq_len < 8 && atomic_load(&gemm_tiling))
-            n = gemv_k_rows(j, j->types[w], j->W[w], rb, lo, hi, j->y[w], j->rows[w]); /* decode: four rows a pass */
+            n = gemv_rows_x4(j, j->types[w], j->W[w], rb, lo, hi, j->y[w], j->rows[w]); /* decode: four rows a pass */
 #endif
         for (; n < hi; n++)
             matmul_row(j->types[w], j->W[w] + n * rb, j->k, j->x, j->act, j->m, j->seq_len, j->y[w] + n, j->rows[w], &scratch_row);
