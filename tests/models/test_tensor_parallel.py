@@ -47,6 +47,24 @@ def test_the_27bs_deltanet_heads_split_in_their_tiled_order():
         assert all(j % 16 - s.k_heads.start == i % 8 for i, j in enumerate(s.v_heads))
 
 
+def test_a_model_held_whole_reads_its_deltanet_projections_from_the_file():
+    """One rank holds every head, so q | k | v's three row runs are one range: the projection is a view of the
+    file's mapping, not a copy (the 27B held 1.7 GB of such copies in its own memory)."""
+    path = tinyqwen_path("Q4_K_M")
+    model = load(path)
+    mapped = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith(str(path.resolve())):
+                start, end = (int(a, 16) for a in line.split()[0].split("-"))
+                mapped.append((start, end))
+    mixers = [layer.mixer for layer in model.layers if layer.recurrent]
+    assert mixers and mapped
+    for mixer in mixers:
+        for q in mixer.w.projections:
+            assert any(a <= q.data.data_ptr() < b for a, b in mapped), q.name
+
+
 def test_attention_heads_take_their_kv_heads_and_share_one_when_fewer():
     big = [attention_share(_rank(r), 24, 4, 256, GGMLType.Q4_K) for r in range(2)]  # the 27B
     assert [(s.heads, s.kv_heads) for s in big] == [(range(0, 12), range(0, 2)), (range(12, 24), range(2, 4))]

@@ -55,7 +55,9 @@ class QTensor:
         return QTensor(self.data[:n], self.ggml_type, (n, *self.shape[1:]), f"{self.name}[:{n}]")
 
     def select_rows(self, runs: Sequence[tuple[int, int]]) -> QTensor:
-        """Rows [a, b) of each run, in order (a tensor-parallel rank's heads): a view for one run, else a copy."""
+        """Rows [a, b) of each run, in order (a tensor-parallel rank's heads): a view where the runs are one
+        contiguous range (a model held whole: q | k | v runs end to end), else a copy."""
+        runs = merged_runs(runs)
         if len(runs) == 1:
             a, b = runs[0]
             return QTensor(self.data[a:b], self.ggml_type, (b - a, *self.shape[1:]), f"{self.name}[{a}:{b}]")
@@ -72,6 +74,17 @@ class QTensor:
         data = torch.cat(parts, dim=1).contiguous()
         width = sum(b - a for a, b in runs)
         return QTensor(data, self.ggml_type, (self.shape[0], width), f"{self.name}[cols {list(runs)}]")
+
+
+def merged_runs(runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The runs in order, each joined to the one before where it starts at its end."""
+    merged: list[tuple[int, int]] = []
+    for a, b in runs:
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return merged
 
 
 def columns_split(ggml_type: GGMLType, runs: Sequence[tuple[int, int]]) -> bool:
