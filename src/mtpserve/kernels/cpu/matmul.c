@@ -747,31 +747,44 @@ static void dot_q4k_direct_x4(const uint8_t *src, int64_t rb, const act_q8k *x, 
     _mm_storeu_ps(out, _mm_sub_ps(acc, accm));
 }
 
-/* The eight int32 lanes of one Q6_K super-block against its activation block (xq: the 8 vectors of 32 quants):
- * lane l = sum over the 8 vectors of scale * (bytes 4l..4l+3 dot) - 32 (sc[2l] bsum[2l] + sc[2l+1] bsum[2l+1]). */
-static inline __m256i q6k_block_lanes(const blk_q6_K *w, const __m256i xq[8], __m256i bsums) {
+/* One Q6_K super-block's weights as its lanes multiply them, unpacked once for any number of activation rows: the 8
+ * vectors of 32 6-bit values (0..63) and each vector's two 16-value scales, broadcast to its halves. */
+typedef struct {
+    __m256i q[8], scale[8], scales16;
+} q6k_block;
+
+static inline void q6k_unpack(const blk_q6_K *w, q6k_block *u) {
     const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
-    __m256i sum = _mm256_setzero_si256();
     for (int n = 0; n < 2; n++) {
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(w->qh + 32 * n));
         const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w->ql + 64 * n));
         const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w->ql + 64 * n + 32));
-        __m256i q[4];
+        __m256i *q = u->q + 4 * n;
         q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
         q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
         q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
         q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
-        for (int j = 0; j < 4; j++) {
-            const int v = 4 * n + j;
-            const __m256i p = _mm256_maddubs_epi16(q[j], xq[v]);
-            const __m256i s = _mm256_set_m128i(_mm_set1_epi16((short)w->scales[2 * v + 1]), _mm_set1_epi16((short)w->scales[2 * v]));
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, s));
-        }
     }
-    const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w->scales));
-    return _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(scales16, bsums), 5));
+    for (int v = 0; v < 8; v++)
+        u->scale[v] = _mm256_set_m128i(_mm_set1_epi16((short)w->scales[2 * v + 1]), _mm_set1_epi16((short)w->scales[2 * v]));
+    u->scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w->scales));
+}
+
+/* The eight int32 lanes of an unpacked Q6_K super-block against its activation block (xq: the 8 vectors of 32
+ * quants): lane l = sum over the 8 vectors of scale * (bytes 4l..4l+3 dot) - 32 (sc[2l] bsum[2l] + sc[2l+1]
+ * bsum[2l+1]). */
+static inline __m256i q6k_lanes(const q6k_block *u, const __m256i xq[8], __m256i bsums) {
+    __m256i sum = _mm256_setzero_si256();
+    for (int v = 0; v < 8; v++) sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u->q[v], xq[v]), u->scale[v]));
+    return _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(u->scales16, bsums), 5));
+}
+
+static inline __m256i q6k_block_lanes(const blk_q6_K *w, const __m256i xq[8], __m256i bsums) {
+    q6k_block u;
+    q6k_unpack(w, &u);
+    return q6k_lanes(&u, xq, bsums);
 }
 
 static inline void load_q8k_block(const act_q8k *x, __m256i xq[8]) {
@@ -799,27 +812,38 @@ static float dot_q6k_direct(const uint8_t *src, const act_q8k *x, int64_t nb, in
     return tiled ? acc1 : hsum8(acc);
 }
 
-/* dot_q6k_direct (not tiled) of four rows at once (row stride rb), for decode: row r's lanes and float steps are
- * dot_q6k_direct's; the activation block is loaded once for the four rows. */
-static void dot_q6k_direct_x4(const uint8_t *src, int64_t rb, const act_q8k *x, int64_t nb, float *out) {
+/* dot_q6k_direct (not tiled) of four weight rows (row stride rb) against m <= 4 activation rows (x, x + nb, ..),
+ * for decode and a draft's verification: out[4 i + r] is weight row r against activation row i, its lanes and float
+ * steps dot_q6k_direct's. Each weight block is unpacked once for the m rows, each activation block loaded once for
+ * the four weight rows. */
+static inline __attribute__((always_inline)) void dot_q6k_direct_x4(const uint8_t *src, int64_t rb, const act_q8k *x,
+                                                                   int64_t nb, int m, float *out) {
     const int64_t ahead = x4_ahead(210, nb);
-    __m256 vacc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 vacc[4][4];
+    for (int i = 0; i < m; i++)
+        for (int r = 0; r < 4; r++) vacc[i][r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i xq[8];
-        load_q8k_block(&x[b], xq);
-        const __m256i bsums = _mm256_loadu_si256((const __m256i *)x[b].bsums);
         for (int r = 0; r < 4; r++) {
             const blk_q6_K *w = (const blk_q6_K *)(src + r * rb + 210 * b);
             prefetch_x4((const uint8_t *)w, 210, ahead, b, nb, rb);
-            const __m256i sum = q6k_block_lanes(w, xq, bsums);
-            vacc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[b].d * h2f(w->d)), _mm256_cvtepi32_ps(sum), vacc[r]);
+            q6k_block u;
+            q6k_unpack(w, &u);
+            const float wd = h2f(w->d);
+            for (int i = 0; i < m; i++) {
+                const act_q8k *xb = &x[i * nb + b];
+                __m256i xq[8];
+                load_q8k_block(xb, xq);
+                const __m256i sum = q6k_lanes(&u, xq, _mm256_loadu_si256((const __m256i *)xb->bsums));
+                vacc[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(xb->d * wd), _mm256_cvtepi32_ps(sum), vacc[i][r]);
+            }
         }
     }
-    for (int r = 0; r < 4; r++) {
-        float acc[8];
-        _mm256_storeu_ps(acc, vacc[r]);
-        out[r] = hsum8(acc);
-    }
+    for (int i = 0; i < m; i++)
+        for (int r = 0; r < 4; r++) {
+            float acc[8];
+            _mm256_storeu_ps(acc, vacc[i][r]);
+            out[4 * i + r] = hsum8(acc);
+        }
 }
 #endif
 
@@ -911,12 +935,17 @@ static inline int gemm_type(int type) {
  *    8.0 at 2 rows, 6.9 against 26 at 4);
  *  - Q4_K (kind 0 or 1 per row, as dot_q4k_direct): from 4 (256 x 768: 2 rows 20.4 us against 13.1, 4 rows 22.1
  *    against 26.4, 8 rows 27.5 against 50.8);
- *  - Q6_K (tile_k6_lanes: the eight lanes of the decode rule, not the GEMM rule's one sum): from 2 (the 4096 x 256
- *    output: 2 rows 105 us against 118, 3 rows 122 against 152, 4 rows 134 against 225).
+ *  - Q6_K (tile_k6_lanes: the eight lanes of the decode rule, not the GEMM rule's one sum): from 5, since the
+ *    four-row GEMVs unpack each weight block once for up to four activation rows (dot_q6k_direct_x4). The 27B's
+ *    ffn_down, 2 threads, GB/s at 2 / 3 / 4 / 5 rows: tiles 10.6 / 8.7 / 8.1 / 7.9 (kept), the GEMVs 26.6 / 24.0 /
+ *    19.9 / 14.3; tinyqwen35's output, ffn_down and attn_qkv: tiles 18.2 / 14.4 / 13.6 / 12.7 (kept), the GEMVs
+ *    18.3 / 16.1 / 14.3 / 11.5. (Before that sharing, 2 rows went to the tiles: the 4096 x 256 output 105 us
+ *    against 118, 3 rows 122 against 152.)
  * Q5_K rounds a short sequence differently from its tiles' llama.cpp GEMM rule: row by row. Returns 0 where the
  * rows go row by row. */
 static inline int short_tile_rows(int type) {
     if (type == T_Q4_K) return 4;
+    if (type == T_Q6_K) return 5;
     return gemm_type(type) && type != T_Q5_K ? 2 : 0;
 }
 
@@ -1555,14 +1584,24 @@ static int64_t gemv_rows_x4(const matmul_job *j, int type, const uint8_t *W, int
     const act_q8 *x8 = j->act[ACT_Q8];
     const int64_t nb = j->k / 256, nb32 = j->k / 32, m_x4 = j->seq_len - j->seq_len % 4;
     int64_t n = lo;
-    for (; n + 4 <= hi; n += 4)
+    for (; n + 4 <= hi; n += 4) {
+        if (type == T_Q6_K) { /* up to four activation rows a pass: one unpacking of each weight block for them */
+            for (int64_t i = 0; i < j->m; i += 4) {
+                const int mi = j->m - i < 4 ? (int)(j->m - i) : 4;
+                float out[16];
+                if (mi == 1) dot_q6k_direct_x4(W + n * rb, rb, xk + i * nb, nb, 1, out); /* decode: m constant */
+                else dot_q6k_direct_x4(W + n * rb, rb, xk + i * nb, nb, mi, out);
+                for (int ii = 0; ii < mi; ii++) memcpy(y + (i + ii) * ldy + n, out + 4 * ii, 4 * sizeof(float));
+            }
+            continue;
+        }
         for (int64_t i = 0; i < j->m; i++) {
             float out[4];
-            if (type == T_Q6_K) dot_q6k_direct_x4(W + n * rb, rb, xk + i * nb, nb, out);
-            else if (type == T_Q4_K) dot_q4k_direct_x4(W + n * rb, rb, xk + i * nb, nb, i % j->seq_len < m_x4 ? 1 : 0, out);
+            if (type == T_Q4_K) dot_q4k_direct_x4(W + n * rb, rb, xk + i * nb, nb, i % j->seq_len < m_x4 ? 1 : 0, out);
             else dot32_direct_x4(type, W + n * rb, rb, x8 + i * nb32, nb32, out);
             memcpy(y + i * ldy + n, out, sizeof(out));
         }
+    }
     return n;
 }
 #endif
