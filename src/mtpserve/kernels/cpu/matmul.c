@@ -687,64 +687,95 @@ static inline __m128i hsum4_v4(__m128i t0, __m128i t1, __m128i t2, __m128i t3) {
     return _mm_hadd_epi32(_mm_hadd_epi32(t0, t1), _mm_hadd_epi32(t2, t3));
 }
 
-/* dot_q4k_direct of four rows at once (row stride rb), for decode: each row's integer sums and float steps are
- * dot_q4k_direct's, lane r of the float vectors being row r's accumulator; the activation block is loaded once
- * for the four rows and their sums are reduced together. */
-static void dot_q4k_direct_x4(const uint8_t *src, int64_t rb, const act_q8k *x, int64_t nb, int kind, float *out) {
-    const int64_t ahead = x4_ahead(144, nb);
-    __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
+static inline void load_q8k_block(const act_q8k *x, __m256i xq[8]) {
+    for (int v = 0; v < 8; v++) xq[v] = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * v));
+}
+
+/* One Q4_K super-block's weights as dot_q4k_direct multiplies them, unpacked once for any number of activation rows:
+ * the low and high nibbles of each 32-byte run (q[2c], q[2c + 1]), their eight scales broadcast, the eight mins
+ * widened, d and dmin. */
+typedef struct {
+    __m256i q[8], scale[8];
+    __m128i mins;
+    float d, dmin;
+} q4k_block;
+
+static inline void q4k_unpack(const uint8_t *blk, q4k_block *u) {
     const __m256i m4 = _mm256_set1_epi8(15);
+    half hd, hdm;
+    memcpy(&hd, blk, 2);
+    memcpy(&hdm, blk + 2, 2);
+    u->d = h2f(hd);
+    u->dmin = h2f(hdm);
+    uint64_t sc64, mn64;
+    k_scales_mins8(blk + 4, &sc64, &mn64);
+    const uint8_t *sc = (const uint8_t *)&sc64;
+    u->mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn64));
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+        u->q[2 * c] = _mm256_and_si256(v, m4);
+        u->q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+    for (int v = 0; v < 8; v++) u->scale[v] = _mm256_set1_epi16(sc[v]);
+}
+
+/* dot_q4k_direct of four weight rows (row stride rb) against m <= 4 activation rows (x, x + nb, ..), activation row i
+ * by kind[i], for decode and a draft's verification: out[4 i + r] is weight row r against activation row i, its
+ * integer sums and float steps dot_q4k_direct's (lane r of the float vectors being weight row r's accumulator).
+ * Each weight block is unpacked once for the m rows, each activation block loaded once for the four weight rows. */
+static inline __attribute__((always_inline)) void dot_q4k_direct_x4(const uint8_t *src, int64_t rb, const act_q8k *x,
+                                                                   int64_t nb, int m, const int *kind, float *out) {
+    const int64_t ahead = x4_ahead(144, nb);
+    __m128 acc[4], accm[4];
+    for (int i = 0; i < m; i++) acc[i] = accm[i] = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const __m128i bs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)x[b].bsums), _mm_loadu_si128((const __m128i *)(x[b].bsums + 8)));
-        __m256i xq[8];
-        for (int v = 0; v < 8; v++) xq[v] = _mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * v));
-        __m256i total[4], part[4][4];
-        __m128i prod_m[4];
-        float dw[4], dm[4];
+        q4k_block u[4];
         for (int r = 0; r < 4; r++) {
-            const uint8_t *blk = src + r * rb + 144 * b, *qs = blk + 16;
+            const uint8_t *blk = src + r * rb + 144 * b;
             prefetch_x4(blk, 144, ahead, b, nb, rb);
-            half hd, hdm;
-            memcpy(&hd, blk, 2);
-            memcpy(&hdm, blk + 2, 2);
-            dw[r] = h2f(hd);
-            dm[r] = h2f(hdm);
-            uint64_t sc64, mn64;
-            k_scales_mins8(blk + 4, &sc64, &mn64);
-            const uint8_t *sc = (const uint8_t *)&sc64;
-            prod_m[r] = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn64)), bs);
-            total[r] = _mm256_setzero_si256();
-            for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-                const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(v, m4), xq[2 * c]);
-                const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), xq[2 * c + 1]);
-                part[r][c] = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_set1_epi16(sc[2 * c])),
-                                              _mm256_madd_epi16(hi, _mm256_set1_epi16(sc[2 * c + 1])));
-                total[r] = _mm256_add_epi32(total[r], part[r][c]);
-            }
+            q4k_unpack(blk, &u[r]);
         }
-        const __m128 xd = _mm_set1_ps(x[b].d);
-        const __m128 d = _mm_mul_ps(_mm_loadu_ps(dw), xd), dmin = _mm_mul_ps(_mm_loadu_ps(dm), xd);
-        if (kind == 1) { /* per 64 values, c = 0..3 in order: row r's sumi[c] and summ[c] in lane r */
-            __m128 si[4], sm[4];
+        const __m128 dw = _mm_setr_ps(u[0].d, u[1].d, u[2].d, u[3].d), dm = _mm_setr_ps(u[0].dmin, u[1].dmin, u[2].dmin, u[3].dmin);
+        for (int i = 0; i < m; i++) {
+            const act_q8k *xb = &x[i * nb + b];
+            const __m128i bs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)xb->bsums), _mm_loadu_si128((const __m128i *)(xb->bsums + 8)));
+            __m256i xq[8];
+            load_q8k_block(xb, xq);
+            __m256i total[4], part[4][4];
+            __m128i prod_m[4];
             for (int r = 0; r < 4; r++) {
-                si[r] = _mm_castsi128_ps(hsum4_v8(part[r][0], part[r][1], part[r][2], part[r][3]));
-                sm[r] = _mm_castsi128_ps(prod_m[r]);
+                prod_m[r] = _mm_madd_epi16(u[r].mins, bs);
+                total[r] = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) {
+                    const __m256i lo = _mm256_maddubs_epi16(u[r].q[2 * c], xq[2 * c]);
+                    const __m256i hi = _mm256_maddubs_epi16(u[r].q[2 * c + 1], xq[2 * c + 1]);
+                    part[r][c] = _mm256_add_epi32(_mm256_madd_epi16(lo, u[r].scale[2 * c]), _mm256_madd_epi16(hi, u[r].scale[2 * c + 1]));
+                    total[r] = _mm256_add_epi32(total[r], part[r][c]);
+                }
             }
-            _MM_TRANSPOSE4_PS(si[0], si[1], si[2], si[3]);
-            _MM_TRANSPOSE4_PS(sm[0], sm[1], sm[2], sm[3]);
-            for (int c = 0; c < 4; c++) {
-                acc = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_castps_si128(si[c])), d, acc);
-                accm = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_castps_si128(sm[c])), dmin, accm);
+            const __m128 xd = _mm_set1_ps(xb->d);
+            const __m128 d = _mm_mul_ps(dw, xd), dmin = _mm_mul_ps(dm, xd);
+            if (kind[i] == 1) { /* per 64 values, c = 0..3 in order: row r's sumi[c] and summ[c] in lane r */
+                __m128 si[4], sm[4];
+                for (int r = 0; r < 4; r++) {
+                    si[r] = _mm_castsi128_ps(hsum4_v8(part[r][0], part[r][1], part[r][2], part[r][3]));
+                    sm[r] = _mm_castsi128_ps(prod_m[r]);
+                }
+                _MM_TRANSPOSE4_PS(si[0], si[1], si[2], si[3]);
+                _MM_TRANSPOSE4_PS(sm[0], sm[1], sm[2], sm[3]);
+                for (int c = 0; c < 4; c++) {
+                    acc[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_castps_si128(si[c])), d, acc[i]);
+                    accm[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_castps_si128(sm[c])), dmin, accm[i]);
+                }
+            } else {
+                const __m128i si = hsum4_v8(total[0], total[1], total[2], total[3]);
+                const __m128i sm = hsum4_v4(prod_m[0], prod_m[1], prod_m[2], prod_m[3]);
+                acc[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(si), d, acc[i]);
+                accm[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(sm), dmin, accm[i]);
             }
-        } else {
-            const __m128i si = hsum4_v8(total[0], total[1], total[2], total[3]);
-            const __m128i sm = hsum4_v4(prod_m[0], prod_m[1], prod_m[2], prod_m[3]);
-            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(si), d, acc);
-            accm = _mm_fmadd_ps(_mm_cvtepi32_ps(sm), dmin, accm);
         }
     }
-    _mm_storeu_ps(out, _mm_sub_ps(acc, accm));
+    for (int i = 0; i < m; i++) _mm_storeu_ps(out + 4 * i, _mm_sub_ps(acc[i], accm[i]));
 }
 
 /* One Q6_K super-block's weights as its lanes multiply them, unpacked once for any number of activation rows: the 8
@@ -785,10 +816,6 @@ static inline __m256i q6k_block_lanes(const blk_q6_K *w, const __m256i xq[8], __
     q6k_block u;
     q6k_unpack(w, &u);
     return q6k_lanes(&u, xq, bsums);
-}
-
-static inline void load_q8k_block(const act_q8k *x, __m256i xq[8]) {
-    for (int v = 0; v < 8; v++) xq[v] = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * v));
 }
 
 /* dot_k6 from the block bytes: the same eight integer lanes as k6_lanes over the decoded row. */
@@ -934,7 +961,9 @@ static inline int gemm_type(int type) {
  *  - the 32-element types (one rule at every batch size): from 2 activation rows (Q5_0 256 x 128: 5.9 us against
  *    8.0 at 2 rows, 6.9 against 26 at 4);
  *  - Q4_K (kind 0 or 1 per row, as dot_q4k_direct): from 4 (256 x 768: 2 rows 20.4 us against 13.1, 4 rows 22.1
- *    against 26.4, 8 rows 27.5 against 50.8);
+ *    against 26.4, 8 rows 27.5 against 50.8). Kept so when the GEMVs came to unpack each block once for up to four
+ *    rows: at 4 rows the 27B's ffn_up reads 10.5 GB/s through them against 6.8-7.9 through the tiles, but
+ *    tinyqwen35's matrices 4.1 against 5.1 (kept tiles), and at 5-6 rows the tiles tie or win;
  *  - Q6_K (tile_k6_lanes: the eight lanes of the decode rule, not the GEMM rule's one sum): from 5, since the
  *    four-row GEMVs unpack each weight block once for up to four activation rows (dot_q6k_direct_x4). The 27B's
  *    ffn_down, 2 threads, GB/s at 2 / 3 / 4 / 5 rows: tiles 10.6 / 8.7 / 8.1 / 7.9 (kept), the GEMVs 26.6 / 24.0 /
@@ -1585,20 +1614,24 @@ static int64_t gemv_rows_x4(const matmul_job *j, int type, const uint8_t *W, int
     const int64_t nb = j->k / 256, nb32 = j->k / 32, m_x4 = j->seq_len - j->seq_len % 4;
     int64_t n = lo;
     for (; n + 4 <= hi; n += 4) {
-        if (type == T_Q6_K) { /* up to four activation rows a pass: one unpacking of each weight block for them */
+        if (type == T_Q6_K || type == T_Q4_K) { /* up to four activation rows a pass: each weight block unpacked once */
             for (int64_t i = 0; i < j->m; i += 4) {
                 const int mi = j->m - i < 4 ? (int)(j->m - i) : 4;
+                int kind[4];
+                for (int ii = 0; ii < mi; ii++) kind[ii] = (i + ii) % j->seq_len < m_x4;
                 float out[16];
-                if (mi == 1) dot_q6k_direct_x4(W + n * rb, rb, xk + i * nb, nb, 1, out); /* decode: m constant */
-                else dot_q6k_direct_x4(W + n * rb, rb, xk + i * nb, nb, mi, out);
+                const uint8_t *w = W + n * rb;
+                if (type == T_Q6_K && mi == 1) dot_q6k_direct_x4(w, rb, xk + i * nb, nb, 1, out); /* decode: m constant */
+                else if (type == T_Q6_K) dot_q6k_direct_x4(w, rb, xk + i * nb, nb, mi, out);
+                else if (mi == 1) dot_q4k_direct_x4(w, rb, xk + i * nb, nb, 1, kind, out);
+                else dot_q4k_direct_x4(w, rb, xk + i * nb, nb, mi, kind, out);
                 for (int ii = 0; ii < mi; ii++) memcpy(y + (i + ii) * ldy + n, out + 4 * ii, 4 * sizeof(float));
             }
             continue;
         }
         for (int64_t i = 0; i < j->m; i++) {
             float out[4];
-            if (type == T_Q4_K) dot_q4k_direct_x4(W + n * rb, rb, xk + i * nb, nb, i % j->seq_len < m_x4 ? 1 : 0, out);
-            else dot32_direct_x4(type, W + n * rb, rb, x8 + i * nb32, nb32, out);
+            dot32_direct_x4(type, W + n * rb, rb, x8 + i * nb32, nb32, out);
             memcpy(y + i * ldy + n, out, sizeof(out));
         }
     }
