@@ -1617,7 +1617,7 @@ static int64_t gemv_rows_x4(const matmul_job *j, int type, const uint8_t *W, int
         if (type == T_Q6_K || type == T_Q4_K) { /* up to four activation rows a pass: each weight block unpacked once */
             for (int64_t i = 0; i < j->m; i += 4) {
                 const int mi = j->m - i < 4 ? (int)(j->m - i) : 4;
-                int kind[4];
+                int kind[4]; /* Q4_K's float steps, per activation row (dot_q4k_direct's kind) */
                 for (int ii = 0; ii < mi; ii++) kind[ii] = (i + ii) % j->seq_len < m_x4;
                 float out[16];
                 const uint8_t *w = W + n * rb;
@@ -1665,7 +1665,7 @@ static void matmul_rows(void *ctx, int64_t begin, int64_t end) {
          * rows, each row prefetching its own stream: prefetch_x4): Q4_K and Q6_K (the 27B's widths: tg64 +34%),
          * Q5_0 and Q8_0 (Gemma 3 270M's: +10%, SmolLM2's Q8_0 output +4%). Not Q4_1: SmolLM2's decode 131-136
          * against 161-168 t/s a row at a time (its 20-byte blocks leave four rows' prefetches and scale steps
-         * more than the one load they share); Q4_0 and Q5_1, alike, unmeasured. */
+         * more than the one load they share). Q4_0 and Q5_1, not measured, stay a row at a time. */
         const int t = j->types[w];
         const int x4 = t == T_Q4_K || t == T_Q6_K || t == T_Q5_0 || t == T_Q8_0;
         if (x4 && j->seq_len < 8 && atomic_load(&gemm_tiling))
