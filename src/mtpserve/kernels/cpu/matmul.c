@@ -587,7 +587,8 @@ static float dot32_direct(int type, const uint8_t *src, const act_q8 *x, int64_t
 
 /* dot32_direct of four rows at once (row stride rb), for decode: row r's lanes and float steps are dot32_direct's;
  * the activation block is loaded once for the four rows. */
-static void dot32_direct_x4(int type, const uint8_t *src, int64_t rb, const act_q8 *x, int64_t nb, float *out) {
+static inline __attribute__((always_inline)) void dot32_direct_x4(int type, const uint8_t *src, int64_t rb, const act_q8 *x,
+                                                                 int64_t nb, float *out) {
     const int bs = (int)row_bytes(type, 32);
     const int64_t ahead = x4_ahead(bs, nb);
     const int is_signed = type == T_Q4_0 || type == T_Q5_0 || type == T_Q8_0;
@@ -1630,8 +1631,18 @@ static int64_t gemv_rows_x4(const matmul_job *j, int type, const uint8_t *W, int
             continue;
         }
         for (int64_t i = 0; i < j->m; i++) {
+            const uint8_t *w = W + n * rb;
+            const act_q8 *xi = x8 + i * nb32;
             float out[4];
-            dot32_direct_x4(type, W + n * rb, rb, x8 + i * nb32, nb32, out);
+            /* the type a constant in each call: load_q32's layout resolved at compile time, not a switch a block
+             * (which cost Gemma 3's decode a quarter of its speed, and made Q4_1 measure slower four rows a pass) */
+            switch (type) {
+                case T_Q4_0: dot32_direct_x4(T_Q4_0, w, rb, xi, nb32, out); break;
+                case T_Q4_1: dot32_direct_x4(T_Q4_1, w, rb, xi, nb32, out); break;
+                case T_Q5_0: dot32_direct_x4(T_Q5_0, w, rb, xi, nb32, out); break;
+                case T_Q5_1: dot32_direct_x4(T_Q5_1, w, rb, xi, nb32, out); break;
+                default: dot32_direct_x4(T_Q8_0, w, rb, xi, nb32, out); break;
+            }
             memcpy(y + i * ldy + n, out, sizeof(out));
         }
     }
@@ -1663,11 +1674,10 @@ static void matmul_rows(void *ctx, int64_t begin, int64_t end) {
 #ifdef MTP_AVX2
         /* four rows a pass where decode measured faster than row by row (the activation block loaded once for four
          * rows, each row prefetching its own stream: prefetch_x4): Q4_K and Q6_K (the 27B's widths: tg64 +34%),
-         * Q5_0 and Q8_0 (Gemma 3 270M's: +10%, SmolLM2's Q8_0 output +4%). Not Q4_1: SmolLM2's decode 131-136
-         * against 161-168 t/s a row at a time (its 20-byte blocks leave four rows' prefetches and scale steps
-         * more than the one load they share). Q4_0 and Q5_1, not measured, stay a row at a time. */
+         * Q5_0 and Q8_0 (Gemma 3 270M's: +19%), Q4_1 (SmolLM2's: +13%), and Q4_0 and Q5_1 as their likes (no model
+         * here has them; the twin test holds them). Q5_K goes row by row (its short-sequence rounding). */
         const int t = j->types[w];
-        const int x4 = t == T_Q4_K || t == T_Q6_K || t == T_Q5_0 || t == T_Q8_0;
+        const int x4 = t == T_Q4_K || t == T_Q6_K || t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0;
         if (x4 && j->seq_len < 8 && atomic_load(&gemm_tiling))
             n = gemv_rows_x4(j, j->types[w], j->W[w], rb, lo, hi, j->y[w], j->rows[w]); /* decode: four rows a pass */
 #endif
