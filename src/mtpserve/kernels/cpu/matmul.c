@@ -730,37 +730,38 @@ static inline __attribute__((always_inline)) void dot_q4k_direct_x4(const uint8_
     __m128 acc[4], accm[4];
     for (int i = 0; i < m; i++) acc[i] = accm[i] = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        q4k_block u[4];
-        for (int r = 0; r < 4; r++) {
+        __m256i total[4][4], part[4][4][4]; /* [activation row][weight row](, [64-value part]) */
+        __m128i prod_m[4][4];
+        float dw[4], dm[4];
+        for (int r = 0; r < 4; r++) { /* a weight row's block unpacked, then taken by every activation row */
             const uint8_t *blk = src + r * rb + 144 * b;
             prefetch_x4(blk, 144, ahead, b, nb, rb);
-            q4k_unpack(blk, &u[r]);
-        }
-        const __m128 dw = _mm_setr_ps(u[0].d, u[1].d, u[2].d, u[3].d), dm = _mm_setr_ps(u[0].dmin, u[1].dmin, u[2].dmin, u[3].dmin);
-        for (int i = 0; i < m; i++) {
-            const act_q8k *xb = &x[i * nb + b];
-            const __m128i bs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)xb->bsums), _mm_loadu_si128((const __m128i *)(xb->bsums + 8)));
-            __m256i xq[8];
-            load_q8k_block(xb, xq);
-            __m256i total[4], part[4][4];
-            __m128i prod_m[4];
-            for (int r = 0; r < 4; r++) {
-                prod_m[r] = _mm_madd_epi16(u[r].mins, bs);
-                total[r] = _mm256_setzero_si256();
+            q4k_block u;
+            q4k_unpack(blk, &u);
+            dw[r] = u.d;
+            dm[r] = u.dmin;
+            for (int i = 0; i < m; i++) {
+                const act_q8k *xb = &x[i * nb + b];
+                const __m128i bs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)xb->bsums), _mm_loadu_si128((const __m128i *)(xb->bsums + 8)));
+                prod_m[i][r] = _mm_madd_epi16(u.mins, bs);
+                total[i][r] = _mm256_setzero_si256();
                 for (int c = 0; c < 4; c++) {
-                    const __m256i lo = _mm256_maddubs_epi16(u[r].q[2 * c], xq[2 * c]);
-                    const __m256i hi = _mm256_maddubs_epi16(u[r].q[2 * c + 1], xq[2 * c + 1]);
-                    part[r][c] = _mm256_add_epi32(_mm256_madd_epi16(lo, u[r].scale[2 * c]), _mm256_madd_epi16(hi, u[r].scale[2 * c + 1]));
-                    total[r] = _mm256_add_epi32(total[r], part[r][c]);
+                    const __m256i lo = _mm256_maddubs_epi16(u.q[2 * c], _mm256_loadu_si256((const __m256i *)(xb->qs + 64 * c)));
+                    const __m256i hi = _mm256_maddubs_epi16(u.q[2 * c + 1], _mm256_loadu_si256((const __m256i *)(xb->qs + 64 * c + 32)));
+                    part[i][r][c] = _mm256_add_epi32(_mm256_madd_epi16(lo, u.scale[2 * c]), _mm256_madd_epi16(hi, u.scale[2 * c + 1]));
+                    total[i][r] = _mm256_add_epi32(total[i][r], part[i][r][c]);
                 }
             }
-            const __m128 xd = _mm_set1_ps(xb->d);
-            const __m128 d = _mm_mul_ps(dw, xd), dmin = _mm_mul_ps(dm, xd);
+        }
+        const __m128 dw4 = _mm_loadu_ps(dw), dm4 = _mm_loadu_ps(dm);
+        for (int i = 0; i < m; i++) {
+            const __m128 xd = _mm_set1_ps(x[i * nb + b].d);
+            const __m128 d = _mm_mul_ps(dw4, xd), dmin = _mm_mul_ps(dm4, xd);
             if (kind[i] == 1) { /* per 64 values, c = 0..3 in order: row r's sumi[c] and summ[c] in lane r */
                 __m128 si[4], sm[4];
                 for (int r = 0; r < 4; r++) {
-                    si[r] = _mm_castsi128_ps(hsum4_v8(part[r][0], part[r][1], part[r][2], part[r][3]));
-                    sm[r] = _mm_castsi128_ps(prod_m[r]);
+                    si[r] = _mm_castsi128_ps(hsum4_v8(part[i][r][0], part[i][r][1], part[i][r][2], part[i][r][3]));
+                    sm[r] = _mm_castsi128_ps(prod_m[i][r]);
                 }
                 _MM_TRANSPOSE4_PS(si[0], si[1], si[2], si[3]);
                 _MM_TRANSPOSE4_PS(sm[0], sm[1], sm[2], sm[3]);
@@ -769,8 +770,8 @@ static inline __attribute__((always_inline)) void dot_q4k_direct_x4(const uint8_
                     accm[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_castps_si128(sm[c])), dmin, accm[i]);
                 }
             } else {
-                const __m128i si = hsum4_v8(total[0], total[1], total[2], total[3]);
-                const __m128i sm = hsum4_v4(prod_m[0], prod_m[1], prod_m[2], prod_m[3]);
+                const __m128i si = hsum4_v8(total[i][0], total[i][1], total[i][2], total[i][3]);
+                const __m128i sm = hsum4_v4(prod_m[i][0], prod_m[i][1], prod_m[i][2], prod_m[i][3]);
                 acc[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(si), d, acc[i]);
                 accm[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(sm), dmin, accm[i]);
             }
