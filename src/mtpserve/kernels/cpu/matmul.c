@@ -1619,14 +1619,17 @@ static int64_t gemv_rows_x4(const matmul_job *j, int type, const uint8_t *W, int
         if (type == T_Q6_K || type == T_Q4_K) { /* up to four activation rows a pass: each weight block unpacked once */
             for (int64_t i = 0; i < j->m; i += 4) {
                 const int mi = j->m - i < 4 ? (int)(j->m - i) : 4;
-                int kind[4]; /* Q4_K's float steps, per activation row (dot_q4k_direct's kind) */
-                for (int ii = 0; ii < mi; ii++) kind[ii] = (i + ii) % j->seq_len < m_x4;
                 float out[16];
                 const uint8_t *w = W + n * rb;
-                if (type == T_Q6_K && mi == 1) dot_q6k_direct_x4(w, rb, xk + i * nb, nb, 1, out); /* decode: m constant */
-                else if (type == T_Q6_K) dot_q6k_direct_x4(w, rb, xk + i * nb, nb, mi, out);
-                else if (mi == 1) dot_q4k_direct_x4(w, rb, xk + i * nb, nb, 1, kind, out);
-                else dot_q4k_direct_x4(w, rb, xk + i * nb, nb, mi, kind, out);
+                if (type == T_Q6_K) {
+                    if (mi == 1) dot_q6k_direct_x4(w, rb, xk + i * nb, nb, 1, out); /* decode: m a constant */
+                    else dot_q6k_direct_x4(w, rb, xk + i * nb, nb, mi, out);
+                } else {
+                    int kind[4]; /* the float steps of each activation row (dot_q4k_direct's kind) */
+                    for (int ii = 0; ii < mi; ii++) kind[ii] = (i + ii) % j->seq_len < m_x4;
+                    if (mi == 1) dot_q4k_direct_x4(w, rb, xk + i * nb, nb, 1, kind, out);
+                    else dot_q4k_direct_x4(w, rb, xk + i * nb, nb, mi, kind, out);
+                }
                 for (int ii = 0; ii < mi; ii++) memcpy(y + (i + ii) * ldy + n, out + 4 * ii, 4 * sizeof(float));
             }
             continue;
