@@ -14,25 +14,15 @@ at most 1 GiB, a small part of a 27B), so rows that take the GEMM tiles pack the
 from __future__ import annotations
 
 import argparse
-import time
 from collections import defaultdict
 
 import torch
+from dequant import best_seconds  # a sibling script: bench/ is on the path when run
 
 from mtpserve.gguf.reader import open_gguf
 from mtpserve.ops.linear import linear
 from mtpserve.quant.qtensor import QTensor
 from mtpserve.tuning.synthetic import default_path
-
-
-def best_seconds(run, passes: int = 3) -> float:
-    run()  # warm: kernels built, pages touched
-    times = []
-    for _ in range(passes):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main() -> None:
@@ -58,11 +48,11 @@ def main() -> None:
         n_bytes = sum(w.nbytes for w in weights)
         for threads in map(int, args.threads.split(",")):
             torch.set_num_threads(threads)
-            summed = n_bytes / best_seconds(lambda ws=weights: [w.data.view(torch.int64).sum() for w in ws]) / 1e9
+            summed = n_bytes / best_seconds(lambda ws=weights: [w.data.view(torch.int64).sum() for w in ws], 3) / 1e9
             speeds = []
             for rows in map(int, args.rows.split(",")):
                 x = torch.randn(rows, weights[0].shape[1])
-                seconds = best_seconds(lambda ws=weights, x=x, r=rows: [linear(x, w, seq_len=r) for w in ws])
+                seconds = best_seconds(lambda ws=weights, x=x, r=rows: [linear(x, w, seq_len=r) for w in ws], 3)
                 speeds.append(f"{n_bytes / seconds / 1e9:.1f}")
             print(f"| {kind} x {len(weights)} | {type_name} | {threads} | {summed:.1f} | " + " | ".join(speeds) + " |")
 

@@ -109,3 +109,8 @@ class EngineConfig:
     grammar: GrammarLimits = field(default_factory=GrammarLimits)  # --grammar-*: what one grammar may cost
     use_mmap: bool = True  # --no-mmap: False, the weights read into memory (a model on the CPU)
     use_mlock: bool = False  # --mlock: the weights pinned in RAM (a model on the CPU)
+
+    @property
+    def resident_weights(self) -> bool:
+        """--no-mmap or --mlock: the weights held in RAM, where they apply (a model on the CPU)."""
+        return not self.use_mmap or self.use_mlock

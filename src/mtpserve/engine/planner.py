@@ -213,7 +213,7 @@ def plan(
         mtp=engine.spec.draft_mtp,
         prompt_cache_bytes=engine.cache_ram * 1024**2 if engine.cache_ram >= 0 else -1,
         rollback_bytes=estimate.recurrent_bytes * engine.spec.verified_tokens,
-        weights_mapped=device == "cpu" and engine.use_mmap and not engine.use_mlock,  # --no-mmap, --mlock: resident
+        weights_mapped=device == "cpu" and not engine.resident_weights,
         kept_tiles_bytes=min(kept_tiles_limit(), round(KEPT_TILES_PER_WEIGHT_BYTE * weights_bytes))
         if device == "cpu"
         else 0,

@@ -56,7 +56,7 @@ def load_for_engine(
 def keeps_resident(config: EngineConfig, gpu: GpuRequest | None = None, tensor_parallel: bool = False) -> bool:
     """Whether --no-mmap or --mlock apply: asked for, and the model loads whole in this process on the CPU (it then
     reads the whole file while loading)."""
-    return (not config.use_mmap or config.use_mlock) and gpu is None and not tensor_parallel
+    return config.resident_weights and gpu is None and not tensor_parallel
 
 
 def warn_residency(config: EngineConfig, why: str) -> None:
