@@ -83,8 +83,9 @@ def stand_in(vocab: int, agree: bool = False, fresh_logits: bool = True, draft_v
         table[:, drafted] = table.max() + 1.0
     mtp_kv = model.mtp_kv_index
 
-    def program_decode(tokens, states, steps=None):
-        return forward_batch(Batch.of(torch.tensor(tokens), states))
+    def program_decode(tokens, states, steps=None, logits=False):  # the decode program's hidden states and logits
+        hidden = forward_batch(Batch.of(torch.tensor(tokens), states))
+        return hidden, logits_on_device(hidden) if logits else None
 
     def forward_batch(batch):  # an output of zeros, made as a forward pass makes its own
         batch.advance()

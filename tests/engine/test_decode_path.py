@@ -28,7 +28,7 @@ def _decode(key: str, program: bool, monkeypatch, **config) -> tuple[list, int, 
     path = _path(key)
     model, tokenizer = load(path), Tokenizer.from_gguf(path)
     if not program:
-        monkeypatch.setattr(model, "program_decode", lambda tokens, states, steps=None: None)
+        monkeypatch.setattr(model, "program_decode", lambda tokens, states, steps=None, logits=False: None)
     engine_config = EngineConfig(n_parallel=1, ctx_size=2048, **config)
     text = "The quick brown fox jumps over the lazy dog. " * 8
     prompts = [tokenizer.encode(text), tokenizer.encode(text + "Then it sleeps")]
@@ -76,11 +76,11 @@ def _decode_together(key: str, program: bool, monkeypatch) -> tuple[list, list[i
     served, layered = [], []
     program_decode, forward_batch = model.program_decode, model.forward_batch
 
-    def counted_program(tokens, states, steps=None):
-        hidden = program_decode(tokens, states, steps) if program else None
-        if hidden is not None:
+    def counted_program(tokens, states, steps=None, logits=False):
+        out = program_decode(tokens, states, steps, logits) if program else None
+        if out is not None:
             served.append(len(states))
-        return hidden
+        return out
 
     def counted_layers(batch):
         if batch.n_tokens == 1:
@@ -129,7 +129,7 @@ def test_draft_verifications_take_the_program_with_the_layer_paths_tokens(monkey
             return forward_batch(batch)
 
         if not program:
-            monkeypatch.setattr(model, "program_decode", lambda tokens, states, steps=None: None)
+            monkeypatch.setattr(model, "program_decode", lambda tokens, states, steps=None, logits=False: None)
         monkeypatch.setattr(model, "forward_batch", counted_layers)
         config = EngineConfig(n_parallel=1, ctx_size=2048, spec=SpecConfig(type="draft-mtp", n_max=2))
         prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)

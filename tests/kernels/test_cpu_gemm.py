@@ -277,7 +277,7 @@ def test_model_weights_are_registered_and_decode_keeps_its_tokens():
         alone.append(model.logits(model.forward(torch.tensor([3]), state)))
     for prompt, state in zip(prompts, states):
         model.forward(torch.tensor(prompt), state)
-    together = model.logits(model.program_decode([3, 3, 3], states), 1)
+    together = model.program_decode([3, 3, 3], states, logits=True)[1]
     assert cpu_kernels.kept_tile_bytes() > before
     for s in range(3):
         assert torch.equal(together[s : s + 1], alone[s])

@@ -68,7 +68,8 @@ def test_decode_program_equals_the_layers_one_by_one(name: str, monkeypatch: pyt
 
 def _verify_shaped(model, prompts: list[torch.Tensor], drafts: list[list[int]], program: bool):
     """A draft verification's pass (every sequence's next tokens at once, each DeltaNet state after every token kept)
-    through the program or the layers: hidden states, each state's caches and recurrent states, the kept states."""
+    through the program or the layers: hidden states, logits, each state's caches and recurrent states, the kept
+    states."""
     states = []
     for prompt in prompts:
         state = model.new_state(1024)
@@ -77,16 +78,18 @@ def _verify_shaped(model, prompts: list[torch.Tensor], drafts: list[list[int]], 
     tokens = [t for draft in drafts for t in draft]
     if program:
         steps: dict = {}
-        hidden = model.program_decode(tokens, states, steps)
-        assert hidden is not None, "the program must serve a verification of this shape"
+        out = model.program_decode(tokens, states, steps, logits=True)
+        assert out is not None, "the program must serve a verification of this shape"
+        hidden, logits = out
     else:
         batch = Batch.of(torch.tensor(tokens), states)
         batch.keep_steps = True
         hidden, steps = model.forward_batch(batch), batch.steps
+        logits = model.logits_on_device(hidden, len(drafts[0]))
     caches = [[(kv.k.data, kv.v.data, kv.positions, kv.length) for kv in st.kv.values()] for st in states]
     recurrent = [[(r.conv, r.ssm) for r in st.recurrent.values()] for st in states]
     kept = [[[(r.conv, r.ssm) for r in per_token] for per_token in steps[layer]] for layer in sorted(steps)]
-    return hidden, caches, recurrent, kept
+    return hidden, logits, caches, recurrent, kept
 
 
 @needs_kernels
@@ -94,22 +97,24 @@ def _verify_shaped(model, prompts: list[torch.Tensor], drafts: list[list[int]], 
 @pytest.mark.parametrize("n_seq", [1, 3])
 def test_a_verification_through_the_program_equals_the_layers(name: str, n_seq: int) -> None:
     """Several tokens a sequence (a draft's verification: 3 here) of one or several sequences at different depths in
-    one program call: the layers' hidden states, caches and recurrent states bit for bit, and the DeltaNet states
-    after every token (the rollback points) kept as the layers keep them."""
+    one program call: the layers' hidden states, logits, caches and recurrent states bit for bit, and the DeltaNet
+    states after every token (the rollback points) kept as the layers keep them."""
     model = _model(name)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, model.config.n_vocab, (n,), generator=gen) for n in (37, 520, 99)[:n_seq]]
     drafts = [torch.randint(0, model.config.n_vocab, (3,), generator=gen).tolist() for _ in range(n_seq)]
     program = _verify_shaped(model, prompts, drafts, program=True)
     layers = _verify_shaped(model, prompts, drafts, program=False)
-    assert (len(program[3]) > 0) == (name == "tinyqwen35")
+    assert (len(program[4]) > 0) == (name == "tinyqwen35")
     _assert_same(program, layers)
 
 
 def _count_program_calls(m: pytest.MonkeyPatch) -> list[int]:
+    """The decode program's C calls (a decode pass, or the blocks alone) from here on."""
     calls: list[int] = []
-    run_blocks = cpu_kernels.load().mtp_run_blocks
-    m.setattr(cpu_kernels.load(), "mtp_run_blocks", lambda *a: calls.append(1) or run_blocks(*a))
+    for name in ("mtp_decode_pass", "mtp_run_blocks"):
+        entry = getattr(cpu_kernels.load(), name)
+        m.setattr(cpu_kernels.load(), name, lambda *a, entry=entry: calls.append(1) or entry(*a))
     return calls
 
 
@@ -132,6 +137,38 @@ def test_a_sliding_window_ring_leaves_the_program_once_it_wraps(monkeypatch: pyt
         _layer_by_layer(m)
         layers = _decode(model, prompt, tokens, 512)
     _assert_same(program[:3], layers[:3])
+
+
+@needs_kernels
+def test_logits_that_are_not_the_plain_product_come_from_the_model_after_the_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the logits are more than the output layer's product (Gemma's soft-capping), the pass stops at the final
+    norm and the model's own `logits_on_device` makes them: here a stand-in post-step, so the C head cannot pass."""
+    model = _model("gemma3")
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, model.config.n_vocab, (20,), generator=gen)
+    plain = _decode(model, prompt, [5, 6], 64)[0]
+    logits_on_device = model.logits_on_device
+    monkeypatch.setattr(model, "head_is_product", lambda: False)
+    monkeypatch.setattr(model, "logits_on_device", lambda h, seq_len=None: logits_on_device(h, seq_len) * 0.5)
+    del model._decode_head  # made at first use: made again without the head
+    with monkeypatch.context() as m:
+        calls = _count_program_calls(m)
+        halved = _decode(model, prompt, [5, 6], 64)[0]
+    assert len(calls) == 2 and model.decode_head().n_vocab == 0
+    assert torch.equal(halved, plain * 0.5)
+
+
+@needs_kernels
+def test_a_token_outside_the_table_fails_the_pass_and_moves_nothing() -> None:
+    model = _model("smollm2")
+    state = model.new_state(64)
+    model.prefill(torch.tensor([1, 2, 3]), state)
+    with pytest.raises(IndexError, match="out of range"):
+        model.program_decode([model.config.n_vocab], [state], logits=True)
+    assert state.n_past == 3 and all(kv.length == 3 for kv in state.kv.values())
+    assert model.decode(4, state).shape == (model.config.n_vocab,)
 
 
 @needs_kernels

@@ -81,12 +81,12 @@ class ModelRunner:
             # decode, verification and a prompt's tail of a few tokens: one C call on the CPU (1-8 tokens, fewer
             # than a prompt checkpoint's grid of 64, so no checkpoint falls inside the pass)
             steps: dict[int, list[list[RecurrentState]]] = {}
-            if (hidden := self.model.program_decode(tokens, states, steps if keep_steps else None)) is not None:
+            if (out := self.model.program_decode(tokens, states, steps if keep_steps else None, logits)) is not None:
                 if logits:
                     self.n_program_decodes += 1
-                    return Forward(hidden, self._logits(hidden, n_tokens), steps)
-                self.n_program_prompts += 1
-                return Forward(hidden, None, steps)
+                else:
+                    self.n_program_prompts += 1
+                return Forward(*out, steps)
         batch = Batch.of(torch.tensor(tokens), states, checkpoint_every, next_checkpoint, keep_at)
         batch.keep_steps = keep_steps
         hidden = self.model.forward_batch(batch)

@@ -12,10 +12,10 @@ import torch
 from ..cache import CellTable, KVCache, KVPool, RecurrentState
 from ..gguf import GGUFFile, TensorInfo
 from ..ops.collective import GatheredQTensor, ReducedQTensor
-from ..ops.decode_program import DecodeProgram, run_programs
+from ..ops.decode_program import DecodeHead, DecodeProgram, run_decode_pass
 from ..ops.device import canonical_device, gpu_path
 from ..ops.embedding import embedding
-from ..ops.linear import keep_packed_tiles, linear
+from ..ops.linear import keep_packed_tiles, kernel_supports, linear
 from ..ops.norm import rms_norm
 from ..ops.rope import RopeTable
 from ..quant.dequant import dequantize_tensor
@@ -452,19 +452,25 @@ class CausalLM:
         for state in states:
             if state.n_past + 1 > state.capacity:
                 raise ValueError(f"context size {state.capacity} is full")
-        if (hidden := self.program_decode(tokens, states)) is not None:
-            return self.logits(hidden, seq_len=1)
+        if (out := self.program_decode(tokens, states, logits=True)) is not None:
+            return out[1].cpu()
         return self.logits(self.forward_batch(Batch.of(torch.tensor(tokens), states)), seq_len=1)
 
     def program_decode(
-        self, tokens: list[int], states: list[ModelState], steps: dict[int, list[list[RecurrentState]]] | None = None
-    ) -> torch.Tensor | None:
+        self,
+        tokens: list[int],
+        states: list[ModelState],
+        steps: dict[int, list[list[RecurrentState]]] | None = None,
+        logits: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The next len(tokens) / len(states) tokens (1 to 8: a decode, or a draft's verification) of each sequence
-        through the CPU decode program (one C call for every block of every sequence, ops.decode_program): the
-        final-normed hidden states [len(tokens), n_embd], or None where the program cannot serve one of them
-        (`decode_program`, a ring that wrapped, a full context); the layer path then does, to the same bits. With
-        `steps`, each DeltaNet layer's states after every token go there as `Batch.steps` keeps them."""
-        if gpu_path(self.output_norm):  # GPU, or emulated
+        through the CPU decode program (one C call for the embedding, every block of every sequence, the final norm
+        and the output layer: ops.decode_program): the final-normed hidden states [len(tokens), n_embd] and with
+        `logits` their float32 logits (`logits_on_device`'s, each sequence rounded as if alone), or None where the
+        program cannot serve one of them (`decode_program`, a ring that wrapped, a full context); the layer path
+        then does, to the same bits. With `steps`, each DeltaNet layer's states after every token go there as
+        `Batch.steps` keeps them."""
+        if gpu_path(self.output_norm) or (head := self.decode_head()) is None:  # GPU (or emulated), or no C head
             return None
         T = len(tokens) // len(states)
         programs = [self.decode_program(state) for state in states]
@@ -478,8 +484,9 @@ class CausalLM:
             kept_ssm = [torch.empty(T, *s.recurrent[i].ssm.shape) for i in layers for s in states]
             kept_conv = [torch.empty(T, *s.recurrent[i].conv.shape) for i in layers for s in states]
             kept = kept_ssm, kept_conv
-        x = self._inputs(Batch.of(torch.tensor(tokens), states))
-        run_programs(programs, x, [state.n_past for state in states], ropes, kept)  # type: ignore[arg-type]
+        in_c = logits and head.n_vocab > 0
+        positions = [state.n_past for state in states]
+        hidden, out = run_decode_pass(head, programs, tokens, positions, ropes, kept, in_c)  # type: ignore[arg-type]
         for state in states:
             state.n_past += T
         if kept is not None:
@@ -487,7 +494,34 @@ class CausalLM:
             for g, layer in enumerate(layers):
                 per_sequence = zip(kept_conv[g * n : (g + 1) * n], kept_ssm[g * n : (g + 1) * n])
                 steps[layer] = [[RecurrentState(conv[t], ssm[t]) for t in range(T)] for conv, ssm in per_sequence]
-        return self.final_norm(x)
+        if logits and not in_c:
+            out = self.logits_on_device(hidden, T).float()
+        return hidden, out
+
+    embed_scale: float = 1.0  # the token table's rows times this on the way in (Gemma's sqrt(n_embd))
+
+    def head_is_product(self) -> bool:
+        """Whether the logits are the output layer's product as it is (Gemma's soft-capping says otherwise): a
+        whole decode pass then makes them in C."""
+        return True
+
+    def decode_head(self) -> DecodeHead | None:
+        """The token table, final norm and output layer as a whole decode pass reads them (ops.decode_program), made
+        at first use; None where the table or final norm is not the C kernels' to read (a type they lack, a
+        tensor-parallel share), no output layer (n_vocab 0) where only that one is not, or the logits are not its
+        plain product."""
+        if not hasattr(self, "_decode_head"):
+            table, out, eps = self.token_embd, self.output, self.config.rms_eps  # type: ignore[attr-defined]
+            on_cpu = lambda w: w.data.device.type == "cpu" and kernel_supports(w)  # noqa: E731
+            self._decode_head = None
+            if on_cpu(table) and self.output_norm.device.type == "cpu":
+                head = on_cpu(out) and self.head_is_product()
+                self._decode_head = DecodeHead(
+                    int(table.ggml_type), table.data.data_ptr(), table.shape[0], self.embed_scale,
+                    self.output_norm.data_ptr(), eps, int(out.ggml_type) if head else 0,
+                    out.data.data_ptr() if head else None, out.shape[0] if head else 0, table.shape[1],
+                )  # fmt: skip
+        return self._decode_head
 
     def decode_program(self, state: ModelState) -> DecodeProgram | None:
         """The CPU decode step over `state` as one C call (ops.decode_program), built at the state's first decode;

@@ -154,6 +154,9 @@ class Gemma3ForCausalLM(CausalLM):
             x = layer(x.to(device), {swa: rope.to(device) for swa, rope in ropes.items()}, batch)
         return x
 
+    def head_is_product(self) -> bool:
+        return not self.config.final_logit_softcap
+
     def logits_on_device(self, hidden: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         logits = linear(hidden.to(self.output.data.device), self.output, seq_len=seq_len)
         if self.config.final_logit_softcap:

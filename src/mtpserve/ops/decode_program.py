@@ -143,12 +143,12 @@ class DecodeProgram:
 MAX_TOKENS = 8  # tokens a sequence a program call takes (mtp_run_blocks; a draft's verification at most)
 
 
+Ropes = Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]
+Kept = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]
+
+
 def run_programs(
-    programs: Sequence[DecodeProgram],
-    x: torch.Tensor,
-    positions: Sequence[int],
-    ropes: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
-    kept: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
+    programs: Sequence[DecodeProgram], x: torch.Tensor, positions: Sequence[int], ropes: Ropes, kept: Kept | None = None
 ) -> torch.Tensor:
     """T tokens of each of one or more sequences (their programs, over one model's blocks) in one call: x [n_seq T,
     E] (the tokens' embeddings, a fresh float32 tensor: updated in place), sequence s's rows through `programs[s]`
@@ -156,17 +156,10 @@ def run_programs(
     blocks name. `kept` (ssm, conv): per DeltaNet block in order, then per sequence, buffers [T, *state shape] that
     receive the states after every token. The matmuls take all rows at once; every sequence's numbers are those of
     it stepped alone."""
-    n_seq = len(programs)
-    T = x.shape[0] // n_seq
-    steps = (Step * n_seq)()
-    for step, position, rope in zip(steps, positions, ropes, strict=True):
-        _set_step(step, position, T, rope)
-    tables = (_ptr * n_seq)(*[ctypes.addressof(p.table) for p in programs])
-    kept_ptrs: list = [None, None]
-    if kept is not None:
-        kept_ptrs = [(_ptr * len(buffers))(*[b.data_ptr() for b in buffers]) for buffers in kept]
+    T = x.shape[0] // len(programs)
+    tables, steps, kept_ptrs = _call_args(programs, T, positions, ropes, kept)
     rc = cpu_kernels.load().mtp_run_blocks(
-        tables, n_seq, T, len(programs[0].blocks), x.data_ptr(), x.shape[-1], ctypes.addressof(steps), *kept_ptrs,
+        tables, len(programs), T, len(programs[0].blocks), x.data_ptr(), x.shape[-1], steps, *kept_ptrs,
         torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
@@ -174,6 +167,68 @@ def run_programs(
     for program, position in zip(programs, positions):
         program.advance(position + T)
     return x
+
+
+class DecodeHead(ctypes.Structure):
+    """What a whole decode pass reads around its blocks (blocks.c mtp_decode_head): the token table (its rows times
+    `embed_scale` where that is not 1: Gemma's), the final norm and the output layer."""
+
+    _fields_ = [
+        ("t_table", _int),
+        ("table", _ptr),
+        ("n_table", _i64),
+        ("embed_scale", _f32),
+        ("out_norm", _ptr),
+        ("eps", _f32),
+        ("t_out", _int),
+        ("out", _ptr),
+        ("n_vocab", _i64),
+        ("E", _i64),
+    ]
+
+
+def run_decode_pass(
+    head: DecodeHead,
+    programs: Sequence[DecodeProgram],
+    tokens: Sequence[int],
+    positions: Sequence[int],
+    ropes: Ropes,
+    kept: Kept | None = None,
+    logits: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`run_programs` with the model's first and last steps in the same call (blocks.c mtp_decode_pass): tokens
+    [n_seq T] (sequence s's T at positions[s]..) looked up in `head`'s table, and back the final-normed hidden states
+    [n_seq T, E] and, with `logits`, the output layer's float32 logits [n_seq T, n_vocab] (each sequence rounded as
+    if alone): the layer path's embedding, blocks, final norm and `linear`, the same bits, with no Python between."""
+    T = len(tokens) // len(programs)
+    tables, steps, kept_ptrs = _call_args(programs, T, positions, ropes, kept)
+    ids = (ctypes.c_int64 * len(tokens))(*tokens)
+    x = torch.empty(len(tokens), head.E)
+    out = torch.empty(len(tokens), head.n_vocab) if logits else None
+    rc = cpu_kernels.load().mtp_decode_pass(
+        ctypes.byref(head), tables, len(programs), T, len(programs[0].blocks), ids, x.data_ptr(), steps, *kept_ptrs,
+        None if out is None else out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc == -3:
+        raise IndexError(f"token id out of range [0, {head.n_table}) for the token table")
+    if rc != 0:
+        raise RuntimeError(f"mtp_decode_pass failed ({rc})")
+    for program, position in zip(programs, positions):
+        program.advance(position + T)
+    return x, out
+
+
+def _call_args(programs: Sequence[DecodeProgram], T: int, positions: Sequence[int], ropes: Ropes, kept: Kept | None):
+    """The C call's per-sequence arguments: the block tables, the steps (address) and the kept states' buffers."""
+    n_seq = len(programs)
+    steps = (Step * n_seq)()
+    for step, position, rope in zip(steps, positions, ropes, strict=True):
+        _set_step(step, position, T, rope)
+    tables = (_ptr * n_seq)(*[ctypes.addressof(p.table) for p in programs])
+    kept_ptrs: list = [None, None]
+    if kept is not None:
+        kept_ptrs = [(_ptr * len(buffers))(*[b.data_ptr() for b in buffers]) for buffers in kept]
+    return tables, steps, kept_ptrs
 
 
 def _set_step(st: Step, position: int, n_tokens: int, ropes: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:

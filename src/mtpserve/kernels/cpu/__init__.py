@@ -228,6 +228,10 @@ def load() -> ctypes.CDLL | None:
         *(ptr, i64, i64, i64, ptr, i64, ptr),  # tables, n_seq, T, n_blocks, x, E, steps
         *(ptr, ptr, ctypes.c_int),  # kept ssm / conv states (or NULL), threads
     ]
+    lib.mtp_decode_pass.argtypes = [
+        *(ptr, ptr, i64, i64, i64, ptr, ptr, ptr),  # head, tables, n_seq, T, n_blocks, tokens, x, steps
+        *(ptr, ptr, ptr, ctypes.c_int),  # kept ssm / conv states (or NULL), logits (or NULL), threads
+    ]
     lib.mtp_draft_chain.argtypes = [
         *(ptr, ptr, ptr, i64, ptr, i64),  # draft model, hidden [T0, E], tokens [T0], T0, steps, n_steps
         *(ctypes.c_int, f32, ptr, ptr, ptr, ctypes.c_int),  # top_k, p_min, out tokens, out p, steps run, threads

@@ -381,9 +381,44 @@ int mtp_run_blocks(const mtp_block *const *tables, int64_t n_seq, int64_t T, int
     return rc;
 }
 
-/* ---- MTP drafts in one call ------------------------------------------------------------------------------------ */
+/* ---- a whole decode pass in one call ------------------------------------------------------------------------------- */
 
 int mtp_get_rows(int type, const uint8_t *W, int64_t n_rows, int64_t k, const int64_t *idx, int64_t n, float *out);
+
+/* What a decode pass reads around its blocks: the token table (its rows times embed_scale where that is not 1:
+ * Gemma's), the final norm and the output layer. Python mirror: ops/decode_program.py DecodeHead. */
+typedef struct {
+    int t_table;
+    const uint8_t *table;
+    int64_t n_table;
+    float embed_scale;
+    const float *out_norm;
+    float eps;
+    int t_out;
+    const uint8_t *out;
+    int64_t n_vocab, E;
+} mtp_decode_head;
+
+/* mtp_run_blocks between the model's first and last steps, as the layer path calls them: x [n_seq T, E] <- the
+ * tokens' rows of the table (scaled), the blocks, the final norm (in place: x is the pass's hidden states); then
+ * with logits, logits [n_seq T, n_vocab] <- the output layer's product (each sequence rounded as if alone). On a
+ * small model the Python of those three steps cost half as much again as the blocks' C (its code and data were
+ * out of the caches the blocks had just streamed the weights through). Returns -3 for a token id outside the table. */
+int mtp_decode_pass(const mtp_decode_head *h, const mtp_block *const *tables, int64_t n_seq, int64_t T,
+                    int64_t n_blocks, const int64_t *tokens, float *x, const mtp_step *steps, float *const *ssm_steps,
+                    float *const *conv_steps, float *logits, int n_threads) {
+    const int64_t m = n_seq * T, E = h->E;
+    int rc = mtp_get_rows(h->t_table, h->table, h->n_table, E, tokens, m, x);
+    if (rc) return rc == 3 ? -3 : rc;
+    if (h->embed_scale != 1.0f)
+        for (int64_t i = 0; i < m * E; i++) x[i] *= h->embed_scale;
+    rc = mtp_run_blocks(tables, n_seq, T, n_blocks, x, E, steps, ssm_steps, conv_steps, n_threads);
+    if (rc) return rc;
+    mtp_rms_norm(x, h->out_norm, x, m, E, h->eps);
+    return logits ? mtp_matmul(h->t_out, h->out, h->n_vocab, E, x, m, T, logits, n_threads) : 0;
+}
+
+/* ---- MTP drafts in one call ------------------------------------------------------------------------------------ */
 
 /* What a chain of MTP draft steps reads: the NextN block's token table, its two input norms and eh_proj [E, 2E], the
  * block itself (a decode program's table over the MTP cache), its final norm and the head's rows (the draft
