@@ -190,6 +190,11 @@ class Sampler:
         return ranked_on_device(logits, n, bias, counts, p.repeat_penalty, p.frequency_penalty, p.presence_penalty)
 
     def sample(self, logits: torch.Tensor) -> int:
+        # greedy on the host: the best token without a ranked row (every Python step shows in a small model's decode)
+        greedy = self.params.greedy and logits.device.type in HOST_DEVICES
+        if greedy and (best := self._unbiased_argmax(logits)) is not None:
+            self.rng.random()  # one draw per token, as below
+            return best
         ids, values = self._survivors(logits)
         if len(ids) == 1:
             self.rng.random()  # one draw per token, as llama.cpp keeps its stream aligned
