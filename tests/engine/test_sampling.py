@@ -145,6 +145,17 @@ def test_draws_are_llama_cpps_mt19937_through_libstdcpp_uniform_real_distributio
         assert [rng.random() for _ in expected_draws] == expected_draws
 
 
+@pytest.mark.parametrize("seed", [0, 1, 42, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 2**32 + 5])
+def test_the_generator_starts_from_init_genrand(seed: int):
+    """The state std::mt19937(seed) starts from, by its recurrence (init_genrand, the 32-bit seed): numpy's legacy
+    seeding, which `Mt19937Uniform` takes, makes the same 624 words."""
+    key = [seed & 0xFFFFFFFF]
+    for i in range(1, 624):
+        key.append((1812433253 * (key[-1] ^ (key[-1] >> 30)) + i) & 0xFFFFFFFF)
+    state = Mt19937Uniform(seed).bits.state["state"]
+    assert state["key"].tolist() == key and state["pos"] == 624
+
+
 @pytest.mark.parametrize(
     "bias",
     [
