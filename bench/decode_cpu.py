@@ -1,12 +1,14 @@
 """Prefill and decode tokens/s on CPU, mtpserve side by side with llama.cpp, as ratios.
 
     .venv/bin/python bench/decode_cpu.py [--threads 2] [--repetitions 5] [--llama-bench PATH] [--busy]
-                                         [--poll 50] [--json out.json]
+                                         [--poll 50] [--prompt 128] [--json out.json]
 
 The test follows `llama-bench -t 2 -p 128 -n 64`: "pp128" evaluates a 128-token prompt in one batch on an
-empty cache, "tg64" generates 64 tokens one at a time from an empty cache; each is repeated after a
-warm-up run and reported as mean ± standard deviation of tokens/s. The two engines take turns in rounds
-(one mtpserve run, then one llama-bench run), so a change in the machine's load falls on both.
+empty cache (`--prompt N`: an N-token prompt, "ppN", in ubatches of 512 as both engines evaluate one: a coding
+agent's prompt reads thousands of tokens, where attention weighs as much as the weights), "tg64" generates 64
+tokens one at a time from an empty cache; each is repeated after a warm-up run and reported as mean ± standard
+deviation of tokens/s. The two engines take turns in rounds (one mtpserve run, then one llama-bench run), so a
+change in the machine's load falls on both.
 
 `--model PATH` (repeatable) measures other files instead of the three defaults: the deployment's widths on this
 machine's memory with `bench/make_qwen35_27b.py --layers 16 --out F` (5.7 GB; its weights are random, so only the
@@ -52,22 +54,22 @@ def rate(samples: list[float]) -> tuple[float, float]:
     return statistics.mean(samples), statistics.stdev(samples) if len(samples) > 1 else 0.0
 
 
-def mtpserve_runner(path: Path) -> dict[str, Callable[[], float]]:
+def mtpserve_runner(path: Path, n_prompt: int = N_PROMPT) -> dict[str, Callable[[], float]]:
     """One tokens/s measurement per call of each test, after a warm-up run (kernel build, page-in)."""
     model = load(path)
     gc.collect()
     gc.freeze()  # as the server does once its model is loaded
     vocab = model.config.n_vocab
-    tokens = torch.randint(0, vocab, (N_PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
+    tokens = torch.randint(0, vocab, (max(n_prompt, N_GEN),), generator=torch.Generator().manual_seed(0)).tolist()
 
     def prefill() -> float:
-        state = model.new_state(N_PROMPT + N_GEN)
+        state = model.new_state(n_prompt + N_GEN)
         t0 = time.perf_counter()
-        model.prefill(tokens, state)
-        return N_PROMPT / (time.perf_counter() - t0)
+        model.prefill(tokens[:n_prompt], state)
+        return n_prompt / (time.perf_counter() - t0)
 
     def decode() -> float:
-        state = model.new_state(N_PROMPT + N_GEN)
+        state = model.new_state(n_prompt + N_GEN)
         t0 = time.perf_counter()
         for token in tokens[:N_GEN]:  # like llama-bench: fixed tokens, every step's logits computed
             model.decode(token, state)
@@ -75,10 +77,12 @@ def mtpserve_runner(path: Path) -> dict[str, Callable[[], float]]:
 
     for fn in (prefill, decode):
         fn()
-    return {"pp128": prefill, "tg64": decode}
+    return {f"pp{n_prompt}": prefill, f"tg{N_GEN}": decode}
 
 
-def bench_llama_cpp(binary: str, path: Path, threads: int, repetitions: int) -> dict[str, list[float]]:
+def bench_llama_cpp(
+    binary: str, path: Path, threads: int, repetitions: int, n_prompt: int = N_PROMPT
+) -> dict[str, list[float]]:
     cmd = [
         binary,
         "-m",
@@ -86,7 +90,7 @@ def bench_llama_cpp(binary: str, path: Path, threads: int, repetitions: int) -> 
         "-t",
         str(threads),
         "-p",
-        str(N_PROMPT),
+        str(n_prompt),
         "-n",
         str(N_GEN),
         "-r",
@@ -122,6 +126,9 @@ def main() -> None:
     ap.add_argument("--poll", type=int, default=50, help="mtpserve's --poll (0-100, as llama-server's)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument(
+        "--prompt", type=int, default=N_PROMPT, help="the prefill test's prompt length (llama-bench -p): ppN"
+    )
+    ap.add_argument(
         "--model",
         type=Path,
         action="append",
@@ -152,14 +159,14 @@ def run(args: argparse.Namespace) -> list[dict]:
     for path in args.model or models():
         if not path.exists():
             sys.exit(f"{path} is missing: run `make models` (and check that ../shared/fixtures is present)")
-        runner = mtpserve_runner(path)
+        runner = mtpserve_runner(path, args.prompt)
         ours: dict[str, list[float]] = {test: [] for test in runner}
         theirs: dict[str, list[float]] = {} if args.llama_bench else (recorded_llama_cpp(path) or {})
         for _ in range(args.repetitions):  # rounds: one run of each engine in turn
             for test, fn in runner.items():
                 ours[test].append(fn())
             if args.llama_bench:
-                for test, samples in bench_llama_cpp(args.llama_bench, path, args.threads, 1).items():
+                for test, samples in bench_llama_cpp(args.llama_bench, path, args.threads, 1, args.prompt).items():
                     theirs.setdefault(test, []).extend(samples)
         for test, samples in ours.items():
             mean, std = rate(samples)

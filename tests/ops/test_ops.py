@@ -136,6 +136,31 @@ def test_tiled_attention_kernel_matches_exact_softmax(dtype):
     assert rel_err(windowed, attention.attention_reference(q, k, v, qp, kp, 0.125, window=50)) < 1e-5
 
 
+@needs_kernels
+@pytest.mark.parametrize(
+    "T,S,H,Hkv,D,window,order,q_scale",
+    [
+        (130, 200, 8, 2, 64, None, "ascending", 2.0),  # SmolLM2-like grouping, a partial last tile
+        (100, 333, 6, 6, 80, 50, "ascending", 2.0),  # a window; 80 dims: a 64-dim register chunk and two of 8
+        (64, 64, 4, 2, 36, None, "ascending", 2.0),  # 36 dims: a scalar tail after the 8-lane vectors
+        (70, 300, 4, 1, 256, 100, "ascending", 2.0),  # Gemma 3's head dim and grouping
+        (96, 160, 4, 2, 64, None, "ring", 2.0),  # a ring's cells: positions out of order
+        (64, 130, 2, 1, 64, 40, "ascending", 40.0),  # scores 80+ apart: expf_arm's large-|n| branches
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["f16", "f32"])
+def test_tiled_attention_kernel_equals_its_twin(T, S, H, Hkv, D, window, order, q_scale, dtype):
+    """The tiled path (64+ query rows) against `attention_tiled_reference`, the same operations in PyTorch: bit for
+    bit, including queries whose window sees no key (their rows are 0)."""
+    q, k, v, qp, kp = _qkv(T, S, H, Hkv, D, dtype)
+    q = q * q_scale
+    if order == "ring":
+        kp = torch.roll(kp, 37)
+    fast = attention.attention(q, k, v, qp, kp, D**-0.5, window=window)
+    twin = attention.attention_tiled_reference(q, k, v, qp, kp, D**-0.5, window=window)
+    assert torch.equal(fast, twin)
+
+
 def test_attention_is_causal_and_grouped():
     q, k, v, qp, kp = _qkv(4, 4, 4, 2, 8)
     out = attention.attention_reference(q, k, v, qp, kp, 1.0)

@@ -13,6 +13,8 @@ twin of the online path and `attention_reference` the exact softmax, both test o
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 
 import torch
@@ -111,6 +113,91 @@ def attention_online_reference(
         acc = torch.where(live[..., None], step, acc)
         total = torch.where(live, total * ms + vs, total)
     return acc / total[..., None]
+
+
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 fmaf(a, b, c) by float64 (a b is exact there; the sum is rounded twice, which differs from one rounding
+    only at an exact float32 midpoint after the first: a few in 2^29)."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+def _libm_expf(x: torch.Tensor) -> torch.Tensor:
+    """The C library's expf, value by value (torch.exp may differ in the last bit: the kernel calls expf)."""
+    expf = ctypes.CDLL(ctypes.util.find_library("m")).expf
+    expf.restype, expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    return torch.tensor([expf(v) for v in x.flatten().tolist()], dtype=torch.float32).view(x.shape)
+
+
+def _f32(literal: str) -> torch.Tensor:
+    """A float32 constant from a C hex-float literal."""
+    return torch.tensor(float.fromhex(literal), dtype=torch.float32)
+
+
+def expf_arm_reference(x: torch.Tensor) -> torch.Tensor:
+    """kernels/cpu/common.h expf_arm (float32; llama.cpp's vector exp) by the same operations."""
+    shift = _f32("0x1.8p23")
+    z = _fma(x, _f32("0x1.715476p+0"), shift)
+    n = z - shift
+    b = _fma(-n, _f32("0x1.7f7d1cp-20"), _fma(-n, _f32("0x1.62e4p-1"), x))
+    e = z.view(torch.int32) << 23
+    k = (e + 0x3F800000).view(torch.float32)
+    u = b * b
+    c0, c1, c2, c3, c4 = (
+        _f32(h) for h in ("0x1.0e4020p-7", "0x1.573e2ep-5", "0x1.555e66p-3", "0x1.fffdb6p-2", "0x1.ffffecp-1")
+    )
+    j = _fma(_fma(_fma(c0, b, c1), u, _fma(c2, b, c3)), u, c4 * b)
+    g = torch.where(n <= 0, -0x7E000000, 0).to(torch.int32)  # 0x82000000 as int32
+    s1, s2 = (g + 0x7F000000).view(torch.float32), (e - g).view(torch.float32)
+    slow = torch.where(n.abs() > 192, s1 * s1, _fma(s2, j, s2) * s1)
+    return torch.where(n.abs() > 126, slow, _fma(j, k, k))
+
+
+def attention_tiled_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    *,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The tiled path (64 or more query rows), every query row by kernels/cpu/attention.c's operations in plain
+    PyTorch (slow): keys in tiles of 64; a score a fused dot product over the head dim in order, times the scale; per
+    tile the running max updated once (the accumulator and sum rescaled by libm's expf), the probabilities
+    `expf_arm(s - max)` summed eight at a time ((0+4)+(2+6)) + ((1+5)+(3+7)) into a double; the values added one fused
+    multiply-add per key in key order. f16 K and V are read as float."""
+    T, H, D = q.shape
+    S, group = k.shape[0], H // k.shape[1]
+    q = q.float()
+    kk, vv = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)  # [S, H, D]
+    visible = _mask(q_pos, k_pos, window)[:, None, :].expand(T, H, S)
+    M, total = torch.full((T, H), -math.inf), torch.zeros(T, H)
+    acc = torch.zeros(T, H, v.shape[-1])
+    for ic in range(0, S, 64):
+        keys = range(ic, min(ic + 64, S))
+        kq = torch.zeros(T, H, len(keys))
+        for d in range(D):
+            kq = _fma(kk[keys.start : keys.stop, :, d].T[None], q[:, :, d : d + 1], kq)
+        live = visible[..., keys.start : keys.stop]
+        kq = torch.where(live, kq * scale, -math.inf)
+        tile_max = kq.max(-1).values
+        seen = tile_max > -math.inf  # rows with a visible key in the tile: the others change nothing
+        new_max = torch.maximum(M, tile_max)
+        grow = seen & (new_max > M)
+        ms = torch.where(grow, _libm_expf(torch.where(grow, M - new_max, 0.0)), 1.0)
+        acc, total = torch.where(grow[..., None], acc * ms[..., None], acc), torch.where(grow, total * ms, total)
+        M = torch.where(seen, new_max, M)
+        e = expf_arm_reference(kq - M[..., None])
+        e8 = torch.nn.functional.pad(e, (0, 64 - len(keys))).view(T, H, 8, 8)
+        r = e8[..., 4:] + e8[..., :4]
+        sums = ((r[..., 0] + r[..., 2]) + (r[..., 1] + r[..., 3])).double().sum(-1)  # in order: 8 small doubles
+        total = torch.where(seen, (total.double() + sums).float(), total)
+        for j, s in enumerate(keys):
+            p = e[..., j : j + 1]
+            acc = torch.where(seen[..., None] & (p != 0), _fma(vv[s][None], p, acc), acc)
+    inv = torch.where(total == 0, 0.0, 1.0 / total)
+    return acc * inv[..., None]
 
 
 def attention(

@@ -137,14 +137,141 @@ int mtp_attention(const float *q, const void *kp, const void *vp, int kv_f16, co
 /* llama.cpp's tiled flash attention: keys in tiles of 64; a score is a sequential fused dot product over
  * the head dim; per tile the running max is updated once, the probabilities are expf_arm(s - max) summed
  * eight at a time ((0+4)+(2+6)) + ((1+5)+(3+7)) into a double, and the value accumulator gets one fused
- * multiply-add per key. Rows are independent; for speed a block of Q_BLOCK query rows of one head shares
- * each K tile, transposed to float once, and eight keys' dot products run side by side in vector lanes
- * (each lane still sums its own key's products in order, so every score is the same number). */
+ * multiply-add per key, keys in order. Rows are independent; for speed a unit of work is a block of Q_BLOCK query
+ * positions of every query head reading one KV head, which share each tile: K transposed to float once (eight keys'
+ * dot products then run side by side in vector lanes, each lane summing its own key's products in order, so every
+ * score is the same number) and V converted to float once. A query's values are summed 64 dims at a time in
+ * registers, each dim still over the keys in order. Tiles no query of the unit can see are skipped (a skipped tile
+ * changes nothing: its scores are all -inf). The twin: ops/attention.py attention_tiled_reference. */
 #define Q_BLOCK 16
 
-static void attend_tile_row(const float *qv, const float *kt, const void *vp, int kv_f16, int64_t qpos, const int64_t *k_pos,
-                            int64_t ic, int64_t S, int64_t Hkv, int64_t hk, int64_t D, float scale, int64_t window,
-                            float *acc, float *M, float *Ssum) {
+#ifdef MTP_AVX2
+/* r[i] lane l <- r[l] lane i */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+#endif
+
+/* kt [D, KV_TILE] <- the tile's keys (from key ic, zero past S), transposed to float */
+static void load_k_tile(float *kt, const void *kp, int kv_f16, int64_t ic, int64_t S, int64_t Hkv, int64_t hk, int64_t D) {
+    int64_t d0 = 0;
+#ifdef MTP_AVX2
+    for (; d0 + 8 <= D; d0 += 8) /* 8 keys x 8 dims at a time, transposed in registers */
+        for (int jj = 0; jj < KV_TILE; jj += 8) {
+            __m256 r[8];
+            for (int l = 0; l < 8; l++) {
+                const int64_t s = ic + jj + l, at = (s * Hkv + hk) * D + d0;
+                r[l] = s >= S ? _mm256_setzero_ps()
+                       : kv_f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const half *)kp + at)))
+                                : _mm256_loadu_ps((const float *)kp + at);
+            }
+            transpose8(r);
+            for (int l = 0; l < 8; l++) _mm256_storeu_ps(kt + (d0 + l) * KV_TILE + jj, r[l]);
+        }
+#endif
+    if (d0 == D) return;
+    for (int jj = 0; jj < KV_TILE; jj++) {
+        const int64_t s = ic + jj;
+        for (int64_t d = d0; d < D; d++)
+            kt[d * KV_TILE + jj] = s >= S ? 0.0f
+                                   : kv_f16 ? h2f(((const half *)kp)[(s * Hkv + hk) * D + d])
+                                            : ((const float *)kp)[(s * Hkv + hk) * D + d];
+    }
+}
+
+/* vt [KV_TILE, D] <- the tile's values as float (rows past S left as they are: their probability is 0) */
+static void load_v_tile(float *vt, const void *vp, int kv_f16, int64_t ic, int64_t S, int64_t Hkv, int64_t hk, int64_t D) {
+    for (int64_t s = ic; s < ic + KV_TILE && s < S; s++) {
+        float *row = vt + (s - ic) * D;
+        if (!kv_f16) {
+            memcpy(row, (const float *)vp + (s * Hkv + hk) * D, sizeof(float) * D);
+            continue;
+        }
+        const half *v = (const half *)vp + (s * Hkv + hk) * D;
+        int64_t d = 0;
+#ifdef MTP_AVX2
+        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(row + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + d))));
+#endif
+        for (; d < D; d++) row[d] = h2f(v[d]);
+    }
+}
+
+/* acc[0..8 NV) += p[j] v[j] over the tile's keys in order (those with p[j] = 0 skipped: fma(v, 0, acc) == acc) */
+#ifdef MTP_AVX2
+#define ACC_KEYS(NV)                                                                                                   \
+    do {                                                                                                               \
+        __m256 a[NV];                                                                                                  \
+        for (int v = 0; v < NV; v++) a[v] = _mm256_loadu_ps(acc + 8 * v);                                              \
+        for (int j = 0; j < n_keys; j++) {                                                                             \
+            if (p[j] == 0.0f) continue;                                                                                \
+            const __m256 pj = _mm256_set1_ps(p[j]);                                                                    \
+            for (int v = 0; v < NV; v++) a[v] = _mm256_fmadd_ps(_mm256_loadu_ps(vt + j * D + 8 * v), pj, a[v]);        \
+        }                                                                                                              \
+        for (int v = 0; v < NV; v++) _mm256_storeu_ps(acc + 8 * v, a[v]);                                              \
+    } while (0)
+#endif
+
+static void accumulate_values(float *acc, const float *p, const float *vt, int n_keys, int64_t D) {
+    int64_t d = 0;
+#ifdef MTP_AVX2
+    for (; d + 64 <= D; d += 64, acc += 64, vt += 64) ACC_KEYS(8);
+    for (; d + 8 <= D; d += 8, acc += 8, vt += 8) ACC_KEYS(1);
+#endif
+    for (; d < D; d++, acc++, vt++)
+        for (int j = 0; j < n_keys; j++)
+            if (p[j] != 0.0f) acc[0] = fmaf(vt[j * D], p[j], acc[0]);
+}
+
+/* kq[j] <- kq[j] * scale, or -inf for a key the row does not see; returns the largest (exact in any order). With
+ * all_visible (a whole tile, every key visible to the row) no key is looked at, eight lanes at a time. */
+static float scaled_scores(float *kq, const int64_t *k_pos, int64_t qpos, int64_t ic, int64_t S, float scale,
+                           int64_t window, int all_visible) {
+    float tile_max = -INFINITY;
+#ifdef MTP_AVX2
+    if (all_visible) {
+        __m256 mx = _mm256_set1_ps(-INFINITY);
+        for (int j = 0; j < KV_TILE; j += 8) {
+            const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(kq + j), _mm256_set1_ps(scale));
+            _mm256_storeu_ps(kq + j, v);
+            mx = _mm256_max_ps(mx, v);
+        }
+        float m8[8];
+        _mm256_storeu_ps(m8, mx);
+        for (int l = 0; l < 8; l++) tile_max = m8[l] > tile_max ? m8[l] : tile_max;
+        return tile_max;
+    }
+#endif
+    for (int j = 0; j < KV_TILE; j++) {
+        const int64_t s = ic + j;
+        const int64_t delta = s < S ? qpos - k_pos[s] : -1;
+        if (delta < 0 || (window > 0 && delta >= window)) {
+            kq[j] = -INFINITY;
+            continue;
+        }
+        kq[j] *= scale;
+        tile_max = kq[j] > tile_max ? kq[j] : tile_max;
+    }
+    return tile_max;
+}
+
+/* One query row against the tile at key ic (all_visible: every key of a whole tile visible to it). */
+static void attend_tile_row(const float *qv, const float *kt, const float *vt, int64_t qpos, const int64_t *k_pos,
+                            int64_t ic, int64_t S, int64_t D, float scale, int64_t window, int all_visible, float *acc,
+                            float *M, float *Ssum) {
     float kq[KV_TILE];
 #ifdef MTP_AVX2
     __m256 a[KV_TILE / 8];
@@ -159,14 +286,7 @@ static void attend_tile_row(const float *qv, const float *kt, const void *vp, in
     for (int64_t d = 0; d < D; d++)
         for (int j = 0; j < KV_TILE; j++) kq[j] = fmaf(kt[d * KV_TILE + j], qv[d], kq[j]);
 #endif
-    float tile_max = -INFINITY;
-    for (int j = 0; j < KV_TILE; j++) {
-        const int64_t s = ic + j;
-        const int64_t delta = s < S ? qpos - k_pos[s] : -1;
-        if (delta < 0 || (window > 0 && delta >= window)) { kq[j] = -INFINITY; continue; }
-        kq[j] *= scale;
-        tile_max = kq[j] > tile_max ? kq[j] : tile_max;
-    }
+    const float tile_max = scaled_scores(kq, k_pos, qpos, ic, S, scale, window, all_visible);
     if (tile_max == -INFINITY) return;
     const float Mnew = fmaxf(*M, tile_max);
     if (Mnew > *M) {
@@ -177,27 +297,18 @@ static void attend_tile_row(const float *qv, const float *kt, const void *vp, in
     *M = Mnew;
     double tile_sum = 0.0;
     for (int j = 0; j < KV_TILE; j += 8) {
+#ifdef MTP_AVX2
+        const __m256 e = expf_arm8(_mm256_sub_ps(_mm256_loadu_ps(kq + j), _mm256_set1_ps(Mnew)));
+        _mm256_storeu_ps(kq + j, e);
+        tile_sum += (double)hsum8_v(e);
+#else
         float e[8];
         for (int l = 0; l < 8; l++) e[l] = kq[j + l] = expf_arm(kq[j + l] - Mnew);
         tile_sum += (double)hsum8(e);
+#endif
     }
     *Ssum = (float)((double)*Ssum + tile_sum);
-    for (int j = 0; j < KV_TILE && ic + j < S; j++) {
-        if (kq[j] == 0.0f) continue; /* fma(v, 0, acc) == acc */
-        if (kv_f16) {
-            const half *v = (const half *)vp + ((ic + j) * Hkv + hk) * D;
-            int64_t d = 0;
-#ifdef MTP_AVX2
-            const __m256 p = _mm256_set1_ps(kq[j]);
-            for (; d + 8 <= D; d += 8)
-                _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + d))), p, _mm256_loadu_ps(acc + d)));
-#endif
-            for (; d < D; d++) acc[d] = fmaf(h2f(v[d]), kq[j], acc[d]);
-        } else {
-            const float *v = (const float *)vp + ((ic + j) * Hkv + hk) * D;
-            for (int64_t d = 0; d < D; d++) acc[d] = fmaf(v[d], kq[j], acc[d]);
-        }
-    }
+    accumulate_values(acc, kq, vt, S - ic < KV_TILE ? (int)(S - ic) : KV_TILE, D);
 }
 
 typedef struct {
@@ -211,47 +322,63 @@ typedef struct {
     _Atomic int failed;
 } tiled_job;
 
-/* (head, block of Q_BLOCK query rows) pairs [begin, end) */
+/* Whether any key of the tile is visible to a query at a position in [min_pos, max_pos] */
+static int tile_visible(const int64_t *k_pos, int64_t ic, int64_t S, int64_t min_pos, int64_t max_pos, int64_t window) {
+    for (int64_t s = ic; s < ic + KV_TILE && s < S; s++)
+        if (k_pos[s] <= max_pos && (window <= 0 || k_pos[s] > min_pos - window)) return 1;
+    return 0;
+}
+
+/* (KV head, block of Q_BLOCK query positions) pairs [begin, end): every query head of the KV head's group */
 static void attention_blocks(void *ctx, int64_t begin, int64_t end) {
     tiled_job *j = ctx;
     const int64_t D = j->D, T = j->T, S = j->S, H = j->H, Hkv = j->Hkv, group = H / Hkv, n_blocks = j->n_blocks;
-    float *kt = thread_floats(D * KV_TILE + Q_BLOCK * D);
+    const int64_t rows = group * Q_BLOCK;
+    float *kt = thread_floats(2 * D * KV_TILE + rows * (D + 2));
     if (!kt) {
         j->failed = 1;
         return;
     }
-    float *acc = kt + D * KV_TILE;
+    float *vt = kt + D * KV_TILE, *acc = vt + D * KV_TILE, *M = acc + rows * D, *Ssum = M + rows;
     for (int64_t w = begin; w < end; w++) {
-        const int64_t h = w / n_blocks, t0 = (w % n_blocks) * Q_BLOCK, hk = h / group;
+        const int64_t hk = w / n_blocks, t0 = (w % n_blocks) * Q_BLOCK;
         const int64_t nq = T - t0 < Q_BLOCK ? T - t0 : Q_BLOCK;
-        float M[Q_BLOCK], Ssum[Q_BLOCK];
-        int64_t max_pos = j->q_pos[t0];
+        int64_t min_pos = j->q_pos[t0], max_pos = j->q_pos[t0];
         for (int64_t i = 0; i < nq; i++) {
-            M[i] = -INFINITY;
-            Ssum[i] = 0.0f;
             max_pos = j->q_pos[t0 + i] > max_pos ? j->q_pos[t0 + i] : max_pos;
+            min_pos = j->q_pos[t0 + i] < min_pos ? j->q_pos[t0 + i] : min_pos;
         }
-        for (int64_t i = 0; i < nq * D; i++) acc[i] = 0.0f;
+        for (int64_t r = 0; r < rows; r++) {
+            M[r] = -INFINITY;
+            Ssum[r] = 0.0f;
+        }
+        memset(acc, 0, sizeof(float) * rows * D);
         for (int64_t ic = 0; ic < S; ic += KV_TILE) {
-            int any = 0; /* a tile no query of the block can see changes nothing: skip it */
-            for (int jj = 0; jj < KV_TILE && ic + jj < S && !any; jj++) any = j->k_pos[ic + jj] <= max_pos;
-            if (!any) continue;
-            for (int jj = 0; jj < KV_TILE; jj++) {
-                const int64_t s = ic + jj;
-                for (int64_t d = 0; d < D; d++)
-                    kt[d * KV_TILE + jj] = s >= S ? 0.0f
-                                           : j->kv_f16 ? h2f(((const half *)j->kp)[(s * Hkv + hk) * D + d])
-                                                       : ((const float *)j->kp)[(s * Hkv + hk) * D + d];
+            if (!tile_visible(j->k_pos, ic, S, min_pos, max_pos, j->window)) continue;
+            load_k_tile(kt, j->kp, j->kv_f16, ic, S, Hkv, hk, D);
+            load_v_tile(vt, j->vp, j->kv_f16, ic, S, Hkv, hk, D);
+            int64_t k_min = INT64_MAX, k_max = INT64_MIN; /* the tile's key positions, for the rows that see them all */
+            for (int64_t s = ic; s < ic + KV_TILE && s < S; s++) {
+                k_min = j->k_pos[s] < k_min ? j->k_pos[s] : k_min;
+                k_max = j->k_pos[s] > k_max ? j->k_pos[s] : k_max;
             }
-            for (int64_t i = 0; i < nq; i++)
-                attend_tile_row(j->q + ((t0 + i) * H + h) * D, kt, j->vp, j->kv_f16, j->q_pos[t0 + i], j->k_pos, ic, S, Hkv, hk,
-                                D, j->scale, j->window, acc + i * D, &M[i], &Ssum[i]);
+            for (int64_t i = 0; i < nq; i++) {
+                const int64_t qpos = j->q_pos[t0 + i];
+                const int all_visible = ic + KV_TILE <= S && k_max <= qpos && (j->window <= 0 || qpos - k_min < j->window);
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t h = hk * group + g, r = g * Q_BLOCK + i;
+                    attend_tile_row(j->q + ((t0 + i) * H + h) * D, kt, vt, qpos, j->k_pos, ic, S, D, j->scale,
+                                    j->window, all_visible, acc + r * D, &M[r], &Ssum[r]);
+                }
+            }
         }
-        for (int64_t i = 0; i < nq; i++) {
-            const float inv = Ssum[i] == 0.0f ? 0.0f : 1.0f / Ssum[i];
-            float *o = j->out + ((t0 + i) * H + h) * D;
-            for (int64_t d = 0; d < D; d++) o[d] = acc[i * D + d] * inv;
-        }
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t i = 0; i < nq; i++) {
+                const int64_t r = g * Q_BLOCK + i;
+                const float inv = Ssum[r] == 0.0f ? 0.0f : 1.0f / Ssum[r];
+                float *o = j->out + ((t0 + i) * H + hk * group + g) * D;
+                for (int64_t d = 0; d < D; d++) o[d] = acc[r * D + d] * inv;
+            }
     }
 }
 
@@ -260,6 +387,6 @@ int mtp_attention_tiled(const float *q, const void *kp, const void *vp, int kv_f
                         int64_t window, float *out, int n_threads) {
     const int64_t n_blocks = (T + Q_BLOCK - 1) / Q_BLOCK;
     tiled_job job = {q, kp, vp, kv_f16, q_pos, k_pos, T, S, H, Hkv, D, window, n_blocks, scale, out, 0};
-    mtp_parallel_for(H * n_blocks, 1, n_threads, attention_blocks, &job);
+    mtp_parallel_for(Hkv * n_blocks, 1, n_threads, attention_blocks, &job);
     return job.failed ? 2 : 0;
 }
