@@ -7,8 +7,8 @@ k_pos <= q_pos and, with a window W, q_pos - k_pos < W.
 llama.cpp (flash attention on CPU) evaluates fewer than 64 query rows (decode, short prompts) with an
 online softmax over the keys in order: the query rounded to the K cache's dot type (f16 for an f16 cache),
 and, for an f16 V cache, the value accumulator rounded to f16 after every key. Longer prompts go through
-float32 tiles. `attention` follows the same split; `attention_online_reference` is the plain-PyTorch
-twin of the online path and `attention_reference` the exact softmax, both test oracles.
+float32 tiles. `attention` follows the same split; `attention_online_reference` and `attention_tiled_reference` are
+the plain-PyTorch twins of the two paths and `attention_reference` the exact softmax, all test oracles.
 """
 
 from __future__ import annotations

@@ -59,6 +59,94 @@ static void attend_row(const float *qv, const half *qh, const void *kp, const vo
     *Sout = Ssum;
 }
 
+#ifdef MTP_AVX2
+#define ROW_KEYS 64 /* keys whose scores and weights are found before their values are summed */
+
+/* dot_f16(w, x, k) with x given as float (x's f16 values converted once): the same lanes, order and tail */
+static inline float dot_f16_xf(const half *w, const float *xf, int64_t k) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    const int64_t np = k & ~31;
+    for (int64_t i = 0; i < np; i += 32)
+        for (int j = 0; j < 4; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i + 8 * j))),
+                                     _mm256_loadu_ps(xf + i + 8 * j), acc[j]);
+    /* reduce_4x8 in registers: r = (s0 + s2) + (s1 + s3); a_l = r_l + r_{l+4}; (a0 + a1) + (a2 + a3) */
+    const __m256 r = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
+    const __m128 a = _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
+    const __m128 pairs = _mm_hadd_ps(a, a); /* a0 + a1, a2 + a3 */
+    double sum = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+    for (int64_t i = np; i < k; i++) sum += (double)(h2f(w[i]) * xf[i]);
+    return (float)sum;
+}
+
+/* acc[0..8 NV) through the keys' steps in order: rescaled by ms[j] where the max moved (rescale[j]), then
+ * fma(v_j, vs[j], acc), each rounded to f16 with v_acc_f16: attend_row's steps, the dims in registers */
+#define ROW_VALUES(NV)                                                                                                 \
+    do {                                                                                                               \
+        __m256 a[NV];                                                                                                  \
+        for (int v = 0; v < NV; v++) a[v] = _mm256_loadu_ps(acc + d + 8 * v);                                          \
+        for (int j = 0; j < n; j++) {                                                                                  \
+            if (!live[j]) continue;                                                                                    \
+            if (rescale[j]) {                                                                                          \
+                const __m256 m = _mm256_set1_ps(ms[j]);                                                                \
+                for (int v = 0; v < NV; v++) a[v] = round_acc(_mm256_mul_ps(a[v], m), v_acc_f16);                      \
+            }                                                                                                          \
+            const half *vr = (const half *)vp + ((s0 + j) * Hkv + hk) * D + d;                                         \
+            const __m256 w = _mm256_set1_ps(vs[j]);                                                                    \
+            for (int v = 0; v < NV; v++)                                                                               \
+                a[v] = round_acc(_mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vr + 8 * v))), w, a[v]), \
+                                 v_acc_f16);                                                                           \
+        }                                                                                                              \
+        for (int v = 0; v < NV; v++) _mm256_storeu_ps(acc + d + 8 * v, a[v]);                                          \
+    } while (0)
+
+static inline __m256 round_acc(__m256 a, int v_acc_f16) {
+    return v_acc_f16 ? _mm256_cvtph_ps(_mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT)) : a;
+}
+
+/* attend_row for an f16 cache and D % 8 == 0, the same numbers: keys in blocks of ROW_KEYS, each block's scores, max
+ * updates and weights (libm's expf) found in order first, then its values summed into the accumulator 64 dims at a
+ * time in registers, each dim through the keys' steps in order. */
+static void attend_row_f16(const float *qf, const half *kp, const half *vp, int64_t qpos, const int64_t *k_pos,
+                           int64_t s_begin, int64_t s_end, int64_t Hkv, int64_t hk, int64_t D, float scale,
+                           int64_t window, int v_acc_f16, float *acc, float *Mout, float *Sout) {
+    float M = -INFINITY, Ssum = 0.0f, ms[ROW_KEYS], vs[ROW_KEYS];
+    uint8_t live[ROW_KEYS], rescale[ROW_KEYS];
+    for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+    for (int64_t s0 = s_begin; s0 < s_end; s0 += ROW_KEYS) {
+        const int n = s_end - s0 < ROW_KEYS ? (int)(s_end - s0) : ROW_KEYS;
+        int any = 0;
+        float scores[ROW_KEYS];
+        for (int j = 0; j < n; j++) { /* independent of each other: the core overlaps them */
+            const int64_t s = s0 + j, delta = qpos - k_pos[s];
+            live[j] = !(delta < 0 || (window > 0 && delta >= window));
+            if (live[j]) scores[j] = dot_f16_xf(kp + (s * Hkv + hk) * D, qf, D) * scale;
+            any |= live[j];
+        }
+        for (int j = 0; j < n; j++) {
+            if (!live[j]) continue;
+            const float score = scores[j];
+            rescale[j] = score > M;
+            if (rescale[j]) {
+                ms[j] = expf(M - score);
+                vs[j] = 1.0f;
+                M = score;
+            } else {
+                ms[j] = 1.0f;
+                vs[j] = expf(score - M);
+            }
+            Ssum = fmaf(Ssum, ms[j], vs[j]);
+        }
+        if (!any) continue;
+        int64_t d = 0;
+        for (; d + 64 <= D; d += 64) ROW_VALUES(8);
+        for (; d < D; d += 8) ROW_VALUES(1);
+    }
+    *Mout = M;
+    *Sout = Ssum;
+}
+#endif
+
 typedef struct {
     const float *q;
     const void *kp, *vp;
@@ -67,10 +155,27 @@ typedef struct {
     int64_t S, H, Hkv, D, window, n_cells, n_split;
     float scale;
     float *out;
+    float *parts; /* n_split > 1: each (row, head, chunk)'s accumulator, max and sum [D + 2] */
     _Atomic int failed;
 } attention_job;
 
-/* (query row, head) pairs [begin, end) */
+/* One query row against keys [s0, s1) (attend_row, or attend_row_f16 where it serves) */
+static void attend(const attention_job *j, const float *qv, half *qh, float *qf, int64_t t, int64_t hk, int64_t s0,
+                   int64_t s1, float *acc, float *M, float *Ssum) {
+    const int64_t D = j->D;
+#ifdef MTP_AVX2
+    if (j->kv_f16 && D % 8 == 0) {
+        attend_row_f16(qf, j->kp, j->vp, j->q_pos[t], j->k_pos, s0, s1, j->Hkv, hk, D, j->scale, j->window,
+                       j->v_acc_f16, acc, M, Ssum);
+        return;
+    }
+#endif
+    (void)qf;
+    attend_row(qv, qh, j->kp, j->vp, j->kv_f16, j->q_pos[t], j->k_pos, s0, s1, j->Hkv, hk, D, j->scale, j->window,
+               j->v_acc_f16, acc, M, Ssum);
+}
+
+/* (query row, head) pairs [begin, end), or with n_split > 1 (query row, head, chunk) triples into j->parts */
 static void attention_rows(void *ctx, int64_t begin, int64_t end) {
     attention_job *j = ctx;
     const int64_t D = j->D, H = j->H, S = j->S, group = H / j->Hkv, n_split = j->n_split;
@@ -79,30 +184,40 @@ static void attention_rows(void *ctx, int64_t begin, int64_t end) {
         j->failed = 1;
         return;
     }
-    float *part = acc + D;
-    half *qh = (half *)(part + D);
-    for (int64_t th = begin; th < end; th++) {
-        const int64_t t = th / H, h = th % H, hk = h / group;
+    float *qf = acc + D;
+    half *qh = (half *)(qf + D);
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t th = item / n_split, c = item % n_split, t = th / H, h = th % H, hk = h / group;
         const float *qv = j->q + (t * H + h) * D;
-        float *o = j->out + (t * H + h) * D;
-        for (int64_t d = 0; d < D; d++) qh[d] = f2h(qv[d]);
+        for (int64_t d = 0; d < D; d++) {
+            qh[d] = f2h(qv[d]);
+            qf[d] = h2f(qh[d]);
+        }
         if (n_split <= 1) {
             float M, Ssum;
-            attend_row(qv, qh, j->kp, j->vp, j->kv_f16, j->q_pos[t], j->k_pos, 0, S, j->Hkv, hk, D, j->scale, j->window,
-                       j->v_acc_f16, acc, &M, &Ssum);
+            attend(j, qv, qh, qf, t, hk, 0, S, acc, &M, &Ssum);
             const float inv = Ssum == 0.0f ? 0.0f : 1.0f / Ssum;
+            float *o = j->out + (t * H + h) * D;
             for (int64_t d = 0; d < D; d++) o[d] = acc[d] * inv;
             continue;
         }
         const int64_t chunk = (j->n_cells + n_split - 1) / n_split;
-        float M_final = -INFINITY, S_final = 0.0f;
+        const int64_t s0 = c * chunk, s1 = (c + 1) * chunk < S ? (c + 1) * chunk : S;
+        float *part = j->parts + item * (D + 2);
+        part[D + 1] = 0.0f; /* a chunk past the cells: nothing to merge */
+        if (s0 >= j->n_cells || s0 >= S) continue;
+        attend(j, qv, qh, qf, t, hk, s0, s1, part, &part[D], &part[D + 1]);
+    }
+}
+
+/* n_split > 1: each (row, head)'s chunks merged in chunk order, in float32 */
+static void merge_chunks(const attention_job *j, int64_t T) {
+    const int64_t D = j->D, n_split = j->n_split;
+    for (int64_t th = 0; th < T * j->H; th++) {
+        float *acc = j->out + th * D, M_final = -INFINITY, S_final = 0.0f;
         for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
         for (int64_t c = 0; c < n_split; c++) {
-            const int64_t s0 = c * chunk, s1 = (c + 1) * chunk < S ? (c + 1) * chunk : S;
-            if (s0 >= j->n_cells || s0 >= S) continue;
-            float M, Ssum;
-            attend_row(qv, qh, j->kp, j->vp, j->kv_f16, j->q_pos[t], j->k_pos, s0, s1, j->Hkv, hk, D, j->scale, j->window,
-                       j->v_acc_f16, part, &M, &Ssum);
+            const float *part = j->parts + (th * n_split + c) * (D + 2), M = part[D], Ssum = part[D + 1];
             if (Ssum == 0.0f) continue;
             const float M_new = fmaxf(M_final, M);
             const float scale_old = expf(M_final - M_new), scale_new = expf(M - M_new);
@@ -111,7 +226,7 @@ static void attention_rows(void *ctx, int64_t begin, int64_t end) {
             M_final = M_new;
         }
         const float inv = S_final == 0.0f ? 0.0f : 1.0f / S_final;
-        for (int64_t d = 0; d < D; d++) o[d] = S_final == 0.0f ? acc[d] : acc[d] * inv;
+        for (int64_t d = 0; d < D; d++) acc[d] = S_final == 0.0f ? acc[d] : acc[d] * inv;
     }
 }
 
@@ -119,14 +234,22 @@ static void attention_rows(void *ctx, int64_t begin, int64_t end) {
  * f16 (kv_f16 = 1) or f32. Online softmax over keys in order; masked keys (k_pos > q_pos, or outside the
  * window) are skipped. With v_acc_f16 the value accumulator is rounded to f16 after every update.
  * n_split > 1 (single-query decode over a long cache, as llama.cpp splits it across its threads): the
- * cells [0, n_cells) are cut into n_split equal chunks whose partial results are merged in float32. */
+ * cells [0, n_cells) are cut into n_split equal chunks, each its own task, whose partial results are merged in
+ * float32 in chunk order. */
 int mtp_attention(const float *q, const void *kp, const void *vp, int kv_f16, const int64_t *q_pos, const int64_t *k_pos,
                   int64_t T, int64_t S, int64_t H, int64_t Hkv, int64_t D, float scale, int64_t window, int v_acc_f16,
                   int64_t n_cells, int64_t n_split, float *out, int n_threads) {
-    attention_job job = {q, kp, vp, kv_f16, v_acc_f16, q_pos, k_pos, S, H, Hkv, D, window, n_cells, n_split, scale, out, 0};
+    if (n_split < 1) n_split = 1;
+    float *parts = n_split > 1 ? malloc(sizeof(float) * T * H * n_split * (D + 2)) : NULL;
+    if (n_split > 1 && !parts) return 2;
+    attention_job job = {q, kp, vp, kv_f16, v_acc_f16, q_pos, k_pos, S, H, Hkv, D, window, n_cells, n_split, scale,
+                         out, parts, 0};
     /* one row costs about S * D * 4 flops: below ~64K of them, waking the pool costs more */
     const int threads = T * H * S * D >= 65536 ? n_threads : 1;
-    mtp_parallel_for(T * H, chunk_grain(T * H, threads, 2, 1), threads, attention_rows, &job);
+    const int64_t items = T * H * n_split;
+    mtp_parallel_for(items, chunk_grain(items, threads, 2, 1), threads, attention_rows, &job);
+    if (n_split > 1 && !job.failed) merge_chunks(&job, T);
+    free(parts);
     return job.failed ? 2 : 0;
 }
 
