@@ -118,12 +118,18 @@ def _count_program_calls(m: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@needs_kernels
-def test_a_sliding_window_ring_leaves_the_program_once_it_wraps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Gemma 3's sliding layers keep a ring of cells: the program serves while cell = position, the layers after."""
+def _gemma_with_rings() -> CausalLM:
     model = _model("gemma3")
     model.config = dataclasses.replace(model.config, sliding_window=16)  # rings of 256 cells (ubatch 8)
     model.ubatch = 8
+    return model
+
+
+@needs_kernels
+def test_a_sliding_window_ring_stays_in_the_program_past_its_wrap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3's sliding layers keep a ring of cells (position p in cell p % 256 here): the program serves before and
+    after the ring wraps, its numbers those of the layers (which read the ring's filled cells in cell order)."""
+    model = _gemma_with_rings()
     gen = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, model.config.n_vocab, (250,), generator=gen)
     tokens = torch.randint(0, model.config.n_vocab, (10,), generator=gen).tolist()
@@ -132,11 +138,47 @@ def test_a_sliding_window_ring_leaves_the_program_once_it_wraps(monkeypatch: pyt
     with monkeypatch.context() as m:
         calls = _count_program_calls(m)
         program = _decode(model, prompt, tokens, 512)
-    assert len(calls) == 6  # positions 250..255; 256.. wrap the rings
+    assert len(calls) == 10  # positions 250..259: 256.. wrap the rings
     with monkeypatch.context() as m:
         _layer_by_layer(m)
         layers = _decode(model, prompt, tokens, 512)
     _assert_same(program[:3], layers[:3])
+
+
+def _decode_after_a_rollback(model, prompt, tokens: list[int], program: bool, monkeypatch: pytest.MonkeyPatch):
+    """Decode past a ring's wrap, roll back 3 positions (a rejected draft: cells emptied), decode on: the logits after
+    the rollback, the caches, and how many steps the program served."""
+    with monkeypatch.context() as m:
+        if not program:
+            _layer_by_layer(m)
+        calls = _count_program_calls(m)
+        state = model.new_state(512)
+        model.prefill(prompt, state)
+        for t in tokens[:6]:
+            model.decode(t, state)
+        for kv in state.kv.values():
+            kv.truncate(state.n_past - 3)
+        state.n_past -= 3
+        logits = torch.stack([model.decode(t, state) for t in tokens[6:]])
+    caches = [(kv.k.data.clone(), kv.v.data.clone(), kv.positions.clone(), kv.length) for kv in state.kv.values()]
+    return logits, caches, len(calls)
+
+
+@needs_kernels
+def test_a_ring_with_cells_a_rollback_emptied_leaves_the_program_until_they_are_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a rollback past the wrap, a ring has empty cells that the layer path leaves out of its view: the steps
+    go layer by layer until the positions reach them again, then back to the program; the numbers are the layers'."""
+    model = _gemma_with_rings()
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, model.config.n_vocab, (255,), generator=gen)
+    tokens = torch.randint(0, model.config.n_vocab, (12,), generator=gen).tolist()
+    *program, served = _decode_after_a_rollback(model, prompt, tokens, True, monkeypatch)
+    *layers, _ = _decode_after_a_rollback(model, prompt, tokens, False, monkeypatch)
+    # positions 255..260, then 258..263 after the rollback: 258-260 refill the emptied cells layer by layer
+    assert served == 6 + 3
+    _assert_same(program, layers)
 
 
 @needs_kernels

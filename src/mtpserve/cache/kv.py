@@ -199,6 +199,7 @@ class KVCache:
         n_cells = pool.n_cells if pool is not None else capacity
         self.positions = torch.full((n_cells,), -1, dtype=torch.long, device=self.device)  # -1: empty, or not ours
         self.length = 0  # positions 0..length-1 have been written
+        self.refill_at = 0  # a ring's cells a rollback emptied are written again once length reaches this
 
     def _cells(self, start: int, end: int) -> torch.Tensor | slice:
         """The cells of positions start..end-1, in position order."""
@@ -309,7 +310,7 @@ class KVCache:
     ) -> AttentionBlock | None:
         """`residual_attention` for a step's tokens in a CPU decode program (ops.decode_program) over this cache,
         their RoPE rows from the program's table `rope`; None where the one call cannot serve this cache. A ring
-        takes part until it wraps (`DecodeProgram.ready`)."""
+        takes part while it has no empty cells among its passed positions (`DecodeProgram.ready`)."""
         if not (self._ordered or self.ring) or not self._fused_block_fits(qkv, wo):
             return None
         return AttentionBlock(
@@ -319,6 +320,7 @@ class KVCache:
             q_norm=ptr(q_norm), k_norm=ptr(k_norm), q_scale=q_scale, scale=scale, k_cache=self.k.data.data_ptr(),
             v_cache=self.v.data.data_ptr(), cell_pos=self.positions.data_ptr(), window=self.window or 0,
             t_out=int(wo.ggml_type), w_out=wo.data.data_ptr(), post_norm=ptr(post_norm),
+            ring=self.capacity if self.ring else 0,
         )  # fmt: skip
 
     def _fused_block_fits(self, qkv: WeightGroup, wo: QTensor) -> bool:
@@ -433,7 +435,15 @@ class KVCache:
         if length > self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
         self.positions[self.positions >= length] = -1
+        if self.ring:
+            self.refill_at = max(self.refill_at, self.length)
         self.length = length
+
+    @property
+    def has_holes(self) -> bool:
+        """Whether a ring has empty cells among those of positions it has passed: a rollback emptied the cells of the
+        positions after it, and the positions written since have not yet reached them all."""
+        return self.ring and self.length < self.refill_at
 
     @property
     def nbytes(self) -> int:

@@ -39,6 +39,8 @@ class Step(ctypes.Structure):
         ("start", _i64),
         ("n_cells", _i64),
         ("n_split", _i64),
+        ("ring_n_cells", _i64),
+        ("ring_n_split", _i64),
     ]
 
 
@@ -66,6 +68,7 @@ class AttentionBlock(ctypes.Structure):
         ("t_out", _int),
         ("w_out", _ptr),
         ("post_norm", _ptr),
+        ("ring", _i64),
     ]
     kind = BLOCK_ATTENTION
 
@@ -128,11 +131,16 @@ class DecodeProgram:
         self.blocks = list(blocks)  # kept alive: the C side reads them through raw pointers
         self.table = (_Block * len(blocks))(*[_Block(b.kind, ctypes.addressof(b)) for b in blocks])
         self.caches, self.ring_caches, self.capacity = list(caches), list(ring_caches), capacity
+        if len({kv.capacity for kv in self.ring_caches}) > 1:
+            raise ValueError("a decode program's rings must all be one size (the step has one view of them)")
+        self.ring = self.ring_caches[0].capacity if self.ring_caches else 0
 
     def ready(self, position: int, n_tokens: int = 1) -> bool:
-        """Whether tokens at position.. can take the program (each cache's cell for each is the position itself)."""
+        """Whether tokens at position.. can take the program: within its caches, and every ring without cells a
+        rollback emptied (the layer path reads a ring's filled cells only) once it has wrapped."""
         end = position + n_tokens
-        return n_tokens <= MAX_TOKENS and end <= self.capacity and all(end <= kv.capacity for kv in self.ring_caches)
+        rings_whole = all(end <= kv.capacity or not kv.has_holes for kv in self.ring_caches)
+        return n_tokens <= MAX_TOKENS and end <= self.capacity and rings_whole
 
     def advance(self, end: int) -> None:
         """Each KV cache now holds positions up to `end` (the C side wrote their cells)."""
@@ -222,8 +230,8 @@ def _call_args(programs: Sequence[DecodeProgram], T: int, positions: Sequence[in
     """The C call's per-sequence arguments: the block tables, the steps (address) and the kept states' buffers."""
     n_seq = len(programs)
     steps = (Step * n_seq)()
-    for step, position, rope in zip(steps, positions, ropes, strict=True):
-        _set_step(step, position, T, rope)
+    for step, position, rope, program in zip(steps, positions, ropes, programs, strict=True):
+        _set_step(step, position, T, rope, program.ring)
     tables = (_ptr * n_seq)(*[ctypes.addressof(p.table) for p in programs])
     kept_ptrs: list = [None, None]
     if kept is not None:
@@ -231,11 +239,15 @@ def _call_args(programs: Sequence[DecodeProgram], T: int, positions: Sequence[in
     return tables, steps, kept_ptrs
 
 
-def _set_step(st: Step, position: int, n_tokens: int, ropes: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _set_step(
+    st: Step, position: int, n_tokens: int, ropes: Sequence[tuple[torch.Tensor, torch.Tensor]], ring: int = 0
+) -> None:
     for i, (cos, sin) in enumerate(ropes):
         st.cos[i], st.sin[i], st.n_rot[i] = cos.data_ptr(), sin.data_ptr(), 2 * cos.shape[-1]
     st.start = position
     st.n_cells, st.n_split = decode_cache_view(position + n_tokens, n_tokens)
+    if ring:  # a ring's filled cells: all of them once it has wrapped
+        st.ring_n_cells, st.ring_n_split = decode_cache_view(min(position + n_tokens, ring), n_tokens)
 
 
 class DraftModel(ctypes.Structure):

@@ -168,6 +168,7 @@ typedef struct {
     int t_out;
     const uint8_t *w_out;
     const float *post_norm;
+    int64_t ring; /* a sliding window's ring of this many cells (position p in cell p % ring); 0: cell = position */
 } mtp_attention_block;
 
 typedef struct {
@@ -175,12 +176,15 @@ typedef struct {
     int64_t n_rot[2];
     int64_t start;            /* the first token's position (= its KV cell: ordered caches) */
     int64_t n_cells, n_split; /* mtp_attention's view of the caches for the step's tokens */
+    int64_t ring_n_cells, ring_n_split; /* the same of the ring caches (every ring of a program one size) */
 } mtp_step;
 
 /* The attention block's middle for one sequence's T rows, after the QKV projections (qg [T, nqg], k, v [T, nkv]):
  * optional per-head RMSNorm of q and k; RoPE (the step's rows of table c->rope); k, v stored in cells start.. (f16
  * rounded to nearest even) with their positions; attention over cells 0..start+T-1 (the step's n_cells / n_split);
- * the output gate. o [T, nq]; q [T, nq] is scratch. */
+ * the output gate. o [T, nq]; q [T, nq] is scratch. A ring stores position p in cell p % ring and attends over its
+ * filled cells in cell order, keys told apart by their positions (those past the window masked), as the layer
+ * path reads it. */
 static int attention_rows(const mtp_attention_block *c, const mtp_step *st, int64_t T, float *qg, float *k,
                           const float *v, float *q, float *o, int n_threads) {
     const int64_t H = c->H, Hkv = c->Hkv, D = c->D, nq = H * D, nkv = Hkv * D, start = st->start;
@@ -198,9 +202,9 @@ static int attention_rows(const mtp_attention_block *c, const mtp_step *st, int6
     if (c->q_scale != 1.0f) /* Gemma: the query scaled before attention, the softmax scale then 1 */
         for (int64_t i = 0; i < T * nq; i++) q[i] *= c->q_scale;
     for (int64_t t = 0; t < T; t++) {
-        const int64_t cell = start + t;
-        q_pos[t] = cell;
-        c->cell_pos[cell] = cell;
+        const int64_t cell = c->ring ? (start + t) % c->ring : start + t;
+        q_pos[t] = start + t;
+        c->cell_pos[cell] = start + t;
         if (c->kv_f16) {
             half *kc = (half *)c->k_cache + cell * nkv, *vc = (half *)c->v_cache + cell * nkv;
             for (int64_t i = 0; i < nkv; i++) {
@@ -212,8 +216,10 @@ static int attention_rows(const mtp_attention_block *c, const mtp_step *st, int6
             memcpy((float *)c->v_cache + cell * nkv, v + t * nkv, sizeof(float) * nkv);
         }
     }
-    const int rc = mtp_attention(q, c->k_cache, c->v_cache, c->kv_f16, q_pos, c->cell_pos, T, start + T, H, Hkv, D,
-                                 c->scale, c->window, c->kv_f16, st->n_cells, st->n_split, o, n_threads);
+    const int64_t S = c->ring && start + T > c->ring ? c->ring : start + T;
+    const int rc = mtp_attention(q, c->k_cache, c->v_cache, c->kv_f16, q_pos, c->cell_pos, T, S, H, Hkv, D, c->scale,
+                                 c->window, c->kv_f16, c->ring ? st->ring_n_cells : st->n_cells,
+                                 c->ring ? st->ring_n_split : st->n_split, o, n_threads);
     if (rc) return rc;
     if (c->q_gated)
         for (int64_t th = 0; th < T * H; th++) mtp_sigmoid_gate(o + th * D, qg + (2 * th + 1) * D, o + th * D, D);
