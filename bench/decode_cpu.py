@@ -1,14 +1,15 @@
 """Prefill and decode tokens/s on CPU, mtpserve side by side with llama.cpp, as ratios.
 
     .venv/bin/python bench/decode_cpu.py [--threads 2] [--repetitions 5] [--llama-bench PATH] [--busy]
-                                         [--poll 50] [--prompt 128] [--json out.json]
+                                         [--poll 50] [--prompt 128] [--depth 0] [--json out.json]
 
 The test follows `llama-bench -t 2 -p 128 -n 64`: "pp128" evaluates a 128-token prompt in one batch on an
 empty cache (`--prompt N`: an N-token prompt, "ppN", in ubatches of 512 as both engines evaluate one: a coding
 agent's prompt reads thousands of tokens, where attention weighs as much as the weights), "tg64" generates 64
-tokens one at a time from an empty cache; each is repeated after a warm-up run and reported as mean ± standard
-deviation of tokens/s. The two engines take turns in rounds (one mtpserve run, then one llama-bench run), so a
-change in the machine's load falls on both.
+tokens one at a time from an empty cache (`--depth N`: both tests after N tokens of context, "tg64@dN", as
+`llama-bench -d N`: an agent's turn decodes at its conversation's depth); each is repeated after a warm-up run and
+reported as mean ± standard deviation of tokens/s. The two engines take turns in rounds (one mtpserve run, then
+one llama-bench run), so a change in the machine's load falls on both.
 
 `--model PATH` (repeatable) measures other files instead of the three defaults: the deployment's widths on this
 machine's memory with `bench/make_qwen35_27b.py --layers 16 --out F` (5.7 GB; its weights are random, so only the
@@ -54,22 +55,31 @@ def rate(samples: list[float]) -> tuple[float, float]:
     return statistics.mean(samples), statistics.stdev(samples) if len(samples) > 1 else 0.0
 
 
-def mtpserve_runner(path: Path, n_prompt: int = N_PROMPT) -> dict[str, Callable[[], float]]:
-    """One tokens/s measurement per call of each test, after a warm-up run (kernel build, page-in)."""
+def mtpserve_runner(path: Path, n_prompt: int = N_PROMPT, depth: int = 0) -> dict[str, Callable[[], float]]:
+    """One tokens/s measurement per call of each test, after a warm-up run (kernel build, page-in); with `depth`,
+    each test starts after that many tokens of context (evaluated first, untimed: llama-bench -d)."""
     model = load(path)
     gc.collect()
     gc.freeze()  # as the server does once its model is loaded
     vocab = model.config.n_vocab
-    tokens = torch.randint(0, vocab, (max(n_prompt, N_GEN),), generator=torch.Generator().manual_seed(0)).tolist()
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (max(n_prompt, N_GEN),), generator=generator).tolist()
+    context = torch.randint(0, vocab, (depth,), generator=generator).tolist()
+
+    def at_depth():
+        state = model.new_state(depth + max(n_prompt, N_GEN))
+        if context:
+            model.prefill(context, state)
+        return state
 
     def prefill() -> float:
-        state = model.new_state(n_prompt + N_GEN)
+        state = at_depth()
         t0 = time.perf_counter()
         model.prefill(tokens[:n_prompt], state)
         return n_prompt / (time.perf_counter() - t0)
 
     def decode() -> float:
-        state = model.new_state(n_prompt + N_GEN)
+        state = at_depth()
         t0 = time.perf_counter()
         for token in tokens[:N_GEN]:  # like llama-bench: fixed tokens, every step's logits computed
             model.decode(token, state)
@@ -77,11 +87,12 @@ def mtpserve_runner(path: Path, n_prompt: int = N_PROMPT) -> dict[str, Callable[
 
     for fn in (prefill, decode):
         fn()
-    return {f"pp{n_prompt}": prefill, f"tg{N_GEN}": decode}
+    at = f"@d{depth}" if depth else ""
+    return {f"pp{n_prompt}{at}": prefill, f"tg{N_GEN}{at}": decode}
 
 
 def bench_llama_cpp(
-    binary: str, path: Path, threads: int, repetitions: int, n_prompt: int = N_PROMPT
+    binary: str, path: Path, threads: int, repetitions: int, n_prompt: int = N_PROMPT, depth: int = 0
 ) -> dict[str, list[float]]:
     cmd = [
         binary,
@@ -95,6 +106,7 @@ def bench_llama_cpp(
         str(N_GEN),
         "-r",
         str(repetitions),
+        *(["-d", str(depth)] if depth else []),
         "-o",
         "json",
     ]
@@ -106,7 +118,7 @@ def from_llama_bench(results: list[dict]) -> dict[str, list[float]]:
     out = {}
     for r in results:
         name = f"pp{r['n_prompt']}" if r["n_gen"] == 0 else f"tg{r['n_gen']}"
-        out[name] = r["samples_ts"]
+        out[name + (f"@d{r['n_depth']}" if r.get("n_depth") else "")] = r["samples_ts"]
     return out
 
 
@@ -128,6 +140,7 @@ def main() -> None:
     ap.add_argument(
         "--prompt", type=int, default=N_PROMPT, help="the prefill test's prompt length (llama-bench -p): ppN"
     )
+    ap.add_argument("--depth", type=int, default=0, help="tokens of context before each test (llama-bench -d)")
     ap.add_argument(
         "--model",
         type=Path,
@@ -159,14 +172,15 @@ def run(args: argparse.Namespace) -> list[dict]:
     for path in args.model or models():
         if not path.exists():
             sys.exit(f"{path} is missing: run `make models` (and check that ../shared/fixtures is present)")
-        runner = mtpserve_runner(path, args.prompt)
+        runner = mtpserve_runner(path, args.prompt, args.depth)
         ours: dict[str, list[float]] = {test: [] for test in runner}
         theirs: dict[str, list[float]] = {} if args.llama_bench else (recorded_llama_cpp(path) or {})
         for _ in range(args.repetitions):  # rounds: one run of each engine in turn
             for test, fn in runner.items():
                 ours[test].append(fn())
             if args.llama_bench:
-                for test, samples in bench_llama_cpp(args.llama_bench, path, args.threads, 1, args.prompt).items():
+                peer = bench_llama_cpp(args.llama_bench, path, args.threads, 1, args.prompt, args.depth)
+                for test, samples in peer.items():
                     theirs.setdefault(test, []).extend(samples)
         for test, samples in ours.items():
             mean, std = rate(samples)
