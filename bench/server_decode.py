@@ -3,14 +3,16 @@ speeds each server reports for it (`timings.predicted_per_second`, `timings.prom
 
     .venv/bin/python bench/server_decode.py --llama-server PATH [--rounds 3] [--busy] [--spec] [--parallel N]
                                             [--sse] [--json PATH] [--only LABEL] [--mtpserve-flags FLAGS]
+                                            [--prompt 128]
 
-For each model (SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M, tinyqwen35 Q4_K_M) both servers run at once, each with
-`-m MODEL -np 1 -c 4096 -t 2` (and, with `--spec`, a second pair on tinyqwen35 with `--spec-type draft-mtp
---spec-draft-n-max 2`). Each gets one warm-up request, then `--rounds` rounds: one request to each server in turn, the
-first server alternating between rounds, so a machine drifting over minutes moves both alike. The request: a
-128-token prompt (a different first token each time, so nothing is reused from the last request), 64 greedy tokens
-with `ignore_eos`. The table gives medians over the rounds and mtpserve / llama-server. `--busy` runs one CPU-bound
-neighbour process (a spinning Python loop) throughout, the case of a machine doing other work.
+For each model (SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M, tinyqwen35 Q4_K_M) both servers run at once, each
+with `-m MODEL -np 1 -c 4096 -t 2` (and, with `--spec`, a second pair on tinyqwen35 with `--spec-type draft-mtp
+--spec-draft-n-max 2`). Each gets one warm-up request, then `--rounds` rounds: one request to each server in turn,
+the first server alternating between rounds, so a machine drifting over minutes moves both alike. The request: a
+128-token prompt (a different first token each time, so nothing is reused from the last request; `--prompt N`: N
+tokens, as a coding agent's thousands, `-c` grown to hold them), 64 greedy tokens with `ignore_eos`. The table gives
+medians over the rounds and mtpserve / llama-server. `--busy` runs one CPU-bound neighbour process (a spinning
+Python loop) throughout, the case of a machine doing other work.
 
 `--parallel N`: continuous batching. Both servers get `-np N`, and each round sends N such requests at once (each
 its own prompt); the table then gives the total generated tokens/s over the round's wall time (prompts included,
@@ -58,6 +60,12 @@ def cases(spec: bool) -> list[tuple[str, Path, list[str]]]:
         ("tinyqwen35 Q4_K_M", tiny, []),
     ]
     return out + ([("tinyqwen35 Q4_K_M, draft-mtp n_max 2", tiny, SPEC_FLAGS)] if spec else [])
+
+
+def prompt_tokens(tokens: list[int], n: int) -> list[int]:
+    """The first n - 1 tokens of the text, read again from its start as often as n asks (each request adds its
+    first token)."""
+    return (tokens * (n // len(tokens) + 1))[: n - 1]
 
 
 def completion(client: httpx.Client, url: str, prompt: list[int], sse: bool = False) -> dict:
@@ -173,10 +181,12 @@ def main() -> int:
     ap.add_argument("--only", help="measure only the cases whose label contains this (e.g. 'draft-mtp')")
     ap.add_argument("--sse", action="store_true", help="stream each response (one stream at a time), as agents do")
     ap.add_argument("--mtpserve-flags", default="", help="more flags for mtpserve alone (e.g. '--no-mmap')")
+    ap.add_argument("--prompt", type=int, default=N_PROMPT, help="prompt tokens a request (an agent's: thousands)")
     args = ap.parse_args()
     if args.sse and args.parallel > 1:
         ap.error("--sse streams one request at a time (not with --parallel)")
     flags = [*FLAGS[:1], str(args.parallel), *FLAGS[2:]]
+    flags[3] = str(max(int(FLAGS[3]), 1024 * -(-(args.prompt + N_PREDICT) // 1024)))  # -c: the prompt and its answer
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -189,7 +199,7 @@ def main() -> int:
             if args.only and args.only not in label:
                 continue
             tokens = Tokenizer.from_gguf(model).encode(TEXT.read_text(encoding="utf-8"), add_special=False)
-            prompt = tokens[: N_PROMPT - 1]
+            prompt = prompt_tokens(tokens, args.prompt)
             commands = {
                 "mtpserve": mtpserve_command(str(model), [*flags, *extra, *args.mtpserve_flags.split()]),
                 "llama-server": [args.llama_server, "-m", str(model), *flags, *extra, "--no-webui"],
