@@ -182,6 +182,24 @@ def test_a_ring_with_cells_a_rollback_emptied_leaves_the_program_until_they_are_
 
 
 @needs_kernels
+def test_a_ring_cut_back_to_its_start_is_whole_again_after_one_ring_of_positions() -> None:
+    """A new request cuts the slot back to 0 (every cell emptied): the ring has holes until it has written as many
+    positions as it has cells, and none after, however long the conversation before it was."""
+    model = _gemma_with_rings()
+    state = model.new_state(1024)
+    model.prefill(torch.arange(700) % model.config.n_vocab, state)
+    ring = next(kv for kv in state.kv.values() if kv.ring)
+    for kv in state.kv.values():
+        kv.truncate(0)
+    state.n_past = 0
+    assert ring.has_holes
+    model.prefill(torch.arange(ring.capacity - 1), state)  # one short of every cell
+    assert ring.has_holes
+    model.decode(1, state)
+    assert not ring.has_holes
+
+
+@needs_kernels
 def test_logits_that_are_not_the_plain_product_come_from_the_model_after_the_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -435,14 +435,15 @@ class KVCache:
         if length > self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
         self.positions[self.positions >= length] = -1
-        if self.ring:
-            self.refill_at = max(self.refill_at, self.length)
+        if self.ring:  # the emptied cells are those of positions length.. again, or of the next `capacity` of them
+            self.refill_at = max(self.refill_at, min(self.length, length + self.capacity))
         self.length = length
 
     @property
     def has_holes(self) -> bool:
         """Whether a ring has empty cells among those of positions it has passed: a rollback emptied the cells of the
-        positions after it, and the positions written since have not yet reached them all."""
+        positions after it, and the positions written since have not yet filled them all (a new request that cut a
+        slot back to 0 fills every cell within its first `capacity` positions)."""
         return self.ring and self.length < self.refill_at
 
     @property
