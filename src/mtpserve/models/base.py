@@ -467,9 +467,9 @@ class CausalLM:
         through the CPU decode program (one C call for the embedding, every block of every sequence, the final norm
         and the output layer: ops.decode_program): the final-normed hidden states [len(tokens), n_embd] and with
         `logits` their float32 logits (`logits_on_device`'s, each sequence rounded as if alone), or None where the
-        program cannot serve one of them (`decode_program`, a ring that wrapped, a full context); the layer path
-        then does, to the same bits. With `steps`, each DeltaNet layer's states after every token go there as
-        `Batch.steps` keeps them."""
+        program cannot serve one of them (`decode_program`, a ring a rollback left cells empty in, a full context,
+        no C head: `decode_head`); the layer path then does, to the same bits. With `steps`, each DeltaNet layer's
+        states after every token go there as `Batch.steps` keeps them."""
         if gpu_path(self.output_norm) or (head := self.decode_head()) is None:  # GPU (or emulated), or no C head
             return None
         T = len(tokens) // len(states)

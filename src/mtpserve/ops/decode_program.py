@@ -227,7 +227,8 @@ def run_decode_pass(
 
 
 def _call_args(programs: Sequence[DecodeProgram], T: int, positions: Sequence[int], ropes: Ropes, kept: Kept | None):
-    """The C call's per-sequence arguments: the block tables, the steps (address) and the kept states' buffers."""
+    """The C call's per-sequence arguments: the block tables, the steps and the kept states' buffers (ctypes arrays,
+    kept alive by the caller for the call)."""
     n_seq = len(programs)
     steps = (Step * n_seq)()
     for step, position, rope, program in zip(steps, positions, ropes, programs, strict=True):
