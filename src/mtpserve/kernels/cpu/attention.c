@@ -59,27 +59,35 @@ static void attend_row(const float *qv, const half *qh, const void *kp, const vo
     *Sout = Ssum;
 }
 
+#define ROW_KEYS_ALL 64 /* keys whose scores and weights are found before their values are summed */
 #ifdef MTP_AVX2
-#define ROW_KEYS 64 /* keys whose scores and weights are found before their values are summed */
+#define ROW_KEYS ROW_KEYS_ALL
 
-/* dot_f16(w, x, k) with x given as float (x's f16 values converted once): the same lanes, order and tail */
-static inline float dot_f16_xf(const half *w, const float *xf, int64_t k) {
+/* dot_f16(w, x, k) with both rows given as float (their f16 values converted once): the same lanes, order and tail */
+static inline float dot_f16_as_float(const float *wf, const float *xf, int64_t k) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     const int64_t np = k & ~31;
     for (int64_t i = 0; i < np; i += 32)
         for (int j = 0; j < 4; j++)
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i + 8 * j))),
-                                     _mm256_loadu_ps(xf + i + 8 * j), acc[j]);
+            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(wf + i + 8 * j), _mm256_loadu_ps(xf + i + 8 * j), acc[j]);
     /* reduce_4x8 in registers: r = (s0 + s2) + (s1 + s3); a_l = r_l + r_{l+4}; (a0 + a1) + (a2 + a3) */
     const __m256 r = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
     const __m128 a = _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
     const __m128 pairs = _mm_hadd_ps(a, a); /* a0 + a1, a2 + a3 */
     double sum = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
-    for (int64_t i = np; i < k; i++) sum += (double)(h2f(w[i]) * xf[i]);
+    for (int64_t i = np; i < k; i++) sum += (double)(wf[i] * xf[i]);
     return (float)sum;
 }
 
-/* acc[0..8 NV) through the keys' steps in order: rescaled by ms[j] where the max moved (rescale[j]), then
+static inline void f16_row_to_float(float *out, const half *in, int64_t D) { /* D % 8 == 0 */
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(in + d))));
+}
+
+static inline __m256 round_acc(__m256 a, int v_acc_f16) {
+    return v_acc_f16 ? _mm256_cvtph_ps(_mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT)) : a;
+}
+
+/* acc[d..d + 8 NV) through the keys' steps in order: rescaled by ms[j] where the max moved (rescale[j]), then
  * fma(v_j, vs[j], acc), each rounded to f16 with v_acc_f16: attend_row's steps, the dims in registers */
 #define ROW_VALUES(NV)                                                                                                 \
     do {                                                                                                               \
@@ -91,59 +99,64 @@ static inline float dot_f16_xf(const half *w, const float *xf, int64_t k) {
                 const __m256 m = _mm256_set1_ps(ms[j]);                                                                \
                 for (int v = 0; v < NV; v++) a[v] = round_acc(_mm256_mul_ps(a[v], m), v_acc_f16);                      \
             }                                                                                                          \
-            const half *vr = (const half *)vp + ((s0 + j) * Hkv + hk) * D + d;                                         \
             const __m256 w = _mm256_set1_ps(vs[j]);                                                                    \
-            for (int v = 0; v < NV; v++)                                                                               \
-                a[v] = round_acc(_mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vr + 8 * v))), w, a[v]), \
-                                 v_acc_f16);                                                                           \
+            for (int v = 0; v < NV; v++) a[v] = round_acc(_mm256_fmadd_ps(_mm256_loadu_ps(vf + j * D + d + 8 * v), w, a[v]), v_acc_f16); \
         }                                                                                                              \
         for (int v = 0; v < NV; v++) _mm256_storeu_ps(acc + d + 8 * v, a[v]);                                          \
     } while (0)
 
-static inline __m256 round_acc(__m256 a, int v_acc_f16) {
-    return v_acc_f16 ? _mm256_cvtph_ps(_mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT)) : a;
-}
-
-/* attend_row for an f16 cache and D % 8 == 0, the same numbers: keys in blocks of ROW_KEYS, each block's scores, max
- * updates and weights (libm's expf) found in order first, then its values summed into the accumulator 64 dims at a
- * time in registers, each dim through the keys' steps in order. */
-static void attend_row_f16(const float *qf, const half *kp, const half *vp, int64_t qpos, const int64_t *k_pos,
-                           int64_t s_begin, int64_t s_end, int64_t Hkv, int64_t hk, int64_t D, float scale,
-                           int64_t window, int v_acc_f16, float *acc, float *Mout, float *Sout) {
-    float M = -INFINITY, Ssum = 0.0f, ms[ROW_KEYS], vs[ROW_KEYS];
-    uint8_t live[ROW_KEYS], rescale[ROW_KEYS];
-    for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+/* attend_row over an f16 cache for the `group` query heads of one KV head (D % 8 == 0), each head's numbers those
+ * of attend_row: keys in blocks of ROW_KEYS, each key's K row converted to float once for every head's score; each
+ * head's max updates and weights (libm's expf) found in key order; the block's V rows converted once, then each
+ * head's values summed into its accumulator 64 dims at a time in registers, each dim through the keys' steps in
+ * order. qf, acc [group][D]; M, Ssum [group]; scratch: (ROW_KEYS + 1) D + 3 group ROW_KEYS floats. */
+static void attend_group_f16(const float *qf, int64_t group, const half *kp, const half *vp, int64_t qpos,
+                             const int64_t *k_pos, int64_t s_begin, int64_t s_end, int64_t Hkv, int64_t hk, int64_t D,
+                             float scale, int64_t window, int v_acc_f16, float *accs, float *M, float *Ssum,
+                             float *scratch) {
+    float *kf = scratch, *vf = kf + D, *scores = vf + ROW_KEYS * D, *ms_all = scores + group * ROW_KEYS;
+    float *vs_all = ms_all + group * ROW_KEYS;
+    uint8_t live[ROW_KEYS], rescale_all[ROW_KEYS];
+    for (int64_t g = 0; g < group; g++) {
+        M[g] = -INFINITY;
+        Ssum[g] = 0.0f;
+    }
+    for (int64_t i = 0; i < group * D; i++) accs[i] = 0.0f;
     for (int64_t s0 = s_begin; s0 < s_end; s0 += ROW_KEYS) {
         const int n = s_end - s0 < ROW_KEYS ? (int)(s_end - s0) : ROW_KEYS;
         int any = 0;
-        float scores[ROW_KEYS];
         for (int j = 0; j < n; j++) { /* independent of each other: the core overlaps them */
             const int64_t s = s0 + j, delta = qpos - k_pos[s];
             live[j] = !(delta < 0 || (window > 0 && delta >= window));
-            if (live[j]) scores[j] = dot_f16_xf(kp + (s * Hkv + hk) * D, qf, D) * scale;
-            any |= live[j];
-        }
-        for (int j = 0; j < n; j++) {
             if (!live[j]) continue;
-            const float score = scores[j];
-            rescale[j] = score > M;
-            if (rescale[j]) {
-                ms[j] = expf(M - score);
-                vs[j] = 1.0f;
-                M = score;
-            } else {
-                ms[j] = 1.0f;
-                vs[j] = expf(score - M);
-            }
-            Ssum = fmaf(Ssum, ms[j], vs[j]);
+            any = 1;
+            f16_row_to_float(kf, kp + (s * Hkv + hk) * D, D);
+            for (int64_t g = 0; g < group; g++) scores[g * ROW_KEYS + j] = dot_f16_as_float(kf, qf + g * D, D) * scale;
+            f16_row_to_float(vf + j * D, vp + (s * Hkv + hk) * D, D);
         }
         if (!any) continue;
-        int64_t d = 0;
-        for (; d + 64 <= D; d += 64) ROW_VALUES(8);
-        for (; d < D; d += 8) ROW_VALUES(1);
+        for (int64_t g = 0; g < group; g++) {
+            float *ms = ms_all + g * ROW_KEYS, *vs = vs_all + g * ROW_KEYS, *acc = accs + g * D;
+            const float *sc = scores + g * ROW_KEYS;
+            uint8_t *rescale = rescale_all;
+            for (int j = 0; j < n; j++) {
+                if (!live[j]) continue;
+                rescale[j] = sc[j] > M[g];
+                if (rescale[j]) {
+                    ms[j] = expf(M[g] - sc[j]);
+                    vs[j] = 1.0f;
+                    M[g] = sc[j];
+                } else {
+                    ms[j] = 1.0f;
+                    vs[j] = expf(sc[j] - M[g]);
+                }
+                Ssum[g] = fmaf(Ssum[g], ms[j], vs[j]);
+            }
+            int64_t d = 0;
+            for (; d + 64 <= D; d += 64) ROW_VALUES(8);
+            for (; d < D; d += 8) ROW_VALUES(1);
+        }
     }
-    *Mout = M;
-    *Sout = Ssum;
 }
 #endif
 
@@ -159,54 +172,74 @@ typedef struct {
     _Atomic int failed;
 } attention_job;
 
-/* One query row against keys [s0, s1) (attend_row, or attend_row_f16 where it serves) */
-static void attend(const attention_job *j, const float *qv, half *qh, float *qf, int64_t t, int64_t hk, int64_t s0,
-                   int64_t s1, float *acc, float *M, float *Ssum) {
-    const int64_t D = j->D;
+/* The `group` query heads of KV head hk at query row t against keys [s0, s1): acc [group][D], M, Ssum [group]
+ * (attend_group_f16 where it serves, else attend_row head by head) */
+static void attend_heads(const attention_job *j, int64_t t, int64_t hk, int64_t s0, int64_t s1, float *acc, float *M,
+                         float *Ssum, float *qf, half *qh, float *scratch) {
+    const int64_t D = j->D, H = j->H, group = H / j->Hkv;
+    for (int64_t g = 0; g < group; g++) {
+        const float *qv = j->q + (t * H + hk * group + g) * D;
+        for (int64_t d = 0; d < D; d++) {
+            qh[g * D + d] = f2h(qv[d]);
+            qf[g * D + d] = h2f(qh[g * D + d]);
+        }
+    }
 #ifdef MTP_AVX2
     if (j->kv_f16 && D % 8 == 0) {
-        attend_row_f16(qf, j->kp, j->vp, j->q_pos[t], j->k_pos, s0, s1, j->Hkv, hk, D, j->scale, j->window,
-                       j->v_acc_f16, acc, M, Ssum);
+        attend_group_f16(qf, group, j->kp, j->vp, j->q_pos[t], j->k_pos, s0, s1, j->Hkv, hk, D, j->scale, j->window,
+                         j->v_acc_f16, acc, M, Ssum, scratch);
         return;
     }
 #endif
-    (void)qf;
-    attend_row(qv, qh, j->kp, j->vp, j->kv_f16, j->q_pos[t], j->k_pos, s0, s1, j->Hkv, hk, D, j->scale, j->window,
-               j->v_acc_f16, acc, M, Ssum);
+    (void)scratch;
+    for (int64_t g = 0; g < group; g++)
+        attend_row(j->q + (t * H + hk * group + g) * D, qh + g * D, j->kp, j->vp, j->kv_f16, j->q_pos[t], j->k_pos, s0,
+                   s1, j->Hkv, hk, D, j->scale, j->window, j->v_acc_f16, acc + g * D, &M[g], &Ssum[g]);
 }
 
-/* (query row, head) pairs [begin, end), or with n_split > 1 (query row, head, chunk) triples into j->parts */
+/* (query row, KV head) pairs [begin, end), or with n_split > 1 (query row, KV head, chunk) triples into j->parts:
+ * every query head of the KV head's group at once (they read the same K and V rows) */
 static void attention_rows(void *ctx, int64_t begin, int64_t end) {
     attention_job *j = ctx;
-    const int64_t D = j->D, H = j->H, S = j->S, group = H / j->Hkv, n_split = j->n_split;
-    float *acc = thread_floats(3 * D);
+    const int64_t D = j->D, H = j->H, Hkv = j->Hkv, S = j->S, group = H / Hkv, n_split = j->n_split;
+    float *acc = thread_floats(group * (3 * D + 2) + (ROW_KEYS_ALL + 1) * D + 3 * group * ROW_KEYS_ALL);
     if (!acc) {
         j->failed = 1;
         return;
     }
-    float *qf = acc + D;
-    half *qh = (half *)(qf + D);
+    float *qf = acc + group * D, *M = qf + group * D, *Ssum = M + group, *scratch = Ssum + group;
+    half *qh = (half *)(scratch + (ROW_KEYS_ALL + 1) * D + 3 * group * ROW_KEYS_ALL);
     for (int64_t item = begin; item < end; item++) {
-        const int64_t th = item / n_split, c = item % n_split, t = th / H, h = th % H, hk = h / group;
-        const float *qv = j->q + (t * H + h) * D;
-        for (int64_t d = 0; d < D; d++) {
-            qh[d] = f2h(qv[d]);
-            qf[d] = h2f(qh[d]);
+        const int64_t tk = item / n_split, c = item % n_split, t = tk / Hkv, hk = tk % Hkv;
+        int64_t s0 = 0, s1 = S;
+        if (n_split > 1) {
+            const int64_t chunk = (j->n_cells + n_split - 1) / n_split;
+            s0 = c * chunk;
+            s1 = (c + 1) * chunk < S ? (c + 1) * chunk : S;
         }
-        if (n_split <= 1) {
-            float M, Ssum;
-            attend(j, qv, qh, qf, t, hk, 0, S, acc, &M, &Ssum);
-            const float inv = Ssum == 0.0f ? 0.0f : 1.0f / Ssum;
-            float *o = j->out + (t * H + h) * D;
-            for (int64_t d = 0; d < D; d++) o[d] = acc[d] * inv;
-            continue;
+        const int empty = s0 >= j->n_cells || s0 >= S; /* a chunk past the cells (or no cells): no key seen */
+        if (!empty) attend_heads(j, t, hk, s0, s1, acc, M, Ssum, qf, qh, scratch);
+        else
+            for (int64_t g = 0; g < group; g++) {
+                M[g] = -INFINITY;
+                Ssum[g] = 0.0f;
+                for (int64_t d = 0; d < D; d++) acc[g * D + d] = 0.0f;
+            }
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t h = hk * group + g;
+            if (n_split <= 1) {
+                const float inv = Ssum[g] == 0.0f ? 0.0f : 1.0f / Ssum[g];
+                float *o = j->out + (t * H + h) * D;
+                for (int64_t d = 0; d < D; d++) o[d] = acc[g * D + d] * inv;
+                continue;
+            }
+            float *part = j->parts + ((t * H + h) * n_split + c) * (D + 2);
+            part[D + 1] = 0.0f;
+            if (empty) continue;
+            memcpy(part, acc + g * D, sizeof(float) * D);
+            part[D] = M[g];
+            part[D + 1] = Ssum[g];
         }
-        const int64_t chunk = (j->n_cells + n_split - 1) / n_split;
-        const int64_t s0 = c * chunk, s1 = (c + 1) * chunk < S ? (c + 1) * chunk : S;
-        float *part = j->parts + item * (D + 2);
-        part[D + 1] = 0.0f; /* a chunk past the cells: nothing to merge */
-        if (s0 >= j->n_cells || s0 >= S) continue;
-        attend(j, qv, qh, qf, t, hk, s0, s1, part, &part[D], &part[D + 1]);
     }
 }
 
@@ -246,7 +279,7 @@ int mtp_attention(const float *q, const void *kp, const void *vp, int kv_f16, co
                          out, parts, 0};
     /* one row costs about S * D * 4 flops: below ~64K of them, waking the pool costs more */
     const int threads = T * H * S * D >= 65536 ? n_threads : 1;
-    const int64_t items = T * H * n_split;
+    const int64_t items = T * Hkv * n_split;
     mtp_parallel_for(items, chunk_grain(items, threads, 2, 1), threads, attention_rows, &job);
     if (n_split > 1 && !job.failed) merge_chunks(&job, T);
     free(parts);
