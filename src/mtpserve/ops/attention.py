@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import math
 
 import torch
@@ -121,11 +122,16 @@ def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double() + c.double()).float()
 
 
-def _libm_expf(x: torch.Tensor) -> torch.Tensor:
-    """The C library's expf, value by value (torch.exp may differ in the last bit: the kernel calls expf)."""
+@functools.cache
+def _expf() -> ctypes._CFuncPtr:
     expf = ctypes.CDLL(ctypes.util.find_library("m")).expf
     expf.restype, expf.argtypes = ctypes.c_float, [ctypes.c_float]
-    return torch.tensor([expf(v) for v in x.flatten().tolist()], dtype=torch.float32).view(x.shape)
+    return expf
+
+
+def _libm_expf(x: torch.Tensor) -> torch.Tensor:
+    """The C library's expf, value by value (torch.exp may differ in the last bit: the kernel calls expf)."""
+    return torch.tensor([_expf()(v) for v in x.flatten().tolist()], dtype=torch.float32).view(x.shape)
 
 
 def _f32(literal: str) -> torch.Tensor:
@@ -191,8 +197,11 @@ def attention_tiled_reference(
         e = expf_arm_reference(kq - M[..., None])
         e8 = torch.nn.functional.pad(e, (0, 64 - len(keys))).view(T, H, 8, 8)
         r = e8[..., 4:] + e8[..., :4]
-        sums = ((r[..., 0] + r[..., 2]) + (r[..., 1] + r[..., 3])).double().sum(-1)  # in order: 8 small doubles
-        total = torch.where(seen, (total.double() + sums).float(), total)
+        groups = ((r[..., 0] + r[..., 2]) + (r[..., 1] + r[..., 3])).double()  # hsum8 of each 8 keys
+        tile_sum = torch.zeros(T, H, dtype=torch.float64)
+        for g in range(8):  # added in key order, as the kernel does
+            tile_sum = tile_sum + groups[..., g]
+        total = torch.where(seen, (total.double() + tile_sum).float(), total)
         for j, s in enumerate(keys):
             p = e[..., j : j + 1]
             acc = torch.where(seen[..., None] & (p != 0), _fma(vv[s][None], p, acc), acc)

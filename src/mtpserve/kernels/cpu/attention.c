@@ -63,26 +63,6 @@ static void attend_row(const float *qv, const half *qh, const void *kp, const vo
 #ifdef MTP_AVX2
 #define ROW_KEYS ROW_KEYS_ALL
 
-/* dot_f16(w, x, k) with both rows given as float (their f16 values converted once): the same lanes, order and tail */
-static inline float dot_f16_as_float(const float *wf, const float *xf, int64_t k) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    const int64_t np = k & ~31;
-    for (int64_t i = 0; i < np; i += 32)
-        for (int j = 0; j < 4; j++)
-            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(wf + i + 8 * j), _mm256_loadu_ps(xf + i + 8 * j), acc[j]);
-    /* reduce_4x8 in registers: r = (s0 + s2) + (s1 + s3); a_l = r_l + r_{l+4}; (a0 + a1) + (a2 + a3) */
-    const __m256 r = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
-    const __m128 a = _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
-    const __m128 pairs = _mm_hadd_ps(a, a); /* a0 + a1, a2 + a3 */
-    double sum = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
-    for (int64_t i = np; i < k; i++) sum += (double)(wf[i] * xf[i]);
-    return (float)sum;
-}
-
-static inline void f16_row_to_float(float *out, const half *in, int64_t D) { /* D % 8 == 0 */
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(in + d))));
-}
-
 static inline __m256 round_acc(__m256 a, int v_acc_f16) {
     return v_acc_f16 ? _mm256_cvtph_ps(_mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT)) : a;
 }
@@ -130,9 +110,9 @@ static void attend_group_f16(const float *qf, int64_t group, const half *kp, con
             live[j] = !(delta < 0 || (window > 0 && delta >= window));
             if (!live[j]) continue;
             any = 1;
-            f16_row_to_float(kf, kp + (s * Hkv + hk) * D, D);
-            for (int64_t g = 0; g < group; g++) scores[g * ROW_KEYS + j] = dot_f16_as_float(kf, qf + g * D, D) * scale;
-            f16_row_to_float(vf + j * D, vp + (s * Hkv + hk) * D, D);
+            f16_to_float(kf, kp + (s * Hkv + hk) * D, D); /* dot_f16 of the rows, each converted once */
+            for (int64_t g = 0; g < group; g++) scores[g * ROW_KEYS + j] = dot_f32(kf, qf + g * D, D) * scale;
+            f16_to_float(vf + j * D, vp + (s * Hkv + hk) * D, D);
         }
         if (!any) continue;
         for (int64_t g = 0; g < group; g++) {
@@ -357,12 +337,7 @@ static void load_v_tile(float *vt, const void *vp, int kv_f16, int64_t ic, int64
             memcpy(row, (const float *)vp + (s * Hkv + hk) * D, sizeof(float) * D);
             continue;
         }
-        const half *v = (const half *)vp + (s * Hkv + hk) * D;
-        int64_t d = 0;
-#ifdef MTP_AVX2
-        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(row + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + d))));
-#endif
-        for (; d < D; d++) row[d] = h2f(v[d]);
+        f16_to_float(row, (const half *)vp + (s * Hkv + hk) * D, D);
     }
 }
 

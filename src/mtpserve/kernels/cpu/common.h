@@ -74,34 +74,60 @@ static inline float reduce_4x8(float s[4][8]) {
     return (a0 + a1) + (a2 + a3);
 }
 
+#ifdef MTP_AVX2 /* the same per-lane fused multiply-adds and the same additions, eight lanes at a time */
+static inline float reduce_4x8_v(const __m256 acc[4]) {
+    const __m256 r = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
+    const __m128 a = _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1)); /* a_l = r_l + r_{l+4} */
+    const __m128 pairs = _mm_hadd_ps(a, a);                                                /* a0 + a1, a2 + a3 */
+    return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+}
+#endif
+
 static inline float dot_f16(const half *w, const half *x, int64_t k) {
-    float s[4][8] = {{0}};
     const int64_t np = k & ~31;
-#ifdef MTP_AVX2 /* the same per-lane fused multiply-adds, eight lanes at a time */
+#ifdef MTP_AVX2
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t i = 0; i < np; i += 32)
         for (int j = 0; j < 4; j++)
             acc[j] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i + 8 * j))),
                                      _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i + 8 * j))), acc[j]);
-    for (int j = 0; j < 4; j++) _mm256_storeu_ps(s[j], acc[j]);
+    double sum = reduce_4x8_v(acc);
 #else
+    float s[4][8] = {{0}};
     for (int64_t i = 0; i < np; i += 32)
         for (int j = 0; j < 4; j++)
             for (int l = 0; l < 8; l++) s[j][l] = fmaf(h2f(w[i + 8 * j + l]), h2f(x[i + 8 * j + l]), s[j][l]);
-#endif
     double sum = reduce_4x8(s);
+#endif
     for (int64_t i = np; i < k; i++) sum += (double)(h2f(w[i]) * h2f(x[i]));
     return (float)sum;
 }
 static inline float dot_f32(const float *w, const float *x, int64_t k) {
-    float s[4][8] = {{0}};
     const int64_t np = k & ~31;
+#ifdef MTP_AVX2
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < np; i += 32)
+        for (int j = 0; j < 4; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8 * j), _mm256_loadu_ps(x + i + 8 * j), acc[j]);
+    double sum = reduce_4x8_v(acc);
+#else
+    float s[4][8] = {{0}};
     for (int64_t i = 0; i < np; i += 32)
         for (int j = 0; j < 4; j++)
             for (int l = 0; l < 8; l++) s[j][l] = fmaf(w[i + 8 * j + l], x[i + 8 * j + l], s[j][l]);
     double sum = reduce_4x8(s);
+#endif
     for (int64_t i = np; i < k; i++) sum += (double)(w[i] * x[i]);
     return (float)sum;
+}
+
+/* out[0..n) <- in's f16 values as float */
+static inline void f16_to_float(float *out, const half *in, int64_t n) {
+    int64_t i = 0;
+#ifdef MTP_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(in + i))));
+#endif
+    for (; i < n; i++) out[i] = h2f(in[i]);
 }
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
