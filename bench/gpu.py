@@ -280,8 +280,10 @@ def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int) -> float:
 def measure_ranking(device: torch.device, timer: Timer, n_vocab: int, reps: int) -> dict:
     """Microseconds to rank one logits row where it is and bring its candidates over (engine.sampling: the argmax of
     a greedy request with a ban, the top 40 of a sampling one with a 64-token penalty window), against copying the
-    row whole: calibrates bench/gpu_time_model.py's RANK_US + COPY_LATENCY_US."""
+    row whole: calibrates bench/gpu_time_model.py's RANK_US + COPY_LATENCY_US. And the top 41 alone, torch's top-k
+    of the row against the two stages both rankings now take (ops.sampling_chain.top_candidates)."""
     from mtpserve.engine.sampling import DeviceBias, ranked_on_device
+    from mtpserve.ops.sampling_chain import top_candidates
 
     row = torch.randn(n_vocab, generator=torch.Generator().manual_seed(5)).to(device)
     ban = DeviceBias.of({n_vocab - 1: float("-inf")}, device)
@@ -289,7 +291,16 @@ def measure_ranking(device: torch.device, timer: Timer, n_vocab: int, reps: int)
     greedy = timer.median(lambda: ranked_on_device(row, 1, ban, {}, 1.0, 0.0, 0.0), reps)
     top40 = timer.median(lambda: ranked_on_device(row, 40, ban, window, 1.1, 0.0, 0.0), reps)
     whole = timer.median(lambda: row.cpu(), reps)
-    return {"vocab": n_vocab, "greedy_us": 1e6 * greedy, "top40_us": 1e6 * top40, "row_copy_us": 1e6 * whole}
+    topk = timer.median(lambda: row.topk(41), reps)
+    two_stages = timer.median(lambda: top_candidates(row, 41), reps)
+    return {
+        "vocab": n_vocab,
+        "greedy_us": 1e6 * greedy,
+        "top40_us": 1e6 * top40,
+        "row_copy_us": 1e6 * whole,
+        "topk41_us": 1e6 * topk,
+        "top_candidates41_us": 1e6 * two_stages,
+    }
 
 
 def fill_to_depth(model, state, depth: int, gen: torch.Generator) -> int:
@@ -1086,7 +1097,8 @@ def report(r: dict) -> str:
             [
                 f"a logits row of {rk['vocab']:,} ranked where it is and its candidates copied: greedy "
                 f"{rk['greedy_us']:.0f} us, top-40 with penalties {rk['top40_us']:.0f} us (the whole row copied: "
-                f"{rk['row_copy_us']:.0f} us)"
+                f"{rk['row_copy_us']:.0f} us); its top 41 alone: torch's top-k {rk['topk41_us']:.0f} us, in two "
+                f"stages {rk['top_candidates41_us']:.0f} us"
             ]
             if (rk := r.get("ranking"))
             else []

@@ -99,7 +99,8 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
     # Bytes a token reads: every trunk matrix and the head, far more than one MTP step's block + head.
     assert result["weight_bytes_per_token"] > result["weight_bytes_per_draft_step"] > 0
     ranking = result["ranking"]
-    assert ranking["vocab"] > 0 and min(ranking["greedy_us"], ranking["top40_us"], ranking["row_copy_us"]) > 0
+    assert ranking["vocab"] > 0 and min(v for k, v in ranking.items() if k.endswith("_us")) > 0
+    assert {"topk41_us", "top_candidates41_us"} <= ranking.keys()
     assert result["prefill_tokens_per_s"] > 0
     assert result["batch_decode"]["sequences"] == 2 and result["batch_decode"]["tokens_per_s"] > 0
     assert [(g["matrix"], g["rows"]) for g in result["gemv"]] == [("attn_qkv", 1)]  # --tiny: one case

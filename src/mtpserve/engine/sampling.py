@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..ops.sampling_chain import top_candidates
+
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw a fresh seed
 HOST_DEVICES = frozenset({"cpu"})  # rows read by numpy; a row anywhere else is ranked on its device
 DEVICE_TOP_MAX = 1024  # the most candidates ranked on a device (a larger top_k, or none, copies the row)
@@ -279,8 +281,8 @@ def ranked_on_device(
         row[ids] = values - n_seen * np.float32(frequency_penalty) - np.float32(presence_penalty)
     if n == 1:
         return _best_on_device(row)
-    top = row.topk(min(n + 1, len(row)))
-    values, ids = torch.stack((top.values, top.indices.float())).cpu().numpy()
+    top_values, top_ids = top_candidates(row, min(n + 1, len(row)))
+    values, ids = torch.stack((top_values, top_ids.float())).cpu().numpy()
     ids = ids.astype(np.int64)
     if len(ids) > n:
         if values[n] == values[n - 1]:

@@ -1,0 +1,87 @@
+"""A request's sampler chain in fixed shapes, for a draft token drawn inside a captured step
+(models.graphs.MTPDrawGraph): top-k -> top-p -> min-p -> temperature -> one draw, llama-server's order
+(engine.sampling), as torch operations whose shapes do not depend on how many candidates survive. The k candidates
+stay in place and the filters cut a prefix count of them (each filter keeps a prefix of a row sorted high to low);
+the cut ones get probability 0. Nothing is read back to the host, so the draft's next step can embed the token
+without a round trip.
+
+Its twin is the host's chain: `engine.sampling.Sampler.probabilities` for the distribution (float32 filters, a
+float64 softmax over the survivors) and `engine.rejection.draw` for the draw (the first candidate whose running
+float64 sum exceeds the total times a uniform). The operations are the same; on a GPU its exp and its sums may
+round differently in the last bit, which can move a cut or a draw only at a boundary that close. Exactness does not
+rest on that: the ratio rule reads the distribution this draw was made from."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+GROUPS = 256  # a long row's first stage: each group's own top k
+LONG_ROW = 1 << 15  # rows at least this long go in two stages
+
+
+def top_candidates(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of the k largest of `row` [V], largest first, as `row.topk(k)` gives them (which of equal
+    values it takes may differ). A long row goes in two stages, each of GROUPS runs' own k largest (a top-k of many
+    short rows) and then the k largest of those: the k largest of the row are each among their run's. torch's top-k
+    of one long row took 466 us on an H200 at Qwen's 248,320 tokens (with a penalty's clone and the copy back:
+    docs/perf/h200_decode_2026-12-04.json), where a decode step's GEMVs take ~8 ms. The row is padded with -inf to
+    whole runs; a padded slot is taken only where fewer than k of the row are above -inf (callers ask for fewer)."""
+    n = row.shape[0]
+    width = -(-n // GROUPS)
+    if n < LONG_ROW or k > width // 2:
+        return row.topk(k)
+    runs = torch.nn.functional.pad(row, (0, width * GROUPS - n), value=float("-inf")).view(GROUPS, width)
+    values, ids = runs.topk(k, dim=1)
+    best, where = values.flatten().topk(k)
+    starts = torch.arange(0, GROUPS * width, width, device=row.device)[:, None]
+    return best, (ids + starts).flatten()[where]
+
+
+@dataclass(frozen=True)
+class ChainShape:
+    """What fixes a chain's shapes: the candidates ranked (top-k, raised to min_keep) and min_keep."""
+
+    n_top: int
+    min_keep: int
+
+
+class ChainInputs:
+    """A chain's float parameters and its uniforms as device tensors, written before each replay."""
+
+    def __init__(self, n_draws: int, device: torch.device) -> None:
+        self.top_p = torch.full((), float("inf"), device=device)  # inf: no top-p (the host skips it at >= 1)
+        self.log_min_p = torch.full((), float("-inf"), dtype=torch.float64, device=device)  # -inf: no min-p
+        self.temperature = torch.ones((), device=device)
+        self.uniforms = torch.zeros(n_draws, dtype=torch.float64, device=device)
+
+    def set(self, top_p: float, min_p: float, temperature: float, uniforms: list[float]) -> None:
+        self.top_p.fill_(top_p if top_p < 1.0 else float("inf"))
+        self.log_min_p.fill_(math.log(min_p) if min_p > 0.0 else float("-inf"))
+        self.temperature.fill_(temperature)
+        self.uniforms.copy_(torch.tensor(uniforms, dtype=torch.float64))
+
+
+def chain_draw(
+    values: torch.Tensor, shape: ChainShape, inputs: ChainInputs, draw: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the n_top highest logits, highest first (`values` [n_top] float32): (the drawn candidate's index [1],
+    the survivors' count [1], their probabilities [n_top] float64, 0 past the survivors), with uniform `draw`."""
+    n_top = values.shape[0]
+    place = torch.arange(n_top, device=values.device)
+    weights = torch.exp(values - values[0])  # top-p measures probabilities at temperature 1, in float32
+    cumulative = torch.cumsum(weights / torch.cumsum(weights, 0)[-1], 0)
+    reached = cumulative >= inputs.top_p
+    first = torch.argmax(reached.to(torch.int32))  # the first index where the mass reaches top-p
+    keep = torch.where(reached.any(), first + 1, n_top).clamp(min=min(shape.min_keep, n_top))
+    threshold = (values[0].double() + inputs.log_min_p).float()  # min-p: logit >= max + log(min_p), in float32
+    above = ((values >= threshold) & (place < keep)).sum()
+    keep = torch.maximum(above, keep.clamp(max=max(shape.min_keep, 1)))
+    scaled = (values / inputs.temperature).double()
+    probs = torch.softmax(torch.where(place < keep, scaled, float("-inf")), 0)
+    running = torch.cumsum(probs, 0)
+    target = running[-1] * inputs.uniforms[draw]
+    index = torch.minimum((running <= target).sum(), keep - 1)
+    return index.reshape(1), keep.reshape(1), probs
