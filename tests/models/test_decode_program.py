@@ -331,6 +331,56 @@ def test_the_mtp_draft_chain_in_one_call_equals_the_eager_steps(quant, n_rows, n
     assert chain_cache[-1] == 40 + n_rows + len(chain) - 1
 
 
+def _counted(step, calls: list[int], serve: bool):
+    """`step`, each call counted; None (cannot serve) unless `serve`."""
+
+    def call(*args):
+        calls.append(1)
+        return step(*args) if serve else None
+
+    return call
+
+
+@needs_kernels
+@pytest.mark.parametrize("quant", ["Q4_K_M", "F16"])
+def test_drafts_drawn_on_the_host_step_in_c_as_eagerly(quant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafts drawn at a temperature (--spec-draft-sampling probabilistic) on the CPU: each step one C call
+    (`mtp_draft_row`: the block's step and the head's whole row), the token drawn on the host from it. The eager
+    steps' tokens and distributions, and the same MTP cache bit for bit."""
+    from mtpserve.engine import SpecConfig
+    from mtpserve.engine.drafters import MTPDrafter
+    from mtpserve.engine.rejection import DraftPicker
+    from mtpserve.engine.sampling import Mt19937Uniform, Sampler, SamplingParams
+
+    model = load(tinyqwen_path(quant))
+    drafter = MTPDrafter(model, SpecConfig("draft-mtp", n_max=3))
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, model.config.n_vocab, (40,), generator=gen)
+    hidden = torch.randn(2, model.config.n_embd, generator=gen)
+    tokens = torch.randint(0, model.config.n_vocab, (2,), generator=gen).tolist()
+    results, steps_in_c = [], []
+    for stepped in (True, False):
+        state = model.new_state(256, mtp=True)
+        sampler = Sampler(SamplingParams(temperature=1.5, top_k=200, top_p=1.0, min_p=0.0, seed=1))
+        picker = DraftPicker(sampler, None, Mt19937Uniform(9), model.config.n_vocab)
+        calls = []
+        with torch.inference_mode(), monkeypatch.context() as m:
+            m.setattr(model, "mtp_draft_row", _counted(model.mtp_draft_row, calls, serve=stepped))
+            trunk = model.forward_batch(Batch.of(prompt, [state]))
+            model.mtp_step(torch.cat((trunk.new_zeros(1, trunk.shape[-1]), trunk[:-1])), prompt, state, False)
+            drafts = list(drafter._proposals(state, hidden, tokens, 3, picker))
+        kv = state.kv[model.mtp_kv_index]
+        results.append((drafts, picker.qs, kv.k.data.clone(), kv.v.data.clone(), kv.positions.clone(), kv.length))
+        steps_in_c.append(len(calls) if stepped else 0)
+    (stepped, *stepped_rest), (eager, *eager_rest) = results
+    assert steps_in_c[0] == 3
+    assert [t for t, _ in stepped] == [t for t, _ in eager] and len(stepped) == 3
+    assert all(len(q) == 200 for q in stepped_rest[0])  # whole distributions, compared exactly below
+    for (_, p), (_, q) in zip(stepped, eager):
+        assert p == pytest.approx(q, rel=1e-5)  # the C chain's float32 sum against torch's softmax
+    _assert_same(stepped_rest, eager_rest)
+
+
 def test_the_mtp_draft_chain_leaves_what_it_cannot_serve_to_the_eager_steps() -> None:
     """No chain where the block's program cannot serve (a quantized MTP cache) or the cache lacks room for every
     step's row; the drafter then steps eagerly."""

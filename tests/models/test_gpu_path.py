@@ -23,10 +23,11 @@ pytest.importorskip("triton", reason="triton is not installed: the GPU path's ke
 from mtpserve.cache import KVCache
 from mtpserve.models.base import Batch
 from mtpserve.models.draft_head import DraftHead
-from mtpserve.models.graphs import DecodeGraph, MTPDraftGraph, MTPRowsGraph, StepGraph
+from mtpserve.models.graphs import DecodeGraph, MTPDraftGraph, MTPDrawGraph, MTPRowsGraph, StepGraph
 from mtpserve.models.loader import load
 from mtpserve.ops import attention as attention_ops
 from mtpserve.ops.device import emulate_gpu
+from mtpserve.ops.sampling_chain import ChainShape
 
 from ..conftest import FIXTURES, default_model, shared_path, tinyqwen_path
 from ..support.gguf_slice import slice_token_ids, slice_with_prompts
@@ -375,6 +376,55 @@ def test_the_static_mtp_steps_equal_the_eager_ones(chained: bool, head: str) -> 
     torch.testing.assert_close(kv_graphed.v.data, kv_eager.v.data, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("chained", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["chained", "host-table"])
+def test_captured_draws_are_the_eager_draws(chained: bool) -> None:
+    """Drafts drawn at a temperature (--spec-draft-sampling probabilistic): the captured chain (MTPDrawGraph, the
+    request's sampler chain run on the device with the uniforms taken from the draft stream first) draws the eager
+    draft's tokens from the eager draft's distributions, round after round, with the server's default chain
+    (top-k 40, top-p 0.95, min-p 0.05, temperature 0.8) and the same seed."""
+    from mtpserve.engine import SpecConfig
+    from mtpserve.engine.drafters import DRAFT_TOP_K, MTPDrafter
+    from mtpserve.engine.rejection import DraftPicker
+    from mtpserve.engine.sampling import Mt19937Uniform, Sampler, SamplingParams
+
+    model = load(tinyqwen_path("Q4_K_M"), device=DEVICE)
+    case = _case("Q4_K_M", 1)
+    prompt, rest = case["prompt_token_ids"], case["generated_token_ids"]
+    drafter = MTPDrafter(model, SpecConfig("draft-mtp", n_max=3, draft_sampling="probabilistic"))
+    sampler = Sampler(SamplingParams(temperature=0.8, seed=11))
+    pickers = [DraftPicker(sampler, None, Mt19937Uniform(5), model.config.n_vocab) for _ in range(2)]
+    chain = pickers[1].device_chain(model.config.n_vocab)
+    assert chain is not None and chain[0].n_top == 40
+    drawn_tokens = set()
+    with _gpu_path():
+        eager, graphed = (model.new_state(256, "f16", "f16", mtp=True) for _ in range(2))
+        for st in (eager, graphed):
+            hidden = model.forward(torch.tensor(prompt), st)
+            model.mtp_step(hidden[:-1], torch.tensor(prompt[1:]), st, with_logits=False)
+        draw = MTPDrawGraph(model, graphed, 3, drafter.head, DRAFT_TOP_K, chain[0], chained=chained)
+        pending = hidden[-1]
+        for t in range(0, 6, 2):  # three rounds: draft, a trunk pass of two tokens, its catch-up
+            tokens = rest[t : t + 2]
+            plain = list(drafter._proposals(eager, pending[None], [tokens[0]], 3, pickers[0]))
+            eager.kv[drafter.kv_index].truncate(eager.kv[drafter.kv_index].length - 3)
+            uniforms = [pickers[1].rng.random() for _ in range(3)]
+            drawn = draw.draw(pending, tokens[0], chain[1], uniforms)
+            graphed.kv[drafter.kv_index].truncate(graphed.kv[drafter.kv_index].length)
+            assert [tok for tok, _, _ in drawn] == [tok for tok, _ in plain]
+            torch.testing.assert_close(torch.tensor([p for _, p, _ in drawn]), torch.tensor([p for _, p in plain]))
+            for (_, _, q), q_eager in zip(drawn, pickers[0].qs[-3:]):
+                assert list(q) == list(q_eager)
+                torch.testing.assert_close(torch.tensor(list(q.values())), torch.tensor(list(q_eager.values())))
+            drawn_tokens.update(tok for tok, _ in plain)
+            hidden = model.forward(torch.tensor(tokens), eager)
+            model.forward(torch.tensor(tokens), graphed)
+            inputs = torch.cat((pending[None], hidden[:-1]))
+            for st in (eager, graphed):
+                model.mtp_step(inputs, torch.tensor(tokens), st, with_logits=False)
+            pending = hidden[-1]
+    assert len(drawn_tokens) > 3  # the draws are not one argmax
+
+
 # ~15 s each under the interpreter: `make test-all` (suite time); the windowed attention kernels keep their twin
 # tests (tests/ops/test_attention_gpu.py) in the default suite
 @pytest.mark.parametrize("cache_type", [pytest.param(c, marks=pytest.mark.slow) for c in ("q8_0", "f16")])
@@ -467,6 +517,7 @@ def test_the_captured_step_reads_nothing_back_to_the_host(monkeypatch: pytest.Mo
         MTPDraftGraph(model, state, 2, DraftHead(model.mtp_head), 10, capture=False),
         MTPDraftGraph(model, state, 2, DraftHead(model.mtp_head), 10, capture=False, chained=False),
         MTPDraftGraph(model, state, 2, DraftHead.shortlisting(model.mtp_head), 10, capture=False),
+        MTPDrawGraph(model, state, 2, DraftHead(model.mtp_head), 10, ChainShape(40, 0), capture=False),
     )
     for graph in graphs:
         with _gpu_path(matmul=decode_matmul if graph is graphs[0] else "torch"):
@@ -483,27 +534,31 @@ def test_the_captured_step_reads_nothing_back_to_the_host(monkeypatch: pytest.Mo
         torch.zeros(1).item()
 
 
-@pytest.mark.slow  # 50 s: the captured MTP and verification steps each have their own default-suite test
-def test_the_engine_speculates_through_step_graphs_as_without(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.slow  # 50 s each: the captured MTP and verification steps each have their own default-suite test
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "drawn-drafts"])
+def test_the_engine_speculates_through_step_graphs_as_without(
+    monkeypatch: pytest.MonkeyPatch, temperature: float
+) -> None:
     """draft-mtp n_max 2 in the engine on the GPU path: with the captured steps (decode, verification, MTP draft
     and catch-up graphs, forced on off CUDA, where they run eagerly) the tokens and draft counts of the ordinary
-    steps."""
+    steps; at a temperature, with drafts drawn (--spec-draft-sampling probabilistic) and a seed, the same draws."""
     from mtpserve.engine import Engine, EngineConfig, Request, SamplingParams, SpecConfig
     from mtpserve.engine.planner import plan_for_file
     from mtpserve.tokenizer import Tokenizer
 
     path = tinyqwen_path("Q4_K_M")
     model, tokenizer = load(path, device=DEVICE), Tokenizer.from_gguf(path)
-    config = EngineConfig(n_parallel=1, ctx_size=1024, spec=SpecConfig("draft-mtp", n_max=2))
+    spec = SpecConfig("draft-mtp", n_max=2, draft_sampling="probabilistic")
+    config = EngineConfig(n_parallel=1, ctx_size=1024, spec=spec)
     cases = [_case("Q4_K_M", 1)]
+    sampling = SamplingParams(temperature=temperature, seed=3)
     runs = {}
     for graphs in ("0", "1"):
         monkeypatch.setenv("MTPSERVE_CUDA_GRAPHS", graphs)
         with _gpu_path(), Engine(model, tokenizer, config, plan_for_file(path, config)) as engine:
             assert engine.runner.graphs == (graphs == "1")
             runs[graphs] = [
-                engine.submit(Request(c["prompt_token_ids"], SamplingParams(temperature=0.0), n_predict=10)).result()
-                for c in cases
+                engine.submit(Request(c["prompt_token_ids"], sampling, n_predict=10)).result() for c in cases
             ]
             captured = engine.runner.graph_shapes(), *engine.drafter.graph_counts()
             assert all(captured) == (graphs == "1") and any(captured) == (graphs == "1")

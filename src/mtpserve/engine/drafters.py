@@ -29,9 +29,10 @@ import torch
 
 from ..models.base import CausalLM, ModelState
 from ..models.draft_head import DraftHead, shortlist_pays
-from ..models.graphs import MTPDraftGraph, MTPRowsGraph
+from ..models.graphs import MTPDraftGraph, MTPDrawGraph, MTPRowsGraph
 from ..models.mtp import mtp_graphable, mtp_model
 from ..ops.linear import linear
+from ..ops.sampling_chain import ChainShape
 from ..tokenizer import Tokenizer
 from .config import SpecConfig
 from .errors import InvalidRequest
@@ -120,6 +121,7 @@ class _MTPSlot:
     backlog: list[tuple[torch.Tensor, list[int]]] = field(default_factory=list)  # catch-up rows not written yet
     drafted: bool = False  # the MTP cache holds the sampled token's row (draft step 0), not yet verified
     draft_graphs: dict[int, MTPDraftGraph] = field(default_factory=dict)  # chained draft steps, by n_max
+    draw_graphs: dict[tuple[int, ChainShape], MTPDrawGraph] = field(default_factory=dict)  # drawn ones, by shape
     rows_graphs: dict[int, MTPRowsGraph] = field(default_factory=dict)  # catch-up passes, by rows
 
 
@@ -177,19 +179,25 @@ class MTPDrafter:
         MTP cache (it is the catch-up row of the sampled token); the later steps' rows go. Captured, all n_max
         steps run, and the tokens after the first one below p_min are dropped on the host: the same draft, as
         later steps cannot change earlier ones. With a `picker` (probabilistic drafting) each step's token is
-        drawn from its chain and fed to the next step, eagerly: the captured steps chain argmaxes."""
+        drawn from its chain and fed to the next step: captured where the device can run the chain
+        (`DraftPicker.device_chain`), which takes n_max uniforms from the draft stream first (eager steps take one
+        a step, and none after a p_min stop), else eagerly."""
         assert slot.job is not None
         mine = self._of(slot)
         kv = slot.state.kv[self.kv_index]
         sampled = slot.job.pending
         pending_h = mine.pending_h if mine.pending_h is not None else torch.zeros(self.model.config.n_embd)
         proposals: Iterable[tuple[int, float]]
-        if self.graphs and picker is None:
+        chain = picker.device_chain(self.head.exact.shape[0]) if self.graphs and picker is not None else None
+        if self.graphs and (picker is None or chain is not None):
             self._flush(slot, mine)
             start = kv.length
-            if n_max not in mine.draft_graphs:
-                mine.draft_graphs[n_max] = MTPDraftGraph(self.model, slot.state, n_max, self.head, DRAFT_TOP_K)
-            proposals = mine.draft_graphs[n_max].propose(pending_h, sampled)
+            if picker is None or chain is None:
+                if n_max not in mine.draft_graphs:
+                    mine.draft_graphs[n_max] = MTPDraftGraph(self.model, slot.state, n_max, self.head, DRAFT_TOP_K)
+                proposals = mine.draft_graphs[n_max].propose(pending_h, sampled)
+            else:
+                proposals = self._drawn(slot, mine, n_max, picker, chain, pending_h, sampled)
             kv.length = start + 1  # the captured steps leave the length to the caller; step 0's row stays
         else:
             waiting, tokens = self._take_backlog(mine)  # written in step 0's pass
@@ -204,6 +212,28 @@ class MTPDrafter:
         kv.truncate(start + 1)
         mine.drafted = True
         return draft if len(draft) >= self.config.n_min else []
+
+    def _drawn(
+        self,
+        slot: Slot,
+        mine: _MTPSlot,
+        n_max: int,
+        picker: DraftPicker,
+        chain: tuple[ChainShape, tuple[float, float, float]],
+        hidden: torch.Tensor,
+        sampled: int,
+    ) -> list[tuple[int, float]]:
+        """The captured draws' tokens, each recorded with the distribution it was drawn from (a draft cut short
+        by p_min uses the first of them: the rest have no penalties or grammar to undo, which the chain excludes)."""
+        shape, params = chain
+        if (n_max, shape) not in mine.draw_graphs:
+            graph = MTPDrawGraph(self.model, slot.state, n_max, self.head, DRAFT_TOP_K, shape)
+            mine.draw_graphs[n_max, shape] = graph
+        uniforms = [picker.rng.random() for _ in range(n_max)]
+        drawn = mine.draw_graphs[n_max, shape].draw(hidden, sampled, params, uniforms)
+        for token, _, q in drawn:
+            picker.record(token, q)
+        return [(token, p_top) for token, p_top, _ in drawn]
 
     def _proposals(
         self, state: ModelState, hidden: torch.Tensor, tokens: list[int], n_max: int, picker: DraftPicker | None
@@ -220,20 +250,26 @@ class MTPDrafter:
             if chain is not None:
                 yield from chain
                 return
+        head = self.head.exact
         for _ in range(n_max):
-            _, h_mtp = self.mtp.mtp_step(hidden, torch.tensor(tokens), state, with_logits=False)
-            hidden = h_mtp[-1:]
-            if picker is None:
-                values, ids = self.head.top(hidden, DRAFT_TOP_K)
-                token = int(ids[0])
-            else:  # a draw needs the whole row (and its grammar), from the head itself
-                row = linear(hidden.to(self.head.device), self.head.exact)[0].float()
-                values = row.topk(DRAFT_TOP_K).values
-                token = picker.pick(row)
-                if token is None:  # the grammar leaves the draft nothing
-                    return
+            # a draw needs the whole row (and its grammar), from the head itself: on the CPU one C call a step
+            stepped = None if picker is None else self.mtp.mtp_draft_row(hidden, tokens, state, head, DRAFT_TOP_K)
+            if stepped is not None:
+                row, hidden, p_top = stepped
+            else:
+                _, h_mtp = self.mtp.mtp_step(hidden, torch.tensor(tokens), state, with_logits=False)
+                hidden = h_mtp[-1:]
+                if picker is None:
+                    values, ids = self.head.top(hidden, DRAFT_TOP_K)
+                else:
+                    row = linear(hidden.to(self.head.device), head)[0].float()
+                    values, ids = row.topk(DRAFT_TOP_K)
+                p_top = float(torch.softmax(values, 0)[0])
+            token = int(ids[0]) if picker is None else picker.pick(row)
+            if token is None:  # the grammar leaves the draft nothing
+                return
             tokens = [token]
-            yield token, float(torch.softmax(values, 0)[0])
+            yield token, p_top
 
     def after_prompt(self, slot: Slot, hidden: torch.Tensor, tokens: list[int]) -> None:
         """The chunk's MTP rows, written now: row i pairs token i with the trunk's state at the position before."""
@@ -309,7 +345,7 @@ class MTPDrafter:
     def graph_counts(self) -> tuple[int, int]:
         """Captured steps it holds: (draft chains, catch-up passes)."""
         mine = self._slots.values()
-        return sum(len(m.draft_graphs) for m in mine), sum(len(m.rows_graphs) for m in mine)
+        return sum(len(m.draft_graphs) + len(m.draw_graphs) for m in mine), sum(len(m.rows_graphs) for m in mine)
 
 
 # --- draft-simple --------------------------------------------------------------------------------------

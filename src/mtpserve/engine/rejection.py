@@ -1,4 +1,4 @@
-"""Probabilistic drafting (`--spec-draft-sampling probabilistic`, llama-server's flag): the draft samples each token
+"""Probabilistic drafting (`--spec-draft-sampling probabilistic`, the default): the draft samples each token
 from its own distribution q after the request's sampler chain, and verification keeps a drafted token d with
 probability min(1, p(d) / q(d)), where p is the target's distribution (the same chain over the trunk's row), or
 else draws from the normalised residual max(0, p - q) and stops there (speculative sampling: Leviathan et al.,
@@ -23,8 +23,9 @@ from collections import Counter, deque
 import numpy as np
 import torch
 
+from ..ops.sampling_chain import ChainShape
 from .grammar import Constraint
-from .sampling import Mt19937Uniform, Sampler
+from .sampling import DEVICE_TOP_MAX, Mt19937Uniform, Sampler
 
 Distribution = dict[int, float]  # token -> probability, the tokens the chain keeps
 SPEC_SEED_MIX = 0x9E3779B9  # the draft stream's seed: the request's, mixed, so the two streams differ
@@ -78,12 +79,29 @@ class DraftPicker:
                 return None
         q = self.sampler.probabilities(row)  # float64 softmax over the chain's survivors
         token = draw(q, self.rng)
-        self.qs.append(q)
-        self.sampler.accept(token)
+        self.record(token, q)
         if self.constraint is not None and not self.constraint.accept(token, prefetch=False):
             self.qs.pop()
             return None
         return token
+
+    def record(self, token: int, q: Distribution) -> None:
+        """A draft token drawn from q (here, or on a device by `device_chain`'s chain)."""
+        self.qs.append(q)
+        self.sampler.accept(token)
+
+    def device_chain(self, n_rows: int) -> tuple[ChainShape, tuple[float, float, float]] | None:
+        """The chain as a device draws from it in fixed shapes over a head of `n_rows` (ops.sampling_chain): its
+        shape and (top_p, min_p, temperature); None where a draw needs the host's chain: a grammar, logit biases,
+        penalties, typical-p, or a top-k of 0 (the whole vocabulary) or above DEVICE_TOP_MAX."""
+        p = self.sampler.params
+        penalties = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        if self.constraint is not None or p.logit_bias or penalties or p.typical_p < 1.0:
+            return None
+        n_top = min(max(p.top_k, p.min_keep, 1), n_rows)
+        if p.top_k <= 0 or n_top > DEVICE_TOP_MAX:
+            return None
+        return ChainShape(n_top, p.min_keep), (p.top_p, p.min_p, p.temperature)
 
     def rollback(self) -> None:
         if self.constraint is not None and self.qs:

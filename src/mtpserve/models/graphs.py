@@ -14,8 +14,9 @@ on each GPU), recurrent states are updated in place. One graph per step shape: a
 sequence or of several sequences together, each over its own cache), a speculative verification of n_max + 1
 tokens (which also keeps every per-token recurrent state, for rollback), and the MTP block's steps: the
 catch-up pass after a verification (`MTPRowsGraph`) and the draft (`MTPDraftGraph`, which picks each draft token
-on the device). Off CUDA (tests, under the Triton interpreter) the same static steps run eagerly, which is how
-their results are held equal to the ordinary ones.
+on the device; `MTPDrawGraph`, which draws it there from the request's sampler chain). Off CUDA (tests, under the
+Triton interpreter) the same static steps run eagerly, which is how their results are held equal to the ordinary
+ones.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Any
 import torch
 
 from ..cache import RecurrentState
+from ..ops.linear import linear
+from ..ops.sampling_chain import ChainInputs, ChainShape, chain_draw, top_candidates
 from .base import Batch, CausalLM, ModelState
 from .draft_head import DraftHead
 from .mtp import MTPModel, mtp_cache_index, mtp_graphable, mtp_model
@@ -230,12 +233,10 @@ class MTPRowsGraph(CapturedStep):
         self.kv.length += self.n_tokens
 
 
-class MTPDraftGraph(CapturedStep):
-    """`n_max` chained MTP draft steps, each choosing its token on the device (the argmax, as the top of a top-k,
-    and that token's probability renormalised over the top k): `propose(hidden, token)` -> [(token, p)]. The rows
-    it writes to the MTP cache stay beyond the cache's length (the caller truncates them away, as after eager
-    draft steps). `head` scores the draft (models.draft_head: the MTP head or its first rows, alone or with a Q4_0
-    copy shortlisting for it).
+class _MTPChain(CapturedStep):
+    """`n_max` chained MTP draft steps, each choosing its token on the device; the rows they write to the MTP cache
+    stay beyond the cache's length (the caller truncates them away, as after eager draft steps). `head` scores the
+    draft (models.draft_head).
 
     `chained` (by default: whether the MTP block's token table is on the model's GPU): all n_max steps in one
     graph, each embedding the token the previous one chose on the device, with one copy to the host at the end.
@@ -259,20 +260,45 @@ class MTPDraftGraph(CapturedStep):
         self.mtp_step, self.mtp_embed = mtp.mtp_step, mtp.mtp_embed
         table_device = mtp.mtp_table.data.device
         self.chained = table_device == device if chained is None else chained
-        n_steps = n_max if self.chained else 1
+        self.n_steps = n_max if self.chained else 1
         self.hidden = torch.zeros(1, model.config.n_embd, device=device)
         self.token = torch.zeros(1, dtype=torch.long, device=device)
         self.embedding = torch.zeros(1, model.config.n_embd, device=device)  # unchained: the token's row
-        self.positions = torch.zeros(n_steps, dtype=torch.long, device=device)
-        self._offsets = torch.arange(n_steps, device=device)
+        self.positions = torch.zeros(self.n_steps, dtype=torch.long, device=device)
+        self._offsets = torch.arange(self.n_steps, device=device)
         for table in _rope_tables(model):
             table.reserve(state.capacity, device)
 
+    def _mtp_hidden(self, hidden: torch.Tensor, token: torch.Tensor, i: int) -> torch.Tensor:
+        embeddings = None if self.chained else self.embedding
+        return self.mtp_step(hidden, token, self.state, False, self.positions[i : i + 1], embeddings)[1]
+
+    def _start(self, hidden: torch.Tensor, token: int) -> None:
+        if self.kv.length + self.n_max > self.kv.capacity:
+            raise ValueError(f"context size {self.kv.capacity} is full")
+        _check_tokens([token], self.model.config.n_vocab)
+        self.hidden.copy_(hidden.reshape(1, -1))
+        if self.chained:
+            self.token.fill_(token)
+            torch.add(self._offsets, self.kv.length, out=self.positions)
+
+    def _step_on_host(self, token: int, i: int) -> Any:
+        """Unchained: step i of the draft from `token`, embedded here; the next step reads this one's output."""
+        self.embedding.copy_(self.mtp_embed(torch.tensor([token])))
+        self.positions.fill_(self.kv.length + i)
+        *outputs, h_out = self._run()
+        self.hidden.copy_(h_out)
+        return outputs
+
+
+class MTPDraftGraph(_MTPChain):
+    """Greedy drafts: each step's token is the argmax, as the top of a top-k, with that token's probability
+    renormalised over the top k: `propose(hidden, token)` -> [(token, p)]."""
+
     def _step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden, token, chosen, p_top = self.hidden, self.token, [], []
-        for i in range(len(self.positions)):
-            embeddings = None if self.chained else self.embedding
-            _, hidden = self.mtp_step(hidden, token, self.state, False, self.positions[i : i + 1], embeddings)
+        for i in range(self.n_steps):
+            hidden = self._mtp_hidden(hidden, token, i)
             values, ids = self.head.top(hidden, self.top_k)
             token = ids[:1]
             chosen.append(token)
@@ -281,24 +307,74 @@ class MTPDraftGraph(CapturedStep):
 
     @torch.inference_mode()
     def propose(self, hidden: torch.Tensor, token: int) -> list[tuple[int, float]]:
-        if self.kv.length + self.n_max > self.kv.capacity:
-            raise ValueError(f"context size {self.kv.capacity} is full")
-        _check_tokens([token], self.model.config.n_vocab)
-        self.hidden.copy_(hidden.reshape(1, -1))
+        self._start(hidden, token)
         if self.chained:
-            self.token.fill_(token)
-            torch.add(self._offsets, self.kv.length, out=self.positions)
             chosen, p_top, _ = self._run()
             return list(zip(chosen.tolist(), p_top.tolist()))
         proposals: list[tuple[int, float]] = []
         for i in range(self.n_max):
-            self.embedding.copy_(self.mtp_embed(torch.tensor([token])))
-            self.positions.fill_(self.kv.length + i)
-            chosen, p_top, h_out = self._run()
-            self.hidden.copy_(h_out)  # the next step reads this one's output
+            chosen, p_top = self._step_on_host(token, i)
             token = int(chosen[0])
             proposals.append((token, float(p_top[0])))
         return proposals
+
+
+class MTPDrawGraph(_MTPChain):
+    """Drafts drawn at a temperature (--spec-draft-sampling probabilistic): each step draws its token from the
+    request's sampler chain over the head's whole row (ops.sampling_chain: top-k, top-p, min-p, temperature), with
+    uniforms the host takes from the request's draft stream before the replay; an eager draw would launch every
+    kernel of the MTP block from Python. One graph per chain shape. `draw(hidden, token, chain, uniforms)` -> per
+    step (token, the argmax's probability over the top `top_k`, the distribution it was drawn from)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        state: ModelState,
+        n_max: int,
+        head: DraftHead,
+        top_k: int,
+        shape: ChainShape,
+        capture: bool | None = None,
+        chained: bool | None = None,
+    ) -> None:
+        super().__init__(model, state, n_max, head, top_k, capture, chained)
+        self.shape = shape
+        self.inputs = ChainInputs(self.n_steps, self.hidden.device)
+
+    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each step's row: [token, p_top, survivors, n_top candidate ids, their probabilities] (one float64 copy)."""
+        hidden, token, rows, n_top = self.hidden, self.token, [], self.shape.n_top
+        for i in range(self.n_steps):
+            hidden = self._mtp_hidden(hidden, token, i)
+            values, ids = top_candidates(linear(hidden, self.head.exact)[0].float(), max(n_top, self.top_k))
+            index, kept, probs = chain_draw(values[:n_top], self.shape, self.inputs, i)
+            token = ids[index]
+            p_top = torch.softmax(values[: self.top_k], 0)[:1]
+            rows.append(torch.cat((token.double(), p_top.double(), kept.double(), ids[:n_top].double(), probs)))
+        return torch.stack(rows), hidden
+
+    @torch.inference_mode()
+    def draw(
+        self, hidden: torch.Tensor, token: int, chain: tuple[float, float, float], uniforms: list[float]
+    ) -> list[tuple[int, float, dict[int, float]]]:
+        """`chain`: (top_p, min_p, temperature); one uniform a step."""
+        self._start(hidden, token)
+        if self.chained:
+            self.inputs.set(*chain, uniforms)
+            rows, _ = self._run()
+            return [self._drawn(row) for row in rows.tolist()]
+        drawn = []
+        for i in range(self.n_max):
+            self.inputs.set(*chain, uniforms[i : i + 1])
+            (rows,) = self._step_on_host(token, i)
+            drawn.append(self._drawn(rows.tolist()[0]))
+            token = drawn[-1][0]
+        return drawn
+
+    def _drawn(self, row: list[float]) -> tuple[int, float, dict[int, float]]:
+        n_top, kept = self.shape.n_top, int(row[2])
+        ids, probs = row[3 : 3 + n_top], row[3 + n_top :]
+        return int(row[0]), row[1], {int(ids[j]): probs[j] for j in range(kept)}
 
 
 class DecodeGraph(StepGraph):

@@ -56,6 +56,13 @@ class MTPModel(Protocol):
         below p_min; None where it cannot serve (then `mtp_step` a step at a time)."""
         ...
 
+    def mtp_draft_row(
+        self, hidden: torch.Tensor, tokens: list[int], state: ModelState, head: QTensor, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """One draft step in one call: (the head's row [V], the block's output [1, E], the argmax's softmax over the
+        top_k); None where it cannot serve."""
+        ...
+
 
 def mtp_model(model: CausalLM) -> MTPModel | None:
     """`model` as an MTPModel when it has an MTP block, else None."""

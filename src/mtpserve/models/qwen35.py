@@ -376,6 +376,30 @@ class Qwen35ForCausalLM(CausalLM):
         (argmax of `head`'s row, its softmax over the top `top_k`) per step, stopping after the first below p_min.
         The steps' rows stay in the MTP cache, its length past them. None where the chain cannot serve (a GPU, a
         block or weight the kernels lack, a full cache): `mtp_step` one step at a time then does."""
+        return self._draft_chain(hidden, tokens, state, n_steps, head, top_k, p_min)
+
+    def mtp_draft_row(
+        self, hidden: torch.Tensor, tokens: list[int], state: ModelState, head: QTensor, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """One draft step in one C call on the CPU, as `mtp_draft`'s first: (`head`'s row [V], the block's output
+        [1, E] (the next step's input), the argmax's softmax over the top `top_k`), for a draft token drawn on the
+        host; None where the chain cannot serve."""
+        row, out = torch.empty(head.shape[0]), torch.empty(1, self.config.n_embd)
+        chain = self._draft_chain(hidden, tokens, state, 1, head, top_k, 0.0, row, out)
+        return None if chain is None else (row, out, chain[0][1])
+
+    def _draft_chain(
+        self,
+        hidden: torch.Tensor,
+        tokens: list[int],
+        state: ModelState,
+        n_steps: int,
+        head: QTensor,
+        top_k: int,
+        p_min: float,
+        out_row: torch.Tensor | None = None,
+        out_hidden: torch.Tensor | None = None,
+    ) -> list[tuple[int, float]] | None:
         block = self.mtp[0]
         start = state.kv[block.block.index].length
         program = None if gpu_path(self.output_norm) else self.program_over(state, "mtp", [block.block])
@@ -385,7 +409,8 @@ class Qwen35ForCausalLM(CausalLM):
         if not all(kernel_supports(w) for w in (self.mtp_table, block.eh_proj, head)):
             return None
         spans = lambda position, n: [self.rope_table.span(position, n)]  # noqa: E731
-        return run_draft_chain(self._draft_model(head), program, hidden, tokens, start, n_steps, spans, top_k, p_min)
+        model = self._draft_model(head)
+        return run_draft_chain(model, program, hidden, tokens, start, n_steps, spans, top_k, p_min, out_row, out_hidden)
 
     def _draft_model(self, head: QTensor) -> DraftModel:
         """The chain's constant arguments for this draft head (the MTP head, or its first rows), made once."""

@@ -284,12 +284,15 @@ def run_draft_chain(
     rope_spans,
     top_k: int,
     p_min: float,
+    out_row: torch.Tensor | None = None,
+    out_hidden: torch.Tensor | None = None,
 ) -> list[tuple[int, float]]:
     """Up to n_steps chained MTP drafts in one call (blocks.c mtp_draft_chain): step 0 over `tokens` [T0] paired with
     `hidden` [T0, E] at positions start.., each later step over the previous draft at the next position. Returns
     (token, softmax of its logit over the top_k) per step run; the chain stops after the first below p_min. The
     block's cache then holds every step's row (its length advanced past them; the drafter cuts it back).
-    `rope_spans(position, n)`: each RoPE table's (cos, sin) rows for n positions from `position`; n_steps >= 1."""
+    `rope_spans(position, n)`: each RoPE table's (cos, sin) rows for n positions from `position`; n_steps >= 1.
+    `out_row` [n_head], `out_hidden` [E] (float32, contiguous): filled with the last step's head row and output."""
     T0 = len(tokens)
     positions = [start] + [start + T0 + s for s in range(n_steps - 1)]
     steps = (Step * n_steps)()
@@ -301,7 +304,7 @@ def run_draft_chain(
     model.blocks, model.n_blocks = ctypes.addressof(program.table), len(program.blocks)
     rc = cpu_kernels.load().mtp_draft_chain(
         ctypes.byref(model), hidden.data_ptr(), ids.data_ptr(), T0, ctypes.addressof(steps), n_steps, top_k, p_min,
-        out_tokens, out_p, ctypes.byref(n_done), torch.get_num_threads(),
+        out_tokens, out_p, ctypes.byref(n_done), ptr(out_row), ptr(out_hidden), torch.get_num_threads(),
     )  # fmt: skip
     if rc == 3:
         raise IndexError(f"token id out of range [0, {model.n_table}) for the MTP block's token table")

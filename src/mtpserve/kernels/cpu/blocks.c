@@ -473,10 +473,11 @@ static int64_t draft_top(const float *v, int64_t n, int top_k, float *p) {
  * table, the two norms side by side, eh_proj, the block at steps[s], the final norm, the head), then the head row's
  * argmax and its softmax over the top_k: out_tokens[s], out_p[s]. The chain stops after the first step whose p is
  * below p_min (the drafter drops it and what would follow); *n_done: the steps run. The block's cache cells at
- * steps[s].start.. are written as the eager path writes them. */
+ * steps[s].start.. are written as the eager path writes them. out_row and out_hidden (or NULL): the last step's head
+ * row and its output hidden state (the next step's input), for a draft drawn on the host one step a call. */
 int mtp_draft_chain(const mtp_draft_model *d, const float *hidden, const int64_t *tokens, int64_t T0,
                     const mtp_step *steps, int64_t n_steps, int top_k, float p_min, int64_t *out_tokens, float *out_p,
-                    int64_t *n_done, int n_threads) {
+                    int64_t *n_done, float *out_row, float *out_hidden, int n_threads) {
     const int64_t E = d->E;
     *n_done = 0;
     if (T0 < 1 || T0 > 8 || top_k < 1 || top_k > 64) return 1;
@@ -502,6 +503,8 @@ int mtp_draft_chain(const mtp_draft_model *d, const float *hidden, const int64_t
         if (rc) break;
         out_tokens[s] = draft_top(row, d->n_head, top_k, out_p + s);
         *n_done = s + 1;
+        if (out_row) memcpy(out_row, row, sizeof(float) * d->n_head);
+        if (out_hidden) memcpy(out_hidden, h, sizeof(float) * E);
         if (out_p[s] < p_min) break;
     }
     free(buf);
