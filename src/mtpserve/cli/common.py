@@ -98,9 +98,10 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-draft-vocab", type=int, default=0, help="draft-mtp: draft only among the first N token ids")
     p.add_argument(
         "--spec-draft-sampling",
-        default="greedy",
+        default="probabilistic",
         choices=DRAFT_SAMPLINGS,
-        help="draft-mtp/draft-simple at a temperature: the draft's argmax (default), or a draw kept by the ratio rule",
+        help="draft-mtp/draft-simple at a temperature: a draw from the draft's chain kept by the ratio rule (default), "
+        "or the draft's argmax kept where the target samples it (llama.cpp's rule)",
     )
     p.add_argument(
         "--spec-draft-head",

@@ -26,7 +26,8 @@ class SpecConfig:
     ngram_size: int = 3
     draft_model: str | None = None  # --model-draft: the GGUF of draft-simple
     draft_vocab: int = 0  # draft-mtp: score only the first N token ids when drafting (0: all)
-    draft_sampling: str = "greedy"  # at a temperature: the draft model's argmax, or a draw from its chain
+    # at a temperature: a draw from the draft's chain kept by the ratio rule, or its argmax kept if sampled (llama.cpp)
+    draft_sampling: str = "probabilistic"
     draft_head: str = "auto"  # draft-mtp: what scores a draft (DRAFT_HEADS)
 
     def __post_init__(self) -> None:
