@@ -344,9 +344,9 @@ def _counted(step, calls: list[int], serve: bool):
 @needs_kernels
 @pytest.mark.parametrize("quant", ["Q4_K_M", "F16"])
 def test_drafts_drawn_on_the_host_step_in_c_as_eagerly(quant: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Drafts drawn at a temperature (--spec-draft-sampling probabilistic) on the CPU: each step one C call
-    (`mtp_draft_row`: the block's step and the head's whole row), the token drawn on the host from it. The eager
-    steps' tokens and distributions, and the same MTP cache bit for bit."""
+    """Drafts drawn at a temperature (--spec-draft-sampling probabilistic) on the CPU from a chain the C chain does
+    not run: each step one C call (`mtp_draft_row`: the block's step and the head's whole row), the token drawn on
+    the host from it. The eager steps' tokens and distributions, and the same MTP cache bit for bit."""
     from mtpserve.engine import SpecConfig
     from mtpserve.engine.drafters import MTPDrafter
     from mtpserve.engine.rejection import DraftPicker
@@ -361,7 +361,8 @@ def test_drafts_drawn_on_the_host_step_in_c_as_eagerly(quant: str, monkeypatch: 
     results, steps_in_c = [], []
     for stepped in (True, False):
         state = model.new_state(256, mtp=True)
-        sampler = Sampler(SamplingParams(temperature=1.5, top_k=200, top_p=1.0, min_p=0.0, seed=1))
+        params = SamplingParams(temperature=1.5, top_k=200, top_p=1.0, min_p=0.0, repeat_penalty=1.3, seed=1)
+        sampler = Sampler(params)  # penalties: a chain the C chain does not run (DraftPicker.device_chain)
         picker = DraftPicker(sampler, None, Mt19937Uniform(9), model.config.n_vocab)
         calls = []
         with torch.inference_mode(), monkeypatch.context() as m:
@@ -379,6 +380,55 @@ def test_drafts_drawn_on_the_host_step_in_c_as_eagerly(quant: str, monkeypatch: 
     for (_, p), (_, q) in zip(stepped, eager):
         assert p == pytest.approx(q, rel=1e-5)  # the C chain's float32 sum against torch's softmax
     _assert_same(stepped_rest, eager_rest)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.8},  # the server's chain: top-k 40, top-p 0.95, min-p 0.05
+        {"temperature": 1.5, "top_k": 300, "top_p": 1.0, "min_p": 0.0},
+        {"temperature": 0.7, "top_k": 20, "top_p": 0.5, "min_p": 0.9, "min_keep": 2},
+    ],
+    ids=["server-defaults", "hot-wide", "min-keep"],
+)
+def test_drafts_drawn_in_the_c_chain_are_the_hosts_draws(params: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafts drawn in one C call (`mtp_draft` with a DrawnChain: blocks.c's chain over the head's row, the CPU
+    twin of ops.sampling_chain) against the same draws made on the host a step at a time from the same uniforms:
+    the same tokens, each step's distribution (survivors in order, probabilities to float64 rounding), and the
+    same MTP cache bit for bit."""
+    from mtpserve.engine import SpecConfig
+    from mtpserve.engine.drafters import MTPDrafter
+    from mtpserve.engine.rejection import DraftPicker
+    from mtpserve.engine.sampling import Mt19937Uniform, Sampler, SamplingParams
+
+    model = load(tinyqwen_path("Q4_K_M"))
+    drafter = MTPDrafter(model, SpecConfig("draft-mtp", n_max=4))
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, model.config.n_vocab, (40,), generator=gen)
+    hidden = torch.randn(2, model.config.n_embd, generator=gen)
+    tokens = torch.randint(0, model.config.n_vocab, (2,), generator=gen).tolist()
+    results, chains = [], []
+    for in_c in (True, False):
+        state = model.new_state(256, mtp=True)
+        picker = DraftPicker(Sampler(SamplingParams(**params, seed=1)), None, Mt19937Uniform(4), model.config.n_vocab)
+        calls: list[int] = []
+        with torch.inference_mode(), monkeypatch.context() as m:
+            m.setattr(model, "mtp_draft", _counted(model.mtp_draft, calls, serve=in_c))
+            trunk = model.forward_batch(Batch.of(prompt, [state]))
+            model.mtp_step(torch.cat((trunk.new_zeros(1, trunk.shape[-1]), trunk[:-1])), prompt, state, False)
+            drafts = list(drafter._proposals(state, hidden, tokens, 4, picker))
+        kv = state.kv[model.mtp_kv_index]
+        results.append((drafts, kv.k.data.clone(), kv.v.data.clone(), kv.positions.clone(), kv.length))
+        chains.append(picker.qs)
+    (in_c, *c_cache), (on_host, *host_cache) = results
+    assert [t for t, _ in in_c] == [t for t, _ in on_host] and len(in_c) == 4
+    for (_, p), (_, q) in zip(in_c, on_host):
+        assert p == pytest.approx(q, rel=1e-5)
+    for q_c, q_host in zip(*chains, strict=True):
+        assert list(q_c) == list(q_host)
+        torch.testing.assert_close(torch.tensor(list(q_c.values())), torch.tensor(list(q_host.values())))
+    _assert_same(c_cache, host_cache)
 
 
 def test_the_mtp_draft_chain_leaves_what_it_cannot_serve_to_the_eager_steps() -> None:

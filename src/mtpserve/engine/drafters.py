@@ -31,6 +31,7 @@ from ..models.base import CausalLM, ModelState
 from ..models.draft_head import DraftHead, shortlist_pays
 from ..models.graphs import MTPDraftGraph, MTPDrawGraph, MTPRowsGraph
 from ..models.mtp import mtp_graphable, mtp_model
+from ..ops.decode_program import DrawnChain
 from ..ops.linear import linear
 from ..ops.sampling_chain import ChainShape
 from ..tokenizer import Tokenizer
@@ -241,16 +242,20 @@ class MTPDrafter:
         """Eager draft steps, one at a time (the caller stops pulling at the first token below p_min): each
         step's argmax (or the picker's draw) and the argmax's probability over the top DRAFT_TOP_K. Step 0's pass
         takes every row of `tokens` (the waiting catch-up rows, then the sampled token's) and drafts from the
-        last. Greedy steps on the CPU run as one C call (`mtp_draft`: the same tokens and cache rows)."""
-        if picker is None:
-            chain = None
-            if self.head.coarse is None:  # the C chain scores with the whole head
-                head, p_min = self.head.exact, self.config.p_min
-                chain = self.mtp.mtp_draft(hidden, tokens, state, n_max, head, DRAFT_TOP_K, p_min)
+        last. On the CPU, greedy steps and draws from a chain the C chain runs (`DraftPicker.device_chain`) are one
+        C call (`mtp_draft`: the same tokens and cache rows; the draws take n_max uniforms first, as on a GPU);
+        other draws one C call a step (`mtp_draft_row`), drawn here."""
+        head = self.head.exact
+        drawn = None if picker is None else picker.device_chain(head.shape[0])
+        if (picker is None and self.head.coarse is None) or drawn is not None:  # the C chain: the whole head
+            draws = None if drawn is None or picker is None else DrawnChain(*drawn, picker.rng.random)
+            chain = self.mtp.mtp_draft(hidden, tokens, state, n_max, head, DRAFT_TOP_K, self.config.p_min, draws)
             if chain is not None:
+                if draws is not None:  # recorded now: the caller takes the distributions of the tokens it keeps
+                    for (token, _), q in zip(chain, draws.distributions(len(chain))):
+                        picker.record(token, q)
                 yield from chain
                 return
-        head = self.head.exact
         for _ in range(n_max):
             # a draw needs the whole row (and its grammar), from the head itself: on the CPU one C call a step
             stepped = None if picker is None else self.mtp.mtp_draft_row(hidden, tokens, state, head, DRAFT_TOP_K)

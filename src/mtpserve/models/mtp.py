@@ -7,6 +7,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..ops.decode_program import DrawnChain
 from ..quant.qtensor import QTensor
 from .base import CausalLM, ModelState
 
@@ -51,9 +52,11 @@ class MTPModel(Protocol):
         head: QTensor,
         top_k: int,
         p_min: float,
+        draws: DrawnChain | None = None,
     ) -> list[tuple[int, float]] | None:
         """Chained greedy drafts in one call, (token, its softmax over the top_k) a step, stopping after the first
-        below p_min; None where it cannot serve (then `mtp_step` a step at a time)."""
+        below p_min; None where it cannot serve (then `mtp_step` a step at a time). With `draws`, each token drawn
+        from the request's chain instead."""
         ...
 
     def mtp_draft_row(

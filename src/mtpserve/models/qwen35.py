@@ -17,7 +17,7 @@ from ..cache import KVCache, RecurrentState
 from ..cache.kv import rope_append_and_attend
 from ..ops.activations import ResidualGatedFFN, sigmoid_gate_for, swiglu_ffn
 from ..ops.conv import causal_conv1d
-from ..ops.decode_program import DraftModel, run_draft_chain, run_programs
+from ..ops.decode_program import DraftModel, DrawnChain, run_draft_chain, run_programs
 from ..ops.device import gpu_path
 from ..ops.embedding import embedding
 from ..ops.gated_delta import (
@@ -370,13 +370,15 @@ class Qwen35ForCausalLM(CausalLM):
         head: QTensor,
         top_k: int,
         p_min: float,
+        draws: DrawnChain | None = None,
     ) -> list[tuple[int, float]] | None:
         """`n_steps` chained greedy drafts in one C call on the CPU (ops.decode_program.run_draft_chain): step 0 over
         `tokens` with `hidden` (as `mtp_step`), each later step over the previous draft and the block's own output;
         (argmax of `head`'s row, its softmax over the top `top_k`) per step, stopping after the first below p_min.
         The steps' rows stay in the MTP cache, its length past them. None where the chain cannot serve (a GPU, a
-        block or weight the kernels lack, a full cache): `mtp_step` one step at a time then does."""
-        return self._draft_chain(hidden, tokens, state, n_steps, head, top_k, p_min)
+        block or weight the kernels lack, a full cache): `mtp_step` one step at a time then does. With `draws` each
+        step's token is drawn from the request's chain (the p stays the argmax's)."""
+        return self._draft_chain(hidden, tokens, state, n_steps, head, top_k, p_min, draws=draws)
 
     def mtp_draft_row(
         self, hidden: torch.Tensor, tokens: list[int], state: ModelState, head: QTensor, top_k: int
@@ -399,6 +401,7 @@ class Qwen35ForCausalLM(CausalLM):
         p_min: float,
         out_row: torch.Tensor | None = None,
         out_hidden: torch.Tensor | None = None,
+        draws: DrawnChain | None = None,
     ) -> list[tuple[int, float]] | None:
         block = self.mtp[0]
         start = state.kv[block.block.index].length
@@ -410,7 +413,8 @@ class Qwen35ForCausalLM(CausalLM):
             return None
         spans = lambda position, n: [self.rope_table.span(position, n)]  # noqa: E731
         model = self._draft_model(head)
-        return run_draft_chain(model, program, hidden, tokens, start, n_steps, spans, top_k, p_min, out_row, out_hidden)
+        outs = (out_row, out_hidden, draws)
+        return run_draft_chain(model, program, hidden, tokens, start, n_steps, spans, top_k, p_min, *outs)
 
     def _draft_model(self, head: QTensor) -> DraftModel:
         """The chain's constant arguments for this draft head (the MTP head, or its first rows), made once."""

@@ -17,12 +17,14 @@ The structs mirror blocks.c's field for field: ctypes lays them out with the C c
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..kernels import cpu as cpu_kernels
 from .attention import decode_cache_view
+from .sampling_chain import ChainShape
 
 _ptr, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -274,6 +276,50 @@ class DraftModel(ctypes.Structure):
     ]
 
 
+class DraftDraws(ctypes.Structure):
+    """What a drawn chain reads and writes (blocks.c mtp_draft_draws)."""
+
+    _fields_ = [
+        ("n_top", _i64),
+        ("min_keep", _i64),
+        ("top_p", _f32),
+        ("temperature", _f32),
+        ("log_min_p", ctypes.c_double),
+        ("uniforms", _ptr),
+        ("out_ids", _ptr),
+        ("out_probs", _ptr),
+        ("out_kept", _ptr),
+    ]
+
+
+class DrawnChain:
+    """Drafts drawn in the C chain from the request's sampler chain (blocks.c chain_draw, the CPU twin of
+    ops.sampling_chain): its shape and (top_p, min_p, temperature) in, and `random` for one uniform a step, taken
+    only once the chain runs; each step's distribution out (`distributions`), the survivors in the chain's order."""
+
+    def __init__(self, shape: ChainShape, chain: tuple[float, float, float], random: Callable[[], float]) -> None:
+        self.shape, self.chain, self.random = shape, chain, random
+        self.struct: DraftDraws | None = None
+
+    def take_uniforms(self, n_steps: int) -> DraftDraws:
+        """The struct the C chain reads, with n_steps uniforms drawn now."""
+        (top_p, min_p, temperature), n_top = self.chain, self.shape.n_top
+        self.uniforms = torch.tensor([self.random() for _ in range(n_steps)], dtype=torch.float64)
+        self.ids = torch.zeros(n_steps, n_top, dtype=torch.int64)
+        self.probs = torch.zeros(n_steps, n_top, dtype=torch.float64)
+        self.kept = torch.zeros(n_steps, dtype=torch.int64)
+        self.struct = DraftDraws(
+            n_top, self.shape.min_keep, top_p if top_p < 1.0 else math.inf, temperature,
+            math.log(min_p) if min_p > 0.0 else -math.inf,
+            *(t.data_ptr() for t in (self.uniforms, self.ids, self.probs, self.kept)),
+        )  # fmt: skip
+        return self.struct
+
+    def distributions(self, n_steps: int) -> list[dict[int, float]]:
+        ids, probs, kept = self.ids.tolist(), self.probs.tolist(), self.kept.tolist()
+        return [dict(zip(ids[s][: kept[s]], probs[s][: kept[s]])) for s in range(n_steps)]
+
+
 def run_draft_chain(
     model: DraftModel,
     program: DecodeProgram,
@@ -286,13 +332,16 @@ def run_draft_chain(
     p_min: float,
     out_row: torch.Tensor | None = None,
     out_hidden: torch.Tensor | None = None,
+    draws: DrawnChain | None = None,
 ) -> list[tuple[int, float]]:
     """Up to n_steps chained MTP drafts in one call (blocks.c mtp_draft_chain): step 0 over `tokens` [T0] paired with
     `hidden` [T0, E] at positions start.., each later step over the previous draft at the next position. Returns
     (token, softmax of its logit over the top_k) per step run; the chain stops after the first below p_min. The
     block's cache then holds every step's row (its length advanced past them; the drafter cuts it back).
     `rope_spans(position, n)`: each RoPE table's (cos, sin) rows for n positions from `position`; n_steps >= 1.
-    `out_row` [n_head], `out_hidden` [E] (float32, contiguous): filled with the last step's head row and output."""
+    `out_row` [n_head], `out_hidden` [E] (float32, contiguous): filled with the last step's head row and output.
+    `draws` (a uniform for each of n_steps): each token drawn from the request's chain, not the argmax; the p
+    returned stays the argmax's."""
     T0 = len(tokens)
     positions = [start] + [start + T0 + s for s in range(n_steps - 1)]
     steps = (Step * n_steps)()
@@ -304,7 +353,8 @@ def run_draft_chain(
     model.blocks, model.n_blocks = ctypes.addressof(program.table), len(program.blocks)
     rc = cpu_kernels.load().mtp_draft_chain(
         ctypes.byref(model), hidden.data_ptr(), ids.data_ptr(), T0, ctypes.addressof(steps), n_steps, top_k, p_min,
-        out_tokens, out_p, ctypes.byref(n_done), ptr(out_row), ptr(out_hidden), torch.get_num_threads(),
+        out_tokens, out_p, ctypes.byref(n_done), ptr(out_row), ptr(out_hidden),
+        None if draws is None else ctypes.byref(draws.take_uniforms(n_steps)), torch.get_num_threads(),
     )  # fmt: skip
     if rc == 3:
         raise IndexError(f"token id out of range [0, {model.n_table}) for the MTP block's token table")

@@ -235,7 +235,7 @@ def load() -> ctypes.CDLL | None:
     lib.mtp_draft_chain.argtypes = [
         *(ptr, ptr, ptr, i64, ptr, i64),  # draft model, hidden [T0, E], tokens [T0], T0, steps, n_steps
         *(ctypes.c_int, f32, ptr, ptr, ptr),  # top_k, p_min, out tokens, out p, steps run
-        *(ptr, ptr, ctypes.c_int),  # the last step's head row and output hidden state (or NULL), threads
+        *(ptr, ptr, ptr, ctypes.c_int),  # the last step's head row and output hidden state, draws (or NULL), threads
     ]
     lib.mtp_sigmoid_gate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.mtp_gdn_gates.argtypes = [ptr, ptr, ptr, ptr, i64, i64]  # beta, alpha -> g (in place), dt_bias, a, T, Hv

@@ -467,6 +467,74 @@ static int64_t draft_top(const float *v, int64_t n, int top_k, float *p) {
     return arg;
 }
 
+/* Drafts drawn from the request's sampler chain (engine.sampling; the CPU twin of ops/sampling_chain.py): its float
+ * parameters, one uniform a step, and where each step's candidates and distribution go. */
+typedef struct {
+    int64_t n_top, min_keep; /* candidates ranked (top-k raised to min_keep, at most CHAIN_MAX_TOP); min_keep */
+    float top_p, temperature; /* top_p: INFINITY where the chain has none */
+    double log_min_p;         /* -INFINITY where the chain has none */
+    const double *uniforms;   /* [n_steps] */
+    int64_t *out_ids;         /* [n_steps, n_top]: each step's candidates, highest first */
+    double *out_probs;        /* [n_steps, n_top]: their probabilities, 0 past the survivors */
+    int64_t *out_kept;        /* [n_steps]: the survivors */
+} mtp_draft_draws;
+
+#define CHAIN_MAX_TOP 1024
+
+/* The n largest of v[0..len), largest first, equal values by index (the host's ranking). */
+static void top_n_sorted(const float *v, int64_t len, int64_t n, float *vals, int64_t *ids) {
+    int64_t kept = 0;
+    for (int64_t i = 0; i < len; i++) {
+        const float x = v[i];
+        if (kept == n && !(x > vals[n - 1])) continue;
+        int64_t j = kept < n ? kept++ : n - 1;
+        while (j > 0 && vals[j - 1] < x) {
+            vals[j] = vals[j - 1];
+            ids[j] = ids[j - 1];
+            j--;
+        }
+        vals[j] = x;
+        ids[j] = i;
+    }
+}
+
+/* The chain over the n_top candidates `vals` (highest first): top-p at temperature 1 in float32 (sums in order),
+ * min-p, the temperature, a float64 softmax over the survivors; then the first survivor whose running sum passes
+ * the total times u. Returns its place; probs[0..n_top), *kept. */
+static int64_t chain_draw(const float *vals, const mtp_draft_draws *c, double u, double *probs, int64_t *kept) {
+    const int64_t n = c->n_top;
+    int64_t keep = n;
+    if (c->top_p < INFINITY) {
+        float w[CHAIN_MAX_TOP], total = 0.0f, running = 0.0f;
+        for (int64_t i = 0; i < n; i++) total += (w[i] = expf(vals[i] - vals[0]));
+        for (int64_t i = 0; i < n; i++)
+            if ((running += w[i] / total) >= c->top_p) {
+                keep = i + 1;
+                break;
+            }
+        if (keep < (c->min_keep < n ? c->min_keep : n)) keep = c->min_keep < n ? c->min_keep : n;
+    }
+    if (c->log_min_p > -INFINITY) {
+        const float threshold = (float)((double)vals[0] + c->log_min_p);
+        const int64_t least = c->min_keep > 1 ? c->min_keep : 1;
+        int64_t above = 0;
+        while (above < keep && vals[above] >= threshold) above++;
+        keep = above >= least ? above : (least < keep ? least : keep);
+    }
+    const double top = (double)(vals[0] / c->temperature);
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) sum += (probs[i] = i < keep ? exp((double)(vals[i] / c->temperature) - top) : 0.0);
+    double running = 0.0;
+    for (int64_t i = 0; i < n; i++) running += (probs[i] /= sum);
+    const double target = running * u;
+    int64_t index = 0;
+    running = 0.0;
+    for (int64_t i = 0; i < keep; i++)
+        if ((running += probs[i]) <= target) index = i + 1;
+    *kept = keep;
+    return index < keep ? index : keep - 1;
+}
+
 /* Up to n_steps chained MTP drafts: step 0 takes T0 rows (tokens[t] paired with the hidden state hidden[t] that
  * predicted it: the waiting catch-up rows, then the sampled token's) and drafts from its last row; step s > 0 takes
  * the previous draft and the MTP block's own last output. Each step is the eager path's sequence of calls (rows of the
@@ -474,13 +542,15 @@ static int64_t draft_top(const float *v, int64_t n, int top_k, float *p) {
  * argmax and its softmax over the top_k: out_tokens[s], out_p[s]. The chain stops after the first step whose p is
  * below p_min (the drafter drops it and what would follow); *n_done: the steps run. The block's cache cells at
  * steps[s].start.. are written as the eager path writes them. out_row and out_hidden (or NULL): the last step's head
- * row and its output hidden state (the next step's input), for a draft drawn on the host one step a call. */
+ * row and its output hidden state (the next step's input), for a draft drawn on the host one step a call. draws (or
+ * NULL): each step's token drawn from the request's chain over the head's row rather than its argmax. */
 int mtp_draft_chain(const mtp_draft_model *d, const float *hidden, const int64_t *tokens, int64_t T0,
                     const mtp_step *steps, int64_t n_steps, int top_k, float p_min, int64_t *out_tokens, float *out_p,
-                    int64_t *n_done, float *out_row, float *out_hidden, int n_threads) {
+                    int64_t *n_done, float *out_row, float *out_hidden, const mtp_draft_draws *draws, int n_threads) {
     const int64_t E = d->E;
     *n_done = 0;
     if (T0 < 1 || T0 > 8 || top_k < 1 || top_k > 64) return 1;
+    if (draws && (draws->n_top < 1 || draws->n_top > CHAIN_MAX_TOP || draws->n_top > d->n_head)) return 1;
     float *buf = malloc(sizeof(float) * (T0 * E * 3 + T0 * 2 * E + d->n_head));
     if (!buf) return 2;
     float *e = buf, *h = e + T0 * E, *u = h + T0 * E, *in = u + T0 * E, *row = in + T0 * 2 * E;
@@ -502,6 +572,14 @@ int mtp_draft_chain(const mtp_draft_model *d, const float *hidden, const int64_t
         rc = mtp_matmul(d->t_head, d->head, d->n_head, E, h, 1, 1, row, n_threads);
         if (rc) break;
         out_tokens[s] = draft_top(row, d->n_head, top_k, out_p + s);
+        if (draws) { /* drawn from the chain; out_p stays the argmax's (p_min measures the draft's confidence) */
+            float vals[CHAIN_MAX_TOP];
+            int64_t *ids = draws->out_ids + s * draws->n_top;
+            top_n_sorted(row, d->n_head, draws->n_top, vals, ids);
+            const int64_t place = chain_draw(vals, draws, draws->uniforms[s], draws->out_probs + s * draws->n_top,
+                                             draws->out_kept + s);
+            out_tokens[s] = ids[place];
+        }
         *n_done = s + 1;
         if (out_row) memcpy(out_row, row, sizeof(float) * d->n_head);
         if (out_hidden) memcpy(out_hidden, h, sizeof(float) * E);
