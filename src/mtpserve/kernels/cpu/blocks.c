@@ -479,7 +479,7 @@ typedef struct {
     int64_t *out_kept;        /* [n_steps]: the survivors */
 } mtp_draft_draws;
 
-#define CHAIN_MAX_TOP 1024
+#define CHAIN_MAX_TOP 1024 /* engine.sampling.DEVICE_TOP_MAX: the most candidates a chain off the host ranks */
 
 /* The n largest of v[0..len), largest first, equal values by index (the host's ranking). */
 static void top_n_sorted(const float *v, int64_t len, int64_t n, float *vals, int64_t *ids) {
