@@ -99,7 +99,8 @@ def stand_in(vocab: int, agree: bool = False, fresh_logits: bool = True, draft_v
         state.kv[mtp_kv].length += len(tokens)
         return None, mtp_hidden.expand(len(tokens), n_embd)
 
-    def mtp_draft(hidden, tokens, state, n_steps, head, top_k, p_min):  # the C chain: the head's product a step
+    def mtp_draft(hidden, tokens, state, n_steps, head, top_k, p_min, draws=None):  # the C chain: a head product a step
+        assert draws is None  # the cases draft greedily
         state.kv[mtp_kv].length += len(tokens) + n_steps - 1
         return [(int(linear(mtp_hidden[None], head)[0].argmax()), 1.0) for _ in range(n_steps)]
 

@@ -180,9 +180,9 @@ class MTPDrafter:
         MTP cache (it is the catch-up row of the sampled token); the later steps' rows go. Captured, all n_max
         steps run, and the tokens after the first one below p_min are dropped on the host: the same draft, as
         later steps cannot change earlier ones. With a `picker` (probabilistic drafting) each step's token is
-        drawn from its chain and fed to the next step: captured where the device can run the chain
-        (`DraftPicker.device_chain`), which takes n_max uniforms from the draft stream first (eager steps take one
-        a step, and none after a p_min stop), else eagerly."""
+        drawn from its chain and fed to the next step: captured on a GPU, or in the C chain on the CPU, where they
+        can run the chain (`DraftPicker.device_chain`), taking n_max uniforms from the draft stream first (steps
+        drawn on the host take one a step, and none after a p_min stop)."""
         assert slot.job is not None
         mine = self._of(slot)
         kv = slot.state.kv[self.kv_index]
