@@ -341,45 +341,59 @@ def _counted(step, calls: list[int], serve: bool):
     return call
 
 
-@needs_kernels
-@pytest.mark.parametrize("quant", ["Q4_K_M", "F16"])
-def test_drafts_drawn_on_the_host_step_in_c_as_eagerly(quant: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Drafts drawn at a temperature (--spec-draft-sampling probabilistic) on the CPU from a chain the C chain does
-    not run: each step one C call (`mtp_draft_row`: the block's step and the head's whole row), the token drawn on
-    the host from it. The eager steps' tokens and distributions, and the same MTP cache bit for bit."""
+def _drawn_drafts(model, monkeypatch: pytest.MonkeyPatch, params, n_max: int, patched: str, serve: bool) -> tuple:
+    """Drafts drawn at a temperature by the MTP drafter's steps from a fixed state (two rows waiting, random hidden
+    states), with the model's method `patched` counted and left to serve only if `serve`: (drafts, each step's
+    distribution, the MTP cache, calls to `patched`)."""
     from mtpserve.engine import SpecConfig
     from mtpserve.engine.drafters import MTPDrafter
     from mtpserve.engine.rejection import DraftPicker
-    from mtpserve.engine.sampling import Mt19937Uniform, Sampler, SamplingParams
+    from mtpserve.engine.sampling import Mt19937Uniform, Sampler
 
-    model = load(tinyqwen_path(quant))
-    drafter = MTPDrafter(model, SpecConfig("draft-mtp", n_max=3))
+    drafter = MTPDrafter(model, SpecConfig("draft-mtp", n_max=n_max))
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, model.config.n_vocab, (40,), generator=gen)
     hidden = torch.randn(2, model.config.n_embd, generator=gen)
     tokens = torch.randint(0, model.config.n_vocab, (2,), generator=gen).tolist()
-    results, steps_in_c = [], []
-    for stepped in (True, False):
-        state = model.new_state(256, mtp=True)
-        params = SamplingParams(temperature=1.5, top_k=200, top_p=1.0, min_p=0.0, repeat_penalty=1.3, seed=1)
-        sampler = Sampler(params)  # penalties: a chain the C chain does not run (DraftPicker.device_chain)
-        picker = DraftPicker(sampler, None, Mt19937Uniform(9), model.config.n_vocab)
-        calls = []
-        with torch.inference_mode(), monkeypatch.context() as m:
-            m.setattr(model, "mtp_draft_row", _counted(model.mtp_draft_row, calls, serve=stepped))
-            trunk = model.forward_batch(Batch.of(prompt, [state]))
-            model.mtp_step(torch.cat((trunk.new_zeros(1, trunk.shape[-1]), trunk[:-1])), prompt, state, False)
-            drafts = list(drafter._proposals(state, hidden, tokens, 3, picker))
-        kv = state.kv[model.mtp_kv_index]
-        results.append((drafts, picker.qs, kv.k.data.clone(), kv.v.data.clone(), kv.positions.clone(), kv.length))
-        steps_in_c.append(len(calls) if stepped else 0)
-    (stepped, *stepped_rest), (eager, *eager_rest) = results
-    assert steps_in_c[0] == 3
-    assert [t for t, _ in stepped] == [t for t, _ in eager] and len(stepped) == 3
-    assert all(len(q) == 200 for q in stepped_rest[0])  # whole distributions, compared exactly below
-    for (_, p), (_, q) in zip(stepped, eager):
-        assert p == pytest.approx(q, rel=1e-5)  # the C chain's float32 sum against torch's softmax
-    _assert_same(stepped_rest, eager_rest)
+    state = model.new_state(256, mtp=True)
+    picker = DraftPicker(Sampler(params), None, Mt19937Uniform(9), model.config.n_vocab)
+    calls: list[int] = []
+    with torch.inference_mode(), monkeypatch.context() as m:
+        m.setattr(model, patched, _counted(getattr(model, patched), calls, serve))
+        trunk = model.forward_batch(Batch.of(prompt, [state]))
+        model.mtp_step(torch.cat((trunk.new_zeros(1, trunk.shape[-1]), trunk[:-1])), prompt, state, False)
+        drafts = list(drafter._proposals(state, hidden, tokens, n_max, picker))
+    kv = state.kv[model.mtp_kv_index]
+    return drafts, picker.qs, (kv.k.data.clone(), kv.v.data.clone(), kv.positions.clone(), kv.length), len(calls)
+
+
+def _same_draws(a: list, b: list, qs_a: list, qs_b: list) -> None:
+    """The same tokens, their argmax's p to the float32 sums' rounding, the same distributions in the same order."""
+    assert [t for t, _ in a] == [t for t, _ in b]
+    for (_, p), (_, q) in zip(a, b, strict=True):
+        assert p == pytest.approx(q, rel=1e-5)
+    for q_a, q_b in zip(qs_a, qs_b, strict=True):
+        assert list(q_a) == list(q_b)
+        torch.testing.assert_close(torch.tensor(list(q_a.values())), torch.tensor(list(q_b.values())))
+
+
+@needs_kernels
+@pytest.mark.parametrize("quant", ["Q4_K_M", "F16"])
+def test_drafts_drawn_on_the_host_step_in_c_as_eagerly(quant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafts drawn at a temperature (--spec-draft-sampling probabilistic) on the CPU from a chain the C chain does
+    not run (penalties): each step one C call (`mtp_draft_row`: the block's step and the head's whole row), the
+    token drawn on the host from it. The eager steps' tokens and distributions (bit for bit: the same row), and
+    the same MTP cache bit for bit."""
+    from mtpserve.engine.sampling import SamplingParams
+
+    model = load(tinyqwen_path(quant))
+    params = SamplingParams(temperature=1.5, top_k=200, top_p=1.0, min_p=0.0, repeat_penalty=1.3, seed=1)
+    stepped, qs, cache, calls = _drawn_drafts(model, monkeypatch, params, 3, "mtp_draft_row", serve=True)
+    eager, eager_qs, eager_cache, _ = _drawn_drafts(model, monkeypatch, params, 3, "mtp_draft_row", serve=False)
+    assert calls == 3 and len(stepped) == 3 and all(len(q) == 200 for q in qs)
+    _same_draws(stepped, eager, qs, eager_qs)
+    assert qs == eager_qs
+    _assert_same(cache, eager_cache)
 
 
 @needs_kernels
@@ -397,38 +411,15 @@ def test_drafts_drawn_in_the_c_chain_are_the_hosts_draws(params: dict, monkeypat
     twin of ops.sampling_chain) against the same draws made on the host a step at a time from the same uniforms:
     the same tokens, each step's distribution (survivors in order, probabilities to float64 rounding), and the
     same MTP cache bit for bit."""
-    from mtpserve.engine import SpecConfig
-    from mtpserve.engine.drafters import MTPDrafter
-    from mtpserve.engine.rejection import DraftPicker
-    from mtpserve.engine.sampling import Mt19937Uniform, Sampler, SamplingParams
+    from mtpserve.engine.sampling import SamplingParams
 
     model = load(tinyqwen_path("Q4_K_M"))
-    drafter = MTPDrafter(model, SpecConfig("draft-mtp", n_max=4))
-    gen = torch.Generator().manual_seed(5)
-    prompt = torch.randint(0, model.config.n_vocab, (40,), generator=gen)
-    hidden = torch.randn(2, model.config.n_embd, generator=gen)
-    tokens = torch.randint(0, model.config.n_vocab, (2,), generator=gen).tolist()
-    results, chains = [], []
-    for in_c in (True, False):
-        state = model.new_state(256, mtp=True)
-        picker = DraftPicker(Sampler(SamplingParams(**params, seed=1)), None, Mt19937Uniform(4), model.config.n_vocab)
-        calls: list[int] = []
-        with torch.inference_mode(), monkeypatch.context() as m:
-            m.setattr(model, "mtp_draft", _counted(model.mtp_draft, calls, serve=in_c))
-            trunk = model.forward_batch(Batch.of(prompt, [state]))
-            model.mtp_step(torch.cat((trunk.new_zeros(1, trunk.shape[-1]), trunk[:-1])), prompt, state, False)
-            drafts = list(drafter._proposals(state, hidden, tokens, 4, picker))
-        kv = state.kv[model.mtp_kv_index]
-        results.append((drafts, kv.k.data.clone(), kv.v.data.clone(), kv.positions.clone(), kv.length))
-        chains.append(picker.qs)
-    (in_c, *c_cache), (on_host, *host_cache) = results
-    assert [t for t, _ in in_c] == [t for t, _ in on_host] and len(in_c) == 4
-    for (_, p), (_, q) in zip(in_c, on_host):
-        assert p == pytest.approx(q, rel=1e-5)
-    for q_c, q_host in zip(*chains, strict=True):
-        assert list(q_c) == list(q_host)
-        torch.testing.assert_close(torch.tensor(list(q_c.values())), torch.tensor(list(q_host.values())))
-    _assert_same(c_cache, host_cache)
+    sampling = SamplingParams(**params, seed=1)
+    in_c, qs, cache, calls = _drawn_drafts(model, monkeypatch, sampling, 4, "mtp_draft", serve=True)
+    on_host, host_qs, host_cache, _ = _drawn_drafts(model, monkeypatch, sampling, 4, "mtp_draft", serve=False)
+    assert calls == 1 and len(in_c) == 4
+    _same_draws(in_c, on_host, qs, host_qs)
+    _assert_same(cache, host_cache)
 
 
 def test_the_mtp_draft_chain_leaves_what_it_cannot_serve_to_the_eager_steps() -> None:
