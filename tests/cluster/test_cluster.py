@@ -173,8 +173,10 @@ def test_a_killed_replica_ends_its_stream_and_is_replaced(cluster: str) -> None:
     assert error["code"] == 500 and "replica" in error["message"]
     after = httpx.post(cluster + "/v1/completions", json=COMPLETION, headers=AUTH, timeout=60)
     assert after.status_code == 200  # the other replica serves meanwhile
-    # Ray's replacement reports within 30 s
-    _wait(lambda: len(ray.get(stats.board(APP).snapshot.remote())) == 2 and replica not in _replicas(), 30, "a new one")
+    # Ray starts a replacement, which loads the model before it reports; beside other tests on a 2-core machine that
+    # once took more than 30 s (2026-12-06), so the wait is for the event, not a speed
+    replaced = lambda: len(ray.get(stats.board(APP).snapshot.remote())) == 2 and replica not in _replicas()  # noqa: E731
+    _wait(replaced, 180, "a new one")
 
 
 # --- helpers ---------------------------------------------------------------------------------------------------
