@@ -403,8 +403,9 @@ def test_drafts_drawn_on_the_host_step_in_c_as_eagerly(quant: str, monkeypatch: 
         {"temperature": 0.8},  # the server's chain: top-k 40, top-p 0.95, min-p 0.05
         {"temperature": 1.5, "top_k": 300, "top_p": 1.0, "min_p": 0.0},
         {"temperature": 0.7, "top_k": 20, "top_p": 0.5, "min_p": 0.9, "min_keep": 2},
+        {"temperature": 1.0, "logit_bias": {t: float("-inf") for t in range(0, 4096, 2)}},  # ignore_eos's kind
     ],
-    ids=["server-defaults", "hot-wide", "min-keep"],
+    ids=["server-defaults", "hot-wide", "min-keep", "bans"],
 )
 def test_drafts_drawn_in_the_c_chain_are_the_hosts_draws(params: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """Drafts drawn in one C call (`mtp_draft` with a DrawnChain: blocks.c's chain over the head's row, the CPU

@@ -376,12 +376,17 @@ def test_the_static_mtp_steps_equal_the_eager_ones(chained: bool, head: str) -> 
     torch.testing.assert_close(kv_graphed.v.data, kv_eager.v.data, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("chained", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["chained", "host-table"])
-def test_captured_draws_are_the_eager_draws(chained: bool) -> None:
+@pytest.mark.parametrize(
+    ("chained", "bans"),
+    [(True, False), pytest.param(False, True, marks=pytest.mark.slow)],
+    ids=["chained", "host-table"],
+)
+def test_captured_draws_are_the_eager_draws(chained: bool, bans: bool) -> None:
     """Drafts drawn at a temperature (--spec-draft-sampling probabilistic): the captured chain (MTPDrawGraph, the
     request's sampler chain run on the device with the uniforms taken from the draft stream first) draws the eager
     draft's tokens from the eager draft's distributions, round after round, with the server's default chain
-    (top-k 40, top-p 0.95, min-p 0.05, temperature 0.8) and the same seed."""
+    (top-k 40, top-p 0.95, min-p 0.05, temperature 0.8) and the same seed; with `bans`, every third token banned
+    (a -inf bias, as ignore_eos sets on the end tokens)."""
     from mtpserve.engine import SpecConfig
     from mtpserve.engine.drafters import DRAFT_TOP_K, MTPDrafter
     from mtpserve.engine.rejection import DraftPicker
@@ -391,10 +396,11 @@ def test_captured_draws_are_the_eager_draws(chained: bool) -> None:
     case = _case("Q4_K_M", 1)
     prompt, rest = case["prompt_token_ids"], case["generated_token_ids"]
     drafter = MTPDrafter(model, SpecConfig("draft-mtp", n_max=3, draft_sampling="probabilistic"))
-    sampler = Sampler(SamplingParams(temperature=0.8, seed=11))
+    banned = {t: float("-inf") for t in range(0, model.config.n_vocab, 3)} if bans else {}
+    sampler = Sampler(SamplingParams(temperature=0.8, seed=11, logit_bias=banned))
     pickers = [DraftPicker(sampler, None, Mt19937Uniform(5), model.config.n_vocab) for _ in range(2)]
     chain = pickers[1].device_chain(model.config.n_vocab)
-    assert chain is not None and chain[0].n_top == 40
+    assert chain is not None and chain[0].n_top == 40 and chain[0].bans == bans
     drawn_tokens = set()
     with _gpu_path():
         eager, graphed = (model.new_state(256, "f16", "f16", mtp=True) for _ in range(2))

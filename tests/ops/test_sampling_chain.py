@@ -8,7 +8,7 @@ import torch
 
 from mtpserve.engine.rejection import draw
 from mtpserve.engine.sampling import Sampler, SamplingParams
-from mtpserve.ops.sampling_chain import LONG_ROW, ChainInputs, ChainShape, chain_draw, top_candidates
+from mtpserve.ops.sampling_chain import LONG_ROW, ChainInputs, ChainParams, ChainShape, chain_draw, top_candidates
 
 # each chain, and whether its filters cut some of the rows' candidates (below top-k)
 CHAINS = {
@@ -18,6 +18,8 @@ CHAINS = {
     "narrow top-p": (SamplingParams(temperature=0.6, top_k=64, top_p=0.3, min_p=0.0), True),
     "min-p cuts to min_keep": (SamplingParams(temperature=0.7, top_k=40, top_p=1.0, min_p=0.95, min_keep=3), True),
     "min_keep above top-k": (SamplingParams(temperature=1.0, top_k=2, top_p=0.5, min_p=0.0, min_keep=6), False),
+    # ignore_eos's kind of bias: -inf on some tokens (here every third, so the best ones are among them)
+    "bans": (SamplingParams(temperature=0.9, logit_bias={t: float("-inf") for t in range(0, 4096, 3)}), True),
 }
 
 
@@ -32,15 +34,16 @@ class _Fixed:
 @pytest.mark.parametrize(("params", "cuts"), CHAINS.values(), ids=CHAINS.keys())
 def test_the_fixed_shape_chain_is_the_hosts(params: SamplingParams, cuts: bool) -> None:
     generator = torch.Generator().manual_seed(7)
-    shape = ChainShape(max(params.top_k, params.min_keep, 1), params.min_keep)
+    banned = tuple(params.logit_bias)
+    shape = ChainShape(max(params.top_k, params.min_keep, 1), params.min_keep, bool(banned))
     uniforms = [0.0, 0.999999, *torch.rand(30, generator=generator, dtype=torch.float64).tolist()]
-    inputs = ChainInputs(len(uniforms), torch.device("cpu"))
-    inputs.set(params.top_p, params.min_p, params.temperature, uniforms)
+    inputs = ChainInputs(len(uniforms), torch.device("cpu"), 4096)
+    inputs.set(ChainParams(params.top_p, params.min_p, params.temperature, banned), uniforms)
     sizes = []
     for scale in (0.5, 2.0, 6.0):  # flat rows (many survive top-p) to peaked ones (one does)
         row = torch.randn(4096, generator=generator) * scale
         host = Sampler(params).probabilities(row)
-        values, ids = row.topk(shape.n_top)
+        values, ids = (row + inputs.ban).topk(shape.n_top)  # as MTPDrawGraph masks a row with bans
         sizes.append(len(host))
         for i, u in enumerate(uniforms):
             index, kept, probs = chain_draw(values, shape, inputs, i)

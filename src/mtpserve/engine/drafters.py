@@ -33,7 +33,7 @@ from ..models.graphs import MTPDraftGraph, MTPDrawGraph, MTPRowsGraph
 from ..models.mtp import mtp_graphable, mtp_model
 from ..ops.decode_program import DrawnChain
 from ..ops.linear import linear
-from ..ops.sampling_chain import ChainShape
+from ..ops.sampling_chain import ChainParams, ChainShape
 from ..tokenizer import Tokenizer
 from .config import SpecConfig
 from .errors import InvalidRequest
@@ -220,7 +220,7 @@ class MTPDrafter:
         mine: _MTPSlot,
         n_max: int,
         picker: DraftPicker,
-        chain: tuple[ChainShape, tuple[float, float, float]],
+        chain: tuple[ChainShape, ChainParams],
         hidden: torch.Tensor,
         sampled: int,
     ) -> list[tuple[int, float]]:

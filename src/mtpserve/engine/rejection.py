@@ -23,7 +23,7 @@ from collections import Counter, deque
 import numpy as np
 import torch
 
-from ..ops.sampling_chain import ChainShape
+from ..ops.sampling_chain import ChainParams, ChainShape
 from .grammar import Constraint
 from .sampling import DEVICE_TOP_MAX, Mt19937Uniform, Sampler
 
@@ -90,18 +90,21 @@ class DraftPicker:
         self.qs.append(q)
         self.sampler.accept(token)
 
-    def device_chain(self, n_rows: int) -> tuple[ChainShape, tuple[float, float, float]] | None:
-        """The chain as a device draws from it in fixed shapes over a head of `n_rows` (ops.sampling_chain): its
-        shape and (top_p, min_p, temperature); None where a draw needs the host's chain: a grammar, logit biases,
+    def device_chain(self, n_rows: int) -> tuple[ChainShape, ChainParams] | None:
+        """The chain as a device draws from it in fixed shapes over a head of `n_rows` (ops.sampling_chain); None
+        where a draw needs the host's chain: a grammar, logit biases other than bans (-inf, as `ignore_eos` sets),
         penalties, typical-p, or a top-k of 0 (the whole vocabulary) or above DEVICE_TOP_MAX."""
         p = self.sampler.params
         penalties = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        if self.constraint is not None or p.logit_bias or penalties or p.typical_p < 1.0:
+        bans = all(bias == float("-inf") for bias in p.logit_bias.values())
+        if self.constraint is not None or not bans or penalties or p.typical_p < 1.0:
             return None
         n_top = min(max(p.top_k, p.min_keep, 1), n_rows)
-        if p.top_k <= 0 or n_top > DEVICE_TOP_MAX:
+        if p.top_k <= 0 or n_top > DEVICE_TOP_MAX or n_top + len(p.logit_bias) > n_rows:
             return None
-        return ChainShape(n_top, p.min_keep), (p.top_p, p.min_p, p.temperature)
+        banned = tuple(sorted(t for t in p.logit_bias if 0 <= t < n_rows))
+        shape = ChainShape(n_top, p.min_keep, bool(banned))
+        return shape, ChainParams(p.top_p, p.min_p, p.temperature, banned)
 
     def rollback(self) -> None:
         if self.constraint is not None and self.qs:

@@ -28,7 +28,7 @@ import torch
 
 from ..cache import RecurrentState
 from ..ops.linear import linear
-from ..ops.sampling_chain import ChainInputs, ChainShape, chain_draw, top_candidates
+from ..ops.sampling_chain import ChainInputs, ChainParams, ChainShape, chain_draw, top_candidates
 from .base import Batch, CausalLM, ModelState
 from .draft_head import DraftHead
 from .mtp import MTPModel, mtp_cache_index, mtp_graphable, mtp_model
@@ -339,33 +339,36 @@ class MTPDrawGraph(_MTPChain):
     ) -> None:
         super().__init__(model, state, n_max, head, top_k, capture, chained)
         self.shape = shape
-        self.inputs = ChainInputs(self.n_steps, self.hidden.device)
+        self.inputs = ChainInputs(self.n_steps, self.hidden.device, head.exact.shape[0] if shape.bans else 0)
 
     def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each step's row: [token, p_top, survivors, n_top candidate ids, their probabilities] (one float64 copy)."""
         hidden, token, rows, n_top = self.hidden, self.token, [], self.shape.n_top
         for i in range(self.n_steps):
             hidden = self._mtp_hidden(hidden, token, i)
-            values, ids = top_candidates(linear(hidden, self.head.exact)[0].float(), max(n_top, self.top_k))
+            row = linear(hidden, self.head.exact)[0].float()
+            values, ids = top_candidates(row, max(n_top, self.top_k))
+            p_top = torch.softmax(values[: self.top_k], 0)[:1]  # the draft's confidence: the row's own argmax
+            if self.shape.bans:
+                values, ids = top_candidates(row + self.inputs.ban, n_top)
             index, kept, probs = chain_draw(values[:n_top], self.shape, self.inputs, i)
             token = ids[index]
-            p_top = torch.softmax(values[: self.top_k], 0)[:1]
             rows.append(torch.cat((token.double(), p_top.double(), kept.double(), ids[:n_top].double(), probs)))
         return torch.stack(rows), hidden
 
     @torch.inference_mode()
     def draw(
-        self, hidden: torch.Tensor, token: int, chain: tuple[float, float, float], uniforms: list[float]
+        self, hidden: torch.Tensor, token: int, chain: ChainParams, uniforms: list[float]
     ) -> list[tuple[int, float, dict[int, float]]]:
-        """`chain`: (top_p, min_p, temperature); one uniform a step."""
+        """One uniform a step."""
         self._start(hidden, token)
         if self.chained:
-            self.inputs.set(*chain, uniforms)
+            self.inputs.set(chain, uniforms)
             rows, _ = self._run()
             return [self._drawn(row) for row in rows.tolist()]
         drawn = []
         for i in range(self.n_max):
-            self.inputs.set(*chain, uniforms[i : i + 1])
+            self.inputs.set(chain, uniforms[i : i + 1])
             (rows,) = self._step_on_host(token, i)
             drawn.append(self._drawn(rows.tolist()[0]))
             token = drawn[-1][0]

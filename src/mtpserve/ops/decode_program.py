@@ -24,7 +24,7 @@ import torch
 
 from ..kernels import cpu as cpu_kernels
 from .attention import decode_cache_view
-from .sampling_chain import ChainShape
+from .sampling_chain import ChainParams, ChainShape
 
 _ptr, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -289,29 +289,32 @@ class DraftDraws(ctypes.Structure):
         ("out_ids", _ptr),
         ("out_probs", _ptr),
         ("out_kept", _ptr),
+        ("banned", _ptr),
+        ("n_banned", _i64),
     ]
 
 
 class DrawnChain:
     """Drafts drawn in the C chain from the request's sampler chain (blocks.c chain_draw, the CPU twin of
-    ops.sampling_chain): its shape and (top_p, min_p, temperature) in, and `random` for one uniform a step, taken
-    only once the chain runs; each step's distribution out (`distributions`), the survivors in the chain's order."""
+    ops.sampling_chain): its shape and parameters in, and `random` for one uniform a step, taken only once the
+    chain runs; each step's distribution out (`distributions`), the survivors in the chain's order."""
 
-    def __init__(self, shape: ChainShape, chain: tuple[float, float, float], random: Callable[[], float]) -> None:
+    def __init__(self, shape: ChainShape, chain: ChainParams, random: Callable[[], float]) -> None:
         self.shape, self.chain, self.random = shape, chain, random
         self.struct: DraftDraws | None = None
 
     def take_uniforms(self, n_steps: int) -> DraftDraws:
         """The struct the C chain reads, with n_steps uniforms drawn now."""
-        (top_p, min_p, temperature), n_top = self.chain, self.shape.n_top
+        c, n_top = self.chain, self.shape.n_top
         self.uniforms = torch.tensor([self.random() for _ in range(n_steps)], dtype=torch.float64)
         self.ids = torch.zeros(n_steps, n_top, dtype=torch.int64)
         self.probs = torch.zeros(n_steps, n_top, dtype=torch.float64)
         self.kept = torch.zeros(n_steps, dtype=torch.int64)
+        self.banned = torch.tensor(c.banned, dtype=torch.int64)
         self.struct = DraftDraws(
-            n_top, self.shape.min_keep, top_p if top_p < 1.0 else math.inf, temperature,
-            math.log(min_p) if min_p > 0.0 else -math.inf,
-            *(t.data_ptr() for t in (self.uniforms, self.ids, self.probs, self.kept)),
+            n_top, self.shape.min_keep, c.top_p if c.top_p < 1.0 else math.inf, c.temperature,
+            math.log(c.min_p) if c.min_p > 0.0 else -math.inf,
+            *(t.data_ptr() for t in (self.uniforms, self.ids, self.probs, self.kept, self.banned)), len(c.banned),
         )  # fmt: skip
         return self.struct
 

@@ -42,26 +42,43 @@ def top_candidates(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 @dataclass(frozen=True)
 class ChainShape:
-    """What fixes a chain's shapes: the candidates ranked (top-k, raised to min_keep) and min_keep."""
+    """What fixes a chain's shapes: the candidates ranked (top-k, raised to min_keep), min_keep, and whether tokens
+    are banned (logit biases of -inf, as `ignore_eos` sets on the end tokens: the row is masked first)."""
 
     n_top: int
     min_keep: int
+    bans: bool = False
+
+
+@dataclass(frozen=True)
+class ChainParams:
+    """A chain's values that change no shape."""
+
+    top_p: float
+    min_p: float
+    temperature: float
+    banned: tuple[int, ...] = ()
 
 
 class ChainInputs:
-    """A chain's float parameters and its uniforms as device tensors, written before each replay."""
+    """A chain's float parameters, its bans and its uniforms as device tensors, written before each replay."""
 
-    def __init__(self, n_draws: int, device: torch.device) -> None:
+    def __init__(self, n_draws: int, device: torch.device, n_rows: int = 0) -> None:
         self.top_p = torch.full((), float("inf"), device=device)  # inf: no top-p (the host skips it at >= 1)
         self.log_min_p = torch.full((), float("-inf"), dtype=torch.float64, device=device)  # -inf: no min-p
         self.temperature = torch.ones((), device=device)
         self.uniforms = torch.zeros(n_draws, dtype=torch.float64, device=device)
+        self.ban = torch.zeros(n_rows, device=device)  # added to the row: -inf at each banned token
 
-    def set(self, top_p: float, min_p: float, temperature: float, uniforms: list[float]) -> None:
-        self.top_p.fill_(top_p if top_p < 1.0 else float("inf"))
-        self.log_min_p.fill_(math.log(min_p) if min_p > 0.0 else float("-inf"))
-        self.temperature.fill_(temperature)
+    def set(self, params: ChainParams, uniforms: list[float]) -> None:
+        self.top_p.fill_(params.top_p if params.top_p < 1.0 else float("inf"))
+        self.log_min_p.fill_(math.log(params.min_p) if params.min_p > 0.0 else float("-inf"))
+        self.temperature.fill_(params.temperature)
         self.uniforms.copy_(torch.tensor(uniforms, dtype=torch.float64))
+        if len(self.ban):
+            self.ban.zero_()
+            banned = [t for t in params.banned if t < len(self.ban)]
+            self.ban[torch.tensor(banned, dtype=torch.long)] = float("-inf")
 
 
 def chain_draw(

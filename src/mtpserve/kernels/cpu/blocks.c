@@ -477,6 +477,8 @@ typedef struct {
     int64_t *out_ids;         /* [n_steps, n_top]: each step's candidates, highest first */
     double *out_probs;        /* [n_steps, n_top]: their probabilities, 0 past the survivors */
     int64_t *out_kept;        /* [n_steps]: the survivors */
+    const int64_t *banned;    /* tokens a -inf bias bans (ignore_eos's end tokens), below the head's rows */
+    int64_t n_banned;
 } mtp_draft_draws;
 
 #define CHAIN_MAX_TOP 1024 /* engine.sampling.DEVICE_TOP_MAX: the most candidates a chain off the host ranks */
@@ -551,6 +553,8 @@ int mtp_draft_chain(const mtp_draft_model *d, const float *hidden, const int64_t
     *n_done = 0;
     if (T0 < 1 || T0 > 8 || top_k < 1 || top_k > 64) return 1;
     if (draws && (draws->n_top < 1 || draws->n_top > CHAIN_MAX_TOP || draws->n_top > d->n_head)) return 1;
+    for (int64_t b = 0; draws && b < draws->n_banned; b++)
+        if (draws->banned[b] < 0 || draws->banned[b] >= d->n_head) return 1;
     float *buf = malloc(sizeof(float) * (T0 * E * 3 + T0 * 2 * E + d->n_head));
     if (!buf) return 2;
     float *e = buf, *h = e + T0 * E, *u = h + T0 * E, *in = u + T0 * E, *row = in + T0 * 2 * E;
@@ -572,8 +576,10 @@ int mtp_draft_chain(const mtp_draft_model *d, const float *hidden, const int64_t
         rc = mtp_matmul(d->t_head, d->head, d->n_head, E, h, 1, 1, row, n_threads);
         if (rc) break;
         out_tokens[s] = draft_top(row, d->n_head, top_k, out_p + s);
+        if (out_row) memcpy(out_row, row, sizeof(float) * d->n_head);
         if (draws) { /* drawn from the chain; out_p stays the argmax's (p_min measures the draft's confidence) */
             float vals[CHAIN_MAX_TOP];
+            for (int64_t b = 0; b < draws->n_banned; b++) row[draws->banned[b]] = -INFINITY;
             int64_t *ids = draws->out_ids + s * draws->n_top;
             top_n_sorted(row, d->n_head, draws->n_top, vals, ids);
             const int64_t place = chain_draw(vals, draws, draws->uniforms[s], draws->out_probs + s * draws->n_top,
@@ -581,7 +587,6 @@ int mtp_draft_chain(const mtp_draft_model *d, const float *hidden, const int64_t
             out_tokens[s] = ids[place];
         }
         *n_done = s + 1;
-        if (out_row) memcpy(out_row, row, sizeof(float) * d->n_head);
         if (out_hidden) memcpy(out_hidden, h, sizeof(float) * E);
         if (out_p[s] < p_min) break;
     }
