@@ -178,6 +178,21 @@ def test_probabilistic_drafts_through_a_grammar_stay_inside_it():
             assert result.text.lstrip().startswith("{")
 
 
+def test_a_drawn_draft_that_completes_the_grammar_ends_there():
+    """A short grammar completes within a draft: the draft draws the stop token the grammar then allows, and drawing
+    goes no further (the matcher has terminated: asking it for a mask was a 500). The answer is the grammar's."""
+    _, _, tokenizer = _model()
+    sampling = SamplingParams(temperature=1.0, seed=3)
+    spec = GrammarSpec("gbnf", 'root ::= ("yes" | "no")')
+    with _engine(SpecConfig(type="draft-mtp", n_max=3, draft_sampling="probabilistic")) as engine:
+        results = [
+            engine.submit(Request(tokenizer.encode(p), sampling, n_predict=16, grammar=spec)).result() for p in PROMPTS
+        ]
+    assert [r.text for r in results] == [r.text for r in results if r.text in ("yes", "no")]
+    assert all(r.finish_reason == "stop" for r in results)
+    assert sum(r.timings.draft_n for r in results) > 0
+
+
 def test_four_slots_with_their_own_grammars_in_one_batch():
     _, _, tokenizer = _model()
     grammars = [

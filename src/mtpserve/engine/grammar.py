@@ -179,6 +179,12 @@ class Constraint:
             raise InvalidGrammar("the grammar allows no token here (the tokens it expects are banned special tokens)")
         return out
 
+    @property
+    def complete(self) -> bool:
+        """Whether the grammar accepted its stop token (an end-of-generation token): no token follows."""
+        self._wait()
+        return self._matcher.is_terminated()
+
     def accept(self, token: int, prefetch: bool = True) -> bool:
         """Advance past `token`; False (and no change) when the grammar forbids it. With `prefetch` the next
         mask starts filling in the background."""

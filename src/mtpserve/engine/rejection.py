@@ -71,6 +71,8 @@ class DraftPicker:
         """The next draft token drawn from q over the draft head's `logits` (the first ids of the vocabulary with a
         trimmed draft vocabulary); None where the grammar leaves no token."""
         row = logits.float()
+        if self.constraint is not None and self.constraint.complete:  # a drafted stop token ended the grammar
+            return None
         if self.constraint is not None:
             if len(row) < self.n_vocab:  # a trimmed draft vocabulary: the rest cannot be drafted
                 row = torch.cat((row, row.new_full((self.n_vocab - len(row),), float("-inf"))))
