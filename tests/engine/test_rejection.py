@@ -60,7 +60,10 @@ def test_an_exact_draft_is_always_kept():
 
 
 class AllowOnly:
-    """A stand-in grammar: only `allowed` tokens, at any point (masked/accept/rollback as engine.grammar's)."""
+    """A stand-in grammar: only `allowed` tokens, at any point (masked/accept/rollback as engine.grammar's), never
+    complete."""
+
+    complete = False
 
     def __init__(self, allowed: set[int]) -> None:
         self.allowed, self.accepted = allowed, 0
