@@ -97,9 +97,8 @@ class DraftPicker:
         where a draw needs the host's chain: a grammar, logit biases other than bans (-inf, as `ignore_eos` sets),
         penalties, typical-p, or a top-k of 0 (the whole vocabulary) or above DEVICE_TOP_MAX."""
         p = self.sampler.params
-        penalties = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         bans = all(bias == float("-inf") for bias in p.logit_bias.values())
-        if self.constraint is not None or not bans or penalties or p.typical_p < 1.0:
+        if self.constraint is not None or not bans or p.penalized or p.typical_p < 1.0:
             return None
         n_top = min(max(p.top_k, p.min_keep, 1), n_rows)
         if p.top_k <= 0 or n_top > DEVICE_TOP_MAX or n_top + len(p.logit_bias) > n_rows:

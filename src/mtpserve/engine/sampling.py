@@ -57,6 +57,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is set (it changes logits once the window holds tokens)."""
+        return self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
 
 class Mt19937Uniform:
     """llama.cpp's random draws: std::mt19937 seeded with the request's seed, read through
@@ -108,9 +113,7 @@ class Sampler:
     @property
     def _penalizes(self) -> bool:
         """Whether the penalties change any logit now (they are set, and the window holds tokens)."""
-        p = self.params
-        penalized = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        return penalized and bool(self.counts)
+        return self.params.penalized and bool(self.counts)
 
     def _biased(self, logits: torch.Tensor) -> np.ndarray:
         """The logits after biases and penalties, as a float32 numpy row (a view where nothing changes them)."""

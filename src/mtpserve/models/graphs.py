@@ -347,9 +347,9 @@ class MTPDrawGraph(_MTPChain):
         for i in range(self.n_steps):
             hidden = self._mtp_hidden(hidden, token, i)
             row = linear(hidden, self.head.exact)[0].float()
-            values, ids = top_candidates(row, max(n_top, self.top_k))
+            values, ids = top_candidates(row, self.top_k if self.shape.bans else max(n_top, self.top_k))
             p_top = torch.softmax(values[: self.top_k], 0)[:1]  # the draft's confidence: the row's own argmax
-            if self.shape.bans:
+            if self.shape.bans:  # the chain's candidates from the row with its bans
                 values, ids = top_candidates(row + self.inputs.ban, n_top)
             index, kept, probs = chain_draw(values[:n_top], self.shape, self.inputs, i)
             token = ids[index]

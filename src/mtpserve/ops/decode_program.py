@@ -17,7 +17,6 @@ The structs mirror blocks.c's field for field: ctypes lays them out with the C c
 from __future__ import annotations
 
 import ctypes
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -301,7 +300,6 @@ class DrawnChain:
 
     def __init__(self, shape: ChainShape, chain: ChainParams, random: Callable[[], float]) -> None:
         self.shape, self.chain, self.random = shape, chain, random
-        self.struct: DraftDraws | None = None
 
     def take_uniforms(self, n_steps: int) -> DraftDraws:
         """The struct the C chain reads, with n_steps uniforms drawn now."""
@@ -311,12 +309,10 @@ class DrawnChain:
         self.probs = torch.zeros(n_steps, n_top, dtype=torch.float64)
         self.kept = torch.zeros(n_steps, dtype=torch.int64)
         self.banned = torch.tensor(c.banned, dtype=torch.int64)
-        self.struct = DraftDraws(
-            n_top, self.shape.min_keep, c.top_p if c.top_p < 1.0 else math.inf, c.temperature,
-            math.log(c.min_p) if c.min_p > 0.0 else -math.inf,
+        return DraftDraws(
+            n_top, self.shape.min_keep, c.top_p_bound, c.temperature, c.log_min_p,
             *(t.data_ptr() for t in (self.uniforms, self.ids, self.probs, self.kept, self.banned)), len(c.banned),
         )  # fmt: skip
-        return self.struct
 
     def distributions(self, n_steps: int) -> list[dict[int, float]]:
         ids, probs, kept = self.ids.tolist(), self.probs.tolist(), self.kept.tolist()

@@ -57,7 +57,17 @@ class ChainParams:
     top_p: float
     min_p: float
     temperature: float
-    banned: tuple[int, ...] = ()
+    banned: tuple[int, ...] = ()  # below the head's rows
+
+    @property
+    def top_p_bound(self) -> float:
+        """top_p, or inf where the chain has no top-p (the host skips it at >= 1)."""
+        return self.top_p if self.top_p < 1.0 else math.inf
+
+    @property
+    def log_min_p(self) -> float:
+        """log(min_p), or -inf where the chain has no min-p."""
+        return math.log(self.min_p) if self.min_p > 0.0 else -math.inf
 
 
 class ChainInputs:
@@ -71,14 +81,13 @@ class ChainInputs:
         self.ban = torch.zeros(n_rows, device=device)  # added to the row: -inf at each banned token
 
     def set(self, params: ChainParams, uniforms: list[float]) -> None:
-        self.top_p.fill_(params.top_p if params.top_p < 1.0 else float("inf"))
-        self.log_min_p.fill_(math.log(params.min_p) if params.min_p > 0.0 else float("-inf"))
+        self.top_p.fill_(params.top_p_bound)
+        self.log_min_p.fill_(params.log_min_p)
         self.temperature.fill_(params.temperature)
         self.uniforms.copy_(torch.tensor(uniforms, dtype=torch.float64))
         if len(self.ban):
             self.ban.zero_()
-            banned = [t for t in params.banned if t < len(self.ban)]
-            self.ban[torch.tensor(banned, dtype=torch.long)] = float("-inf")
+            self.ban[torch.tensor(params.banned, dtype=torch.long)] = float("-inf")
 
 
 def chain_draw(

@@ -59,9 +59,8 @@ static void attend_row(const float *qv, const half *qh, const void *kp, const vo
     *Sout = Ssum;
 }
 
-#define ROW_KEYS_ALL 64 /* keys whose scores and weights are found before their values are summed */
+#define ROW_KEYS 64 /* keys whose scores and weights are found before their values are summed */
 #ifdef MTP_AVX2
-#define ROW_KEYS ROW_KEYS_ALL
 
 static inline __m256 round_acc(__m256 a, int v_acc_f16) {
     return v_acc_f16 ? _mm256_cvtph_ps(_mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT)) : a;
@@ -182,13 +181,13 @@ static void attend_heads(const attention_job *j, int64_t t, int64_t hk, int64_t 
 static void attention_rows(void *ctx, int64_t begin, int64_t end) {
     attention_job *j = ctx;
     const int64_t D = j->D, H = j->H, Hkv = j->Hkv, S = j->S, group = H / Hkv, n_split = j->n_split;
-    float *acc = thread_floats(group * (3 * D + 2) + (ROW_KEYS_ALL + 1) * D + 3 * group * ROW_KEYS_ALL);
+    float *acc = thread_floats(group * (3 * D + 2) + (ROW_KEYS + 1) * D + 3 * group * ROW_KEYS);
     if (!acc) {
         j->failed = 1;
         return;
     }
     float *qf = acc + group * D, *M = qf + group * D, *Ssum = M + group, *scratch = Ssum + group;
-    half *qh = (half *)(scratch + (ROW_KEYS_ALL + 1) * D + 3 * group * ROW_KEYS_ALL);
+    half *qh = (half *)(scratch + (ROW_KEYS + 1) * D + 3 * group * ROW_KEYS);
     for (int64_t item = begin; item < end; item++) {
         const int64_t tk = item / n_split, c = item % n_split, t = tk / Hkv, hk = tk % Hkv;
         int64_t s0 = 0, s1 = S;

@@ -444,27 +444,34 @@ typedef struct {
     int64_t n_head, E;
 } mtp_draft_model;
 
+/* The n largest of v[0..len), largest first, equal values by index (the host's ranking). */
+static void top_n_sorted(const float *v, int64_t len, int64_t n, float *vals, int64_t *ids) {
+    int64_t kept = 0;
+    for (int64_t i = 0; i < len; i++) {
+        const float x = v[i];
+        if (kept == n && !(x > vals[n - 1])) continue;
+        int64_t j = kept < n ? kept++ : n - 1;
+        while (j > 0 && vals[j - 1] < x) {
+            vals[j] = vals[j - 1];
+            ids[j] = ids[j - 1];
+            j--;
+        }
+        vals[j] = x;
+        ids[j] = i;
+    }
+}
+
 /* The top_k largest of v[0..n) (top_k <= 64): returns the first index of the largest, and p = the largest's softmax
  * over the top_k (float32 exponentials of v_i - max summed in descending order): the draft's confidence. */
 static int64_t draft_top(const float *v, int64_t n, int top_k, float *p) {
     float best[64];
-    int kept = 0;
-    int64_t arg = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const float x = v[i];
-        if (kept == top_k && !(x > best[kept - 1])) continue;
-        if (x > v[arg]) arg = i;
-        int j = kept < top_k ? kept++ : kept - 1; /* insertion into the descending list */
-        while (j > 0 && best[j - 1] < x) {
-            best[j] = best[j - 1];
-            j--;
-        }
-        best[j] = x;
-    }
+    int64_t ids[64];
+    const int64_t kept = n < top_k ? n : top_k;
+    top_n_sorted(v, n, kept, best, ids);
     float sum = 0.0f;
-    for (int j = 0; j < kept; j++) sum += expf(best[j] - best[0]);
+    for (int64_t j = 0; j < kept; j++) sum += expf(best[j] - best[0]);
     *p = 1.0f / sum;
-    return arg;
+    return ids[0];
 }
 
 /* Drafts drawn from the request's sampler chain (engine.sampling; the CPU twin of ops/sampling_chain.py): its float
@@ -482,23 +489,6 @@ typedef struct {
 } mtp_draft_draws;
 
 #define CHAIN_MAX_TOP 1024 /* engine.sampling.DEVICE_TOP_MAX: the most candidates a chain off the host ranks */
-
-/* The n largest of v[0..len), largest first, equal values by index (the host's ranking). */
-static void top_n_sorted(const float *v, int64_t len, int64_t n, float *vals, int64_t *ids) {
-    int64_t kept = 0;
-    for (int64_t i = 0; i < len; i++) {
-        const float x = v[i];
-        if (kept == n && !(x > vals[n - 1])) continue;
-        int64_t j = kept < n ? kept++ : n - 1;
-        while (j > 0 && vals[j - 1] < x) {
-            vals[j] = vals[j - 1];
-            ids[j] = ids[j - 1];
-            j--;
-        }
-        vals[j] = x;
-        ids[j] = i;
-    }
-}
 
 /* The chain over the n_top candidates `vals` (highest first): top-p at temperature 1 in float32 (sums in order),
  * min-p, the temperature, a float64 softmax over the survivors; then the first survivor whose running sum passes
