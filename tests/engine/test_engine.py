@@ -367,10 +367,10 @@ def test_the_deployments_line_plans_on_a_24_gb_host():
 def _faulty_sample(real):
     """A job's sampler that fails for requests that ask for exactly 13 tokens (an injected fault)."""
 
-    def sample(job: Job, logits):
+    def sample(job: Job, logits, ranked=None):
         if job.request.n_predict == 13 and job.output is not None and len(job.output.tokens) >= 5:
             raise RuntimeError("injected fault")
-        return real(job, logits)
+        return real(job, logits, ranked)
 
     return sample
 

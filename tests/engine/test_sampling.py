@@ -262,6 +262,60 @@ def test_a_row_ranked_on_its_device_gives_the_host_rows_tokens(name, params, mon
     assert on_device[1] == on_device[0]
 
 
+@pytest.mark.parametrize("names", [("model", "masked", "sparse"), ("ties", "ties"), ("small", "small")])
+@pytest.mark.parametrize("n", [1, 40, 300])
+@pytest.mark.parametrize("bias", [{}, {7: -math.inf, 11: 2.5}], ids=["none", "biased"])
+def test_rows_ranked_together_are_each_rows_own_ranking(names, n, bias):
+    """A verification's rows ranked in one pass and one copy (`rows_ranked_on_device`) against its twin, each row
+    ranked alone (`ranked_on_device`): the same ids and values, with the row's biases (at n = 1 the first of tied
+    best logits), and the same ties declined (the ties row's at 40 and 300)."""
+    from mtpserve.engine.sampling import DeviceBias, ranked_on_device, rows_ranked_on_device
+
+    rows = torch.stack([torch.from_numpy(_rows()[name]) for name in names])
+    rows[1:] += torch.randn(rows[1:].shape, generator=torch.Generator().manual_seed(n)) * 0.01  # rows differ
+    device_bias = DeviceBias.of(bias, rows.device)
+    together = rows_ranked_on_device(rows, n, device_bias)
+    alone = [ranked_on_device(row, n, device_bias, {}, 1.0, 0.0, 0.0) for row in rows]
+    as_lists = [None if r is None else (r[0].tolist(), r[1].tobytes()) for r in together]
+    assert as_lists == [None if r is None else (r[0].tolist(), r[1].tobytes()) for r in alone]
+    assert any(r is not None for r in together)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(),
+        dict(temperature=0.6, top_k=20, min_p=0.0),
+        dict(typical_p=0.9, min_keep=3, logit_bias={5: 1.5}),
+        dict(temperature=0.0),
+        dict(temperature=0.0, logit_bias={5: 30.0, 9: -math.inf}),
+    ],
+    ids=["defaults", "qwen", "typical", "greedy", "greedy-biased"],
+)
+def test_a_row_ranked_with_its_verification_samples_as_alone(params, monkeypatch):
+    """A row's ranking from `Sampler.rows_ranked` gives the distribution and the seeded draws the row gives alone;
+    chains whose rows differ (penalties), those that need whole rows and host rows are not ranked together."""
+    from mtpserve.engine import sampling
+
+    rows = torch.from_numpy(np.stack([_rows()["model"], _rows()["model"][::-1].copy()]))
+    monkeypatch.setattr(sampling, "HOST_DEVICES", frozenset())  # the CPU's rows take the device path
+    ranked = Sampler(SamplingParams(**params)).rows_ranked(rows)
+    assert ranked is not None and len(ranked) == 2
+    for row, one in zip(rows, ranked):
+        alone, together = Sampler(SamplingParams(seed=3, **params)), Sampler(SamplingParams(seed=3, **params))
+        assert together.probabilities(row, one) == alone.probabilities(row)
+        assert [together.sample(row, one) for _ in range(20)] == [alone.sample(row) for _ in range(20)]
+    for declined in (
+        dict(temperature=0.0, repeat_penalty=1.1),
+        dict(repeat_penalty=1.1),
+        dict(top_k=0),
+        dict(top_k=2000),
+    ):
+        assert Sampler(SamplingParams(**declined)).rows_ranked(rows) is None
+    monkeypatch.setattr(sampling, "HOST_DEVICES", frozenset({"cpu"}))
+    assert Sampler(SamplingParams(**params)).rows_ranked(rows) is None
+
+
 def test_the_device_ranking_leaves_only_unambiguous_rankings_to_itself():
     """`ranked_on_device` declines (None) exactly when the (n+1)-th logit ties the n-th, where the host's whole row
     decides by id; otherwise its n are the host's, equal logits inside ordered by id."""

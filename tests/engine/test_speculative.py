@@ -253,16 +253,26 @@ def test_rows_ranked_on_the_device_give_the_hosts_tokens(monkeypatch):
     """The GPU path leaves a pass's logits on the device and ranks each row there (engine.sampling.ranked_on_device);
     through the engine, with "cpu" taken off the host devices so the CPU's rows take that path: the same tokens and
     probabilities as the numpy path for greedy requests, seeded sampling with penalties and probabilistic MTP
-    drafts (the draft's rows ranked so too)."""
+    drafts (the draft's rows ranked so too), and the server's default chain; greedy and the default chain rank a
+    verification's rows together (`rows_ranked_on_device`)."""
     from mtpserve.engine import sampling
 
     prompts = _requests("Q4_K_M")[:2]
     chains = [
         GREEDY,
         SamplingParams(temperature=0.8, top_k=20, top_p=0.95, repeat_penalty=1.1, presence_penalty=0.3, seed=7),
+        SamplingParams(seed=11),
     ]
     spec = SpecConfig("draft-mtp", n_max=2, draft_sampling="probabilistic")
     runs = []
+    together = []
+    ranked_together = sampling.rows_ranked_on_device
+
+    def counted(rows, n, bias):
+        together.append(len(rows))
+        return ranked_together(rows, n, bias)
+
+    monkeypatch.setattr(sampling, "rows_ranked_on_device", counted)
     for devices in (sampling.HOST_DEVICES, frozenset()):
         monkeypatch.setattr(sampling, "HOST_DEVICES", devices)
         with _engine("Q4_K_M", spec) as engine:
@@ -282,6 +292,7 @@ def test_rows_ranked_on_the_device_give_the_hosts_tokens(monkeypatch):
             runs.append(out)
     assert runs[1] == runs[0]
     assert sum(accepted for *_, accepted in runs[0]) > 0
+    assert 3 in together and set(together) <= {2, 3}  # greedy's and the default chain's (shorter near the end)
 
 
 def test_a_requests_timings_count_drafts_by_position():

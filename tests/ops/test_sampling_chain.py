@@ -66,3 +66,7 @@ def test_top_candidates_are_torchs_top_k(n: int, k: int) -> None:
     masked = row.clone()
     masked[masked < masked.topk(k + 3).values[-1]] = float("-inf")  # a masked row: k + 3 above -inf
     assert torch.equal(top_candidates(masked, k)[1], masked.topk(k).indices)
+    rows = torch.stack((row, masked, row.flip(0)))  # a verification's rows, ranked together: each row's own
+    values, ids = top_candidates(rows, k)
+    for r, one in enumerate(rows):
+        assert torch.equal(values[r], one.topk(k).values) and torch.equal(ids[r], top_candidates(one, k)[1])

@@ -15,7 +15,7 @@ from .output import RequestOutput, Stop
 from .reasoning_budget import ReasoningBudget
 from .rejection import Distribution, accept_or_resample, spec_stream
 from .request import FinishEvent, ProgressEvent, Request, Timings, TokenEvent
-from .sampling import Mt19937Uniform, Sampler, post_sampling_probabilities, top_probabilities
+from .sampling import Mt19937Uniform, Ranked, Sampler, post_sampling_probabilities, top_probabilities
 
 Probs = tuple[list[tuple[int, float]], float]  # with n_probs: the top tokens, and the sampled one's probability
 NO_PROBS: Probs = ([], 0.0)
@@ -62,24 +62,33 @@ class Job:
         if request.reasoning_budget is not None:
             self.budget = ReasoningBudget(request.reasoning_budget, tokenizer)
 
-    def sample(self, logits: torch.Tensor) -> tuple[int, Probs]:
-        """The next token from `logits` [V] with the request's sampler, and its probabilities with n_probs."""
+    def sample(self, logits: torch.Tensor, ranked: Ranked | None = None) -> tuple[int, Probs]:
+        """The next token from `logits` [V] with the request's sampler, and its probabilities with n_probs.
+        `ranked`: the row's top-k, ranked with its verification's other rows (`rows_ranked`)."""
         assert self.sampler is not None
         token = self.budget.forced() if self.budget is not None else None  # a spent reasoning budget decides
         allowed = logits  # a forced token skips the mask: it is not drawn
         if token is None:
             allowed = self.constraint.masked(logits) if self.constraint else logits
-            token = self.sampler.sample(allowed)
+            token = self.sampler.sample(allowed, ranked)
         return token, self._take(token, logits, allowed)
 
-    def verify_draft(self, logits: torch.Tensor, drafted: int, q: Distribution) -> tuple[int, Probs]:
+    def rows_ranked(self, rows: torch.Tensor) -> list[Ranked | None] | None:
+        """A verification's rows [R, V] ranked together on their device (`Sampler.rows_ranked`); None where
+        each row is sampled alone (a grammar masks each row after the tokens kept before it)."""
+        assert self.sampler is not None
+        return None if self.constraint is not None else self.sampler.rows_ranked(rows)
+
+    def verify_draft(
+        self, logits: torch.Tensor, drafted: int, q: Distribution, ranked: Ranked | None = None
+    ) -> tuple[int, Probs]:
         """The token at a drafted position whose draft was drawn from `q` (engine.rejection): `drafted`, kept with
         probability min(1, p / q) against the request's distribution p at `logits`, or a draw from the residual."""
         assert self.sampler is not None
         if self.budget is not None and self.budget.forced() is not None:
             return self.sample(logits)  # p is the forced token alone: comparing is the same rule
         allowed = self.constraint.masked(logits) if self.constraint else logits
-        p = self.sampler.probabilities(allowed)
+        p = self.sampler.probabilities(allowed, ranked)
         token = accept_or_resample(p, q, drafted, self.spec_rng())
         return token, self._take(token, logits, allowed)
 

@@ -34,6 +34,7 @@ from ..ops.sampling_chain import top_candidates
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw a fresh seed
 HOST_DEVICES = frozenset({"cpu"})  # rows read by numpy; a row anywhere else is ranked on its device
 DEVICE_TOP_MAX = 1024  # the most candidates ranked on a device (a larger top_k, or none, copies the row)
+Ranked = tuple[np.ndarray, np.ndarray]  # (ids, logits after biases and penalties), the chain's order
 
 
 @dataclass
@@ -143,18 +144,41 @@ class Sampler:
         best = _argmax(logits)
         return None if best in p.logit_bias else best
 
-    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def candidates(self, logits: torch.Tensor, ranked: Ranked | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, logits) of the tokens that survive the chain's filters, in the chain's order, with the
-        temperature applied; a single token when greedy."""
-        ids, values = self._survivors(logits)
+        temperature applied; a single token when greedy. `ranked`: the row's top-k, from `rows_ranked`."""
+        ids, values = self._survivors(logits, ranked)
         return torch.from_numpy(ids), torch.from_numpy(values)
 
-    def _survivors(self, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    def rows_ranked(self, rows: torch.Tensor) -> list[Ranked | None] | None:
+        """Each row's top-k (`_ranked`; greedy: the best), for rows [R, V] left on a device that this chain reads
+        alike (a verification's rows), ranked together there and copied in one (`rows_ranked_on_device`); None for
+        a row whose k-th candidate ties the next. None for all where the rows are read on the host, or the chain's
+        rows differ (penalties count the tokens kept before each) or need the whole row (a top-k of 0 or above
+        DEVICE_TOP_MAX)."""
+        p = self.params
+        if rows.device.type in HOST_DEVICES or p.penalized or (p.top_k <= 0 and not p.greedy):
+            return None
+        n = 1 if p.greedy else min(max(p.top_k, p.min_keep, 1), rows.shape[-1])
+        return rows_ranked_on_device(rows, n, self._bias_on(rows)) if n <= DEVICE_TOP_MAX else None
+
+    def _bias_on(self, logits: torch.Tensor) -> DeviceBias | None:
+        """The request's biases as tensors on the logits' device, made once."""
+        key = (logits.device, logits.shape[-1])
+        if key not in self._device_bias:
+            bias = {t: b for t, b in self.params.logit_bias.items() if 0 <= t < logits.shape[-1]}
+            self._device_bias[key] = DeviceBias.of(bias, logits.device)
+        return self._device_bias[key]
+
+    def _survivors(self, logits: torch.Tensor, ranked: Ranked | None = None) -> tuple[np.ndarray, np.ndarray]:
         p = self.params
         if p.greedy:
-            return self._ranked(logits, 1)
-        min_keep = max(p.min_keep, 1)
-        ids, values = self._ranked(logits, min(max(p.top_k, min_keep), len(logits)) if p.top_k > 0 else len(logits))
+            return ranked if ranked is not None else self._ranked(logits, 1)
+        if ranked is not None:
+            ids, values = ranked
+        else:
+            n = min(max(p.top_k, p.min_keep, 1), len(logits)) if p.top_k > 0 else len(logits)
+            ids, values = self._ranked(logits, n)
         if p.typical_p < 1.0:
             values, ids = _typical(values, ids, p.typical_p, p.min_keep)
             order = np.argsort(-values, kind="stable")  # back to logit order for top_p
@@ -183,22 +207,17 @@ class Sampler:
 
     def _ranked_on_device(self, logits: torch.Tensor, n: int) -> tuple[np.ndarray, np.ndarray] | None:
         p = self.params
-        key = (logits.device, len(logits))
-        if key not in self._device_bias:
-            self._device_bias[key] = DeviceBias.of(
-                {t: b for t, b in p.logit_bias.items() if 0 <= t < len(logits)}, logits.device
-            )
         counts = self.counts if self._penalizes else {}
-        bias = self._device_bias[key]
+        bias = self._bias_on(logits)
         return ranked_on_device(logits, n, bias, counts, p.repeat_penalty, p.frequency_penalty, p.presence_penalty)
 
-    def sample(self, logits: torch.Tensor) -> int:
+    def sample(self, logits: torch.Tensor, ranked: Ranked | None = None) -> int:
         # greedy on the host: the best token without a ranked row (every Python step shows in a small model's decode)
         greedy = self.params.greedy and logits.device.type in HOST_DEVICES
         if greedy and (best := self._unbiased_argmax(logits)) is not None:
             self.rng.random()  # one draw per token, as below
             return best
-        ids, values = self._survivors(logits)
+        ids, values = self._survivors(logits, ranked)
         if len(ids) == 1:
             self.rng.random()  # one draw per token, as llama.cpp keeps its stream aligned
             return int(ids[0])
@@ -207,9 +226,9 @@ class Sampler:
         index = int(np.searchsorted(cumulative, target))
         return int(ids[min(index, len(ids) - 1)])
 
-    def probabilities(self, logits: torch.Tensor) -> dict[int, float]:
-        """The distribution `sample` draws from (for tests and post-sampling probabilities)."""
-        ids, values = self.candidates(logits)
+    def probabilities(self, logits: torch.Tensor, ranked: Ranked | None = None) -> dict[int, float]:
+        """The distribution `sample` draws from (the ratio rule's p, post-sampling probabilities)."""
+        ids, values = self.candidates(logits, ranked)
         probs = torch.softmax(values.double(), 0)
         return dict(zip(ids.tolist(), probs.tolist()))
 
@@ -286,12 +305,38 @@ def ranked_on_device(
         return _best_on_device(row)
     top_values, top_ids = top_candidates(row, min(n + 1, len(row)))
     values, ids = torch.stack((top_values, top_ids.float())).cpu().numpy()
-    ids = ids.astype(np.int64)
+    return _ranked_candidates(values, ids.astype(np.int64), n)
+
+
+def rows_ranked_on_device(rows: torch.Tensor, n: int, bias: DeviceBias | None) -> list[Ranked | None]:
+    """`ranked_on_device` for rows [R, V] without penalties: the biases, and each row's n highest found together,
+    with the (n+1)-th, in one copy. Per row as `ranked_on_device` gives it, None where the (n+1)-th ties the n-th
+    (n = 1: the first of tied best logits, as torch.max and numpy's argmax give it)."""
+    if rows.shape[-1] > 1 << 24:
+        return [None] * len(rows)
+    rows = rows.float()
+    if bias is not None:
+        rows = rows.clone()
+        rows[:, bias.ids] += bias.values
+    if n == 1:
+        best, where = rows.max(-1)
+        packed = torch.stack((best, where.float()), -1).cpu().numpy()
+        return [(row[1:].astype(np.int64), row[:1]) for row in packed]
+    k = min(n + 1, rows.shape[-1])
+    values, ids = top_candidates(rows, k)
+    packed = torch.cat((values, ids.float()), -1).cpu().numpy()
+    return [_ranked_candidates(row[:k], row[k:].astype(np.int64), n) for row in packed]
+
+
+def _ranked_candidates(values: np.ndarray, ids: np.ndarray, n: int) -> Ranked | None:
+    """The n highest of a device's top candidates (values high to low, the (n+1)-th last if it came), equal
+    logits by id; None where the (n+1)-th ties the n-th (which of the tied ids the n take is decided by id, on the
+    host's whole row)."""
     if len(ids) > n:
         if values[n] == values[n - 1]:
             return None
         ids, values = ids[:n], values[:n]
-    order = np.lexsort((ids, -values))  # equal logits by id
+    order = np.lexsort((ids, -values))
     return ids[order], values[order]
 
 

@@ -118,8 +118,10 @@ class Speculator:
         n_past = slot.state.n_past - n  # before the pass
         accepted: list[tuple[int, Probs, int]] = []
         draws = self.draws.get(slot.id, [])
+        ranked = job.rows_ranked(logits) if draft else None  # a sampling request's rows in one device copy
         for i, row in enumerate(logits):
-            token, probs = job.verify_draft(row, draft[i], draws[i]) if i < len(draws) else job.sample(row)
+            r = ranked[i] if ranked is not None else None
+            token, probs = job.verify_draft(row, draft[i], draws[i], r) if i < len(draws) else job.sample(row, r)
             accepted.append((token, probs, n_past + 1 + i))
             if i == len(draft) or token != draft[i] or token in self.eog_ids:
                 break

@@ -22,22 +22,23 @@ GROUPS = 256  # a long row's first stage: each group's own top k
 LONG_ROW = 1 << 15  # rows at least this long go in two stages
 
 
-def top_candidates(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, ids) of the k largest of `row` [V], largest first, as `row.topk(k)` gives them (which of equal
-    values it takes may differ). A long row goes in two stages, each of GROUPS runs' own k largest (a top-k of many
-    short rows) and then the k largest of those: the k largest of the row are each among their run's. torch's top-k
-    of one long row took 466 us on an H200 at Qwen's 248,320 tokens (with a penalty's clone and the copy back:
-    docs/perf/h200_decode_2026-12-04.json), where a decode step's GEMVs take ~8 ms. The row is padded with -inf to
-    whole runs; a padded slot is taken only where fewer than k of the row are above -inf (callers ask for fewer)."""
-    n = row.shape[0]
+def top_candidates(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of the k largest of each row of `rows` [..., V], largest first, as `rows.topk(k)` gives them
+    (which of equal values it takes may differ). A long row goes in two stages, each of GROUPS runs' own k largest
+    (a top-k of many short rows) and then the k largest of those: the k largest of the row are each among their
+    run's. torch's top-k of one long row took 466 us on an H200 at Qwen's 248,320 tokens (with a penalty's clone and
+    the copy back: docs/perf/h200_decode_2026-12-04.json), where a decode step's GEMVs take ~8 ms. The row is padded
+    with -inf to whole runs; a padded slot is taken only where fewer than k of the row are above -inf (callers ask
+    for fewer)."""
+    n = rows.shape[-1]
     width = -(-n // GROUPS)
     if n < LONG_ROW or k > width // 2:
-        return row.topk(k)
-    runs = torch.nn.functional.pad(row, (0, width * GROUPS - n), value=float("-inf")).view(GROUPS, width)
-    values, ids = runs.topk(k, dim=1)
-    best, where = values.flatten().topk(k)
-    starts = torch.arange(0, GROUPS * width, width, device=row.device)[:, None]
-    return best, (ids + starts).flatten()[where]
+        return rows.topk(k)
+    padded = torch.nn.functional.pad(rows, (0, width * GROUPS - n), value=float("-inf"))
+    values, ids = padded.view(*rows.shape[:-1], GROUPS, width).topk(k)
+    best, where = values.flatten(-2).topk(k)
+    starts = torch.arange(0, GROUPS * width, width, device=rows.device)[:, None]
+    return best, (ids + starts).flatten(-2).gather(-1, where)
 
 
 @dataclass(frozen=True)
