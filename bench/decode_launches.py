@@ -26,7 +26,9 @@ skipped) is what a CUDA graph of the engine captures (models/graphs.py), run eag
 * verify: the Speculator's verification step, StepGraph of n_max + 1 = 3 tokens with per-token states kept;
 * mtp_draft: one MTP draft step (MTPDraftGraph unchained, as with the token table in host memory: the MTP
   block, the head's Q4_0 copy and its top-64, the head's rows of those and their top-k, as --spec-draft-head
-  auto scores a draft on a GPU); mtp_catch_up: the MTP block's pass over 3 accepted rows.
+  auto scores a draft on a GPU); mtp_draw: one draft step drawn at a temperature (MTPDrawGraph unchained: the
+  MTP block, the whole head, its top-k and the server's default chain, top-k 40, and the draw); mtp_catch_up:
+  the MTP block's pass over 3 accepted rows.
 The host work around a replay (embedding on the host, copies in, logits out) is not part of the graph: not
 counted.
 """
@@ -53,9 +55,10 @@ from gpu import QWEN36_27B, random_weights  # noqa: E402 - bench/gpu.py, beside 
 from mtpserve.engine.drafters import DRAFT_TOP_K  # noqa: E402
 from mtpserve.models.base import WeightStore  # noqa: E402
 from mtpserve.models.draft_head import DraftHead  # noqa: E402
-from mtpserve.models.graphs import DecodeGraph, MTPDraftGraph, MTPRowsGraph, StepGraph  # noqa: E402
+from mtpserve.models.graphs import DecodeGraph, MTPDraftGraph, MTPDrawGraph, MTPRowsGraph, StepGraph  # noqa: E402
 from mtpserve.models.loader import build_model  # noqa: E402
 from mtpserve.models.qwen35 import DecoderLayer, Qwen35Config  # noqa: E402
+from mtpserve.ops.sampling_chain import ChainShape, top_candidates  # noqa: E402
 from mtpserve.quant.mix import FILE_TYPES, ModelFacts, plan_types  # noqa: E402
 from mtpserve.quant.types import GGMLType  # noqa: E402
 from tests.support.launch_count import LaunchCount, count_launches  # noqa: E402
@@ -134,6 +137,18 @@ def count(step: Callable[[], object], n_layer: int) -> LaunchCount:
     return counted
 
 
+def two_stage_extra(vocab: int = QWEN36_27B.n_vocab, k: int = 40) -> int:
+    """Kernels a drawn draft's top-k of the 27B's row launches beyond SMALL_27B's (ops.sampling_chain.top_candidates
+    takes a long row in two stages): the one count here that depends on a width."""
+
+    def launches(n: int) -> int:
+        with torch.inference_mode(), count_launches() as counted:
+            top_candidates(torch.zeros(n), k)
+        return counted.total
+
+    return launches(vocab) - launches(SMALL_27B.n_vocab)
+
+
 def summary(c: LaunchCount, layers: dict[str, int]) -> dict:
     by_kind = {}
     for kind, kernels in sorted(c.by_scope.items()):
@@ -171,7 +186,11 @@ def counts(config: Qwen35Config = SMALL_27B) -> dict:
         catch_up = MTPRowsGraph(model, state, N_MAX + 1, capture=False)
         graphs["decode"] = (lambda: [s._step() for s in decode.segments], trunk)
         graphs["verify"] = (lambda: [s._step() for s in verify.segments], trunk)
+        # a draft drawn at a temperature (the server's default chain: top-k 40), from the whole head
+        drawn = MTPDrawGraph(model, state, N_MAX, DraftHead(model.mtp_head), DRAFT_TOP_K, ChainShape(40, 0),
+                             capture=False, chained=False)  # fmt: skip
         graphs["mtp_draft"] = (draft._step, {"mtp_block": 1})
+        graphs["mtp_draw"] = (drawn._step, {"mtp_block": 1})
         graphs["mtp_catch_up"] = (catch_up._step, {"mtp_block": 1})
         steps = {name: summary(count(step, n), layers) for name, (step, layers) in graphs.items()}
     plan = type_plan(config)
@@ -184,6 +203,7 @@ def counts(config: Qwen35Config = SMALL_27B) -> dict:
         "kernels_per_decode_step": steps["decode"]["kernels"],
         "kernels_per_verify_step": steps["verify"]["kernels"],
         "kernels_per_mtp_draft": steps["mtp_draft"]["kernels"],
+        "kernels_per_mtp_draw": steps["mtp_draw"]["kernels"] + two_stage_extra(),
         "kernels_per_mtp_catch_up": steps["mtp_catch_up"]["kernels"],
         "steps": steps,
     }
@@ -192,7 +212,8 @@ def counts(config: Qwen35Config = SMALL_27B) -> dict:
 def report(r: dict) -> str:
     lines = [
         f"kernels per decode step {r['kernels_per_decode_step']}, per verification step ({r['n_max'] + 1} tokens) "
-        f"{r['kernels_per_verify_step']}, per MTP draft step {r['kernels_per_mtp_draft']}, per MTP catch-up "
+        f"{r['kernels_per_verify_step']}, per MTP draft step {r['kernels_per_mtp_draft']} (drawn at a temperature "
+        f"{r['kernels_per_mtp_draw']}), per MTP catch-up "
         f"({r['n_max'] + 1} rows) {r['kernels_per_mtp_catch_up']}"
     ]
     for name, s in r["steps"].items():

@@ -18,7 +18,10 @@ frequency penalties) at the model's vocabulary and at Qwen3.5/3.6's 248,320; a J
 vocabulary (the grammar's tokenizer is the model's; an object with a required string, which the stand-in's greedy
 tokens keep open, so every token is masked and the request runs its --tokens); draft-mtp with 2 drafts a step, every
 draft accepted (the stand-in's verification rows all prefer the token the MTP head drafts; the head's own product,
-4,096 x 256, is in the wall time, not the host time); and greedy streamed through the HTTP server (`POST
+4,096 x 256, is in the wall time, not the host time); the same at the server's default chain (temperature 0.8,
+top-k 40, top-p 0.95, min-p 0.05) with drafts drawn from it (the stand-in draws them as the C chain does, and its
+verification rows are the head's own row, so p is q and the ratio rule keeps every draft); and greedy streamed
+through the HTTP server (`POST
 /completion`, `stream: true`), the server in its own process as in use, the time taken between the first and last
 SSE events the client reads.
 """
@@ -46,8 +49,10 @@ from mtpserve.engine import (
     TokenEvent,
 )
 from mtpserve.engine.planner import plan_for_file
+from mtpserve.engine.sampling import Sampler
 from mtpserve.models.base import Batch
 from mtpserve.models.loader import load
+from mtpserve.ops.decode_program import DrawnChain
 from mtpserve.ops.linear import linear
 from mtpserve.tokenizer import Tokenizer
 from mtpserve.tuning.runner import managed_server
@@ -64,23 +69,27 @@ PROMPT = list(range(100, 116))
 SCHEMA = '{"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}'
 
 
-def stand_in(vocab: int, agree: bool = False, fresh_logits: bool = True, draft_vocab: int = 0):
+def stand_in(vocab: int, agree: bool = False, fresh_logits: bool = True, draft_vocab: int = 0, drawn: bool = False):
     """tinyqwen35 whose passes cost nothing and whose logits are `vocab` wide. `agree`: every logits row prefers
     the token the MTP head drafts (the stand-in's MTP rows return one fixed hidden state), so every draft is
     accepted. `fresh_logits` False hands out rows of the fixed table itself, uncopied (the GPU time model, which
     counts each row's ranking on the device as time of its own); the engine must then not write into them, and
     `engine_case` checks that it did not. `draft_vocab`: the drafter scores only that many head rows (what `agree`
-    computes its draft from)."""
+    computes its draft from). `drawn` (with `agree`): the drafts are drawn from the request's chain (the C chain's
+    contract, `DrawnChain`) and every verification row is the head's own row, so p is q and every draft is kept."""
     model = load(MODEL)
     n_embd, n_model = model.config.n_embd, model.config.n_vocab
     generator = torch.Generator().manual_seed(0)
     table = torch.randn(8, vocab, generator=generator)
     table[:, :n_model] += 8.0  # the model's own tokens win
     mtp_hidden = torch.randn(n_embd, generator=generator)
-    if agree:
-        head = model.mtp_head.first_rows(draft_vocab) if draft_vocab else model.mtp_head
-        drafted = int(linear(mtp_hidden[None], head)[0].argmax())
-        table[:, drafted] = table.max() + 1.0
+    head = model.mtp_head.first_rows(draft_vocab) if draft_vocab else model.mtp_head
+    head_row = linear(mtp_hidden[None], head)[0]
+    if agree and drawn:  # every verification row is the draft head's row: p is q, and every draw is kept
+        table[:, : len(head_row)] = head_row
+        table[:, len(head_row) :] = head_row.min() - 64.0
+    elif agree:
+        table[:, int(head_row.argmax())] = table.max() + 1.0
     mtp_kv = model.mtp_kv_index
 
     def program_decode(tokens, states, steps=None, logits=False):  # the decode program's hidden states and logits
@@ -100,9 +109,11 @@ def stand_in(vocab: int, agree: bool = False, fresh_logits: bool = True, draft_v
         return None, mtp_hidden.expand(len(tokens), n_embd)
 
     def mtp_draft(hidden, tokens, state, n_steps, head, top_k, p_min, draws=None):  # the C chain: a head product a step
-        assert draws is None  # the cases draft greedily
         state.kv[mtp_kv].length += len(tokens) + n_steps - 1
-        return [(int(linear(mtp_hidden[None], head)[0].argmax()), 1.0) for _ in range(n_steps)]
+        row = linear(mtp_hidden[None], head)[0]
+        if draws is None:
+            return [(int(row.argmax()), 1.0) for _ in range(n_steps)]
+        return drawn_steps(row, draws, n_steps)
 
     def logits_on_device(hidden, seq_len=None):
         return table[: len(hidden)].clone() if fresh_logits else table[: len(hidden)]
@@ -127,6 +138,27 @@ def stand_in(vocab: int, agree: bool = False, fresh_logits: bool = True, draft_v
     model.logits_table = table
     model.stand_in_calls = calls
     return model
+
+
+def drawn_steps(row: torch.Tensor, draws: DrawnChain, n_steps: int) -> list[tuple[int, float]]:
+    """What the C chain hands back for drafts drawn from `row` (each step's, the stand-in's head row being fixed):
+    the uniforms taken, each step's survivors and probabilities written to `draws`, the drawn tokens."""
+    draws.take_uniforms(n_steps)
+    chain, shape = draws.chain, draws.shape
+    params = SamplingParams(
+        temperature=chain.temperature, top_k=shape.n_top, top_p=chain.top_p, min_p=chain.min_p,
+        min_keep=shape.min_keep, logit_bias=dict.fromkeys(chain.banned, float("-inf")),
+    )  # fmt: skip
+    q = Sampler(params).probabilities(row)
+    ids = torch.tensor(list(q), dtype=torch.int64)
+    probs = torch.tensor(list(q.values()), dtype=torch.float64)
+    cumulative = probs.cumsum(0)
+    steps = []
+    for s in range(n_steps):
+        draws.ids[s, : len(q)], draws.probs[s, : len(q)], draws.kept[s] = ids, probs, len(q)
+        index = int(torch.searchsorted(cumulative, cumulative[-1] * draws.uniforms[s], side="right"))
+        steps.append((int(ids[min(index, len(q) - 1)]), 1.0))
+    return steps
 
 
 def stand_in_seconds(calls: list[tuple[float, float]], start: float, end: float) -> float:
@@ -171,7 +203,8 @@ def engine_case(
 ) -> list[tuple[float, float]]:
     """Per round (the first a warm-up): (host, wall) microseconds a token (`per_token_us`)."""
     draft_vocab = spec.draft_vocab if spec else 0
-    model = stand_in(vocab, agree=spec is not None, fresh_logits=fresh_logits, draft_vocab=draft_vocab)
+    drawn = spec is not None and spec.probabilistic and not sampling.greedy
+    model = stand_in(vocab, spec is not None, fresh_logits, draft_vocab, drawn)
     table = model.logits_table.clone()
     config = engine_config(args.tokens, spec)
     samples = []
@@ -240,7 +273,11 @@ def main() -> int:
         return 0
     torch.set_num_threads(2)
     tokenizer = Tokenizer.from_gguf(MODEL)
-    greedy, json_grammar = SamplingParams(temperature=0.0), GrammarSpec("json_schema", SCHEMA)
+    greedy, default, json_grammar = (
+        SamplingParams(temperature=0.0),
+        SamplingParams(),
+        GrammarSpec("json_schema", SCHEMA),
+    )
     draft_mtp = SpecConfig(type="draft-mtp", n_max=2)
     cases = [
         ("greedy", 4096, greedy, None, None),
@@ -249,6 +286,7 @@ def main() -> int:
         ("full sampler chain", QWEN_VOCAB, FULL_CHAIN, None, None),
         ("JSON-schema grammar, greedy", 4096, greedy, json_grammar, None),
         ("draft-mtp n_max 2, greedy, all accepted", QWEN_VOCAB, greedy, None, draft_mtp),
+        ("draft-mtp n_max 2, the default chain, drawn, all accepted", QWEN_VOCAB, default, None, draft_mtp),
         ("greedy, streamed over HTTP", QWEN_VOCAB, greedy, None, "http"),
     ]
     print("| case | vocabulary | host time per token (median) | wall time per token, the stand-in's calls included |")

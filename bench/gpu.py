@@ -281,8 +281,10 @@ def measure_ranking(device: torch.device, timer: Timer, n_vocab: int, reps: int)
     """Microseconds to rank one logits row where it is and bring its candidates over (engine.sampling: the argmax of
     a greedy request with a ban, the top 40 of a sampling one with a 64-token penalty window), against copying the
     row whole: calibrates bench/gpu_time_model.py's RANK_US + COPY_LATENCY_US. And the top 41 alone, torch's top-k
-    of the row against the two stages both rankings now take (ops.sampling_chain.top_candidates)."""
-    from mtpserve.engine.sampling import DeviceBias, ranked_on_device
+    of the row against the two stages both rankings now take (ops.sampling_chain.top_candidates); and a
+    verification's 3 rows at the server's top-k 40, ranked together in one copy (the model assumes one RANK_US)
+    against each alone."""
+    from mtpserve.engine.sampling import DeviceBias, ranked_on_device, rows_ranked_on_device
     from mtpserve.ops.sampling_chain import top_candidates
 
     row = torch.randn(n_vocab, generator=torch.Generator().manual_seed(5)).to(device)
@@ -293,6 +295,9 @@ def measure_ranking(device: torch.device, timer: Timer, n_vocab: int, reps: int)
     whole = timer.median(lambda: row.cpu(), reps)
     topk = timer.median(lambda: row.topk(41), reps)
     two_stages = timer.median(lambda: top_candidates(row, 41), reps)
+    rows = torch.stack((row, row.flip(0), row.roll(1)))
+    together = timer.median(lambda: rows_ranked_on_device(rows, 40, ban), reps)
+    alone = timer.median(lambda: [ranked_on_device(r, 40, ban, {}, 1.0, 0.0, 0.0) for r in rows], reps)
     return {
         "vocab": n_vocab,
         "greedy_us": 1e6 * greedy,
@@ -300,6 +305,8 @@ def measure_ranking(device: torch.device, timer: Timer, n_vocab: int, reps: int)
         "row_copy_us": 1e6 * whole,
         "topk41_us": 1e6 * topk,
         "top_candidates41_us": 1e6 * two_stages,
+        "rows3_top40_together_us": 1e6 * together,
+        "rows3_top40_each_us": 1e6 * alone,
     }
 
 
@@ -1098,7 +1105,8 @@ def report(r: dict) -> str:
                 f"a logits row of {rk['vocab']:,} ranked where it is and its candidates copied: greedy "
                 f"{rk['greedy_us']:.0f} us, top-40 with penalties {rk['top40_us']:.0f} us (the whole row copied: "
                 f"{rk['row_copy_us']:.0f} us); its top 41 alone: torch's top-k {rk['topk41_us']:.0f} us, in two "
-                f"stages {rk['top_candidates41_us']:.0f} us"
+                f"stages {rk['top_candidates41_us']:.0f} us; a verification's 3 rows' top 40 together "
+                f"{rk['rows3_top40_together_us']:.0f} us, each alone {rk['rows3_top40_each_us']:.0f} us"
             ]
             if (rk := r.get("ranking"))
             else []

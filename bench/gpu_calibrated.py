@@ -158,7 +158,8 @@ def predict(
                 + (tm.N_MAX + 1) * (draft - (w.mtp_block + w.output_layer) / (hbm * e.gemv_fraction_1)),
                 "small_kernels": e.small_kernels_cycle_ms,
                 "launches": (k.verify + tm.N_MAX * k.draft + k.catch_up) * e.gap_us / 1e3,
-                "host": host_ms_per_mtp_cycle + (1 + 2 * tm.N_MAX) * (tm.RANK_US + tm.COPY_LATENCY_US) / 1e3,
+                # a verification's rows ranked together, and each draft step's row (engine.sampling.rows_ranked)
+                "host": host_ms_per_mtp_cycle + (1 + tm.N_MAX) * (tm.RANK_US + tm.COPY_LATENCY_US) / 1e3,
             }  # fmt: skip
             for spec, parts, tokens in (("none", plain, 1.0), ("draft-mtp", cycle, 1 + tm.N_MAX * tm.ACCEPTANCE)):
                 total = sum(parts.values())

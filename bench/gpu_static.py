@@ -39,8 +39,9 @@ every decode configuration for both archs in parallel (minutes on 2 cores).
 Then the decode cycle's time model (bench/gpu_time_model.py, its assumptions in its docstring) from these counts
 and decode attention's bounds, with the host time measured here by bench/engine_overhead.py's stand-in: the JSON's
 `predicted` (tok/s and ms a token by part for an H200 and 2 x RTX 2080 Ti with the layer split, at 4096 and 131072
-tokens, with and without draft-mtp), `predicted_row_split` (the two 2080 Ti as issue 40's tensor parallelism, over
-PCIe and over NVLink: built on CPU ranks, not on CUDA), `row_split_vs_layer_split` and `host_ms_per_mtp_cycle`.
+tokens, with and without draft-mtp), `predicted_sampled` (the same at the server's default chain, drafts drawn),
+`predicted_row_split` (the two 2080 Ti as issue 40's tensor parallelism, over PCIe and over NVLink: built on CPU
+ranks, not on CUDA), `row_split_vs_layer_split`, `host_ms_per_mtp_cycle` and `host_ms_per_mtp_cycle_sampled`.
 """
 
 from __future__ import annotations
@@ -252,11 +253,14 @@ def main(argv: list[str] | None = None) -> int:
         "kernels_per_verify_step": counts["kernels_per_verify_step"],
         "kernels_per_mtp_draft": counts["kernels_per_mtp_draft"],
         "kernels_per_mtp_catch_up": counts["kernels_per_mtp_catch_up"],
+        "kernels_per_mtp_draw": counts["kernels_per_mtp_draw"],
         "counts": counts,
         "kernels": rows,
         "summary": summarise(rows),
     }
-    timed = gpu_time_model.model(result, gpu_time_model.measure_host(tokens=args.host_tokens))
+    host = gpu_time_model.measure_host(tokens=args.host_tokens)
+    sampled = gpu_time_model.measure_host(tokens=args.host_tokens, sampling="default")
+    timed = gpu_time_model.model(result, host, sampled_host=sampled)
     result.update(timed)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

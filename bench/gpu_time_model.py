@@ -1,6 +1,6 @@
 """The decode cycle's time model: what a token of Qwen3.6-27B Q4_K_M costs on a GPU, part by part, without a GPU.
 
-    .venv/bin/python bench/gpu_time_model.py [--static docs/perf/gpu_static_after.json] [--json OUT]
+    .venv/bin/python bench/gpu_time_model.py [--static docs/perf/gpu_static_after.json] [--json OUT] [--runs N]
 
 bench/gpu_static.py calls `predict` too (its JSON's `predicted` and `host_ms_per_mtp_cycle`). A step (one token,
 or a verification of 1 + n_max tokens, or an MTP draft) costs the sum of five parts:
@@ -21,15 +21,22 @@ or a verification of 1 + n_max tokens, or an MTP draft) costs the sum of five pa
   verification writing one more per token (kept for the rollback; `state_passes`); with the layer split, the
   hidden state handed to the next card (n_embd float32 over PCIe, plus its latency).
 * launches: the step's kernels (bench/decode_launches.py on the GPU path's planar q8_0 cache: 709 a step, 709 a
-  verification, 32 a draft (27 with the whole head), 21 a catch-up; a kernel whose attention took a verification
-  in more passes would count one more launch a pass a layer) x LAUNCH_US each, the fixed cost of a kernel in a
-  graph replay beyond its memory time.
+  verification, 32 a draft (27 with the whole head; 72 drawn at a temperature), 21 a catch-up; a kernel whose
+  attention took a verification in more passes would count one more launch a pass a layer) x LAUNCH_US each, the
+  fixed cost of a kernel in a graph replay beyond its memory time.
 * host: the engine's own time per cycle, measured by bench/engine_overhead.py's stand-in (tinyqwen35 whose passes
-  cost nothing, with 248,320-token logits handed over uncopied: the engine step, the sampler, speculation's
-  bookkeeping), plus each logits row's ranking: the GPU path leaves the logits on the device and ranks each row
-  there (engine.sampling.ranked_on_device: the argmax, or the top-k of a sampling request), RANK_US of device time,
-  then one synchronizing copy of its candidates (COPY_LATENCY_US; a few hundred bytes). The host stand-in's own
-  sampler still ranks the whole row in numpy (~70 us of the measured time at top-k 40), an over-count kept.
+  cost nothing, its logits handed over uncopied and ranked by the device path's code on the CPU: the engine step,
+  the sampler, speculation's bookkeeping), plus each pass's ranking: the GPU path leaves the logits on the device
+  and ranks a pass's rows there together (engine.sampling.rows_ranked_on_device: the argmax, or the top-k of a
+  sampling request), RANK_US of device time (assumed the same for a verification's 3 rows as for one: 3 MB,
+  about a microsecond of HBM, the rest fixed costs), then one synchronizing copy of the candidates
+  (COPY_LATENCY_US; a few hundred bytes).
+* `predicted_sampled`: the same at llama-server's default chain (T 0.8, top-k 40, top-p 0.95, min-p 0.05), which a
+  request without sampling fields gets: the host time measured at that chain with drafts drawn from it (the
+  stand-in's rows are the draft head's own, so every draft is kept), and each draft step reading the whole output
+  layer (MTPDrawGraph draws from the head's own row, not its Q4_0 copy) in `Kernels.draw` launches. The acceptance
+  is the same 63%: the 27B's at a temperature is not measured (tinyqwen35 kept 0.69 of drawn drafts at T 0.8
+  against 0.36 under llama.cpp's rule: docs/performance.md).
 
 The parts add: kernels run one after another in one stream, and the host and the device do not overlap (the
 engine waits for the logits before it prepares the next step). No speculation: a step gives one token. draft-mtp
@@ -74,6 +81,8 @@ DRAFT_HEAD_ROWS = 64  # the stand-in's draft head in the host measurement (its r
 # with the copy; not yet run on a GPU)
 RANK_US = 20.0
 ACCEPTANCE = 0.63  # the deployment's draft acceptance with llama.cpp, n_max 2
+# llama-server's default chain, which a request without sampling fields gets (`predicted_sampled`)
+SAMPLED_CHAIN = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 N_MAX = 2
 CONTEXTS = (4096, 131072)
 
@@ -151,6 +160,7 @@ class Kernels:
     verify: int = 709  # the int8 kernels take its 18 rows a KV head in one launch (the float kernel: two, 725)
     draft: int = 32  # the shortlisting head's (--spec-draft-head auto on a GPU): 27 with the whole head
     catch_up: int = 21
+    draw: int = 72  # a draft drawn at a temperature (MTPDrawGraph: the whole head, top-k 40 in two stages, the chain)
 
 
 def kv_bytes(context: int, layers: int = ATTENTION_LAYERS) -> float:
@@ -239,7 +249,8 @@ def step(
     handover = (device.cards_in_series - 1) * (
         tokens * N_EMBD * 4 / (device.pcie_copy_gbps * 1e6) + COPY_LATENCY_US / 1e3
     )
-    copies = logits_rows * (RANK_US + COPY_LATENCY_US) / 1e3  # each row ranked on the device, its candidates copied
+    # a pass's rows ranked together on the device, their candidates in one copy (engine.sampling.rows_ranked)
+    copies = (1 if logits_rows else 0) * (RANK_US + COPY_LATENCY_US) / 1e3
     n_allreduce = (layers * ALLREDUCES_PER_LAYER + (1 if logits_rows else 0)) if tp > 1 else 0
     allreduce = n_allreduce * (
         device.allreduce_us / 1e3 + (tokens * N_EMBD * 4 / (device.allreduce_gbps * 1e6) if tp > 1 else 0)
@@ -264,9 +275,11 @@ def predict(
     weights: Bytes | None = None,
     acceptance: float = ACCEPTANCE,
     contexts: tuple[int, ...] = CONTEXTS,
+    drawn: bool = False,
 ) -> list[dict]:
     """tok/s and ms a token by part, for each device, context and speculation setting (`weights`: the steps' bytes,
-    the deployment's by default; bench/draft_vocab.py cuts the draft's head, bench/draft_head.py compares heads)."""
+    the deployment's by default; bench/draft_vocab.py cuts the draft's head, bench/draft_head.py compares heads).
+    `drawn`: drafts drawn at a temperature (MTPDrawGraph), from the whole head with `kernels.draw` a step."""
     w = weights or Bytes.of_deployment()
     out = []
     for device in DEVICES.values():
@@ -281,10 +294,11 @@ def predict(
                          kernels=kernels.verify + extra, logits_rows=1 + N_MAX)  # fmt: skip
             # tensor parallelism scores drafts with the whole head (it refuses --spec-draft-head q4_0; its draft
             # kernels are counted as the shortlisting head's, 5 more a step)
-            head = w.draft_head if device.tensor_parallel == 1 else w.output_layer
+            head = w.draft_head if device.tensor_parallel == 1 and not drawn else w.output_layer
+            per_draft = kernels.draw if drawn else kernels.draft
             for _ in range(N_MAX):
                 cycle.add(step(device, at, weights=w.mtp_block + head, tokens=1, context=context,
-                               trunk=False, kernels=kernels.draft, logits_rows=1))  # fmt: skip
+                               trunk=False, kernels=per_draft, logits_rows=1))  # fmt: skip
             cycle.add(step(device, at, weights=w.mtp_block, tokens=1, context=context, trunk=False,
                            kernels=kernels.catch_up, logits_rows=0))  # fmt: skip
             cycle.host += host_ms_per_mtp_cycle
@@ -347,12 +361,14 @@ def kernel_counts(static: dict) -> Kernels:
     keys = ("kernels_per_decode_step", "kernels_per_verify_step", "kernels_per_mtp_draft", "kernels_per_mtp_catch_up")
     if not all(k in static for k in keys):
         return Kernels()
-    return Kernels(*(static[k] for k in keys))
+    return Kernels(*(static[k] for k in keys), static.get("kernels_per_mtp_draw", Kernels.draw))
 
 
-def measure_host(tokens: int = 1024, rounds: int = 5) -> tuple[float, float]:
-    """(ms a greedy token, ms an MTP cycle) of host work: bench/engine_overhead.py's stand-in at Qwen's vocabulary,
-    draft-mtp with every draft accepted (so a cycle is 1 + n_max tokens)."""
+def measure_host(tokens: int = 1024, rounds: int = 5, sampling: str = "greedy") -> tuple[float, float]:
+    """(ms a token, ms an MTP cycle) of host work: bench/engine_overhead.py's stand-in at the fixture's
+    vocabulary, draft-mtp with every draft accepted (so a cycle is 1 + n_max tokens). `sampling` "greedy", or
+    "default": the server's default chain (SAMPLED_CHAIN) with drafts drawn from it (the stand-in's rows then
+    are the draft head's own row, so p is q and the ratio rule keeps every draft)."""
     import statistics
 
     import torch
@@ -360,13 +376,14 @@ def measure_host(tokens: int = 1024, rounds: int = 5) -> tuple[float, float]:
     sys.path.insert(0, str(REPO / "bench"))
     import engine_overhead as eo
 
-    from mtpserve.engine import SamplingParams, SpecConfig, sampling
+    from mtpserve.engine import SamplingParams, SpecConfig
+    from mtpserve.engine import sampling as host_sampling
     from mtpserve.tokenizer import Tokenizer
 
     torch.set_num_threads(2)
     args = argparse.Namespace(tokens=tokens, rounds=rounds)
     tokenizer = Tokenizer.from_gguf(eo.MODEL)
-    greedy = SamplingParams(temperature=0.0)
+    chain = SamplingParams(temperature=0.0) if sampling == "greedy" else SamplingParams(**SAMPLED_CHAIN)
     # The GPU path's host work, not its device work: every logits row takes the device ranking's code (torch ops,
     # here on CPU tensors) and is as narrow as the stand-in allows (the fixture's own vocabulary), the draft head
     # scores DRAFT_HEAD_ROWS rows, the rows are handed over uncopied, so what the CPU computes is negligible and the
@@ -374,33 +391,46 @@ def measure_host(tokens: int = 1024, rounds: int = 5) -> tuple[float, float]:
     # the device are `step`'s terms (RANK_US, the weights), not counted twice.
     draft_mtp = SpecConfig(type="draft-mtp", n_max=N_MAX, draft_vocab=DRAFT_HEAD_ROWS)
     vocab = eo.stand_in_model_vocab()
-    saved = sampling.HOST_DEVICES
-    sampling.HOST_DEVICES = frozenset()
+    saved = host_sampling.HOST_DEVICES
+    host_sampling.HOST_DEVICES = frozenset()
     try:
-        plain = eo.engine_case(args, tokenizer, vocab, greedy, None, None, fresh_logits=False)
-        mtp = eo.engine_case(args, tokenizer, vocab, greedy, None, draft_mtp, fresh_logits=False)
+        plain = eo.engine_case(args, tokenizer, vocab, chain, None, None, fresh_logits=False)
+        mtp = eo.engine_case(args, tokenizer, vocab, chain, None, draft_mtp, fresh_logits=False)
     finally:
-        sampling.HOST_DEVICES = saved
+        host_sampling.HOST_DEVICES = saved
     per_token, per_token_mtp = (statistics.median(host for host, _ in case[1:]) / 1e3 for case in (plain, mtp))
     return per_token, per_token_mtp * (1 + N_MAX)
 
 
+def median_host(runs: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(greedy, the server's default chain) host times, each part the median of `runs` measurements, greedy and
+    sampled interleaved (this VM's host time moves 10-30% between runs)."""
+    import statistics
+
+    greedy, sampled = [], []
+    for _ in range(runs):
+        greedy.append(measure_host())
+        sampled.append(measure_host(sampling="default"))
+    return tuple(tuple(statistics.median(part) for part in zip(*taken)) for taken in (greedy, sampled))
+
+
 def model(
-    static: dict | None = None, host: tuple[float, float] | None = None, contexts: tuple[int, ...] = CONTEXTS
+    static: dict | None = None,
+    host: tuple[float, float] | None = None,
+    contexts: tuple[int, ...] = CONTEXTS,
+    sampled_host: tuple[float, float] | None = None,
 ) -> dict:
     """The whole prediction: gpu_static's JSON (or {}) for the kernel counts and attention bounds, and the host
-    time measured here unless given."""
+    time measured here unless given. `sampled_host`: the same at the server's default chain (measured with the
+    greedy one where neither is given), for `predicted_sampled`: drafts drawn at that chain (absent without it)."""
     static = static or {}
-    per_token, per_cycle = host or measure_host()
-    predicted = predict(
-        host_ms_per_token=per_token,
-        host_ms_per_mtp_cycle=per_cycle,
-        attention_tbps=attention_bounds(static) or None,
-        kernels=kernel_counts(static),
-        contexts=contexts,
-    )
+    if host is None:
+        host, sampled_host = measure_host(), sampled_host or measure_host(sampling="default")
+    per_token, per_cycle = host
+    shared = dict(attention_tbps=attention_bounds(static) or None, kernels=kernel_counts(static), contexts=contexts)
+    predicted = predict(host_ms_per_token=per_token, host_ms_per_mtp_cycle=per_cycle, **shared)
     planned = [p for p in predicted if DEVICES[p["device"]].tensor_parallel > 1]
-    return {
+    result = {
         "host_ms_per_token": round(per_token, 4),
         "host_ms_per_mtp_cycle": round(per_cycle, 4),
         "assumptions": assumptions(),
@@ -409,6 +439,15 @@ def model(
         "predicted_row_split": planned,  # issue 40's tensor parallelism: on CPU ranks today, not on CUDA
         "row_split_vs_layer_split": row_split_ratios(predicted),
     }
+    if sampled_host is not None:
+        sampled = predict(
+            host_ms_per_token=sampled_host[0], host_ms_per_mtp_cycle=sampled_host[1], drawn=True, **shared
+        )
+        result["sampled_chain"] = SAMPLED_CHAIN
+        result["host_ms_per_token_sampled"] = round(sampled_host[0], 4)
+        result["host_ms_per_mtp_cycle_sampled"] = round(sampled_host[1], 4)
+        result["predicted_sampled"] = [p for p in sampled if p["device"] in ISSUE_DEVICES]
+    return result
 
 
 def row_split_ratios(predicted: list[dict]) -> list[dict]:
@@ -429,12 +468,19 @@ def row_split_ratios(predicted: list[dict]) -> list[dict]:
 def table(result: dict) -> str:
     lines = [
         f"host time (bench/engine_overhead.py's stand-in): {result['host_ms_per_token']:.3f} ms a greedy token, "
-        f"{result['host_ms_per_mtp_cycle']:.3f} ms an MTP cycle",
+        f"{result['host_ms_per_mtp_cycle']:.3f} ms an MTP cycle"
+        + (
+            f"; at the server's default chain {result['host_ms_per_token_sampled']:.3f} ms a token, "
+            f"{result['host_ms_per_mtp_cycle_sampled']:.3f} ms an MTP cycle (drafts drawn)"
+            if "host_ms_per_mtp_cycle_sampled" in result
+            else ""
+        ),
         "",
         "| device | context | spec | tok/s | weights | attention | launches | host | other (ms a token) |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for p in result["predicted"] + result.get("predicted_other", []) + result["predicted_row_split"]:
+    sampled = [{**p, "spec": p["spec"] + " (T 0.8, drawn)"} for p in result.get("predicted_sampled", [])]
+    for p in result["predicted"] + sampled + result.get("predicted_other", []) + result["predicted_row_split"]:
         m = p["ms"]
         lines.append(
             f"| {p['device']} | {p['context']:,} | {p['spec']} | {p['tok_s']} | {m['weights']:.2f} | "
@@ -452,9 +498,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--static", default=str(REPO / "docs" / "perf" / "gpu_static_after.json"))
     parser.add_argument("--json", default=None, help="write the prediction here")
+    parser.add_argument("--runs", type=int, default=1, help="host measurements, each part's median taken")
     args = parser.parse_args(argv)
     static = json.loads(Path(args.static).read_text()) if args.static else {}
-    result = model(static)
+    greedy, sampled = median_host(args.runs)
+    result = model(static, greedy, sampled_host=sampled)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))

@@ -100,7 +100,7 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
     assert result["weight_bytes_per_token"] > result["weight_bytes_per_draft_step"] > 0
     ranking = result["ranking"]
     assert ranking["vocab"] > 0 and min(v for k, v in ranking.items() if k.endswith("_us")) > 0
-    assert {"topk41_us", "top_candidates41_us"} <= ranking.keys()
+    assert {"topk41_us", "top_candidates41_us", "rows3_top40_together_us", "rows3_top40_each_us"} <= ranking.keys()
     assert result["prefill_tokens_per_s"] > 0
     assert result["batch_decode"]["sequences"] == 2 and result["batch_decode"]["tokens_per_s"] > 0
     assert [(g["matrix"], g["rows"]) for g in result["gemv"]] == [("attn_qkv", 1)]  # --tiny: one case

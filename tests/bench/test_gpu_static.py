@@ -32,8 +32,9 @@ def test_gpu_static_quick(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    for key in ("kernels_per_decode_step", "kernels_per_verify_step", "kernels_per_mtp_draft"):
+    for key in ("kernels_per_decode_step", "kernels_per_verify_step", "kernels_per_mtp_draft", "kernels_per_mtp_draw"):
         assert isinstance(r[key], int) and r[key] > 0, key
+    assert r["kernels_per_mtp_draw"] > r["kernels_per_mtp_draft"]  # the chain's kernels, the long row's two stages
     decode = r["counts"]["steps"]["decode"]
     assert decode["kernels"] == r["kernels_per_decode_step"] == decode["triton"] + decode["aten"]
     layers = {kind: v["layers"] for kind, v in decode["by_layer_kind"].items()}
@@ -77,6 +78,8 @@ def test_gpu_static_quick(tmp_path: Path) -> None:
     }
     assert {(x["device"], x["context"], x["spec"]) for x in r["row_split_vs_layer_split"]} == planned
     assert r["host_ms_per_mtp_cycle"] > 0 and r["host_ms_per_token"] > 0
+    sampled = {(p["device"], p["context"], p["spec"]) for p in r["predicted_sampled"]}  # the server's default chain
+    assert sampled == set(predicted) and r["host_ms_per_mtp_cycle_sampled"] > 0
     for p in predicted.values():
         assert set(p["ms"]) == {"weights", "attention", "launches", "host", "other"}
         assert abs(p["tok_s"] - 1e3 / sum(p["ms"].values())) <= 0.01 * p["tok_s"]

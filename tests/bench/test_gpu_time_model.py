@@ -75,8 +75,35 @@ def test_an_mtp_cycle_on_an_h200_by_hand():
     assert p["ms"]["weights"] == pytest.approx(weights / stream / tokens, rel=1e-3)
     assert p["ms"]["attention"] == pytest.approx(attention / tokens, rel=1e-3)
     assert p["ms"]["launches"] == pytest.approx((709 + 2 * 32 + 21) * 1.5e-3 / tokens, rel=1e-3)
-    copies = 5 * (0.020 + 0.010)  # 3 verified rows and a draft row in each of two, each ranked and copied
+    copies = 3 * (0.020 + 0.010)  # the verification's 3 rows together, a draft row in each of two: ranked, copied
     assert p["ms"]["host"] == pytest.approx((0.9 + copies) / tokens, rel=1e-3)
+
+
+def test_a_drawn_mtp_cycle_on_an_h200_by_hand():
+    """Drafts drawn at a temperature (`predicted_sampled`): each draft step reads the whole output layer, in 72
+    kernels; the host time is the one given; the verification and attention are greedy's."""
+    p = tm.predict(host_ms_per_token=0.3, host_ms_per_mtp_cycle=1.1, weights=WEIGHTS, drawn=True)
+    p = next(r for r in p if (r["device"], r["context"], r["spec"]) == ("H200", 4096, "draft-mtp"))
+    greedy = _predicted()[("H200", 4096, "draft-mtp")]
+    stream = 4.8e9 * 0.8
+    tokens = 1 + 2 * 0.63
+    weights = 15_821_244_416 + 2 * (263_313_408 + 1_042_944_000) + 263_313_408
+    assert p["ms"]["weights"] == pytest.approx(weights / stream / tokens, rel=1e-3)
+    assert p["ms"]["launches"] == pytest.approx((709 + 2 * 72 + 21) * 1.5e-3 / tokens, rel=1e-3)
+    assert p["ms"]["host"] == pytest.approx((1.1 + 3 * 0.030) / tokens, rel=1e-3)
+    assert p["ms"]["attention"] == greedy["ms"]["attention"] and p["ms"]["other"] == greedy["ms"]["other"]
+
+
+def test_the_sampled_predictions_come_with_their_host_time():
+    """`model` adds `predicted_sampled` (issue 38's two devices) where a sampled host time is given, not without."""
+    assert "predicted_sampled" not in tm.model({}, host=(0.2, 0.9))
+    keys = ("decode_step", "verify_step", "mtp_draft", "mtp_catch_up", "mtp_draw")
+    counts = {f"kernels_per_{key}": n for key, n in zip(keys, (709, 709, 32, 21, 80))}
+    r = tm.model(counts, host=(0.2, 0.9), sampled_host=(0.3, 1.1))
+    assert r["host_ms_per_mtp_cycle_sampled"] == 1.1 and r["sampled_chain"]["temperature"] == 0.8
+    assert {p["device"] for p in r["predicted_sampled"]} == {"H200", "2x2080Ti"}
+    drawn = tm.predict(host_ms_per_token=0.3, host_ms_per_mtp_cycle=1.1, drawn=True, kernels=tm.Kernels(draw=80))
+    assert r["predicted_sampled"] == [p for p in drawn if p["device"] in ("H200", "2x2080Ti")]
 
 
 def test_measured_bounds_and_counts_replace_the_fallbacks():
