@@ -20,7 +20,8 @@ What it measures (one table on stdout, everything in --json):
   the values), and the achieved bandwidth (weight + KV bytes read per token / time) as a fraction of the copy's;
 * draft-mtp: the measured cost of a verification step (n_max + 1 tokens, per-token recurrent states kept), of
   the MTP draft steps and of the MTP catch-up (all captured, as the server runs them), combined with a recorded
-  acceptance rate (the deployment's 63% at n_max 2, by default) into expected decode tokens/s;
+  acceptance rate (the deployment's 63% at n_max 2, by default) into expected decode tokens/s; and the same with
+  the drafts drawn at the server's default chain (MTPDrawGraph: the whole head, its top-k, the chain);
 * decode of `--batch` sequences together (4; --parallel without speculation), tokens/s in all;
 * prefill tokens/s (ubatches of 512 from an empty context);
 * one Gated DeltaNet layer's chunked rule over a 512-token ubatch, its chunk scan as the Triton kernel and as
@@ -77,10 +78,11 @@ from mtpserve.engine import SpecConfig
 from mtpserve.engine.drafters import DRAFT_TOP_K, draft_head
 from mtpserve.models.base import Batch, WeightStore
 from mtpserve.models.draft_head import DraftHead
-from mtpserve.models.graphs import DecodeGraph, MTPDraftGraph, MTPRowsGraph, StepGraph
+from mtpserve.models.graphs import DecodeGraph, MTPDraftGraph, MTPDrawGraph, MTPRowsGraph, StepGraph
 from mtpserve.models.loader import build_model
 from mtpserve.models.qwen35 import Qwen35Config
 from mtpserve.ops.gated_delta import gated_delta_chunk_scan_reference, gated_delta_rule_chunked
+from mtpserve.ops.sampling_chain import ChainParams, ChainShape
 from mtpserve.quant.mix import FILE_TYPES, ModelFacts, plan_types
 from mtpserve.quant.qtensor import QTensor
 from mtpserve.quant.types import GGMLType, block_geometry
@@ -645,6 +647,10 @@ def measure_decode(
     shortlisting = draft_head(model, SpecConfig("draft-mtp", draft_head="q4_0"))
     draft_graph = MTPDraftGraph(model, state, args.n_max, shortlisting, DRAFT_TOP_K)
     full_head_graph = MTPDraftGraph(model, state, args.n_max, DraftHead(model.mtp_head), DRAFT_TOP_K)
+    # drafts drawn at the server's default chain (T 0.8, top-k 40, top-p 0.95, min-p 0.05), as a request without
+    # sampling fields gets them: the whole head, its top-k and the chain inside the graph
+    draw_graph = MTPDrawGraph(model, state, args.n_max, DraftHead(model.mtp_head), DRAFT_TOP_K, ChainShape(40, 0))
+    default_chain, uniforms = ChainParams(0.95, 0.05, 0.8), [0.5] * args.n_max
     rows_graph = MTPRowsGraph(model, state, args.n_max + 1)
 
     def draft_step_eager() -> None:
@@ -658,6 +664,10 @@ def measure_decode(
     def draft_chain_full_head() -> None:
         mtp_kv.truncate(min(mtp_kv.length, depth))
         full_head_graph.propose(hidden[0], token)
+
+    def draft_drawn() -> None:
+        mtp_kv.truncate(min(mtp_kv.length, depth))
+        draw_graph.draw(hidden[0], token, default_chain, uniforms)
 
     def catch_up() -> None:
         mtp_kv.truncate(min(mtp_kv.length, depth))
@@ -678,6 +688,7 @@ def measure_decode(
     t_draft_eager = timer.median(draft_step_eager, args.reps)
     t_drafts = timer.median(draft_chain, args.reps, warmup=3)
     t_drafts_full_head = timer.median(draft_chain_full_head, args.reps, warmup=3)
+    t_drafts_drawn = timer.median(draft_drawn, args.reps, warmup=3)
     t_catch_up = timer.median(catch_up, args.reps, warmup=3)
     t_verify_eager = timer.median(verify_eager, args.reps)
     t_verify = timer.median(verify, args.reps, warmup=3)
@@ -697,12 +708,15 @@ def measure_decode(
         **row,
         "draft_ms": 1e3 * t_drafts,  # all n_max draft steps, captured, the shortlisting head
         "draft_full_head_ms": 1e3 * t_drafts_full_head,  # the same over the whole head (--spec-draft-head full)
+        "draft_drawn_ms": 1e3 * t_drafts_drawn,  # drawn at the server's default chain, the whole head
         "draft_step_eager_ms": 1e3 * t_draft_eager,  # one draft step without the graph
         "catch_up_ms": 1e3 * t_catch_up,
         "verify_ms": 1e3 * t_verify,
         "verify_eager_ms": 1e3 * t_verify_eager,
         "mtp_tokens_per_step": 1 + accepted,
         "mtp_tokens_per_s": (1 + accepted) / t_step,
+        # the same cycle with drafts drawn at the default chain (device time; the host's sampling not in it)
+        "mtp_drawn_tokens_per_s": (1 + accepted) / (t_verify + t_drafts_drawn + t_catch_up),
     }
 
 
@@ -1137,7 +1151,8 @@ def report(r: dict) -> str:
             + (
                 f"{row['draft_ms']:.2f} ({row['draft_full_head_ms']:.2f}; {row['draft_step_eager_ms']:.2f}) | "
                 f"{row['catch_up_ms']:.2f} | "
-                f"{row['verify_ms']:.2f} ({row['verify_eager_ms']:.2f}) | {row['mtp_tokens_per_s']:.1f} |"
+                f"{row['verify_ms']:.2f} ({row['verify_eager_ms']:.2f}) | {row['mtp_tokens_per_s']:.1f} "
+                f"(drawn at T 0.8: drafts {row['draft_drawn_ms']:.2f} ms, {row['mtp_drawn_tokens_per_s']:.1f}) |"
                 if "draft_ms" in row
                 else "- | - | - | - |"
             )

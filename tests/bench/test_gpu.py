@@ -84,6 +84,7 @@ def test_bench_gpu_smoke_run(tmp_path: Path) -> None:
         [choice] = row["attention_choices"]
         assert choice["choice"] == "ieee min16" and choice["decode_ms"] > 0 and choice["verify_ms"] > 0
         assert row["draft_ms"] > 0 and row["draft_full_head_ms"] > 0 and row["catch_up_ms"] > 0
+        assert row["draft_drawn_ms"] > 0 and 0 < row["mtp_drawn_tokens_per_s"]
         # n_max 2 at 63% accepted: 1 + 1.26 tokens per verification step
         assert row["mtp_tokens_per_step"] == pytest.approx(2.26)
         assert row["kv_bytes_per_token"] > 0
