@@ -159,3 +159,69 @@ def test_bench_sweep_restarts_the_server_and_writes_table_json_and_plots(tmp_pat
     assert "| spec-draft-n-max=1 |" in (out / "bench.md").read_text()
     assert len(list(out.glob("server-*.log"))) == 2  # one server per configuration
     assert data["meta"]["target"].startswith("mtpserve serve -m ") and sys.executable not in data["meta"]["target"]
+
+
+class _ClosingServer:
+    """An HTTP server on a raw socket that closes the first `closes` connections right after reading a request,
+    as a server closes a kept-alive connection the client still holds, then answers with a one-chunk stream."""
+
+    STREAM = (
+        'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'
+        'data: {"choices": [], "timings": {"predicted_n": 1, "predicted_per_second": 10.0}}\n\n'
+        "data: [DONE]\n\n"
+    )
+
+    def __init__(self, closes: int) -> None:
+        import socket
+        import threading
+
+        self.closes, self.connections = closes, 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                self.connections += 1
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += conn.recv(65536)
+                head, _, body = request.partition(b"\r\n\r\n")
+                length = next(
+                    int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
+                )
+                while len(body) < length:
+                    body += conn.recv(65536)
+                if self.connections <= self.closes:
+                    continue  # closed without a response
+                data = self.STREAM.encode()
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n"
+                    + f"Content-Length: {len(data)}\r\n\r\n".encode()
+                    + data
+                )
+
+
+@pytest.mark.parametrize("closes", [1, 2])
+def test_a_request_on_a_connection_the_server_closed_is_sent_once_more(closes):
+    """llama-server closes kept-alive connections between an interleaved bench's requests, and a request sent on one
+    failed before any response (5 of 36 peer requests in one run): it is sent again once, on a fresh connection.
+    A server that closes that one too fails the request, with the error, after two tries."""
+    import httpx
+
+    from mtpserve.tuning.workload import Workload, run_request
+
+    server = _ClosingServer(closes)
+    with httpx.Client(timeout=10) as client:
+        result = run_request(client, server.url, [{"role": "user", "content": "hello"}], Workload(), "#1")
+    server.sock.close()
+    assert server.connections == 2
+    if closes == 1:
+        assert result.ok and result.predicted_n == 1 and len(result.chunk_times) == 1
+    else:
+        assert not result.ok and "disconnected" in result.error

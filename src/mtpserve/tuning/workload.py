@@ -147,8 +147,15 @@ def run_request(
 
 
 def stream_chunks(client: httpx.Client, url: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """The chunks of a streamed /v1/chat/completions, parsed; RuntimeError for an HTTP error or an error event."""
-    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+    """The chunks of a streamed /v1/chat/completions, parsed; RuntimeError for an HTTP error or an error event.
+    A request the server closed its connection on before any response is sent once more, on a fresh connection:
+    a kept-alive connection the server had closed while it sat in the pool (llama-server closes them between
+    the requests of an interleaved bench: 5 of 36 failed so), as the official clients retry a connection error."""
+    try:
+        response = client.send(client.build_request("POST", f"{url}/v1/chat/completions", json=body), stream=True)
+    except httpx.RemoteProtocolError:  # nothing was answered, so nothing ran: the same request again
+        response = client.send(client.build_request("POST", f"{url}/v1/chat/completions", json=body), stream=True)
+    try:
         if response.status_code != 200:
             response.read()
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
@@ -160,6 +167,8 @@ def stream_chunks(client: httpx.Client, url: str, body: dict[str, Any]) -> Itera
                 error = chunk["error"]
                 raise RuntimeError(str(error.get("message", error) if isinstance(error, dict) else error))
             yield chunk
+    finally:
+        response.close()
 
 
 @dataclass
