@@ -30,7 +30,8 @@ or a verification of 1 + n_max tokens, or an MTP draft) costs the sum of five pa
   and ranks a pass's rows there together (engine.sampling.rows_ranked_on_device: the argmax, or the top-k of a
   sampling request), RANK_US of device time (assumed the same for a verification's 3 rows as for one: 3 MB,
   about a microsecond of HBM, the rest fixed costs), then one synchronizing copy of the candidates
-  (COPY_LATENCY_US; a few hundred bytes).
+  (COPY_LATENCY_US; a few hundred bytes). The stand-in's ranking runs its torch calls on CPU tensors of the
+  fixture's 4,096-token rows, so their compute is in the measured host time too: an over-count kept.
 * `predicted_sampled`: the same at llama-server's default chain (T 0.8, top-k 40, top-p 0.95, min-p 0.05), which a
   request without sampling fields gets: the host time measured at that chain with drafts drawn from it (the
   stand-in's rows are the draft head's own, so every draft is kept), and each draft step reading the whole output
