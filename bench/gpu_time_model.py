@@ -34,9 +34,10 @@ or a verification of 1 + n_max tokens, or an MTP draft) costs the sum of five pa
   fixture's 4,096-token rows, so their compute is in the measured host time too: an over-count kept.
 * `predicted_sampled`: the same at llama-server's default chain (T 0.8, top-k 40, top-p 0.95, min-p 0.05), which a
   request without sampling fields gets: the host time measured at that chain with drafts drawn from it (the
-  stand-in's rows are the draft head's own, so every draft is kept), and each draft step reading the whole output
-  layer (MTPDrawGraph draws from the head's own row, not its Q4_0 copy) in `Kernels.draw` launches. The acceptance
-  is the same 63%: the 27B's at a temperature is not measured (tinyqwen35 kept 0.69 of drawn drafts at T 0.8
+  stand-in's rows are the draft head's own, so every draft is kept; a verification's rows ranked together, their
+  candidates copied in one and kept or drawn in one C call, ops.verify_drawn), and each draft step reading the
+  whole output layer (MTPDrawGraph draws from the head's own row, not its Q4_0 copy) in `Kernels.draw` launches. The
+  acceptance is the same 63%: the 27B's at a temperature is not measured (tinyqwen35 kept 0.69 of drawn drafts at T 0.8
   against 0.36 under llama.cpp's rule: docs/performance.md).
 
 The parts add: kernels run one after another in one stream, and the host and the device do not overlap (the

@@ -145,6 +145,16 @@ def test_draws_are_llama_cpps_mt19937_through_libstdcpp_uniform_real_distributio
         assert [rng.random() for _ in expected_draws] == expected_draws
 
 
+def test_draws_looked_ahead_are_taken_in_order():
+    """`ahead` shows the next draws without taking them; `random` and `skip` then take them in order."""
+    looked, plain = Mt19937Uniform(5), Mt19937Uniform(5)
+    expected = [plain.random() for _ in range(5)]
+    assert looked.ahead(3) == expected[:3]
+    looked.skip(1)
+    assert looked.ahead(1) == looked.ahead(1) == [expected[1]]
+    assert [looked.random() for _ in range(4)] == expected[1:]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 42, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 2**32 + 5])
 def test_the_generator_starts_from_init_genrand(seed: int):
     """The state std::mt19937(seed) starts from, by its recurrence (init_genrand, the 32-bit seed): numpy's legacy

@@ -295,6 +295,45 @@ def test_rows_ranked_on_the_device_give_the_hosts_tokens(monkeypatch):
     assert 3 in together and set(together) <= {2, 3}  # greedy's and the default chain's (shorter near the end)
 
 
+@pytest.mark.parametrize("host", [True, False], ids=["host rows", "rows ranked as on a device"])
+def test_a_verification_in_one_call_keeps_the_row_by_row_tokens(monkeypatch, host: bool):
+    """Drawn drafts verified in one C call (Job.verify_drawn, ops.verify_drawn) against the engine's row-by-row rule
+    (Job.verify_drawn made to decline), through the engine: the same seeded tokens and the same drafts kept, at the
+    server's default chain, a hotter top-k 20 one and with ignore_eos's bans; every verification took the call."""
+    from mtpserve.engine import job as job_module
+    from mtpserve.engine import sampling
+
+    if not host:
+        monkeypatch.setattr(sampling, "HOST_DEVICES", frozenset())
+    calls = []
+    one_call = job_module.verify_drawn
+
+    def counted(*args, **kwargs):
+        calls.append(one_call(*args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(job_module, "verify_drawn", counted)
+    prompts = _requests("Q4_K_M")[:2]
+    chains = [SamplingParams(seed=11), SamplingParams(temperature=1.2, top_k=20, top_p=0.9, min_p=0.0, seed=5)]
+    spec = SpecConfig("draft-mtp", n_max=2, draft_sampling="probabilistic")
+    runs = []
+    for one_by_one in (False, True):
+        if one_by_one:
+            monkeypatch.setattr(Job, "verify_drawn", lambda self, rows, draft, qs: [])
+        with _engine("Q4_K_M", spec) as engine:
+            out = []
+            for chain, prompt, ignore_eos in [(c, r.prompt, e) for c in chains for r in prompts for e in (False, True)]:
+                n_calls = len(calls)
+                result = engine.submit(Request(prompt, chain, n_predict=32, ignore_eos=ignore_eos)).result()
+                out.append((result.tokens, result.timings.draft_n_accepted))
+                if ignore_eos and not one_by_one:  # a draft holding an end token goes row by row; these ban them
+                    assert len(calls) - n_calls == result.verify_steps
+        runs.append(out)
+    assert runs[0] == runs[1]
+    assert len(calls) > 20 and all(calls)
+    assert sum(accepted for _, accepted in runs[0]) > 0
+
+
 def test_a_requests_timings_count_drafts_by_position():
     timings = Timings()
     job = Job(Request([1], SamplingParams()), RequestStream(), timings=timings)

@@ -8,6 +8,7 @@ from enum import Enum
 
 import torch
 
+from ..ops.verify_drawn import verify_drawn
 from ..tokenizer import Tokenizer
 from .client import RequestStream, count_accepted
 from .grammar import Constraint
@@ -15,7 +16,7 @@ from .output import RequestOutput, Stop
 from .reasoning_budget import ReasoningBudget
 from .rejection import Distribution, accept_or_resample, spec_stream
 from .request import FinishEvent, ProgressEvent, Request, Timings, TokenEvent
-from .sampling import Mt19937Uniform, Ranked, Sampler, post_sampling_probabilities, top_probabilities
+from .sampling import Mt19937Uniform, Ranked, Sampler, on_host, post_sampling_probabilities, top_probabilities
 
 Probs = tuple[list[tuple[int, float]], float]  # with n_probs: the top tokens, and the sampled one's probability
 NO_PROBS: Probs = ([], 0.0)
@@ -91,6 +92,31 @@ class Job:
         p = self.sampler.probabilities(allowed, ranked)
         token = accept_or_resample(p, q, drafted, self.spec_rng())
         return token, self._take(token, logits, allowed)
+
+    def verify_drawn(self, rows: torch.Tensor, draft: list[int], qs: list[Distribution]) -> list[tuple[int, Probs]]:
+        """The tokens a verification keeps where every draft was drawn from `qs` (`verify_draft`'s rule row after
+        row, then `sample`'s draw; ops.verify_drawn, one C call); [] where the rows go one by one: a grammar or a
+        reasoning budget reads the tokens kept before each row, or the chain is one the call does not run."""
+        assert self.sampler is not None
+        drawn = self.sampler.fixed_chain(rows.shape[-1])
+        one_by_one = self.constraint is not None or self.budget is not None
+        if drawn is None or one_by_one or not draft or len(qs) != len(draft):
+            return []
+        candidates = None
+        if not on_host(rows):  # ranked on their device together, the candidates copied in one
+            if (candidates := self.sampler.rows_candidates(rows)) is None:
+                return []
+        elif rows.dtype != torch.float32 or not rows.is_contiguous():
+            return []
+        spec, main = self.spec_rng(), self.sampler.rng
+        uniforms = [*spec.ahead(len(draft) + 1), *main.ahead(1)]
+        kept = verify_drawn(*drawn, draft, qs, uniforms, None if candidates is not None else rows, candidates)
+        if kept is None:
+            return []
+        tokens, taken = kept
+        spec.skip(taken)
+        main.skip(len(tokens) > len(draft))
+        return [(token, self._take(token, rows[i], rows[i])) for i, token in enumerate(tokens)]
 
     def spec_rng(self) -> Mt19937Uniform:
         """The draws of probabilistic drafting and its acceptance: a stream of the job's own (engine.rejection)."""

@@ -25,7 +25,7 @@ import torch
 
 from ..ops.sampling_chain import ChainParams, ChainShape
 from .grammar import Constraint
-from .sampling import DEVICE_TOP_MAX, Mt19937Uniform, Sampler
+from .sampling import Mt19937Uniform, Sampler
 
 Distribution = dict[int, float]  # token -> probability, the tokens the chain keeps
 SPEC_SEED_MIX = 0x9E3779B9  # the draft stream's seed: the request's, mixed, so the two streams differ
@@ -61,9 +61,11 @@ class DraftPicker:
     the slot's job has it."""
 
     def __init__(self, sampler: Sampler, constraint: Constraint | None, rng: Mt19937Uniform, n_vocab: int) -> None:
-        self.sampler = copy.copy(sampler)  # the same chain, its own penalty window
-        self.sampler.window = deque(sampler.window, maxlen=sampler.window.maxlen)
-        self.sampler.counts = Counter(sampler.counts)
+        self.sampler = copy.copy(sampler)  # the same chain, its own penalty window where penalties read one
+        self.penalized = sampler.params.penalized
+        if self.penalized:
+            self.sampler.window = deque(sampler.window, maxlen=sampler.window.maxlen)
+            self.sampler.counts = Counter(sampler.counts)
         self.constraint, self.rng, self.n_vocab = constraint, rng, n_vocab
         self.qs: list[Distribution] = []
 
@@ -90,22 +92,13 @@ class DraftPicker:
     def record(self, token: int, q: Distribution) -> None:
         """A draft token drawn from q (here, or on a device by `device_chain`'s chain)."""
         self.qs.append(q)
-        self.sampler.accept(token)
+        if self.penalized:  # the drafted tokens count in the next draft token's penalties
+            self.sampler.accept(token)
 
     def device_chain(self, n_rows: int) -> tuple[ChainShape, ChainParams] | None:
-        """The chain as a device draws from it in fixed shapes over a head of `n_rows` (ops.sampling_chain); None
-        where a draw needs the host's chain: a grammar, logit biases other than bans (-inf, as `ignore_eos` sets),
-        penalties, typical-p, or a top-k of 0 (the whole vocabulary) or above DEVICE_TOP_MAX."""
-        p = self.sampler.params
-        bans = all(bias == float("-inf") for bias in p.logit_bias.values())
-        if self.constraint is not None or not bans or p.penalized or p.typical_p < 1.0:
-            return None
-        n_top = min(max(p.top_k, p.min_keep, 1), n_rows)
-        if p.top_k <= 0 or n_top > DEVICE_TOP_MAX or n_top + len(p.logit_bias) > n_rows:
-            return None
-        banned = tuple(sorted(t for t in p.logit_bias if 0 <= t < n_rows))
-        shape = ChainShape(n_top, p.min_keep, bool(banned))
-        return shape, ChainParams(p.top_p, p.min_p, p.temperature, banned)
+        """The chain as a device draws from it in fixed shapes over a head of `n_rows` (`Sampler.fixed_chain`);
+        None where a grammar masks the rows."""
+        return None if self.constraint is not None else self.sampler.fixed_chain(n_rows)
 
     def rollback(self) -> None:
         if self.constraint is not None and self.qs:

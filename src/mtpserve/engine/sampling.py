@@ -15,7 +15,9 @@ a seeded request at a temperature picks llama-server's tokens.
 A row on a GPU is not copied whole (a 248,320-token row is 1 MB: ~0.17 ms at the 6 GB/s that
 bench/gpu_time_model.py assumes for a 2080 Ti's PCIe 3.0): biases, penalties and the argmax or top-k run there in
 torch (`ranked_on_device`), the same float32 operations as the numpy path, and only the k candidates come over;
-the rest of the chain and the draw run on the host as for a CPU row.
+the rest of the chain and the draw run on the host as for a CPU row. A verification of drafts drawn from the chain
+(engine.rejection) takes its rows' chains, ratio tests and draw in one C call (ops.verify_drawn), its rows ranked
+together on their device (`rows_candidates_on_device`) or, on the host, in the call.
 """
 
 from __future__ import annotations
@@ -29,12 +31,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..ops.sampling_chain import top_candidates
+from ..ops.sampling_chain import ChainParams, ChainShape, top_candidates
 
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw a fresh seed
 HOST_DEVICES = frozenset({"cpu"})  # rows read by numpy; a row anywhere else is ranked on its device
 DEVICE_TOP_MAX = 1024  # the most candidates ranked on a device (a larger top_k, or none, copies the row)
 Ranked = tuple[np.ndarray, np.ndarray]  # (ids, logits after biases and penalties), the chain's order
+
+
+def on_host(rows: torch.Tensor) -> bool:
+    """Whether rows are read by numpy where they are (else they are ranked on their device)."""
+    return rows.device.type in HOST_DEVICES
 
 
 @dataclass
@@ -75,9 +82,23 @@ class Mt19937Uniform:
         _, key, pos, *_ = np.random.RandomState(seed & 0xFFFFFFFF).get_state()
         self.bits = np.random.MT19937(0)
         self.bits.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": pos}}
+        self._ahead: list[float] = []  # draws looked at (`ahead`), not yet taken
 
     def random(self) -> float:
-        low, high = (float(w) for w in self.bits.random_raw(2))
+        return self._ahead.pop(0) if self._ahead else self._draw()
+
+    def ahead(self, n: int) -> list[float]:
+        """The next n draws without taking them: `random` or `skip` takes them in order."""
+        while len(self._ahead) < n:
+            self._ahead.append(self._draw())
+        return self._ahead[:n]
+
+    def skip(self, n: int) -> None:
+        """Take n draws looked at with `ahead`."""
+        del self._ahead[:n]
+
+    def _draw(self) -> float:
+        low, high = self.bits.random_raw(2).tolist()
         x = (low + high * 4294967296.0) / 18446744073709551616.0
         return x if x < 1.0 else math.nextafter(1.0, 0.0)
 
@@ -96,6 +117,7 @@ class Sampler:
         self.window: deque[int] = deque(maxlen=n if n > 0 else 0)
         self.counts: Counter[int] = Counter()
         self._device_bias: dict[tuple[torch.device, int], DeviceBias | None] = {}
+        self._fixed: dict[int, tuple[ChainShape, ChainParams] | None] = {}
         for token in history:
             self.accept(token)
 
@@ -161,6 +183,33 @@ class Sampler:
             return None
         n = 1 if p.greedy else min(max(p.top_k, p.min_keep, 1), rows.shape[-1])
         return rows_ranked_on_device(rows, n, self._bias_on(rows)) if n <= DEVICE_TOP_MAX else None
+
+    def fixed_chain(self, n_rows: int) -> tuple[ChainShape, ChainParams] | None:
+        """The chain in fixed shapes over rows of `n_rows` (ops.sampling_chain, the C chain's), made once a width;
+        None where a row needs this chain on the host: logit biases other than bans (-inf, as `ignore_eos` sets),
+        penalties, typical-p, greedy, or a top-k of 0 (the whole vocabulary) or above DEVICE_TOP_MAX."""
+        if n_rows not in self._fixed:
+            p = self.params
+            n_top = min(max(p.top_k, p.min_keep, 1), n_rows)
+            bans = all(bias == float("-inf") for bias in p.logit_bias.values())
+            fixed = bans and not (p.penalized or p.typical_p < 1.0 or p.greedy or p.top_k <= 0)
+            if not fixed or n_top > DEVICE_TOP_MAX or n_top + len(p.logit_bias) > n_rows:
+                self._fixed[n_rows] = None
+            else:
+                banned = tuple(sorted(t for t in p.logit_bias if 0 <= t < n_rows))
+                chain = ChainParams(p.top_p, p.min_p, p.temperature, banned)
+                self._fixed[n_rows] = ChainShape(n_top, p.min_keep, bool(banned)), chain
+        return self._fixed[n_rows]
+
+    def rows_candidates(self, rows: torch.Tensor) -> np.ndarray | None:
+        """A sampling chain's candidates for rows [R, V] left on a device (`rows_candidates_on_device`), where
+        `rows_ranked` would rank them."""
+        p = self.params
+        if rows.device.type in HOST_DEVICES or p.penalized or p.greedy or not 0 < p.top_k <= DEVICE_TOP_MAX:
+            return None
+        if rows.shape[-1] > 1 << 24:
+            return None
+        return rows_candidates_on_device(rows, min(max(p.top_k, p.min_keep, 1), rows.shape[-1]), self._bias_on(rows))
 
     def _bias_on(self, logits: torch.Tensor) -> DeviceBias | None:
         """The request's biases as tensors on the logits' device, made once."""
@@ -322,10 +371,20 @@ def rows_ranked_on_device(rows: torch.Tensor, n: int, bias: DeviceBias | None) -
         best, where = rows.max(-1)
         packed = torch.stack((best, where.float()), -1).cpu().numpy()
         return [(row[1:].astype(np.int64), row[:1]) for row in packed]
-    k = min(n + 1, rows.shape[-1])
-    values, ids = top_candidates(rows, k)
-    packed = torch.cat((values, ids.float()), -1).cpu().numpy()
+    packed = rows_candidates_on_device(rows, n, None)
+    k = packed.shape[-1] // 2
     return [_ranked_candidates(row[:k], row[k:].astype(np.int64), n) for row in packed]
+
+
+def rows_candidates_on_device(rows: torch.Tensor, n: int, bias: DeviceBias | None) -> np.ndarray:
+    """Each row's k = n + 1 highest logits (n where the row is no longer) after the biases, found together and
+    copied in one: [R, 2k] float32, the values high to low, then their ids (exact below 2^24), their order among
+    equal values open (`_ranked_candidates` and ops.verify_drawn order them by id)."""
+    if bias is not None:
+        rows = rows.float().clone()
+        rows[:, bias.ids] += bias.values
+    values, ids = top_candidates(rows.float(), min(n + 1, rows.shape[-1]))
+    return torch.cat((values, ids.float()), -1).cpu().numpy()
 
 
 def _ranked_candidates(values: np.ndarray, ids: np.ndarray, n: int) -> Ranked | None:

@@ -8,7 +8,9 @@ a lookup) this *is* distribution-preserving speculative sampling: accepting a dr
 min(1, p(d) / q(d)) = p(d) and resampling from the normalised residual p - q is the same as drawing from p and
 comparing, so no separate rule is needed. With `--spec-draft-sampling probabilistic` a sampling request's draft
 (draft-mtp's or draft-simple's) is drawn from the draft's own distribution, and its positions take the ratio rule
-(engine.rejection).
+(engine.rejection); where no grammar or reasoning budget reads the tokens kept before each row and no draft is an
+end token, a verification's rows take that rule in one C call (Job.verify_drawn, ops.verify_drawn), its twin the
+rows one by one.
 
 With a grammar (engine.grammar) a draft is cut at its first token the grammar forbids, and each verified row is
 sampled through the request's matcher in order, so the output is the one without speculation.
@@ -118,8 +120,12 @@ class Speculator:
         n_past = slot.state.n_past - n  # before the pass
         accepted: list[tuple[int, Probs, int]] = []
         draws = self.draws.get(slot.id, [])
-        ranked = job.rows_ranked(logits) if draft else None  # a sampling request's rows in one device copy
-        for i, row in enumerate(logits):
+        # drafts drawn, none of them an end token (which stops the rows there): every row in one call
+        drawn = job.verify_drawn(logits, draft, draws) if draws and self.eog_ids.isdisjoint(draft) else []
+        for i, (token, probs) in enumerate(drawn):
+            accepted.append((token, probs, n_past + 1 + i))
+        ranked = job.rows_ranked(logits) if draft and not drawn else None  # a sampling request's rows in one copy
+        for i, row in enumerate([] if drawn else logits):
             r = ranked[i] if ranked is not None else None
             token, probs = job.verify_draft(row, draft[i], draws[i], r) if i < len(draws) else job.sample(row, r)
             accepted.append((token, probs, n_past + 1 + i))

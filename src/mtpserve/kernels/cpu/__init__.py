@@ -237,6 +237,10 @@ def load() -> ctypes.CDLL | None:
         *(ctypes.c_int, f32, ptr, ptr, ptr),  # top_k, p_min, out tokens, out p, steps run
         *(ptr, ptr, ptr, ctypes.c_int),  # the last step's head row and output hidden state, draws (or NULL), threads
     ]
+    lib.mtp_verify_drawn.argtypes = [
+        *(ptr, i64, ptr, i64, ptr),  # host rows (or NULL), n_vocab, a device's candidates (or NULL), k, the chain
+        *(ptr, i64, ptr, i64, ptr, ptr),  # drafts, n_drafts, their distributions, their width, uniforms, out
+    ]
     lib.mtp_sigmoid_gate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.mtp_gdn_gates.argtypes = [ptr, ptr, ptr, ptr, i64, i64]  # beta, alpha -> g (in place), dt_bias, a, T, Hv
     lib.mtp_gdn_gates.restype = None

@@ -491,9 +491,9 @@ typedef struct {
 #define CHAIN_MAX_TOP 1024 /* engine.sampling.DEVICE_TOP_MAX: the most candidates a chain off the host ranks */
 
 /* The chain over the n_top candidates `vals` (highest first): top-p at temperature 1 in float32 (sums in order),
- * min-p, the temperature, a float64 softmax over the survivors; then the first survivor whose running sum passes
- * the total times u. Returns its place; probs[0..n_top), *kept. */
-static int64_t chain_draw(const float *vals, const mtp_draft_draws *c, double u, double *probs, int64_t *kept) {
+ * min-p, the temperature, a float64 softmax over the survivors (engine.sampling's Sampler.probabilities). Returns
+ * the survivors; probs[0..n_top), 0 past them. */
+static int64_t chain_probs(const float *vals, const mtp_draft_draws *c, double *probs) {
     const int64_t n = c->n_top;
     int64_t keep = n;
     if (c->top_p < INFINITY) {
@@ -516,15 +516,123 @@ static int64_t chain_draw(const float *vals, const mtp_draft_draws *c, double u,
     const double top = (double)(vals[0] / c->temperature);
     double sum = 0.0;
     for (int64_t i = 0; i < n; i++) sum += (probs[i] = i < keep ? exp((double)(vals[i] / c->temperature) - top) : 0.0);
-    double running = 0.0;
-    for (int64_t i = 0; i < n; i++) running += (probs[i] /= sum);
+    for (int64_t i = 0; i < n; i++) probs[i] /= sum;
+    return keep;
+}
+
+/* The first of weights[0..n) whose running float64 sum passes the total times u (engine.rejection's draw). */
+static int64_t draw_place(const double *weights, int64_t n, double u) {
+    double total = 0.0, running = 0.0;
+    for (int64_t i = 0; i < n; i++) total += weights[i];
+    const double target = total * u;
+    int64_t index = 0;
+    for (int64_t i = 0; i < n; i++)
+        if ((running += weights[i]) <= target) index = i + 1;
+    return index < n ? index : n - 1;
+}
+
+/* The chain's draw: its distribution over the candidates, then one draw with u. Returns the place; probs, *kept. */
+static int64_t chain_draw(const float *vals, const mtp_draft_draws *c, double u, double *probs, int64_t *kept) {
+    *kept = chain_probs(vals, c, probs);
+    double running = 0.0; /* the sum over every candidate: the survivors', then zeros, as the draft path sums it */
+    for (int64_t i = 0; i < c->n_top; i++) running += probs[i];
     const double target = running * u;
     int64_t index = 0;
     running = 0.0;
-    for (int64_t i = 0; i < keep; i++)
+    for (int64_t i = 0; i < *kept; i++)
         if ((running += probs[i]) <= target) index = i + 1;
-    *kept = keep;
-    return index < keep ? index : keep - 1;
+    return index < *kept ? index : *kept - 1;
+}
+
+/* A row's n candidates, highest first, equal values by id, from a device's k = n + 1 (or n) highest: values then
+ * ids (as floats) in cand[0..2k). */
+static void device_candidates(const float *cand, int64_t k, int64_t n, float *vals, int64_t *ids) {
+    for (int64_t i = 0; i < n; i++) {
+        vals[i] = cand[i];
+        ids[i] = (int64_t)cand[k + i];
+        for (int64_t j = i; j > 0 && vals[j - 1] == vals[j] && ids[j - 1] > ids[j]; j--) { /* a device's ties */
+            const int64_t id = ids[j];
+            ids[j] = ids[j - 1];
+            ids[j - 1] = id;
+        }
+    }
+}
+
+/* The probability of token t in a draft's distribution q [ids | probs] (q_width each, ids -1 past its tokens). */
+static double q_of(const double *q, int64_t q_width, int64_t t) {
+    for (int64_t j = 0; j < q_width; j++)
+        if ((int64_t)q[j] == t) return q[q_width + j];
+    return 0.0;
+}
+
+/* A verification's rows against drafts drawn from the same chain, engine.rejection's rule in its order: row i of
+ * n_drafts keeps drafts[i] when u * q(d) < p(d) (no uniform taken where q(d) is 0), p the chain over the row's
+ * candidates and q the draft's distribution (qs [n_drafts, 2 * q_width]: ids, then probabilities), or else draws
+ * from the normalised max(0, p - q) over p's survivors in order (from p where that is empty) with the next uniform,
+ * and stops there. The row after the drafts draws from the chain as Sampler.sample does (float32 exponentials,
+ * their float64 running sum, the first place reaching the total times its uniform). The rows' candidates: ranked
+ * here from rows [n_drafts + 1, n_vocab] (the chain's bans set to -inf first), or a device's k highest of each row,
+ * cands [n_drafts + 1, 2k]. uniforms: the draft stream's n_drafts + 1, then the main stream's one. out
+ * [n_drafts + 3]: the tokens kept, then how many, then the draft stream's uniforms taken (the main one is taken where
+ * every draft is kept). Returns 3 (nothing taken) where a device's candidates tie at the chain's n-th place. */
+int mtp_verify_drawn(const float *rows, int64_t n_vocab, const float *cands, int64_t k, const mtp_draft_draws *c,
+                     const int64_t *drafts, int64_t n_drafts, const double *qs, int64_t q_width,
+                     const double *uniforms, int64_t *out) {
+    const int64_t n = c->n_top, n_rows = n_drafts + 1;
+    int64_t *n_out = out + n_rows, *taken = out + n_rows + 1;
+    *n_out = *taken = 0;
+    if (n < 1 || n > CHAIN_MAX_TOP || n_drafts < 0 || (rows ? n > n_vocab : k < n || k > n + 1)) return 1;
+    for (int64_t r = 0; !rows && r < n_rows; r++)
+        if (k > n && cands[r * 2 * k + n] == cands[r * 2 * k + n - 1]) return 3;
+    float vals[CHAIN_MAX_TOP];
+    int64_t ids[CHAIN_MAX_TOP], places[CHAIN_MAX_TOP];
+    double p[CHAIN_MAX_TOP], residual[CHAIN_MAX_TOP];
+    for (int64_t r = 0; r < n_rows; r++) {
+        if (!rows) {
+            device_candidates(cands + r * 2 * k, k, n, vals, ids);
+        } else if (c->n_banned) {
+            float *copy = malloc(sizeof(float) * n_vocab);
+            if (!copy) return 2;
+            memcpy(copy, rows + r * n_vocab, sizeof(float) * n_vocab);
+            for (int64_t b = 0; b < c->n_banned; b++) copy[c->banned[b]] = -INFINITY;
+            top_n_sorted(copy, n_vocab, n, vals, ids);
+            free(copy);
+        } else {
+            top_n_sorted(rows + r * n_vocab, n_vocab, n, vals, ids);
+        }
+        const int64_t keep = chain_probs(vals, c, p);
+        if (r == n_drafts) { /* the row after the drafts: Sampler.sample's draw */
+            const float top = vals[0] / c->temperature;
+            double total = 0.0;
+            for (int64_t i = 0; i < keep; i++) residual[i] = (total += (double)expf(vals[i] / c->temperature - top));
+            const double target = total * uniforms[n_rows];
+            int64_t place = 0;
+            while (place < keep - 1 && residual[place] < target) place++;
+            out[(*n_out)++] = ids[place];
+            return 0;
+        }
+        const int64_t d = drafts[r];
+        const double *q = qs + r * 2 * q_width, q_d = q_of(q, q_width, d);
+        double p_d = 0.0;
+        for (int64_t i = 0; i < keep; i++)
+            if (ids[i] == d) p_d = p[i];
+        if (q_d > 0.0 && uniforms[(*taken)++] * q_d < p_d) {
+            out[(*n_out)++] = d;
+            continue;
+        }
+        int64_t m = 0;
+        for (int64_t i = 0; i < keep; i++) {
+            const double q_t = q_of(q, q_width, ids[i]);
+            if (p[i] > q_t) {
+                residual[m] = p[i] - q_t;
+                places[m++] = i;
+            }
+        }
+        const double u = uniforms[(*taken)++];
+        out[(*n_out)++] = m ? ids[places[draw_place(residual, m, u)]] : ids[draw_place(p, keep, u)];
+        return 0;
+    }
+    return 0;
 }
 
 /* Up to n_steps chained MTP drafts: step 0 takes T0 rows (tokens[t] paired with the hidden state hidden[t] that
