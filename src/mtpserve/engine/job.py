@@ -115,7 +115,7 @@ class Job:
             return []
         tokens, taken = kept
         spec.skip(taken)
-        main.skip(len(tokens) > len(draft))
+        main.skip(int(len(tokens) > len(draft)))  # the last row's draw: every draft was kept
         return [(token, self._take(token, rows[i], rows[i])) for i, token in enumerate(tokens)]
 
     def spec_rng(self) -> Mt19937Uniform:

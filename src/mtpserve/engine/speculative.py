@@ -118,14 +118,12 @@ class Speculator:
         rows = slice(s * n, (s + 1) * n)
         hidden, logits = forward.hidden[rows], forward.logits[rows]
         n_past = slot.state.n_past - n  # before the pass
-        accepted: list[tuple[int, Probs, int]] = []
         draws = self.draws.get(slot.id, [])
         # drafts drawn, none of them an end token (which stops the rows there): every row in one call
         drawn = job.verify_drawn(logits, draft, draws) if draws and self.eog_ids.isdisjoint(draft) else []
-        for i, (token, probs) in enumerate(drawn):
-            accepted.append((token, probs, n_past + 1 + i))
+        accepted = [(token, probs, n_past + 1 + i) for i, (token, probs) in enumerate(drawn)]
         ranked = job.rows_ranked(logits) if draft and not drawn else None  # a sampling request's rows in one copy
-        for i, row in enumerate([] if drawn else logits):
+        for i, row in enumerate([] if drawn else logits):  # else row by row, while they confirm the draft
             r = ranked[i] if ranked is not None else None
             token, probs = job.verify_draft(row, draft[i], draws[i], r) if i < len(draws) else job.sample(row, r)
             accepted.append((token, probs, n_past + 1 + i))
