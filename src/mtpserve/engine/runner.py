@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +34,7 @@ class Forward:
 
     hidden: torch.Tensor
     logits: torch.Tensor | None = None
-    steps: dict[int, list[list[RecurrentState]]] = field(default_factory=dict)
+    steps: dict[int, list[Sequence[RecurrentState]]] = field(default_factory=dict)
     checkpoints: dict[int, dict[int, RecurrentState]] = field(default_factory=dict)
 
 
@@ -80,7 +81,7 @@ class ModelRunner:
         if not _keeps_inside(keep_at, states, n_tokens):
             # decode, verification and a prompt's tail of a few tokens: one C call on the CPU (1-8 tokens, fewer
             # than a prompt checkpoint's grid of 64, so no checkpoint falls inside the pass)
-            steps: dict[int, list[list[RecurrentState]]] = {}
+            steps: dict[int, list[Sequence[RecurrentState]]] = {}
             if (out := self.model.program_decode(tokens, states, steps if keep_steps else None, logits)) is not None:
                 if logits:
                     self.n_program_decodes += 1

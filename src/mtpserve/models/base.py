@@ -9,7 +9,7 @@ from types import MappingProxyType
 
 import torch
 
-from ..cache import CellTable, KVCache, KVPool, RecurrentState
+from ..cache import CellTable, KeptSteps, KVCache, KVPool, RecurrentState
 from ..gguf import GGUFFile, TensorInfo
 from ..ops.collective import GatheredQTensor, ReducedQTensor
 from ..ops.decode_program import DecodeHead, DecodeProgram, run_decode_pass
@@ -259,7 +259,7 @@ class Batch:
     # Draft verification: recurrent layers keep their state after every token of the batch, so a
     # rejected draft rolls back without recomputing: layer -> per sequence [(conv, ssm) per token].
     keep_steps: bool = False
-    steps: dict[int, list[list[RecurrentState]]] = field(default_factory=dict)
+    steps: dict[int, list[Sequence[RecurrentState]]] = field(default_factory=dict)
     # A static step (models.graphs): the positions as a device tensor [n_tokens]; nothing reads a position on the
     # host, and the caller advances the state's counters after the step. Its rows come embedded (`model.embed`,
     # done before the step: the table may live in host memory, which a captured step cannot read).
@@ -460,7 +460,7 @@ class CausalLM:
         self,
         tokens: list[int],
         states: list[ModelState],
-        steps: dict[int, list[list[RecurrentState]]] | None = None,
+        steps: dict[int, list[Sequence[RecurrentState]]] | None = None,
         logits: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The next len(tokens) / len(states) tokens (1 to 8: a decode, or a draft's verification) of each sequence
@@ -493,7 +493,7 @@ class CausalLM:
             n = len(states)
             for g, layer in enumerate(layers):
                 per_sequence = zip(kept_conv[g * n : (g + 1) * n], kept_ssm[g * n : (g + 1) * n])
-                steps[layer] = [[RecurrentState(conv[t], ssm[t]) for t in range(T)] for conv, ssm in per_sequence]
+                steps[layer] = [KeptSteps(conv, ssm) for conv, ssm in per_sequence]
         if logits and not in_c:
             out = self.logits_on_device(hidden, T).float()
         return hidden, out
