@@ -104,7 +104,7 @@ class Job:
             return []
         candidates = None
         if not on_host(rows):  # ranked on their device together, the candidates copied in one
-            if (candidates := self.sampler.rows_candidates(rows)) is None:
+            if (candidates := self.sampler.rows_candidates(rows, drawn[0].n_top)) is None:
                 return []
         elif rows.dtype != torch.float32 or not rows.is_contiguous():
             return []

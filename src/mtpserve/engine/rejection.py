@@ -62,8 +62,7 @@ class DraftPicker:
 
     def __init__(self, sampler: Sampler, constraint: Constraint | None, rng: Mt19937Uniform, n_vocab: int) -> None:
         self.sampler = copy.copy(sampler)  # the same chain, its own penalty window where penalties read one
-        self.penalized = sampler.params.penalized
-        if self.penalized:
+        if sampler.params.penalized:
             self.sampler.window = deque(sampler.window, maxlen=sampler.window.maxlen)
             self.sampler.counts = Counter(sampler.counts)
         self.constraint, self.rng, self.n_vocab = constraint, rng, n_vocab
@@ -92,7 +91,7 @@ class DraftPicker:
     def record(self, token: int, q: Distribution) -> None:
         """A draft token drawn from q (here, or on a device by `device_chain`'s chain)."""
         self.qs.append(q)
-        if self.penalized:  # the drafted tokens count in the next draft token's penalties
+        if self.sampler.params.penalized:  # the drafted tokens count in the next draft token's penalties
             self.sampler.accept(token)
 
     def device_chain(self, n_rows: int) -> tuple[ChainShape, ChainParams] | None:

@@ -201,15 +201,10 @@ class Sampler:
                 self._fixed[n_rows] = ChainShape(n_top, p.min_keep, bool(banned)), chain
         return self._fixed[n_rows]
 
-    def rows_candidates(self, rows: torch.Tensor) -> np.ndarray | None:
-        """A sampling chain's candidates for rows [R, V] left on a device (`rows_candidates_on_device`), where
-        `rows_ranked` would rank them."""
-        p = self.params
-        if rows.device.type in HOST_DEVICES or p.penalized or p.greedy or not 0 < p.top_k <= DEVICE_TOP_MAX:
-            return None
-        if rows.shape[-1] > 1 << 24:
-            return None
-        return rows_candidates_on_device(rows, min(max(p.top_k, p.min_keep, 1), rows.shape[-1]), self._bias_on(rows))
+    def rows_candidates(self, rows: torch.Tensor, n: int) -> np.ndarray | None:
+        """The n + 1 highest of each of rows [R, V] left on a device, after the request's biases
+        (`rows_candidates_on_device`); None where the vocabulary is too wide for their ids to come over as floats."""
+        return None if rows.shape[-1] > 1 << 24 else rows_candidates_on_device(rows, n, self._bias_on(rows))
 
     def _bias_on(self, logits: torch.Tensor) -> DeviceBias | None:
         """The request's biases as tensors on the logits' device, made once."""
@@ -380,10 +375,11 @@ def rows_candidates_on_device(rows: torch.Tensor, n: int, bias: DeviceBias | Non
     """Each row's k = n + 1 highest logits (n where the row is no longer) after the biases, found together and
     copied in one: [R, 2k] float32, the values high to low, then their ids (exact below 2^24), their order among
     equal values open (`_ranked_candidates` and ops.verify_drawn order them by id)."""
+    rows = rows.float()
     if bias is not None:
-        rows = rows.float().clone()
+        rows = rows.clone()
         rows[:, bias.ids] += bias.values
-    values, ids = top_candidates(rows.float(), min(n + 1, rows.shape[-1]))
+    values, ids = top_candidates(rows, min(n + 1, rows.shape[-1]))
     return torch.cat((values, ids.float()), -1).cpu().numpy()
 
 

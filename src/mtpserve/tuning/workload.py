@@ -151,10 +151,11 @@ def stream_chunks(client: httpx.Client, url: str, body: dict[str, Any]) -> Itera
     A request the server closed its connection on before any response is sent once more, on a fresh connection:
     a kept-alive connection the server had closed while it sat in the pool (llama-server closes them between
     the requests of an interleaved bench: 5 of 36 failed so), as the official clients retry a connection error."""
+    request = client.build_request("POST", f"{url}/v1/chat/completions", json=body)
     try:
-        response = client.send(client.build_request("POST", f"{url}/v1/chat/completions", json=body), stream=True)
+        response = client.send(request, stream=True)
     except httpx.RemoteProtocolError:  # nothing was answered, so nothing ran: the same request again
-        response = client.send(client.build_request("POST", f"{url}/v1/chat/completions", json=body), stream=True)
+        response = client.send(request, stream=True)
     try:
         if response.status_code != 200:
             response.read()
