@@ -534,14 +534,7 @@ static int64_t draw_place(const double *weights, int64_t n, double u) {
 /* The chain's draw: its distribution over the candidates, then one draw with u. Returns the place; probs, *kept. */
 static int64_t chain_draw(const float *vals, const mtp_draft_draws *c, double u, double *probs, int64_t *kept) {
     *kept = chain_probs(vals, c, probs);
-    double running = 0.0; /* the sum over every candidate: the survivors', then zeros, as the draft path sums it */
-    for (int64_t i = 0; i < c->n_top; i++) running += probs[i];
-    const double target = running * u;
-    int64_t index = 0;
-    running = 0.0;
-    for (int64_t i = 0; i < *kept; i++)
-        if ((running += probs[i]) <= target) index = i + 1;
-    return index < *kept ? index : *kept - 1;
+    return draw_place(probs, *kept, u); /* the zeros past the survivors add nothing to the total */
 }
 
 /* A row's n candidates, highest first, equal values by id, from a device's k = n + 1 (or n) highest: values then
