@@ -18,8 +18,9 @@ serve: install models
 # CI machine's two cores. `make test TEST_WORKERS=0` runs in one process.
 TEST_WORKERS ?= 2
 TEST_PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
+# The default suite runs the Hypothesis fuzzers at half their (derandomized) examples; `make test-all` runs them all.
 test: lint models browser
-	MTPSERVE_REQUIRE_MODELS=1 $(PY) -m pytest -q $(TEST_PARALLEL)
+	MTPSERVE_REQUIRE_MODELS=1 MTPSERVE_FUZZ_DEPTH=$${MTPSERVE_FUZZ_DEPTH:-0.5} $(PY) -m pytest -q $(TEST_PARALLEL)
 
 # Formatting, lint rules (ruff, configured in pyproject.toml) and the one-way layering (lint-imports).
 # `make format` rewrites the files ruff would change.
@@ -34,7 +35,7 @@ format: install-dev
 
 # Everything, the tests marked slow included (the real models' perplexity runs, ...): about 5 minutes more.
 test-all: lint models browser
-	MTPSERVE_REQUIRE_MODELS=1 $(PY) -m pytest -q -m 'not agents' $(TEST_PARALLEL)
+	MTPSERVE_REQUIRE_MODELS=1 MTPSERVE_FUZZ_DEPTH=$${MTPSERVE_FUZZ_DEPTH:-1} $(PY) -m pytest -q -m 'not agents' $(TEST_PARALLEL)
 
 # Claude Code, Codex, opencode and openai-agents against the server, each one task with a tool call (tests/agents,
 # docs/serving.md "Agent clients"): about 3 minutes, outside `make test` (the clients come from npm); run it
