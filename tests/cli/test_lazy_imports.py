@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -66,3 +67,21 @@ def test_inspect_runs_without_torch_and_reports_what_the_loaded_model_holds():
     assert report["architecture"] == model.config.architecture == "qwen35"
     assert report["n_layer"] == model.config.n_layer and report["n_vocab"] == model.config.n_vocab
     assert report["mtp_layers"] == list(model.config.mtp_layers())
+
+
+def test_the_command_line_makes_openmp_wait_passively_unless_told_otherwise():
+    """Set before torch loads libgomp (which reads it once): the command line imports no torch of its own."""
+    code = (
+        "import json, os, sys, mtpserve.cli; print(json.dumps([os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules]))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    unset = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert json.loads(unset.stdout) == ["PASSIVE", False]
+    told = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(told.stdout) == ["ACTIVE", False]
