@@ -70,11 +70,12 @@ def test_inspect_runs_without_torch_and_reports_what_the_loaded_model_holds():
 
 
 def test_the_command_line_makes_openmp_wait_passively_unless_told_otherwise():
-    """Set before torch loads libgomp (which reads it once): the command line imports no torch of its own."""
+    """On the CPU path (no CUDA device visible), set before torch loads libgomp (which reads it once): the command
+    line imports no torch of its own."""
     code = (
         "import json, os, sys, mtpserve.cli; print(json.dumps([os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules]))"
     )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {"CUDA_VISIBLE_DEVICES": ""}
     unset = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert json.loads(unset.stdout) == ["PASSIVE", False]
     told = subprocess.run(
