@@ -33,7 +33,7 @@ format: install-dev
 	$(VENV)/bin/ruff format --quiet src tests bench
 	$(VENV)/bin/ruff check --quiet --fix src tests bench
 
-# Everything, the tests marked slow included (the real models' perplexity runs, ...): about 5 minutes more.
+# Everything: the tests marked slow too (the real models' perplexity runs, ...) and the fuzzers' every example.
 test-all: lint models browser
 	MTPSERVE_REQUIRE_MODELS=1 MTPSERVE_FUZZ_DEPTH=$${MTPSERVE_FUZZ_DEPTH:-1} $(PY) -m pytest -q -m 'not agents' $(TEST_PARALLEL)
 
