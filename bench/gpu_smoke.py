@@ -221,6 +221,27 @@ def _glu_quantize(s: Shapes, device: torch.device) -> list[Case]:
     return [case(1), case(3)]
 
 
+@smoke_case("draw_row")
+def _draw_row(s: Shapes, device: torch.device) -> list[Case]:
+    from mtpserve.ops.sampling_chain import ChainInputs, ChainParams, ChainShape, drawn_row_reference, top_candidates
+
+    def run() -> list[Comparison]:
+        shape, inputs = ChainShape(40, 0), ChainInputs(1, device)
+        inputs.set(ChainParams(0.95, 0.05, 0.8), [0.5])  # llama-server's default chain
+        values, ids = top_candidates(_randn(_gen(device, 17), 248_320) * 3, 40)  # a row of Qwen3.6's vocabulary
+        chain = (inputs.top_p, inputs.log_min_p, inputs.temperature, inputs.uniforms)
+        row, token = kernels().draw_row(values, ids, values, *chain, min_keep=0, top_k=10)
+        want_row, want_token = drawn_row_reference(values, values, ids, shape, inputs, 0, 10)
+        # the token, the survivors' count and the candidates' ids; the draft's confidence and the probabilities
+        exact, floats = [0, 2, *range(3, 43)], [1, *range(43, 83)]
+        return [
+            Comparison((token, row[exact]), (want_token, want_row[exact]), "exact"),
+            Comparison((row[floats],), (want_row[floats],), "float32"),
+        ]
+
+    return [Case("draw_row: the server's default chain over the top 40 of 248,320 logits", run)]
+
+
 @smoke_case("dequant_blocks")
 def _dequant_blocks(s: Shapes, device: torch.device) -> list[Case]:
     from mtpserve.quant.dequant import dequantize

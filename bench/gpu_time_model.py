@@ -21,7 +21,7 @@ or a verification of 1 + n_max tokens, or an MTP draft) costs the sum of five pa
   verification writing one more per token (kept for the rollback; `state_passes`); with the layer split, the
   hidden state handed to the next card (n_embd float32 over PCIe, plus its latency).
 * launches: the step's kernels (bench/decode_launches.py on the GPU path's planar q8_0 cache: 709 a step, 709 a
-  verification, 32 a draft (27 with the whole head; 72 drawn at a temperature), 21 a catch-up; a kernel whose
+  verification, 32 a draft (27 with the whole head; 31 drawn at a temperature), 21 a catch-up; a kernel whose
   attention took a verification in more passes would count one more launch a pass a layer) x LAUNCH_US each, the
   fixed cost of a kernel in a graph replay beyond its memory time.
 * host: the engine's own time per cycle, measured by bench/engine_overhead.py's stand-in (tinyqwen35 whose passes
@@ -162,7 +162,7 @@ class Kernels:
     verify: int = 709  # the int8 kernels take its 18 rows a KV head in one launch (the float kernel: two, 725)
     draft: int = 32  # the shortlisting head's (--spec-draft-head auto on a GPU): 27 with the whole head
     catch_up: int = 21
-    draw: int = 72  # a draft drawn at a temperature (MTPDrawGraph: the whole head, top-k 40 in two stages, the chain)
+    draw: int = 31  # a draft drawn at a temperature (MTPDrawGraph: the whole head, top-k 40 in two stages, the chain)
 
 
 def kv_bytes(context: int, layers: int = ATTENTION_LAYERS) -> float:

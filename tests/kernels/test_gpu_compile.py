@@ -32,6 +32,7 @@ KERNELS = (
     "gdn_glue",
     "rowwise_norm",
     "rope_kv",
+    "draw_row",
 )
 
 

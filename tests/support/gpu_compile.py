@@ -410,6 +410,22 @@ def launches() -> list[Launch]:
             )
             cfg = f"{act} block={block} M={m} F={n_ff} CHUNK={k['CHUNK']}"
             out.append(Launch("rowwise_glu", cfg, f, a, k, rows=m, decode=True))
+    # A drawn draft step's sampler chain and its packed row (kernels.triton.chain): one program, the server's default
+    # top-k 40 and the draft's confidence over its top 10 (engine.drafters.DRAFT_TOP_K).
+    from mtpserve.kernels.triton import chain
+
+    n_top, conf_k = 40, 10
+    cand, ids, f32, f64 = (
+        torch.empty(n_top),
+        torch.zeros(n_top, dtype=torch.long),
+        torch.empty(()),
+        torch.empty(1).double(),
+    )
+    ((f, a, k),) = _recorded(
+        [chain._draw_row_kernel],
+        lambda: chain.draw_row(cand, ids, cand, f32, f64[0], f32, f64, min_keep=0, top_k=conf_k),
+    )
+    out.append(Launch("draw_row", f"N_TOP={n_top} TOP_K={conf_k} BLOCK={k['BLOCK']}", f, a, k, quick=True, decode=True))
     # The attention input of a full-attention layer (q/k norms, RoPE, K/V into the cache): one launch a cache.
     rope_kv = sys.modules["mtpserve.kernels.triton.rope_kv"]  # the package's `norm_rope_store` shadows nothing
     d, (h, hkv) = 256, ATTN_SHAPES[256]

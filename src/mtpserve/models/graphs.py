@@ -28,7 +28,7 @@ import torch
 
 from ..cache import RecurrentState
 from ..ops.linear import linear
-from ..ops.sampling_chain import ChainInputs, ChainParams, ChainShape, chain_draw, top_candidates
+from ..ops.sampling_chain import ChainInputs, ChainParams, ChainShape, drawn_row, top_candidates
 from .base import Batch, CausalLM, ModelState
 from .draft_head import DraftHead
 from .mtp import MTPModel, mtp_cache_index, mtp_graphable, mtp_model
@@ -348,12 +348,11 @@ class MTPDrawGraph(_MTPChain):
             hidden = self._mtp_hidden(hidden, token, i)
             row = linear(hidden, self.head.exact)[0].float()
             values, ids = top_candidates(row, self.top_k if self.shape.bans else max(n_top, self.top_k))
-            p_top = torch.softmax(values[: self.top_k], 0)[:1]  # the draft's confidence: the row's own argmax
+            confidence = values  # the draft's confidence: the row's own argmax
             if self.shape.bans:  # the chain's candidates from the row with its bans
                 values, ids = top_candidates(row + self.inputs.ban, n_top)
-            index, kept, probs = chain_draw(values[:n_top], self.shape, self.inputs, i)
-            token = ids[index]
-            rows.append(torch.cat((token.double(), p_top.double(), kept.double(), ids[:n_top].double(), probs)))
+            packed, token = drawn_row(confidence, values[:n_top], ids[:n_top], self.shape, self.inputs, i, self.top_k)
+            rows.append(packed)
         return torch.stack(rows), hidden
 
     @torch.inference_mode()

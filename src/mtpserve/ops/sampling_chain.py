@@ -9,7 +9,10 @@ Its twin is the host's chain: `engine.sampling.Sampler.probabilities` for the di
 float64 softmax over the survivors) and `engine.rejection.draw` for the draw (the first candidate whose running
 float64 sum exceeds the total times a uniform). The operations are the same; on a GPU its exp and its sums may
 round differently in the last bit, which can move a cut or a draw only at a boundary that close. Exactness does not
-rest on that: the ratio rule reads the distribution this draw was made from."""
+rest on that: the ratio rule reads the distribution this draw was made from.
+
+`drawn_row` is what a drawn draft step hands the host, the chain and its packing: one Triton launch on the GPU path
+(kernels.triton.chain, where the torch composition `drawn_row_reference`, its twin, launches 43 kernels)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from .device import gpu_path
+from .quant_gemv import triton_for_rows, triton_kernels
 
 GROUPS = 256  # a long row's first stage: each group's own top k
 LONG_ROW = 1 << 15  # rows at least this long go in two stages
@@ -112,3 +118,42 @@ def chain_draw(
     target = running[-1] * inputs.uniforms[draw]
     index = torch.minimum((running <= target).sum(), keep - 1)
     return index.reshape(1), keep.reshape(1), probs
+
+
+def drawn_row_reference(
+    confidence: torch.Tensor,
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    shape: ChainShape,
+    inputs: ChainInputs,
+    draw: int,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`drawn_row` as torch operations."""
+    index, kept, probs = chain_draw(values, shape, inputs, draw)
+    token = ids[index]
+    p_top = torch.softmax(confidence[:top_k], 0)[:1]
+    return torch.cat((token.double(), p_top.double(), kept.double(), ids.double(), probs)), token
+
+
+def drawn_row(
+    confidence: torch.Tensor,
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    shape: ChainShape,
+    inputs: ChainInputs,
+    draw: int,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A drawn draft step's output from its row's candidates: `values` [n_top] float32 and `ids` [n_top] int64, the
+    chain's candidates highest first (`chain_draw`'s input), and `confidence`, the row's own highest logits before
+    any ban (at least `top_k`) -> (the packed row float64 [3 + 2 n_top]: the token drawn with uniform `draw`, the
+    draft's confidence (the row's argmax's probability among its `top_k` highest), the survivors' count, the
+    candidates' ids, their probabilities; the token int64 [1], on the device for the next step to embed)."""
+    kernels = triton_kernels()
+    if kernels is None or not (gpu_path(values) and triton_for_rows(values, 1)):
+        return drawn_row_reference(confidence, values, ids, shape, inputs, draw, top_k)
+    return kernels.draw_row(
+        values, ids, confidence, inputs.top_p, inputs.log_min_p, inputs.temperature, inputs.uniforms[draw : draw + 1],
+        min_keep=shape.min_keep, top_k=top_k,
+    )  # fmt: skip

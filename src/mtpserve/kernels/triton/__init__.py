@@ -2,6 +2,7 @@
 nothing imports it unconditionally: callers go through `mtpserve.ops.quant_gemv`, which falls back to torch."""
 
 from .attention import ATTENTION_TYPES, auto_splits, decode_attention
+from .chain import draw_row
 from .gated_delta import (
     chunk_scan_supported,
     gated_delta_chunk_scan,
@@ -30,6 +31,7 @@ __all__ = [
     "chunk_scan_supported",
     "decode_attention",
     "dequant_blocks",
+    "draw_row",
     "gated_delta_chunk_scan",
     "gated_delta_decode",
     "gated_delta_rule_recurrent_batched",
