@@ -12,7 +12,7 @@ round differently in the last bit, which can move a cut or a draw only at a boun
 rest on that: the ratio rule reads the distribution this draw was made from.
 
 `drawn_row` is what a drawn draft step hands the host, the chain and its packing: one Triton launch on the GPU path
-(kernels.triton.chain, where the torch composition `drawn_row_reference`, its twin, launches 43 kernels)."""
+(kernels.triton.chain, where the torch composition `drawn_row_reference`, its twin, launches 42 kernels)."""
 
 from __future__ import annotations
 

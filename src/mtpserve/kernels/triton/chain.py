@@ -1,7 +1,7 @@
 """A drawn draft's sampler chain in one launch (ops.sampling_chain.drawn_row): over the n highest logits of the MTP
 head's row, top-p -> min-p -> temperature -> one draw, and the packed row the host reads back: [the token drawn,
 the draft's confidence, the survivors' count, the n candidates' ids, their probabilities], float64. The torch
-composition (ops.sampling_chain.drawn_row_reference, its twin) launched 43 kernels a draft step for these 40-odd
+composition (ops.sampling_chain.drawn_row_reference, its twin) launched 42 kernels a draft step for these 40-odd
 numbers, each a few microseconds of a captured draft's time.
 
 The operations are the twin's in the same precisions: the top-p mass in float32 with correctly rounded divisions
