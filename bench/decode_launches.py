@@ -27,7 +27,7 @@ skipped) is what a CUDA graph of the engine captures (models/graphs.py), run eag
 * mtp_draft: one MTP draft step (MTPDraftGraph unchained, as with the token table in host memory: the MTP
   block, the head's Q4_0 copy and its top-64, the head's rows of those and their top-k, as --spec-draft-head
   auto scores a draft on a GPU); mtp_draw: one draft step drawn at a temperature (MTPDrawGraph unchained: the
-  MTP block, the whole head, its top-k and the server's default chain, top-k 40, and the draw); mtp_catch_up:
+  MTP block, the same shortlisting head, and the server's default chain, top-k 40, and the draw); mtp_catch_up:
   the MTP block's pass over 3 accepted rows.
 The host work around a replay (embedding on the host, copies in, logits out) is not part of the graph: not
 counted.
@@ -137,9 +137,10 @@ def count(step: Callable[[], object], n_layer: int) -> LaunchCount:
     return counted
 
 
-def two_stage_extra(vocab: int = QWEN36_27B.n_vocab, k: int = 40) -> int:
-    """Kernels a drawn draft's top-k of the 27B's row launches beyond SMALL_27B's (ops.sampling_chain.top_candidates
-    takes a long row in two stages): the one count here that depends on a width."""
+def two_stage_extra(vocab: int = QWEN36_27B.n_vocab, k: int = 64) -> int:
+    """Kernels a draft step's top-k of the 27B's row (the shortlisting head's copy's top 64) launches beyond
+    SMALL_27B's (ops.sampling_chain.top_candidates takes a long row in two stages): the one count here that
+    depends on a width."""
 
     def launches(n: int) -> int:
         with torch.inference_mode(), count_launches() as counted:
@@ -186,9 +187,8 @@ def counts(config: Qwen35Config = SMALL_27B) -> dict:
         catch_up = MTPRowsGraph(model, state, N_MAX + 1, capture=False)
         graphs["decode"] = (lambda: [s._step() for s in decode.segments], trunk)
         graphs["verify"] = (lambda: [s._step() for s in verify.segments], trunk)
-        # a draft drawn at a temperature (the server's default chain: top-k 40), from the whole head
-        drawn = MTPDrawGraph(model, state, N_MAX, DraftHead(model.mtp_head), DRAFT_TOP_K, ChainShape(40, 0),
-                             capture=False, chained=False)  # fmt: skip
+        # a draft drawn at a temperature (the server's default chain: top-k 40), through the same shortlisting head
+        drawn = MTPDrawGraph(model, state, N_MAX, head, DRAFT_TOP_K, ChainShape(40, 0), capture=False, chained=False)
         graphs["mtp_draft"] = (draft._step, {"mtp_block": 1})
         graphs["mtp_draw"] = (drawn._step, {"mtp_block": 1})
         graphs["mtp_catch_up"] = (catch_up._step, {"mtp_block": 1})
@@ -202,7 +202,7 @@ def counts(config: Qwen35Config = SMALL_27B) -> dict:
         "type_plan_fixture_mismatches": fixture_mismatches(),
         "kernels_per_decode_step": steps["decode"]["kernels"],
         "kernels_per_verify_step": steps["verify"]["kernels"],
-        "kernels_per_mtp_draft": steps["mtp_draft"]["kernels"],
+        "kernels_per_mtp_draft": steps["mtp_draft"]["kernels"] + two_stage_extra(),
         "kernels_per_mtp_draw": steps["mtp_draw"]["kernels"] + two_stage_extra(),
         "kernels_per_mtp_catch_up": steps["mtp_catch_up"]["kernels"],
         "steps": steps,

@@ -21,7 +21,7 @@ or a verification of 1 + n_max tokens, or an MTP draft) costs the sum of five pa
   verification writing one more per token (kept for the rollback; `state_passes`); with the layer split, the
   hidden state handed to the next card (n_embd float32 over PCIe, plus its latency).
 * launches: the step's kernels (bench/decode_launches.py on the GPU path's planar q8_0 cache: 709 a step, 709 a
-  verification, 32 a draft (27 with the whole head; 31 drawn at a temperature), 21 a catch-up; a kernel whose
+  verification, 37 a draft (36 drawn at a temperature), 21 a catch-up; a kernel whose
   attention took a verification in more passes would count one more launch a pass a layer) x LAUNCH_US each, the
   fixed cost of a kernel in a graph replay beyond its memory time.
 * host: the engine's own time per cycle, measured by bench/engine_overhead.py's stand-in (tinyqwen35 whose passes
@@ -35,8 +35,9 @@ or a verification of 1 + n_max tokens, or an MTP draft) costs the sum of five pa
 * `predicted_sampled`: the same at llama-server's default chain (T 0.8, top-k 40, top-p 0.95, min-p 0.05), which a
   request without sampling fields gets: the host time measured at that chain with drafts drawn from it (the
   stand-in's rows are the draft head's own, so every draft is kept; a verification's rows ranked together, their
-  candidates copied in one and kept or drawn in one C call, ops.verify_drawn), and each draft step reading the
-  whole output layer (MTPDrawGraph draws from the head's own row, not its Q4_0 copy) in `Kernels.draw` launches. The
+  candidates copied in one and kept or drawn in one C call, ops.verify_drawn), and each draft step reading what a
+  greedy one reads (MTPDrawGraph draws over the shortlisting head's rows since 2026-12-07; the whole output layer
+  before) in `Kernels.draw` launches. The
   acceptance is the same 63%: the 27B's at a temperature is not measured (tinyqwen35 kept 0.69 of drawn drafts at T 0.8
   against 0.36 under llama.cpp's rule: docs/performance.md).
 
@@ -160,9 +161,9 @@ class Kernels:
 
     decode: int = 709
     verify: int = 709  # the int8 kernels take its 18 rows a KV head in one launch (the float kernel: two, 725)
-    draft: int = 32  # the shortlisting head's (--spec-draft-head auto on a GPU): 27 with the whole head
+    draft: int = 37  # the shortlisting head's (--spec-draft-head auto on a GPU), its copy's top 64 in two stages
     catch_up: int = 21
-    draw: int = 31  # a draft drawn at a temperature (MTPDrawGraph: the whole head, top-k 40 in two stages, the chain)
+    draw: int = 36  # a draft drawn at a temperature (MTPDrawGraph: the same head, the chain in one launch)
 
 
 def kv_bytes(context: int, layers: int = ATTENTION_LAYERS) -> float:
@@ -281,7 +282,7 @@ def predict(
 ) -> list[dict]:
     """tok/s and ms a token by part, for each device, context and speculation setting (`weights`: the steps' bytes,
     the deployment's by default; bench/draft_vocab.py cuts the draft's head, bench/draft_head.py compares heads).
-    `drawn`: drafts drawn at a temperature (MTPDrawGraph), from the whole head with `kernels.draw` a step."""
+    `drawn`: drafts drawn at a temperature (MTPDrawGraph), through the same head with `kernels.draw` a step."""
     w = weights or Bytes.of_deployment()
     out = []
     for device in DEVICES.values():
@@ -296,7 +297,7 @@ def predict(
                          kernels=kernels.verify + extra, logits_rows=1 + N_MAX)  # fmt: skip
             # tensor parallelism scores drafts with the whole head (it refuses --spec-draft-head q4_0; its draft
             # kernels are counted as the shortlisting head's, 5 more a step)
-            head = w.draft_head if device.tensor_parallel == 1 and not drawn else w.output_layer
+            head = w.draft_head if device.tensor_parallel == 1 else w.output_layer
             per_draft = kernels.draw if drawn else kernels.draft
             for _ in range(N_MAX):
                 cycle.add(step(device, at, weights=w.mtp_block + head, tokens=1, context=context,

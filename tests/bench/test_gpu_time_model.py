@@ -74,22 +74,23 @@ def test_an_mtp_cycle_on_an_h200_by_hand():
     tokens = 1 + 2 * 0.63
     assert p["ms"]["weights"] == pytest.approx(weights / stream / tokens, rel=1e-3)
     assert p["ms"]["attention"] == pytest.approx(attention / tokens, rel=1e-3)
-    assert p["ms"]["launches"] == pytest.approx((709 + 2 * 32 + 21) * 1.5e-3 / tokens, rel=1e-3)
+    assert p["ms"]["launches"] == pytest.approx((709 + 2 * 37 + 21) * 1.5e-3 / tokens, rel=1e-3)
     copies = 3 * (0.020 + 0.010)  # the verification's 3 rows together, a draft row in each of two: ranked, copied
     assert p["ms"]["host"] == pytest.approx((0.9 + copies) / tokens, rel=1e-3)
 
 
 def test_a_drawn_mtp_cycle_on_an_h200_by_hand():
-    """Drafts drawn at a temperature (`predicted_sampled`): each draft step reads the whole output layer, in 31
-    kernels; the host time is the one given; the verification and attention are greedy's."""
+    """Drafts drawn at a temperature (`predicted_sampled`): each draft step reads what a greedy one reads (the
+    shortlisting head), in 36 kernels; the host time is the one given; the verification and attention are
+    greedy's."""
     p = tm.predict(host_ms_per_token=0.3, host_ms_per_mtp_cycle=1.1, weights=WEIGHTS, drawn=True)
     p = next(r for r in p if (r["device"], r["context"], r["spec"]) == ("H200", 4096, "draft-mtp"))
     greedy = _predicted()[("H200", 4096, "draft-mtp")]
     stream = 4.8e9 * 0.8
     tokens = 1 + 2 * 0.63
-    weights = 15_821_244_416 + 2 * (263_313_408 + 1_042_944_000) + 263_313_408
+    weights = 15_821_244_416 + 2 * (263_313_408 + SHORTLISTED) + 263_313_408
     assert p["ms"]["weights"] == pytest.approx(weights / stream / tokens, rel=1e-3)
-    assert p["ms"]["launches"] == pytest.approx((709 + 2 * 31 + 21) * 1.5e-3 / tokens, rel=1e-3)
+    assert p["ms"]["launches"] == pytest.approx((709 + 2 * 36 + 21) * 1.5e-3 / tokens, rel=1e-3)
     assert p["ms"]["host"] == pytest.approx((1.1 + 3 * 0.030) / tokens, rel=1e-3)
     assert p["ms"]["attention"] == greedy["ms"]["attention"] and p["ms"]["other"] == greedy["ms"]["other"]
 
@@ -172,7 +173,7 @@ def test_a_row_split_mtp_cycle_on_two_2080ti_by_hand():
     # read, written in place, and a copy after each verified token but the last: 4 states a verification, halved
     assert p["ms"]["other"] == pytest.approx((states * 4 / 2 / stream + verify + drafts + catch_up) / tokens, rel=1e-3)
     # sm_75's mma attention kernel: a verification's rows in one launch a layer, as sm_90's
-    assert p["ms"]["launches"] == pytest.approx((709 + 129 + 2 * (32 + 3) + 21 + 2) * 1.5e-3 / tokens, rel=1e-3)
+    assert p["ms"]["launches"] == pytest.approx((709 + 129 + 2 * (37 + 3) + 21 + 2) * 1.5e-3 / tokens, rel=1e-3)
     layer = _predicted()[("2x2080Ti", 4096, "draft-mtp")]
     assert 1.5 < p["tok_s"] / layer["tok_s"] < 2.0
 

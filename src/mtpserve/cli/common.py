@@ -107,8 +107,9 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
         "--spec-draft-head",
         default="auto",
         choices=DRAFT_HEADS,
-        help="draft-mtp: score greedy drafts with the output layer (full), or with a q4_0 copy's top 64 ranked by the "
-        "output layer (q4_0); auto: q4_0 on a GPU where it reads a quarter fewer bytes",
+        help="draft-mtp: score drafts with the output layer (full), or with a q4_0 copy's top 64 ranked by the "
+        "output layer (q4_0; a draft drawn at a temperature draws over those 64 on a GPU); auto: q4_0 on a GPU where "
+        "it reads a quarter fewer bytes",
     )
 
 

@@ -6,7 +6,11 @@ keeps its top SHORTLIST rows, and ranks those with the head's own rows, so its t
 head's top-k lie in the copy's top SHORTLIST. A 4-bit copy alone would not do: its argmax is the head's at only
 88-93% of positions on the fixtures' models, while the head's argmax came 14th at worst in the copy's order
 (bench/draft_head.py, docs/performance.md). Verification still scores over the whole head, so the tokens are
-the same either way; only a draft may differ, and only when the copy misses the head's top-k.
+the same either way; only a draft may differ, and only when the copy misses the head's top-k. A draft drawn at a
+temperature (models.graphs.MTPDrawGraph) draws from the request's chain over the shortlisted rows' own logits: the
+ratio rule reads the distribution it was drawn from, so the tokens kept stay the target's distribution exactly,
+and that distribution differs from the whole head's only where the copy misses some of the chain's candidates.
+The top-k of a long row takes ops.sampling_chain's two stages (torch's top-k of one long row is slow on a GPU).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.linear import linear
+from ..ops.sampling_chain import top_candidates
 from ..quant.qtensor import QTensor
 from ..quant.quantize import quantize
 from ..quant.types import GGMLType, block_geometry
@@ -50,23 +55,37 @@ class DraftHead:
     def n_vocab(self) -> int:
         return self.exact.shape[0]
 
-    def top(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k best-scoring tokens for hidden [1, n_embd]: (logits [k] float32, token ids [k]), best first, with
-        no host round trip (it runs inside captured steps)."""
+    def scores(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's logits float32 for hidden [1, n_embd] wherever its k best may lie: its whole row [V] (ids
+        None), or the exact logits [S] of the copy's top S = max(k, shortlist) rows with their token ids [S]. No
+        host round trip (it runs inside captured steps)."""
         hidden = hidden.to(self.device)
         if self.coarse is None:
-            top = linear(hidden, self.exact)[0].float().topk(k)
-            return top.values, top.indices
-        ids = linear(hidden, self.coarse)[0].topk(min(max(k, self.shortlist), self.n_vocab)).indices
+            return linear(hidden, self.exact)[0].float(), None
+        _, ids = top_candidates(linear(hidden, self.coarse)[0], min(max(k, self.shortlist), self.n_vocab))
         rows = QTensor(self.exact.data[ids], self.exact.ggml_type, (len(ids), self.exact.shape[1]), self.exact.name)
-        top = linear(hidden, rows)[0].float().topk(k)
-        return top.values, ids[top.indices]
+        return linear(hidden, rows)[0].float(), ids
+
+    def top(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k best-scoring tokens for hidden [1, n_embd]: (logits [k] float32, token ids [k]), best first."""
+        return candidates(*self.scores(hidden, k), k)
 
     def nbytes_read(self) -> int:
         """Bytes a draft step reads from the head: all of it, or the copy and the shortlisted rows."""
         if self.coarse is None:
             return self.exact.nbytes
         return self.coarse.nbytes + self.shortlist * self.exact.data.shape[1]
+
+
+def candidates(
+    logits: torch.Tensor, ids: torch.Tensor | None, k: int, ban: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k highest of a head's `scores` (logits, their token ids or None for a whole row), after `ban` (a row of
+    the vocabulary's width, 0 or -inf) where given, highest first: (logits [k], token ids [k])."""
+    if ban is not None:
+        logits = logits + (ban if ids is None else ban[ids])
+    values, where = top_candidates(logits, k)
+    return values, where if ids is None else ids[where]
 
 
 def copy_row_bytes(row_length: int, ggml_type: GGMLType = SHORTLIST_TYPE) -> int | None:

@@ -27,10 +27,9 @@ from typing import Any
 import torch
 
 from ..cache import RecurrentState
-from ..ops.linear import linear
-from ..ops.sampling_chain import ChainInputs, ChainParams, ChainShape, drawn_row, top_candidates
+from ..ops.sampling_chain import ChainInputs, ChainParams, ChainShape, drawn_row
 from .base import Batch, CausalLM, ModelState
-from .draft_head import DraftHead
+from .draft_head import DraftHead, candidates
 from .mtp import MTPModel, mtp_cache_index, mtp_graphable, mtp_model
 
 
@@ -321,10 +320,12 @@ class MTPDraftGraph(_MTPChain):
 
 class MTPDrawGraph(_MTPChain):
     """Drafts drawn at a temperature (--spec-draft-sampling probabilistic): each step draws its token from the
-    request's sampler chain over the head's whole row (ops.sampling_chain: top-k, top-p, min-p, temperature), with
-    uniforms the host takes from the request's draft stream before the replay; an eager draw would launch every
-    kernel of the MTP block from Python. One graph per chain shape. `draw(hidden, token, chain, uniforms)` -> per
-    step (token, the argmax's probability over the top `top_k`, the distribution it was drawn from)."""
+    request's sampler chain over the draft head's scores (ops.sampling_chain: top-k, top-p, min-p, temperature):
+    the whole row, or a shortlisting head's rows (models.draft_head: the distribution drawn from is returned, and
+    the ratio rule reads it), with uniforms the host takes from the request's draft stream before the replay; an
+    eager draw would launch every kernel of the MTP block from Python. One graph per chain shape.
+    `draw(hidden, token, chain, uniforms)` -> per step (token, the argmax's probability over the top `top_k`, the
+    distribution it was drawn from)."""
 
     def __init__(
         self,
@@ -344,13 +345,14 @@ class MTPDrawGraph(_MTPChain):
     def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each step's row: [token, p_top, survivors, n_top candidate ids, their probabilities] (one float64 copy)."""
         hidden, token, rows, n_top = self.hidden, self.token, [], self.shape.n_top
+        k = max(n_top, self.top_k)
         for i in range(self.n_steps):
             hidden = self._mtp_hidden(hidden, token, i)
-            row = linear(hidden, self.head.exact)[0].float()
-            values, ids = top_candidates(row, self.top_k if self.shape.bans else max(n_top, self.top_k))
+            scores = self.head.scores(hidden, k)  # the head's row, or its shortlisted rows (models.draft_head)
+            values, ids = candidates(*scores, self.top_k if self.shape.bans else k)
             confidence = values  # the draft's confidence: the row's own argmax
             if self.shape.bans:  # the chain's candidates from the row with its bans
-                values, ids = top_candidates(row + self.inputs.ban, n_top)
+                values, ids = candidates(*scores, n_top, self.inputs.ban)
             packed, token = drawn_row(confidence, values[:n_top], ids[:n_top], self.shape, self.inputs, i, self.top_k)
             rows.append(packed)
         return torch.stack(rows), hidden
