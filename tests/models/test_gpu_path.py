@@ -9,6 +9,7 @@ Emulated runs keep the quantized matmuls on their PyTorch twins (matmul="torch":
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from contextlib import nullcontext
@@ -434,12 +435,13 @@ def test_captured_draws_are_the_eager_draws(chained: bool, bans: bool) -> None:
     assert len(drawn_tokens) > 3  # the draws are not one argmax
 
 
-def test_drafts_drawn_through_a_shortlisting_head_are_the_hosts_chain_over_its_rows() -> None:
+@pytest.mark.parametrize("bans", [False, True], ids=["plain", "bans"])
+def test_drafts_drawn_through_a_shortlisting_head_are_the_hosts_chain_over_its_rows(bans: bool) -> None:
     """A shortlisting head (--spec-draft-head auto on a GPU) in the captured draws: each step's token and
     distribution are the host's chain (engine.sampling) over the shortlisted rows' own logits, drawn with the same
     uniform (engine.rejection): the distribution the ratio rule reads is the one the token came from. A top-k 40
     chain without top-p or min-p keeps all 40, so a draw over the whole row (the head's 40 best, not the copy's)
-    would not pass."""
+    would not pass. With `bans` (every third token), the shortlist is taken past them: 40 unbanned candidates."""
     from mtpserve.engine.drafters import DRAFT_TOP_K
     from mtpserve.engine.rejection import draw
     from mtpserve.engine.sampling import Sampler, SamplingParams
@@ -452,24 +454,29 @@ def test_drafts_drawn_through_a_shortlisting_head_are_the_hosts_chain_over_its_r
     head = replace(DraftHead.shortlisting(model.mtp_head), shortlist=40)
     case = _case("Q4_K_M", 1)
     prompt, token = case["prompt_token_ids"], case["generated_token_ids"][0]
-    params = SamplingParams(temperature=1.0, top_k=40, top_p=1.0, min_p=0.0)  # every one of the 40 survives
+    banned = tuple(range(0, model.config.n_vocab, 3)) if bans else ()
+    params = SamplingParams(
+        temperature=1.0, top_k=40, top_p=1.0, min_p=0.0, logit_bias=dict.fromkeys(banned, -math.inf)
+    )
+    ban = torch.zeros(model.config.n_vocab, device=DEVICE)
+    ban[list(banned)] = -math.inf
     uniforms = [0.1, 0.5, 0.9]
     with _gpu_path():
         eager, graphed = (model.new_state(256, "f16", "f16", mtp=True) for _ in range(2))
         for st in (eager, graphed):
             hidden = model.forward(torch.tensor(prompt), st)
             model.mtp_step(hidden[:-1], torch.tensor(prompt[1:]), st, with_logits=False)
-        graph = MTPDrawGraph(model, graphed, 3, head, DRAFT_TOP_K, ChainShape(40, 0))
-        drawn = graph.draw(hidden[-1], token, ChainParams(1.0, 0.0, 1.0), uniforms)
+        graph = MTPDrawGraph(model, graphed, 3, head, DRAFT_TOP_K, ChainShape(40, 0, bans))
+        drawn = graph.draw(hidden[-1], token, ChainParams(1.0, 0.0, 1.0, banned), uniforms)
         h, previous, kept = hidden[-1:], token, 0
         for (got, _, q), u in zip(drawn, uniforms, strict=True):
             h = model.mtp_step(h, torch.tensor([previous]), eager, with_logits=False)[1]
-            logits, ids = head.scores(h, 40)
+            logits, ids = head.scores(h, 40, ban if bans else None)
             assert ids is not None and len(ids) == head.shortlist
-            row = torch.full((model.config.n_vocab,), float("-inf"), device=logits.device)
+            row = torch.full((model.config.n_vocab,), -math.inf, device=logits.device)
             row[ids] = logits  # what the draw sees: the shortlisted rows, nothing else
             host = Sampler(params).probabilities(row.cpu())
-            assert list(q) == list(host) and set(q) <= set(ids.tolist())
+            assert list(q) == list(host) and set(q) <= set(ids.tolist()) and not set(q) & set(banned)
             torch.testing.assert_close(torch.tensor(list(q.values())), torch.tensor(list(host.values())))
             assert got == draw(host, _Fixed(u))
             previous, kept = got, kept + len(q)

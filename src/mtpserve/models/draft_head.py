@@ -9,7 +9,8 @@ head's top-k lie in the copy's top SHORTLIST. A 4-bit copy alone would not do: i
 the same either way; only a draft may differ, and only when the copy misses the head's top-k. A draft drawn at a
 temperature (models.graphs.MTPDrawGraph) draws from the request's chain over the shortlisted rows' own logits: the
 ratio rule reads the distribution it was drawn from, so the tokens kept stay the target's distribution exactly,
-and that distribution differs from the whole head's only where the copy misses some of the chain's candidates.
+and that distribution differs from the whole head's only where the copy misses some of the chain's candidates
+(its bans, such as ignore_eos's, are applied before the shortlist, so the shortlisted rows are unbanned).
 The top-k of a long row takes ops.sampling_chain's two stages (torch's top-k of one long row is slow on a GPU).
 """
 
@@ -55,14 +56,19 @@ class DraftHead:
     def n_vocab(self) -> int:
         return self.exact.shape[0]
 
-    def scores(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def scores(
+        self, hidden: torch.Tensor, k: int, ban: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head's logits float32 for hidden [1, n_embd] wherever its k best may lie: its whole row [V] (ids
-        None), or the exact logits [S] of the copy's top S = max(k, shortlist) rows with their token ids [S]. No
-        host round trip (it runs inside captured steps)."""
+        None), or the exact logits [S] of the copy's top S = max(k, shortlist) rows with their token ids [S], the
+        rows `ban` (0 or -inf a token) bans left out of the shortlist. No host round trip (it runs inside captured
+        steps)."""
         hidden = hidden.to(self.device)
         if self.coarse is None:
             return linear(hidden, self.exact)[0].float(), None
-        _, ids = top_candidates(linear(hidden, self.coarse)[0], min(max(k, self.shortlist), self.n_vocab))
+        coarse = linear(hidden, self.coarse)[0]
+        coarse = coarse if ban is None else coarse + ban
+        _, ids = top_candidates(coarse, min(max(k, self.shortlist), self.n_vocab))
         rows = QTensor(self.exact.data[ids], self.exact.ggml_type, (len(ids), self.exact.shape[1]), self.exact.name)
         return linear(hidden, rows)[0].float(), ids
 

@@ -345,14 +345,15 @@ class MTPDrawGraph(_MTPChain):
     def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each step's row: [token, p_top, survivors, n_top candidate ids, their probabilities] (one float64 copy)."""
         hidden, token, rows, n_top = self.hidden, self.token, [], self.shape.n_top
-        k = max(n_top, self.top_k)
+        k, ban = max(n_top, self.top_k), self.inputs.ban if self.shape.bans else None
         for i in range(self.n_steps):
             hidden = self._mtp_hidden(hidden, token, i)
-            scores = self.head.scores(hidden, k)  # the head's row, or its shortlisted rows (models.draft_head)
+            # the head's row, or its shortlisted rows (models.draft_head), which a shortlist takes past the bans
+            scores = self.head.scores(hidden, k, ban)
             values, ids = candidates(*scores, self.top_k if self.shape.bans else k)
-            confidence = values  # the draft's confidence: the row's own argmax
+            confidence = values  # the draft's confidence: the row's own argmax (a shortlist's: unbanned)
             if self.shape.bans:  # the chain's candidates from the row with its bans
-                values, ids = candidates(*scores, n_top, self.inputs.ban)
+                values, ids = candidates(*scores, n_top, ban)
             packed, token = drawn_row(confidence, values[:n_top], ids[:n_top], self.shape, self.inputs, i, self.top_k)
             rows.append(packed)
         return torch.stack(rows), hidden
