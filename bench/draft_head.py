@@ -11,7 +11,12 @@ Three measurements, one table each:
   the copy's own argmax is the head's (what a 4-bit head alone would draft), the worst place of the head's
   argmax in the copy's order (1: first), the share of positions whose head top-10 lie in the copy's top-64
   (then the shortlisted top-10 are the head's: the draft and its p_min probability), how often the shortlisted
-  argmax is the head's (the draft itself), and the bytes a draft step reads.
+  argmax is the head's (the draft itself), the bytes a draft step reads; and for drafts drawn at the server's
+  default chain (T 0.8, top-k 40, top-p 0.95, min-p 0.05: models.graphs.MTPDrawGraph draws over the shortlisted
+  rows on a GPU) the share of positions whose head top-40 lie in the copy's top-64, and the total variation
+  between the chain's distribution over the shortlisted rows and over the whole row (engine.sampling's chain on
+  both), mean and largest: what a draft's acceptance can lose to the shortlist (acceptance is the sum over tokens
+  of min(p, q), which moving q by a distance d changes by at most d).
 * tinyqwen35 in the engine, draft-mtp n_max 2, greedy, on CPU: drafted and accepted drafts with the whole head and
   with the shortlisting one (`--tokens` a prompt, bench/draft_vocab.py's prompts).
 * The decode cycle's time model (bench/gpu_time_model.py) for the 27B at 4096 and 131072 tokens with draft-mtp:
@@ -30,7 +35,8 @@ import gpu_time_model as tm
 import torch
 from draft_vocab import TINY, texts, tiny_drafts
 
-from mtpserve.engine import SpecConfig
+from mtpserve.engine import SamplingParams, SpecConfig
+from mtpserve.engine.sampling import Sampler
 from mtpserve.models.draft_head import SHORTLIST, DraftHead
 from mtpserve.models.loader import load
 from mtpserve.ops.linear import linear
@@ -44,6 +50,17 @@ HEADS = {
 }
 STATIC = tm.REPO / "docs" / "perf" / "gpu_static_after.json"
 TOP_K = 10  # the draft's top-k (engine.drafters.DRAFT_TOP_K): its argmax and its p_min probability
+DEFAULT_CHAIN = SamplingParams(temperature=0.8)  # llama-server's: top-k 40, top-p 0.95, min-p 0.05
+
+
+def chain_distance(exact: torch.Tensor, shortlist: torch.Tensor) -> float:
+    """Total variation between the default chain's distribution over a whole row `exact` [V] and over its
+    `shortlist` rows alone (the rest -inf), as engine.sampling computes both."""
+    whole = Sampler(DEFAULT_CHAIN).probabilities(exact)
+    row = torch.full_like(exact, float("-inf"))
+    row[shortlist] = exact[shortlist]
+    short = Sampler(DEFAULT_CHAIN).probabilities(row)
+    return 0.5 * sum(abs(whole.get(t, 0.0) - short.get(t, 0.0)) for t in whole.keys() | short.keys())
 
 
 def hidden_states(path: Path, positions: int) -> tuple[object, torch.Tensor]:
@@ -77,7 +94,9 @@ def head_recall(positions: int) -> list[dict]:
         rank = (coarse > coarse.gather(1, best[:, None])).sum(-1)
         top10, top64 = exact.topk(TOP_K).indices, coarse.topk(SHORTLIST).indices
         held = (top10[:, :, None] == top64[:, None, :]).any(-1).all(-1)
+        held40 = (exact.topk(40).indices[:, :, None] == top64[:, None, :]).any(-1).all(-1)
         same = sum(int(short.top(row[None], TOP_K)[1][0]) == int(b) for row, b in zip(h, best))
+        distance = [chain_distance(row.float(), ids) for row, ids in zip(exact, top64)]
         rows.append(
             {
                 "head": name,
@@ -89,6 +108,9 @@ def head_recall(positions: int) -> list[dict]:
                 "worst_place_of_head_argmax_in_copy": int(rank.max()) + 1,  # 1: the copy's own argmax
                 "head_top10_in_copy_top64": round(float(held.float().mean()), 4),
                 "shortlisted_argmax_is_head_argmax": round(same / len(h), 4),
+                "head_top40_in_copy_top64": round(float(held40.float().mean()), 4),
+                "default_chain_distance_mean": round(sum(distance) / len(distance), 5),
+                "default_chain_distance_max": round(max(distance), 4),
                 "bytes_read_over_head": round(short.nbytes_read() / head.nbytes, 3),
             }
         )
@@ -138,14 +160,17 @@ def main() -> int:
     prediction = predicted()
     print(
         "| head | type | vocab | positions | copy's argmax is the head's | worst place of the head's argmax in the "
-        "copy | head's top-10 in the copy's top-64 | shortlisted argmax is the head's | bytes read |"
+        "copy | head's top-10 in the copy's top-64 | shortlisted argmax is the head's | bytes read | head's top-40 in "
+        "the copy's top-64 | default chain, shortlisted against whole: total variation, mean / largest |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in recall:
         print(
             f"| {r['head']} | {r['type']} | {r['vocab']:,} | {r['positions']} | {r['copy_argmax_is_head_argmax']:.1%} "
             f"| {r['worst_place_of_head_argmax_in_copy']} | {r['head_top10_in_copy_top64']:.1%} "
-            f"| {r['shortlisted_argmax_is_head_argmax']:.1%} | {r['bytes_read_over_head']:.2f}x |"
+            f"| {r['shortlisted_argmax_is_head_argmax']:.1%} | {r['bytes_read_over_head']:.2f}x "
+            f"| {r['head_top40_in_copy_top64']:.1%} "
+            f"| {r['default_chain_distance_mean']:.4f} / {r['default_chain_distance_max']:.3f} |"
         )
     print("\n| tinyqwen35 draft head | drafted | accepted | acceptance |\n|---|---:|---:|---:|")
     for r in tiny:
