@@ -21,7 +21,7 @@ What it measures (one table on stdout, everything in --json):
 * draft-mtp: the measured cost of a verification step (n_max + 1 tokens, per-token recurrent states kept), of
   the MTP draft steps and of the MTP catch-up (all captured, as the server runs them), combined with a recorded
   acceptance rate (the deployment's 63% at n_max 2, by default) into expected decode tokens/s; and the same with
-  the drafts drawn at the server's default chain (MTPDrawGraph: the whole head, its top-k, the chain);
+  the drafts drawn at the server's default chain (MTPDrawGraph through the shortlisting head, the chain);
 * decode of `--batch` sequences together (4; --parallel without speculation), tokens/s in all;
 * prefill tokens/s (ubatches of 512 from an empty context);
 * one Gated DeltaNet layer's chunked rule over a 512-token ubatch, its chunk scan as the Triton kernel and as
@@ -648,8 +648,8 @@ def measure_decode(
     draft_graph = MTPDraftGraph(model, state, args.n_max, shortlisting, DRAFT_TOP_K)
     full_head_graph = MTPDraftGraph(model, state, args.n_max, DraftHead(model.mtp_head), DRAFT_TOP_K)
     # drafts drawn at the server's default chain (T 0.8, top-k 40, top-p 0.95, min-p 0.05), as a request without
-    # sampling fields gets them: the whole head, its top-k and the chain inside the graph
-    draw_graph = MTPDrawGraph(model, state, args.n_max, DraftHead(model.mtp_head), DRAFT_TOP_K, ChainShape(40, 0))
+    # sampling fields gets them: through the shortlisting head, the chain inside the graph
+    draw_graph = MTPDrawGraph(model, state, args.n_max, shortlisting, DRAFT_TOP_K, ChainShape(40, 0))
     default_chain, uniforms = ChainParams(0.95, 0.05, 0.8), [0.5] * args.n_max
     rows_graph = MTPRowsGraph(model, state, args.n_max + 1)
 
@@ -708,7 +708,7 @@ def measure_decode(
         **row,
         "draft_ms": 1e3 * t_drafts,  # all n_max draft steps, captured, the shortlisting head
         "draft_full_head_ms": 1e3 * t_drafts_full_head,  # the same over the whole head (--spec-draft-head full)
-        "draft_drawn_ms": 1e3 * t_drafts_drawn,  # drawn at the server's default chain, the whole head
+        "draft_drawn_ms": 1e3 * t_drafts_drawn,  # drawn at the server's default chain, the shortlisting head
         "draft_step_eager_ms": 1e3 * t_draft_eager,  # one draft step without the graph
         "catch_up_ms": 1e3 * t_catch_up,
         "verify_ms": 1e3 * t_verify,
