@@ -53,6 +53,11 @@ TOP_K = 10  # the draft's top-k (engine.drafters.DRAFT_TOP_K): its argmax and it
 DEFAULT_CHAIN = SamplingParams(temperature=0.8)  # llama-server's: top-k 40, top-p 0.95, min-p 0.05
 
 
+def within(top: torch.Tensor, shortlist: torch.Tensor) -> torch.Tensor:
+    """Per position, whether every id of `top` [P, k] is among `shortlist` [P, s]."""
+    return (top[:, :, None] == shortlist[:, None, :]).any(-1).all(-1)
+
+
 def chain_distance(exact: torch.Tensor, shortlist: torch.Tensor) -> float:
     """Total variation between the default chain's distribution over a whole row `exact` [V] and over its
     `shortlist` rows alone (the rest -inf), as engine.sampling computes both."""
@@ -93,8 +98,7 @@ def head_recall(positions: int) -> list[dict]:
         best = exact.argmax(-1)
         rank = (coarse > coarse.gather(1, best[:, None])).sum(-1)
         top10, top64 = exact.topk(TOP_K).indices, coarse.topk(SHORTLIST).indices
-        held = (top10[:, :, None] == top64[:, None, :]).any(-1).all(-1)
-        held40 = (exact.topk(40).indices[:, :, None] == top64[:, None, :]).any(-1).all(-1)
+        held, held40 = (within(top, top64) for top in (top10, exact.topk(40).indices))
         same = sum(int(short.top(row[None], TOP_K)[1][0]) == int(b) for row, b in zip(h, best))
         distance = [chain_distance(row.float(), ids) for row, ids in zip(exact, top64)]
         rows.append(
