@@ -1,6 +1,7 @@
 """The decode cycle's time model: what a token of Qwen3.6-27B Q4_K_M costs on a GPU, part by part, without a GPU.
 
     .venv/bin/python bench/gpu_time_model.py [--static docs/perf/gpu_static_after.json] [--json OUT] [--runs N]
+        [--host-from docs/perf/gpu_time_model.json]
 
 bench/gpu_static.py calls `predict` too (its JSON's `predicted` and `host_ms_per_mtp_cycle`). A step (one token,
 or a verification of 1 + n_max tokens, or an MTP draft) costs the sum of five parts:
@@ -20,8 +21,8 @@ or a verification of 1 + n_max tokens, or an MTP draft) costs the sum of five pa
 * other: the Gated DeltaNet states (48 layers x 48 heads x 128 x 128 float32) read and written each step, a
   verification writing one more per token (kept for the rollback; `state_passes`); with the layer split, the
   hidden state handed to the next card (n_embd float32 over PCIe, plus its latency).
-* launches: the step's kernels (bench/decode_launches.py on the GPU path's planar q8_0 cache: 709 a step, 709 a
-  verification, 37 a draft (36 drawn at a temperature), 21 a catch-up; a kernel whose
+* launches: the step's kernels (bench/decode_launches.py on the GPU path's planar q8_0 cache: 693 a step, 693 a
+  verification, 36 a draft (35 drawn at a temperature), 20 a catch-up; a kernel whose
   attention took a verification in more passes would count one more launch a pass a layer) x LAUNCH_US each, the
   fixed cost of a kernel in a graph replay beyond its memory time.
 * host: the engine's own time per cycle, measured by bench/engine_overhead.py's stand-in (tinyqwen35 whose passes
@@ -159,11 +160,11 @@ class Bytes:
 class Kernels:
     """Kernels a step launches (bench/decode_launches.py, through gpu_static's JSON)."""
 
-    decode: int = 709
-    verify: int = 709  # the int8 kernels take its 18 rows a KV head in one launch (the float kernel: two, 725)
-    draft: int = 37  # the shortlisting head's (--spec-draft-head auto on a GPU), its copy's top 64 in two stages
-    catch_up: int = 21
-    draw: int = 36  # a draft drawn at a temperature (MTPDrawGraph: the same head, the chain in one launch)
+    decode: int = 693
+    verify: int = 693  # the int8 kernels take its 18 rows a KV head in one launch (the float kernel: two, 709)
+    draft: int = 36  # the shortlisting head's (--spec-draft-head auto on a GPU), its copy's top 64 in two stages
+    catch_up: int = 20
+    draw: int = 35  # a draft drawn at a temperature (MTPDrawGraph: the same head, the chain in one launch)
 
 
 def kv_bytes(context: int, layers: int = ATTENTION_LAYERS) -> float:
@@ -417,6 +418,13 @@ def median_host(runs: int) -> tuple[tuple[float, float], tuple[float, float]]:
     return tuple(tuple(statistics.median(part) for part in zip(*taken)) for taken in (greedy, sampled))
 
 
+def host_from(path: Path) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(greedy, sampled) host times as an earlier run of this script wrote them."""
+    r = json.loads(path.read_text())
+    greedy = (r["host_ms_per_token"], r["host_ms_per_mtp_cycle"])
+    return greedy, (r["host_ms_per_token_sampled"], r["host_ms_per_mtp_cycle_sampled"])
+
+
 def model(
     static: dict | None = None,
     host: tuple[float, float] | None = None,
@@ -502,9 +510,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--static", default=str(REPO / "docs" / "perf" / "gpu_static_after.json"))
     parser.add_argument("--json", default=None, help="write the prediction here")
     parser.add_argument("--runs", type=int, default=1, help="host measurements, each part's median taken")
+    parser.add_argument(
+        "--host-from", default=None, help="take the host times of this earlier JSON: price a change of kernels alone"
+    )
     args = parser.parse_args(argv)
     static = json.loads(Path(args.static).read_text()) if args.static else {}
-    greedy, sampled = median_host(args.runs)
+    greedy, sampled = host_from(Path(args.host_from)) if args.host_from else median_host(args.runs)
     result = model(static, greedy, sampled_host=sampled)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -3,6 +3,7 @@ a kernel, the deployment's shapes), with the host time given rather than measure
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -56,7 +57,7 @@ def test_one_token_on_two_2080ti_by_hand():
     expected = {
         "weights": 15_821_244_416 / stream,  # 32.10 ms
         "attention": kv / stream,  # decode attention's sm_75 issue bound (1.15 TB/s) clears 80% of 616 GB/s
-        "launches": 709 * 1.5e-3,
+        "launches": 693 * 1.5e-3,
         "host": 0.2 + copy,
         "other": states / stream + handover,
     }
@@ -74,14 +75,14 @@ def test_an_mtp_cycle_on_an_h200_by_hand():
     tokens = 1 + 2 * 0.63
     assert p["ms"]["weights"] == pytest.approx(weights / stream / tokens, rel=1e-3)
     assert p["ms"]["attention"] == pytest.approx(attention / tokens, rel=1e-3)
-    assert p["ms"]["launches"] == pytest.approx((709 + 2 * 37 + 21) * 1.5e-3 / tokens, rel=1e-3)
+    assert p["ms"]["launches"] == pytest.approx((693 + 2 * 36 + 20) * 1.5e-3 / tokens, rel=1e-3)
     copies = 3 * (0.020 + 0.010)  # the verification's 3 rows together, a draft row in each of two: ranked, copied
     assert p["ms"]["host"] == pytest.approx((0.9 + copies) / tokens, rel=1e-3)
 
 
 def test_a_drawn_mtp_cycle_on_an_h200_by_hand():
     """Drafts drawn at a temperature (`predicted_sampled`): each draft step reads what a greedy one reads (the
-    shortlisting head), in 36 kernels; the host time is the one given; the verification and attention are
+    shortlisting head), in 35 kernels; the host time is the one given; the verification and attention are
     greedy's."""
     p = tm.predict(host_ms_per_token=0.3, host_ms_per_mtp_cycle=1.1, weights=WEIGHTS, drawn=True)
     p = next(r for r in p if (r["device"], r["context"], r["spec"]) == ("H200", 4096, "draft-mtp"))
@@ -90,7 +91,7 @@ def test_a_drawn_mtp_cycle_on_an_h200_by_hand():
     tokens = 1 + 2 * 0.63
     weights = 15_821_244_416 + 2 * (263_313_408 + SHORTLISTED) + 263_313_408
     assert p["ms"]["weights"] == pytest.approx(weights / stream / tokens, rel=1e-3)
-    assert p["ms"]["launches"] == pytest.approx((709 + 2 * 36 + 21) * 1.5e-3 / tokens, rel=1e-3)
+    assert p["ms"]["launches"] == pytest.approx((693 + 2 * 35 + 20) * 1.5e-3 / tokens, rel=1e-3)
     assert p["ms"]["host"] == pytest.approx((1.1 + 3 * 0.030) / tokens, rel=1e-3)
     assert p["ms"]["attention"] == greedy["ms"]["attention"] and p["ms"]["other"] == greedy["ms"]["other"]
 
@@ -99,12 +100,27 @@ def test_the_sampled_predictions_come_with_their_host_time():
     """`model` adds `predicted_sampled` (issue 38's two devices) where a sampled host time is given, not without."""
     assert "predicted_sampled" not in tm.model({}, host=(0.2, 0.9))
     keys = ("decode_step", "verify_step", "mtp_draft", "mtp_catch_up", "mtp_draw")
-    counts = {f"kernels_per_{key}": n for key, n in zip(keys, (709, 709, 32, 21, 80))}
+    counts = {f"kernels_per_{key}": n for key, n in zip(keys, (693, 693, 36, 20, 80))}
     r = tm.model(counts, host=(0.2, 0.9), sampled_host=(0.3, 1.1))
     assert r["host_ms_per_mtp_cycle_sampled"] == 1.1 and r["sampled_chain"]["temperature"] == 0.8
     assert {p["device"] for p in r["predicted_sampled"]} == {"H200", "2x2080Ti"}
     drawn = tm.predict(host_ms_per_token=0.3, host_ms_per_mtp_cycle=1.1, drawn=True, kernels=tm.Kernels(draw=80))
     assert r["predicted_sampled"] == [p for p in drawn if p["device"] in ("H200", "2x2080Ti")]
+
+
+def test_an_earlier_runs_host_times_price_new_counts_alone(tmp_path, monkeypatch):
+    """`--host-from`: the host times of an earlier JSON, no measurement, so a change of kernels is priced alone."""
+    monkeypatch.setattr(tm, "measure_host", lambda **_: pytest.fail("measured the host"))
+    earlier = tm.model({}, host=(0.2, 0.9), sampled_host=(0.3, 1.1))
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    keys = ("decode_step", "verify_step", "mtp_draft", "mtp_catch_up")
+    static = {f"kernels_per_{key}": n for key, n in zip(keys, (600, 600, 36, 20))}
+    (tmp_path / "static.json").write_text(json.dumps(static))
+    out = tmp_path / "out.json"
+    argv = ["--static", str(tmp_path / "static.json"), "--host-from", str(tmp_path / "earlier.json")]
+    assert tm.main([*argv, "--json", str(out)]) == 0
+    assert json.loads(out.read_text()) == tm.model(static, host=(0.2, 0.9), sampled_host=(0.3, 1.1))
+    assert json.loads(out.read_text())["predicted"] != earlier["predicted"]  # 600 kernels a step, not 693
 
 
 def test_measured_bounds_and_counts_replace_the_fallbacks():
@@ -173,7 +189,7 @@ def test_a_row_split_mtp_cycle_on_two_2080ti_by_hand():
     # read, written in place, and a copy after each verified token but the last: 4 states a verification, halved
     assert p["ms"]["other"] == pytest.approx((states * 4 / 2 / stream + verify + drafts + catch_up) / tokens, rel=1e-3)
     # sm_75's mma attention kernel: a verification's rows in one launch a layer, as sm_90's
-    assert p["ms"]["launches"] == pytest.approx((709 + 129 + 2 * (37 + 3) + 21 + 2) * 1.5e-3 / tokens, rel=1e-3)
+    assert p["ms"]["launches"] == pytest.approx((693 + 129 + 2 * (36 + 3) + 20 + 2) * 1.5e-3 / tokens, rel=1e-3)
     layer = _predicted()[("2x2080Ti", 4096, "draft-mtp")]
     assert 1.5 < p["tok_s"] / layer["tok_s"] < 2.0
 

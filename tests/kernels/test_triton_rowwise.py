@@ -233,6 +233,27 @@ def test_glu_quantize_of_the_halves_of_one_output(M: int, F: int, act: str, bloc
         _assert_quant(y, q, d, block)
 
 
+@pytest.mark.parametrize("block", (256, 32))
+@pytest.mark.parametrize("M,H,D", ((1, 24, 256), (3, 4, 64)))
+def test_glu_quantize_of_heads_interleaved_with_others(M: int, H: int, D: int, block: int) -> None:
+    """Qwen3.5's attention gate: per head [query | gate] in one GEMV output, the gate heads read in place through
+    their stride, the same bits as the gate copied out first (the copy the strided form replaces)."""
+    gen = torch.Generator().manual_seed(H * D + M)
+    qg = (torch.randn(M, H, 2, D, generator=gen) * 4).to(DEVICE)
+    o = (torch.randn(M, H * D, generator=gen) * 2).to(DEVICE)
+    gate = qg[:, :, 1]  # [M, H, D], heads 2D apart
+    assert not gate.is_contiguous()
+    with _counting_launches() as launches:
+        y, q, d = rowwise.glu_quantize(gate, o.view(M, H, D), "sigmoid", fmt=_fmt(block))
+    assert launches == ["_glu_kernel"]
+    assert y.shape == (M, H * D)
+    copied = rowwise.glu_quantize(gate.reshape(M, H * D), o, "sigmoid", fmt=_fmt(block))
+    for got, want in zip((y, q, d), copied, strict=True):
+        assert torch.equal(got, want)
+    _assert_glu(gate.reshape(M, H * D).cpu(), o.cpu(), "sigmoid", y)
+    _assert_quant(y, q, d, block)
+
+
 def test_gelu_f16_edges() -> None:
     """0 at or below -10, the identity at or above 10 (also where f16 overflows), and the tail that cancels to 0."""
     edges = [-1e30, -7e4, -1e4, -10.001, -10.0, -9.999, -6.0, -5.0, -0.0, 0.0, 1e-6, 9.999, 10.0, 10.001, 7e4, 1e30]

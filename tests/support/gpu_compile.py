@@ -385,7 +385,7 @@ def launches() -> list[Launch]:
         note = "below sm_80 ops.gated_delta keeps PyTorch's chunk loop"
         out.append(Launch("gdn_chunk_scan", cfg, f, a, kw, 80, quick=not store, note=note, fixups=[_chunk_scan_dot]))
     # Decode matmul inputs in one launch (kernels.triton.rowwise): add + RMSNorm + Q8_K, Q8_K / Q8_0 alone, and the
-    # gated activations over the gate/up halves of one [M, 2 * n_ff] GEMV output.
+    # gated activations over the gate/up halves of one [M, 2 * n_ff] GEMV output, or over strided gate heads.
     from mtpserve.kernels.triton import rowwise
 
     n_ff = 17408  # Qwen3.6-27B's feed-forward width
@@ -401,7 +401,7 @@ def launches() -> list[Launch]:
             cfg = f"block={block} M={m} K={N_EMBD} CHUNK={k['CHUNK']}"
             out.append(Launch("rowwise_quant", cfg, f, a, k, rows=m, decode=True))
         gate_up = torch.empty(m, 2 * n_ff)
-        for act, block in (("silu", 256), ("gelu_f16", 256), ("sigmoid", 32)):
+        for act, block in (("silu", 256), ("gelu_f16", 256)):
             ((f, a, k),) = _recorded(
                 [rowwise._glu_kernel],
                 lambda g=gate_up[:, :n_ff], u=gate_up[:, n_ff:], act=act, b=block: rowwise.glu_quantize(
@@ -410,6 +410,13 @@ def launches() -> list[Launch]:
             )
             cfg = f"{act} block={block} M={m} F={n_ff} CHUNK={k['CHUNK']}"
             out.append(Launch("rowwise_glu", cfg, f, a, k, rows=m, decode=True))
+        # the attention's output gate: 24 gate heads of 256 read in place between the query heads of one GEMV output
+        qg, o = torch.empty(m, 24, 2, 256), torch.empty(m, 24, 256)
+        ((f, a, k),) = _recorded(
+            [rowwise._glu_kernel], lambda g=qg[:, :, 1], u=o: rowwise.glu_quantize(g, u, "sigmoid", block=256)
+        )
+        cfg = f"sigmoid heads 24x256 block=256 M={m} CHUNK={k['CHUNK']}"
+        out.append(Launch("rowwise_glu", cfg, f, a, k, rows=m, decode=True))
     # A drawn draft step's sampler chain and its packed row (kernels.triton.chain): one program, the server's default
     # top-k 40 and the draft's confidence over its top 10 (engine.drafters.DRAFT_TOP_K).
     from mtpserve.kernels.triton import chain

@@ -64,7 +64,7 @@ class GatedAttention:
         c, T = self.c, x.shape[0]
         qg, k, v = linear_many(x, self.qkv, seq_len)
         qg = qg.view(T, c.n_head, 2, c.head_dim)
-        q, gate = qg[:, :, 0], qg[:, :, 1].reshape(T, -1)
+        q, gate = qg[:, :, 0], qg[:, :, 1]  # gate [T, H, hd]: heads strided, read in place
         k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
         # q/k norms, RoPE and the cache write: one launch per cache on the GPU path
         norms = {"q_norm": self.q_norm, "k_norm": self.k_norm, "eps": c.rms_eps}

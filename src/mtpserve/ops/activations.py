@@ -107,13 +107,15 @@ def sigmoid_gate_reference(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 def sigmoid_gate_for(x: torch.Tensor, gate: torch.Tensor, *, matmul: QTensor) -> torch.Tensor | QuantizedRows:
     """x * sigmoid(gate) as the input of a matmul by `matmul` (Qwen3.5's gated attention output): on the GPU path
-    one launch that also quantizes decode rows for that weight's integer GEMV."""
+    one launch that also quantizes decode rows for that weight's integer GEMV. gate has x's shape, or is [T, H, D]
+    for x [T, H * D]: heads at their own stride (the gate halves of the query GEMV's output), read in place."""
     if not gpu_path(x):
-        return sigmoid_gate(x, gate)
+        return sigmoid_gate(x, gate.reshape(x.shape))
     lead, k = x.shape[:-1], x.shape[-1]
     rows = lead.numel()
     fmt = decode_format(matmul, rows)
-    y, q, d = glu_quantize(gate.reshape(rows, k), x.reshape(rows, k), "sigmoid", fmt=fmt)
+    shape = (rows, -1, gate.shape[-1]) if gate.dim() > x.dim() else (rows, k)
+    y, q, d = glu_quantize(gate.reshape(shape), x.reshape(shape), "sigmoid", fmt=fmt)
     return matmul_input(y.reshape(*lead, k), fmt, q, d)
 
 

@@ -62,8 +62,8 @@ def glu_quantize_reference(
     gate: torch.Tensor, up: torch.Tensor, act: str, *, fmt: ActFormat | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """gelu_f16 is llama.cpp's CPU GELU table without the table: tanh-GELU of the f16-rounded gate, rounded to f16;
-    0 at or below -10 and the identity at or above 10."""
-    gate, up = gate.float(), up.float()
+    0 at or below -10 and the identity at or above 10. gate and up [M, F] or [M, G, D] (y [M, G * D])."""
+    gate, up = gate.float().flatten(1), up.float().flatten(1)
     if act == "silu":
         y = F.silu(gate) * up
     elif act == "sigmoid":
@@ -111,7 +111,8 @@ def glu_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(y, q, d): y = act(gate) * up in float32 for act "silu", "sigmoid" or "gelu_f16" (ops.activations'
     geglu_f16_table), q, d = quantize_rows(y, fmt) (None when fmt is None). gate and up may be strided views
-    (the halves of one [M, 2F] GEMV output). One launch on the GPU path."""
+    (the halves of one [M, 2F] GEMV output), or [M, G, D] groups at their own strides (y [M, G * D]). One launch on
+    the GPU path."""
     kernels = triton_kernels()
     if kernels is not None and triton_for_rows(gate, gate.shape[0]):
         return kernels.glu_quantize(gate, up, act, **_format_kwargs(fmt), **_tiles(gate))

@@ -262,10 +262,13 @@ def _glu_kernel(
     d_ptr,
     F,
     sg_m,
+    sg_g,
     sg_k,
     su_m,
+    su_g,
     su_k,
     ACT: tl.constexpr,
+    GROUP: tl.constexpr,
     QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
     PAIRED: tl.constexpr,
@@ -279,8 +282,13 @@ def _glu_kernel(
     block0 = tl.program_id(1) * NB
     offs = block0 * BLOCK + tl.arange(0, NB)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     ok = offs < F
-    g = tl.load(g_ptr + row * sg_m + offs * sg_k, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * su_m + offs * su_k, mask=ok, other=0.0).to(tl.float32)
+    if GROUP:  # a row of groups of GROUP values (heads), each group at its own stride
+        g_offs = (offs // GROUP) * sg_g + (offs % GROUP) * sg_k
+        u_offs = (offs // GROUP) * su_g + (offs % GROUP) * su_k
+    else:
+        g_offs, u_offs = offs * sg_k, offs * su_k
+    g = tl.load(g_ptr + row * sg_m + g_offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * su_m + u_offs, mask=ok, other=0.0).to(tl.float32)
     if ACT == "silu":
         a = tl.div_rn(g, 1.0 + _exp(-g, COMPILED))  # div_rn: `/` is the approximate div.full.f32
     elif ACT == "sigmoid":
@@ -416,21 +424,29 @@ def glu_quantize(
     paired: bool = False,
     chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """gate, up [M, F] (any strides: e.g. the halves of one [M, 2F] GEMV output) -> (y, q, d): y = act(gate) * up
-    in float32 (act in GLU_ACTS, as the module says) and y quantized per `block` (q, d None when block is None).
-    One launch, grid (M, F / chunk): each program does `chunk` values (default 512, 4 warps)."""
-    _check_rows("gate", gate)
+    """gate, up [M, F] (any strides: e.g. the halves of one [M, 2F] GEMV output) or [M, G, D] (groups of D values,
+    each at its own stride: e.g. the gate heads interleaved with the query heads of one GEMV output) -> (y, q, d): y
+    [M, F = G * D] = act(gate) * up in float32 (act in GLU_ACTS, as the module says) and y quantized per `block` (q,
+    d None when block is None). One launch, grid (M, F / chunk): each program does `chunk` values (default 512, 4
+    warps)."""
+    if gate.dim() == 3 and gate.dtype.is_floating_point:  # groups: read through their strides, never copied
+        group = gate.shape[2]
+        M, F = gate.shape[0], gate.shape[1] * group
+    else:
+        _check_rows("gate", gate)
+        group, (M, F) = 0, gate.shape
     if up.shape != gate.shape or not up.dtype.is_floating_point:
         raise ValueError(f"up must be a float tensor of gate's shape {list(gate.shape)}, got {list(up.shape)}")
     if act not in GLU_ACTS:
         raise ValueError(f"act must be one of {GLU_ACTS}, got {act!r}")
-    M, F = gate.shape
-    q, d = _quant_outputs(gate, block)
     y = torch.empty(M, F, dtype=torch.float32, device=gate.device)
+    q, d = _quant_outputs(y, block)
     if y.numel() == 0:
         return y, q, d
     tile_block = _PLAIN_BLOCK if block is None else block
     chunk = _chunk(chunk, tile_block)
+    # (row, group, element) strides: one group of F values a row when the rows are plain
+    strides = [x.stride() if group else (x.stride(0), 0, x.stride(1)) for x in (gate, up)]
     _glu_kernel[(M, triton.cdiv(F, chunk))](
         gate,
         up,
@@ -438,9 +454,10 @@ def glu_quantize(
         y if q is None else q,
         y if d is None else d,
         F,
-        *gate.stride(),
-        *up.stride(),
+        *strides[0],
+        *strides[1],
         ACT=act,
+        GROUP=group,
         QUANT=block is not None,
         BLOCK=tile_block,
         PAIRED=paired,
