@@ -22,6 +22,10 @@ The peer: with `--llama-bench PATH` (a llama.cpp build, e.g. `cmake -B build && 
 llama-bench`) it is run in the same invocation on the same files. Without it, the `llama-bench -t 2` numbers
 recorded in ../shared/fixtures/refs (2 threads of an AMD EPYC, AVX2 build) stand in: comparable only when
 this machine is like that one, so the table says which peer it used.
+
+Each engine runs as its server would: mtpserve with torch's OpenMP threads waiting passively, as its command line
+sets them where no NVIDIA device is visible (`mtpserve.omp_policy`; OMP_WAIT_POLICY in the environment overrides
+it), llama-bench with the environment this script was started in.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -36,11 +41,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
+from mtpserve.omp_policy import prefer_passive_waits
 
-from mtpserve.default_models import GEMMA3, SMOLLM2, model_path
-from mtpserve.kernels.cpu import configure_pool
-from mtpserve.models.loader import load
+PEER_ENV = dict(os.environ)  # llama-bench runs in the environment the user gave, as llama-server would
+prefer_passive_waits()  # before torch loads its OpenMP runtime, as the server's command line does
+
+import torch  # noqa: E402
+
+from mtpserve.default_models import GEMMA3, SMOLLM2, model_path  # noqa: E402
+from mtpserve.kernels.cpu import configure_pool  # noqa: E402
+from mtpserve.models.loader import load  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO.parent / "shared" / "fixtures"
@@ -110,7 +120,7 @@ def bench_llama_cpp(
         "-o",
         "json",
     ]
-    results = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    results = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, env=PEER_ENV).stdout)
     return from_llama_bench(results)
 
 

@@ -5,14 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
 
-# Before torch loads its OpenMP runtime, which reads this once: on the CPU path, threads that spin after each of
-# torch's parallel regions take the cores the kernels' own pool works on (the CPU server 1.04-1.07x); where an NVIDIA
-# device is visible the default stays, as the GPU path's host loop measured slower with it (docs/performance.md).
-if not (os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES") != ""):
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from ..omp_policy import prefer_passive_waits
+
+prefer_passive_waits()  # before any command imports torch
 
 from .. import __version__  # noqa: E402
 from ..engine.errors import EngineError  # noqa: E402
