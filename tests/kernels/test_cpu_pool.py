@@ -152,3 +152,44 @@ print(os.sched_getaffinity(0) == allowed, len(seen["engine"]), sorted(set(map(le
     main_free, engine_cpus, mask_sizes = fields
     assert main_free == "True" and engine_cpus == "1", out.stdout + out.stderr
     assert "1" in mask_sizes, out.stdout  # the pool's worker has one CPU too
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,n", [(131, 640), (7, 256), (1, 2048)])
+def test_rms_norm_rows_are_their_own_at_any_thread_count(rows: int, n: int):
+    """Four rows' sums in flight at once and a prompt's rows over the pool: every row still its own ordered double sum,
+    the same bits as the row normed alone (and in place, as the blocks norm their outputs)."""
+    lib = cpu_kernels.load()
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)) * 3
+    w = torch.rand(n) + 0.5
+
+    def normed(x: torch.Tensor, threads: int, one_row_at_a_time: bool = False) -> torch.Tensor:
+        y = torch.empty_like(x)
+        for r in range(rows) if one_row_at_a_time else [None]:
+            src, dst = (x, y) if r is None else (x[r], y[r])
+            lib.mtp_rms_norm(src.data_ptr(), w.data_ptr(), dst.data_ptr(), src.numel() // n, n, 1e-6, threads)
+        return y
+
+    alone = normed(x, 1, one_row_at_a_time=True)
+    for threads in (1, 2, 7):
+        assert torch.equal(normed(x, threads), alone)
+    in_place = x.clone()
+    lib.mtp_rms_norm(in_place.data_ptr(), w.data_ptr(), in_place.data_ptr(), rows, n, 1e-6, 2)
+    assert torch.equal(in_place, alone)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fn", ["mtp_swiglu", "mtp_geglu"])
+def test_gated_activations_over_the_pool_are_the_same_bits(fn: str):
+    lib = cpu_kernels.load()
+    gen = torch.Generator().manual_seed(3)
+    gate, up = torch.randn(128 * 2048, generator=gen) * 4, torch.randn(128 * 2048, generator=gen)
+
+    def run(threads: int) -> torch.Tensor:
+        y = torch.empty_like(gate)
+        getattr(lib, fn)(gate.data_ptr(), up.data_ptr(), y.data_ptr(), gate.numel(), threads)
+        return y
+
+    one = run(1)
+    for threads in (2, 7):
+        assert torch.equal(run(threads), one)

@@ -57,7 +57,7 @@ def _elementwise(lib_fn: str, reference, gate: torch.Tensor, up: torch.Tensor) -
         return reference(gate, up)
     gate, up = gate.float().contiguous(), up.float().contiguous()
     out = torch.empty_like(gate)
-    getattr(lib, lib_fn)(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+    getattr(lib, lib_fn)(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), torch.get_num_threads())
     return out
 
 

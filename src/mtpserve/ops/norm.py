@@ -21,7 +21,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     x = x.float().contiguous()
     y = torch.empty_like(x)
     n = x.shape[-1]
-    lib.mtp_rms_norm(x.data_ptr(), None if weight is None else weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
+    rows, w = x.numel() // n, None if weight is None else weight.data_ptr()
+    lib.mtp_rms_norm(x.data_ptr(), w, y.data_ptr(), rows, n, eps, torch.get_num_threads())
     return y
 
 

@@ -152,7 +152,7 @@ def load() -> ctypes.CDLL | None:
         ctypes.c_void_p,
         ctypes.c_int,
     ]
-    lib.mtp_swiglu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.mtp_swiglu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.mtp_rms_norm.argtypes = [
         ctypes.c_void_p,
         ctypes.c_void_p,
@@ -160,6 +160,7 @@ def load() -> ctypes.CDLL | None:
         ctypes.c_int64,
         ctypes.c_int64,
         ctypes.c_float,
+        ctypes.c_int,  # threads
     ]
     lib.mtp_gdn_step.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 6 + [ctypes.c_float]
     lib.mtp_gdn_recurrence.argtypes = [*lib.mtp_gdn_step.argtypes, ctypes.c_int]  # and the thread count
@@ -244,7 +245,7 @@ def load() -> ctypes.CDLL | None:
     lib.mtp_sigmoid_gate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.mtp_gdn_gates.argtypes = [ptr, ptr, ptr, ptr, i64, i64]  # beta, alpha -> g (in place), dt_bias, a, T, Hv
     lib.mtp_gdn_gates.restype = None
-    lib.mtp_geglu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.mtp_geglu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.mtp_tiles_register.argtypes = [ptr, ctypes.c_int, i64, i64]  # a matrix's blocks, type, rows, row length
     lib.mtp_tiles_forget.argtypes = [ptr, ctypes.c_int, i64, i64]
     lib.mtp_tiles_forget.restype = None

@@ -11,7 +11,7 @@ int mtp_matmul_many(int n_w, const int *types, const uint8_t *const *W, const in
                     const float *x, int64_t m, int64_t seq_len, float *const *y, int n_threads);
 int mtp_matmul(int type, const uint8_t *W, int64_t n_rows, int64_t k, const float *x, int64_t m, int64_t seq_len,
                float *y, int n_threads);
-int mtp_swiglu(const float *x, const float *g, float *y, int64_t n);
+int mtp_swiglu(const float *x, const float *g, float *y, int64_t n, int n_threads);
 int mtp_gdn_recurrence(const float *mixed, float *conv_state, const float *conv_w, const float *z, const float *beta,
                        const float *g, float *ssm, const float *norm_w, float *y, float *states, float *conv_states,
                        int64_t T, int64_t Hk, int64_t Hv, int64_t K, int64_t V, int64_t W, float eps, int n_threads);
@@ -28,7 +28,7 @@ int mtp_swiglu_ffn(const float *x, int64_t T, int64_t seq_len, int64_t E, int t_
         const int64_t rows[2] = {F, F};
         float *y[2] = {gate, up};
         rc = mtp_matmul_many(2, types, W, rows, E, x, T, seq_len, y, n_threads);
-        if (rc == 0) rc = mtp_swiglu(gate, up, gate, T * F);
+        if (rc == 0) rc = mtp_swiglu(gate, up, gate, T * F, n_threads);
         if (rc == 0) rc = mtp_matmul(t_down, w_down, E, F, gate, T, seq_len, out, n_threads);
     }
     free(gate);
@@ -119,7 +119,7 @@ int mtp_gdn_prompt(const float *h, int64_t T, int64_t E, const int *types, const
     return rc;
 }
 
-int mtp_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps);
+int mtp_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps, int n_threads);
 
 /* y = x + out, in order: the residual add as torch does it (y may alias x) */
 static void residual_add(const float *x, const float *out, float *y, int64_t n) {
@@ -136,7 +136,7 @@ int mtp_residual_gdn_mixer(const float *x, int64_t T, int64_t seq_len, int64_t E
     float *h = thread_floats(2 * T * E);
     if (!h) return 2;
     float *out = h + T * E;
-    mtp_rms_norm(x, in_norm_w, h, T, E, in_eps);
+    mtp_rms_norm(x, in_norm_w, h, T, E, in_eps, n_threads);
     const int rc = mtp_gdn_mixer(h, T, seq_len, E, types, W, dt_bias, a, conv_states, conv_w, ssms, norm_w, Hk, Hv, K, V,
                                  n_conv, eps, t_out, w_out, out, ssm_steps, conv_steps, n_threads);
     if (rc == 0) residual_add(x, out, y, T * E);
@@ -194,8 +194,8 @@ static int attention_rows(const mtp_attention_block *c, const mtp_step *st, int6
         for (int64_t th = 0; th < T * H; th++) memcpy(q + th * D, qg + 2 * th * D, sizeof(float) * D);
     else
         memcpy(q, qg, sizeof(float) * T * nq);
-    if (c->q_norm) mtp_rms_norm(q, c->q_norm, q, T * H, D, c->eps);
-    if (c->k_norm) mtp_rms_norm(k, c->k_norm, k, T * Hkv, D, c->eps);
+    if (c->q_norm) mtp_rms_norm(q, c->q_norm, q, T * H, D, c->eps, n_threads);
+    if (c->k_norm) mtp_rms_norm(k, c->k_norm, k, T * Hkv, D, c->eps, n_threads);
     const float *cos_c = st->cos[c->rope], *sin_c = st->sin[c->rope];
     mtp_rope_apply(q, cos_c, sin_c, T, H, D, st->n_rot[c->rope], c->neox);
     mtp_rope_apply(k, cos_c, sin_c, T, Hkv, D, st->n_rot[c->rope], c->neox);
@@ -238,7 +238,7 @@ static int attention_block(const mtp_attention_block *const *per_seq, const mtp_
     float *h = thread_floats(m * (E + nqg + 2 * nkv + nq + nq + E));
     if (!h) return 2;
     float *qg = h + m * E, *k = qg + m * nqg, *v = k + m * nkv, *q = v + m * nkv, *o = q + m * nq, *out = o + m * nq;
-    mtp_rms_norm(x, b->norm_w, h, m, E, b->eps);
+    mtp_rms_norm(x, b->norm_w, h, m, E, b->eps, n_threads);
     const int64_t rows[3] = {nqg, nkv, nkv};
     float *outs[3] = {qg, k, v};
     int rc = mtp_matmul_many(3, b->qkv_types, b->qkv_W, rows, E, h, m, T, outs, n_threads);
@@ -249,7 +249,7 @@ static int attention_block(const mtp_attention_block *const *per_seq, const mtp_
     }
     if (rc == 0) rc = mtp_matmul(b->t_out, b->w_out, E, nq, o, m, T, out, n_threads);
     if (rc) return rc;
-    if (b->post_norm) mtp_rms_norm(out, b->post_norm, out, m, E, b->eps); /* Gemma: a norm after the block too */
+    if (b->post_norm) mtp_rms_norm(out, b->post_norm, out, m, E, b->eps, n_threads); /* Gemma: a norm after the block too */
     residual_add(x, out, y, m * E);
     return 0;
 }
@@ -273,7 +273,7 @@ int mtp_residual_attention(const float *x, int64_t T, int64_t E, const float *no
     return attention_block(per_seq, &st, 1, T, x, E, y, n_threads);
 }
 
-int mtp_geglu(const float *x, const float *g, float *y, int64_t n);
+int mtp_geglu(const float *x, const float *g, float *y, int64_t n, int n_threads);
 
 /* A pre-norm residual gated FFN: y [T, E] = x + post(down(act(gate(h)) * up(h))) with h = rms_norm(x) * norm_w, act
  * SiLU (gelu = 0: mtp_swiglu, as mtp_swiglu_ffn) or llama.cpp's GELU table (gelu = 1: mtp_geglu, Gemma), and post
@@ -285,18 +285,18 @@ int mtp_residual_glu_ffn(const float *x, int64_t T, int64_t seq_len, int64_t E, 
     float *h = thread_floats(T * (2 * E + 2 * F));
     if (!h) return 2;
     float *out = h + T * E, *gate = out + T * E, *up = gate + T * F;
-    mtp_rms_norm(x, norm_w, h, T, E, eps);
+    mtp_rms_norm(x, norm_w, h, T, E, eps, n_threads);
     const int types[2] = {t_gate, t_up};
     const uint8_t *W[2] = {w_gate, w_up};
     const int64_t rows[2] = {F, F};
     float *outs[2] = {gate, up};
     int rc = mtp_matmul_many(2, types, W, rows, E, h, T, seq_len, outs, n_threads);
     if (rc) return rc;
-    if (gelu) mtp_geglu(gate, up, gate, T * F);
-    else mtp_swiglu(gate, up, gate, T * F);
+    if (gelu) mtp_geglu(gate, up, gate, T * F, n_threads);
+    else mtp_swiglu(gate, up, gate, T * F, n_threads);
     rc = mtp_matmul(t_down, w_down, E, F, gate, T, seq_len, out, n_threads);
     if (rc) return rc;
-    if (post_w) mtp_rms_norm(out, post_w, out, T, E, eps);
+    if (post_w) mtp_rms_norm(out, post_w, out, T, E, eps, n_threads);
     residual_add(x, out, y, T * E);
     return 0;
 }
@@ -420,7 +420,7 @@ int mtp_decode_pass(const mtp_decode_head *h, const mtp_block *const *tables, in
         for (int64_t i = 0; i < m * E; i++) x[i] *= h->embed_scale;
     rc = mtp_run_blocks(tables, n_seq, T, n_blocks, x, E, steps, ssm_steps, conv_steps, n_threads);
     if (rc) return rc;
-    mtp_rms_norm(x, h->out_norm, x, m, E, h->eps);
+    mtp_rms_norm(x, h->out_norm, x, m, E, h->eps, n_threads);
     return logits ? mtp_matmul(h->t_out, h->out, h->n_vocab, E, x, m, T, logits, n_threads) : 0;
 }
 
@@ -657,13 +657,13 @@ int mtp_draft_chain(const mtp_draft_model *d, const float *hidden, const int64_t
         rc = mtp_get_rows(d->t_table, d->table, d->n_table, E, s == 0 ? tokens : out_tokens + s - 1, T, e);
         if (rc) break;
         for (int64_t t = 0; t < T; t++) { /* [norm(e_t) | norm(h_t)] */
-            mtp_rms_norm(e + t * E, d->enorm, in + t * 2 * E, 1, E, d->eps);
-            mtp_rms_norm(h + t * E, d->hnorm, in + t * 2 * E + E, 1, E, d->eps);
+            mtp_rms_norm(e + t * E, d->enorm, in + t * 2 * E, 1, E, d->eps, 1);
+            mtp_rms_norm(h + t * E, d->hnorm, in + t * 2 * E + E, 1, E, d->eps, 1);
         }
         rc = mtp_matmul(d->t_eh, d->eh, E, 2 * E, in, T, T, u, n_threads);
         if (rc == 0) rc = mtp_run_blocks(table, 1, T, d->n_blocks, u, E, steps + s, NULL, NULL, n_threads);
         if (rc) break;
-        mtp_rms_norm(u + (T - 1) * E, d->out_norm, h, 1, E, d->eps); /* the next step's hidden state */
+        mtp_rms_norm(u + (T - 1) * E, d->out_norm, h, 1, E, d->eps, 1); /* the next step's hidden state */
         rc = mtp_matmul(d->t_head, d->head, d->n_head, E, h, 1, 1, row, n_threads);
         if (rc) break;
         out_tokens[s] = draft_top(row, d->n_head, top_k, out_p + s);

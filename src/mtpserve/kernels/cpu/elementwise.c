@@ -43,12 +43,30 @@ int mtp_rope_apply(float *x, const float *cos_c, const float *sin_c, int64_t T, 
 
 /* ---- activations ------------------------------------------------------------------------------------ */
 
-/* y = silu(x) * g with silu(x) = x / (1 + exp(-x)); n values. */
-int mtp_swiglu(const float *x, const float *g, float *y, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        const float e = expf_arm(0.0f - x[i]);
-        y[i] = (x[i] / (1.0f + e)) * g[i];
+/* Elementwise and row-wise calls this large or larger go to the pool (a prompt's activations); a decode row stays on
+ * the calling thread, where waking the pool costs more than the loop. */
+#define ELEMENTWISE_PARALLEL_MIN 65536
+#define ELEMENTWISE_GRAIN 8192
+
+typedef struct {
+    const float *x, *g;
+    float *y;
+} glu_job;
+
+static void swiglu_items(void *ctx, int64_t begin, int64_t end) {
+    const glu_job *j = ctx;
+    for (int64_t i = begin; i < end; i++) {
+        const float e = expf_arm(0.0f - j->x[i]);
+        j->y[i] = (j->x[i] / (1.0f + e)) * j->g[i];
     }
+}
+
+static int elementwise_threads(int64_t work, int n_threads) { return work >= ELEMENTWISE_PARALLEL_MIN ? n_threads : 1; }
+
+/* y = silu(x) * g with silu(x) = x / (1 + exp(-x)); n values (y may alias x). */
+int mtp_swiglu(const float *x, const float *g, float *y, int64_t n, int n_threads) {
+    glu_job job = {x, g, y};
+    mtp_parallel_for(n, ELEMENTWISE_GRAIN, elementwise_threads(n, n_threads), swiglu_items, &job);
     return 0;
 }
 
@@ -67,13 +85,20 @@ static void fill_gelu_table(void) {
     gelu_table_ready = 1;
 }
 
-int mtp_geglu(const float *x, const float *g, float *y, int64_t n) {
-    if (!gelu_table_ready) fill_gelu_table();
-    for (int64_t i = 0; i < n; i++) {
-        if (x[i] <= -10.0f) y[i] = 0.0f;
-        else if (x[i] >= 10.0f) y[i] = x[i] * g[i];
-        else y[i] = h2f(gelu_table[f2h(x[i])]) * g[i];
+static void geglu_items(void *ctx, int64_t begin, int64_t end) {
+    const glu_job *j = ctx;
+    for (int64_t i = begin; i < end; i++) {
+        const float x = j->x[i];
+        if (x <= -10.0f) j->y[i] = 0.0f;
+        else if (x >= 10.0f) j->y[i] = x * j->g[i];
+        else j->y[i] = h2f(gelu_table[f2h(x)]) * j->g[i];
     }
+}
+
+int mtp_geglu(const float *x, const float *g, float *y, int64_t n, int n_threads) {
+    if (!gelu_table_ready) fill_gelu_table(); /* before the pool: the workers only read it */
+    glu_job job = {x, g, y};
+    mtp_parallel_for(n, ELEMENTWISE_GRAIN, elementwise_threads(n, n_threads), geglu_items, &job);
     return 0;
 }
 
@@ -86,16 +111,43 @@ int mtp_sigmoid_gate(const float *x, const float *g, float *y, int64_t n) {
 /* ---- RMSNorm ------------------------------------------------------------------------------------------ */
 
 /* y = x * (1 / sqrt(mean(x^2) + eps)) [* w] per row of n, as llama.cpp: squares in float summed in
- * double in order, the mean rounded to float, one division for the scale, then the weight product. */
-int mtp_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * n;
-        float *yr = y + r * n;
-        double sum = 0.0;
-        for (int64_t i = 0; i < n; i++) sum += (double)(xr[i] * xr[i]);
-        const float mean = (float)(sum / (double)n);
-        const float scale = 1.0f / sqrtf(mean + eps);
-        for (int64_t i = 0; i < n; i++) yr[i] = w ? (xr[i] * scale) * w[i] : xr[i] * scale;
+ * double in order, the mean rounded to float, one division for the scale, then the weight product. Each row's sum
+ * is one chain of dependent double additions (its order is the result), so rows go four at a time, four chains in
+ * flight, and over the pool for a prompt's rows; y may alias x (a row's sum is taken before it is written). */
+typedef struct {
+    const float *x, *w;
+    float *y;
+    int64_t n;
+    float eps;
+} norm_job;
+
+#define NORM_ROWS 4
+
+static void norm_rows(void *ctx, int64_t begin, int64_t end) {
+    const norm_job *j = ctx;
+    const int64_t n = j->n;
+    for (int64_t r = begin; r < end; r += NORM_ROWS) {
+        const int m = end - r < NORM_ROWS ? (int)(end - r) : NORM_ROWS;
+        const float *xr[NORM_ROWS];
+        double sum[NORM_ROWS] = {0.0, 0.0, 0.0, 0.0};
+        for (int k = 0; k < NORM_ROWS; k++) xr[k] = j->x + (r + (k < m ? k : 0)) * n; /* past m: row r again, unused */
+        for (int64_t i = 0; i < n; i++)
+            for (int k = 0; k < NORM_ROWS; k++) sum[k] += (double)(xr[k][i] * xr[k][i]);
+        for (int k = 0; k < m; k++) {
+            const float mean = (float)(sum[k] / (double)n);
+            const float scale = 1.0f / sqrtf(mean + j->eps);
+            float *yr = j->y + (r + k) * n;
+            if (j->w)
+                for (int64_t i = 0; i < n; i++) yr[i] = (xr[k][i] * scale) * j->w[i];
+            else
+                for (int64_t i = 0; i < n; i++) yr[i] = xr[k][i] * scale;
+        }
     }
+}
+
+int mtp_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps, int n_threads) {
+    norm_job job = {x, w, y, n, eps};
+    const int threads = elementwise_threads(rows * n, n_threads);
+    mtp_parallel_for(rows, chunk_grain(rows, threads, 2, NORM_ROWS) / NORM_ROWS * NORM_ROWS, threads, norm_rows, &job);
     return 0;
 }
