@@ -259,7 +259,9 @@ int mtp_attention(const float *q, const void *kp, const void *vp, int kv_f16, co
     /* one row costs about S * D * 4 flops: below ~64K of them, waking the pool costs more */
     const int threads = T * H * S * D >= 65536 ? n_threads : 1;
     const int64_t items = T * Hkv * n_split;
-    mtp_parallel_for(items, chunk_grain(items, threads, 2, 1), threads, attention_rows, &job);
+    /* one item a claim: a decode step has few (SmolLM2's 3 KV heads x 2 chunks: grains of two left a thread a third
+     * of the step idle), and each is a whole row's keys, far more than a claim costs */
+    mtp_parallel_for(items, 1, threads, attention_rows, &job);
     if (n_split > 1 && !job.failed) merge_chunks(&job, T);
     free(parts);
     return job.failed ? 2 : 0;
