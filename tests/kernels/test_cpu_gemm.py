@@ -176,7 +176,8 @@ def test_the_weight_helpers_give_whole_finite_blocks():
 @pytest.mark.parametrize("seq_len", [1, 3, 4, 5, 7])
 @pytest.mark.parametrize("n_seq", [1, 2, 3, 9])
 def test_decode_rows_four_at_a_time_equal_the_row_path(seq_len, n_seq):
-    """The decode GEMVs (four weight rows per pass, seq_len < 8: Q4_K, Q6_K and the 32-element types; Q4_K and
+    """The decode GEMVs (four weight rows per pass, seq_len < 8: Q4_K, Q6_K and the 32-element types, Q8_0 only where
+    AVX-512 VNNI is compiled in, elsewhere it is the row path itself; Q4_K and
     Q6_K take up to four activation rows a pass) against one row at a time: bit for bit, Q4_K's kinds 0 and 1
     (llama.cpp's per-64-value steps for whole groups of 4 rows), row counts not a multiple of 4, 1 to 63 activation
     rows (a decode, a verification, several sequences of either)."""
