@@ -123,25 +123,32 @@ typedef struct {
 
 #define NORM_ROWS 4
 
+/* a row's scale from its sum of squares, then y = x * scale [* w] */
+static void norm_store(const norm_job *j, const float *xr, double sum, float *yr) {
+    const float mean = (float)(sum / (double)j->n);
+    const float scale = 1.0f / sqrtf(mean + j->eps);
+    if (j->w)
+        for (int64_t i = 0; i < j->n; i++) yr[i] = (xr[i] * scale) * j->w[i];
+    else
+        for (int64_t i = 0; i < j->n; i++) yr[i] = xr[i] * scale;
+}
+
 static void norm_rows(void *ctx, int64_t begin, int64_t end) {
     const norm_job *j = ctx;
     const int64_t n = j->n;
-    for (int64_t r = begin; r < end; r += NORM_ROWS) {
-        const int m = end - r < NORM_ROWS ? (int)(end - r) : NORM_ROWS;
-        const float *xr[NORM_ROWS];
+    int64_t r = begin;
+    for (; r + NORM_ROWS <= end; r += NORM_ROWS) {
+        const float *xr = j->x + r * n;
         double sum[NORM_ROWS] = {0.0, 0.0, 0.0, 0.0};
-        for (int k = 0; k < NORM_ROWS; k++) xr[k] = j->x + (r + (k < m ? k : 0)) * n; /* past m: row r again, unused */
         for (int64_t i = 0; i < n; i++)
-            for (int k = 0; k < NORM_ROWS; k++) sum[k] += (double)(xr[k][i] * xr[k][i]);
-        for (int k = 0; k < m; k++) {
-            const float mean = (float)(sum[k] / (double)n);
-            const float scale = 1.0f / sqrtf(mean + j->eps);
-            float *yr = j->y + (r + k) * n;
-            if (j->w)
-                for (int64_t i = 0; i < n; i++) yr[i] = (xr[k][i] * scale) * j->w[i];
-            else
-                for (int64_t i = 0; i < n; i++) yr[i] = xr[k][i] * scale;
-        }
+            for (int k = 0; k < NORM_ROWS; k++) sum[k] += (double)(xr[k * n + i] * xr[k * n + i]);
+        for (int k = 0; k < NORM_ROWS; k++) norm_store(j, xr + k * n, sum[k], j->y + (r + k) * n);
+    }
+    for (; r < end; r++) { /* the rest (a decode's one row) alone: one chain */
+        const float *xr = j->x + r * n;
+        double sum = 0.0;
+        for (int64_t i = 0; i < n; i++) sum += (double)(xr[i] * xr[i]);
+        norm_store(j, xr, sum, j->y + r * n);
     }
 }
 
