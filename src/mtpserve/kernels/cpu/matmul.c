@@ -622,8 +622,10 @@ static inline __attribute__((always_inline)) void dot32_direct_x4(int type, cons
  * unpacked with 32-bit masks: scales 0-3 and mins 0-3 are the low 6 bits of bytes 0-3 / 4-7; scales and
  * mins 4-7 take their low 4 bits from bytes 8-11 and their top 2 bits from the top of bytes 0-3 / 4-7. */
 static inline void k_scales_mins8(const uint8_t *packed, uint64_t *sc, uint64_t *mn) {
-    uint32_t u[3];
-    memcpy(u, packed, 12);
+    uint32_t u[3]; /* three loads into registers (a 12-byte memcpy went through the stack) */
+    memcpy(&u[0], packed, 4);
+    memcpy(&u[1], packed + 4, 4);
+    memcpy(&u[2], packed + 8, 4);
     const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
     const uint32_t sc_lo = u[0] & low6, mn_lo = u[1] & low6;
     const uint32_t sc_hi = (u[2] & low4) | (((u[0] >> 6) & top2) << 4);
@@ -631,6 +633,10 @@ static inline void k_scales_mins8(const uint8_t *packed, uint64_t *sc, uint64_t 
     *sc = (uint64_t)sc_lo | ((uint64_t)sc_hi << 32);
     *mn = (uint64_t)mn_lo | ((uint64_t)mn_hi << 32);
 }
+
+/* Scale v of eight 16-bit scales (in both halves of sc16) in every 16-bit lane: a byte shuffle (llama.cpp's way),
+ * one instruction where a set1 from memory took three. */
+static inline __m256i scale_k(__m256i sc16, int v) { return _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * v))); }
 
 /* dot_k4 (kinds 0 and 1) from the block bytes; the integer sums are exact, so their order is free. */
 static float dot_q4k_direct(const uint8_t *src, const act_q8k *x, int64_t nb, int kind) {
@@ -644,7 +650,7 @@ static float dot_q4k_direct(const uint8_t *src, const act_q8k *x, int64_t nb, in
         memcpy(&hdm, blk + 2, 2);
         uint64_t sc64, mn64;
         k_scales_mins8(blk + 4, &sc64, &mn64);
-        const uint8_t *sc = (const uint8_t *)&sc64;
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc64)));
         /* mins: sum_j mn[j] * (bsums[2j] + bsums[2j + 1]) */
         const __m128i bs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)x[b].bsums), _mm_loadu_si128((const __m128i *)(x[b].bsums + 8)));
         const __m128i prod_m = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn64)), bs); /* 4 x int32: c = 0..3 */
@@ -655,8 +661,7 @@ static float dot_q4k_direct(const uint8_t *src, const act_q8k *x, int64_t nb, in
             const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(v, m4), _mm256_loadu_si256((const __m256i *)(x[b].qs + 64 * c)));
             const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
                                                     _mm256_loadu_si256((const __m256i *)(x[b].qs + 64 * c + 32)));
-            const __m256i part = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_set1_epi16(sc[2 * c])),
-                                                  _mm256_madd_epi16(hi, _mm256_set1_epi16(sc[2 * c + 1])));
+            const __m256i part = _mm256_add_epi32(_mm256_madd_epi16(lo, scale_k(sc16, 2 * c)), _mm256_madd_epi16(hi, scale_k(sc16, 2 * c + 1)));
             if (kind == 1) sumi[c] = hsum_v8(part);
             else total = _mm256_add_epi32(total, part);
         }
@@ -710,14 +715,14 @@ static inline void q4k_unpack(const uint8_t *blk, q4k_block *u) {
     u->dmin = h2f(hdm);
     uint64_t sc64, mn64;
     k_scales_mins8(blk + 4, &sc64, &mn64);
-    const uint8_t *sc = (const uint8_t *)&sc64;
     u->mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn64));
+    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc64)));
+    for (int v = 0; v < 8; v++) u->scale[v] = scale_k(sc16, v);
     for (int c = 0; c < 4; c++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
         u->q[2 * c] = _mm256_and_si256(v, m4);
         u->q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
     }
-    for (int v = 0; v < 8; v++) u->scale[v] = _mm256_set1_epi16(sc[v]);
 }
 
 /* dot_q4k_direct of four weight rows (row stride rb) against m <= 4 activation rows (x, x + nb, ..), activation row i
@@ -780,11 +785,75 @@ static inline __attribute__((always_inline)) void dot_q4k_direct_x4(const uint8_
     for (int i = 0; i < m; i++) _mm_storeu_ps(out + 4 * i, _mm_sub_ps(acc[i], accm[i]));
 }
 
+/* One weight row's Q4_K block against an activation block: the integer sums of its scaled products (a vector of
+ * eight partial sums) and of its mins against the activations' sums (bs, paired), d and dmin in *dw, *dm. */
+static inline __attribute__((always_inline)) __m256i q4k_row_block(const uint8_t *blk, const act_q8k *xb, __m128i bs,
+                                                                  __m128i *prod_m, float *dw, float *dm) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const uint8_t *qs = blk + 16;
+    half hd, hdm;
+    memcpy(&hd, blk, 2);
+    memcpy(&hdm, blk + 2, 2);
+    *dw = h2f(hd);
+    *dm = h2f(hdm);
+    uint64_t sc64, mn64;
+    k_scales_mins8(blk + 4, &sc64, &mn64);
+    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc64)));
+    *prod_m = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn64)), bs);
+    __m256i t = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(v, m4), _mm256_loadu_si256((const __m256i *)(xb->qs + 64 * c)));
+        const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                                                _mm256_loadu_si256((const __m256i *)(xb->qs + 64 * c + 32)));
+        t = _mm256_add_epi32(t, _mm256_add_epi32(_mm256_madd_epi16(lo, scale_k(sc16, 2 * c)), _mm256_madd_epi16(hi, scale_k(sc16, 2 * c + 1))));
+    }
+    return t;
+}
+
+/* dot_q4k_direct_x4 for decode (one activation row, kind 0), streamed: each weight row's block is multiplied as it is
+ * unpacked, its scales shuffled in as each part needs them, so few vectors are live at once (the general form holds a
+ * block's 16 unpacked vectors for up to four activation rows, which spilled on AVX2's 16 registers). The integer sums
+ * and float steps are dot_q4k_direct's (kind 0), lane r of the float vectors weight row r's. */
+static inline void dot_q4k_decode_x4(const uint8_t *src, int64_t rb, const act_q8k *x, int64_t nb, float *out) {
+    const int64_t ahead = x4_ahead(144, nb);
+    __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const act_q8k *xb = &x[b];
+        const __m128i bs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)xb->bsums), _mm_loadu_si128((const __m128i *)(xb->bsums + 8)));
+        __m128i p0, p1, p2, p3;
+        float dw[4], dm[4];
+        const uint8_t *blk = src + 144 * b;
+        prefetch_x4(blk, 144, ahead, b, nb, rb);
+        const __m256i t0 = q4k_row_block(blk, xb, bs, &p0, &dw[0], &dm[0]);
+        prefetch_x4(blk + rb, 144, ahead, b, nb, rb);
+        const __m256i t1 = q4k_row_block(blk + rb, xb, bs, &p1, &dw[1], &dm[1]);
+        const __m256i h01 = _mm256_hadd_epi32(t0, t1);
+        prefetch_x4(blk + 2 * rb, 144, ahead, b, nb, rb);
+        const __m256i t2 = q4k_row_block(blk + 2 * rb, xb, bs, &p2, &dw[2], &dm[2]);
+        prefetch_x4(blk + 3 * rb, 144, ahead, b, nb, rb);
+        const __m256i t3 = q4k_row_block(blk + 3 * rb, xb, bs, &p3, &dw[3], &dm[3]);
+        const __m256i h = _mm256_hadd_epi32(h01, _mm256_hadd_epi32(t2, t3)); /* hsum4_v8, its adds as they come */
+        const __m128i si = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        const __m128i sm = hsum4_v4(p0, p1, p2, p3);
+        const __m128 xd = _mm_set1_ps(xb->d);
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(si), _mm_mul_ps(_mm_loadu_ps(dw), xd), acc);
+        accm = _mm_fmadd_ps(_mm_cvtepi32_ps(sm), _mm_mul_ps(_mm_loadu_ps(dm), xd), accm);
+    }
+    _mm_storeu_ps(out, _mm_sub_ps(acc, accm));
+}
+
 /* One Q6_K super-block's weights as its lanes multiply them, unpacked once for any number of activation rows: the 8
  * vectors of 32 6-bit values (0..63) and each vector's two 16-value scales, broadcast to its halves. */
 typedef struct {
     __m256i q[8], scale[8], scales16;
 } q6k_block;
+
+/* Vector v's two 16-value scales (signed bytes 2v and 2v + 1 of s8), widened to the low and high half's 16-bit
+ * lanes: one byte shuffle and one widening, where two set1s from memory and an insert took seven instructions. */
+static inline __m256i scale_k6(__m128i s8, int v) {
+    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, _mm_set_epi64x(0x0101010101010101LL * (2 * v + 1), 0x0101010101010101LL * (2 * v))));
+}
 
 static inline void q6k_unpack(const blk_q6_K *w, q6k_block *u) {
     const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
@@ -800,9 +869,9 @@ static inline void q6k_unpack(const blk_q6_K *w, q6k_block *u) {
         q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
     }
-    for (int v = 0; v < 8; v++)
-        u->scale[v] = _mm256_set_m128i(_mm_set1_epi16((short)w->scales[2 * v + 1]), _mm_set1_epi16((short)w->scales[2 * v]));
-    u->scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w->scales));
+    const __m128i s8 = _mm_loadu_si128((const __m128i *)w->scales);
+    for (int v = 0; v < 8; v++) u->scale[v] = scale_k6(s8, v);
+    u->scales16 = _mm256_cvtepi8_epi16(s8);
 }
 
 /* The eight int32 lanes of an unpacked Q6_K super-block against its activation block (xq: the 8 vectors of 32
@@ -839,6 +908,49 @@ static float dot_q6k_direct(const uint8_t *src, const act_q8k *x, int64_t nb, in
     }
     _mm256_storeu_ps(acc, vacc);
     return tiled ? acc1 : hsum8(acc);
+}
+
+/* dot_q6k_direct_x4 for decode (one activation row), streamed: each 32-value vector multiplied as it is unpacked, its
+ * scales shuffled in then, so few vectors are live at once (the general form holds a block's 16 unpacked vectors for
+ * up to four activation rows). Lanes and float steps are dot_q6k_direct's. */
+static inline void dot_q6k_decode_x4(const uint8_t *src, int64_t rb, const act_q8k *x, int64_t nb, float *out) {
+    const int64_t ahead = x4_ahead(210, nb);
+    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    __m256 vacc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        const act_q8k *xb = &x[b];
+        const __m256i bsums = _mm256_loadu_si256((const __m256i *)xb->bsums);
+        for (int r = 0; r < 4; r++) {
+            const blk_q6_K *w = (const blk_q6_K *)(src + r * rb + 210 * b);
+            prefetch_x4((const uint8_t *)w, 210, ahead, b, nb, rb);
+            const __m128i s8 = _mm_loadu_si128((const __m128i *)w->scales);
+            __m256i sum = _mm256_setzero_si256();
+            for (int n = 0; n < 2; n++) {
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(w->qh + 32 * n));
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w->ql + 64 * n));
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w->ql + 64 * n + 32));
+                const __m256i q[4] = {
+                    _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4)),
+                    _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4))};
+                for (int j = 0; j < 4; j++) {
+                    const int v = 4 * n + j;
+                    const __m256i p = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(xb->qs + 32 * v)));
+                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, scale_k6(s8, v)));
+                }
+            }
+            sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(s8), bsums), 5));
+            vacc[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb->d * h2f(w->d)), _mm256_cvtepi32_ps(sum), vacc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        float acc[8];
+        _mm256_storeu_ps(acc, vacc[r]);
+        out[r] = hsum8(acc);
+    }
 }
 
 /* dot_q6k_direct (not tiled) of four weight rows (row stride rb) against m <= 4 activation rows (x, x + nb, ..),
@@ -1622,12 +1734,13 @@ static int64_t gemv_rows_x4(const matmul_job *j, int type, const uint8_t *W, int
                 float out[16];
                 const uint8_t *w = W + n * rb;
                 if (type == T_Q6_K) {
-                    if (mi == 1) dot_q6k_direct_x4(w, rb, xk + i * nb, nb, 1, out); /* decode: m a constant */
+                    if (mi == 1) dot_q6k_decode_x4(w, rb, xk + i * nb, nb, out); /* decode */
                     else dot_q6k_direct_x4(w, rb, xk + i * nb, nb, mi, out);
                 } else {
                     int kind[4]; /* the float steps of each activation row (dot_q4k_direct's kind) */
                     for (int ii = 0; ii < mi; ii++) kind[ii] = (i + ii) % j->seq_len < m_x4;
-                    if (mi == 1) dot_q4k_direct_x4(w, rb, xk + i * nb, nb, 1, kind, out);
+                    if (mi == 1 && !kind[0]) dot_q4k_decode_x4(w, rb, xk + i * nb, nb, out); /* decode */
+                    else if (mi == 1) dot_q4k_direct_x4(w, rb, xk + i * nb, nb, 1, kind, out);
                     else dot_q4k_direct_x4(w, rb, xk + i * nb, nb, mi, kind, out);
                 }
                 for (int ii = 0; ii < mi; ii++) memcpy(y + (i + ii) * ldy + n, out + 4 * ii, 4 * sizeof(float));
