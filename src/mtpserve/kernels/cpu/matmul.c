@@ -726,7 +726,8 @@ static inline void q4k_unpack(const uint8_t *blk, q4k_block *u) {
 }
 
 /* dot_q4k_direct of four weight rows (row stride rb) against m <= 4 activation rows (x, x + nb, ..), activation row i
- * by kind[i], for decode and a draft's verification: out[4 i + r] is weight row r against activation row i, its
+ * by kind[i], where a row is of kind 1 (a sequence of 4 to 7 rows; rows all of kind 0 take the streamed
+ * dot_q4k_decode_x4 and dot_q4k_rows_x4): out[4 i + r] is weight row r against activation row i, its
  * integer sums and float steps dot_q4k_direct's (lane r of the float vectors being weight row r's accumulator).
  * Each weight block is unpacked once for the m rows, each activation block loaded once for the four weight rows. */
 static inline __attribute__((always_inline)) void dot_q4k_direct_x4(const uint8_t *src, int64_t rb, const act_q8k *x,
@@ -843,6 +844,66 @@ static inline void dot_q4k_decode_x4(const uint8_t *src, int64_t rb, const act_q
     _mm_storeu_ps(out, _mm_sub_ps(acc, accm));
 }
 
+/* dot_q4k_decode_x4 for m = 2..4 activation rows, all of kind 0 (a verification's rows, continuous batching's
+ * sequences): each 64-value part of a weight row's block unpacked once and multiplied by the m rows as it is, so a
+ * part's two vectors and two scales are live where the general form held the block's 16. The integer sums and float
+ * steps of each activation row are dot_q4k_direct's (kind 0). */
+static inline __attribute__((always_inline)) void dot_q4k_rows_x4(const uint8_t *src, int64_t rb, const act_q8k *x, int64_t nb,
+                                                                 const int m, float *out) {
+    const int64_t ahead = x4_ahead(144, nb);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m128 acc[4], accm[4];
+    for (int i = 0; i < m; i++) acc[i] = accm[i] = _mm_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m128i bs[4], prod_m[4][4];
+        __m256i total[4][4];
+        float dw[4], dm[4];
+        for (int i = 0; i < m; i++) {
+            const act_q8k *xb = &x[i * nb + b];
+            bs[i] = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)xb->bsums), _mm_loadu_si128((const __m128i *)(xb->bsums + 8)));
+        }
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *blk = src + r * rb + 144 * b, *qs = blk + 16;
+            prefetch_x4(blk, 144, ahead, b, nb, rb);
+            half hd, hdm;
+            memcpy(&hd, blk, 2);
+            memcpy(&hdm, blk + 2, 2);
+            dw[r] = h2f(hd);
+            dm[r] = h2f(hdm);
+            uint64_t sc64, mn64;
+            k_scales_mins8(blk + 4, &sc64, &mn64);
+            const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc64)));
+            const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn64));
+            __m256i t[4];
+            for (int i = 0; i < m; i++) {
+                prod_m[i][r] = _mm_madd_epi16(mins, bs[i]);
+                t[i] = _mm256_setzero_si256();
+            }
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                const __m256i s_lo = scale_k(sc16, 2 * c), s_hi = scale_k(sc16, 2 * c + 1);
+                for (int i = 0; i < m; i++) {
+                    const int8_t *xq = x[i * nb + b].qs + 64 * c;
+                    const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xq)), s_lo);
+                    const __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 32))), s_hi);
+                    t[i] = _mm256_add_epi32(t[i], _mm256_add_epi32(plo, phi));
+                }
+            }
+            for (int i = 0; i < m; i++) total[i][r] = t[i];
+        }
+        const __m128 dw4 = _mm_loadu_ps(dw), dm4 = _mm_loadu_ps(dm);
+        for (int i = 0; i < m; i++) {
+            const __m128 xd = _mm_set1_ps(x[i * nb + b].d);
+            const __m128i si = hsum4_v8(total[i][0], total[i][1], total[i][2], total[i][3]);
+            const __m128i sm = hsum4_v4(prod_m[i][0], prod_m[i][1], prod_m[i][2], prod_m[i][3]);
+            acc[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(si), _mm_mul_ps(dw4, xd), acc[i]);
+            accm[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(sm), _mm_mul_ps(dm4, xd), accm[i]);
+        }
+    }
+    for (int i = 0; i < m; i++) _mm_storeu_ps(out + 4 * i, _mm_sub_ps(acc[i], accm[i]));
+}
+
 /* One Q6_K super-block's weights as its lanes multiply them, unpacked once for any number of activation rows: the 8
  * vectors of 32 6-bit values (0..63) and each vector's two 16-value scales, broadcast to its halves. */
 typedef struct {
@@ -910,9 +971,10 @@ static float dot_q6k_direct(const uint8_t *src, const act_q8k *x, int64_t nb, in
     return tiled ? acc1 : hsum8(acc);
 }
 
-/* dot_q6k_direct_x4 for decode (one activation row), streamed: each 32-value vector multiplied as it is unpacked, its
- * scales shuffled in then, so few vectors are live at once (the general form holds a block's 16 unpacked vectors for
- * up to four activation rows). Lanes and float steps are dot_q6k_direct's. */
+/* dot_q6k_direct (not tiled) of four weight rows (row stride rb) against one activation row, for decode: out[r] is
+ * weight row r's. Streamed: each 32-value vector multiplied as it is unpacked, its scales shuffled in then, so few
+ * vectors are live at once (a block unpacked whole is 16 vectors, which spilled on AVX2's 16 registers). Lanes and
+ * float steps are dot_q6k_direct's. */
 static inline void dot_q6k_decode_x4(const uint8_t *src, int64_t rb, const act_q8k *x, int64_t nb, float *out) {
     const int64_t ahead = x4_ahead(210, nb);
     const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
@@ -953,13 +1015,13 @@ static inline void dot_q6k_decode_x4(const uint8_t *src, int64_t rb, const act_q
     }
 }
 
-/* dot_q6k_direct (not tiled) of four weight rows (row stride rb) against m <= 4 activation rows (x, x + nb, ..),
- * for decode and a draft's verification: out[4 i + r] is weight row r against activation row i, its lanes and float
- * steps dot_q6k_direct's. Each weight block is unpacked once for the m rows, each activation block loaded once for
- * the four weight rows. */
-static inline __attribute__((always_inline)) void dot_q6k_direct_x4(const uint8_t *src, int64_t rb, const act_q8k *x,
-                                                                   int64_t nb, int m, float *out) {
+/* dot_q6k_decode_x4 for m = 2..4 activation rows (a verification, continuous batching): out[4 i + r] is weight row r
+ * against activation row i. Each 32-value vector of a weight row's block is unpacked once, its scales shuffled in
+ * once, and multiplied by the m rows as it is (the form before unpacked the whole block first and spilled). Lanes and float steps are dot_q6k_direct's. */
+static inline __attribute__((always_inline)) void dot_q6k_rows_x4(const uint8_t *src, int64_t rb, const act_q8k *x, int64_t nb,
+                                                                 const int m, float *out) {
     const int64_t ahead = x4_ahead(210, nb);
+    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
     __m256 vacc[4][4];
     for (int i = 0; i < m; i++)
         for (int r = 0; r < 4; r++) vacc[i][r] = _mm256_setzero_ps();
@@ -967,15 +1029,36 @@ static inline __attribute__((always_inline)) void dot_q6k_direct_x4(const uint8_
         for (int r = 0; r < 4; r++) {
             const blk_q6_K *w = (const blk_q6_K *)(src + r * rb + 210 * b);
             prefetch_x4((const uint8_t *)w, 210, ahead, b, nb, rb);
-            q6k_block u;
-            q6k_unpack(w, &u);
+            const __m128i s8 = _mm_loadu_si128((const __m128i *)w->scales);
+            __m256i sum[4];
+            for (int i = 0; i < m; i++) sum[i] = _mm256_setzero_si256();
+            for (int n = 0; n < 2; n++) {
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(w->qh + 32 * n));
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w->ql + 64 * n));
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w->ql + 64 * n + 32));
+                const __m256i q[4] = {
+                    _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4)),
+                    _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4))};
+                for (int j = 0; j < 4; j++) {
+                    const int v = 4 * n + j;
+                    const __m256i scale = scale_k6(s8, v);
+                    for (int i = 0; i < m; i++) {
+                        const __m256i xq = _mm256_loadu_si256((const __m256i *)(x[i * nb + b].qs + 32 * v));
+                        sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], xq), scale));
+                    }
+                }
+            }
+            const __m256i scales16 = _mm256_cvtepi8_epi16(s8);
             const float wd = h2f(w->d);
             for (int i = 0; i < m; i++) {
                 const act_q8k *xb = &x[i * nb + b];
-                __m256i xq[8];
-                load_q8k_block(xb, xq);
-                const __m256i sum = q6k_lanes(&u, xq, _mm256_loadu_si256((const __m256i *)xb->bsums));
-                vacc[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(xb->d * wd), _mm256_cvtepi32_ps(sum), vacc[i][r]);
+                const __m256i bsums = _mm256_loadu_si256((const __m256i *)xb->bsums);
+                const __m256i lanes = _mm256_sub_epi32(sum[i], _mm256_slli_epi32(_mm256_madd_epi16(scales16, bsums), 5));
+                vacc[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(xb->d * wd), _mm256_cvtepi32_ps(lanes), vacc[i][r]);
             }
         }
     }
@@ -986,6 +1069,7 @@ static inline __attribute__((always_inline)) void dot_q6k_direct_x4(const uint8_
             out[4 * i + r] = hsum8(acc);
         }
 }
+
 #endif
 
 /* ---- tiled GEMM for batches of 8+ rows (AVX2, AVX-512 VNNI) ------------------------------------------- */
@@ -1079,7 +1163,7 @@ static inline int gemm_type(int type) {
  *    rows: at 4 rows the 27B's ffn_up reads 10.5 GB/s through them against 6.8-7.9 through the tiles, but
  *    tinyqwen35's matrices 4.1 against 5.1 (kept tiles), and at 5-6 rows the tiles tie or win;
  *  - Q6_K (tile_k6_lanes: the eight lanes of the decode rule, not the GEMM rule's one sum): from 5, since the
- *    four-row GEMVs unpack each weight block once for up to four activation rows (dot_q6k_direct_x4). The 27B's
+ *    four-row GEMVs unpack each weight block once for up to four activation rows (dot_q6k_rows_x4). The 27B's
  *    ffn_down, 2 threads, GB/s at 2 / 3 / 4 / 5 rows: tiles 10.6 / 8.7 / 8.1 / 7.9 (kept), the GEMVs 26.6 / 24.0 /
  *    19.9 / 14.3; tinyqwen35's output, ffn_down and attn_qkv: tiles 18.2 / 14.4 / 13.6 / 12.7 (kept), the GEMVs
  *    18.3 / 16.1 / 14.3 / 11.5. (Before that sharing, 2 rows went to the tiles: the 4096 x 256 output 105 us
@@ -1719,7 +1803,7 @@ static void gemm_rows(const matmul_job *j, int type, const uint8_t *W, const wti
 
 /* Output rows [begin, end) of the concatenation of the job's weights. */
 #ifdef MTP_AVX2
-/* Rows [lo, hi) of a short-sequence batch in groups of four (dot_q4k_direct_x4, dot_q6k_direct_x4, dot32_direct_x4);
+/* Rows [lo, hi) of a short-sequence batch in groups of four (the Q4_K and Q6_K _x4 dots, dot32_direct_x4);
  * returns the first row left over (fewer than four), for the per-row path. */
 static int64_t gemv_rows_x4(const matmul_job *j, int type, const uint8_t *W, int64_t rb, int64_t lo, int64_t hi,
                             float *y, int64_t ldy) {
@@ -1733,15 +1817,20 @@ static int64_t gemv_rows_x4(const matmul_job *j, int type, const uint8_t *W, int
                 const int mi = j->m - i < 4 ? (int)(j->m - i) : 4;
                 float out[16];
                 const uint8_t *w = W + n * rb;
-                if (type == T_Q6_K) {
-                    if (mi == 1) dot_q6k_decode_x4(w, rb, xk + i * nb, nb, out); /* decode */
-                    else dot_q6k_direct_x4(w, rb, xk + i * nb, nb, mi, out);
+                const act_q8k *xi = xk + i * nb;
+                if (type == T_Q6_K) { /* m a constant in each call */
+                    if (mi == 1) dot_q6k_decode_x4(w, rb, xi, nb, out);
+                    else if (mi == 2) dot_q6k_rows_x4(w, rb, xi, nb, 2, out);
+                    else if (mi == 3) dot_q6k_rows_x4(w, rb, xi, nb, 3, out);
+                    else dot_q6k_rows_x4(w, rb, xi, nb, 4, out);
                 } else {
-                    int kind[4]; /* the float steps of each activation row (dot_q4k_direct's kind) */
-                    for (int ii = 0; ii < mi; ii++) kind[ii] = (i + ii) % j->seq_len < m_x4;
-                    if (mi == 1 && !kind[0]) dot_q4k_decode_x4(w, rb, xk + i * nb, nb, out); /* decode */
-                    else if (mi == 1) dot_q4k_direct_x4(w, rb, xk + i * nb, nb, 1, kind, out);
-                    else dot_q4k_direct_x4(w, rb, xk + i * nb, nb, mi, kind, out);
+                    int kind[4], any1 = 0; /* the float steps of each activation row (dot_q4k_direct's kind) */
+                    for (int ii = 0; ii < mi; ii++) any1 |= kind[ii] = (i + ii) % j->seq_len < m_x4;
+                    if (any1) dot_q4k_direct_x4(w, rb, xi, nb, mi, kind, out); /* a sequence of 4+ rows */
+                    else if (mi == 1) dot_q4k_decode_x4(w, rb, xi, nb, out);
+                    else if (mi == 2) dot_q4k_rows_x4(w, rb, xi, nb, 2, out);
+                    else if (mi == 3) dot_q4k_rows_x4(w, rb, xi, nb, 3, out);
+                    else dot_q4k_rows_x4(w, rb, xi, nb, 4, out);
                 }
                 for (int ii = 0; ii < mi; ii++) memcpy(y + (i + ii) * ldy + n, out + 4 * ii, 4 * sizeof(float));
             }
