@@ -2,7 +2,7 @@
 a decode step (one activation row) or a draft's verification (three) can reach on this machine.
 
     .venv/bin/python bench/gemv_cpu.py [--model FILE] [--matrices ffn_up,ffn_gate,attn_qkv] [--rows 1,3]
-                                       [--threads 1,2] [--layers 16] [--in-cache ROWS]
+                                       [--threads 1,2] [--layers 16] [--in-cache ROWS] [--sequences]
 
 For each matrix kind, the first `--layers` layers' matrices of that name are called in turn (more bytes than any
 cache holds, so each weight comes from memory, as in a decode), `ops.linear.linear` on `rows` activation rows of one
@@ -12,6 +12,7 @@ at most 1 GiB, a small part of a 27B), so rows that take the GEMM tiles pack the
 
 `--in-cache ROWS`: the first ROWS rows of each kind's first matrix instead, called again and again (2048 rows of the
 27B's ffn_up are 5.9 MB, in the last-level cache): the speed the kernels' instructions allow, without memory's.
+`--sequences`: the rows as that many sequences of one row (continuous batching's decode) instead of one sequence.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--in-cache", type=int, default=0, metavar="ROWS", help="ROWS rows of one matrix, repeated")
+    ap.add_argument("--sequences", action="store_true", help="each activation row its own sequence")
     args = ap.parse_args()
     tensors = {t.name: t for t in open_gguf(args.model).tensors.values()}
     by_type: dict[tuple[str, str], list[QTensor]] = defaultdict(list)
@@ -61,7 +63,9 @@ def main() -> None:
             speeds = []
             for rows in map(int, args.rows.split(",")):
                 x = torch.randn(rows, weights[0].shape[1])
-                seconds = best_seconds(lambda ws=weights, x=x, r=rows: [linear(x, w, seq_len=r) for w in ws], 3)
+                seconds = best_seconds(
+                    lambda ws=weights, x=x, r=rows: [linear(x, w, seq_len=1 if args.sequences else r) for w in ws], 3
+                )
                 speeds.append(f"{n_bytes / seconds / 1e9:.1f}")
             count = 1 if args.in_cache else len(weights)
             print(f"| {kind} x {count} | {type_name} | {threads} | {summed:.1f} | " + " | ".join(speeds) + " |")

@@ -174,13 +174,14 @@ def test_the_weight_helpers_give_whole_finite_blocks():
 
 
 @pytest.mark.parametrize("seq_len", [1, 3, 4, 5, 7])
-@pytest.mark.parametrize("n_seq", [1, 2, 3, 9])
+@pytest.mark.parametrize("n_seq", [1, 2, 3, 4, 9])
 def test_decode_rows_four_at_a_time_equal_the_row_path(seq_len, n_seq):
     """The decode GEMVs (four weight rows per pass, seq_len < 8: Q4_K, Q6_K and the 32-element types, Q8_0 only where
     AVX-512 VNNI is compiled in, elsewhere it is the row path itself; Q4_K and
     Q6_K take up to four activation rows a pass) against one row at a time: bit for bit, Q4_K's kinds 0 and 1
     (llama.cpp's per-64-value steps for whole groups of 4 rows), row counts not a multiple of 4, 1 to 63 activation
-    rows (a decode, a verification, several sequences of either)."""
+    rows (a decode, a verification, several sequences of either; 4 sequences of one row: Q4_K's streamed rows form
+    at 4 rows, which the tiles take from 5 there)."""
     weights = [_quantized(GGMLType.Q4_K, 37, 512, 1), _random(GGMLType.Q4_K, 38, 768, 2)]
     weights += [_quantized(GGMLType.Q6_K, 37, 512, 3), _random(GGMLType.Q6_K, 39, 256, 4)]
     weights += [_random(GGMLType.Q6_K, 38, 768, 5)]  # four rows a pass at every row length, as Q4_K

@@ -1161,7 +1161,10 @@ static inline int gemm_type(int type) {
  *  - Q4_K (kind 0 or 1 per row, as dot_q4k_direct): from 4 (256 x 768: 2 rows 20.4 us against 13.1, 4 rows 22.1
  *    against 26.4, 8 rows 27.5 against 50.8). Kept so when the GEMVs came to unpack each block once for up to four
  *    rows: at 4 rows the 27B's ffn_up reads 10.5 GB/s through them against 6.8-7.9 through the tiles, but
- *    tinyqwen35's matrices 4.1 against 5.1 (kept tiles), and at 5-6 rows the tiles tie or win;
+ *    tinyqwen35's matrices 4.1 against 5.1 (kept tiles), and at 5-6 rows the tiles tie or win. Where every row is
+ *    of kind 0 (seq_len < 4: continuous batching's sequences of one), from 5, as Q6_K: the streamed rows form
+ *    (dot_q4k_rows_x4) at 4 rows, 2 threads, read the 27B's ffn_up 10.3-11.0 GB/s against 6.5-6.9 through the tiles,
+ *    Gemma 3's Q4_K matrices 7.7-8.3 against 4.7-5.3 (kept tiles), tinyqwen35's 3.5-3.7 against 2.4-3.8 (kept);
  *  - Q6_K (tile_k6_lanes: the eight lanes of the decode rule, not the GEMM rule's one sum): from 5, since the
  *    four-row GEMVs unpack each weight block once for up to four activation rows (dot_q6k_rows_x4). The 27B's
  *    ffn_down, 2 threads, GB/s at 2 / 3 / 4 / 5 rows: tiles 10.6 / 8.7 / 8.1 / 7.9 (kept), the GEMVs 26.6 / 24.0 /
@@ -1177,7 +1180,9 @@ static inline int short_tile_rows(int type) {
 }
 
 static inline int tiles_take(int type, int64_t m, int64_t seq_len) {
-    return seq_len >= 8 ? gemm_type(type) : short_tile_rows(type) && m >= short_tile_rows(type);
+    if (seq_len >= 8) return gemm_type(type);
+    const int rows = type == T_Q4_K && seq_len < 4 ? 5 : short_tile_rows(type); /* every row of kind 0: streamed */
+    return rows && m >= rows;
 }
 
 static inline int signed_type(int type) { return type == T_Q4_0 || type == T_Q5_0 || type == T_Q8_0; }
