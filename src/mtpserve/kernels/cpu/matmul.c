@@ -638,6 +638,20 @@ static inline void k_scales_mins8(const uint8_t *packed, uint64_t *sc, uint64_t 
  * one instruction where a set1 from memory took three. */
 static inline __m256i scale_k(__m256i sc16, int v) { return _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * v))); }
 
+/* A Q4_K super-block's header: d and dmin, its eight scales widened to 16 bits in both halves of *sc16 (for scale_k),
+ * its eight mins widened in *mins. */
+static inline void q4k_header(const uint8_t *blk, float *d, float *dmin, __m256i *sc16, __m128i *mins) {
+    half hd, hdm;
+    memcpy(&hd, blk, 2);
+    memcpy(&hdm, blk + 2, 2);
+    *d = h2f(hd);
+    *dmin = h2f(hdm);
+    uint64_t sc64, mn64;
+    k_scales_mins8(blk + 4, &sc64, &mn64);
+    *sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc64)));
+    *mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn64));
+}
+
 /* dot_k4 (kinds 0 and 1) from the block bytes; the integer sums are exact, so their order is free. */
 static float dot_q4k_direct(const uint8_t *src, const act_q8k *x, int64_t nb, int kind) {
     float acc = 0.0f, accm = 0.0f;
@@ -645,15 +659,13 @@ static float dot_q4k_direct(const uint8_t *src, const act_q8k *x, int64_t nb, in
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = src + 144 * b, *qs = blk + 16;
         prefetch_lines(blk + PREFETCH_AHEAD, 144);
-        half hd, hdm;
-        memcpy(&hd, blk, 2);
-        memcpy(&hdm, blk + 2, 2);
-        uint64_t sc64, mn64;
-        k_scales_mins8(blk + 4, &sc64, &mn64);
-        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc64)));
+        float wd, wdmin;
+        __m256i sc16;
+        __m128i mins;
+        q4k_header(blk, &wd, &wdmin, &sc16, &mins);
         /* mins: sum_j mn[j] * (bsums[2j] + bsums[2j + 1]) */
         const __m128i bs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)x[b].bsums), _mm_loadu_si128((const __m128i *)(x[b].bsums + 8)));
-        const __m128i prod_m = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn64)), bs); /* 4 x int32: c = 0..3 */
+        const __m128i prod_m = _mm_madd_epi16(mins, bs); /* 4 x int32: c = 0..3 */
         __m256i total = _mm256_setzero_si256();
         int32_t sumi[4];
         for (int c = 0; c < 4; c++) {
@@ -665,7 +677,7 @@ static float dot_q4k_direct(const uint8_t *src, const act_q8k *x, int64_t nb, in
             if (kind == 1) sumi[c] = hsum_v8(part);
             else total = _mm256_add_epi32(total, part);
         }
-        const float d = h2f(hd) * x[b].d, dmin = h2f(hdm) * x[b].d;
+        const float d = wd * x[b].d, dmin = wdmin * x[b].d;
         if (kind == 1) {
             int32_t summ[4];
             _mm_storeu_si128((__m128i *)summ, prod_m);
@@ -708,15 +720,8 @@ typedef struct {
 
 static inline void q4k_unpack(const uint8_t *blk, q4k_block *u) {
     const __m256i m4 = _mm256_set1_epi8(15);
-    half hd, hdm;
-    memcpy(&hd, blk, 2);
-    memcpy(&hdm, blk + 2, 2);
-    u->d = h2f(hd);
-    u->dmin = h2f(hdm);
-    uint64_t sc64, mn64;
-    k_scales_mins8(blk + 4, &sc64, &mn64);
-    u->mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn64));
-    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc64)));
+    __m256i sc16;
+    q4k_header(blk, &u->d, &u->dmin, &sc16, &u->mins);
     for (int v = 0; v < 8; v++) u->scale[v] = scale_k(sc16, v);
     for (int c = 0; c < 4; c++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
@@ -792,15 +797,10 @@ static inline __attribute__((always_inline)) __m256i q4k_row_block(const uint8_t
                                                                   __m128i *prod_m, float *dw, float *dm) {
     const __m256i m4 = _mm256_set1_epi8(15);
     const uint8_t *qs = blk + 16;
-    half hd, hdm;
-    memcpy(&hd, blk, 2);
-    memcpy(&hdm, blk + 2, 2);
-    *dw = h2f(hd);
-    *dm = h2f(hdm);
-    uint64_t sc64, mn64;
-    k_scales_mins8(blk + 4, &sc64, &mn64);
-    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc64)));
-    *prod_m = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn64)), bs);
+    __m256i sc16;
+    __m128i mins;
+    q4k_header(blk, dw, dm, &sc16, &mins);
+    *prod_m = _mm_madd_epi16(mins, bs);
     __m256i t = _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
@@ -865,15 +865,9 @@ static inline __attribute__((always_inline)) void dot_q4k_rows_x4(const uint8_t 
         for (int r = 0; r < 4; r++) {
             const uint8_t *blk = src + r * rb + 144 * b, *qs = blk + 16;
             prefetch_x4(blk, 144, ahead, b, nb, rb);
-            half hd, hdm;
-            memcpy(&hd, blk, 2);
-            memcpy(&hdm, blk + 2, 2);
-            dw[r] = h2f(hd);
-            dm[r] = h2f(hdm);
-            uint64_t sc64, mn64;
-            k_scales_mins8(blk + 4, &sc64, &mn64);
-            const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc64)));
-            const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn64));
+            __m256i sc16;
+            __m128i mins;
+            q4k_header(blk, &dw[r], &dm[r], &sc16, &mins);
             __m256i t[4];
             for (int i = 0; i < m; i++) {
                 prod_m[i][r] = _mm_madd_epi16(mins, bs[i]);
@@ -916,20 +910,22 @@ static inline __m256i scale_k6(__m128i s8, int v) {
     return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, _mm_set_epi64x(0x0101010101010101LL * (2 * v + 1), 0x0101010101010101LL * (2 * v))));
 }
 
-static inline void q6k_unpack(const blk_q6_K *w, q6k_block *u) {
+/* Half n (0, 1) of a Q6_K super-block: its four vectors of 32 6-bit values (0..63), vectors 4n..4n+3 of the block. */
+static inline void q6k_half(const blk_q6_K *w, int n, __m256i q[4]) {
     const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
-    for (int n = 0; n < 2; n++) {
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(w->qh + 32 * n));
-        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w->ql + 64 * n));
-        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w->ql + 64 * n + 32));
-        __m256i *q = u->q + 4 * n;
-        q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
-        q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
-        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
-        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
-    }
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(w->qh + 32 * n));
+    const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w->ql + 64 * n));
+    const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w->ql + 64 * n + 32));
+    q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
+    q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
+}
+
+static inline void q6k_unpack(const blk_q6_K *w, q6k_block *u) {
+    for (int n = 0; n < 2; n++) q6k_half(w, n, u->q + 4 * n);
     const __m128i s8 = _mm_loadu_si128((const __m128i *)w->scales);
     for (int v = 0; v < 8; v++) u->scale[v] = scale_k6(s8, v);
     u->scales16 = _mm256_cvtepi8_epi16(s8);
@@ -977,7 +973,6 @@ static float dot_q6k_direct(const uint8_t *src, const act_q8k *x, int64_t nb, in
  * float steps are dot_q6k_direct's. */
 static inline void dot_q6k_decode_x4(const uint8_t *src, int64_t rb, const act_q8k *x, int64_t nb, float *out) {
     const int64_t ahead = x4_ahead(210, nb);
-    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
     __m256 vacc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; b++) {
         const act_q8k *xb = &x[b];
@@ -988,16 +983,8 @@ static inline void dot_q6k_decode_x4(const uint8_t *src, int64_t rb, const act_q
             const __m128i s8 = _mm_loadu_si128((const __m128i *)w->scales);
             __m256i sum = _mm256_setzero_si256();
             for (int n = 0; n < 2; n++) {
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(w->qh + 32 * n));
-                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w->ql + 64 * n));
-                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w->ql + 64 * n + 32));
-                const __m256i q[4] = {
-                    _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4)),
-                    _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4))};
+                __m256i q[4];
+                q6k_half(w, n, q);
                 for (int j = 0; j < 4; j++) {
                     const int v = 4 * n + j;
                     const __m256i p = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(xb->qs + 32 * v)));
@@ -1021,7 +1008,6 @@ static inline void dot_q6k_decode_x4(const uint8_t *src, int64_t rb, const act_q
 static inline __attribute__((always_inline)) void dot_q6k_rows_x4(const uint8_t *src, int64_t rb, const act_q8k *x, int64_t nb,
                                                                  const int m, float *out) {
     const int64_t ahead = x4_ahead(210, nb);
-    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
     __m256 vacc[4][4];
     for (int i = 0; i < m; i++)
         for (int r = 0; r < 4; r++) vacc[i][r] = _mm256_setzero_ps();
@@ -1033,16 +1019,8 @@ static inline __attribute__((always_inline)) void dot_q6k_rows_x4(const uint8_t 
             __m256i sum[4];
             for (int i = 0; i < m; i++) sum[i] = _mm256_setzero_si256();
             for (int n = 0; n < 2; n++) {
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(w->qh + 32 * n));
-                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w->ql + 64 * n));
-                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w->ql + 64 * n + 32));
-                const __m256i q[4] = {
-                    _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4)),
-                    _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4))};
+                __m256i q[4];
+                q6k_half(w, n, q);
                 for (int j = 0; j < 4; j++) {
                     const int v = 4 * n + j;
                     const __m256i scale = scale_k6(s8, v);
