@@ -732,7 +732,7 @@ static inline void q4k_unpack(const uint8_t *blk, q4k_block *u) {
 
 /* dot_q4k_direct of four weight rows (row stride rb) against m <= 4 activation rows (x, x + nb, ..), activation row i
  * by kind[i], where a row is of kind 1 (a sequence of 4 to 7 rows; rows all of kind 0 take the streamed
- * dot_q4k_decode_x4 and dot_q4k_rows_x4): out[4 i + r] is weight row r against activation row i, its
+ * dot_q4k_rows_x4): out[4 i + r] is weight row r against activation row i, its
  * integer sums and float steps dot_q4k_direct's (lane r of the float vectors being weight row r's accumulator).
  * Each weight block is unpacked once for the m rows, each activation block loaded once for the four weight rows. */
 static inline __attribute__((always_inline)) void dot_q4k_direct_x4(const uint8_t *src, int64_t rb, const act_q8k *x,
@@ -791,63 +791,11 @@ static inline __attribute__((always_inline)) void dot_q4k_direct_x4(const uint8_
     for (int i = 0; i < m; i++) _mm_storeu_ps(out + 4 * i, _mm_sub_ps(acc[i], accm[i]));
 }
 
-/* One weight row's Q4_K block against an activation block: the integer sums of its scaled products (a vector of
- * eight partial sums) and of its mins against the activations' sums (bs, paired), d and dmin in *dw, *dm. */
-static inline __attribute__((always_inline)) __m256i q4k_row_block(const uint8_t *blk, const act_q8k *xb, __m128i bs,
-                                                                  __m128i *prod_m, float *dw, float *dm) {
-    const __m256i m4 = _mm256_set1_epi8(15);
-    const uint8_t *qs = blk + 16;
-    __m256i sc16;
-    __m128i mins;
-    q4k_header(blk, dw, dm, &sc16, &mins);
-    *prod_m = _mm_madd_epi16(mins, bs);
-    __m256i t = _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(v, m4), _mm256_loadu_si256((const __m256i *)(xb->qs + 64 * c)));
-        const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
-                                                _mm256_loadu_si256((const __m256i *)(xb->qs + 64 * c + 32)));
-        t = _mm256_add_epi32(t, _mm256_add_epi32(_mm256_madd_epi16(lo, scale_k(sc16, 2 * c)), _mm256_madd_epi16(hi, scale_k(sc16, 2 * c + 1))));
-    }
-    return t;
-}
-
-/* dot_q4k_direct_x4 for decode (one activation row, kind 0), streamed: each weight row's block is multiplied as it is
- * unpacked, its scales shuffled in as each part needs them, so few vectors are live at once (the general form holds a
- * block's 16 unpacked vectors for up to four activation rows, which spilled on AVX2's 16 registers). The integer sums
- * and float steps are dot_q4k_direct's (kind 0), lane r of the float vectors weight row r's. */
-static inline void dot_q4k_decode_x4(const uint8_t *src, int64_t rb, const act_q8k *x, int64_t nb, float *out) {
-    const int64_t ahead = x4_ahead(144, nb);
-    __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const act_q8k *xb = &x[b];
-        const __m128i bs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)xb->bsums), _mm_loadu_si128((const __m128i *)(xb->bsums + 8)));
-        __m128i p0, p1, p2, p3;
-        float dw[4], dm[4];
-        const uint8_t *blk = src + 144 * b;
-        prefetch_x4(blk, 144, ahead, b, nb, rb);
-        const __m256i t0 = q4k_row_block(blk, xb, bs, &p0, &dw[0], &dm[0]);
-        prefetch_x4(blk + rb, 144, ahead, b, nb, rb);
-        const __m256i t1 = q4k_row_block(blk + rb, xb, bs, &p1, &dw[1], &dm[1]);
-        const __m256i h01 = _mm256_hadd_epi32(t0, t1);
-        prefetch_x4(blk + 2 * rb, 144, ahead, b, nb, rb);
-        const __m256i t2 = q4k_row_block(blk + 2 * rb, xb, bs, &p2, &dw[2], &dm[2]);
-        prefetch_x4(blk + 3 * rb, 144, ahead, b, nb, rb);
-        const __m256i t3 = q4k_row_block(blk + 3 * rb, xb, bs, &p3, &dw[3], &dm[3]);
-        const __m256i h = _mm256_hadd_epi32(h01, _mm256_hadd_epi32(t2, t3)); /* hsum4_v8, its adds as they come */
-        const __m128i si = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-        const __m128i sm = hsum4_v4(p0, p1, p2, p3);
-        const __m128 xd = _mm_set1_ps(xb->d);
-        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(si), _mm_mul_ps(_mm_loadu_ps(dw), xd), acc);
-        accm = _mm_fmadd_ps(_mm_cvtepi32_ps(sm), _mm_mul_ps(_mm_loadu_ps(dm), xd), accm);
-    }
-    _mm_storeu_ps(out, _mm_sub_ps(acc, accm));
-}
-
-/* dot_q4k_decode_x4 for m = 2..4 activation rows, all of kind 0 (a verification's rows, continuous batching's
- * sequences): each 64-value part of a weight row's block unpacked once and multiplied by the m rows as it is, so a
- * part's two vectors and two scales are live where the general form held the block's 16. The integer sums and float
- * steps of each activation row are dot_q4k_direct's (kind 0). */
+/* dot_q4k_direct of four weight rows (row stride rb) against m = 1..4 activation rows, all of kind 0 (a decode, a
+ * verification's rows, continuous batching's sequences): out[4 i + r] is weight row r against activation row i. Each
+ * 64-value part of a weight row's block is unpacked once and multiplied by the m rows as it is, so a part's two vectors
+ * and two scales are live where the general form (dot_q4k_direct_x4) holds the block's 16 and spills on AVX2. The
+ * integer sums and float steps of each activation row are dot_q4k_direct's (kind 0), lane r a weight row's. */
 static inline __attribute__((always_inline)) void dot_q4k_rows_x4(const uint8_t *src, int64_t rb, const act_q8k *x, int64_t nb,
                                                                  const int m, float *out) {
     const int64_t ahead = x4_ahead(144, nb);
@@ -967,44 +915,11 @@ static float dot_q6k_direct(const uint8_t *src, const act_q8k *x, int64_t nb, in
     return tiled ? acc1 : hsum8(acc);
 }
 
-/* dot_q6k_direct (not tiled) of four weight rows (row stride rb) against one activation row, for decode: out[r] is
- * weight row r's. Streamed: each 32-value vector multiplied as it is unpacked, its scales shuffled in then, so few
- * vectors are live at once (a block unpacked whole is 16 vectors, which spilled on AVX2's 16 registers). Lanes and
- * float steps are dot_q6k_direct's. */
-static inline void dot_q6k_decode_x4(const uint8_t *src, int64_t rb, const act_q8k *x, int64_t nb, float *out) {
-    const int64_t ahead = x4_ahead(210, nb);
-    __m256 vacc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = 0; b < nb; b++) {
-        const act_q8k *xb = &x[b];
-        const __m256i bsums = _mm256_loadu_si256((const __m256i *)xb->bsums);
-        for (int r = 0; r < 4; r++) {
-            const blk_q6_K *w = (const blk_q6_K *)(src + r * rb + 210 * b);
-            prefetch_x4((const uint8_t *)w, 210, ahead, b, nb, rb);
-            const __m128i s8 = _mm_loadu_si128((const __m128i *)w->scales);
-            __m256i sum = _mm256_setzero_si256();
-            for (int n = 0; n < 2; n++) {
-                __m256i q[4];
-                q6k_half(w, n, q);
-                for (int j = 0; j < 4; j++) {
-                    const int v = 4 * n + j;
-                    const __m256i p = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(xb->qs + 32 * v)));
-                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, scale_k6(s8, v)));
-                }
-            }
-            sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(s8), bsums), 5));
-            vacc[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb->d * h2f(w->d)), _mm256_cvtepi32_ps(sum), vacc[r]);
-        }
-    }
-    for (int r = 0; r < 4; r++) {
-        float acc[8];
-        _mm256_storeu_ps(acc, vacc[r]);
-        out[r] = hsum8(acc);
-    }
-}
-
-/* dot_q6k_decode_x4 for m = 2..4 activation rows (a verification, continuous batching): out[4 i + r] is weight row r
- * against activation row i. Each 32-value vector of a weight row's block is unpacked once, its scales shuffled in
- * once, and multiplied by the m rows as it is (the form before unpacked the whole block first and spilled). Lanes and float steps are dot_q6k_direct's. */
+/* dot_q6k_direct (not tiled) of four weight rows (row stride rb) against m = 1..4 activation rows (a decode, a
+ * verification, continuous batching): out[4 i + r] is weight row r against activation row i. Each 32-value vector of
+ * a weight row's block is unpacked once, its scales shuffled in once, and multiplied by the m rows as it is (a block
+ * unpacked whole first is 16 vectors, which spilled on AVX2's 16 registers). Lanes and float steps are
+ * dot_q6k_direct's. */
 static inline __attribute__((always_inline)) void dot_q6k_rows_x4(const uint8_t *src, int64_t rb, const act_q8k *x, int64_t nb,
                                                                  const int m, float *out) {
     const int64_t ahead = x4_ahead(210, nb);
@@ -1151,16 +1066,14 @@ static inline int gemm_type(int type) {
  *    against 118, 3 rows 122 against 152.)
  * Q5_K rounds a short sequence differently from its tiles' llama.cpp GEMM rule: row by row. Returns 0 where the
  * rows go row by row. */
-static inline int short_tile_rows(int type) {
-    if (type == T_Q4_K) return 4;
+static inline int short_tile_rows(int type, int64_t seq_len) {
+    if (type == T_Q4_K) return seq_len < 4 ? 5 : 4; /* every row of kind 0 (streamed) : some of kind 1 */
     if (type == T_Q6_K) return 5;
     return gemm_type(type) && type != T_Q5_K ? 2 : 0;
 }
 
 static inline int tiles_take(int type, int64_t m, int64_t seq_len) {
-    if (seq_len >= 8) return gemm_type(type);
-    const int rows = type == T_Q4_K && seq_len < 4 ? 5 : short_tile_rows(type); /* every row of kind 0: streamed */
-    return rows && m >= rows;
+    return seq_len >= 8 ? gemm_type(type) : short_tile_rows(type, seq_len) && m >= short_tile_rows(type, seq_len);
 }
 
 static inline int signed_type(int type) { return type == T_Q4_0 || type == T_Q5_0 || type == T_Q8_0; }
@@ -1786,6 +1699,13 @@ static void gemm_rows(const matmul_job *j, int type, const uint8_t *W, const wti
 
 /* Output rows [begin, end) of the concatenation of the job's weights. */
 #ifdef MTP_AVX2
+/* Four Q4_K or Q6_K weight rows against m activation rows of kind 0, streamed */
+static inline __attribute__((always_inline)) void streamed_x4(int type, const uint8_t *w, int64_t rb, const act_q8k *x,
+                                                             int64_t nb, const int m, float *out) {
+    if (type == T_Q6_K) dot_q6k_rows_x4(w, rb, x, nb, m, out);
+    else dot_q4k_rows_x4(w, rb, x, nb, m, out);
+}
+
 /* Rows [lo, hi) of a short-sequence batch in groups of four (the Q4_K and Q6_K _x4 dots, dot32_direct_x4);
  * returns the first row left over (fewer than four), for the per-row path. */
 static int64_t gemv_rows_x4(const matmul_job *j, int type, const uint8_t *W, int64_t rb, int64_t lo, int64_t hi,
@@ -1801,20 +1721,16 @@ static int64_t gemv_rows_x4(const matmul_job *j, int type, const uint8_t *W, int
                 float out[16];
                 const uint8_t *w = W + n * rb;
                 const act_q8k *xi = xk + i * nb;
-                if (type == T_Q6_K) { /* m a constant in each call */
-                    if (mi == 1) dot_q6k_decode_x4(w, rb, xi, nb, out);
-                    else if (mi == 2) dot_q6k_rows_x4(w, rb, xi, nb, 2, out);
-                    else if (mi == 3) dot_q6k_rows_x4(w, rb, xi, nb, 3, out);
-                    else dot_q6k_rows_x4(w, rb, xi, nb, 4, out);
-                } else {
-                    int kind[4], any1 = 0; /* the float steps of each activation row (dot_q4k_direct's kind) */
-                    for (int ii = 0; ii < mi; ii++) any1 |= kind[ii] = (i + ii) % j->seq_len < m_x4;
-                    if (any1) dot_q4k_direct_x4(w, rb, xi, nb, mi, kind, out); /* a sequence of 4+ rows */
-                    else if (mi == 1) dot_q4k_decode_x4(w, rb, xi, nb, out);
-                    else if (mi == 2) dot_q4k_rows_x4(w, rb, xi, nb, 2, out);
-                    else if (mi == 3) dot_q4k_rows_x4(w, rb, xi, nb, 3, out);
-                    else dot_q4k_rows_x4(w, rb, xi, nb, 4, out);
-                }
+                int kind[4], any1 = 0; /* the float steps of each activation row (Q4_K: dot_q4k_direct's kind) */
+                for (int ii = 0; ii < mi; ii++) any1 |= kind[ii] = type == T_Q4_K && (i + ii) % j->seq_len < m_x4;
+                if (any1) dot_q4k_direct_x4(w, rb, xi, nb, mi, kind, out); /* a sequence of 4-7 rows */
+                else
+                    switch (mi) { /* m a constant in each call */
+                        case 1: streamed_x4(type, w, rb, xi, nb, 1, out); break;
+                        case 2: streamed_x4(type, w, rb, xi, nb, 2, out); break;
+                        case 3: streamed_x4(type, w, rb, xi, nb, 3, out); break;
+                        default: streamed_x4(type, w, rb, xi, nb, 4, out); break;
+                    }
                 for (int ii = 0; ii < mi; ii++) memcpy(y + (i + ii) * ldy + n, out + 4 * ii, 4 * sizeof(float));
             }
             continue;
