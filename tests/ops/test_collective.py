@@ -31,6 +31,41 @@ def test_thread_ranks_add_in_rank_order_and_gather_uneven_shards():
     assert all(torch.equal(g, torch.cat([p[:, : r + 1] for r, p in enumerate(PARTS)], -1)) for g in gathered)
 
 
+class _LateReader:
+    """The group's barrier, but rank 1 leaves each exchange only once rank 0 has gone on and overwritten the tensor
+    it gave (as the allocator reuses a freed output's memory): what a loaded machine's scheduler may do."""
+
+    def __init__(self, barrier: threading.Barrier, overwritten: threading.Event) -> None:
+        self.barrier, self.overwritten, self.waits = barrier, overwritten, 0
+
+    def wait(self) -> None:
+        self.barrier.wait()
+        if threading.current_thread().name == "mtpserve-rank-1":
+            self.waits += 1
+            if self.waits % 2 == 0:  # past the exchange's last wait
+                assert self.overwritten.wait(10)
+                self.overwritten.clear()
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather"])
+def test_an_exchange_reads_every_rank_before_any_goes_on(op):
+    """A rank that has left an exchange may change the tensor it gave; the others' results are made before then
+    (read after it, rank 1's sum or gather took rank 0's overwritten values)."""
+    group, overwritten = ThreadGroup(2), threading.Event()
+    group._barrier = _LateReader(group._barrier, overwritten)  # type: ignore[assignment]
+
+    def body(rank):
+        given = PARTS[rank.rank].clone()
+        result = getattr(rank, op)(given)
+        if rank.rank == 0:
+            given.fill_(1e6)
+            overwritten.set()
+        return result
+
+    expected = PARTS[0] + PARTS[1] if op == "all_reduce" else torch.cat(PARTS[:2], -1)
+    assert all(torch.equal(r, expected) for r in group.run(body))
+
+
 def test_a_failing_rank_raises_and_leaves_no_rank_waiting():
     def body(rank):
         if rank.rank == 1:

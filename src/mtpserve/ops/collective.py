@@ -95,13 +95,17 @@ class ThreadGroup:
         """Wake every rank waiting in an exchange with `threading.BrokenBarrierError` (a rank failed)."""
         self._barrier.abort()
 
-    def exchange(self, rank: int, t: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's tensor, once all have given theirs; each rank reads them before any rank's next exchange."""
+    def exchange(
+        self, rank: int, t: torch.Tensor, combine: Callable[[list[torch.Tensor]], torch.Tensor]
+    ) -> torch.Tensor:
+        """`combine` of every rank's tensor (in rank order), run once all have given theirs and before any rank goes
+        on: a rank that went on could free or overwrite its tensor while another still reads it."""
         self._slots[rank] = t
         self._barrier.wait()
-        parts = list(self._slots)
-        self._barrier.wait()  # all have read: the slots may be written again
-        return parts
+        try:
+            return combine(list(self._slots))
+        finally:  # (a failed combine too: the other ranks would wait for this one otherwise)
+            self._barrier.wait()  # all have read: the tensors may change, the slots be written again
 
 
 @dataclass(frozen=True)
@@ -111,14 +115,16 @@ class ThreadRank:
     group: ThreadGroup
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        parts = self.group.exchange(self.rank, t)
-        total = parts[0].to(t.device, copy=True)
-        for part in parts[1:]:
-            total += part.to(t.device)
-        return total
+        def add_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
+            total = parts[0].to(t.device, copy=True)
+            for part in parts[1:]:
+                total += part.to(t.device)
+            return total
+
+        return self.group.exchange(self.rank, t, add_in_rank_order)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p.to(t.device) for p in self.group.exchange(self.rank, t)], dim=-1)
+        return self.group.exchange(self.rank, t, lambda parts: torch.cat([p.to(t.device) for p in parts], dim=-1))
 
 
 class ProcessRank:
