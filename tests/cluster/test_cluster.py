@@ -29,7 +29,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 N_SLOTS = 2  # per replica
 MAX_QUEUE = 3
 APP = "mtpserve-test"
-CTX = 4096  # both slots of a replica
+CTX = 2 * 32768  # both slots of a replica: a slot outlasts every wait below (_long)
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +189,10 @@ def _replicas() -> list[str]:
 
 
 def _long() -> dict:
-    return {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    """A request that holds its slot until its client leaves: a slot's whole context is a minute at a replica's
+    ~400-1,000 tok/s, where a test needs it for seconds. (At 1,500 tokens the holders of test_past_max_queue_a_503
+    could finish before a loaded machine had seen the queue fill: 2026-12-07.)"""
+    return {"prompt": "Once upon a time", "max_tokens": CTX // N_SLOTS - 64, "ignore_eos": True, "stream": True}
 
 
 def _hold(url: str, stop: threading.Event) -> None:
