@@ -109,26 +109,28 @@ def test_the_deployments_cache_gives_llama_cpps_q8_0_tokens(kernel: str, monkeyp
 
 
 @pytest.mark.parametrize(
-    ("key", "ref_name"),
+    ("key", "ref_name", "case_name"),
     [
         # sliding-window ring caches, GeGLU, logit softcap: slow (90 s); the default suite runs a Gemma 3 slice
-        pytest.param("gemma3", "gemma-3-270m-q4_k_m", marks=pytest.mark.slow),
-        # the llama family, Q4_1: slow (18 s) as the twin dequantizes 135M parameters a pass; `make test-all`
-        pytest.param("smollm2", "SmolLM2-135M-Instruct.Q4_1", marks=pytest.mark.slow),
+        pytest.param("gemma3", "gemma-3-270m-q4_k_m", "english", marks=pytest.mark.slow),
+        # the llama family, Q4_1: slow (18 s) as the twin dequantizes 135M parameters a pass; `make test-all`.
+        # Not "english": llama.cpp's second token there is a 0.038-nat tie with a third candidate 0.17 nats behind,
+        # which the GPU path reorders: its Q4_1 min term takes the exact block sum where the CPU takes q8_1's f16 sum
+        # (ops.activation_rounding; ~8e-4 relative a matrix, 0.1-0.2 nats on the top logits after 30 layers)
+        pytest.param("smollm2", "SmolLM2-135M-Instruct.Q4_1", "fib_def", marks=pytest.mark.slow),
     ],
 )
-def test_default_models_give_the_cpu_paths_greedy_tokens(key: str, ref_name: str) -> None:
-    """With an f32 KV cache, where the CPU path's attention is exact too. (With f16, llama.cpp's CPU attention
-    rounds its value accumulator to f16 after every key: Gemma 3's 'english' prompt then picks another token at
-    position 4, a 0.19-nat margin, exactly as the CPU path does with an f32 cache: a rounding the GPU does not
-    make, not a GPU path error.)"""
+def test_default_models_give_llama_cpps_greedy_tokens(key: str, ref_name: str, case_name: str) -> None:
+    """With an f32 KV cache: llama.cpp's tokens up to its first near tie, which lies past all of them. (With f16,
+    llama.cpp's CPU attention rounds its value accumulator to f16 after every key: Gemma 3's 'english' prompt then
+    picks another token at position 4, a 0.19-nat margin, a rounding the GPU does not make, not a GPU path error.)"""
     ref = json.loads(shared_path("fixtures", "refs", f"{ref_name}.json").read_text())
-    case = next(c for c in ref["greedy"]["completions"] if c["name"] == "english")
-    path = default_model(key)
-    cpu = _greedy(load(path), case["prompt_token_ids"], 3, "f32")
-    model = load(path, device=DEVICE)
+    case = next(c for c in ref["greedy"]["completions"] if c["name"] == case_name)
+    model = load(default_model(key), device=DEVICE)
     with _gpu_path():
-        assert _greedy(model, case["prompt_token_ids"], 3, "f32") == cpu
+        ours = _greedy(model, case["prompt_token_ids"], 3, "f32")
+    _agree_before_first_near_tie(ours, case)
+    assert min(case["near_tie_positions"]) >= len(ours)  # so all are compared
 
 
 GEMMA3_SLICE = "gemma-3-270m-q4_k_m.slice6.gguf"  # bench/gpu_check.sh carries it in .gpu/shared/fixtures
