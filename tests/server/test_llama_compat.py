@@ -128,4 +128,4 @@ def test_a_non_streamed_request_whose_client_leaves_frees_its_slot(tiny_server):
     ):
         time.sleep(0.1)
     assert not httpx.get(f"{tiny_server.url}/slots", headers=AUTH).json()[3]["is_processing"]
-    assert tiny_server.log().count("cancel task") == cancels + 1
+    assert tiny_server.log().count("cancel task") > cancels
