@@ -9,7 +9,8 @@ program interleaves them again. Q4_K/Q5_K: d_x * (d *
 sum_j sc_j dot_j - dmin * sum_j mn_j sum_j(q_x)); Q6_K: d_x * d * sum_g sc_g (dot(q, x) - 32 sum(q_x)) per 16 values;
 Q8_0: d_w * d_x * dot; IQ4_XS: d_x * d * sum_ib (ls_ib - 32) * dot(K[q], x); IQ4_NL: d_w * d_x * dot(K[q], x);
 Q4_0/Q5_0: d_w * d_x * (dot - 8 (16) * sum(q_x)); Q4_1/Q5_1: d_x * (d_w * dot + m_w * sum(q_x)), the min times the
-rounded quants' sum (the GPU path's Q8_0 rounding; llama.cpp's Q8_1 s is the same sum times d). Dot products and the
+rounded quants' sum (the GPU path's Q8_0 rounding; llama.cpp's Q8_1 s is that sum times the unrounded d, rounded to f16:
+~8e-4 relative apart on SmolLM2's Q4_1 matrices, tests/models/test_gpu_path.py). Dot products and the
 sums over a super-block's lanes are int32 (dp4a); each lane's super-block total goes to float32 once.
 `quant_gemv_q8_reference` in ops.quant_gemv is the twin (the same sums in float32: they agree up to float32 order).
 
