@@ -189,7 +189,7 @@ def _replicas() -> list[str]:
 
 
 def _long() -> dict:
-    """A request that holds its slot until its client leaves: a slot's whole context is a minute at a replica's
+    """A request that holds its slot until its client leaves: a slot's whole context is 30-80 s at a replica's
     ~400-1,000 tok/s, where a test needs it for seconds. (At 1,500 tokens the holders of test_past_max_queue_a_503
     could finish before a loaded machine had seen the queue fill: 2026-12-07.)"""
     return {"prompt": "Once upon a time", "max_tokens": CTX // N_SLOTS - 64, "ignore_eos": True, "stream": True}

@@ -115,7 +115,7 @@ def test_the_deployments_cache_gives_llama_cpps_q8_0_tokens(kernel: str, monkeyp
         pytest.param("gemma3", "gemma-3-270m-q4_k_m", "english", marks=pytest.mark.slow),
         # the llama family, Q4_1: slow (18 s) as the twin dequantizes 135M parameters a pass; `make test-all`.
         # Not "english": llama.cpp's second token there is a 0.038-nat tie with a third candidate 0.17 nats behind,
-        # which the GPU path reorders: its Q4_1 min term takes the exact block sum where the CPU takes q8_1's f16 sum
+        # which the GPU path reorders: its Q4_1 min term is m * d16 * sum(q) where llama.cpp's q8_1 has f16(d * sum(q))
         # (ops.activation_rounding; ~8e-4 relative a matrix, 0.1-0.2 nats on the top logits after 30 layers)
         pytest.param("smollm2", "SmolLM2-135M-Instruct.Q4_1", "fib_def", marks=pytest.mark.slow),
     ],
