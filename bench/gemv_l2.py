@@ -79,7 +79,7 @@ def kernel_calls(qtype: GGMLType) -> dict:
     """name -> fn(x, blocks) for every kernel that multiplies this type. GEMV_L2_BREAK=KERNEL makes that kernel
     raise (the check that an error row fails the run: tests/bench/test_gpu_check.py)."""
     from mtpserve.kernels import triton as kernels
-    from mtpserve.ops.activation_rounding import PAIRED_ACTIVATIONS, ActFormat
+    from mtpserve.ops.activation_rounding import PAIRED_ACTIVATIONS, Q8_1_ACTIVATIONS, ActFormat
     from mtpserve.ops.rowwise import quantize_rows_reference
 
     calls = {
@@ -91,7 +91,7 @@ def kernel_calls(qtype: GGMLType) -> dict:
         quants: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         # the activations as the decode path rounds them for this type (ops.linear_gpu.integer_format)
-        fmt = ActFormat(kernels.act_block(int(qtype)), qtype in PAIRED_ACTIVATIONS)
+        fmt = ActFormat(kernels.act_block(int(qtype)), qtype in PAIRED_ACTIVATIONS, qtype in Q8_1_ACTIVATIONS)
 
         def q8(
             x: torch.Tensor,

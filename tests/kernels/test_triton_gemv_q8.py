@@ -14,6 +14,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton GEMV k
 
 from mtpserve.kernels.triton import Q8_GEMV_TYPES, act_block
 from mtpserve.kernels.triton import quant_gemv_q8 as triton_gemv_q8
+from mtpserve.ops.activation_rounding import Q8_1_ACTIVATIONS
 from mtpserve.ops.quant_gemv import quant_gemv_q8, quant_gemv_q8_reference
 from mtpserve.quant.qtensor import QTensor
 from mtpserve.quant.types import GGMLType, block_geometry
@@ -46,8 +47,8 @@ def _activations(qtype: GGMLType, m: int, k: int, seed: int) -> tuple[torch.Tens
     g = torch.Generator().manual_seed(seed)
     xq = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
     xd = torch.rand(m, k // act_block(qtype), generator=g) * 0.01 + 1e-4
-    if act_block(qtype) == 32:
-        xd = xd.half().float()  # Q8_0 activations carry f16-rounded scales
+    if act_block(qtype) == 32 and qtype not in Q8_1_ACTIVATIONS:
+        xd = xd.half().float()  # Q8_0 activations carry f16-rounded scales (Q8_1's the kernel rounds itself)
     return xq, xd
 
 

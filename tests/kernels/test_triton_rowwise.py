@@ -165,6 +165,31 @@ def test_paired_quants_are_the_plain_ones_in_pairs(block: int) -> None:
     assert torch.equal(paired[0].cpu(), twin_q) and torch.equal(paired[1].cpu(), twin_d)
 
 
+def test_q8_1_keeps_each_blocks_scale_unrounded() -> None:
+    """With `q8_1` (Q4_1/Q5_1's activations) every kernel stores the same quants as Q8_0 and each block's d as
+    computed, amax / 127 bit for bit as ops.linear's rounding has it, which rounds to Q8_0's f16 d; the twin alike."""
+    x, add = _rows(3, 1024, seed=21), torch.randn(3, 1024)
+    on, on_add = x.to(DEVICE), add.to(DEVICE)
+
+    def assert_q8_1(y: torch.Tensor, plain: tuple, q8_1: tuple) -> None:
+        _, exact_d, d16 = quantize_activations_q8_0(y.cpu().float())
+        assert torch.equal(q8_1[0].cpu(), plain[0].cpu()) and torch.equal(q8_1[1].cpu(), exact_d)
+        assert torch.equal(plain[1].cpu(), d16) and not torch.equal(exact_d, d16)
+
+    assert_q8_1(x, kernels.quantize_rows(on, 32), kernels.quantize_rows(on, 32, q8_1=True))
+    s, y, *plain = kernels.rms_norm_quantize(on, None, 1e-6, add=on_add, block=32)
+    assert_q8_1(y, plain, kernels.rms_norm_quantize(on, None, 1e-6, add=on_add, block=32, q8_1=True)[2:])
+    y, *plain = kernels.glu_quantize(on, on_add, "silu", block=32)
+    assert_q8_1(y, plain, kernels.glu_quantize(on, on_add, "silu", block=32, q8_1=True)[1:])
+    assert_q8_1(
+        x,
+        rowwise.quantize_rows_reference(x, ActFormat(32)),
+        rowwise.quantize_rows_reference(x, ActFormat(32, q8_1=True)),
+    )
+    with pytest.raises(ValueError, match="q8_1"):
+        kernels.quantize_rows(on, 256, q8_1=True)
+
+
 @pytest.mark.parametrize("weighted", (True, False))
 def test_rms_norm_quantize_without_add_returns_x_as_s(weighted: bool) -> None:
     x = _rows(3, 512, seed=1).to(DEVICE)

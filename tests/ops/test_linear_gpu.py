@@ -33,6 +33,7 @@ F16_SCALES = {
     T.Q5_K: (0, 2),
     T.Q6_K: (208,),
     T.Q8_0: (0,),
+    T.Q4_1: (0, 2),
 }  # the f16 fields of each block
 
 
@@ -53,6 +54,7 @@ def _random_blocks(ggml_type: T, n: int, k: int, seed: int) -> QTensor:
         (ActFormat(32), T.Q8_0),
         (ActFormat(256, True), T.IQ4_XS),
         (ActFormat(32, True), T.IQ4_NL),
+        (ActFormat(32, q8_1=True), T.Q4_1),
     ],
 )
 def test_quantized_rows_round_as_the_cpu_path(fmt: ActFormat, ggml_type: T) -> None:
@@ -66,6 +68,26 @@ def test_quantized_rows_round_as_the_cpu_path(fmt: ActFormat, ggml_type: T) -> N
         plain = linear_gpu.quantize_for(x, ActFormat(fmt.block))
         assert torch.equal(rows.q, pair_halves(plain.q)) and torch.equal(rows.d, plain.d)
         assert rows.q[0, 1] == plain.q[0, 16] and rows.q[0, 34] == plain.q[0, 33]
+
+
+@pytest.mark.parametrize(
+    "matmul, rows", [("torch", 3), ("triton", 3), ("torch", 12)], ids=["decode twin", "decode kernel", "prompt"]
+)
+@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q5_1], ids=lambda t: t.name)
+def test_q4_1_and_q5_1_products_carry_llama_cpps_q8_1_block_sums(matmul: str, rows: int, ggml_type: T) -> None:
+    """The weight's min multiplies llama.cpp's s = f16(d * sum(q)), not the rounded values' own block sum
+    (f16(d) * sum(q)): the decode GEMV (twin and interpreted kernel) and the prompt path's float product (plus its
+    correction) give ops.linear's llama.cpp product to float32 order, where the rounded values' product misses by
+    far more."""
+    w = _weights(ggml_type, 48, 512, 20)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(21))
+    with emulate_gpu(matmul=matmul):
+        y = linear.linear(x, w)
+    want = linear.linear_reference(x, w)
+    tolerance = 1e-5 * want.abs().max()
+    assert (y - want).abs().max() <= tolerance
+    rounded_values_product = round_activations(x, ggml_type) @ w.dequantize().T
+    assert (rounded_values_product - want).abs().max() > 10 * tolerance
 
 
 @pytest.mark.parametrize("matmul", ["torch", "triton"])

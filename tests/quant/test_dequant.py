@@ -11,6 +11,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from mtpserve.gguf import open_gguf
 from mtpserve.quant import SUPPORTED_TYPES, UnsupportedQuantType, dequantize, dequantize_tensor
+from mtpserve.quant.dequant import block_mins, dequantize_without_mins
 
 from ..conftest import default_model, tinyqwen_path
 
@@ -64,6 +65,20 @@ def test_quantized_weights_bit_exact(ggml_type):
     values = np.random.default_rng(3).standard_normal((16, 256)).astype(np.float32)
     raw = quants.quantize(values, ggml_type)
     assert_bit_exact(dequantize(raw, ggml_type, values.shape), quants.dequantize(raw, ggml_type))
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q5_1], ids=lambda t: t.name)
+def test_q4_1_and_q5_1_split_into_scaled_quants_and_mins(ggml_type):
+    """d * q and the block mins m, which the Q8_1 products apply apart (ops.linear), add up to the dequantized
+    weights bit for bit; types without a min are refused."""
+    values = np.random.default_rng(4).standard_normal((16, 256)).astype(np.float32)
+    raw = torch.from_numpy(quants.quantize(values, ggml_type).view(np.uint8)).reshape(16, -1)
+    scaled = dequantize_without_mins(raw, ggml_type, (16, 256))
+    mins = block_mins(raw, ggml_type, (16, 256))
+    assert mins.shape == (16, 8) and bool((mins != 0).all())
+    assert torch.equal(scaled + mins.repeat_interleave(32, dim=1), dequantize(raw, ggml_type, (16, 256)))
+    with pytest.raises(ValueError, match="min"):
+        block_mins(raw, T.Q4_0, (16, 256))
 
 
 def _check_file(path):

@@ -396,9 +396,11 @@ def launches() -> list[Launch]:
         )
         cfg = f"add Q8_K M={m} K={N_EMBD} CHUNK={k['CHUNK']} warps={k['num_warps']}"
         out.append(Launch("rowwise_norm", cfg, f, a, k, quick=m == 1, rows=m, decode=True))
-        for block in rowwise.QUANT_BLOCKS:
-            ((f, a, k),) = _recorded([rowwise._quant_kernel], lambda x=x, b=block: rowwise.quantize_rows(x, b))
-            cfg = f"block={block} M={m} K={N_EMBD} CHUNK={k['CHUNK']}"
+        for block, q8_1 in ((256, False), (32, False), (32, True)):  # Q8_K, Q8_0, Q8_1 (Q4_1/Q5_1's)
+            ((f, a, k),) = _recorded(
+                [rowwise._quant_kernel], lambda x=x, b=block, q8_1=q8_1: rowwise.quantize_rows(x, b, q8_1=q8_1)
+            )
+            cfg = f"block={block}{' q8_1' if q8_1 else ''} M={m} K={N_EMBD} CHUNK={k['CHUNK']}"
             out.append(Launch("rowwise_quant", cfg, f, a, k, rows=m, decode=True))
         gate_up = torch.empty(m, 2 * n_ff)
         for act, block in (("silu", 256), ("gelu_f16", 256)):

@@ -22,11 +22,13 @@ PAIRED_ACTIVATIONS = {GGMLType.IQ4_XS, GGMLType.IQ4_NL}
 @dataclass(frozen=True)
 class ActFormat:
     """How a matmul input is quantized for its integer GEMV (ops.linear_gpu): `block` values a scale (256: Q8_K;
-    32: Q8_0, d rounded to f16 as the dot uses it), and with `paired` each 32 quants stored as (v0, v16, v1, v17,
-    ..., v15, v31) (`pair_halves`)."""
+    32: Q8_0, d rounded to f16 as the dot uses it), with `paired` each 32 quants stored as (v0, v16, v1, v17,
+    ..., v15, v31) (`pair_halves`), and with `q8_1` (block 32, for Q4_1/Q5_1) d kept unrounded: the GEMV rounds it
+    for the dot and takes each block's min term from s = f16(d * sum(q)), llama.cpp's Q8_1."""
 
     block: int
     paired: bool = False
+    q8_1: bool = False
 
 
 def pair_halves(q: torch.Tensor) -> torch.Tensor:
@@ -60,6 +62,19 @@ def quantize_activations_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, d, d.half().float()
 
 
+def quantize_activations_q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K/32, 32] as float, d_f16 [M, K/32], s_f16 [M, K/32]) as llama.cpp's quantize_row_q8_1:
+    q8_0's quants and d, and each block's s = f16(d * sum(q)) from the unrounded d, which the Q4_1/Q5_1 dot
+    multiplies by the weight's min (where the rounded values' own sum, d_f16 * sum(q), differs by ~1e-3)."""
+    q, d, d16 = quantize_activations_q8_0(x)
+    return q, d16, q8_1_block_sums(q, d)
+
+
+def q8_1_block_sums(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q8_1's s = f16(d * sum(q)) as float32 [..., blocks], for quants q [..., blocks, 32] and unrounded scales d."""
+    return (d * q.float().sum(-1)).half().float()
+
+
 def quantize_activations_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q [M, K/256, 256] as float, d [M, K/256] f32) as llama.cpp's quantize_row_q8_K:
     iscale = -127 / (the signed element of largest magnitude), q = min(127, round(iscale * x)), d = 1/iscale."""
@@ -76,8 +91,8 @@ def round_activations(x: torch.Tensor, ggml_type: GGMLType) -> torch.Tensor:
     """x [..., K] rounded to the weight type's vec_dot type and back to float32: what llama.cpp's CPU multiplies
     the weight by. The GPU path multiplies these rounded values in float, so its logits stay within float32
     summation noise of the CPU path (unrounded activations moved Gemma 3's logits by up to 0.9 nats and flipped
-    a greedy token at a 0.19-nat margin). Q4_1/Q5_1 weights get the Q8_0 rounding; their min term then uses the
-    exact block sum, where the CPU uses its f16 rounding (~4e-4 relative on a random matrix)."""
+    a greedy token at a 0.19-nat margin). Q4_1/Q5_1 weights get the Q8_0 rounding; a float product with these
+    values then holds the min term m * d_f16 * sum(q), which ops.linear_gpu moves to llama.cpp's m * s."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K).float()
     if ggml_type in Q8_0_ACTIVATIONS or ggml_type in Q8_1_ACTIVATIONS:

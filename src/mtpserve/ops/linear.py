@@ -26,7 +26,7 @@ from functools import cache
 import torch
 
 from ..kernels import cpu as cpu_kernels
-from ..quant.dequant import dequantize
+from ..quant.dequant import block_mins, dequantize_without_mins
 from ..quant.qtensor import QTensor
 from ..quant.types import GGMLType
 from .activation_rounding import (
@@ -34,6 +34,7 @@ from .activation_rounding import (
     Q8_1_ACTIVATIONS,
     Q8_K_ACTIVATIONS,
     quantize_activations_q8_0,
+    quantize_activations_q8_1,
     quantize_activations_q8_k,
 )
 from .collective import GatheredQTensor, ReducedQTensor
@@ -71,16 +72,9 @@ def linear_reference(x: torch.Tensor, weight: QTensor, bias: torch.Tensor | None
 def _linear_q8_1(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
     """Q4_1/Q5_1 weights (w = d_w * q_w + m_w per 32-block) against Q8_1 activations:
     y = sum_b d_w * d_x16 * (q_w . q_x) + m_w * f16(d_x * sum(q_x))."""
-    N, K = weight.shape
-    n_blocks = K // 32
-    q, d, d16 = quantize_activations_q8_0(x)
-    s16 = (d * q.sum(-1)).half().float()  # [M, K/32]
-    blocks = weight.data.reshape(N * n_blocks, -1)
-    mins = blocks[:, 2:4].contiguous().view(torch.float16).float().view(N, n_blocks)
-    # d_w * q_w alone: dequantize a copy whose mins are zero.
-    no_min = blocks.clone()
-    no_min[:, 2:4] = 0
-    scaled = dequantize(no_min, weight.ggml_type, (N, K))
+    q, d16, s16 = quantize_activations_q8_1(x)
+    scaled = dequantize_without_mins(weight.data, weight.ggml_type, weight.shape)
+    mins = block_mins(weight.data, weight.ggml_type, weight.shape)
     return (q * d16[..., None]).reshape(x.shape) @ scaled.T + s16 @ mins.T
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..quant.dequant import block_mins
 from ..quant.qtensor import QTensor
 from ..quant.types import GGMLType
 from .activation_rounding import (
@@ -30,6 +31,8 @@ from .activation_rounding import (
     Q8_1_ACTIVATIONS,
     Q8_K_ACTIVATIONS,
     ActFormat,
+    q8_1_block_sums,
+    quantize_activations_q8_0,
     round_activations,
     unpair_halves,
 )
@@ -64,7 +67,9 @@ def act_block(ggml_type: GGMLType) -> int | None:
 def integer_format(weight: QTensor) -> ActFormat | None:
     """The quantized input `weight`'s decode GEMV takes, or None where it takes floats."""
     t = weight.ggml_type
-    return ActFormat(act_block(t), t in PAIRED_ACTIVATIONS) if t in INTEGER_GEMV_TYPES else None  # type: ignore[arg-type]
+    if t not in INTEGER_GEMV_TYPES:
+        return None
+    return ActFormat(act_block(t), t in PAIRED_ACTIVATIONS, t in Q8_1_ACTIVATIONS)  # type: ignore[arg-type]
 
 
 def decode_format(matmul: QTensor, rows: int) -> ActFormat | None:
@@ -76,7 +81,8 @@ def decode_format(matmul: QTensor, rows: int) -> ActFormat | None:
 @dataclass(frozen=True)
 class QuantizedRows:
     """A matmul input rounded once: its float rows `x` [..., K] (for whatever else reads them) and their quants
-    `q` int8 [M, K] in `fmt` with scales `d` float32 [M, K // block] (block 32: the f16-rounded d the dot uses)."""
+    `q` int8 [M, K] in `fmt` with scales `d` float32 [M, K // block] (block 32: the f16-rounded d the dot uses;
+    Q8_1: unrounded)."""
 
     x: torch.Tensor
     fmt: ActFormat
@@ -93,7 +99,8 @@ class QuantizedRows:
 
     def rounded(self) -> torch.Tensor:
         """The rounded values as float32 [..., K]: what `round_activations` gives for a weight of this block."""
-        d = self.d.repeat_interleave(self.fmt.block, dim=-1)
+        d = self.d.half().float() if self.fmt.q8_1 else self.d
+        d = d.repeat_interleave(self.fmt.block, dim=-1)
         q = unpair_halves(self.q) if self.fmt.paired else self.q
         return (q.float() * d).reshape(self.x.shape)
 
@@ -133,8 +140,20 @@ def linear_gpu(x: Input, weight: QTensor, *, add: torch.Tensor | None = None) ->
         y = quant_gemv_q8(qx.q, qx.d, weight, add=None if add is None else add.reshape(-1, weight.shape[0]))
     else:
         y = quant_linear(_rounded(x, weight.ggml_type).reshape(-1, k), weight)
+        if weight.ggml_type in Q8_1_ACTIVATIONS:
+            y = y + q8_1_min_correction(x.x if isinstance(x, QuantizedRows) else x, weight)
         y = y if add is None else add.reshape(-1, weight.shape[0]).float() + y
     return y.reshape(*lead, weight.shape[0])
+
+
+def q8_1_min_correction(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
+    """What a float product of x's Q8_0-rounded values with a Q4_1/Q5_1 weight (w = d q + m) lacks of llama.cpp's
+    Q8_1 product, float32 [M, N]: its min term is m * d_f16 * sum(q) where llama.cpp's is m * f16(d * sum(q))
+    (~1e-3 relative apart on SmolLM2's Q4_1 matrices). One [M, K / 32] x [K / 32, N] matmul."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    q, d, d16 = quantize_activations_q8_0(x2)
+    error = q8_1_block_sums(q, d) - d16 * q.sum(-1)
+    return error @ block_mins(weight.data, weight.ggml_type, weight.shape).T
 
 
 def linear_many_gpu(x: Input, weights: Sequence[QTensor]) -> list[torch.Tensor]:

@@ -25,10 +25,10 @@ from types import ModuleType
 import torch
 
 from ..kernels.capability import cuda_capability
-from ..quant.dequant import dequantize
+from ..quant.dequant import block_mins, dequantize, dequantize_without_mins
 from ..quant.qtensor import QTensor
 from ..quant.types import GGMLType, block_geometry
-from .activation_rounding import PAIRED_ACTIVATIONS, unpair_halves
+from .activation_rounding import PAIRED_ACTIVATIONS, Q8_1_ACTIVATIONS, q8_1_block_sums, unpair_halves
 from .device import matmul_kernels
 
 GEMV_MAX_ROWS = 8  # the GEMV reads the weights once for up to 8 rows (one launch); more rows go to the GEMM
@@ -67,12 +67,18 @@ def quant_gemv_q8_reference(
 ) -> torch.Tensor:
     """The integer GEMV's twin: activation quants xq int8 [m, k] with their block scales xd float32 [m, k / block]
     times the matrix W [n, k] in `blocks` -> float32 [m, n] = (q * d) @ W.T, q in pairs (activation_rounding
-    .pair_halves) for the IQ4 types, as their kernels read them."""
+    .pair_halves) for the IQ4 types, as their kernels read them. Q4_1/Q5_1 (w = d_w q_w + m_w) take Q8_1
+    activations, xd unrounded: (q * f16(xd)) @ (d_w q_w).T + f16(xd * sum(q)) @ m_w.T."""
     t = GGMLType(int(qtype))
     block_size, type_size = block_geometry(t)
     n, k = blocks.shape[0], blocks.shape[1] // type_size * block_size
-    q = unpair_halves(xq) if t in PAIRED_ACTIVATIONS else xq
-    x = q.float() * xd.float().repeat_interleave(k // xd.shape[-1], dim=-1)
+    q = (unpair_halves(xq) if t in PAIRED_ACTIVATIONS else xq).float()
+    if t in Q8_1_ACTIVATIONS:
+        q_blocks = q.reshape(q.shape[0], -1, 32)
+        x = (q_blocks * xd.half().float()[..., None]).reshape(q.shape)
+        scaled = dequantize_without_mins(blocks, t, (n, k)).to(xq.device)
+        return x @ scaled.T + q8_1_block_sums(q_blocks, xd) @ block_mins(blocks, t, (n, k)).to(xq.device).T
+    x = q * xd.float().repeat_interleave(k // xd.shape[-1], dim=-1)
     return x @ dequantize(blocks, t, (n, k)).to(xq.device).T
 
 

@@ -1,7 +1,7 @@
 """Matmul inputs made in one launch on the GPU path: the row-wise op before a matmul (the residual add and RMSNorm, a
 gated activation, or nothing) together with the rounding of its output to the weight type's vec_dot type, in the
 `ActFormat` its integer GEMV reads (block 256: Q8_K, the K-quants and IQ4_XS; block 32: Q8_0, with d rounded to f16
-as the dot uses it; paired for the IQ4 types).
+as the dot uses it, or Q8_1's unrounded d for Q4_1/Q5_1; paired for the IQ4 types).
 
 Each function runs the Triton kernel of mtpserve.kernels.triton.rowwise when `triton_for_rows` (one launch, no
 other torch op, nothing synchronising with the host: safe under graph capture), else its PyTorch twin here, which
@@ -22,13 +22,14 @@ _INTERPRETER_CHUNK = 8192  # under the interpreter every op costs the same at an
 
 
 def quantize_rows_reference(x: torch.Tensor, fmt: ActFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q int8 [M, K], d float32 [M, K / block]): Q8_K for block 256, Q8_0 (d as f16) for 32; q in
-    pairs (pair_halves) when fmt.paired."""
+    """x [M, K] -> (q int8 [M, K], d float32 [M, K / block]): Q8_K for block 256, Q8_0 (d as f16) for 32 (with
+    fmt.q8_1 d as computed, unrounded); q in pairs (pair_halves) when fmt.paired."""
     x = x.float()
     if fmt.block == 256:
         q, d = quantize_activations_q8_k(x)
     elif fmt.block == 32:
-        q, _, d = quantize_activations_q8_0(x)
+        q, exact_d, d = quantize_activations_q8_0(x)
+        d = exact_d if fmt.q8_1 else d
     else:
         raise ValueError(f"block must be 32 or 256, got {fmt.block}")
     q = q.to(torch.int8).reshape(x.shape)
@@ -40,7 +41,9 @@ def _quantized(y: torch.Tensor, fmt: ActFormat | None) -> tuple[torch.Tensor | N
 
 
 def _format_kwargs(fmt: ActFormat | None) -> dict:
-    return {"block": None, "paired": False} if fmt is None else {"block": fmt.block, "paired": fmt.paired}
+    if fmt is None:
+        return {"block": None, "paired": False, "q8_1": False}
+    return {"block": fmt.block, "paired": fmt.paired, "q8_1": fmt.q8_1}
 
 
 def rms_norm_quantize_reference(
@@ -82,10 +85,11 @@ def _tiles(x: torch.Tensor) -> dict[str, int]:
 
 def quantize_rows(x: torch.Tensor, fmt: ActFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """x float [M, K] -> (q int8 [M, K], d float32 [M, K // block]): llama.cpp's quantize_row_q8_K for block 256,
-    quantize_row_q8_0 for 32 (d rounded to f16, as float32), q paired when fmt says. One launch on the GPU path."""
+    quantize_row_q8_0 for 32 (d rounded to f16, as float32; unrounded for fmt.q8_1), q paired when fmt says. One
+    launch on the GPU path."""
     kernels = triton_kernels()
     if kernels is not None and triton_for_rows(x, x.shape[0]):
-        return kernels.quantize_rows(x, fmt.block, paired=fmt.paired, **_tiles(x))
+        return kernels.quantize_rows(x, fmt.block, paired=fmt.paired, q8_1=fmt.q8_1, **_tiles(x))
     return quantize_rows_reference(x, fmt)
 
 

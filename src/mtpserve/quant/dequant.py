@@ -257,3 +257,26 @@ def dequantize(
 def dequantize_tensor(tensor: TensorInfo, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dequantize one GGUF tensor, read from its memory map, to a torch tensor of `tensor.shape`."""
     return dequantize(tensor.raw(), tensor.ggml_type, tensor.shape, dtype=dtype, name=tensor.name)
+
+
+MIN_TYPES = (GGMLType.Q4_1, GGMLType.Q5_1)  # w = d * q + m per 32 values: d, m the block's two leading f16
+
+
+def _min_blocks(data: torch.Tensor, ggml_type: GGMLType) -> torch.Tensor:
+    if ggml_type not in MIN_TYPES:
+        raise ValueError(f"only {', '.join(t.name for t in MIN_TYPES)} blocks carry a min, not {ggml_type.name}")
+    return data.reshape(-1, block_geometry(ggml_type)[1])
+
+
+def block_mins(data: torch.Tensor, ggml_type: GGMLType, shape: Sequence[int]) -> torch.Tensor:
+    """A Q4_1/Q5_1 matrix [N, K]'s block mins m as float32 [N, K / 32] (its weights are d * q + m)."""
+    n, k = shape
+    return _min_blocks(data, ggml_type)[:, 2:4].contiguous().view(torch.float16).float().view(n, k // 32)
+
+
+def dequantize_without_mins(data: torch.Tensor, ggml_type: GGMLType, shape: Sequence[int]) -> torch.Tensor:
+    """A Q4_1/Q5_1 matrix's d * q alone (its mins taken as 0), float32 of `shape`: llama.cpp's vec_dot applies the
+    mins apart, to the activations' block sums."""
+    blocks = _min_blocks(data, ggml_type).clone()
+    blocks[:, 2:4] = 0
+    return dequantize(blocks, ggml_type, shape)

@@ -2,16 +2,15 @@
 of d_x * (the weight's scales applied to the integer dot products of its quants with the activation quants).
 
 The activations arrive rounded to the weight type's vec_dot type (ops.linear): xq int8 [m, k] with one float32
-scale per `act_block(qtype)` values (Q8_K: 256, exact f32 d; Q8_0: 32, its f16-rounded d, for Q8_0 and the
-other 32-value block types); for IQ4_XS and IQ4_NL each 32 quants come paired, (v0, v16, v1, v17, ...)
-(ops.activation_rounding.pair_halves), the order their codebook lookup yields a weight word's values in, so no
-program interleaves them again. Q4_K/Q5_K: d_x * (d *
-sum_j sc_j dot_j - dmin * sum_j mn_j sum_j(q_x)); Q6_K: d_x * d * sum_g sc_g (dot(q, x) - 32 sum(q_x)) per 16 values;
-Q8_0: d_w * d_x * dot; IQ4_XS: d_x * d * sum_ib (ls_ib - 32) * dot(K[q], x); IQ4_NL: d_w * d_x * dot(K[q], x);
-Q4_0/Q5_0: d_w * d_x * (dot - 8 (16) * sum(q_x)); Q4_1/Q5_1: d_x * (d_w * dot + m_w * sum(q_x)), the min times the
-rounded quants' sum (the GPU path's Q8_0 rounding; llama.cpp's Q8_1 s is that sum times the unrounded d, rounded to f16:
-~8e-4 relative apart on SmolLM2's Q4_1 matrices, tests/models/test_gpu_path.py). Dot products and the
-sums over a super-block's lanes are int32 (dp4a); each lane's super-block total goes to float32 once.
+scale per `act_block(qtype)` values (Q8_K: 256, exact f32 d; Q8_0: 32, its f16-rounded d, for Q8_0, Q4_0, Q5_0 and
+IQ4_NL; Q8_1: 32, its unrounded d, for Q4_1 and Q5_1); for IQ4_XS and IQ4_NL each 32 quants come paired, (v0, v16,
+v1, v17, ...) (ops.activation_rounding.pair_halves), the order their codebook lookup yields a weight word's values
+in, so no program interleaves them again. Q4_K/Q5_K: d_x * (d * sum_j sc_j dot_j - dmin * sum_j mn_j sum_j(q_x));
+Q6_K: d_x * d * sum_g sc_g (dot(q, x) - 32 sum(q_x)) per 16 values; Q8_0: d_w * d_x * dot; IQ4_XS: d_x * d * sum_ib
+(ls_ib - 32) * dot(K[q], x); IQ4_NL: d_w * d_x * dot(K[q], x); Q4_0/Q5_0: d_w * d_x * (dot - 8 (16) * sum(q_x));
+Q4_1/Q5_1: f16(d_x) * d_w * dot + m_w * f16(d_x * sum(q_x)), the min times llama.cpp's Q8_1 block sum s (the
+rounded values' own sum, f16(d_x) * sum(q_x), is ~1e-3 relative apart on SmolLM2's Q4_1 matrices). Dot products and
+the sums over a super-block's lanes are int32 (dp4a); each lane's super-block total goes to float32 once.
 `quant_gemv_q8_reference` in ops.quant_gemv is the twin (the same sums in float32: they agree up to float32 order).
 
 Work split: one warp a program, 8 weight rows (Q8_0: 4) and four rows a thread: a thread reads 16-byte vectors (IQ4_XS:
@@ -122,8 +121,8 @@ _SUM_BLOCK = 512  # outputs a program of the split GEMV's second pass adds up
 
 
 def act_block(qtype: int) -> int:
-    """Values per activation scale: 256 (Q8_K) for the K-quants and IQ4_XS, 32 (Q8_0) for Q8_0 and the other
-    32-value block types (Q4_0, Q5_0, Q4_1, Q5_1)."""
+    """Values per activation scale: 256 (Q8_K) for the K-quants and IQ4_XS, 32 (Q8_0; Q8_1 for Q4_1 and Q5_1) for
+    Q8_0 and the other 32-value block types."""
     t = GGMLQuantizationType(int(qtype))
     if t not in Q8_GEMV_TYPES:
         raise ValueError(f"no integer GEMV for {t.name}")
@@ -882,8 +881,9 @@ def _legacy_kernel(
                 if not FIVE:
                     t = t * 16
                 t = dp4a_u8(a4, x4, dp4a_u8(a5, x5, dp4a_u8(a6, x6, dp4a_u8(a7, x7, t, ASM), ASM), ASM), ASM)
-                if MIN:
-                    part = xd * (d * t.to(tl.float32) + dmin * s.to(tl.float32))
+                if MIN:  # Q8_1: xd unrounded; the dot takes it rounded to f16, the min f16(xd * sum(q_x))
+                    s16 = (xd * s.to(tl.float32)).to(tl.float16).to(tl.float32)
+                    part = xd.to(tl.float16).to(tl.float32) * (d * t.to(tl.float32)) + dmin * s16
                 else:
                     part = (d * xd) * t.to(tl.float32)
             acc += tl.where(ms[:, None, None] == m, part[None, :, :], 0.0)

@@ -3,8 +3,9 @@ weight type's llama.cpp "vec_dot type" (../shared/spec/gguf-quant-formats.md §5
 
 * `quantize_rows`: x [M, K] -> int8 q [M, K] and float32 d [M, K / block], per block of 256 (quantize_row_q8_K:
   iscale = -127 / the signed element of largest magnitude, q = min(127, rint(iscale * x)), d = 1 / iscale) or of
-  32 (quantize_row_q8_0: q = rint(x * (127 / amax)), d = amax / 127 rounded to f16, the d the dot uses). With
-  `paired`, each 32 quants are stored as 16 pairs (v0, v16, v1, v17, ...): the order IQ4's integer GEMV reads.
+  32 (quantize_row_q8_0: q = rint(x * (127 / amax)), d = amax / 127 rounded to f16, the d the dot uses; with `q8_1`
+  d unrounded, from which the Q4_1/Q5_1 GEMV takes both the dot's f16 d and Q8_1's block sum s = f16(d * sum(q))).
+  With `paired`, each 32 quants are stored as 16 pairs (v0, v16, v1, v17, ...): the order IQ4's integer GEMV reads.
 * `rms_norm_quantize`: s = x + add (the residual stream), y = s / sqrt(mean(s^2) + eps) * weight, and y quantized.
 * `glu_quantize`: y = act(gate) * up for SwiGLU ("silu"), a sigmoid gate ("sigmoid") and llama.cpp's CPU GeGLU
   ("gelu_f16": tanh-GELU of the f16-rounded gate, rounded to f16; 0 at or below -10, the identity at or above 10),
@@ -82,15 +83,31 @@ def q8_0_quants(y, amax, COMPILED: tl.constexpr):
 @triton.jit
 def q8_0_scale(amax):
     """A q8_0 block's scale d from its largest magnitude: amax / 127 rounded to f16, as float32."""
-    return tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)).to(tl.float16).to(tl.float32)
+    return q8_1_scale(amax).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def q8_1_scale(amax):
+    """amax / 127, unrounded: the d from which q8_1 takes both its f16 d and its block sum."""
+    return tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
 
 
 @triton.jit
 def _quantize_store(
-    y, offs, ok, q_ptr, d_ptr, d_offs, d_ok, BLOCK: tl.constexpr, PAIRED: tl.constexpr, COMPILED: tl.constexpr
+    y,
+    offs,
+    ok,
+    q_ptr,
+    d_ptr,
+    d_offs,
+    d_ok,
+    BLOCK: tl.constexpr,
+    PAIRED: tl.constexpr,
+    Q8_1: tl.constexpr,
+    COMPILED: tl.constexpr,
 ):
     """Quantize y [blocks, BLOCK] block by block (row by row) and store q int8 at offs (paired: `_paired(offs)`), d
-    float32 at d_offs."""
+    float32 at d_offs (Q8_1: unrounded)."""
     ay = tl.abs(y)
     amax = tl.max(ay, axis=1)
     if BLOCK == 256:
@@ -102,6 +119,9 @@ def _quantize_store(
         iscale = tl.where(nz, tl.div_rn(tl.full(peak.shape, -127.0, tl.float32), tl.where(nz, peak, 1.0)), 0.0)
         q = tl.minimum(_round_half_even(y * iscale[:, None], COMPILED), 127.0)
         d = tl.where(nz, tl.div_rn(tl.full(peak.shape, 1.0, tl.float32), tl.where(nz, iscale, 1.0)), 0.0)
+    elif Q8_1:
+        q = q8_0_quants(y, amax[:, None], COMPILED)
+        d = q8_1_scale(amax)
     else:
         q, d = q8_0_blocks(y, COMPILED)
     tl.store(q_ptr + (_paired(offs) if PAIRED else offs), q.to(tl.int8), mask=ok)
@@ -133,6 +153,7 @@ def _norm_store(
     QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
     PAIRED: tl.constexpr,
+    Q8_1: tl.constexpr,
     NB: tl.constexpr,
     COMPILED: tl.constexpr,
 ):
@@ -144,9 +165,8 @@ def _norm_store(
     if QUANT:
         n_blocks = K // BLOCK
         blocks = block0 + tl.arange(0, NB)
-        _quantize_store(
-            y, row * K + offs, ok, q_ptr, d_ptr, row * n_blocks + blocks, blocks < n_blocks, BLOCK, PAIRED, COMPILED
-        )
+        d_offs = row * n_blocks + blocks
+        _quantize_store(y, row * K + offs, ok, q_ptr, d_ptr, d_offs, blocks < n_blocks, BLOCK, PAIRED, Q8_1, COMPILED)
 
 
 @triton.jit
@@ -171,6 +191,7 @@ def _norm_kernel(
     QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
     PAIRED: tl.constexpr,
+    Q8_1: tl.constexpr,
     CHUNK: tl.constexpr,
     SINGLE: tl.constexpr,
     COMPILED: tl.constexpr,
@@ -199,7 +220,7 @@ def _norm_kernel(
     r = tl.div_rn(1.0, tl.sqrt_rn(mean + eps))  # correctly rounded, where tl.rsqrt is rsqrt.approx
     if SINGLE:
         _norm_store(
-            s, r, tile, ok, 0, row, K, w_ptr, y_ptr, q_ptr, d_ptr, HAS_WEIGHT, QUANT, BLOCK, PAIRED, NB, COMPILED
+            s, r, tile, ok, 0, row, K, w_ptr, y_ptr, q_ptr, d_ptr, HAS_WEIGHT, QUANT, BLOCK, PAIRED, Q8_1, NB, COMPILED
         )
     else:
         for c in range(0, K, CHUNK):
@@ -221,6 +242,7 @@ def _norm_kernel(
                 QUANT,
                 BLOCK,
                 PAIRED,
+                Q8_1,
                 NB,
                 COMPILED,
             )
@@ -236,6 +258,7 @@ def _quant_kernel(
     sx_k,
     BLOCK: tl.constexpr,
     PAIRED: tl.constexpr,
+    Q8_1: tl.constexpr,
     CHUNK: tl.constexpr,
     COMPILED: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -250,7 +273,7 @@ def _quant_kernel(
     blocks = block0 + tl.arange(0, NB)
     n_blocks = K // BLOCK
     d_offs = row * n_blocks + blocks
-    _quantize_store(x, row * K + offs, ok, q_ptr, d_ptr, d_offs, blocks < n_blocks, BLOCK, PAIRED, COMPILED)
+    _quantize_store(x, row * K + offs, ok, q_ptr, d_ptr, d_offs, blocks < n_blocks, BLOCK, PAIRED, Q8_1, COMPILED)
 
 
 @triton.jit
@@ -272,6 +295,7 @@ def _glu_kernel(
     QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
     PAIRED: tl.constexpr,
+    Q8_1: tl.constexpr,
     CHUNK: tl.constexpr,
     COMPILED: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -307,9 +331,8 @@ def _glu_kernel(
     if QUANT:
         blocks = block0 + tl.arange(0, NB)
         n_blocks = F // BLOCK
-        _quantize_store(
-            y, row * F + offs, ok, q_ptr, d_ptr, row * n_blocks + blocks, blocks < n_blocks, BLOCK, PAIRED, COMPILED
-        )
+        d_offs = row * n_blocks + blocks
+        _quantize_store(y, row * F + offs, ok, q_ptr, d_ptr, d_offs, blocks < n_blocks, BLOCK, PAIRED, Q8_1, COMPILED)
 
 
 def _check_rows(name: str, x: torch.Tensor) -> None:
@@ -328,6 +351,13 @@ def _quant_outputs(x: torch.Tensor, block: int | None) -> tuple[torch.Tensor | N
     return q, torch.empty(M, K // block, dtype=torch.float32, device=x.device)
 
 
+def _q8_1(q8_1: bool, block: int | None) -> bool:
+    """Whether d is stored unrounded (Q8_1): only 32-value blocks have the choice."""
+    if q8_1 and block != 32:
+        raise ValueError(f"q8_1 quantizes 32-value blocks, got block {block}")
+    return q8_1
+
+
 def _chunk(chunk: int | None, block: int) -> int:
     chunk = DEFAULT_CHUNK if chunk is None else chunk
     if chunk < 1 or chunk & (chunk - 1):
@@ -337,7 +367,7 @@ def _chunk(chunk: int | None, block: int) -> int:
 
 @on_input_device
 def quantize_rows(
-    x: torch.Tensor, block: int, *, paired: bool = False, chunk: int | None = None
+    x: torch.Tensor, block: int, *, paired: bool = False, q8_1: bool = False, chunk: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x float [M, K] (any strides) -> (q int8 [M, K], d float32 [M, K / block]) as the module says. One launch,
     grid (M, K / chunk): each program quantizes `chunk` values (default 512, 4 warps), chunk / block blocks."""
@@ -349,8 +379,8 @@ def quantize_rows(
     if q.numel():
         grid = (M, triton.cdiv(K, chunk))
         _quant_kernel[grid](
-            x, q, d, K, *x.stride(), BLOCK=block, PAIRED=paired, CHUNK=chunk, COMPILED=INLINE_ASM, num_warps=4,
-            **launch_options(x),
+            x, q, d, K, *x.stride(), BLOCK=block, PAIRED=paired, Q8_1=_q8_1(q8_1, block), CHUNK=chunk,
+            COMPILED=INLINE_ASM, num_warps=4, **launch_options(x),
         )  # fmt: skip
     return q, d
 
@@ -364,6 +394,7 @@ def rms_norm_quantize(
     add: torch.Tensor | None = None,
     block: int | None = None,
     paired: bool = False,
+    q8_1: bool = False,
     chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x [M, K] (+ add [M, K]) -> (s, y, q, d): s = x + add (x itself when add is None and x is float32), y =
@@ -405,6 +436,7 @@ def rms_norm_quantize(
         QUANT=block is not None,
         BLOCK=tile_block,
         PAIRED=paired,
+        Q8_1=_q8_1(q8_1, block),
         CHUNK=chunk,
         SINGLE=chunk >= K,
         COMPILED=INLINE_ASM,
@@ -422,6 +454,7 @@ def glu_quantize(
     *,
     block: int | None = None,
     paired: bool = False,
+    q8_1: bool = False,
     chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """gate, up [M, F] (any strides: e.g. the halves of one [M, 2F] GEMV output) or [M, G, D] (groups of D values,
@@ -461,6 +494,7 @@ def glu_quantize(
         QUANT=block is not None,
         BLOCK=tile_block,
         PAIRED=paired,
+        Q8_1=_q8_1(q8_1, block),
         CHUNK=chunk,
         COMPILED=INLINE_ASM,
         num_warps=4,
