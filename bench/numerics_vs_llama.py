@@ -24,12 +24,16 @@ import argparse
 import json
 import os
 import sys
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from tests.support.server_batches import needs_checkpoints, server_prompt_batches  # noqa: E402
+
 FIXTURES = REPO.parent / "shared" / "fixtures"
-CONTEXT, UBATCH = 4096, 512  # the fixtures' llama-server: -c 4096, its default ubatch
+CONTEXT = 4096  # the fixtures' llama-server: -c 4096
 REFS = {
     "smollm2": "SmolLM2-135M-Instruct.Q4_1.json",
     "gemma3": "gemma-3-270m-q4_k_m.json",
@@ -43,40 +47,25 @@ def model_file(key: str) -> Path:
     return FIXTURES / "tinyqwen35-mtp-Q4_K_M.gguf" if key == "tinyqwen35" else model_path(DEFAULT_MODELS[key])
 
 
-def perturbed_first_block(model, eps: float):
+@contextmanager
+def perturbed_first_block(model, eps: float) -> Iterator[None]:
     """Within the block, the model's first block returns its output times 1 + eps * N(0, 1) (seeded)."""
     import torch
 
-    first = model.layers[0]
-    cls = type(first)
+    first, cls = model.layers[0], type(model.layers[0])
     call = cls.__call__
 
     def perturbed(self, *args, **kwargs):
         y = call(self, *args, **kwargs)
         if self is not first:
             return y
-        noise = torch.randn(y.shape, generator=torch.Generator().manual_seed(0)).to(y.device)
-        return y * (1 + eps * noise)
+        return y * (1 + eps * torch.randn(y.shape, generator=torch.Generator().manual_seed(0)).to(y.device))
 
-    class Patch:
-        def __enter__(self):
-            cls.__call__ = perturbed
-
-        def __exit__(self, *exc):
-            cls.__call__ = call
-
-    return Patch()
-
-
-def prompt_batches(model, n: int) -> list[int]:
-    """Where llama-server ends its batches of an n-token raw prompt (no chat turns to cut at): for models whose cache
-    cannot roll back, CHECKPOINT_TAIL tokens before the end and a ubatch before that, as engine.slots cuts them."""
-    from mtpserve.engine.slots import CHECKPOINT_TAIL
-
-    kinds = model.config.layer_kinds()
-    if "gated_deltanet" not in kinds and "sliding_attention" not in kinds:
-        return [n]
-    return sorted({n, *(c for c in (n - CHECKPOINT_TAIL - UBATCH, n - CHECKPOINT_TAIL) if 0 < c < n)})
+    cls.__call__ = perturbed
+    try:
+        yield
+    finally:
+        cls.__call__ = call
 
 
 def teacher_forced(model, cases: list[dict], positions: int, gpu: bool, eps: float = 0.0) -> list[list]:
@@ -93,7 +82,7 @@ def teacher_forced(model, cases: list[dict], positions: int, gpu: bool, eps: flo
                 ids = case["prompt_token_ids"]
                 state = model.new_state(CONTEXT, "f16", "f16")
                 start = 0
-                for end in prompt_batches(model, len(ids)):
+                for end in server_prompt_batches(len(ids), None, needs_checkpoints(model)):
                     logits = model.prefill(ids[start:end], state)
                     start = end
                 rows = []

@@ -27,9 +27,8 @@ from mtpserve.models.memory import weight_bytes
 from mtpserve.tokenizer import Tokenizer
 
 from ..conftest import TINYQWEN_QUANTS, default_model, shared_path, tinyqwen_path
+from ..support.server_batches import needs_checkpoints, server_prompt_batches
 
-CHECKPOINT_TAIL = 4  # llama-server: the last 4 prompt tokens go in a batch of their own
-UBATCH = 512
 TOP5_TOLERANCE = 2e-2
 NEAR_TIE = 0.05  # nats, as in the fixtures
 PPL_TOLERANCE = 0.01
@@ -51,12 +50,6 @@ def _ref(name: str) -> dict:
     return json.loads(shared_path("fixtures", "refs", f"{name}.json").read_text())
 
 
-def _needs_checkpoints(model) -> bool:
-    """Recurrent layers or sliding-window layers: llama-server splits the prompt for checkpoints."""
-    kinds = model.config.layer_kinds()
-    return "gated_deltanet" in kinds or "sliding_attention" in kinds
-
-
 def _last_user_start(case: dict, tokenizer: Tokenizer) -> int | None:
     """Token index where the last user message starts in a rendered chat prompt."""
     rendered = case.get("rendered_prompt")
@@ -66,16 +59,6 @@ def _last_user_start(case: dict, tokenizer: Tokenizer) -> int | None:
     return len(tokenizer.encode(rendered[:cut], add_special=True, parse_special=True)) if cut > 0 else None
 
 
-def server_prompt_batches(n: int, user_start: int | None, checkpoints: bool) -> list[int]:
-    """End positions of llama-server's prompt batches."""
-    ends = {n}
-    if checkpoints:
-        for cut in (user_start, n - CHECKPOINT_TAIL - UBATCH, n - CHECKPOINT_TAIL):
-            if cut is not None and 0 < cut < n:
-                ends.add(cut)
-    return sorted(ends)
-
-
 def teacher_forced(name: str, case: dict, cache_type: str = "f16") -> list[torch.Tensor]:
     """Log-probabilities at every generated position, feeding llama.cpp's tokens (its schedule: prompt
     batches, then one token at a time)."""
@@ -83,7 +66,7 @@ def teacher_forced(name: str, case: dict, cache_type: str = "f16") -> list[torch
     ids, generated = case["prompt_token_ids"], case["generated_token_ids"]
     state = model.new_state(4096, cache_type, cache_type)
     start = 0
-    for end in server_prompt_batches(len(ids), _last_user_start(case, tokenizer), _needs_checkpoints(model)):
+    for end in server_prompt_batches(len(ids), _last_user_start(case, tokenizer), needs_checkpoints(model)):
         logits = model.prefill(ids[start:end], state)
         start = end
     out = []

@@ -26,7 +26,6 @@ from functools import cache
 import torch
 
 from ..kernels import cpu as cpu_kernels
-from ..quant.dequant import block_mins, dequantize_without_mins
 from ..quant.qtensor import QTensor
 from ..quant.types import GGMLType
 from .activation_rounding import (
@@ -40,6 +39,7 @@ from .activation_rounding import (
 from .collective import GatheredQTensor, ReducedQTensor
 from .device import gpu_path
 from .linear_gpu import QuantizedRows, linear_gpu, linear_many_gpu, merge_rows
+from .quant_gemv import q8_1_product
 
 
 def linear_reference(x: torch.Tensor, weight: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,10 +72,7 @@ def linear_reference(x: torch.Tensor, weight: QTensor, bias: torch.Tensor | None
 def _linear_q8_1(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
     """Q4_1/Q5_1 weights (w = d_w * q_w + m_w per 32-block) against Q8_1 activations:
     y = sum_b d_w * d_x16 * (q_w . q_x) + m_w * f16(d_x * sum(q_x))."""
-    q, d16, s16 = quantize_activations_q8_1(x)
-    scaled = dequantize_without_mins(weight.data, weight.ggml_type, weight.shape)
-    mins = block_mins(weight.data, weight.ggml_type, weight.shape)
-    return (q * d16[..., None]).reshape(x.shape) @ scaled.T + s16 @ mins.T
+    return q8_1_product(*quantize_activations_q8_1(x), weight)
 
 
 @cache

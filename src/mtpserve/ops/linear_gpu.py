@@ -31,8 +31,7 @@ from .activation_rounding import (
     Q8_1_ACTIVATIONS,
     Q8_K_ACTIVATIONS,
     ActFormat,
-    q8_1_block_sums,
-    quantize_activations_q8_0,
+    quantize_activations_q8_1,
     round_activations,
     unpair_halves,
 )
@@ -138,22 +137,22 @@ def linear_gpu(x: Input, weight: QTensor, *, add: torch.Tensor | None = None) ->
     if fmt is not None:
         qx = quantize_for(x, fmt)
         y = quant_gemv_q8(qx.q, qx.d, weight, add=None if add is None else add.reshape(-1, weight.shape[0]))
+    elif weight.ggml_type in Q8_1_ACTIVATIONS:
+        y = _q8_1_float_product(x.x if isinstance(x, QuantizedRows) else x, weight)
+        y = y if add is None else add.reshape(-1, weight.shape[0]).float() + y
     else:
         y = quant_linear(_rounded(x, weight.ggml_type).reshape(-1, k), weight)
-        if weight.ggml_type in Q8_1_ACTIVATIONS:
-            y = y + q8_1_min_correction(x.x if isinstance(x, QuantizedRows) else x, weight)
         y = y if add is None else add.reshape(-1, weight.shape[0]).float() + y
     return y.reshape(*lead, weight.shape[0])
 
 
-def q8_1_min_correction(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
-    """What a float product of x's Q8_0-rounded values with a Q4_1/Q5_1 weight (w = d q + m) lacks of llama.cpp's
-    Q8_1 product, float32 [M, N]: its min term is m * d_f16 * sum(q) where llama.cpp's is m * f16(d * sum(q))
-    (~1e-3 relative apart on SmolLM2's Q4_1 matrices). One [M, K / 32] x [K / 32, N] matmul."""
-    x2 = x.reshape(-1, x.shape[-1]).float()
-    q, d, d16 = quantize_activations_q8_0(x2)
-    error = q8_1_block_sums(q, d) - d16 * q.sum(-1)
-    return error @ block_mins(weight.data, weight.ggml_type, weight.shape).T
+def _q8_1_float_product(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
+    """A prompt's product with a Q4_1/Q5_1 weight (w = d q + m): the Q8_0-rounded values times the weight by the float
+    kernels, whose min term is then m * d_f16 * sum(q), plus what llama.cpp's Q8_1 product has more, m * (s -
+    d_f16 * sum(q)), s = f16(d * sum(q)) (~1e-3 relative a matrix on SmolLM2): one [M, K / 32] x [K / 32, N] matmul."""
+    q, d16, s16 = quantize_activations_q8_1(x.reshape(-1, x.shape[-1]).float())
+    y = quant_linear((q * d16[..., None]).reshape(q.shape[0], -1), weight)
+    return y + (s16 - d16 * q.sum(-1)) @ block_mins(weight.data, weight.ggml_type, weight.shape).T
 
 
 def linear_many_gpu(x: Input, weights: Sequence[QTensor]) -> list[torch.Tensor]:

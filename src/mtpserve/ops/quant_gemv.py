@@ -75,11 +75,19 @@ def quant_gemv_q8_reference(
     q = (unpair_halves(xq) if t in PAIRED_ACTIVATIONS else xq).float()
     if t in Q8_1_ACTIVATIONS:
         q_blocks = q.reshape(q.shape[0], -1, 32)
-        x = (q_blocks * xd.half().float()[..., None]).reshape(q.shape)
-        scaled = dequantize_without_mins(blocks, t, (n, k)).to(xq.device)
-        return x @ scaled.T + q8_1_block_sums(q_blocks, xd) @ block_mins(blocks, t, (n, k)).to(xq.device).T
+        return q8_1_product(
+            q_blocks, xd.half().float(), q8_1_block_sums(q_blocks, xd), QTensor(blocks, t, (n, k), "blocks")
+        )
     x = q * xd.float().repeat_interleave(k // xd.shape[-1], dim=-1)
     return x @ dequantize(blocks, t, (n, k)).to(xq.device).T
+
+
+def q8_1_product(q: torch.Tensor, d16: torch.Tensor, s16: torch.Tensor, weight: QTensor) -> torch.Tensor:
+    """llama.cpp's Q4_1/Q5_1 vec_dot in float32: Q8_1 activations (quants q [M, K/32, 32] as float, their f16 scales
+    d16 and block sums s16 [M, K/32]) times weight [N, K] = (q * d16) @ (d_w q_w).T + s16 @ m_w.T -> [M, N]."""
+    scaled = dequantize_without_mins(weight.data, weight.ggml_type, weight.shape).to(q.device)
+    mins = block_mins(weight.data, weight.ggml_type, weight.shape).to(q.device)
+    return (q * d16[..., None]).reshape(q.shape[0], -1) @ scaled.T + s16 @ mins.T
 
 
 def triton_available(x: torch.Tensor) -> bool:
