@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from datetime import timedelta
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ PARTS = [torch.randn(3, 5, generator=torch.Generator().manual_seed(r)) for r in 
 def test_thread_ranks_add_in_rank_order_and_gather_uneven_shards():
     sums = ThreadGroup(3).run(lambda rank: rank.all_reduce(PARTS[rank.rank]))
     assert all(torch.equal(s, (PARTS[0] + PARTS[1]) + PARTS[2]) for s in sums)
-    gathered = ThreadGroup(3).run(lambda rank: rank.all_gather(PARTS[rank.rank][:, : rank.rank + 1]))
+    gathered = ThreadGroup(3).run(lambda rank: rank.all_gather(PARTS[rank.rank][:, : rank.rank + 1], (1, 2, 3)))
     assert all(torch.equal(g, torch.cat([p[:, : r + 1] for r, p in enumerate(PARTS)], -1)) for g in gathered)
 
 
@@ -56,7 +57,7 @@ def test_an_exchange_reads_every_rank_before_any_goes_on(op):
 
     def body(rank):
         given = PARTS[rank.rank].clone()
-        result = getattr(rank, op)(given)
+        result = rank.all_reduce(given) if op == "all_reduce" else rank.all_gather(given, (5, 5))
         if rank.rank == 0:
             given.fill_(1e6)
             overwritten.set()
@@ -77,6 +78,11 @@ def test_a_failing_rank_raises_and_leaves_no_rank_waiting():
     assert threading.active_count() < 50  # the rank threads ended (joined by run)
 
 
+def test_a_shard_of_another_width_than_the_partitions_is_refused():
+    with pytest.raises(ValueError, match="rank 0 gathers a shard 2 wide where the partition says 1"):
+        ThreadGroup(1).run(lambda rank: rank.all_gather(PARTS[0][:, :2], (1,)))
+
+
 def test_split_products_equal_the_whole_matrixs():
     w = torch.randn(64, 512, generator=torch.Generator().manual_seed(0))
     q = QTensor(quantize(w, GGMLType.Q4_K), GGMLType.Q4_K, (64, 512), "w")
@@ -87,7 +93,7 @@ def test_split_products_equal_the_whole_matrixs():
         reduced = q.select_columns(cols)
         row_parallel = ReducedQTensor(reduced.data, reduced.ggml_type, reduced.shape, reduced.name, rank)
         rows = q.select_rows(((rank.rank * 32, rank.rank * 32 + 32),))
-        vocab = GatheredQTensor(rows.data, rows.ggml_type, rows.shape, rows.name, rank)
+        vocab = GatheredQTensor(rows.data, rows.ggml_type, rows.shape, rows.name, rank, (32, 32))
         return linear(x[:, cols[0][0] : cols[0][1]].contiguous(), row_parallel), linear(x, vocab)
 
     for reduced, gathered in ThreadGroup(2).run(rank_product):
@@ -114,13 +120,17 @@ def _greedy_logits(collective) -> torch.Tensor:
 
 
 def _gloo_rank(rank: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120)
+    )
     try:
         collective = ProcessRank()
-        width = 1 + 2 * rank  # uneven shards: 1 and 3 columns
+        widths = (1, 3)  # uneven shards
         results = {
             "sum": collective.all_reduce(PARTS[rank]),
-            "gathered": collective.all_gather(PARTS[rank][:, :width]),
+            "gathered": collective.all_gather(PARTS[rank][:, : widths[rank]], widths),
+            # a second matrix where rank 0's width is the first's and rank 1's is not: each gather goes by its own
+            "gathered_again": collective.all_gather(PARTS[rank][:, : 1 + rank], (1, 2)),
             "logits": _greedy_logits(collective),
         }
         torch.save(results, f"{out}.{rank}")
@@ -138,5 +148,6 @@ def test_process_ranks_over_gloo_give_the_thread_ranks_bits(tmp_path):
     for r in ranks:
         assert torch.equal(r["sum"], PARTS[0] + PARTS[1])
         assert torch.equal(r["gathered"], torch.cat((PARTS[0][:, :1], PARTS[1][:, :3]), -1))
+        assert torch.equal(r["gathered_again"], torch.cat((PARTS[0][:, :1], PARTS[1][:, :2]), -1))
     threads = ThreadGroup(2).run(_greedy_logits)
     assert torch.equal(ranks[0]["logits"], ranks[1]["logits"]) and torch.equal(ranks[0]["logits"], threads[0])

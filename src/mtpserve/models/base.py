@@ -89,11 +89,11 @@ class WeightStore:
         rows: Runs | None = None,
         columns: Runs | None = None,
         partition: Partition = WHOLE,
-        gather: bool = False,
+        gathered_widths: tuple[int, ...] = (),
     ) -> QTensor:
         """A matrix in its stored blocks; a tensor-parallel share of it (`partition` split): its `rows`
-        (column-parallel; with `gather` the ranks' outputs concatenated) or its `columns` (row-parallel: the ranks'
-        products added), ops.collective."""
+        (column-parallel; with `gathered_widths`, every rank's rows, the ranks' outputs concatenated) or its
+        `columns` (row-parallel: the ranks' products added), ops.collective."""
         t = self.tensors[name]
         q = QTensor.from_gguf(t) if isinstance(t, TensorInfo) else t
         if not isinstance(q, QTensor):
@@ -105,8 +105,8 @@ class WeightStore:
         q = keep_packed_tiles(q.to(self.device_of(name)))
         if partition.split and columns is not None:
             return ReducedQTensor(q.data, q.ggml_type, q.shape, q.name, partition.group)
-        if partition.split and gather:
-            return GatheredQTensor(q.data, q.ggml_type, q.shape, q.name, partition.group)
+        if partition.split and gathered_widths:
+            return GatheredQTensor(q.data, q.ggml_type, q.shape, q.name, partition.group, gathered_widths)
         return q
 
     def dense(self, name: str, rows: Runs | None = None) -> torch.Tensor:

@@ -38,8 +38,12 @@ class Partition:
     def units(self, n: int) -> range | None:
         """This rank's contiguous run of n units (heads, quant blocks, vocabulary rows) in proportion to the shares;
         None where some rank would get none (fewer units than ranks): the block is then held whole by every rank."""
-        rank, size = self.group.rank, self.group.size
-        shares = self.shares or (1.0,) * size
+        runs = self.every_rank_units(n)
+        return None if runs is None else runs[self.group.rank]
+
+    def every_rank_units(self, n: int) -> list[range] | None:
+        """`units(n)` of every rank, in rank order."""
+        shares = self.shares or (1.0,) * self.group.size
         total, bounds, acc = float(sum(shares)), [0], 0.0
         for share in shares[:-1]:
             acc += share
@@ -47,7 +51,7 @@ class Partition:
         bounds.append(n)
         if any(b <= a for a, b in zip(bounds, bounds[1:])):
             return None
-        return range(bounds[rank], bounds[rank + 1])
+        return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 WHOLE = Partition()  # a block every rank holds whole
@@ -60,10 +64,11 @@ def scaled(units: range, width: int, offset: int = 0) -> Runs:
 
 def vocab_share(p: Partition, n_vocab: int) -> dict:
     """`WeightStore.matrix`'s arguments for a rank's rows of an output layer, the logits gathered."""
-    rows = p.units(n_vocab)
-    if rows is None:
+    every_rank = p.every_rank_units(n_vocab)
+    if every_rank is None:
         raise ValueError(f"--tensor-split {p.shares} leaves a rank no row of the {n_vocab}-token vocabulary")
-    return {"rows": scaled(rows, 1), "partition": p, "gather": True}
+    rows = every_rank[p.group.rank]
+    return {"rows": scaled(rows, 1), "partition": p, "gathered_widths": tuple(len(r) for r in every_rank)}
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ sum runs in rank order on each of them, so the replicated residual stream never 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -32,8 +32,9 @@ class Collective(Protocol):
         """The sum of every rank's `t`, added in rank order (the same bits on every rank)."""
         ...
 
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's `t` concatenated along the last dimension, in rank order (the shards may differ in width)."""
+    def all_gather(self, t: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
+        """Every rank's `t` concatenated along the last dimension, in rank order; `widths`: every rank's width of it
+        (shards may differ), which every rank knows from the partition."""
         ...
 
 
@@ -47,7 +48,7 @@ class SingleRank:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, t: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
         return t
 
 
@@ -123,7 +124,8 @@ class ThreadRank:
 
         return self.group.exchange(self.rank, t, add_in_rank_order)
 
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, t: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
+        _check_width(t, widths, self.rank)
         return self.group.exchange(self.rank, t, lambda parts: torch.cat([p.to(t.device) for p in parts], dim=-1))
 
 
@@ -137,24 +139,23 @@ class ProcessRank:
 
         self._dist = dist
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        self._widths: dict[int, list[int]] = {}  # this rank's gather width -> every rank's (asked once)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         total = t.contiguous().clone()
         self._dist.all_reduce(total)
         return total
 
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        width = t.shape[-1]
-        if width not in self._widths:  # shards may differ in width: the backends gather equal ones, so pad
-            widths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-            self._dist.all_gather(widths, torch.tensor([width]))
-            self._widths[width] = [int(w) for w in widths]
-        widths = self._widths[width]
-        padded = torch.nn.functional.pad(t, (0, max(widths) - width)).contiguous()
+    def all_gather(self, t: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
+        _check_width(t, widths, self.rank)  # the backends gather equal widths: pad to the widest shard
+        padded = torch.nn.functional.pad(t, (0, max(widths) - t.shape[-1])).contiguous()
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         self._dist.all_gather(parts, padded)
         return torch.cat([p[..., :w] for p, w in zip(parts, widths)], dim=-1)
+
+
+def _check_width(t: torch.Tensor, widths: Sequence[int], rank: int) -> None:
+    if t.shape[-1] != widths[rank]:
+        raise ValueError(f"rank {rank} gathers a shard {t.shape[-1]} wide where the partition says {widths[rank]}")
 
 
 @dataclass(frozen=True)
@@ -172,9 +173,10 @@ class ReducedQTensor(QTensor):
 @dataclass(frozen=True)
 class GatheredQTensor(QTensor):
     """A matrix split by rows over the ranks (the output layer's vocabulary): `linear` concatenates the ranks'
-    outputs, so every rank sees every logit."""
+    outputs, so every rank sees every logit. `widths`: every rank's rows, in rank order."""
 
     group: Collective = SingleRank()
+    widths: tuple[int, ...] = ()
 
     def local(self) -> QTensor:
         return QTensor(self.data, self.ggml_type, self.shape, self.name)

@@ -87,7 +87,9 @@ SPLIT = (ReducedQTensor, GatheredQTensor)  # tensor-parallel shares: products th
 def exchanged(weight: ReducedQTensor | GatheredQTensor, y: torch.Tensor) -> torch.Tensor:
     """This rank's product with its share of `weight`, completed: the ranks' partial sums added, or their rows of
     the output gathered (ops.collective)."""
-    return weight.group.all_reduce(y) if isinstance(weight, ReducedQTensor) else weight.group.all_gather(y)
+    if isinstance(weight, ReducedQTensor):
+        return weight.group.all_reduce(y)
+    return weight.group.all_gather(y, weight.widths)
 
 
 def kernel_supports(weight: QTensor, split: bool = False) -> bool:
