@@ -223,6 +223,9 @@ def test_template_errors_are_one_exception(source, message):
         ([{"role": "user"}], "Expected 'content' or 'tool_calls'"),
         ([{"role": "user", "content": 3}], "Invalid 'content' type"),
         ([{"role": "user", "content": [{"type": "image_url"}]}], "Unsupported content part type"),
+        # drawn by the schema fuzzer: a bool was iterated (a 500)
+        ([{"role": "tool", "tool_calls": True}], "'tool_calls' must be an array of tool calls"),
+        ([{"role": "assistant", "tool_calls": {"type": "function"}}], "'tool_calls' must be an array"),
         (
             [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{x"}}]}],
             "Failed to parse tool call arguments as JSON",

@@ -41,6 +41,8 @@ def normalize_messages(messages: Any, keep_developer: bool) -> list[dict[str, An
             if value:
                 norm[key] = value
         if tool_calls:
+            if not isinstance(tool_calls, Sequence) or isinstance(tool_calls, (str, bytes)):
+                raise ChatTemplateError(f"'tool_calls' must be an array of tool calls, got {_dump(tool_calls)}")
             norm["tool_calls"] = [_normalize_tool_call(call) for call in tool_calls]
         out.append(norm)
     return out
