@@ -66,6 +66,20 @@ def test_checkpoint_flags_reach_the_engine(tmp_path):
         build_parser().parse_args(["serve", "-m", str(model), "-cms", "-1"])
 
 
+def test_the_logical_batch_bounds_the_ubatch_and_reaches_infill(tmp_path):
+    """-b cuts /infill's prefix and suffix (server/infill.py) and, as in llama.cpp, caps -ub."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    default = settings_from_args(build_parser().parse_args(["serve", "-m", str(model)]))
+    assert (default.batch_size, default.engine.ubatch, default.spm_infill) == (2048, 512, False)
+    small = settings_from_args(build_parser().parse_args(["serve", "-m", str(model), "-b", "64", "--spm-infill"]))
+    assert (small.batch_size, small.engine.ubatch, small.spm_infill) == (64, 64, True)
+    whole = settings_from_args(build_parser().parse_args(["serve", "-m", str(model), "-ub", "0"]))
+    assert whole.engine.ubatch == 2048  # llama.cpp's -ub 0: the logical batch
+    with pytest.raises(SystemExit):  # a batch of no tokens would never read a prompt
+        build_parser().parse_args(["serve", "-m", str(model), "-b", "0"])
+
+
 @pytest.mark.parametrize("flags,says", [(["--tools", "all"], "--tools"), (["--ui-mcp-proxy"], "--ui-mcp-proxy")])
 def test_unbuilt_features_stop_the_start_with_one_line(tmp_path, flags, says):
     model = tmp_path / "m.gguf"

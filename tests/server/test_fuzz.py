@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ..conftest import default_model, fuzz_examples
+from ..support.drawn import for_drawn_cases
 from ..support.server_process import ServerProcess
 
 KEY = "fuzz-key"
@@ -64,6 +65,7 @@ def test_no_input_makes_a_server_error(server):
         "/v1/responses",
         "/slots/{id_slot}",
         "/v1/chat/completions/input_tokens",
+        "/infill",
     }
     # the grammar fields are described, so that drawn bodies reach the grammar compiler
     described = json.dumps(api.raw_schema["paths"])
@@ -73,25 +75,20 @@ def test_no_input_makes_a_server_error(server):
         modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if operation.method.upper() == "POST" else [])
         for mode in modes:  # (an operation without a body has no invalid input to draw)
 
-            @given(case=operation.as_strategy(mode))
-            @settings(
-                max_examples=fuzz_examples(CASES_PER_OPERATION),
-                deadline=None,
-                derandomize=True,
-                database=None,
-                suppress_health_check=list(HealthCheck),
-            )
             def check(case) -> None:
                 nonlocal tried
                 tried += 1
                 response = case.call(headers=AUTH, timeout=60)
                 what = f"{case.method} {case.path} {case.body!r}"[:300]
+                if case.path == "/infill" and response.status_code == 501:  # SmolLM2 has no FIM tokens (test_infill)
+                    assert response.json()["error"]["type"] == "not_supported_error", what
+                    return
                 assert response.status_code < 500, f"{what} -> {response.status_code} {response.text[:300]}"
                 if response.status_code >= 400:
                     error = response.json()["error"]
                     assert error["code"] == response.status_code and error["message"] and error["type"]
 
-            check()
+            for_drawn_cases(operation, mode, fuzz_examples(CASES_PER_OPERATION), check)
     print(f"schemathesis: {tried} requests over {len(operations)} operations, no 5xx")
     assert httpx.post(f"{server.url}/completion", json={"prompt": "a", "n_predict": 2}, headers=AUTH).status_code == 200
 

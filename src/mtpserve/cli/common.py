@@ -63,12 +63,19 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
         help="recurrent-state checkpoints per slot (default 32)",
     )  # fmt: skip
     p.add_argument(
-        "-cms", "--checkpoint-min-step", type=_non_negative, default=0,
+        "-cms", "--checkpoint-min-step", type=non_negative, default=0,
         help="tokens at least between checkpoints inside a prompt (default 0: spread over the prompt)",
     )  # fmt: skip
 
 
-def _non_negative(value: str) -> int:
+def positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
+
+
+def non_negative(value: str) -> int:
     n = int(value)
     if n < 0:
         raise argparse.ArgumentTypeError(f"must be non-negative, not {n}")

@@ -46,6 +46,8 @@ from .common import (
     apply_threads,
     engine_flags,
     model_path,
+    non_negative,
+    positive,
     tensor_split,
 )
 
@@ -135,9 +137,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "-ctvd", "--cache-type-v-draft", default="f16", choices=sorted(CACHE_TYPES), help="(MTP cache: same as -ctv)"
     )
     p.add_argument(
-        "-b", "--batch-size", type=int, default=2048, help="logical batch (accepted; prompts go in -ub chunks)"
+        "-b",
+        "--batch-size",
+        type=positive,
+        default=2048,
+        help="logical batch: cuts /infill prompts (prompts go in -ub chunks)",
     )
-    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="prompt tokens per forward pass (default 512)")
+    p.add_argument("--spm-infill", action="store_true", help="/infill prompts suffix first (Suffix/Prefix/Middle)")
+    p.add_argument(
+        "-ub",
+        "--ubatch-size",
+        type=non_negative,
+        default=512,
+        help="prompt tokens per forward pass (default 512; 0: -b)",
+    )
     add_checkpoint_arguments(p)
     p.add_argument("-sps", "--slot-prompt-similarity", type=float, default=0.1)
     p.add_argument(
@@ -326,7 +339,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     engine = EngineConfig(
         **engine_flags(args),
         n_parallel=args.parallel,
-        ubatch=args.ubatch_size,
+        ubatch=min(args.ubatch_size or args.batch_size, args.batch_size),  # llama.cpp's: at most the logical batch
         n_predict=args.n_predict,
         slot_prompt_similarity=args.slot_prompt_similarity,
         kv_unified=args.kv_unified,
@@ -385,6 +398,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_body_bytes=args.max_body_size,
         max_queue=args.max_queue,
         max_predict=args.max_predict,
+        batch_size=args.batch_size,
+        spm_infill=args.spm_infill,
         sse_ping_interval=args.sse_ping_interval,
         warm_page_cache=not args.no_warmup,
         gpu=gpu_request(args),

@@ -34,6 +34,7 @@ from ..tokenizer import Tokenizer
 from . import anthropic, openai_responses, params, schema
 from .chat import ChatOutput, ChatPlan, plan_chat
 from .errors import NOT_FOUND, APIError, invalid, unsupported
+from .infill import InfillLimits, infill_prompt
 from .middleware import PAGE_ASSETS, Gatekeeper, error_bodies
 from .params import Body, Completion
 from .responses import (
@@ -322,16 +323,29 @@ def create_app(state: ServerState) -> FastAPI:
             settings.verbose,
         )
 
-    @router.post("/completion", openapi_extra=schema.body(schema.NATIVE))
-    @router.post("/completions", include_in_schema=False)
-    async def completion_native(request: Request) -> Response:
-        jobs, _ = await text_jobs(request, "n_probs")
+    async def answer_native(request: Request, jobs: list[Completion]) -> Response:
+        """llama-server's native answer (/completion, /infill): streamed events or the results."""
         if jobs[0].stream:
             stream = await submit(state, request, jobs[0])
             return sse(native_stream(state, request, stream, jobs[0]), stream)
         results = await run_all(state, request, jobs)
         answers = [native_final(state, j, f, t, f.text, i) for i, (j, (f, t)) in enumerate(zip(jobs, results))]
         return JSONResponse(answers[0] if len(answers) == 1 else answers)
+
+    @router.post("/completion", openapi_extra=schema.body(schema.NATIVE))
+    @router.post("/completions", include_in_schema=False)
+    async def completion_native(request: Request) -> Response:
+        jobs, _ = await text_jobs(request, "n_probs")
+        return await answer_native(request, jobs)
+
+    @router.post("/infill", openapi_extra=schema.body(schema.INFILL))
+    async def infill(request: Request) -> Response:
+        body = await _body(request, settings.max_body_bytes)
+        _check_model(body, state)
+        tokenizer, n_ctx = state.loaded_tokenizer(), state.loaded_engine().info.n_ctx_slot
+        limits = InfillLimits(settings.batch_size, settings.engine.n_predict, n_ctx, settings.spm_infill)
+        prompt = await run_in_threadpool(infill_prompt, body, tokenizer, limits)
+        return await answer_native(request, [completion_job(body, prompt, tokenizer, params.n_probs(body))])
 
     @router.post("/v1/completions", openapi_extra=schema.body(schema.COMPLETION))
     async def completion_openai(request: Request) -> Response:

@@ -123,6 +123,24 @@ NATIVE = {
         "json_schema": JSON_SCHEMA,
     },
 }
+INFILL = {
+    "type": "object",
+    "required": ["input_prefix", "input_suffix"],
+    "properties": {
+        **NATIVE["properties"],
+        "prompt": {"type": "string"},
+        "input_prefix": PROMPT,
+        "input_suffix": PROMPT,
+        "input_extra": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["text"],
+                "properties": {"text": {"type": "string"}, "filename": {"type": "string"}},
+            },
+        },
+    },
+}
 TOKENIZE = {
     "type": "object",
     "required": ["content"],

@@ -60,6 +60,8 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY
     max_queue: int = 256  # requests waiting for a slot before new ones get 503 (0: no limit)
     max_predict: int = 0  # tokens one request may ask for (0: no limit but the context)
+    batch_size: int = 2048  # -b: the logical batch, which cuts an /infill prompt's prefix and suffix (infill.py)
+    spm_infill: bool = False  # --spm-infill: /infill prompts suffix first
     sse_ping_interval: float = 30.0
     warm_page_cache: bool = True
     gpu: GpuRequest | None = None  # GPU flags given on a machine with CUDA: the layers go on the GPUs
