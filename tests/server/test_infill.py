@@ -75,6 +75,17 @@ def test_a_streamed_infill_gives_the_same_text(servers):
     assert events[-1]["stop"] and events[-1]["tokens_evaluated"] == whole["tokens_evaluated"]
 
 
+def test_choices_are_one_answer_each_as_for_completion(servers):
+    url = servers[("fim", ())].url
+    body = RECORD["cases"]["llama_test"] | {"n_predict": 4, "temperature": 0.0, "n": 2}
+    answers = httpx.post(f"{url}/infill", json=body, timeout=120).json()
+    assert [a["index"] for a in answers] == [0, 1] and answers[0]["content"] == answers[1]["content"]
+    refused = httpx.post(f"{url}/infill", json=body | {"stream": True}, timeout=60)
+    assert refused.status_code == 400 and "several prompts or choices" in refused.json()["error"]["message"]
+    refused = httpx.post(f"{url}/infill", json=RECORD["cases"]["llama_test"] | {"n_probs": True}, timeout=60)
+    assert refused.status_code == 400 and "n_probs" in refused.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     "input_extra",
     # llama.cpp's test_invalid_input_extra_req, and a chunk that is not an object

@@ -298,18 +298,15 @@ def create_app(state: ServerState) -> FastAPI:
         body = await _body(request, settings.max_body_bytes)
         _check_model(body, state)
         tokenizer = state.loaded_tokenizer()
+        prompts = await run_in_threadpool(params.prompts, body.raw("prompt"), tokenizer)
+        return _one_stream([job for p in prompts for job in prompt_jobs(body, p, tokenizer, n_probs_field)]), tokenizer
+
+    def prompt_jobs(body: Body, prompt: list[int], tokenizer: Tokenizer, n_probs_field: str) -> list[Completion]:
+        """One prompt's requests: one per choice (`n`)."""
         if isinstance(body.raw(n_probs_field), bool):
             raise invalid(f"Field '{n_probs_field}': expected an integer (the number of top tokens)")
-        prompts = await run_in_threadpool(params.prompts, body.raw("prompt"), tokenizer)
-        n_probs, n = params.n_probs(body, n_probs_field), params.n_choices(body)
-        jobs = [
-            choice
-            for prompt in prompts
-            for choice in params.choices(completion_job(body, prompt, tokenizer, n_probs), n)
-        ]
-        if len(jobs) > 1 and jobs[0].stream:
-            raise unsupported("streaming several prompts or choices in one request is not supported (send one each)")
-        return jobs, tokenizer
+        job = completion_job(body, prompt, tokenizer, params.n_probs(body, n_probs_field))
+        return params.choices(job, params.n_choices(body))
 
     def completion_job(body: Body, prompt: list[int], tokenizer: Tokenizer, n_probs: int) -> Completion:
         return params.completion(
@@ -345,7 +342,7 @@ def create_app(state: ServerState) -> FastAPI:
         tokenizer, n_ctx = state.loaded_tokenizer(), state.loaded_engine().info.n_ctx_slot
         limits = InfillLimits(settings.batch_size, settings.engine.n_predict, n_ctx, settings.spm_infill)
         prompt = await run_in_threadpool(infill_prompt, body, tokenizer, limits)
-        return await answer_native(request, [completion_job(body, prompt, tokenizer, params.n_probs(body))])
+        return await answer_native(request, _one_stream(prompt_jobs(body, prompt, tokenizer, "n_probs")))
 
     @router.post("/v1/completions", openapi_extra=schema.body(schema.COMPLETION))
     async def completion_openai(request: Request) -> Response:
@@ -503,6 +500,12 @@ async def _body(request: Request, limit: int) -> Body:
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise invalid(f"Malformed JSON in request body: {e}") from None
     return Body(data)
+
+
+def _one_stream(jobs: list[Completion]) -> list[Completion]:
+    if len(jobs) > 1 and jobs[0].stream:
+        raise unsupported("streaming several prompts or choices in one request is not supported (send one each)")
+    return jobs
 
 
 def _check_model(body: Body, state: ServerState) -> None:
