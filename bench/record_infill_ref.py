@@ -58,6 +58,15 @@ CASES = {
     "no_prompt_no_suffix": {"input_prefix": "for i in range(10):\n", "input_suffix": ""},
 }
 NEAR_TIE = 0.05
+# llama-server's limits for code completion, on the repo variant's server: (path, body) each answered greedily
+EDITOR_CASES = {
+    "infill_n_indent_1": ("/infill", {**CASES["llama_test"], "n_indent": 1, "n_predict": 32}),
+    "completion_n_indent_4": ("/completion", {"prompt": "def fibonacci(n):\n", "n_indent": 4, "n_predict": 64}),
+    "completion_n_indent_8": ("/completion", {"prompt": "def fibonacci(n):\n", "n_indent": 8, "n_predict": 64}),
+    "completion_no_indent_limit": ("/completion", {"prompt": "def fibonacci(n):\n", "n_predict": 64}),
+}
+# the fields llama.vim asks for (autoload/llama.vim)
+RESPONSE_FIELDS = ["content", "timings/prompt_n", "timings/predicted_n", "truncated", "tokens_cached", "nothing/here"]
 
 
 def main() -> int:
@@ -93,6 +102,28 @@ def main() -> int:
                         }
                     )
                     print(variant, extra_flags, name, answer["tokens_evaluated"], repr(answer["content"]))
+        editor = {}
+        with managed_server([args.llama_server, "-m", str(fim_model("fim_repo", Path(tmp))), *SERVER_FLAGS]) as url:
+            for name, (path, case) in EDITOR_CASES.items():
+                body = case | {"temperature": 0.0, "n_probs": 2, "cache_prompt": False, "return_tokens": True}
+                answer = httpx.post(f"{url}{path}", json=body, timeout=600).json()
+                margins = [
+                    p["top_logprobs"][0]["logprob"] - p["top_logprobs"][1]["logprob"]
+                    for p in answer["completion_probabilities"]
+                ]
+                editor[name] = {
+                    "path": path,
+                    "body": case,
+                    "content": answer["content"],
+                    "stop_type": answer["stop_type"],
+                    "generated_token_ids": answer["tokens"],
+                    "near_tie_positions": [i for i, m in enumerate(margins) if m < NEAR_TIE],
+                }
+                print(name, answer["stop_type"], repr(answer["content"]))
+            body = CASES["llama_test"] | {"n_predict": 8, "temperature": 0.0, "response_fields": RESPONSE_FIELDS}
+            fields = httpx.post(f"{url}/infill", json=body, timeout=600).json()
+            editor["response_fields"] = {"body": body, "keys": sorted(fields), "content": fields["content"]}
+            print("response_fields", fields)
         # without -n the files alone may fill n_ctx - n_batch + 2 tokens: the prompt overflows the slot
         model = fim_model("fim", Path(tmp))
         flags = ["-np", "1", "-c", "512", "-b", "64", "-t", "2"]
@@ -105,7 +136,8 @@ def main() -> int:
     version = next((line for line in version.splitlines() if line.startswith("version:")), version)
     record = {"llama_server": version, "server_flags": SERVER_FLAGS, "n_predict": args.n_predict}
     args.out.write_text(
-        json.dumps({**record, "cases": CASES, "answers": records, "overflow": overflow}, indent=1) + "\n"
+        json.dumps({**record, "cases": CASES, "answers": records, "overflow": overflow, "editor": editor}, indent=1)
+        + "\n"
     )
     print(f"wrote {args.out}")
     return 0

@@ -65,6 +65,45 @@ def test_infill_evaluates_llama_servers_prompt_and_gives_its_tokens(servers, ans
     assert ours["tokens"][:agree] == expected[:agree]
 
 
+EDITOR = {name: case for name, case in RECORD["editor"].items() if name != "response_fields"}
+
+
+@pytest.mark.parametrize("name", sorted(EDITOR))
+def test_n_indent_ends_an_answer_where_llama_servers_ends(servers, name):
+    """An editor's minimum indentation: the first line after a newline indented less (an empty one too) ends the
+    answer, cut after its indentation (stop_type "limit")."""
+    case = EDITOR[name]
+    body = case["body"] | {"temperature": 0.0, "cache_prompt": False, "return_tokens": True}
+    ours = httpx.post(f"{servers[('fim_repo', ())].url}{case['path']}", json=body, timeout=120).json()
+    expected, ties = case["generated_token_ids"], case["near_tie_positions"]
+    agree = (ties or [len(expected)])[0]
+    assert ours["tokens"][:agree] == expected[:agree]
+    if not ties:  # the whole answer is llama-server's
+        assert (ours["tokens"], ours["content"], ours["stop_type"]) == (expected, case["content"], case["stop_type"])
+
+
+def test_response_fields_keep_the_fields_asked_for_flat_as_llama_server(servers):
+    recorded = RECORD["editor"]["response_fields"]
+    ours = httpx.post(f"{servers[('fim_repo', ())].url}/infill", json=recorded["body"], timeout=120).json()
+    assert sorted(ours) == recorded["keys"] and ours["content"] == recorded["content"]
+    assert isinstance(ours["timings/prompt_n"], int) and "nothing/here" not in ours
+    bad = httpx.post(f"{servers[('fim', ())].url}/infill", json=recorded["body"] | {"response_fields": "content"})
+    assert bad.status_code == 400 and "response_fields" in bad.json()["error"]["message"]
+
+
+def test_t_max_predict_ms_ends_the_answer_at_a_newline_once_the_time_is_spent(servers):
+    """A time limit counts only at a token that sends a newline: with 1 ms the answer ends at the first such
+    token after the first millisecond (64 tokens take longer than that anywhere), with a minute it runs on."""
+    url = servers[("fim_repo", ())].url
+    case = RECORD["editor"]["completion_no_indent_limit"]
+    body = case["body"] | {"temperature": 0.0, "cache_prompt": False}
+    whole = httpx.post(f"{url}/completion", json=body | {"t_max_predict_ms": 60_000}, timeout=120).json()
+    assert whole["tokens_predicted"] == 64 and whole["content"].count("\n") >= 4
+    cut = httpx.post(f"{url}/completion", json=body | {"t_max_predict_ms": 1}, timeout=120).json()
+    assert cut["stop_type"] == "limit" and cut["tokens_predicted"] < 64
+    assert cut["content"].endswith("\n") and whole["content"].startswith(cut["content"])
+
+
 def test_a_streamed_infill_gives_the_same_text(servers):
     url = servers[("fim_repo", ())].url
     body = RECORD["cases"]["extra_files"] | GREEDY

@@ -12,7 +12,7 @@ from ..ops.verify_drawn import verify_drawn
 from ..tokenizer import Tokenizer
 from .client import RequestStream, count_accepted
 from .grammar import Constraint
-from .output import RequestOutput, Stop
+from .output import CodeLimits, RequestOutput, Stop
 from .reasoning_budget import ReasoningBudget
 from .rejection import Distribution, accept_or_resample, spec_stream
 from .request import FinishEvent, ProgressEvent, Request, Timings, TokenEvent
@@ -59,7 +59,8 @@ class Job:
             params = replace(params, logit_bias={**params.logit_bias, **bias})
         self.sampler = Sampler(params, history=request.prompt)
         limit = request.n_predict if request.n_predict >= 0 else n_predict
-        self.output = RequestOutput(tokenizer, request.stop, limit, n_ctx, request.keep_special)
+        code = CodeLimits(request.n_indent, request.t_max_predict_ms)
+        self.output = RequestOutput(tokenizer, request.stop, limit, n_ctx, request.keep_special, code)
         if request.reasoning_budget is not None:
             self.budget = ReasoningBudget(request.reasoning_budget, tokenizer)
 
@@ -143,7 +144,7 @@ class Job:
     def deliver(self, token: int, probs: Probs, position: int) -> Stop | None:
         """Send a sampled token that takes context `position`; why the request ends there, if it does."""
         assert self.output is not None
-        text, stop = self.output.add(token, position)
+        text, stop = self.output.add(token, position, 1000.0 * (time.perf_counter() - self.t_first))
         self.timings.predicted_n = len(self.output.tokens)
         self.timings.predicted_ms = max(1000.0 * (time.perf_counter() - self.t_first), 0.001)
         self.stream.put(TokenEvent(token, text, *probs))

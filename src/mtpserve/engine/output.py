@@ -26,6 +26,16 @@ class Stop:
     truncated: bool = False
 
 
+@dataclass(frozen=True)
+class CodeLimits:
+    """llama-server's limits for code completion (editor clients): `n_indent`, a new line indented by fewer spaces
+    or tabs ends the answer, the line cut after its indentation; `t_max_predict_ms`, once generating has taken
+    longer, the next token that sends a newline ends it. 0: off."""
+
+    n_indent: int = 0
+    t_max_predict_ms: int = 0
+
+
 class RequestOutput:
     """One request's text as it is generated. `limit`: tokens it may generate (-1: no limit); `n_ctx`: the
     slot's context, whose last cell ends generation."""
@@ -37,19 +47,23 @@ class RequestOutput:
         limit: int,
         n_ctx: int,
         keep_special: Collection[int] = (),
+        code: CodeLimits = CodeLimits(),
     ) -> None:
         self.eog_ids = tokenizer.eog_ids
-        self.stops, self.limit, self.n_ctx = stops, limit, n_ctx
+        self.stops, self.limit, self.n_ctx, self.code = stops, limit, n_ctx, code
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special=True, keep_special=keep_special)
         self.tokens: list[int] = []
         self.text = ""
         self.sent = 0  # characters of `text` already sent
+        self.has_new_line = False  # a sent piece held a newline (llama-server's flag for the code limits)
+        self.line_start = 0  # where the text's last line that the indentation check has reached starts
 
-    def add(self, token: int, position: int) -> tuple[str, Stop | None]:
-        """A sampled token that would sit at `position` of the context: (text to send now, why the request
-        ends here or None)."""
+    def add(self, token: int, position: int, generating_ms: float = 0.0) -> tuple[str, Stop | None]:
+        """A sampled token that would sit at `position` of the context, `generating_ms` after the first token
+        was sampled: (text to send now, why the request ends here or None)."""
         self.tokens.append(token)
         if token in self.eog_ids:
+            self._code_limits("", generating_ms)  # (its cut applies; the end is the EOG token's)
             return "", Stop("stop", "eos")
         self.text += self.detokenizer.add(token)
         found = stop_position(self.text, self.stops, self.sent) if self.stops else None
@@ -59,11 +73,33 @@ class RequestOutput:
             return self._release(len(self.text)), Stop("stop", "word", word)
         hold = partial_stop_length(self.text, self.stops) if self.stops else 0
         text = self._release(len(self.text) - hold)
+        stop = None
         if 0 <= self.limit <= len(self.tokens):
-            return text, Stop("length", "limit")
-        if position + 1 >= self.n_ctx:
-            return text, Stop("length", "limit", truncated=True)
-        return text, None
+            stop = Stop("length", "limit")
+        elif position + 1 >= self.n_ctx:
+            stop = Stop("length", "limit", truncated=True)
+        code_stop = self._code_limits(text, generating_ms)
+        return text, stop or code_stop
+
+    def _code_limits(self, text: str, generating_ms: float) -> Stop | None:
+        """llama-server's checks in its order: the indentation of the line begun after the last newline seen by a
+        previous token (one line a token), then the time limit on a token that sends a newline."""
+        stop = None
+        if self.has_new_line and self.code.n_indent > 0:
+            if self.line_start > 0:
+                indent = len(self.text) - len(self.text[self.line_start :].lstrip(" \t")) - self.line_start
+                cut = self.line_start + indent
+                if cut < len(self.text) and indent < self.code.n_indent:
+                    self.text, self.sent = self.text[:cut], min(self.sent, cut)  # (sent text stays sent)
+                    stop = Stop("length", "limit")
+            newline = self.text.find("\n", self.line_start)
+            if newline >= 0:
+                self.line_start = newline + 1
+        if "\n" in text:
+            self.has_new_line = True
+            if 0 < self.code.t_max_predict_ms < generating_ms:
+                stop = Stop("length", "limit")
+        return stop
 
     def finish(self, stop: Stop) -> str:
         """The text held back until the end (a possible stop string that was not, an incomplete character)."""

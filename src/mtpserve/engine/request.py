@@ -36,6 +36,8 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     n_predict: int = -1  # -1: until EOG, a stop string or the context is full
     stop: list[str] = field(default_factory=list)  # matched across token boundaries, never emitted
+    n_indent: int = 0  # code completion: a new line indented less than this ends the answer, the line cut
+    t_max_predict_ms: int = 0  # code completion: past this much generating, the next newline ends the answer
     ignore_eos: bool = False
     cache_prompt: bool = True  # reuse what the slot already holds of this prompt
     n_probs: int = 0  # top-N probabilities per generated token: of the raw softmax, or after the sampler's chain

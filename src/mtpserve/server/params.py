@@ -114,7 +114,6 @@ UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "n_cache_reuse": 0,
     "suffix": None,
     "echo": False,
-    "t_max_predict_ms": 0,
 }
 
 
@@ -297,6 +296,7 @@ class Completion:
     return_tokens: bool = False
     timings_per_token: bool = False  # timings with every streamed chunk, not only the last
     verbose: bool = False  # llama-server's `__verbose`: the native answer (prompt text included) beside the OpenAI one
+    response_fields: tuple[str, ...] = ()  # the native answer's fields to keep (editor clients ask for a few)
 
 
 def grammar_spec(body: Body) -> GrammarSpec | None:
@@ -339,6 +339,8 @@ def completion(
         sampling_params(body, tokenizer, defaults),
         n_predict=n_predict(body, server_n_predict, max_predict),
         stop=stop_strings(body),
+        n_indent=body.int("n_indent", 0, lo=0),
+        t_max_predict_ms=body.int("t_max_predict_ms", 0, lo=-1),
         ignore_eos=body.bool("ignore_eos", False),
         cache_prompt=body.bool("cache_prompt", True),
         n_probs=n_probs,
@@ -360,4 +362,15 @@ def completion(
         return_tokens=body.bool("return_tokens", False),
         timings_per_token=body.bool("timings_per_token", False),
         verbose=body.bool("verbose", verbose),
+        response_fields=response_fields(body),
     )
+
+
+def response_fields(body: Body) -> tuple[str, ...]:
+    """llama-server's `response_fields`: the native answer's fields to return ("a/b" for a nested one)."""
+    fields = body.raw("response_fields")
+    if fields is None:
+        return ()
+    if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
+        raise invalid("Field 'response_fields': expected an array of field names (strings)")
+    return tuple(fields)

@@ -403,6 +403,21 @@ def native_final(
     if job.n_probs and tokens:
         post = job.request.post_sampling_probs
         out["completion_probabilities"] = [_probabilities(tokenizer, e, post=post) for e in tokens]
+    return selected_fields(out, job.response_fields) if job.response_fields else out
+
+
+def selected_fields(answer: dict[str, Any], paths: tuple[str, ...]) -> dict[str, Any]:
+    """llama-server's `response_fields`: each path's value under the path itself ("timings/prompt_n" flat at the
+    top); a path that names nothing is left out."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        value: Any = answer
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[path] = value
     return out
 
 
