@@ -65,6 +65,24 @@ EDITOR_CASES = {
     "completion_n_indent_8": ("/completion", {"prompt": "def fibonacci(n):\n", "n_indent": 8, "n_predict": 64}),
     "completion_no_indent_limit": ("/completion", {"prompt": "def fibonacci(n):\n", "n_predict": 64}),
 }
+# requests naming their own sampler chain (`samplers`), drawn with a seed: llama.vim's and llama.vscode's infill
+# chain, a chain in chars, greedy by a temperature stage first, penalties after top-k
+LLAMA_VIM = {"top_k": 40, "top_p": 0.99, "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True}
+OWN_CHAINS = {
+    "llama_vim_infill": ("/infill", {**CASES["no_prompt_no_suffix"], **LLAMA_VIM, "n_predict": 24, "seed": 42}),
+    "llama_vim_infill_cut": ("/infill", {**CASES["everything_cut"], **LLAMA_VIM, "n_predict": 24, "seed": 11}),
+    "llama_vim_infill_mixed": ("/infill", {**CASES["mixed_and_special_text"], **LLAMA_VIM, "n_predict": 24, "seed": 3}),
+    "llama_vim_infill_extra": ("/infill", {**CASES["extra_files"], **LLAMA_VIM, "n_predict": 24, "seed": 7}),
+    "chars_kt": ("/completion", {"prompt": "def fibonacci(n):\n", "samplers": "kt", "temperature": 0.7, "seed": 3}),
+    "temperature_first_greedy": (
+        "/completion",
+        {"prompt": "import numpy as np\n", "samplers": ["temperature", "top_k"], "temperature": 0.0, "seed": 5},
+    ),
+    "penalties_after_top_k": (
+        "/completion",
+        {"prompt": "class Stack:\n", "samplers": ["top_k", "penalties", "min_p"], "repeat_penalty": 1.3, "seed": 9},
+    ),
+}
 # the fields llama.vim asks for (autoload/llama.vim)
 RESPONSE_FIELDS = ["content", "timings/prompt_n", "timings/predicted_n", "truncated", "tokens_cached", "nothing/here"]
 
@@ -119,6 +137,11 @@ def main() -> int:
                     "generated_token_ids": answer["tokens"],
                     "near_tie_positions": [i for i, m in enumerate(margins) if m < NEAR_TIE],
                 }
+                print(name, answer["stop_type"], repr(answer["content"]))
+            for name, (path, case) in OWN_CHAINS.items():
+                body = {"n_predict": 24} | case | {"cache_prompt": False, "return_tokens": True}
+                answer = httpx.post(f"{url}{path}", json=body, timeout=600).json()
+                editor[name] = {"path": path, "body": case, "content": answer["content"], "tokens": answer["tokens"]}
                 print(name, answer["stop_type"], repr(answer["content"]))
             body = CASES["llama_test"] | {"n_predict": 8, "temperature": 0.0, "response_fields": RESPONSE_FIELDS}
             fields = httpx.post(f"{url}/infill", json=body, timeout=600).json()

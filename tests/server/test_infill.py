@@ -65,7 +65,8 @@ def test_infill_evaluates_llama_servers_prompt_and_gives_its_tokens(servers, ans
     assert ours["tokens"][:agree] == expected[:agree]
 
 
-EDITOR = {name: case for name, case in RECORD["editor"].items() if name != "response_fields"}
+EDITOR = {name: case for name, case in RECORD["editor"].items() if "near_tie_positions" in case}
+OWN_CHAINS = {name: case for name, case in RECORD["editor"].items() if "tokens" in case}
 
 
 @pytest.mark.parametrize("name", sorted(EDITOR))
@@ -80,6 +81,16 @@ def test_n_indent_ends_an_answer_where_llama_servers_ends(servers, name):
     assert ours["tokens"][:agree] == expected[:agree]
     if not ties:  # the whole answer is llama-server's
         assert (ours["tokens"], ours["content"], ours["stop_type"]) == (expected, case["content"], case["stop_type"])
+
+
+@pytest.mark.parametrize("name", sorted(OWN_CHAINS))
+def test_an_own_sampler_chain_draws_llama_servers_tokens(servers, name):
+    """`samplers` names the chain's stages and their order (llama.vim's and llama.vscode's ["top_k", "top_p",
+    "infill"], chars, a temperature stage first, penalties after top-k): with the same seed the same draws."""
+    case = OWN_CHAINS[name]
+    body = {"n_predict": 24} | case["body"] | {"cache_prompt": False, "return_tokens": True}
+    ours = httpx.post(f"{servers[('fim_repo', ())].url}{case['path']}", json=body, timeout=120).json()
+    assert (ours["tokens"], ours["content"]) == (case["tokens"], case["content"])
 
 
 def test_response_fields_keep_the_fields_asked_for_flat_as_llama_server(servers):

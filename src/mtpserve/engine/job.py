@@ -16,6 +16,7 @@ from .output import CodeLimits, RequestOutput, Stop
 from .reasoning_budget import ReasoningBudget
 from .rejection import Distribution, accept_or_resample, spec_stream
 from .request import FinishEvent, ProgressEvent, Request, Timings, TokenEvent
+from .sampler_order import InfillVocab
 from .sampling import Mt19937Uniform, Ranked, Sampler, on_host, post_sampling_probabilities, top_probabilities
 
 Probs = tuple[list[tuple[int, float]], float]  # with n_probs: the top tokens, and the sampled one's probability
@@ -57,7 +58,9 @@ class Job:
         if request.ignore_eos and self.constraint is None:
             bias = {t: float("-inf") for t in tokenizer.eog_ids}
             params = replace(params, logit_bias={**params.logit_bias, **bias})
-        self.sampler = Sampler(params, history=request.prompt)
+        self.sampler = Sampler(
+            params, history=request.prompt, vocab=infill_vocab(tokenizer) if params.samplers else None
+        )
         limit = request.n_predict if request.n_predict >= 0 else n_predict
         code = CodeLimits(request.n_indent, request.t_max_predict_ms)
         self.output = RequestOutput(tokenizer, request.stop, limit, n_ctx, request.keep_special, code)
@@ -185,3 +188,9 @@ class Job:
             accepted_per_position=list(self.timings.draft_n_accepted_per_pos),
             verify_steps=self.verify_steps,
         )
+
+
+def infill_vocab(tokenizer: Tokenizer) -> InfillVocab:
+    """What an own sampler chain's infill stage reads of the vocabulary (llama.cpp: pieces without control text)."""
+    end = tokenizer.eot_id if tokenizer.eot_id is not None else tokenizer.eos_id
+    return InfillVocab(lambda t: tokenizer.token_bytes(t, special=False), tokenizer.eog_ids, int(end or 0))

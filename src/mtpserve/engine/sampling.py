@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..ops.sampling_chain import ChainParams, ChainShape, top_candidates
+from .sampler_order import InfillVocab, StageParams, run_chain
 
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw a fresh seed
 HOST_DEVICES = frozenset({"cpu"})  # rows read by numpy; a row anywhere else is ranked on its device
@@ -60,15 +61,20 @@ class SamplingParams:
     min_keep: int = 0
     seed: int = RANDOM_SEED
     logit_bias: dict[int, float] = field(default_factory=dict)  # -inf bans a token
+    samplers: tuple[str, ...] | None = None  # the request's own stage order (sampler_order.py); None: the default
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        """Temperature <= 0 in the default chain (in an own chain a temperature stage may come anywhere, or not)."""
+        return self.temperature <= 0.0 and self.samplers is None
 
     @property
     def penalized(self) -> bool:
         """Whether any penalty is set (it changes logits once the window holds tokens)."""
         return self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def stage_params(self) -> StageParams:
+        return StageParams(self.top_k, self.top_p, self.min_p, self.typical_p, self.temperature, self.min_keep)
 
 
 class Mt19937Uniform:
@@ -106,8 +112,8 @@ class Mt19937Uniform:
 class Sampler:
     """One request's sampler: its penalty history and random stream."""
 
-    def __init__(self, params: SamplingParams, history: Iterable[int] = ()) -> None:
-        self.params = params
+    def __init__(self, params: SamplingParams, history: Iterable[int] = (), vocab: InfillVocab | None = None) -> None:
+        self.params, self.vocab = params, vocab  # vocab: for an own chain's infill stage
         seed = params.seed
         if seed in (RANDOM_SEED, -1):
             seed = int.from_bytes(os.urandom(4), "little")
@@ -150,11 +156,28 @@ class Sampler:
                 row[token] += bias
         if self._penalizes:
             ids = np.fromiter(self.counts.keys(), dtype=np.int64, count=len(self.counts))
-            counts = np.fromiter(self.counts.values(), dtype=np.float32, count=len(self.counts))
-            values = row[ids]
-            values = np.where(values <= 0, values * np.float32(p.repeat_penalty), values / np.float32(p.repeat_penalty))
-            row[ids] = values - counts * np.float32(p.frequency_penalty) - np.float32(p.presence_penalty)
+            row[ids] = self._penalized(ids, row[ids])
         return row
+
+    def _penalized(self, ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """values (the logits of tokens `ids`) after the penalties for the window's counts."""
+        p = self.params
+        counts = np.array([self.counts.get(int(t), 0) for t in ids], dtype=np.float32)
+        seen = counts > 0
+        repeated = np.where(values <= 0, values * np.float32(p.repeat_penalty), values / np.float32(p.repeat_penalty))
+        penalized = repeated - counts * np.float32(p.frequency_penalty) - np.float32(p.presence_penalty)
+        return np.where(seen, penalized, values).astype(np.float32)
+
+    def _own_chain(self, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """The request's own stage order over the whole row (sampler_order.py), biases first."""
+        p = self.params
+        row = logits.to("cpu", torch.float32).numpy().copy()
+        for token, bias in p.logit_bias.items():
+            if 0 <= token < len(row):
+                row[token] += bias
+        penalize = self._penalized if self._penalizes else (lambda ids, values: values)
+        assert p.samplers is not None
+        return run_chain(np.arange(len(row)), row, p.samplers, p.stage_params(), penalize, self.vocab)
 
     def _unbiased_argmax(self, logits: torch.Tensor) -> int | None:
         """The greedy token without a biased copy of the logits, where that gives the same token: biases that only
@@ -179,7 +202,7 @@ class Sampler:
         rows differ (penalties count the tokens kept before each) or need the whole row (a top-k of 0 or above
         DEVICE_TOP_MAX)."""
         p = self.params
-        if rows.device.type in HOST_DEVICES or p.penalized or (p.top_k <= 0 and not p.greedy):
+        if rows.device.type in HOST_DEVICES or p.penalized or (p.top_k <= 0 and not p.greedy) or p.samplers:
             return None
         n = 1 if p.greedy else min(max(p.top_k, p.min_keep, 1), rows.shape[-1])
         return rows_ranked_on_device(rows, n, self._bias_on(rows)) if n <= DEVICE_TOP_MAX else None
@@ -192,7 +215,7 @@ class Sampler:
             p = self.params
             n_top = min(max(p.top_k, p.min_keep, 1), n_rows)
             bans = all(bias == float("-inf") for bias in p.logit_bias.values())
-            fixed = bans and not (p.penalized or p.typical_p < 1.0 or p.greedy or p.top_k <= 0)
+            fixed = bans and not (p.penalized or p.typical_p < 1.0 or p.greedy or p.top_k <= 0 or p.samplers)
             if not fixed or n_top > DEVICE_TOP_MAX or n_top + len(p.logit_bias) > n_rows:
                 self._fixed[n_rows] = None
             else:
@@ -216,6 +239,8 @@ class Sampler:
 
     def _survivors(self, logits: torch.Tensor, ranked: Ranked | None = None) -> tuple[np.ndarray, np.ndarray]:
         p = self.params
+        if p.samplers is not None:
+            return self._own_chain(logits)
         if p.greedy:
             return ranked if ranked is not None else self._ranked(logits, 1)
         if ranked is not None:

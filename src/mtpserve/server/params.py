@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..engine import GrammarSpec, Request, SamplingParams
+from ..engine.sampler_order import stage_names
 from ..engine.sampling import RANDOM_SEED
 from ..tokenizer import Tokenizer
 from .errors import invalid, unsupported
@@ -125,11 +126,6 @@ def check_unsupported(body: Body) -> None:
         if key == "best_of":
             raise unsupported(f"Field '{key}': only one candidate per choice is supported (send {value} requests)")
         raise unsupported(f"Field '{key}' is not supported by this server (remove it or send {default!r})")
-    samplers = body.raw("samplers")
-    if samplers is not None:
-        raise unsupported(
-            "Field 'samplers': custom sampler orders are not supported (llama-server's default order is used)"
-        )
 
 
 def sampling_params(body: Body, tokenizer: Tokenizer, defaults: SamplingParams) -> SamplingParams:
@@ -146,7 +142,20 @@ def sampling_params(body: Body, tokenizer: Tokenizer, defaults: SamplingParams) 
         min_keep=body.int("min_keep", defaults.min_keep, lo=0),
         seed=_seed(body, defaults.seed),
         logit_bias=logit_bias(body.raw("logit_bias"), tokenizer),
+        samplers=samplers(body.raw("samplers"), defaults.samplers),
     )
+
+
+def samplers(value: Any, default: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """llama-server's `samplers`: the chain's stage order, names or chars (engine/sampler_order.py)."""
+    if value is None:
+        return default
+    if isinstance(value, list) and "adaptive_p" in [v.lower() for v in value if isinstance(v, str)]:
+        raise unsupported("Field 'samplers': the adaptive_p sampler is not supported")
+    try:
+        return stage_names(value)
+    except ValueError as e:
+        raise invalid(f"Field 'samplers': {e}") from None
 
 
 def _seed(body: Body, server_seed: int) -> int:
