@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mtpserve.engine.sampler_order import stage_names
 from mtpserve.server.errors import APIError
 from mtpserve.server.infill import InfillLimits, infill_prompt
 from mtpserve.server.params import Body
@@ -91,6 +92,7 @@ def test_an_own_sampler_chain_draws_llama_servers_tokens(servers, name):
     body = {"n_predict": 24} | case["body"] | {"cache_prompt": False, "return_tokens": True}
     ours = httpx.post(f"{servers[('fim_repo', ())].url}{case['path']}", json=body, timeout=120).json()
     assert (ours["tokens"], ours["content"]) == (case["tokens"], case["content"])
+    assert ours["generation_settings"]["samplers"] == list(stage_names(case["body"]["samplers"]) or ())
 
 
 def test_response_fields_keep_the_fields_asked_for_flat_as_llama_server(servers):

@@ -32,6 +32,11 @@ WATCH_INTERVAL = 0.25  # seconds between checks for a client that went away
 STREAM_WRITE_INTERVAL = 0.01
 
 
+# llama-server's default stages as its generation settings list them (those beyond mtpserve's chain do nothing at
+# the defaults the server holds them to: engine/sampler_order.py)
+LLAMA_SERVER_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+
+
 def generation_settings(state: ServerState, job: Completion | None = None) -> dict[str, Any]:
     """The generation settings as llama-server reports them: the server's defaults (/props, /slots), or one
     request's (/completion) with its logit biases, ignore_eos's -inf bias on every end-of-generation token
@@ -51,6 +56,7 @@ def generation_settings(state: ServerState, job: Completion | None = None) -> di
         "max_tokens": n_predict,
         "n_predict": n_predict,
         "seed": s.seed,
+        "samplers": list(LLAMA_SERVER_ORDER if s.samplers is None else s.samplers),  # the chain's stages, in order
     }
     if job is None:
         return out
