@@ -58,3 +58,26 @@ def test_stage_names_read_llama_servers_names_chars_and_aliases(value, stages):
 def test_unknown_stages_are_refused(value):
     with pytest.raises(ValueError):
         stage_names(value)
+
+
+def _chain(stages, values, **params):
+    from mtpserve.engine.sampler_order import StageParams, run_chain
+
+    p = StageParams(**({"top_k": 40, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "temperature": 1.0} | params),
+                    min_keep=0)  # fmt: skip
+    values = np.array(values, dtype=np.float32)
+    return run_chain(np.arange(len(values)), values, stages, p, lambda ids, v: v - 1.0 * (ids == 0), None)
+
+
+def test_stages_keep_llama_cpps_candidate_order():
+    """min-p on an unsorted list keeps the vocabulary order (the draw takes the first candidate whose running sum
+    reaches its target, so the order decides the token); top-k sorts; penalties leave the list unsorted, so a
+    top-p after them sorts again."""
+    ids, _ = _chain(("min_p",), [1.0, 3.0, 2.0, -9.0], min_p=0.1)
+    assert ids.tolist() == [0, 1, 2]
+    ids, _ = _chain(("top_k", "min_p"), [1.0, 3.0, 2.0, -9.0], top_k=3, min_p=0.1)
+    assert ids.tolist() == [1, 2, 0]
+    ids, values = _chain(("top_k", "penalties", "top_p"), [3.0, 2.9, 0.0], top_k=3, top_p=0.99)
+    assert ids.tolist()[:2] == [1, 0] and values.tolist()[:2] == pytest.approx([2.9, 2.0])
+    ids, _ = _chain(("temperature", "top_k"), [1.0, 3.0, 3.0], temperature=0.0)
+    assert ids.tolist() == [1]  # greedy by the temperature stage: the first of the highest

@@ -68,9 +68,6 @@ class StageParams:
     min_keep: int
 
 
-Stage = Callable[[np.ndarray, np.ndarray, bool], tuple[np.ndarray, np.ndarray, bool]]
-
-
 def run_chain(
     ids: np.ndarray,
     values: np.ndarray,
@@ -86,7 +83,7 @@ def run_chain(
     ordered = False
     for stage in stages:
         if stage == "penalties":
-            values = penalize(ids, values)
+            values, ordered = penalize(ids, values), False  # (llama.cpp marks the list unsorted)
         elif stage == "top_k" and p.top_k > 0:
             order = _top_n(values, min(p.top_k, len(values)))
             ids, values, ordered = ids[order], values[order], True
@@ -98,8 +95,7 @@ def run_chain(
             ids, values, ordered = _sorted(ids, values, ordered)
             values, ids = _top_p(values, ids, p.top_p, p.min_keep)
         elif stage == "min_p" and p.min_p > 0.0:
-            ids, values, ordered = _sorted(ids, values, ordered)  # (keeps the best where too few pass)
-            values, ids = _min_p(values, ids, p.min_p, p.min_keep)
+            ids, values, ordered = _min_p_in_order(ids, values, ordered, p, _min_p)
         elif stage == "temperature":
             if p.temperature <= 0.0:
                 best = int(np.argmax(values))  # the first of the highest, as llama.cpp's scan
@@ -111,6 +107,20 @@ def run_chain(
                 raise ValueError("the infill sampler needs the vocabulary")
             ids, values, ordered = infill(ids, values, ordered, vocab)
     return ids, values
+
+
+def _min_p_in_order(
+    ids: np.ndarray, values: np.ndarray, ordered: bool, p: StageParams, sorted_min_p: Callable
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """llama.cpp's min-p: on an unsorted list the tokens at or above max + log(min_p) in their order, where that
+    leaves at least min_keep; else (and on a sorted list) the sorted list's best ones."""
+    if not ordered:
+        keep = values >= np.float32(float(values.max()) + math.log(p.min_p))
+        if keep.any() and int(keep.sum()) >= p.min_keep:
+            return ids[keep], values[keep], False
+        ids, values, ordered = _sorted(ids, values, ordered)
+    values, ids = sorted_min_p(values, ids, p.min_p, p.min_keep)
+    return ids, values, True
 
 
 def _sorted(ids: np.ndarray, values: np.ndarray, ordered: bool) -> tuple[np.ndarray, np.ndarray, bool]:

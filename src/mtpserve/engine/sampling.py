@@ -162,7 +162,12 @@ class Sampler:
     def _penalized(self, ids: np.ndarray, values: np.ndarray) -> np.ndarray:
         """values (the logits of tokens `ids`) after the penalties for the window's counts."""
         p = self.params
-        counts = np.array([self.counts.get(int(t), 0) for t in ids], dtype=np.float32)
+        window = np.fromiter(self.counts.keys(), dtype=np.int64, count=len(self.counts))
+        order = np.argsort(ids)
+        at = np.minimum(np.searchsorted(ids[order], window), len(ids) - 1)
+        found = ids[order][at] == window  # the window's tokens among `ids` (all of them, or a top-k)
+        counts = np.zeros(len(ids), dtype=np.float32)
+        counts[order[at[found]]] = np.fromiter(self.counts.values(), dtype=np.float32, count=len(self.counts))[found]
         seen = counts > 0
         repeated = np.where(values <= 0, values * np.float32(p.repeat_penalty), values / np.float32(p.repeat_penalty))
         penalized = repeated - counts * np.float32(p.frequency_penalty) - np.float32(p.presence_penalty)
