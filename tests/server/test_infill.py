@@ -1,8 +1,9 @@
 """POST /infill (server/infill.py) held to llama-server's: on tinyqwen35 given FIM tokens (tests/support/fim_models.py),
 the prompt llama-server rendered and evaluated and its greedy tokens up to the first near tie
 (tests/fixtures/tinyqwen35_infill_llama.json, bench/record_infill_ref.py), three server configurations that cut the
-prefix, suffix and extra files; llama-server's refusals (a model without FIM tokens, malformed fields); and the
-prompt's layout token by token on a vocabulary with a BOS token."""
+prefix, suffix and extra files; llama-server's refusals (a model without FIM tokens, malformed fields); what editor
+clients send besides (n_indent, t_max_predict_ms, response_fields, their own sampler chain with the infill stage),
+against recorded llama-server answers; and the prompt's layout token by token on a vocabulary with a BOS token."""
 
 from __future__ import annotations
 
@@ -62,8 +63,9 @@ def test_infill_evaluates_llama_servers_prompt_and_gives_its_tokens(servers, ans
     assert ours["tokens_evaluated"] == answer["tokens_evaluated"]
     expected = answer["generated_token_ids"]
     agree = (answer["near_tie_positions"] or [len(expected)])[0]
-    assert len(ours["tokens"]) == len(expected)
     assert ours["tokens"][:agree] == expected[:agree]
+    if not answer["near_tie_positions"]:
+        assert ours["tokens"] == expected
 
 
 EDITOR = {name: case for name, case in RECORD["editor"].items() if "near_tie_positions" in case}
