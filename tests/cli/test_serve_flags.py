@@ -80,6 +80,24 @@ def test_the_logical_batch_bounds_the_ubatch_and_reaches_infill(tmp_path):
         build_parser().parse_args(["serve", "-m", str(model), "-b", "0"])
 
 
+def test_sampler_order_flags_set_every_requests_default_chain(tmp_path):
+    """llama-server's --samplers (';'-separated names) and --sampler-seq (chars); its default order is the default."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+
+    def samplers(*flags: str):
+        return settings_from_args(build_parser().parse_args(["serve", "-m", str(model), *flags])).sampling.samplers
+
+    assert samplers() is None and samplers("--sampler-seq", "edskypmxt") is None
+    assert (
+        samplers("--samplers", "top_k;top_p;infill")
+        == ("top_k", "top_p", "infill")
+        == samplers("--sampling-seq", "kpi")
+    )
+    with pytest.raises(ValueError, match="unknown sampler names"):
+        samplers("--samplers", "top_k;fastest")
+
+
 @pytest.mark.parametrize("flags,says", [(["--tools", "all"], "--tools"), (["--ui-mcp-proxy"], "--ui-mcp-proxy")])
 def test_unbuilt_features_stop_the_start_with_one_line(tmp_path, flags, says):
     model = tmp_path / "m.gguf"

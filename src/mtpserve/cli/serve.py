@@ -34,6 +34,7 @@ import torch
 from ..engine import EngineConfig, SamplingParams
 from ..engine.config import GrammarLimits
 from ..engine.devices import GpuRequest, cuda_devices, list_devices_text
+from ..engine.sampler_order import stage_names
 from ..engine.sampling import RANDOM_SEED
 from ..quant import CACHE_TYPES
 from ..server.chat import REASONING_FORMATS, ChatSettings
@@ -226,6 +227,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("-s", "--seed", type=int, default=RANDOM_SEED, help="default seed of every request (-1: random)")
+    p.add_argument("--samplers", help="default sampler stages in order, ';'-separated names (default: llama-server's)")
+    p.add_argument("--sampler-seq", "--sampling-seq", help="the same as chars (e.g. 'kpi'; default: llama-server's)")
     p.add_argument(
         "-bs",
         "--backend-sampling",
@@ -362,6 +365,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         seed=args.seed,
+        samplers=default_samplers(args),
     )
     return ServerSettings(
         model=model_path(args),
@@ -407,6 +411,18 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         tensor_parallel=cpu_ranks(args),
         tensor_split=tensor_split(args) or (),
     )
+
+
+def default_samplers(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """--samplers (names, ';'-separated) or --sampler-seq (chars): every request's stage order unless it names its
+    own (engine/sampler_order.py); None: llama-server's default order."""
+    value = args.samplers.split(";") if args.samplers is not None else args.sampler_seq
+    if value is None:
+        return None
+    try:
+        return stage_names(value)
+    except ValueError as e:
+        raise ValueError(f"--samplers / --sampler-seq: {e}") from None
 
 
 def slot_save_path(value: str | None) -> Path | None:
