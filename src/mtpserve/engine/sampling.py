@@ -144,17 +144,19 @@ class Sampler:
         """Whether the penalties change any logit now (they are set, and the window holds tokens)."""
         return self.params.penalized and bool(self.counts)
 
-    def _biased(self, logits: torch.Tensor) -> np.ndarray:
-        """The logits after biases and penalties, as a float32 numpy row (a view where nothing changes them)."""
+    def _biased(self, logits: torch.Tensor, penalties: bool = True) -> np.ndarray:
+        """The logits after biases and (with `penalties`) penalties, as a float32 numpy row (a view where nothing
+        changes them)."""
         p = self.params
         row = logits.float().numpy()
-        if not p.logit_bias and not self._penalizes:
+        penalize = penalties and self._penalizes
+        if not p.logit_bias and not penalize:
             return row  # nothing to change: no copy (a fresh vocabulary-sized buffer a token)
         row = row.copy()
         for token, bias in p.logit_bias.items():
             if 0 <= token < len(row):
                 row[token] += bias
-        if self._penalizes:
+        if penalize:
             ids = np.fromiter(self.counts.keys(), dtype=np.int64, count=len(self.counts))
             row[ids] = self._penalized(ids, row[ids])
         return row
@@ -176,10 +178,7 @@ class Sampler:
     def _own_chain(self, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """The request's own stage order over the whole row (sampler_order.py), biases first."""
         p = self.params
-        row = logits.to("cpu", torch.float32).numpy().copy()
-        for token, bias in p.logit_bias.items():
-            if 0 <= token < len(row):
-                row[token] += bias
+        row = self._biased(logits.to("cpu"), penalties=False)  # (a penalties stage applies them where it stands)
         penalize = self._penalized if self._penalizes else (lambda ids, values: values)
         assert p.samplers is not None
         return run_chain(np.arange(len(row)), row, p.samplers, p.stage_params(), penalize, self.vocab)

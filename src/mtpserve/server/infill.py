@@ -23,7 +23,7 @@ from typing import Any
 
 from ..tokenizer import Tokenizer
 from .errors import APIError, invalid
-from .params import Body
+from .params import Body, prompt_tokens
 
 REPO_NAME = "myproject\n"  # llama-server's fixed project name (the file names are the client's)
 LAST_FILE_NAME = "filename\n"  # and the name of the file being completed
@@ -108,15 +108,4 @@ def _extra_context(
 
 def _mixed(value: Any, tokenizer: Tokenizer, field_name: str) -> list[int]:
     """input_prefix / input_suffix: a string or an array of token ids and strings, special tokens not parsed."""
-    parts = [value] if isinstance(value, str) else value
-    if not isinstance(parts, list):
-        raise invalid(f"Field '{field_name}': expected a string or an array of token ids and strings")
-    out: list[int] = []
-    for part in parts:
-        if isinstance(part, str):
-            out += tokenizer.encode(part, add_special=False, parse_special=False)
-        elif isinstance(part, int) and not isinstance(part, bool) and 0 <= part < tokenizer.n_vocab:
-            out.append(part)
-        else:
-            raise invalid(f"Field '{field_name}': expected strings and token ids in 0..{tokenizer.n_vocab - 1}")
-    return out
+    return [] if value == [] else prompt_tokens(value, tokenizer, field_name, special=False)

@@ -261,9 +261,10 @@ def prompts(value: Any, tokenizer: Tokenizer) -> list[list[int]]:
     return [prompt_tokens(value, tokenizer)]
 
 
-def prompt_tokens(value: Any, tokenizer: Tokenizer, field_name: str = "prompt") -> list[int]:
+def prompt_tokens(value: Any, tokenizer: Tokenizer, field_name: str = "prompt", special: bool = True) -> list[int]:
     """One prompt: a string, token ids, a mix of both, or a JSON prompt `{"prompt_string": ...}` (whose
-    `multimodal_data` is refused: no model served here takes images)."""
+    `multimodal_data` is refused: no model served here takes images). `special`: BOS added before a leading string
+    and special tokens parsed in strings (not in /infill's code: llama-server's tokenize_mixed without them)."""
     if isinstance(value, dict):
         if "multimodal_data" in value:
             raise invalid("Multimodal data provided, but model does not support multimodal requests.")
@@ -271,7 +272,7 @@ def prompt_tokens(value: Any, tokenizer: Tokenizer, field_name: str = "prompt") 
             raise invalid(f"Field '{field_name}': a JSON prompt needs a string 'prompt_string'")
         value = value["prompt_string"]
     if isinstance(value, str):
-        return tokenizer.encode(value, add_special=True, parse_special=True)
+        return tokenizer.encode(value, add_special=special, parse_special=special)
     if isinstance(value, list) and value:
         out: list[int] = []
         for i, part in enumerate(value):
@@ -285,7 +286,7 @@ def prompt_tokens(value: Any, tokenizer: Tokenizer, field_name: str = "prompt") 
                     )
                 out.append(part)
             elif isinstance(part, str):
-                out += tokenizer.encode(part, add_special=i == 0, parse_special=True)
+                out += tokenizer.encode(part, add_special=special and i == 0, parse_special=special)
             else:
                 raise invalid(f"Field '{field_name}': expected token ids or strings, got {_kind(part)}")
         return out
